@@ -1,0 +1,36 @@
+# Developer entry points. `make test` works on a fresh clone with only Python and apt-get.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test lint typecheck unit mps demo bench clean
+
+test: lint typecheck unit
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+mps:
+	scripts/get-mps-control.sh
+
+lint: $(STAMP)
+	$(BIN)/ruff check gpushare tests bench
+	$(BIN)/ruff format --check gpushare tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP) mps
+	$(BIN)/pytest -q
+
+bench: $(STAMP) mps
+	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .cache .mypy_cache .pytest_cache .ruff_cache

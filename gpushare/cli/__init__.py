@@ -1,0 +1,1 @@
+"""The ``gpushare`` command line: a thin client (parse, call, render, exit code)."""

@@ -1,0 +1,45 @@
+"""The Typer application and the entry point of the ``gpushare`` console script.
+
+Each command group lives in its own module under :mod:`gpushare.cli` and is registered here.
+Exit codes: 0 success, 1 the operation failed, 2 bad usage or bad input, 3 the daemon is not
+reachable.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from gpushare import __version__
+from gpushare.cli import config_cmd
+
+app = typer.Typer(
+    name="gpushare",
+    help="Share NVIDIA GPUs between latency-critical online services and offline jobs.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+app.add_typer(config_cmd.app, name="config")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"gpushare {__version__}")
+        raise typer.Exit
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Share NVIDIA GPUs between latency-critical online services and offline jobs."""
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,486 @@
+"""The daemon's configuration: one TOML file loaded into frozen dataclasses.
+
+Defaults live in the dataclasses below and nowhere else; ``etc/gpushare/gpushare.toml`` documents
+every key and loads to exactly these defaults (a test checks it). Field names carry their unit
+(``period_s``, ``online_memory_reserve_bytes``); the TOML key is the name without the unit suffix
+and takes a human spelling (``period = "100ms"``, ``online_memory_reserve = "2G"``).
+
+Every bad input raises :class:`ConfigError`, which names the file, the key path and what would be
+valid. Nothing is applied until the whole file has been validated, so a bad reload changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from gpushare import paths
+from gpushare.units import (
+    DURATION_HINT,
+    SIZE_HINT,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_size,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+CONFIG_VERSION = 1
+GPU_KEY_RE = re.compile(r"^(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-]+)$")
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; says where and what would be valid."""
+
+    def __init__(self, file: Path | str | None, key: str, reason: str) -> None:
+        self.file = str(file) if file is not None else "<config>"
+        self.key = key
+        self.reason = reason
+        where = f"{self.file}: {key}" if key else self.file
+        super().__init__(f"{where}: {reason}")
+
+
+def _size(default: int, *, minimum: int = 0) -> Any:
+    return field(default=default, metadata={"kind": "size", "min": minimum})
+
+
+def _duration(default: float, *, minimum: float = 0.0, above: bool = False) -> Any:
+    return field(default=default, metadata={"kind": "duration", "min": minimum, "above": above})
+
+
+def _num(default: float, *, minimum: float, maximum: float, above: bool = False) -> Any:
+    return field(default=default, metadata={"min": minimum, "max": maximum, "above": above})
+
+
+@dataclass(frozen=True, slots=True)
+class PathsConfig:
+    """Where the daemon keeps its socket, state and MPS files.
+
+    Paths left unset derive from ``runtime_dir``/``state_dir`` when the config is built, so setting
+    ``runtime_dir`` alone moves everything that lives under it.
+    """
+
+    runtime_dir: Path = paths.RUNTIME_DIR
+    state_dir: Path = paths.STATE_DIR
+    socket: Path | None = None
+    latency_socket: Path | None = None
+    database: Path | None = None
+    mps_pipe_dir: Path | None = None
+    mps_log_dir: Path | None = None
+    client_log_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        derived = {
+            "socket": self.runtime_dir / paths.SOCKET_NAME,
+            "latency_socket": self.runtime_dir / paths.LATENCY_SOCKET_NAME,
+            "database": self.state_dir / paths.DATABASE_NAME,
+            "mps_pipe_dir": self.runtime_dir / paths.MPS_SUBDIR,
+            "mps_log_dir": self.runtime_dir / paths.MPS_SUBDIR / "log",
+            "client_log_dir": self.state_dir / paths.CLIENT_LOG_SUBDIR,
+        }
+        for name, value in derived.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+
+    def resolved(self, name: str) -> Path:
+        """A derived path, never ``None`` once the dataclass is built."""
+        value = getattr(self, name)
+        assert isinstance(value, Path)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """The daemon process: logging, socket permissions, who may administer clients."""
+
+    log_level: LogLevel = "info"
+    # Everyone may read status (DESIGN D7); rights to change a client are checked per request
+    # through SO_PEERCRED, so the socket itself is world-connectable by default.
+    socket_mode: str = "0666"
+    socket_group: str = ""
+    admin_group: str = "gpushare"
+    max_request_bytes: int = _size(1 << 20, minimum=1024)
+    stop_mps_on_exit: bool = False
+    cancel_grace_s: float = _duration(10.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MpsConfig:
+    """How gpushare runs and supervises one MPS control daemon per shared GPU (DESIGN D1)."""
+
+    control_binary: str = "nvidia-cuda-mps-control"
+    compute_mode: Literal["exclusive_process", "leave"] = "exclusive_process"
+    multiuser: Literal["auto", "on", "off"] = "auto"
+    command_timeout_s: float = _duration(5.0, above=True)
+    health_period_s: float = _duration(2.0, above=True)
+    ready_timeout_s: float = _duration(10.0, above=True)
+    restart_backoff_min_s: float = _duration(0.2, above=True)
+    restart_backoff_max_s: float = _duration(30.0, above=True)
+    quit_timeout_s: float = _duration(10.0)
+    default_active_thread_pct: float = _num(100.0, minimum=0.0, maximum=100.0, above=True)
+    max_clients: int = _num(48, minimum=1, maximum=128)
+
+
+@dataclass(frozen=True, slots=True)
+class ControlConfig:
+    """The control loop: SLO thresholds, duty-cycle steps, offline share, memory reserve.
+
+    ``docs/controller.md`` justifies each default.
+    """
+
+    period_s: float = _duration(0.1, above=True)
+    comfort_ratio: float = _num(0.8, minimum=0.0, maximum=1.0, above=True)
+    violation_ratio: float = _num(1.0, minimum=0.0, maximum=10.0, above=True)
+    hard_ratio: float = _num(2.0, minimum=1.0, maximum=100.0)
+    probe_slo_ratio: float = _num(1.5, minimum=1.0, maximum=100.0, above=True)
+    duty_increase_step: float = _num(0.05, minimum=0.0, maximum=1.0, above=True)
+    duty_decrease_factor: float = _num(0.5, minimum=0.0, maximum=1.0)
+    increase_after_ticks: int = _num(3, minimum=1, maximum=10_000)
+    online_memory_reserve_bytes: int = _size(2 << 30)
+    offline_sm_pct_default: float = _num(50.0, minimum=1.0, maximum=100.0)
+    offline_sm_pct_min: float = _num(10.0, minimum=1.0, maximum=100.0)
+    offline_sm_pct_max: float = _num(100.0, minimum=1.0, maximum=100.0)
+    share_hysteresis_pct: float = _num(10.0, minimum=0.0, maximum=100.0)
+    share_min_interval_s: float = _duration(60.0)
+    evict_grace_s: float = _duration(5.0)
+    max_client_failures: int = _num(5, minimum=1, maximum=1000)
+    failure_backoff_min_s: float = _duration(5.0)
+    failure_backoff_max_s: float = _duration(300.0)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeConfig:
+    """The per-GPU latency probe (an MPS client launching a tiny kernel)."""
+
+    enabled: bool = True
+    period_s: float = _duration(0.05, above=True)
+    window_s: float = _duration(10.0, above=True)
+    baseline_window_s: float = _duration(60.0, above=True)
+    kernel_spin_cycles: int = _num(20_000, minimum=1, maximum=10**9)
+    restart_backoff_min_s: float = _duration(1.0, above=True)
+    restart_backoff_max_s: float = _duration(60.0, above=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyConfig:
+    """Latency that online clients report themselves or expose as a Prometheus histogram."""
+
+    window_s: float = _duration(30.0, above=True)
+    min_samples: int = _num(20, minimum=1, maximum=1_000_000)
+    scrape_period_s: float = _duration(1.0, above=True)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """The Prometheus exporter. 9402 avoids dcgm-exporter (9400) and HAMi (9394)."""
+
+    enabled: bool = True
+    listen: str = "127.0.0.1:9402"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuOverride:
+    """Per-GPU settings, keyed by UUID or index under ``[gpus."<key>"]``."""
+
+    shared: bool = True
+    online_memory_reserve_bytes: int | None = field(default=None, metadata={"kind": "size"})
+    offline_sm_pct_max: float | None = field(
+        default=None, metadata={"min": 1.0, "max": 100.0, "above": False}
+    )
+    max_clients: int | None = field(default=None, metadata={"min": 1, "max": 128})
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole daemon configuration."""
+
+    version: int = CONFIG_VERSION
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    mps: MpsConfig = field(default_factory=MpsConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    latency: LatencyConfig = field(default_factory=LatencyConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    gpus: Mapping[str, GpuOverride] = field(default_factory=dict)
+
+    def gpu_override(self, index: int, uuid: str) -> GpuOverride:
+        """The override for a GPU; a UUID key wins over an index key."""
+        return self.gpus.get(uuid) or self.gpus.get(str(index)) or GpuOverride()
+
+
+def load(path: Path | str) -> Config:
+    """Read and validate a config file.
+
+    Raises:
+        ConfigError: the file is unreadable, not TOML, or has a bad key or value.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(path, "", f"cannot read the file: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path, "", "the file is not UTF-8 text") from exc
+    return loads(text, path)
+
+
+def loads(text: str, file: Path | str | None = None) -> Config:
+    """Validate TOML text as a config; ``file`` only names the source in errors.
+
+    Raises:
+        ConfigError: bad TOML or a bad key or value.
+    """
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(file, "", f"not valid TOML: {exc}") from exc
+    return from_dict(data, file)
+
+
+def from_dict(data: Mapping[str, Any], file: Path | str | None = None) -> Config:
+    """Build a :class:`Config` from parsed TOML.
+
+    Raises:
+        ConfigError: a bad key or value.
+    """
+    config: Config = _build(Config, data, file, "")
+    if config.version != CONFIG_VERSION:
+        raise ConfigError(file, "version", f"unsupported version {config.version}; use 1")
+    _check_cross_field(config, file)
+    return config
+
+
+def _check_cross_field(config: Config, file: Path | str | None) -> None:
+    control = config.control
+    if control.offline_sm_pct_min > control.offline_sm_pct_max:
+        raise ConfigError(
+            file, "control.offline_sm_pct_min", "must not exceed control.offline_sm_pct_max"
+        )
+    if (
+        not control.offline_sm_pct_min
+        <= control.offline_sm_pct_default
+        <= (control.offline_sm_pct_max)
+    ):
+        raise ConfigError(
+            file,
+            "control.offline_sm_pct_default",
+            "must lie between control.offline_sm_pct_min and control.offline_sm_pct_max",
+        )
+    if control.comfort_ratio > control.violation_ratio:
+        raise ConfigError(file, "control.comfort_ratio", "must not exceed control.violation_ratio")
+    if control.hard_ratio < control.violation_ratio:
+        raise ConfigError(file, "control.hard_ratio", "must be at least control.violation_ratio")
+    for prefix, lo, hi in (
+        ("mps.restart_backoff", config.mps.restart_backoff_min_s, config.mps.restart_backoff_max_s),
+        ("probe.restart_backoff", config.probe.restart_backoff_min_s,
+         config.probe.restart_backoff_max_s),
+        ("control.failure_backoff", control.failure_backoff_min_s,
+         control.failure_backoff_max_s),
+    ):  # fmt: skip
+        if lo > hi:
+            raise ConfigError(file, f"{prefix}_min", f"must not exceed {prefix}_max")
+    try:
+        mode = int(config.daemon.socket_mode, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise ConfigError(
+            file, "daemon.socket_mode", 'expected an octal mode such as "0660" or "0666"'
+        )
+    host, _, port = config.metrics.listen.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(file, "metrics.listen", 'expected HOST:PORT such as "127.0.0.1:9402"')
+    for name in ("runtime_dir", "state_dir", *_DERIVED_PATHS):
+        value = config.paths.resolved(name)
+        if not value.is_absolute():
+            raise ConfigError(file, f"paths.{name}", f"must be an absolute path, got {value!s}")
+
+
+_DERIVED_PATHS = (
+    "socket",
+    "latency_socket",
+    "database",
+    "mps_pipe_dir",
+    "mps_log_dir",
+    "client_log_dir",
+)
+_UNIT_SUFFIX = {"size": "_bytes", "duration": "_s"}
+
+
+def toml_key(f: dataclasses.Field[Any]) -> str:
+    """The TOML key of a dataclass field: its name without the unit suffix."""
+    kind = f.metadata.get("kind")
+    return f.name.removesuffix(_UNIT_SUFFIX[kind]) if kind else f.name
+
+
+def _build(cls: type[Any], data: Any, file: Path | str | None, prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(file, prefix.rstrip("."), f"expected a table, got {_tname(data)}")
+    fields_by_key = {toml_key(f): f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields_by_key:
+            valid = ", ".join(sorted(fields_by_key))
+            raise ConfigError(file, prefix + key, f"unknown key; valid keys here: {valid}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, f in fields_by_key.items():
+        if key in data:
+            kwargs[f.name] = _convert(hints[f.name], f, data[key], file, prefix + key)
+    return cls(**kwargs)
+
+
+def _convert(
+    hint: Any, f: dataclasses.Field[Any], value: Any, file: Path | str | None, key: str
+) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    kind = f.metadata.get("kind")
+    try:
+        if kind == "size":
+            result: Any = parse_size(value) if isinstance(value, str | int) else _bad(SIZE_HINT)
+        elif kind == "duration":
+            result = (
+                parse_duration(value)
+                if isinstance(value, str | int | float)
+                else _bad(DURATION_HINT)
+            )
+        elif origin is Literal:
+            if value not in args:
+                _bad("one of " + ", ".join(repr(a) for a in args))
+            result = value
+        elif dataclasses.is_dataclass(hint):
+            return _build(typing.cast(type[Any], hint), value, file, key + ".")
+        elif origin in (Mapping, dict):
+            return _gpu_table(args[1], value, file, key)
+        elif hint is bool:
+            result = value if isinstance(value, bool) else _bad("true or false")
+        elif hint is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            result = value if ok else _bad("an integer")
+        elif hint is float:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            result = float(value) if ok else _bad("a number")
+        elif hint is str:
+            result = value if isinstance(value, str) else _bad("a string")
+        elif hint is Path:
+            result = Path(value) if isinstance(value, str) and value else _bad("a path string")
+        else:  # pragma: no cover - a new field type without a converter is a programming error
+            raise TypeError(f"no converter for {hint!r}")
+    except _BadValueError as exc:
+        raise ConfigError(file, key, f"{exc}, got {_show(value)}") from None
+    except ValueError as exc:
+        raise ConfigError(file, key, str(exc)) from None
+    _check_range(f, result, file, key)
+    return result
+
+
+def _gpu_table(
+    item_type: type[Any], value: Any, file: Path | str | None, key: str
+) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(file, key, f"expected a table of GPUs, got {_tname(value)}")
+    out = {}
+    for gpu_key, sub in value.items():
+        if not GPU_KEY_RE.match(gpu_key):
+            raise ConfigError(
+                file, f"{key}.{gpu_key}", 'GPU keys are an index ("0") or a UUID ("GPU-…")'
+            )
+        out[gpu_key] = _build(item_type, sub, file, f"{key}.{gpu_key}.")
+    return out
+
+
+def _check_range(f: dataclasses.Field[Any], value: Any, file: Path | str | None, key: str) -> None:
+    low, high, above = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("above")
+    if low is None or not isinstance(value, int | float):
+        return
+    too_low = value <= low if above else value < low
+    if too_low or (high is not None and value > high):
+        lo_s = f"> {low}" if above else f">= {low}"
+        hi_s = f" and <= {high}" if high is not None else ""
+        raise ConfigError(file, key, f"out of range: {value!r}; expected a value {lo_s}{hi_s}")
+
+
+class _BadValueError(ValueError):
+    pass
+
+
+def _bad(expected: str) -> Any:
+    raise _BadValueError(f"expected {expected}")
+
+
+def _tname(value: Any) -> str:
+    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as TOML-shaped data with human units, for ``config check`` and ``--json``."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        kind = f.metadata.get("kind")
+        if value is None:
+            continue
+        if dataclasses.is_dataclass(value):
+            out[toml_key(f)] = to_dict(value)
+        elif isinstance(value, Mapping):
+            out[toml_key(f)] = {k: to_dict(v) for k, v in value.items()}
+        elif kind == "size":
+            out[toml_key(f)] = format_size(value)
+        elif kind == "duration":
+            out[toml_key(f)] = format_duration(value)
+        elif isinstance(value, Path):
+            out[toml_key(f)] = str(value)
+        else:
+            out[toml_key(f)] = value
+    return out
+
+
+def to_toml(config: Config) -> str:
+    """Render the effective config as TOML text that :func:`loads` reads back to the same value."""
+    data = to_dict(config)
+    lines: list[str] = []
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    lines += [f"{k} = {_toml_value(v)}" for k, v in scalars.items()]
+    for section, body in data.items():
+        if not isinstance(body, dict):
+            continue
+        if section == "gpus":
+            for gpu_key, sub in body.items():
+                lines += ["", f'[gpus."{gpu_key}"]']
+                lines += [f"{k} = {_toml_value(v)}" for k, v in sub.items()]
+            continue
+        lines += ["", f"[{section}]"]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

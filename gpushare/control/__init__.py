@@ -1,0 +1,1 @@
+"""Pure control logic: no I/O, no clock reads; ``now`` is always an argument."""

@@ -1,0 +1,368 @@
+"""Domain types shared by the controller, the daemon, the simulator and the CLI.
+
+Everything here is a frozen value with units in its field names. The sensors build
+:class:`Observation` values, the pure controller (:mod:`gpushare.control`) turns an observation into
+:data:`Action` values, and the daemon or the simulator applies them. Nothing in this module does I/O.
+
+Duty cycle semantics (shared by every runner):
+    Each GPU has an offline duty fraction ``d`` in [0, 1], set by :class:`SetDuty`. In every control
+    period the runner thaws that GPU's offline clients for ``d`` of the period and freezes them for
+    the rest (``d == 1``: never frozen; ``d == 0``: frozen all the time). :class:`Freeze` puts a hold
+    on one client that keeps it frozen whatever the duty until a matching :class:`Thaw`.
+    Online clients are never frozen by the duty cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ClientClass(str, Enum):
+    """Whether a client is latency-critical (online) or best-effort (offline)."""
+
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+    @property
+    def mps_priority(self) -> int:
+        """``CUDA_MPS_CLIENT_PRIORITY``: online 0 (normal), offline 1 (below normal)."""
+        return 0 if self is ClientClass.ONLINE else 1
+
+
+class ClientState(str, Enum):
+    """Life cycle of a client as the registry records it."""
+
+    QUEUED = "queued"
+    STARTING = "starting"
+    RUNNING = "running"
+    THROTTLED = "throttled"
+    FROZEN = "frozen"
+    RESTARTING = "restarting"
+    EXITED = "exited"
+    FAILED = "failed"
+    LOST = "lost"
+
+    @property
+    def is_live(self) -> bool:
+        """A process may exist for a client in this state."""
+        return self in _LIVE_STATES
+
+    @property
+    def is_final(self) -> bool:
+        """No further transition leaves this state."""
+        return self in (ClientState.EXITED, ClientState.FAILED, ClientState.LOST)
+
+
+_LIVE_STATES = frozenset(
+    {
+        ClientState.STARTING,
+        ClientState.RUNNING,
+        ClientState.THROTTLED,
+        ClientState.FROZEN,
+        ClientState.RESTARTING,
+    }
+)
+
+
+class PauseMechanism(str, Enum):
+    """How a client is frozen: the cgroup v2 freezer, or SIGSTOP/SIGCONT of its process group."""
+
+    CGROUP = "cgroup"
+    SIGNAL = "signal"
+
+
+class MpsState(str, Enum):
+    """Health of the MPS control daemon and server of one GPU, as the controller sees it."""
+
+    UP = "up"
+    STARTING = "starting"
+    FAULT = "fault"
+    DOWN = "down"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The MPS limits a client is started with; MPS fixes them for the client's lifetime."""
+
+    sm_pct: float
+    pinned_mem_bytes: int | None
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessMemory:
+    """GPU memory NVML attributes to one process (``None`` where the driver hides it)."""
+
+    pid: int
+    used_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    """One GPU's NVML readings for one tick. ``None`` means "could not be read", never zero.
+
+    ``error`` says why readings are missing; ``lost`` is set when NVML reported the GPU lost or a
+    call hung, and the controller then stops admissions there.
+    """
+
+    index: int
+    uuid: str
+    name: str | None = None
+    sm_count: int | None = None
+    mem_total_bytes: int | None = None
+    mem_used_bytes: int | None = None
+    mem_free_bytes: int | None = None
+    gpu_util_pct: float | None = None
+    mem_util_pct: float | None = None
+    sm_active_pct: float | None = None
+    temperature_c: int | None = None
+    power_mw: int | None = None
+    sm_clock_mhz: int | None = None
+    throttle_reasons: int | None = None
+    processes: tuple[ProcessMemory, ...] = ()
+    error: str | None = None
+    lost: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GpuEvent:
+    """A critical GPU event (an XID) read from NVML's event set."""
+
+    gpu_uuid: str
+    xid: int
+    at_s: float
+    fatal: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeReading:
+    """Latency of the probe kernel on one GPU over the probe window.
+
+    ``latency_ms`` is wait plus run time (CUDA events), ``run_ms`` the kernel's own run time. Both
+    are the window's p99. ``ratio`` is ``latency_ms / baseline_ms``. When the probe has no reading,
+    the numbers are ``None`` and ``reason`` says why (``"unavailable: no CUDA driver"``).
+    """
+
+    latency_ms: float | None = None
+    run_ms: float | None = None
+    baseline_ms: float | None = None
+    ratio: float | None = None
+    samples: int = 0
+    reason: str | None = None
+
+
+class MpsEventKind(str, Enum):
+    """What a line of the MPS control daemon's output, or the supervisor itself, reported."""
+
+    COMMAND = "command"
+    SERVER_STARTED = "server_started"
+    SERVER_READY = "server_ready"
+    SERVER_EXITED = "server_exited"
+    FATAL_EXCEPTION = "fatal_exception"
+    CLIENT_CONNECTED = "client_connected"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    DAEMON_STARTED = "daemon_started"
+    DAEMON_EXITED = "daemon_exited"
+    DAEMON_RESTARTED = "daemon_restarted"
+    RECOVERY_STEP = "recovery_step"
+    RAW = "raw"
+
+
+@dataclass(frozen=True, slots=True)
+class MpsEvent:
+    """One event from the supervised MPS control daemon of a GPU."""
+
+    kind: MpsEventKind
+    gpu_uuid: str
+    at_s: float
+    text: str
+    server_pid: int | None = None
+    client_pid: int | None = None
+    uid: int | None = None
+    status: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientView:
+    """What the controller may know about one client on a GPU.
+
+    ``p99_ms`` is the app-reported p99 over the latency window, ``None`` with ``p99_reason`` when
+    the client reports nothing. ``guarantee_sm_pct`` and ``ceiling_sm_pct`` are the shares a user
+    declared: an offline guarantee is honoured as a duty-cycle floor while online SLOs hold.
+    """
+
+    client_id: str
+    cls: ClientClass
+    state: ClientState
+    limits: Limits
+    uid: int
+    pid: int | None = None
+    mem_used_bytes: int | None = None
+    slo_p99_ms: float | None = None
+    p99_ms: float | None = None
+    p99_reason: str | None = None
+    restartable: bool = False
+    guarantee_sm_pct: float | None = None
+    ceiling_sm_pct: float | None = None
+    failures: int = 0
+    started_at_s: float | None = None
+    held: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedJob:
+    """An offline job waiting for admission (node level, not per GPU)."""
+
+    client_id: str
+    uid: int
+    mem_bytes: int | None
+    sm_pct: float | None
+    gpu: str | None
+    submitted_at_s: float
+    expected_duration_s: float | None = None
+    restartable: bool = False
+    not_before_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """Everything the controller sees of one GPU at one tick, and nothing it must not touch."""
+
+    gpu_uuid: str
+    gpu_index: int
+    sample: GpuSample
+    probe: ProbeReading
+    clients: tuple[ClientView, ...]
+    mps_state: MpsState
+    mps_events: tuple[MpsEvent, ...] = ()
+    gpu_events: tuple[GpuEvent, ...] = ()
+    mem_reserve_bytes: int = 0
+    offline_sm_pct_max: float = 100.0
+    admissions_open: bool = True
+
+    def online(self) -> tuple[ClientView, ...]:
+        """The live online clients on this GPU."""
+        return tuple(c for c in self.clients if c.cls is ClientClass.ONLINE and c.state.is_live)
+
+    def offline(self) -> tuple[ClientView, ...]:
+        """The live offline clients on this GPU."""
+        return tuple(c for c in self.clients if c.cls is ClientClass.OFFLINE and c.state.is_live)
+
+
+# Actions: what the controller asks the daemon (or the simulator) to do. Each says why.
+
+
+@dataclass(frozen=True, slots=True)
+class Freeze:
+    """Hold one offline client frozen whatever the duty cycle, until a :class:`Thaw`."""
+
+    client_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Thaw:
+    """Release a :class:`Freeze` hold; the client follows the duty cycle again."""
+
+    client_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetDuty:
+    """Set the offline duty fraction of a GPU (see the module docstring)."""
+
+    gpu_uuid: str
+    duty: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetOfflineShare:
+    """Set the SM percentage new and restarted offline clients of a GPU are started with."""
+
+    gpu_uuid: str
+    sm_pct: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RestartClient:
+    """Checkpoint-signal a restartable offline client and relaunch it under ``sm_pct``."""
+
+    client_id: str
+    sm_pct: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Remove an offline client (terminate_client, then kill); requeue it when restartable."""
+
+    client_id: str
+    requeue: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverMps:
+    """Run the MPS recovery operation on a GPU (offline clients removed first)."""
+
+    gpu_uuid: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Start a queued offline job on a GPU with an SM percentage."""
+
+    client_id: str
+    gpu_uuid: str
+    sm_pct: float
+    reason: str
+
+
+class Severity(str, Enum):
+    """How loudly an :class:`Alert` should be raised."""
+
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """Something an operator should know about; logged and shown in ``gpushare events``."""
+
+    gpu_uuid: str
+    severity: Severity
+    reason: str
+
+
+Action = (
+    Freeze | Thaw | SetDuty | SetOfflineShare | RestartClient | Evict | RecoverMps | Admit | Alert
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSpec:
+    """What a user asked for at ``gpushare submit``."""
+
+    cls: ClientClass
+    argv: tuple[str, ...]
+    gpu: str = "any"
+    sm_pct: float | None = None
+    mem_bytes: int | None = None
+    slo_p99_ms: float | None = None
+    name: str | None = None
+    restartable: bool = False
+    checkpoint_signal: int = 10  # SIGUSR1
+    detach: bool = False
+    guarantee_sm_pct: float | None = None
+    ceiling_sm_pct: float | None = None
+    expected_duration_s: float | None = None
+    latency_from: str | None = None
+    env: tuple[tuple[str, str], ...] = field(default=())
+    cwd: str | None = None

@@ -1,0 +1,1 @@
+"""The outside world: one module per resource, each behind a Protocol in :mod:`gpushare.node.base`."""

@@ -1,0 +1,104 @@
+"""The Protocols every node adapter implements.
+
+The real adapters live in this package, the simulated node in :mod:`gpushare.sim`, and the fakes
+in ``tests/``.
+
+The daemon's run loop talks to the node only through these, which is what lets the same loop and
+controller run on a real host, on the simulator and in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from gpushare.model import GpuEvent, GpuSample, MpsEvent, MpsState, PauseMechanism, ProbeReading
+
+
+class GpuBackend(Protocol):
+    """NVML readings, one snapshot per GPU per tick (:mod:`gpushare.node.nvml`)."""
+
+    def sample(self) -> Sequence[GpuSample]:
+        """Read every GPU once; never raises, a failing GPU is a sample with ``error`` set."""
+        ...
+
+    def drain_events(self) -> Sequence[GpuEvent]:
+        """XID and other critical events seen since the last call."""
+        ...
+
+    def close(self) -> None:
+        """Release NVML and stop any event thread."""
+        ...
+
+
+class LatencyProbe(Protocol):
+    """The per-GPU probe kernel's latency (:mod:`gpushare.node.probe`)."""
+
+    def reading(self, gpu_uuid: str) -> ProbeReading:
+        """The probe's latency over its window on one GPU; never raises."""
+        ...
+
+    def set_offline_running(self, gpu_uuid: str, running: bool) -> None:
+        """Tell the probe whether offline work ran this tick (it learns its baseline only without)."""
+        ...
+
+    def close(self) -> None:
+        """Stop every probe worker."""
+        ...
+
+
+class Pauser(Protocol):
+    """Freezes, thaws and kills a client's processes (:mod:`gpushare.node.cgroups`)."""
+
+    mechanism: PauseMechanism
+
+    def attach(self, client_id: str, pid: int) -> None:
+        """Put a client's process (and later its children) under this pauser."""
+        ...
+
+    def freeze(self, client_id: str) -> None:
+        """Stop the client's processes from running (and so from issuing GPU work)."""
+        ...
+
+    def thaw(self, client_id: str) -> None:
+        """Let the client's processes run again."""
+        ...
+
+    def kill(self, client_id: str) -> None:
+        """Kill every process of the client."""
+        ...
+
+    def pids(self, client_id: str) -> Sequence[int]:
+        """The client's live processes."""
+        ...
+
+    def release(self, client_id: str) -> None:
+        """Forget a client whose processes are gone (removes its cgroup)."""
+        ...
+
+
+class MpsNode(Protocol):
+    """The MPS side of every shared GPU (:mod:`gpushare.node.mps`): one control daemon per GPU."""
+
+    def pipe_dir(self, gpu_uuid: str) -> Path:
+        """The ``CUDA_MPS_PIPE_DIRECTORY`` clients of this GPU must use."""
+        ...
+
+    def state(self, gpu_uuid: str) -> MpsState:
+        """Health of the GPU's control daemon and server."""
+        ...
+
+    def drain_events(self, gpu_uuid: str) -> Sequence[MpsEvent]:
+        """Events since the last call."""
+        ...
+
+    def terminate_client(self, gpu_uuid: str, client_pid: int) -> bool:
+        """Kill the client's outstanding GPU work (MPS ``terminate_client``); True on success."""
+        ...
+
+    def recover(
+        self, gpu_uuid: str, offline_pids: Sequence[int], online_pids: Sequence[int]
+    ) -> None:
+        """Recover a FAULTed server: offline clients terminated first, then the rest."""
+        ...

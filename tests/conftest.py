@@ -1,0 +1,28 @@
+"""Fixtures shared by the whole suite."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from tests.helpers import MPS_MISSING, find_mps_control
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog() -> Iterator[None]:
+    # structlog keeps global configuration; each test starts from the defaults.
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()
+
+
+@pytest.fixture
+def mps_control() -> Path:
+    """Path of the real MPS control binary, or skip with the reason and the fix."""
+    found = find_mps_control()
+    if found is None:
+        pytest.skip(MPS_MISSING)
+    return found
