@@ -1,0 +1,539 @@
+"""gpushare's own sharing policy: SLO-driven duty cycle, offline share, memory and fault handling.
+
+One :class:`GpushareController` serves every GPU; each GPU has its own frozen :class:`GpuState`.
+A step runs, in this order (``docs/controller.md`` gives the law and justifies every constant):
+
+1. **GPU lost** (``sample.lost``): alert once and do nothing else on that GPU (admission skips it).
+2. **MPS fault** (``MpsState.FAULT`` or a fatal XID): :class:`RecoverMps` (the daemon removes offline
+   clients first and requeues restartable ones) plus a critical :class:`Alert`, repeated with a
+   doubling backoff while the fault persists; nothing else is decided until MPS is back up.
+3. **Failing clients**: an offline client whose ``failures`` reached ``max_client_failures`` is
+   stopped (:class:`Evict` with ``requeue=False``) with the reason recorded in an alert.
+4. **Memory protection**: while free memory is under the online reserve, offline clients are
+   evicted, restartable ones first and then largest first, until the memory they hold covers the
+   deficit; a client already going away is not evicted twice.
+5. **Duty-cycle throttle** (fast lever): AIMD on the worst normalised online signal with a
+   comfort band, an immediate freeze at the hard threshold, and offline guarantees as duty floors
+   while SLOs hold. Online clients are never the target of any throttle action.
+6. **Offline SM share** (slow lever): recomputed from online SM demand measured while offline work
+   is quiet, with hysteresis and a minimum interval; then restartable offline clients running under
+   a different share are restarted one at a time, never during an SLO violation.
+
+Pure: no I/O, no clock; ``now`` is an argument.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from gpushare.config import ControlConfig
+from gpushare.control.signals import Signals, free_memory_bytes, online_signals
+from gpushare.model import (
+    Action,
+    Alert,
+    ClientState,
+    ClientView,
+    Evict,
+    MpsState,
+    Observation,
+    RecoverMps,
+    RestartClient,
+    SetDuty,
+    SetOfflineShare,
+    Severity,
+)
+
+# Rounding keeps repeated additive steps from drifting (0.05 * 20 must be exactly 1.0).
+_DUTY_DIGITS = 6
+# Demand samples kept per GPU: one per quiet tick, bounded so a long quiet spell costs no memory.
+_MAX_DEMAND_SAMPLES = 600
+# A restart request not finished after this many share intervals is given up (the daemon alerts).
+_RESTART_PATIENCE_INTERVALS = 1.0
+# Client states in which a restart under a new share may be requested.
+_RESTARTABLE_STATES = frozenset({ClientState.RUNNING, ClientState.THROTTLED, ClientState.FROZEN})
+
+
+@dataclass(frozen=True, slots=True)
+class GpuState:
+    """Everything the controller remembers about one GPU between ticks.
+
+    Attributes:
+        gpu_uuid: the GPU.
+        duty: the offline duty fraction decided last tick, in [0, 1].
+        duty_emitted: the duty last sent to the runner (``None``: nothing sent yet).
+        comfortable_ticks: consecutive ticks with every online signal under the comfort ratio.
+        violation_ticks: consecutive ticks with an online signal over the violation ratio.
+        quiet_ticks: consecutive ticks during which offline work was frozen or absent.
+        share_pct: the SM percentage offline (re)launches get.
+        share_emitted: whether ``share_pct`` has been sent.
+        share_changed_at_s: when the share last changed (``None``: never).
+        demand_samples: ``(at_s, online SM demand pct)`` measured while offline work was quiet.
+        evicting: ``(client_id, since_s)`` of clients asked to go away that are still live.
+        stopped: clients stopped for repeated failures (never evicted twice).
+        restart_pending: ``(client_id, since_s)`` of the restart in flight, if any.
+        recovering_since_s: start of the MPS fault episode being recovered, if any.
+        last_recover_s: when :class:`RecoverMps` was last sent.
+        recover_attempts: recoveries sent in this episode (sets the backoff).
+        lost: the GPU was reported lost last tick.
+        unsignalled_alerted: an alert about online clients without any latency signal was sent.
+        memory_alerted: an alert that the reserve cannot be restored was sent.
+    """
+
+    gpu_uuid: str
+    duty: float = 1.0
+    duty_emitted: float | None = None
+    comfortable_ticks: int = 0
+    violation_ticks: int = 0
+    quiet_ticks: int = 0
+    share_pct: float = 50.0
+    share_emitted: bool = False
+    share_changed_at_s: float | None = None
+    demand_samples: tuple[tuple[float, float], ...] = ()
+    evicting: tuple[tuple[str, float], ...] = ()
+    stopped: frozenset[str] = frozenset()
+    restart_pending: tuple[str, float] | None = None
+    recovering_since_s: float | None = None
+    last_recover_s: float | None = None
+    recover_attempts: int = 0
+    lost: bool = False
+    unsignalled_alerted: bool = False
+    memory_alerted: bool = False
+
+
+def failure_backoff_s(failures: int, config: ControlConfig) -> float:
+    """Delay before a failed offline client is started again: doubles from min to max.
+
+    The daemon sets ``QueuedJob.not_before_s = now + failure_backoff_s(...)`` when it requeues a
+    failed client; admission then skips the job until that time.
+
+    Args:
+        failures: consecutive failures so far (1 after the first).
+        config: the control section (``failure_backoff_min_s``/``failure_backoff_max_s``).
+    """
+    if failures <= 0:
+        return 0.0
+    exponent = min(failures - 1, 62)
+    return float(min(config.failure_backoff_max_s, config.failure_backoff_min_s * 2.0**exponent))
+
+
+def client_share_pct(share_pct: float, client: ClientView) -> float:
+    """The SM percentage one offline client should run under, given the GPU's offline share.
+
+    A declared guarantee raises it (a guarantee larger than the cap could never be honoured), a
+    declared ceiling caps it; the ceiling wins when they conflict.
+    """
+    target = share_pct
+    if client.guarantee_sm_pct is not None:
+        target = max(target, client.guarantee_sm_pct)
+    if client.ceiling_sm_pct is not None:
+        target = min(target, client.ceiling_sm_pct)
+    return target
+
+
+class GpushareController:
+    """gpushare's policy: see the module docstring. One instance serves every GPU."""
+
+    name = "gpushare"
+    offline_mps_priority = 1
+
+    def __init__(self, config: ControlConfig) -> None:
+        self.config = config
+
+    def initial_state(self, gpu_uuid: str, now: float) -> GpuState:
+        """A GPU the controller has not seen: offline runs free, share at its default."""
+        return GpuState(gpu_uuid=gpu_uuid, share_pct=self.config.offline_sm_pct_default)
+
+    def step(
+        self, state: GpuState, observation: Observation, now: float
+    ) -> tuple[GpuState, Sequence[Action]]:
+        """Decide this tick's actions for one GPU (see the module docstring for the order)."""
+        gpu = observation.gpu_uuid
+        actions: list[Action] = []
+        present = {c.client_id for c in observation.clients}
+        live = {c.client_id for c in observation.clients if c.state.is_live}
+        state = replace(
+            state,
+            evicting=tuple(e for e in state.evicting if e[0] in live),
+            stopped=frozenset(c for c in state.stopped if c in present),
+        )
+
+        if observation.sample.lost:
+            if not state.lost:
+                why = observation.sample.error or "NVML reports the GPU lost"
+                actions.append(
+                    Alert(gpu, Severity.CRITICAL, f"GPU lost ({why}): admissions stopped here")
+                )
+            return replace(state, lost=True), actions
+        if state.lost:
+            actions.append(Alert(gpu, Severity.INFO, "GPU readable again: admissions resume"))
+            state = replace(state, lost=False)
+
+        state, recovering = self._faults(state, observation, now, actions)
+        if recovering:
+            return state, actions
+
+        state = self._failing_clients(state, observation, now, actions)
+        state = self._memory(state, observation, now, actions)
+        signals = online_signals(observation, self.config.probe_slo_ratio)
+        state = self._throttle(state, observation, signals, actions)
+        state = self._share(state, observation, signals, now, actions)
+        state = self._restarts(state, observation, signals, now, actions)
+        return state, actions
+
+    # Faults and recovery -----------------------------------------------------------------------
+
+    def _faults(
+        self, state: GpuState, obs: Observation, now: float, actions: list[Action]
+    ) -> tuple[GpuState, bool]:
+        gpu = obs.gpu_uuid
+        fatal = [e for e in obs.gpu_events if e.fatal]
+        for event in obs.gpu_events:
+            if not event.fatal:
+                actions.append(Alert(gpu, Severity.WARNING, f"XID {event.xid} (not fatal)"))
+        new_fatal = [
+            e for e in fatal if state.last_recover_s is None or e.at_s > state.last_recover_s
+        ]
+        if obs.mps_state is MpsState.FAULT or new_fatal:
+            if new_fatal:
+                xids = ", ".join(str(e.xid) for e in new_fatal)
+                cause = f"fatal XID {xids}"
+            else:
+                cause = "MPS server in FAULT"
+            episode_start = (
+                state.recovering_since_s if state.recovering_since_s is not None else now
+            )
+            due = (
+                new_fatal
+                or state.last_recover_s is None
+                or now - state.last_recover_s >= self._recover_backoff(state.recover_attempts)
+            )
+            if due:
+                attempts = 0 if new_fatal else state.recover_attempts
+                why = (
+                    f"{cause}: recovering MPS (offline clients removed first, restartable "
+                    f"ones requeued, online clients reconnect); attempt {attempts + 1}"
+                )
+                actions.append(RecoverMps(gpu, why))
+                actions.append(Alert(gpu, Severity.CRITICAL, why))
+                state = replace(
+                    state,
+                    recovering_since_s=episode_start,
+                    last_recover_s=now,
+                    recover_attempts=attempts + 1,
+                )
+            return state, True
+        if state.recovering_since_s is not None:
+            if obs.mps_state is not MpsState.UP:
+                # The recovery is running (STARTING/DOWN): decide nothing until MPS answers.
+                return state, True
+            took = now - state.recovering_since_s
+            actions.append(Alert(gpu, Severity.INFO, f"MPS recovered after {took:.1f}s"))
+            state = replace(state, recovering_since_s=None, recover_attempts=0)
+        return state, False
+
+    def _recover_backoff(self, attempts: int) -> float:
+        return failure_backoff_s(max(1, attempts), self.config)
+
+    # Failing offline clients -------------------------------------------------------------------
+
+    def _failing_clients(
+        self, state: GpuState, obs: Observation, now: float, actions: list[Action]
+    ) -> GpuState:
+        limit = self.config.max_client_failures
+        stopped = set(state.stopped)
+        evicting = list(state.evicting)
+        for client in obs.offline():
+            if client.failures < limit or client.client_id in stopped:
+                continue
+            why = (
+                f"offline client {client.client_id} failed {client.failures} times "
+                f"(limit {limit}): stopped, not requeued"
+            )
+            actions.append(Evict(client.client_id, requeue=False, reason=why))
+            actions.append(Alert(obs.gpu_uuid, Severity.WARNING, why))
+            stopped.add(client.client_id)
+            evicting.append((client.client_id, now))
+        return replace(state, stopped=frozenset(stopped), evicting=tuple(evicting))
+
+    # Memory protection -------------------------------------------------------------------------
+
+    def _memory(
+        self, state: GpuState, obs: Observation, now: float, actions: list[Action]
+    ) -> GpuState:
+        reserve = obs.mem_reserve_bytes
+        free = free_memory_bytes(obs)
+        if reserve <= 0 or free is None or free >= reserve:
+            return replace(state, memory_alerted=False)
+        by_id = {c.client_id: c for c in obs.clients}
+        going = {cid for cid, _ in state.evicting}
+        pending = 0
+        for cid, since in state.evicting:
+            mem = by_id[cid].mem_used_bytes if cid in by_id else None
+            if mem is None and now - since < self.config.evict_grace_s:
+                # A client of unknown size is still going away: give it its grace before more.
+                return state
+            pending += mem or 0
+        need = reserve - free - pending
+        if need <= 0:
+            return state
+        candidates = sorted(
+            (c for c in obs.offline() if c.client_id not in going),
+            key=lambda c: (not c.restartable, -(c.mem_used_bytes or 0), c.client_id),
+        )
+        evicting = list(state.evicting)
+        for client in candidates:
+            if need <= 0:
+                break
+            size = client.mem_used_bytes
+            why = (
+                f"free memory {_gib(free)} under the online reserve {_gib(reserve)}: "
+                f"evicting offline client {client.client_id} holding "
+                f"{_gib(size) if size is not None else 'unknown memory'}"
+                + (", requeued" if client.restartable else "")
+            )
+            actions.append(Evict(client.client_id, requeue=client.restartable, reason=why))
+            evicting.append((client.client_id, now))
+            if size is None:
+                break  # unknown size: see what it frees before evicting more
+            need -= size
+        state = replace(state, evicting=tuple(evicting))
+        if need > 0 and not candidates and not state.memory_alerted:
+            actions.append(
+                Alert(
+                    obs.gpu_uuid,
+                    Severity.WARNING,
+                    f"free memory {_gib(free)} under the online reserve {_gib(reserve)} and no "
+                    "offline client left to evict: online clients hold it",
+                )
+            )
+            state = replace(state, memory_alerted=True)
+        return state
+
+    # Duty-cycle throttle -----------------------------------------------------------------------
+
+    def _throttle(
+        self, state: GpuState, obs: Observation, signals: Signals, actions: list[Action]
+    ) -> GpuState:
+        cfg = self.config
+        duty = state.duty
+        comfortable, violating = state.comfortable_ticks, state.violation_ticks
+        quiet = state.quiet_ticks + 1 if state.duty_emitted == 0.0 or not obs.offline() else 0
+        if signals.online == 0:
+            duty, comfortable, violating = 1.0, 0, 0
+            why = "no online client: offline runs free"
+        elif signals.worst is None:
+            comfortable, violating = 0, 0
+            why = f"{signals.online} online client(s) but {signals.describe()}: duty held"
+            if not state.unsignalled_alerted:
+                actions.append(
+                    Alert(
+                        obs.gpu_uuid,
+                        Severity.WARNING,
+                        "online clients report no latency and the probe has no reading: "
+                        "the offline duty cycle cannot follow the SLO",
+                    )
+                )
+                state = replace(state, unsignalled_alerted=True)
+        elif signals.worst >= cfg.hard_ratio:
+            duty, comfortable, violating = 0.0, 0, violating + 1
+            why = f"{signals.describe()} >= hard ratio {cfg.hard_ratio:g}: offline frozen"
+        elif signals.worst > cfg.violation_ratio:
+            comfortable, violating = 0, violating + 1
+            duty *= cfg.duty_decrease_factor
+            if duty < cfg.duty_increase_step or violating >= cfg.freeze_after_ticks:
+                duty = 0.0
+            why = (
+                f"{signals.describe()} over violation ratio {cfg.violation_ratio:g} "
+                f"({violating} tick(s)): duty x {cfg.duty_decrease_factor:g}"
+            )
+        elif signals.worst < cfg.comfort_ratio:
+            comfortable, violating = comfortable + 1, 0
+            why = f"{signals.describe()} under comfort ratio {cfg.comfort_ratio:g}"
+            if comfortable >= cfg.increase_after_ticks:
+                duty, comfortable = duty + cfg.duty_increase_step, 0
+                why += f" for {cfg.increase_after_ticks} tick(s): duty + {cfg.duty_increase_step:g}"
+        else:
+            comfortable, violating = 0, 0
+            why = f"{signals.describe()} inside the comfort band: duty held"
+        if signals.worst is not None and signals.worst > cfg.violation_ratio:
+            floor = 0.0  # guarantees hold only while online SLOs hold
+        else:
+            floor, who = self._guarantee_floor(obs)
+            if duty < floor:
+                duty = floor
+                why += f"; raised to {who}'s guarantee floor"
+        duty = round(min(1.0, max(0.0, duty)), _DUTY_DIGITS)
+        if signals.count:
+            state = replace(state, unsignalled_alerted=False)
+        if duty != state.duty_emitted:
+            actions.append(SetDuty(obs.gpu_uuid, duty, f"duty {duty:g}: {why}"))
+            state = replace(state, duty_emitted=duty)
+        return replace(
+            state,
+            duty=duty,
+            comfortable_ticks=comfortable,
+            violation_ticks=violating,
+            quiet_ticks=quiet,
+        )
+
+    @staticmethod
+    def _guarantee_floor(obs: Observation) -> tuple[float, str]:
+        floor, who = 0.0, ""
+        for client in obs.offline():
+            g = client.guarantee_sm_pct
+            if g is None or g <= 0 or client.limits.sm_pct <= 0:
+                continue
+            # A client capped at s% that runs d of the time gets about s*d% of the SMs.
+            needed = min(1.0, g / client.limits.sm_pct)
+            if needed > floor:
+                floor, who = needed, client.client_id
+        return floor, who
+
+    # Offline SM share --------------------------------------------------------------------------
+
+    def _share(
+        self,
+        state: GpuState,
+        obs: Observation,
+        signals: Signals,
+        now: float,
+        actions: list[Action],
+    ) -> GpuState:
+        cfg = self.config
+        top = min(cfg.offline_sm_pct_max, obs.offline_sm_pct_max)
+        low = min(cfg.offline_sm_pct_min, top)
+        window = max(cfg.share_min_interval_s, 10 * cfg.period_s)
+        samples = tuple(s for s in state.demand_samples if now - s[0] <= window)
+        if signals.online and state.quiet_ticks >= cfg.increase_after_ticks:
+            demand = self._quiet_demand(obs, signals)
+            if demand is not None:
+                samples = (*samples, (now, demand))[-_MAX_DEMAND_SAMPLES:]
+        state = replace(state, demand_samples=samples)
+        if not state.share_emitted:
+            share = min(top, max(low, state.share_pct))
+            actions.append(
+                SetOfflineShare(obs.gpu_uuid, share, f"initial offline share {share:g}%")
+            )
+            return replace(state, share_pct=share, share_emitted=True)
+        if state.share_pct > top:
+            # The GPU's ceiling came down: it is never exceeded, whatever the interval.
+            why = f"offline share {state.share_pct:g}% -> {top:g}%: this GPU's offline ceiling"
+            actions.append(SetOfflineShare(obs.gpu_uuid, top, why))
+            return replace(state, share_pct=top, share_changed_at_s=now)
+        if signals.online == 0:
+            target, basis = top, "no online client"
+        elif samples:
+            demand = max(s for _, s in samples)
+            target = 100.0 - demand - cfg.share_headroom_pct
+            basis = (
+                f"online SM demand {demand:.0f}% measured with offline quiet "
+                f"+ {cfg.share_headroom_pct:g}% headroom"
+            )
+        else:
+            return state  # online present, demand not measured: keep the share
+        target = float(math.floor(min(top, max(low, target))))
+        target = max(low, target)
+        violating = signals.worst is not None and signals.worst > cfg.violation_ratio
+        interval_ok = (
+            state.share_changed_at_s is None
+            or now - state.share_changed_at_s >= cfg.share_min_interval_s
+        )
+        if (
+            abs(target - state.share_pct) > cfg.share_hysteresis_pct
+            and interval_ok
+            and not violating
+            and obs.mps_state is MpsState.UP
+        ):
+            why = f"offline share {state.share_pct:g}% -> {target:g}%: {basis}"
+            actions.append(SetOfflineShare(obs.gpu_uuid, target, why))
+            state = replace(state, share_pct=target, share_changed_at_s=now)
+        return state
+
+    def _quiet_demand(self, obs: Observation, signals: Signals) -> float | None:
+        probe = obs.probe.ratio
+        if probe is not None and probe > self.config.probe_slo_ratio:
+            return 100.0  # online work alone saturates the GPU: it needs every SM
+        sample = obs.sample
+        if sample.sm_active_pct is not None:
+            return min(100.0, max(0.0, sample.sm_active_pct))
+        if sample.gpu_util_pct is not None:
+            # Utilisation counts any running kernel, so it overstates demand: errs safe.
+            return min(100.0, max(0.0, sample.gpu_util_pct))
+        return None
+
+    # Restarts under a new share ----------------------------------------------------------------
+
+    def _restarts(
+        self,
+        state: GpuState,
+        obs: Observation,
+        signals: Signals,
+        now: float,
+        actions: list[Action],
+    ) -> GpuState:
+        cfg = self.config
+        by_id = {c.client_id: c for c in obs.clients}
+        pending = state.restart_pending
+        if pending is not None:
+            client = by_id.get(pending[0])
+            patience = _RESTART_PATIENCE_INTERVALS * max(cfg.share_min_interval_s, cfg.period_s)
+            done = (
+                client is None
+                or not client.state.is_live
+                or (
+                    client.state is not ClientState.RESTARTING
+                    and now > pending[1]
+                    and not self._needs_restart(client, state.share_pct)
+                )
+            )
+            if done or now - pending[1] > patience:
+                state = replace(state, restart_pending=None)
+            else:
+                return state
+        violating = signals.worst is not None and signals.worst > cfg.violation_ratio
+        if violating or obs.mps_state is not MpsState.UP:
+            return state
+        if any(c.state is ClientState.RESTARTING for c in obs.offline()):
+            return state
+        going = {cid for cid, _ in state.evicting} | state.stopped
+        candidates = [
+            c
+            for c in obs.offline()
+            if c.restartable
+            and c.state in _RESTARTABLE_STATES
+            and c.client_id not in going
+            and self._needs_restart(c, state.share_pct)
+        ]
+        if not candidates:
+            return state
+        # Clients above the share first (they crowd online work), then the largest gap.
+        chosen = max(
+            candidates,
+            key=lambda c: (
+                c.limits.sm_pct > client_share_pct(state.share_pct, c),
+                abs(c.limits.sm_pct - client_share_pct(state.share_pct, c)),
+                c.client_id,
+            ),
+        )
+        target = client_share_pct(state.share_pct, chosen)
+        actions.append(
+            RestartClient(
+                chosen.client_id,
+                target,
+                f"restartable offline client runs at {chosen.limits.sm_pct:g}%, offline share is "
+                f"{target:g}%: checkpoint and relaunch",
+            )
+        )
+        return replace(state, restart_pending=(chosen.client_id, now))
+
+    def _needs_restart(self, client: ClientView, share_pct: float) -> bool:
+        target = client_share_pct(share_pct, client)
+        current = client.limits.sm_pct
+        # Above target: always (it crowds online work). Below: only when worth a restart.
+        return current > target + 0.5 or current < target - self.config.share_hysteresis_pct
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f}GiB"

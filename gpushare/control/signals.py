@@ -1,0 +1,78 @@
+"""Online latency signals of one GPU, normalised so that 1.0 means "exactly at the SLO".
+
+Every policy reads the same numbers: each online client's app-reported p99 over its declared SLO
+(``p99_ms / slo_p99_ms``) and the probe's latency ratio over its own SLO
+(``probe.ratio / control.probe_slo_ratio``). A signal that cannot be computed (no SLO declared, no
+report yet, no probe reading) is left out rather than guessed; :class:`Signals` says which were
+missing so a policy can explain why it held still.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpushare.model import Observation
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """The normalised online signals of one observation.
+
+    Attributes:
+        worst: the largest normalised signal, ``None`` when no signal could be computed.
+        worst_source: what produced ``worst`` (``"probe"`` or ``"client <id>"``), for reasons.
+        count: how many signals were computed.
+        online: how many live online clients the GPU has.
+    """
+
+    worst: float | None
+    worst_source: str
+    count: int
+    online: int
+
+    def describe(self) -> str:
+        """A short human phrase for action reasons: ``"probe at 1.73x its SLO"``."""
+        if self.worst is None:
+            return "no online latency signal"
+        return f"{self.worst_source} at {self.worst:.2f}x its SLO"
+
+
+def online_signals(observation: Observation, probe_slo_ratio: float) -> Signals:
+    """Normalise every online latency signal of one GPU observation.
+
+    Args:
+        observation: the GPU's observation for this tick.
+        probe_slo_ratio: the probe's SLO as a multiple of its baseline (``control.probe_slo_ratio``).
+
+    Returns:
+        The worst signal and where it came from. The probe counts only while an online client is
+        live: with no online client there is nothing to protect.
+    """
+    online = observation.online()
+    worst: float | None = None
+    source = ""
+    count = 0
+    for client in online:
+        if client.slo_p99_ms is None or client.p99_ms is None or client.slo_p99_ms <= 0:
+            continue
+        value = client.p99_ms / client.slo_p99_ms
+        count += 1
+        if worst is None or value > worst:
+            worst, source = value, f"client {client.client_id} p99 {client.p99_ms:.1f}ms"
+    ratio = observation.probe.ratio
+    if online and ratio is not None:
+        value = ratio / probe_slo_ratio
+        count += 1
+        if worst is None or value > worst:
+            worst, source = value, f"probe ratio {ratio:.2f}"
+    return Signals(worst=worst, worst_source=source, count=count, online=len(online))
+
+
+def free_memory_bytes(observation: Observation) -> int | None:
+    """Free GPU memory of an observation, derived from total and used when free is missing."""
+    sample = observation.sample
+    if sample.mem_free_bytes is not None:
+        return sample.mem_free_bytes
+    if sample.mem_total_bytes is not None and sample.mem_used_bytes is not None:
+        return max(0, sample.mem_total_bytes - sample.mem_used_bytes)
+    return None
