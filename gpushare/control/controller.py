@@ -49,8 +49,9 @@ from gpushare.model import (
 _DUTY_DIGITS = 6
 # Demand samples kept per GPU: one per quiet tick, bounded so a long quiet spell costs no memory.
 _MAX_DEMAND_SAMPLES = 600
-# A restart request not finished after this many share intervals is given up (the daemon alerts).
-_RESTART_PATIENCE_INTERVALS = 1.0
+# A restart request still unfinished after this long is given up and may be retried: a
+# checkpoint of a large training job can take minutes, so never less than this.
+_MIN_RESTART_PATIENCE_S = 300.0
 # Client states in which a restart under a new share may be requested.
 _RESTARTABLE_STATES = frozenset({ClientState.RUNNING, ClientState.THROTTLED, ClientState.FROZEN})
 
@@ -478,7 +479,7 @@ class GpushareController:
         pending = state.restart_pending
         if pending is not None:
             client = by_id.get(pending[0])
-            patience = _RESTART_PATIENCE_INTERVALS * max(cfg.share_min_interval_s, cfg.period_s)
+            patience = max(cfg.share_min_interval_s, _MIN_RESTART_PATIENCE_S)
             done = (
                 client is None
                 or not client.state.is_live

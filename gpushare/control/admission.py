@@ -1,0 +1,261 @@
+"""Node-level admission of queued offline jobs: SJF-BSBF's rule brought to one node.
+
+SJF-BSBF (prior-art.md §4.7, Lai-JX/Scheduler ``cluster/switch.py`` ``share_check``) takes jobs
+shortest first and places each where sharing costs least: it predicts each job's slowdown ξ when
+co-located, computes ``t_con = ½·etc_a + (1 - 1/(2ξ_a))·êtc_b`` against the sequential
+``t_seq = etc_b + ½·etc_a``, shares only when ``t_con < t_seq``, prefers idle GPUs, and requires
+``free_mem >= job mem``.
+
+Adaptation to one node (``docs/controller.md`` has the argument):
+
+* **Order**: shortest expected job first (``expected_duration_s``; unknown durations after known
+  ones), then submission time. A job that cannot start anywhere is skipped, so no job waits behind
+  one that cannot start.
+* **Fit**: the job's memory must fit in the GPU's free memory minus the online reserve minus what
+  this round already placed there; an MPS client slot must be free (``max_clients`` minus the probe
+  minus live clients); MPS must be up, the GPU not lost and open for admissions; and (DESIGN D11)
+  without ``-multiuser-server`` a job is not placed beside a live client of another uid.
+* **Benefit**: the running partners' remaining times ``etc_b`` are unknown on a node (clients carry
+  no progress), so the pairwise ``t_con < t_seq`` test cannot be evaluated. On one node the
+  alternative to sharing is to stay queued, and offline work is best-effort (the duty cycle protects
+  online clients), so every fitting GPU is admissible and the GPU with the smallest predicted ``t_con``
+  wins; for a job alone on a GPU ``t_con`` is ``ξ·etc_a``, so the choice is the smallest ξ, predicted
+  from measured headroom: the job gets its SM cap ``s`` where that many SMs are idle (``100 -`` SM
+  activity), and at worst an equal split of its cap with the ``n`` offline clients already there:
+  ``ξ = 100 / min(s, max(idle, s/(n+1)))``. Ties go to the GPU with no offline client (SJF-BSBF's
+  "idle GPUs always preferred"), then the most memory left, then the lowest index.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpushare.control.signals import free_memory_bytes
+from gpushare.model import Admit, ClientClass, MpsState, Observation, QueuedJob
+
+DEFAULT_MAX_CLIENTS = 48
+# The latency probe is an MPS client too and takes one slot per GPU.
+DEFAULT_PROBE_SLOTS = 1
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPlan:
+    """The outcome of one admission round.
+
+    Attributes:
+        admits: jobs to start now, in the order they were chosen.
+        waiting: for every queued job not admitted, why it waits (for ``gpushare status``).
+    """
+
+    admits: tuple[Admit, ...]
+    waiting: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Gpu:
+    obs: Observation
+    share_pct: float
+    mem_left_bytes: int | None
+    slots_left: int
+    uids: set[int]
+    offline_count: int
+    idle_pct: float
+    multiuser: bool
+    closed: str | None
+
+
+def admit(
+    queue: Sequence[QueuedJob],
+    observations: Mapping[str, Observation],
+    shares: Mapping[str, float],
+    now: float,
+    *,
+    max_clients: int | Mapping[str, int] = DEFAULT_MAX_CLIENTS,
+    multiuser: bool | Mapping[str, bool] = False,
+    probe_slots: int = DEFAULT_PROBE_SLOTS,
+) -> list[Admit]:
+    """Choose which queued offline jobs start now, and where.
+
+    Args:
+        queue: the node's queued offline jobs, in any order.
+        observations: this tick's observation of every shared GPU, by UUID.
+        shares: the offline SM share each GPU's policy set (``SetOfflineShare``), by UUID; a GPU
+            missing here uses its ``offline_sm_pct_max``.
+        now: the current time, for ``not_before_s`` (failure backoff).
+        max_clients: MPS client slots per GPU (one number, or per UUID).
+        multiuser: whether each GPU's MPS runs ``-multiuser-server`` (DESIGN D11).
+        probe_slots: client slots the latency probe takes on each GPU.
+
+    Returns:
+        The :class:`Admit` actions, in the order chosen. :func:`plan` also says why others wait.
+    """
+    return list(
+        plan(
+            queue,
+            observations,
+            shares,
+            now,
+            max_clients=max_clients,
+            multiuser=multiuser,
+            probe_slots=probe_slots,
+        ).admits
+    )
+
+
+def plan(
+    queue: Sequence[QueuedJob],
+    observations: Mapping[str, Observation],
+    shares: Mapping[str, float],
+    now: float,
+    *,
+    max_clients: int | Mapping[str, int] = DEFAULT_MAX_CLIENTS,
+    multiuser: bool | Mapping[str, bool] = False,
+    probe_slots: int = DEFAULT_PROBE_SLOTS,
+) -> AdmissionPlan:
+    """Like :func:`admit`, with the reason each job not admitted waits."""
+    gpus = [
+        _gpu_view(obs, shares, max_clients, multiuser, probe_slots)
+        for _, obs in sorted(observations.items(), key=lambda kv: (kv[1].gpu_index, kv[0]))
+    ]
+    ordered = sorted(
+        queue,
+        key=lambda j: (
+            j.expected_duration_s is None,
+            j.expected_duration_s if j.expected_duration_s is not None else math.inf,
+            j.submitted_at_s,
+            j.client_id,
+        ),
+    )
+    admits: list[Admit] = []
+    waiting: dict[str, str] = {}
+    for job in ordered:
+        if job.not_before_s > now:
+            waiting[job.client_id] = (
+                f"backing off after failures: may start in {job.not_before_s - now:.0f}s"
+            )
+            continue
+        best: tuple[tuple[float, int, int, int], _Gpu, float, float] | None = None
+        refusals: list[str] = []
+        for gpu in gpus:
+            if job.gpu is not None and job.gpu not in (gpu.obs.gpu_uuid, str(gpu.obs.gpu_index)):
+                continue
+            why_not = _refusal(job, gpu)
+            if why_not is not None:
+                refusals.append(f"GPU {gpu.obs.gpu_index}: {why_not}")
+                continue
+            sm_pct = gpu.share_pct if job.sm_pct is None else min(gpu.share_pct, job.sm_pct)
+            slowdown = _slowdown(sm_pct, gpu)
+            mem_after = (gpu.mem_left_bytes or 0) - (job.mem_bytes or 0)
+            rank = (slowdown, gpu.offline_count > 0, -mem_after, gpu.obs.gpu_index)
+            if best is None or rank < best[0]:
+                best = (rank, gpu, sm_pct, slowdown)
+        if best is None:
+            if not refusals:
+                refusals.append(
+                    f"no shared GPU matches --gpu {job.gpu}" if job.gpu else "no shared GPU"
+                )
+            waiting[job.client_id] = "cannot start: " + "; ".join(refusals)
+            continue
+        _, gpu, sm_pct, slowdown = best
+        duration = (
+            f"expected {job.expected_duration_s:g}s"
+            if job.expected_duration_s is not None
+            else "no expected duration"
+        )
+        admits.append(
+            Admit(
+                job.client_id,
+                gpu.obs.gpu_uuid,
+                sm_pct,
+                f"SJF-BSBF: shortest fitting job ({duration}); GPU {gpu.obs.gpu_index} has the "
+                f"least predicted slowdown {slowdown:.2f}x with {gpu.offline_count} offline "
+                f"co-runner(s), {_mem(job.mem_bytes)} fits beside the online reserve, "
+                f"SM share {sm_pct:g}%",
+            )
+        )
+        _place(job, gpu, sm_pct)
+    return AdmissionPlan(tuple(admits), waiting)
+
+
+def _gpu_view(
+    obs: Observation,
+    shares: Mapping[str, float],
+    max_clients: int | Mapping[str, int],
+    multiuser: bool | Mapping[str, bool],
+    probe_slots: int,
+) -> _Gpu:
+    live = [c for c in obs.clients if c.state.is_live]
+    slots = (
+        max_clients
+        if isinstance(max_clients, int)
+        else max_clients.get(obs.gpu_uuid, DEFAULT_MAX_CLIENTS)
+    )
+    multi = multiuser if isinstance(multiuser, bool) else multiuser.get(obs.gpu_uuid, False)
+    free = free_memory_bytes(obs)
+    closed: str | None = None
+    if obs.sample.lost:
+        closed = "GPU lost"
+    elif not obs.admissions_open:
+        closed = "admissions closed on this GPU"
+    elif obs.mps_state is not MpsState.UP:
+        closed = f"MPS is {obs.mps_state.value}"
+    elif free is None:
+        closed = "free memory unknown (NVML gave no reading)"
+    share = min(shares.get(obs.gpu_uuid, obs.offline_sm_pct_max), obs.offline_sm_pct_max)
+    util = obs.sample.sm_active_pct
+    if util is None:
+        util = obs.sample.gpu_util_pct
+    return _Gpu(
+        obs=obs,
+        share_pct=share,
+        mem_left_bytes=None if free is None else free - obs.mem_reserve_bytes,
+        slots_left=slots - probe_slots - len(live),
+        uids={c.uid for c in live},
+        offline_count=sum(1 for c in live if c.cls is ClientClass.OFFLINE),
+        # Unknown activity counts as no idle SMs: the prediction errs towards slowdown.
+        idle_pct=0.0 if util is None else max(0.0, 100.0 - util),
+        multiuser=multi,
+        closed=closed,
+    )
+
+
+def _refusal(job: QueuedJob, gpu: _Gpu) -> str | None:
+    if gpu.closed is not None:
+        return gpu.closed
+    if gpu.slots_left <= 0:
+        return "no MPS client slot free"
+    mem_left = gpu.mem_left_bytes if gpu.mem_left_bytes is not None else 0
+    need = job.mem_bytes or 0
+    if need > mem_left or mem_left <= 0:
+        return (
+            f"needs {_mem(job.mem_bytes)}, {_mem(max(0, mem_left))} free beside the "
+            f"{_mem(gpu.obs.mem_reserve_bytes)} online reserve"
+        )
+    foreign = sorted(u for u in gpu.uids if u != job.uid)
+    if foreign and not gpu.multiuser:
+        return (
+            f"a client of uid {foreign[0]} is live and MPS without -multiuser-server runs one "
+            f"user's server at a time (uid {job.uid} would wait)"
+        )
+    return None
+
+
+def _slowdown(sm_pct: float, gpu: _Gpu) -> float:
+    effective = min(sm_pct, max(gpu.idle_pct, sm_pct / (gpu.offline_count + 1)))
+    return 100.0 / max(effective, 1e-6)
+
+
+def _place(job: QueuedJob, gpu: _Gpu, sm_pct: float) -> None:
+    gpu.mem_left_bytes = (gpu.mem_left_bytes or 0) - (job.mem_bytes or 0)
+    gpu.slots_left -= 1
+    gpu.uids.add(job.uid)
+    gpu.offline_count += 1
+    gpu.idle_pct = max(0.0, gpu.idle_pct - sm_pct)
+
+
+def _mem(n: int | None) -> str:
+    return "unknown memory" if n is None else f"{n / (1 << 30):.2f}GiB"

@@ -1,0 +1,504 @@
+"""gpushare's controller: properties over random observation sequences, and scenarios."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpushare.config import ControlConfig
+from gpushare.control.controller import GpushareController, GpuState, failure_backoff_s
+from gpushare.model import (
+    Action,
+    Admit,
+    Alert,
+    ClientClass,
+    ClientState,
+    ClientView,
+    Evict,
+    Freeze,
+    GpuEvent,
+    MpsState,
+    Observation,
+    RecoverMps,
+    RestartClient,
+    SetDuty,
+    SetOfflineShare,
+    Severity,
+    Thaw,
+)
+from tests.fake_observations import GIB, GPU, observation, offline, online, with_p99
+
+CFG = ControlConfig()
+
+
+def run(
+    ctl: GpushareController, obs_seq: list[Observation], state: GpuState | None = None
+) -> tuple[GpuState, list[list[Action]]]:
+    state = state if state is not None else ctl.initial_state(GPU, 0.0)
+    out = []
+    for i, obs in enumerate(obs_seq):
+        state, actions = ctl.step(state, obs, float(i) * ctl.config.period_s)
+        out.append(list(actions))
+    return state, out
+
+
+def duties(actions: list[list[Action]]) -> list[float]:
+    return [a.duty for tick in actions for a in tick if isinstance(a, SetDuty)]
+
+
+def client_targets(action: Action) -> str | None:
+    if isinstance(action, Freeze | Thaw | Evict | RestartClient | Admit):
+        return action.client_id
+    return None
+
+
+# Strategies ------------------------------------------------------------------------------------
+
+configs = st.builds(
+    ControlConfig,
+    comfort_ratio=st.sampled_from([0.5, 0.8, 0.9]),
+    violation_ratio=st.sampled_from([1.0, 1.1]),
+    hard_ratio=st.sampled_from([1.5, 2.0, 3.0]),
+    duty_increase_step=st.sampled_from([0.01, 0.05, 0.1, 0.25]),
+    duty_decrease_factor=st.sampled_from([0.0, 0.5, 0.8, 1.0]),
+    increase_after_ticks=st.integers(1, 4),
+    freeze_after_ticks=st.integers(1, 8),
+    share_min_interval_s=st.sampled_from([0.0, 1.0, 60.0]),
+)
+
+
+@st.composite
+def client_sets(draw: st.DrawFn) -> tuple[ClientView, ...]:
+    n_on = draw(st.integers(0, 3))
+    n_off = draw(st.integers(0, 5))
+    clients: list[ClientView] = [
+        online(f"on{i}", slo_ms=draw(st.sampled_from([None, 10.0, 40.0])), mem=2 * GIB)
+        for i in range(n_on)
+    ]
+    for i in range(n_off):
+        clients.append(
+            offline(
+                f"off{i}",
+                sm_pct=draw(st.sampled_from([20.0, 50.0, 100.0])),
+                mem=draw(st.sampled_from([None, 1 * GIB, 6 * GIB, 20 * GIB])),
+                restartable=draw(st.booleans()),
+                failures=draw(st.sampled_from([0, 0, 0, 7])),
+                guarantee=draw(st.sampled_from([None, None, 10.0, 30.0])),
+                ceiling=draw(st.sampled_from([None, None, 40.0])),
+            )
+        )
+    return tuple(clients)
+
+
+tick_strategy = st.fixed_dictionaries(
+    {
+        "p99": st.one_of(st.none(), st.floats(1.0, 200.0)),
+        "probe": st.one_of(st.none(), st.floats(0.5, 6.0)),
+        "free_gib": st.one_of(st.none(), st.integers(0, 80)),
+        "sm": st.one_of(st.none(), st.floats(0.0, 100.0)),
+        "mps": st.sampled_from([MpsState.UP] * 8 + [MpsState.FAULT, MpsState.STARTING]),
+        "lost": st.sampled_from([False] * 15 + [True]),
+    }
+)
+
+
+def build(clients: tuple[ClientView, ...], tick: dict[str, object]) -> Observation:
+    p99 = tick["p99"]
+    clients = tuple(
+        replace(c, p99_ms=p99) if c.cls is ClientClass.ONLINE else c  # type: ignore[arg-type]
+        for c in clients
+    )
+    free = tick["free_gib"]
+    return observation(
+        clients,
+        probe_ratio=tick["probe"],  # type: ignore[arg-type]
+        mem_free=None if free is None else int(free) * GIB,  # type: ignore[call-overload]
+        mem_total=80 * GIB,
+        sm_active=tick["sm"],  # type: ignore[arg-type]
+        mps_state=tick["mps"],  # type: ignore[arg-type]
+        lost=tick["lost"],  # type: ignore[arg-type]
+    )
+
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# Properties ------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(configs, client_sets(), st.lists(tick_strategy, min_size=1, max_size=40))
+def test_actions_are_safe_over_random_sequences(
+    config: ControlConfig, clients: tuple[ClientView, ...], ticks: list[dict[str, object]]
+) -> None:
+    ctl = GpushareController(config)
+    state = ctl.initial_state(GPU, 0.0)
+    online_ids = {c.client_id for c in clients if c.cls is ClientClass.ONLINE}
+    for i, tick in enumerate(ticks):
+        obs = build(clients, tick)
+        state, actions = ctl.step(state, obs, i * config.period_s)
+        assert 0.0 <= state.duty <= 1.0
+        present = {c.client_id for c in obs.clients}
+        for a in actions:
+            assert a.reason, a
+            target = client_targets(a)
+            if target is not None:
+                assert target in present, f"{a} targets a client that does not exist"
+                assert target not in online_ids, f"{a} targets an online client"
+            if isinstance(a, SetDuty):
+                assert 0.0 <= a.duty <= 1.0
+                assert a.gpu_uuid == GPU
+            if isinstance(a, SetOfflineShare):
+                assert config.offline_sm_pct_min <= a.sm_pct <= config.offline_sm_pct_max
+        # SetDuty only on change: at most one per tick, and never repeating the last one sent.
+        assert sum(isinstance(a, SetDuty) for a in actions) <= 1
+
+
+@SETTINGS
+@given(configs, client_sets(), st.lists(tick_strategy, max_size=25), st.floats(1.01, 50.0))
+def test_persistent_violation_freezes_offline_within_configured_ticks(
+    config: ControlConfig,
+    clients: tuple[ClientView, ...],
+    warmup: list[dict[str, object]],
+    over: float,
+) -> None:
+    ctl = GpushareController(config)
+    state, _ = run(ctl, [build(clients, t) for t in warmup])
+    extra = (online("victim", slo_ms=10.0),)
+    violating = observation(
+        (*clients, *extra),
+        probe_ratio=None,
+        mem_free=79 * GIB,
+    )
+    violating = replace(
+        violating,
+        clients=tuple(
+            replace(c, p99_ms=10.0 * config.violation_ratio * over)
+            if c.client_id == "victim"
+            else c
+            for c in violating.clients
+        ),
+    )
+    for _ in range(config.freeze_after_ticks):
+        state, _ = ctl.step(state, violating, 100.0)
+    assert state.duty == 0.0
+    assert state.duty_emitted == 0.0
+
+
+@SETTINGS
+@given(configs, client_sets(), st.lists(tick_strategy, max_size=25))
+def test_comfortable_slo_climbs_back_to_full_duty(
+    config: ControlConfig, clients: tuple[ClientView, ...], warmup: list[dict[str, object]]
+) -> None:
+    ctl = GpushareController(config)
+    state, _ = run(ctl, [build(clients, t) for t in warmup])
+    calm = observation(
+        (*clients, online("calm", slo_ms=100.0, p99_ms=1.0)),
+        probe_ratio=1.0 * config.probe_slo_ratio * config.comfort_ratio * 0.5,
+        mem_free=79 * GIB,
+    )
+    calm = with_p99(calm, 1.0)
+    bound = math.ceil(1.0 / config.duty_increase_step + 1) * config.increase_after_ticks
+    for i in range(bound):
+        state, _ = ctl.step(state, calm, 200.0 + i * config.period_s)
+    assert state.duty == 1.0
+    assert state.duty_emitted == 1.0
+
+
+@st.composite
+def memory_scenarios(draw: st.DrawFn) -> tuple[tuple[ClientView, ...], int]:
+    n = draw(st.integers(1, 8))
+    clients: list[ClientView] = [online("on", mem=draw(st.sampled_from([4, 30])) * GIB)]
+    for i in range(n):
+        clients.append(
+            offline(
+                f"off{i}",
+                mem=draw(st.sampled_from([None, 1 * GIB, 3 * GIB, 9 * GIB])),
+                restartable=draw(st.booleans()),
+            )
+        )
+    reserve = draw(st.sampled_from([2, 8, 16, 40])) * GIB
+    return tuple(clients), reserve
+
+
+@SETTINGS
+@given(memory_scenarios(), st.integers(0, 3))
+def test_evictions_restore_the_memory_reserve(
+    scenario: tuple[tuple[ClientView, ...], int], linger_ticks: int
+) -> None:
+    clients, reserve = scenario
+    total = sum(c.mem_used_bytes or 0 for c in clients) + reserve // 2
+    ctl = GpushareController(CFG)
+    state = ctl.initial_state(GPU, 0.0)
+    live = {c.client_id: c for c in clients}
+    leaving: dict[str, int] = {}
+    evicted: list[str] = []
+    now = 0.0
+    for _ in range(60):
+        obs = observation(tuple(live.values()), mem_total=total, reserve=reserve)
+        state, actions = ctl.step(state, obs, now)
+        now += CFG.evict_grace_s  # each tick long enough for an unknown-size eviction to settle
+        for a in actions:
+            if isinstance(a, Evict):
+                victim = live[a.client_id]
+                assert victim.cls is ClientClass.OFFLINE
+                assert a.client_id not in evicted, "evicted twice while going away"
+                assert a.requeue == victim.restartable
+                # Restartable offline clients go before any other.
+                if not victim.restartable:
+                    assert not any(
+                        c.restartable
+                        and c.cls is ClientClass.OFFLINE
+                        and c.client_id not in evicted
+                        for c in live.values()
+                    )
+                evicted.append(a.client_id)
+                leaving[a.client_id] = linger_ticks
+        for cid in list(leaving):
+            if leaving[cid] == 0:
+                del live[cid], leaving[cid]
+            else:
+                leaving[cid] -= 1
+    free = total - sum(c.mem_used_bytes or 0 for c in live.values())
+    offline_left = [c for c in live.values() if c.cls is ClientClass.OFFLINE]
+    assert free >= reserve or not offline_left
+
+
+# Scenarios: throttle ---------------------------------------------------------------------------
+
+
+def test_no_online_client_runs_offline_free() -> None:
+    ctl = GpushareController(CFG)
+    state = replace(ctl.initial_state(GPU, 0.0), duty=0.0, duty_emitted=0.0)
+    state, actions = ctl.step(state, observation((offline(),)), 0.0)
+    assert [a.duty for a in actions if isinstance(a, SetDuty)] == [1.0]
+
+
+def test_hard_ratio_freezes_at_once_and_duty_is_sent_only_on_change() -> None:
+    ctl = GpushareController(CFG)
+    calm = observation((online(p99_ms=10.0), offline()))
+    state, ticks = run(ctl, [calm, calm])
+    assert duties(ticks) == [1.0]  # the first tick states the duty, the second repeats nothing
+    state, actions = ctl.step(state, with_p99(calm, 40.0 * CFG.hard_ratio), 1.0)
+    (set_duty,) = [a for a in actions if isinstance(a, SetDuty)]
+    assert set_duty.duty == 0.0
+    assert "hard ratio" in set_duty.reason
+
+
+def test_multiplicative_decrease_then_additive_increase_with_hysteresis() -> None:
+    ctl = GpushareController(CFG)
+    base = observation((online(), offline()))
+    over = with_p99(base, 44.0)  # 1.1 x SLO: over violation, under hard
+    band = with_p99(base, 36.0)  # 0.9 x SLO: inside the comfort band
+    calm = with_p99(base, 20.0)  # 0.5 x SLO
+    state, ticks = run(ctl, [over, over, band, band, calm, calm, calm, calm, calm, calm])
+    assert duties(ticks) == [0.5, 0.25, 0.3, 0.35]
+    assert state.duty == 0.35
+
+
+def test_probe_is_a_signal_beside_app_latency() -> None:
+    ctl = GpushareController(CFG)
+    obs = observation((online(slo_ms=None, p99_ms=None), offline()), probe_ratio=1.6)
+    _, actions = ctl.step(ctl.initial_state(GPU, 0.0), obs, 0.0)
+    (set_duty,) = [a for a in actions if isinstance(a, SetDuty)]
+    assert set_duty.duty == 0.5 and "probe" in set_duty.reason
+
+
+def test_online_without_any_signal_holds_duty_and_alerts_once() -> None:
+    ctl = GpushareController(CFG)
+    obs = observation((online(slo_ms=None, p99_ms=None), offline()), probe_ratio=None)
+    state = replace(ctl.initial_state(GPU, 0.0), duty=0.4, duty_emitted=0.4)
+    state, first = ctl.step(state, obs, 0.0)
+    state, second = ctl.step(state, obs, 0.1)
+    assert state.duty == 0.4
+    assert sum(isinstance(a, Alert) for a in first) == 1
+    assert not any(isinstance(a, Alert) for a in second)
+
+
+def test_guarantee_is_a_floor_only_while_slos_hold() -> None:
+    ctl = GpushareController(CFG)
+    guaranteed = offline(sm_pct=50.0, guarantee=20.0)  # 20 % of SMs at a 50 % cap = duty 0.4
+    base = observation((online(), guaranteed))
+    state, ticks = run(ctl, [with_p99(base, 60.0)] * 6)  # violation: floor ignored
+    assert state.duty == 0.0
+    state, actions = ctl.step(state, with_p99(base, 36.0), 1.0)  # SLO holds again (band)
+    (set_duty,) = [a for a in actions if isinstance(a, SetDuty)]
+    assert set_duty.duty == 0.4 and "guarantee" in set_duty.reason
+
+
+# Scenarios: offline share and restarts ---------------------------------------------------------
+
+
+def test_share_follows_online_demand_measured_while_offline_is_frozen() -> None:
+    cfg = ControlConfig(share_min_interval_s=10.0)
+    ctl = GpushareController(cfg)
+    victim = offline("ckpt", sm_pct=50.0, restartable=True)
+    base = observation((online(), victim), sm_active=60.0)
+    state, ticks = run(ctl, [with_p99(base, 100.0)] * 8)  # hard violation: frozen, quiet
+    assert state.duty == 0.0
+    assert state.demand_samples, "demand is sampled once offline has been quiet"
+    shares = [a for t in ticks for a in t if isinstance(a, SetOfflineShare)]
+    assert [s.sm_pct for s in shares] == [50.0]  # only the initial share: no change in violation
+    assert not any(isinstance(a, RestartClient) for t in ticks for a in t)
+    # The SLO holds again: 100 - 60 (demand) - 10 (headroom) = 30 %.
+    state, actions = ctl.step(state, with_p99(base, 36.0), 2.0)
+    (share,) = [a for a in actions if isinstance(a, SetOfflineShare)]
+    assert share.sm_pct == 30.0 and "demand 60%" in share.reason
+    (restart,) = [a for a in actions if isinstance(a, RestartClient)]
+    assert restart.client_id == "ckpt" and restart.sm_pct == 30.0
+    # One at a time: no second restart while the first is in flight.
+    other = offline("ckpt2", sm_pct=50.0, restartable=True)
+    busy = observation(
+        (online(p99_ms=36.0), replace(victim, state=ClientState.RESTARTING), other), sm_active=60.0
+    )
+    state, actions = ctl.step(state, busy, 2.1)
+    assert not any(isinstance(a, RestartClient) for a in actions)
+    # The first came back under 30 %: the next one is restarted.
+    done = observation(
+        (online(p99_ms=36.0), replace(victim, limits=replace(victim.limits, sm_pct=30.0)), other),
+        sm_active=60.0,
+    )
+    state, actions = ctl.step(state, done, 2.2)
+    assert [a.client_id for a in actions if isinstance(a, RestartClient)] == ["ckpt2"]
+    # A share change waits for the minimum interval.
+    state, actions = ctl.step(state, observation((offline(),)), 3.0)
+    assert not any(isinstance(a, SetOfflineShare) for a in actions)
+    state, actions = ctl.step(state, observation((offline(),)), 12.1)
+    assert [a.sm_pct for a in actions if isinstance(a, SetOfflineShare)] == [100.0]
+
+
+def test_share_hysteresis_ignores_small_changes() -> None:
+    ctl = GpushareController(ControlConfig(share_min_interval_s=0.0))
+    state = replace(ctl.initial_state(GPU, 0.0), share_pct=35.0, share_emitted=True)
+    state = replace(state, demand_samples=((0.0, 50.0),), quiet_ticks=5)
+    obs = observation((online(), offline()), sm_active=50.0)
+    state, actions = ctl.step(state, obs, 0.1)  # target 40: within 10 points of 35
+    assert not any(isinstance(a, SetOfflineShare) for a in actions)
+
+
+def test_ceilings_clamp_the_share_and_restarts() -> None:
+    ctl = GpushareController(ControlConfig(share_min_interval_s=0.0))
+    capped = offline("capped", sm_pct=50.0, restartable=True, ceiling=20.0)
+    state, ticks = run(ctl, [observation((capped,), offline_max=40.0)] * 3)
+    shares = [a.sm_pct for t in ticks for a in t if isinstance(a, SetOfflineShare)]
+    assert shares == [40.0]  # default 50 clamped to this GPU's offline ceiling
+    restarts = [a for t in ticks for a in t if isinstance(a, RestartClient)]
+    assert [(r.client_id, r.sm_pct) for r in restarts] == [("capped", 20.0)]
+    # The GPU's ceiling comes down later: the share follows at once.
+    state, actions = ctl.step(state, observation((), offline_max=25.0), 0.5)
+    assert [a.sm_pct for a in actions if isinstance(a, SetOfflineShare)] == [25.0]
+
+
+# Scenarios: memory, failures, faults -----------------------------------------------------------
+
+
+def test_memory_evictions_order_and_requeue() -> None:
+    ctl = GpushareController(CFG)
+    clients = (
+        online("on", mem=40 * GIB),
+        offline("big", mem=20 * GIB),
+        offline("small-ckpt", mem=2 * GIB, restartable=True),
+        offline("mid-ckpt", mem=6 * GIB, restartable=True),
+    )
+    obs = observation(clients, mem_total=70 * GIB, reserve=10 * GIB)  # free 2 GiB, need 8 more
+    state, actions = ctl.step(ctl.initial_state(GPU, 0.0), obs, 0.0)
+    evicts = [a for a in actions if isinstance(a, Evict)]
+    assert [(e.client_id, e.requeue) for e in evicts] == [("mid-ckpt", True), ("small-ckpt", True)]
+    # Still going away next tick: not evicted again, and their memory counts as pending.
+    state, actions = ctl.step(state, obs, 0.1)
+    assert not any(isinstance(a, Evict) for a in actions)
+
+
+def test_memory_reserve_held_by_online_alone_alerts_once() -> None:
+    ctl = GpushareController(CFG)
+    obs = observation((online(mem=79 * GIB),), mem_total=80 * GIB, reserve=2 * GIB)
+    state, first = ctl.step(ctl.initial_state(GPU, 0.0), obs, 0.0)
+    state, second = ctl.step(state, obs, 0.1)
+    assert [a.severity for a in first if isinstance(a, Alert)] == [Severity.WARNING]
+    assert not any(isinstance(a, Alert) for a in second)
+
+
+def test_repeated_failures_stop_the_client_with_a_reason() -> None:
+    ctl = GpushareController(CFG)
+    flaky = offline("flaky", failures=CFG.max_client_failures, restartable=True)
+    obs = observation((online(), flaky, offline("fine", failures=1)))
+    state, actions = ctl.step(ctl.initial_state(GPU, 0.0), obs, 0.0)
+    (evict,) = [a for a in actions if isinstance(a, Evict)]
+    assert evict.client_id == "flaky" and evict.requeue is False
+    assert "failed 5 times" in evict.reason
+    assert any(isinstance(a, Alert) and "flaky" in a.reason for a in actions)
+    state, actions = ctl.step(state, obs, 0.1)
+    assert not any(isinstance(a, Evict) for a in actions)
+
+
+def test_failure_backoff_doubles_to_its_maximum() -> None:
+    assert [failure_backoff_s(n, CFG) for n in range(0, 4)] == [0.0, 5.0, 10.0, 20.0]
+    assert failure_backoff_s(40, CFG) == CFG.failure_backoff_max_s
+
+
+def test_fault_recovery_ordering() -> None:
+    ctl = GpushareController(CFG)
+    clients = (online(), offline("ckpt", restartable=True), offline("plain"))
+    healthy = observation(clients)
+    state, _ = run(ctl, [healthy] * 3)
+    # FAULT: recover first, alert, and nothing else (no throttling, eviction or restart of the
+    # poisoned clients by the controller: the recovery removes offline clients first).
+    state, actions = ctl.step(state, observation(clients, mps_state=MpsState.FAULT), 1.0)
+    assert [type(a) for a in actions] == [RecoverMps, Alert]
+    assert actions[1].severity is Severity.CRITICAL  # type: ignore[union-attr]
+    assert "offline clients removed first" in actions[0].reason
+    # Still FAULT within the backoff: not repeated.
+    state, actions = ctl.step(state, observation(clients, mps_state=MpsState.FAULT), 2.0)
+    assert actions == []
+    # Still FAULT after the backoff: tried again.
+    later = 1.0 + CFG.failure_backoff_min_s
+    state, actions = ctl.step(state, observation(clients, mps_state=MpsState.FAULT), later)
+    assert [type(a) for a in actions] == [RecoverMps, Alert]
+    # Recovery in progress (STARTING): nothing decided.
+    starting = observation((online(),), mps_state=MpsState.STARTING, mem_free=1 * GIB)
+    state, actions = ctl.step(state, starting, later + 1)
+    assert actions == []
+    # Back up: an info alert, and control resumes.
+    state, actions = ctl.step(state, with_p99(observation((online(),)), 100.0), later + 2)
+    assert isinstance(actions[0], Alert) and actions[0].severity is Severity.INFO
+    assert any(isinstance(a, SetDuty) and a.duty == 0.0 for a in actions)
+
+
+def test_fatal_xid_triggers_recovery_and_nonfatal_only_alerts() -> None:
+    ctl = GpushareController(CFG)
+    clients = (online(), offline())
+    xid = GpuEvent(GPU, xid=79, at_s=5.0, fatal=True)
+    state, actions = ctl.step(
+        ctl.initial_state(GPU, 0.0), observation(clients, gpu_events=(xid,)), 5.0
+    )
+    assert isinstance(actions[0], RecoverMps) and "XID 79" in actions[0].reason
+    warn = GpuEvent(GPU, xid=31, at_s=9.0, fatal=False)
+    state = ctl.initial_state(GPU, 0.0)
+    state, actions = ctl.step(state, observation(clients, gpu_events=(warn,)), 9.0)
+    assert not any(isinstance(a, RecoverMps) for a in actions)
+    assert any(isinstance(a, Alert) and a.severity is Severity.WARNING for a in actions)
+
+
+def test_lost_gpu_alerts_once_and_decides_nothing() -> None:
+    ctl = GpushareController(CFG)
+    lost = observation((online(p99_ms=400.0), offline()), lost=True)
+    state, first = ctl.step(ctl.initial_state(GPU, 0.0), lost, 0.0)
+    state, second = ctl.step(state, lost, 0.1)
+    assert [type(a) for a in first] == [Alert] and "admissions stopped" in first[0].reason
+    assert second == []
+    state, back = ctl.step(state, observation((offline(),)), 0.2)
+    assert isinstance(back[0], Alert) and back[0].severity is Severity.INFO
+
+
+@pytest.mark.parametrize("ticks", [1, 3, 8])
+def test_freeze_after_ticks_bounds_a_slow_decrease(ticks: int) -> None:
+    ctl = GpushareController(ControlConfig(duty_decrease_factor=1.0, freeze_after_ticks=ticks))
+    over = observation((online(p99_ms=44.0), offline()))
+    state, out = run(ctl, [over] * ticks)
+    assert state.duty == 0.0
+    state, out = run(ctl, [over] * (ticks - 1))
+    assert state.duty == 1.0
