@@ -502,3 +502,39 @@ def test_freeze_after_ticks_bounds_a_slow_decrease(ticks: int) -> None:
     assert state.duty == 0.0
     state, out = run(ctl, [over] * (ticks - 1))
     assert state.duty == 1.0
+
+
+# Closed loop against a fake GPU whose latency follows the applied duty -------------------------
+
+
+@pytest.mark.parametrize("lag_ticks", [0, 1, 3, 5])
+def test_closed_loop_keeps_the_slo_and_gives_offline_the_rest(lag_ticks: int) -> None:
+    """Online p99 = 20 ms x (1 + gain x duty applied lag_ticks ago); the SLO is 40 ms.
+
+    The freezer's lag (queued kernels drain) is the delay. The load rises at tick 300 (gain 2 -> 4)
+    and falls at tick 600 (gain 0.5): the controller must hold the SLO after each settling spell,
+    give offline work what the SLO leaves, and give it everything when the SLO allows.
+    """
+    ctl = GpushareController(CFG)
+    state = ctl.initial_state(GPU, 0.0)
+    in_effect = [1.0] * (lag_ticks + 1)
+    sent = 1.0
+    p99s: list[float] = []
+    sent_duties: list[float] = []
+    for i in range(900):
+        gain = 2.0 if i < 300 else 4.0 if i < 600 else 0.5
+        p99 = 20.0 * (1.0 + gain * in_effect[0])
+        obs = observation((online(p99_ms=p99), offline()), probe_ratio=1.0)
+        state, actions = ctl.step(state, obs, i * CFG.period_s)
+        for a in actions:
+            if isinstance(a, SetDuty):
+                sent = a.duty
+        in_effect = [*in_effect[1:], sent]
+        p99s.append(p99)
+        sent_duties.append(sent)
+    for start, stop, equilibrium in ((50, 300, 0.5), (350, 600, 0.25)):
+        assert max(p99s[start:stop]) <= 40.0, "SLO broken after settling"
+        mean = sum(sent_duties[start:stop]) / (stop - start)
+        # Offline gets a useful part of what the SLO leaves (the comfort band costs some).
+        assert 0.5 * equilibrium <= mean <= equilibrium
+    assert sent_duties[-1] == 1.0  # gain 0.5: 30 ms at full duty, comfortable: offline runs free
