@@ -138,6 +138,7 @@ def test_actions_are_safe_over_random_sequences(
     ctl = GpushareController(config)
     state = ctl.initial_state(GPU, 0.0)
     online_ids = {c.client_id for c in clients if c.cls is ClientClass.ONLINE}
+    last_sent: float | None = None
     for i, tick in enumerate(ticks):
         obs = build(clients, tick)
         state, actions = ctl.step(state, obs, i * config.period_s)
@@ -152,6 +153,8 @@ def test_actions_are_safe_over_random_sequences(
             if isinstance(a, SetDuty):
                 assert 0.0 <= a.duty <= 1.0
                 assert a.gpu_uuid == GPU
+                assert a.duty != last_sent, "SetDuty repeated an unchanged duty"
+                last_sent = a.duty
             if isinstance(a, SetOfflineShare):
                 assert config.offline_sm_pct_min <= a.sm_pct <= config.offline_sm_pct_max
         # SetDuty only on change: at most one per tick, and never repeating the last one sent.
