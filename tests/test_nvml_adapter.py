@@ -1,0 +1,208 @@
+"""Thin adapter test: the real pynvml module, its exception classes and ctypes structs.
+
+pynvml functions are monkeypatched (there is no driver here); everything else is pynvml's own:
+``NVMLError(code)`` building its subclasses, ``NVMLLibraryMismatchError``, the GPM and event structs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pynvml
+import pytest
+
+from gpushare.node import nvml as adapter
+from gpushare.node.nvml import NvmlBackend, NvmlInitError
+
+UUIDS = ["GPU-aaaaaaaa-0000-4000-8000-000000000000", "GPU-bbbbbbbb-0000-4000-8000-000000000001"]
+
+
+def handle(i: int) -> Any:
+    # Real handle type with distinct pointer values, as the driver hands out.
+    return ctypes.cast(ctypes.c_void_p(0x1000 + 0x100 * i), pynvml.c_nvmlDevice_t)
+
+
+def index_of(h: Any) -> int:
+    return (ctypes.cast(h, ctypes.c_void_p).value - 0x1000) // 0x100  # type: ignore[operator]
+
+
+def err(code: int) -> Exception:
+    return pynvml.NVMLError(code)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    state: dict[str, Any] = {"lost": set(), "events": []}
+
+    def patch(name: str, fn: Any) -> None:
+        assert hasattr(pynvml, name), name  # only patch functions pynvml really has
+        monkeypatch.setattr(pynvml, name, fn)
+
+    patch("nvmlInit", lambda: None)
+    patch("nvmlShutdown", lambda: None)
+    patch("nvmlDeviceGetCount", lambda: 2)
+    patch("nvmlDeviceGetHandleByIndex", handle)
+    patch("nvmlDeviceGetUUID", lambda h: UUIDS[index_of(h)])
+    patch("nvmlDeviceGetName", lambda h: b"NVIDIA H100")
+
+    def attrs(h: Any) -> Any:
+        a = pynvml.c_nvmlDeviceAttributes()
+        a.multiprocessorCount = 132
+        return a
+
+    patch("nvmlDeviceGetAttributes_v2", attrs)
+
+    def memory(h: Any) -> Any:
+        if index_of(h) in state["lost"]:
+            raise err(pynvml.NVML_ERROR_GPU_IS_LOST)
+        m = pynvml.c_nvmlMemory_t()
+        m.total, m.used, m.free = 100, 40, 60
+        return m
+
+    patch("nvmlDeviceGetMemoryInfo", memory)
+    patch("nvmlDeviceGetUtilizationRates", lambda h: SimpleNamespace(gpu=7, memory=3))
+    patch("nvmlDeviceGetTemperatureV", lambda h, s: 50)
+    patch("nvmlDeviceGetPowerUsage", lambda h: (_ for _ in ()).throw(err(3)))
+    patch("nvmlDeviceGetClockInfo", lambda h, t: 1755)
+    patch("nvmlDeviceGetCurrentClocksEventReasons", lambda h: 0x4)
+
+    def v3(h: Any) -> Any:
+        raise err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    def procs(h: Any) -> Any:
+        return [SimpleNamespace(pid=300 + index_of(h), usedGpuMemory=None)]
+
+    patch("nvmlDeviceGetComputeRunningProcesses_v3", v3)
+    patch("nvmlDeviceGetComputeRunningProcesses_v2", procs)
+    patch("nvmlDeviceGetMPSComputeRunningProcesses_v3", lambda h: [])
+    patch("nvmlDeviceGetMPSComputeRunningProcesses_v2", lambda h: [])
+
+    def gpm_support(h: Any) -> Any:
+        s = pynvml.c_nvmlGpmSupport_t()
+        s.isSupportedDevice = 1
+        return s
+
+    patch("nvmlGpmQueryDeviceSupport", gpm_support)
+    patch("nvmlGpmSampleAlloc", lambda: pynvml.c_nvmlGpmSample_t())
+    patch("nvmlGpmSampleGet", lambda h, s: s)
+    patch("nvmlGpmSampleFree", lambda s: None)
+
+    def metrics_get(req: Any) -> Any:
+        assert req.version == pynvml.NVML_GPM_METRICS_GET_VERSION
+        assert req.metrics[0].metricId == pynvml.NVML_GPM_METRIC_SM_UTIL
+        req.metrics[0].value = 61.5
+        req.metrics[0].nvmlReturn = 0
+        return req
+
+    patch("nvmlGpmMetricsGet", metrics_get)
+    patch("nvmlEventSetCreate", lambda: object())
+    patch("nvmlDeviceRegisterEvents", lambda h, t, s: None)
+
+    def wait(evset: Any, timeout_ms: int) -> Any:
+        if state["events"]:
+            i, xid = state["events"].pop(0)
+            data = pynvml.c_nvmlEventData_t()
+            data.device = handle(i)
+            data.eventType = pynvml.nvmlEventTypeXidCriticalError
+            data.eventData = xid
+            return data
+        time.sleep(timeout_ms / 1000)
+        raise err(pynvml.NVML_ERROR_TIMEOUT)
+
+    patch("nvmlEventSetWait_v2", wait)
+    patch("nvmlEventSetFree", lambda s: None)
+    return state
+
+
+def test_constants_match_pynvml() -> None:
+    assert adapter.NVML_ERROR_NOT_SUPPORTED == pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert adapter.NVML_ERROR_FUNCTION_NOT_FOUND == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+    assert adapter.NVML_ERROR_GPU_IS_LOST == pynvml.NVML_ERROR_GPU_IS_LOST
+    assert adapter.NVML_ERROR_UNKNOWN == pynvml.NVML_ERROR_UNKNOWN
+    assert adapter.NVML_ERROR_TIMEOUT == pynvml.NVML_ERROR_TIMEOUT
+    assert adapter.NVML_ERROR_NO_PERMISSION == pynvml.NVML_ERROR_NO_PERMISSION
+    assert adapter.NVML_ERROR_LIBRARY_NOT_FOUND == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+    assert adapter.NVML_GPM_METRIC_SM_UTIL == pynvml.NVML_GPM_METRIC_SM_UTIL
+    assert pynvml.nvmlEventTypeXidCriticalError == adapter.XID_CRITICAL_ERROR_EVENT
+    assert adapter.NVML_CLOCK_SM == pynvml.NVML_CLOCK_SM
+    assert adapter.NVML_TEMPERATURE_GPU == pynvml.NVML_TEMPERATURE_GPU
+    assert adapter.SETTABLE_COMPUTE_MODES == {
+        "default": pynvml.NVML_COMPUTEMODE_DEFAULT,
+        "exclusive_process": pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
+    }
+    for variants in adapter.VERSIONED.values():
+        for name in variants:
+            assert hasattr(pynvml, name), name
+
+
+def test_real_init_without_a_driver_gives_a_hint() -> None:
+    # No monkeypatching: this host has no libnvidia-ml.so.1.
+    b = NvmlBackend(events=False)
+    try:
+        with pytest.raises(NvmlInitError, match="HINT") as info:
+            b.open()
+        assert info.value.code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+        assert b.sample() == ()
+    finally:
+        b.close()
+
+
+def test_error_mapping_with_pynvml_exceptions(fake_driver: dict[str, Any]) -> None:
+    fake_driver["lost"].add(1)
+    clock = [0.0]
+    b = NvmlBackend(events=False, clock=lambda: clock[0])
+    try:
+        s0, s1 = b.sample()
+        clock[0] += 0.2
+        s0, s1 = b.sample()
+    finally:
+        b.close()
+    assert s0.uuid == UUIDS[0]
+    assert s0.name == "NVIDIA H100"
+    assert s0.sm_count == 132
+    assert (s0.mem_total_bytes, s0.mem_used_bytes, s0.mem_free_bytes) == (100, 40, 60)
+    assert s0.power_mw is None  # NVMLError_NotSupported
+    assert s0.throttle_reasons == 0x4
+    assert s0.sm_clock_mhz == 1755
+    assert s0.temperature_c == 50
+    assert [(p.pid, p.used_bytes) for p in s0.processes] == [(300, None)]  # _v3 missing -> _v2
+    assert s0.sm_active_pct == 61.5  # real c_nvmlGpmMetricsGet_t round trip
+    assert s0.error is None
+    assert not s0.lost
+    assert s1.lost
+    assert "GPU is lost" in (s1.error or "")
+
+
+def test_library_mismatch_error_counts_as_missing(
+    fake_driver: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def mismatch(h: Any) -> Any:
+        raise pynvml.NVMLLibraryMismatchError("Unversioned function called")
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMPSComputeRunningProcesses_v3", mismatch)
+    b = NvmlBackend(events=False)
+    try:
+        (s0, _s1) = b.sample()
+        assert b.chosen_variant("mps_processes") == "nvmlDeviceGetMPSComputeRunningProcesses_v2"
+    finally:
+        b.close()
+    assert [p.pid for p in s0.processes] == [300]
+
+
+def test_xid_event_maps_ctypes_handle_to_uuid(fake_driver: dict[str, Any]) -> None:
+    fake_driver["events"].append((1, 48))
+    b = NvmlBackend(events=True, event_wait_ms=20)
+    try:
+        b.open()
+        deadline = time.monotonic() + 5
+        events: tuple[Any, ...] = ()
+        while not events and time.monotonic() < deadline:
+            events = tuple(b.drain_events())
+            time.sleep(0.01)
+    finally:
+        b.close()
+    assert [(e.gpu_uuid, e.xid, e.fatal) for e in events] == [(UUIDS[1], 48, True)]
