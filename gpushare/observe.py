@@ -157,10 +157,25 @@ def _client_view(
     # are not "uses nothing".
     mem = sum(known) if known else None
     if view.cls is not ClientClass.ONLINE:
-        return dataclasses.replace(view, mem_used_bytes=mem)
+        return _with(view, mem_used_bytes=mem)
     if p99 is None:
-        return dataclasses.replace(view, mem_used_bytes=mem, p99_ms=None, p99_reason=NO_APP_LATENCY)
-    return dataclasses.replace(view, mem_used_bytes=mem, p99_ms=p99.p99_ms, p99_reason=p99.reason)
+        return _with(view, mem_used_bytes=mem, p99_ms=None, p99_reason=NO_APP_LATENCY)
+    return _with(view, mem_used_bytes=mem, p99_ms=p99.p99_ms, p99_reason=p99.reason)
+
+
+_VIEW_FIELDS = tuple(f.name for f in dataclasses.fields(ClientView) if f.init)
+
+
+def _with(view: ClientView, **changes: object) -> ClientView:
+    """``dataclasses.replace`` without its per-call introspection, and no copy when unchanged.
+
+    ``replace`` dominated the cost of a tick with hundreds of clients (bench/observe.py).
+    """
+    if all(getattr(view, k) == v for k, v in changes.items()):
+        return view
+    values = {name: getattr(view, name) for name in _VIEW_FIELDS}
+    values.update(changes)
+    return ClientView(**values)
 
 
 def build_observations(

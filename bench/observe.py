@@ -1,0 +1,137 @@
+"""Cost of building one tick's observations: 8 GPUs x 48 clients against the fake NVML backend.
+
+Also measures one NvmlBackend.sample() of 8 fake GPUs through the real adapter (thread hand-off,
+error policy, versioned calls), which is the other per-tick sensing cost.
+
+Run: .venv/bin/python bench/observe.py   -> prints numbers, writes bench/results/observe.json
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gpushare.config import Config  # noqa: E402
+from gpushare.latency import LatencyP99  # noqa: E402
+from gpushare.model import ClientClass, ClientState, ClientView, Limits, MpsState  # noqa: E402
+from gpushare.node.nvml import NvmlBackend  # noqa: E402
+from gpushare.observe import build_observations  # noqa: E402
+from tests import fake_nvml  # noqa: E402
+from tests.fake_nvml import FakeGpuBackend  # noqa: E402
+from tests.fake_probe import FakeProbe  # noqa: E402
+
+GPUS = 8
+CLIENTS = 48
+ONLINE_PER_GPU = 8
+ITERATIONS = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+NVML_ITERATIONS = 300
+
+
+def stats_us(samples_s: list[float]) -> dict[str, float]:
+    ordered = sorted(samples_s)
+    p99 = ordered[max(0, int(len(ordered) * 0.99) - 1)]
+    return {
+        "median_us": statistics.median(ordered) * 1e6,
+        "p99_us": p99 * 1e6,
+        "max_us": ordered[-1] * 1e6,
+        "n": len(ordered),
+    }
+
+
+def main() -> None:
+    backend = FakeGpuBackend.uniform(GPUS, CLIENTS)
+    samples = backend.sample()
+    clients_by_gpu = {}
+    app_p99 = {}
+    for g, s in enumerate(samples):
+        views = []
+        for j in range(CLIENTS):
+            cls = ClientClass.ONLINE if j < ONLINE_PER_GPU else ClientClass.OFFLINE
+            cid = f"g{g}c{j}"
+            views.append(
+                ClientView(
+                    client_id=cid,
+                    cls=cls,
+                    state=ClientState.RUNNING,
+                    limits=Limits(sm_pct=50.0, pinned_mem_bytes=4 << 30, priority=cls.mps_priority),
+                    uid=1000 + j,
+                    pid=s.processes[j].pid,
+                    slo_p99_ms=20.0 if cls is ClientClass.ONLINE else None,
+                )
+            )
+            if cls is ClientClass.ONLINE:
+                app_p99[cid] = LatencyP99(12.0, 500)
+        clients_by_gpu[s.uuid] = views
+    probe = FakeProbe([(0.0, 0.05)])
+    config = Config()
+    mps_states = {s.uuid: MpsState.UP for s in samples}
+
+    times = []
+    for _ in range(ITERATIONS):
+        t0 = time.perf_counter()
+        obs = build_observations(
+            samples=backend.sample(),
+            probe=probe,
+            clients_by_gpu=clients_by_gpu,
+            config=config,
+            app_p99=app_p99,
+            mps_states=mps_states,
+            gpu_events=backend.drain_events(),
+        )
+        times.append(time.perf_counter() - t0)
+    assert len(obs) == GPUS
+    assert all(len(o.clients) == CLIENTS for o in obs)
+    build = stats_us(times)
+
+    lib = fake_nvml.FakeNvmlLib(
+        [
+            fake_nvml.FakeGpu(
+                uuid=fake_nvml.uuid_of(i), mps_procs=[(10_000 + j, 1 << 30) for j in range(CLIENTS)]
+            )
+            for i in range(GPUS)
+        ]
+    )
+    nvml = NvmlBackend(nvml=lib, events=False)
+    nvml.open()
+    nvml_times = []
+    for _ in range(NVML_ITERATIONS):
+        t0 = time.perf_counter()
+        got = nvml.sample()
+        nvml_times.append(time.perf_counter() - t0)
+    nvml.close()
+    assert len(got) == GPUS
+    assert len(got[0].processes) == CLIENTS + 1
+    sample_cost = stats_us(nvml_times)
+
+    result = {
+        "bench": "observe",
+        "gpus": GPUS,
+        "clients_per_gpu": CLIENTS,
+        "build_observations": build,
+        "nvml_sample_fake_driver": sample_cost,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    print(
+        f"build_observations {GPUS} GPUs x {CLIENTS} clients: median {build['median_us']:.0f} us, "
+        f"p99 {build['p99_us']:.0f} us over {ITERATIONS} ticks"
+    )
+    print(
+        f"NvmlBackend.sample() {GPUS} fake GPUs: median {sample_cost['median_us']:.0f} us, "
+        f"p99 {sample_cost['p99_us']:.0f} us over {NVML_ITERATIONS} ticks"
+    )
+    out = ROOT / "bench" / "results" / "observe.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
