@@ -70,6 +70,7 @@ class FakeDriver:
     """
 
     CUresult = CUresult
+    CUdeviceptr = FakeDevPtr
     CUdevice_attribute = SimpleNamespace(
         CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT=16,
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
@@ -200,6 +201,10 @@ class FakeDriver:
         self.launches.append(
             {"fn": fn, "grid": (gx, gy, gz), "block": (bx, by, bz), "cycles": cycles}
         )
+        if ptr.getPtr() not in self.memory:
+            # A write through a bad pointer: the context is lost (sticky), as on a GPU.
+            self.fail_at[len(self.launches)] = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+            return (OK,)
         self.memory[ptr.getPtr()] = (int(cycles), int(self.run_ms * 1e6))
         return (OK,)
 

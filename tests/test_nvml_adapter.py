@@ -7,6 +7,7 @@ pynvml functions are monkeypatched (there is no driver here); everything else is
 from __future__ import annotations
 
 import ctypes
+import json
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -206,3 +207,19 @@ def test_xid_event_maps_ctypes_handle_to_uuid(fake_driver: dict[str, Any]) -> No
     finally:
         b.close()
     assert [(e.gpu_uuid, e.xid, e.fatal) for e in events] == [(UUIDS[1], 48, True)]
+
+
+def test_diagnostic_command_prints_json_samples(
+    fake_driver: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert adapter._main(["--count", "1"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["type"], line["uuid"]) for line in lines] == [("sample", u) for u in UUIDS]
+    assert lines[0]["processes"] == [{"pid": 300, "used_bytes": None}]
+
+
+def test_diagnostic_command_without_a_driver_says_how_to_fix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert adapter._main([]) == 1
+    assert "HINT" in capsys.readouterr().err

@@ -76,6 +76,7 @@ def test_launch_path_against_a_fake_driver() -> None:
         "mps_enabled": True,
         "cubin_bytes": len(FakeNvrtc.IMAGE),
         "cycles": 1234,
+        "blocks": 1,
     }
     drv: FakeDriver = b.driver
     nvrtc: FakeNvrtc = b.nvrtc
@@ -91,6 +92,15 @@ def test_launch_path_against_a_fake_driver() -> None:
     assert drv.launches[0] == {"fn": "fn", "grid": (1, 1, 1), "block": (32, 1, 1), "cycles": 1234}
     worker.teardown()
     assert sorted(drv.destroyed) == ["ctx", "event", "event", "mem", "module", "stream"]
+
+
+def test_busy_load_and_fault_injection_options() -> None:
+    code, lines = run_worker(["--period-s", "0", "--count", "2", "--blocks", "4096"])
+    assert code == 0
+    assert lines[1]["blocks"] == 4096
+    code, lines = run_worker(["--period-s", "0", "--count", "2", "--inject-fault"])
+    assert code == EXIT_STICKY
+    assert lines[-1]["code"] == 700
 
 
 def test_a_gpu_that_is_not_visible_is_named() -> None:

@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import functools
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ from typing import Any
 
 import structlog
 
+from gpushare.logs import configure_logging
 from gpushare.model import GpuEvent, GpuSample, ProcessMemory
 
 log = structlog.get_logger(__name__)
@@ -806,3 +808,42 @@ def _handle_key(handle: Any) -> Any:
         return ctypes.cast(handle, ctypes.c_void_p).value
     except (TypeError, ctypes.ArgumentError):
         return handle
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gpushare.node.nvml``: print samples and XID events as JSON lines (GPU checks)."""
+    import argparse
+    import dataclasses
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m gpushare.node.nvml")
+    parser.add_argument("--count", type=int, default=1, help="ticks to sample")
+    parser.add_argument("--interval-s", type=float, default=0.5, help="time between ticks")
+    parser.add_argument("--events-s", type=float, default=0.0, help="then wait this long for XIDs")
+    args = parser.parse_args(argv)
+    # stdout carries the JSON lines; logs go to stderr.
+    configure_logging("info")
+    backend = NvmlBackend(events=args.events_s > 0)
+    try:
+        backend.open()
+    except NvmlInitError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    try:
+        for i in range(args.count):
+            if i:
+                time.sleep(args.interval_s)
+            for s in backend.sample():
+                print(json.dumps({"type": "sample", **dataclasses.asdict(s)}), flush=True)
+        deadline = time.monotonic() + args.events_s
+        while time.monotonic() < deadline:
+            for e in backend.drain_events():
+                print(json.dumps({"type": "xid", **dataclasses.asdict(e)}), flush=True)
+            time.sleep(0.1)
+    finally:
+        backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

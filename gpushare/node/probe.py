@@ -41,24 +41,27 @@ from typing import IO, Any
 import structlog
 
 from gpushare.config import ProbeConfig
+from gpushare.logs import configure_logging
 from gpushare.model import ProbeReading
 
 log = structlog.get_logger(__name__)
 
 KERNEL_NAME = "gpushare_probe"
-# One thread spins for `cycles` SM clock cycles; %globaltimer (ns) brackets the spin so the run time
-# needs no clock-rate conversion. out[0] = cycles spun, out[1] = run time in ns.
+# Every thread spins for `cycles` SM clock cycles; %globaltimer (ns) brackets the spin so the run
+# time needs no clock-rate conversion. Block 0's thread 0 writes out[0] = cycles spun and
+# out[1] = run time in ns. The probe launches 1 block of 32 threads (one warp); the same kernel
+# with many blocks is the busy load of docs/gpu-validation.md.
 KERNEL_SOURCE = r"""
 extern "C" __global__ void gpushare_probe(unsigned long long *out, unsigned int cycles) {
+    unsigned long long t0, t1;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    long long start = clock64();
+    long long spun = 0;
+    while (spun < (long long)cycles) {
+        spun = clock64() - start;
+    }
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
     if (threadIdx.x == 0 && blockIdx.x == 0) {
-        unsigned long long t0, t1;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-        long long start = clock64();
-        long long spun = 0;
-        while (spun < (long long)cycles) {
-            spun = clock64() - start;
-        }
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
         out[0] = (unsigned long long)spun;
         out[1] = t1 - t0;
     }
@@ -217,12 +220,25 @@ class ProbeWorker:
         bindings: the driver/NVRTC modules (a fake module in tests).
         gpu_uuid: the GPU to probe; ``None`` takes the first visible device.
         cycles: spin length of the kernel in SM clock cycles.
+        blocks: grid size (1 for the probe; many for a busy load when validating on a GPU).
+        inject_fault: write through an invalid pointer, to validate the sticky-error restart and
+            XID delivery on a real GPU (docs/gpu-validation.md); never used by the daemon.
     """
 
-    def __init__(self, bindings: Bindings, gpu_uuid: str | None, cycles: int) -> None:
+    def __init__(
+        self,
+        bindings: Bindings,
+        gpu_uuid: str | None,
+        cycles: int,
+        *,
+        blocks: int = 1,
+        inject_fault: bool = False,
+    ) -> None:
         self.b = bindings
         self.gpu_uuid = gpu_uuid
         self.cycles = cycles
+        self.blocks = blocks
+        self.inject_fault = inject_fault
         self._ctx: Any = None
         self._dev: Any = None
         self._module: Any = None
@@ -292,6 +308,7 @@ class ProbeWorker:
             "mps_enabled": None if mps is None else bool(mps),
             "cubin_bytes": len(cubin),
             "cycles": self.cycles,
+            "blocks": self.blocks,
         }
 
     def _attribute_or_none(self, name: str) -> int | None:
@@ -339,10 +356,11 @@ class ProbeWorker:
         ev0, ev1 = self._events
         t0 = time.perf_counter_ns()
         _check("cuEventRecord", cu.cuEventRecord(ev0, self._stream))
-        params = ((self._out, self.cycles), (None, ctypes.c_uint))
+        out = cu.CUdeviceptr(16) if self.inject_fault else self._out
+        params = ((out, self.cycles), (None, ctypes.c_uint))
         _check(
             "cuLaunchKernel",
-            cu.cuLaunchKernel(self._fn, 1, 1, 1, 32, 1, 1, 0, self._stream, params, 0),
+            cu.cuLaunchKernel(self._fn, self.blocks, 1, 1, 32, 1, 1, 0, self._stream, params, 0),
         )
         _check("cuEventRecord", cu.cuEventRecord(ev1, self._stream))
         _check("cuEventSynchronize", cu.cuEventSynchronize(ev1))
@@ -395,6 +413,12 @@ def worker_main(
     parser.add_argument("--period-s", type=float, default=0.05, help="time between launches")
     parser.add_argument("--cycles", type=int, default=20_000, help="kernel spin length")
     parser.add_argument("--count", type=int, default=0, help="stop after N samples (0: never)")
+    parser.add_argument("--blocks", type=int, default=1, help="grid size (>1: a busy load)")
+    parser.add_argument(
+        "--inject-fault",
+        action="store_true",
+        help="GPU validation only: fault on purpose (sticky 700, an XID)",
+    )
     args = parser.parse_args(argv)
     out = out or sys.stdout
     stop = stop or threading.Event()
@@ -404,7 +428,9 @@ def worker_main(
         _emit(out, "unavailable", reason=str(exc))
         return EXIT_UNAVAILABLE
     _emit(out, "hello", bindings=b.name, bindings_version=b.version, pid=os.getpid())
-    worker = ProbeWorker(b, args.gpu, args.cycles)
+    worker = ProbeWorker(
+        b, args.gpu, args.cycles, blocks=args.blocks, inject_fault=args.inject_fault
+    )
     try:
         info = worker.setup()
         _emit(out, "ready", **info)
@@ -447,6 +473,8 @@ def _watch_parent(stop: threading.Event) -> None:
 
 
 def _main() -> int:
+    # stdout is the JSON channel to the parent: any log line must go to stderr.
+    configure_logging("info")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     threading.Thread(target=_watch_parent, args=(stop,), daemon=True).start()
