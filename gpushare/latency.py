@@ -154,6 +154,36 @@ def claimed_id(sender: Sender) -> str | None:
     return sender.claimed_id or None
 
 
+def verified_identify(
+    client_of_pid: Callable[[int], str | None], uid_of_client: Callable[[str], int | None]
+) -> Callable[[Sender], str | None]:
+    """An ``identify`` for the daemon: kernel-verified credentials first, the claimed id second.
+
+    Args:
+        client_of_pid: the client a pid belongs to (the daemon's registry and cgroups).
+        uid_of_client: the uid a client runs as; ``None`` for an unknown client.
+
+    Returns:
+        A function crediting a report to the client owning the sending pid; failing that, to the
+        claimed client if the sender runs as that client's uid (or as root). Anything else is
+        rejected, so no process can report latency for another user's client.
+    """
+
+    def identify(sender: Sender) -> str | None:
+        if sender.pid is not None:
+            owner = client_of_pid(sender.pid)
+            if owner is not None:
+                return owner
+        if not sender.claimed_id or sender.uid is None:
+            return None
+        uid = uid_of_client(sender.claimed_id)
+        if uid is None:
+            return None
+        return sender.claimed_id if sender.uid in (uid, 0) else None
+
+    return identify
+
+
 class LatencyReceiver:
     """Receives latency datagrams on a Unix socket and feeds a :class:`P99Tracker`.
 

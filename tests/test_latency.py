@@ -28,6 +28,7 @@ from gpushare.latency import (
     decode_latency,
     parse_histogram,
     parse_latency_from,
+    verified_identify,
 )
 
 
@@ -151,6 +152,21 @@ def test_unattributed_and_garbage_datagrams_are_rejected(
     wait_for(lambda: r.rejected == 3)
     assert r.accepted == 0
     assert r.tracker.clients() == []
+
+
+def test_verified_identify_trusts_the_kernel_over_the_message() -> None:
+    ident = verified_identify(
+        client_of_pid={4242: "web"}.get, uid_of_client={"web": 1000, "batch": 2000}.get
+    )
+    # The pid belongs to a client: that client, whatever the message claims.
+    assert ident(Sender(pid=4242, uid=1000, gid=1000, claimed_id="batch")) == "web"
+    # Unknown pid: the claim holds only for the client's own uid or root.
+    assert ident(Sender(pid=7, uid=2000, gid=2000, claimed_id="batch")) == "batch"
+    assert ident(Sender(pid=7, uid=0, gid=0, claimed_id="batch")) == "batch"
+    assert ident(Sender(pid=7, uid=1000, gid=1000, claimed_id="batch")) is None
+    assert ident(Sender(pid=7, uid=1000, gid=1000, claimed_id="nope")) is None
+    assert ident(Sender(pid=7, uid=1000, gid=1000, claimed_id="")) is None
+    assert ident(Sender(pid=None, uid=None, gid=None, claimed_id="web")) is None
 
 
 def test_receiver_replaces_a_stale_socket_and_refuses_a_regular_file(tmp_path: Path) -> None:

@@ -102,3 +102,18 @@ class MpsNode(Protocol):
     ) -> None:
         """Recover a FAULTed server: offline clients terminated first, then the rest."""
         ...
+
+
+class ComputeModeControl(Protocol):
+    """Reads and sets a GPU's compute mode (:class:`gpushare.node.nvml.NvmlBackend`).
+
+    The MPS supervisor puts shared GPUs in ``"exclusive_process"`` and restores the old mode.
+    """
+
+    def get_compute_mode(self, uuid: str) -> str | None:
+        """``"default"``, ``"exclusive_process"``, ``"prohibited"``, or ``None`` if unreadable."""
+        ...
+
+    def set_compute_mode(self, uuid: str, mode: str) -> None:
+        """Set ``"exclusive_process"`` or ``"default"`` (root only); raises on failure."""
+        ...

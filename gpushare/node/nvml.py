@@ -39,12 +39,15 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from gpushare.logs import configure_logging
 from gpushare.model import GpuEvent, GpuSample, ProcessMemory
+
+if TYPE_CHECKING:
+    from gpushare.node.base import ComputeModeControl, GpuBackend
 
 log = structlog.get_logger(__name__)
 
@@ -843,6 +846,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
     finally:
         backend.close()
     return 0
+
+
+if TYPE_CHECKING:  # the adapter implements the Protocols the daemon holds it by
+
+    def _conforms(b: NvmlBackend) -> tuple[GpuBackend, ComputeModeControl]:
+        return b, b
 
 
 if __name__ == "__main__":

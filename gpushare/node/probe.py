@@ -36,13 +36,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import structlog
 
 from gpushare.config import ProbeConfig
 from gpushare.logs import configure_logging
 from gpushare.model import ProbeReading
+
+if TYPE_CHECKING:
+    from gpushare.node.base import LatencyProbe
 
 log = structlog.get_logger(__name__)
 
@@ -846,6 +849,12 @@ class ProbeManager:
 def _slots(probe: _GpuProbe) -> int:
     # A live worker holds (or is opening) one MPS client context; one without a driver does not.
     return 1 if probe.proc is not None and probe.unavailable is None else 0
+
+
+if TYPE_CHECKING:  # ProbeManager is what the daemon holds as its LatencyProbe
+
+    def _conforms(m: ProbeManager) -> LatencyProbe:
+        return m
 
 
 if __name__ == "__main__":
