@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +32,8 @@ from gpushare.latency import (
     parse_latency_from,
     verified_identify,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def wait_for(pred, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
@@ -136,6 +140,21 @@ def test_reports_reach_the_tracker_with_kernel_credentials(
     assert p.samples == 100
     assert p.p99_ms == pytest.approx(99.0)
     assert oct(sock_path.stat().st_mode & 0o777) == "0o666"
+
+
+def test_reports_from_another_process_carry_its_pid(
+    receiver: tuple[LatencyReceiver, list[Sender]], sock_path: Path
+) -> None:
+    r, senders = receiver
+    code = "from gpushare.client import report_latency\nfor _ in range(50): report_latency(0.002)"
+    env = {**os.environ, paths.ENV_CLIENT_ID: "svc-child", "PYTHONPATH": str(REPO)}
+    child = subprocess.run([sys.executable, "-c", code], env=env, timeout=60, check=True)
+    assert child.returncode == 0
+    # The last batch is sent at interpreter exit (atexit flush).
+    wait_for(lambda: r.accepted == 50)
+    assert {s.claimed_id for s in senders} == {"svc-child"}
+    assert all(s.pid not in (None, os.getpid()) for s in senders)
+    assert r.tracker.p99("svc-child", time.monotonic()).p99_ms == pytest.approx(2.0)
 
 
 def test_unattributed_and_garbage_datagrams_are_rejected(

@@ -177,7 +177,8 @@ def test_a_hanging_call_does_not_delay_the_tick_beyond_its_bound(
         t0 = time.monotonic()
         s0, s1 = b.sample()
         took = time.monotonic() - t0
-        assert took < bound + 0.15, took
+        # Slack for a loaded CI machine; without the time-box this call would block for 60 s.
+        assert took < bound + 0.5, took
         assert lib.hung.is_set()
         assert s0.lost
         assert (s0.error or "").startswith("nvml call timed out")
@@ -188,7 +189,7 @@ def test_a_hanging_call_does_not_delay_the_tick_beyond_its_bound(
         reads_before = lib.count("nvmlDeviceGetMemoryInfo")
         t0 = time.monotonic()
         s0, s1 = b.sample()
-        assert time.monotonic() - t0 < bound
+        assert time.monotonic() - t0 < bound + 0.5
         assert s0.lost
         assert (s0.error or "").startswith("nvml call timed out")
         assert lib.count("nvmlDeviceGetMemoryInfo") == reads_before + 1  # GPU 1 only
@@ -226,7 +227,7 @@ def test_init_that_hangs_is_time_boxed(backends: list[NvmlBackend]) -> None:
     t0 = time.monotonic()
     with pytest.raises(NvmlInitError, match="persistence mode"):
         b.open()
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0
     lib.release()
 
 

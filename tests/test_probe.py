@@ -65,6 +65,31 @@ def test_nvrtc_errors_carry_the_compiler_log() -> None:
         compile_cubin(nvrtc, 9, 0, source='extern "C" __global__ void k() { undefined_thing(); }')
 
 
+def test_cuda_bindings_12_layout_is_used_when_13_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    driver12 = types.ModuleType("cuda.cuda")
+    nvrtc12 = types.ModuleType("cuda.nvrtc")
+    # None in sys.modules makes "from cuda.bindings import ..." fail as on a 12.x install.
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    monkeypatch.setitem(sys.modules, "cuda.cuda", driver12)
+    monkeypatch.setitem(sys.modules, "cuda.nvrtc", nvrtc12)
+    b = probe.load_bindings()
+    assert b.name == "cuda.cuda"
+    assert b.driver is driver12
+    assert b.nvrtc is nvrtc12
+
+
+def test_no_cuda_python_at_all_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    monkeypatch.setitem(sys.modules, "cuda.cuda", None)
+    with pytest.raises(probe.ProbeUnavailableError, match="pip install"):
+        probe.load_bindings()
+    out = io.StringIO()
+    assert worker_main(["--count", "1"], out=out) == EXIT_UNAVAILABLE
+    assert json.loads(out.getvalue())["type"] == "unavailable"
+
+
 def test_launch_path_against_a_fake_driver() -> None:
     b = fake_bindings(latencies_ms=[0.2, 0.3], run_ms=0.012)
     worker = ProbeWorker(b, FAKE_UUID.lower(), cycles=1234)
