@@ -327,7 +327,8 @@ def _main() -> int:
             pass
         stop.set()
 
-    threading.Thread(target=watch, daemon=True).start()
+    if "--watch-stdin" in sys.argv[1:]:
+        threading.Thread(target=watch, daemon=True).start()
     return worker_main(sys.argv[1:], bindings=bindings, stop=stop)
 
 

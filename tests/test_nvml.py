@@ -195,6 +195,7 @@ def test_a_hanging_call_does_not_delay_the_tick_beyond_its_bound(
         assert lib.count("nvmlDeviceGetMemoryInfo") == reads_before + 1  # GPU 1 only
         with pytest.raises(NvmlError, match="timed out"):
             b.set_compute_mode(uuid_of(0), "exclusive_process")
+        assert b.get_compute_mode(uuid_of(0)) is None  # unreadable while stuck
     finally:
         # The driver unwedges: the stuck call returns, and the GPU is read again.
         del lib.fail[("nvmlDeviceGetPowerUsage", 0)]
@@ -228,7 +229,21 @@ def test_init_that_hangs_is_time_boxed(backends: list[NvmlBackend]) -> None:
     with pytest.raises(NvmlInitError, match="persistence mode"):
         b.open()
     assert time.monotonic() - t0 < 2.0
+    # Retrying while the first nvmlInit is still stuck queues nothing more to the driver.
+    with pytest.raises(NvmlInitError, match="did not initialise"):
+        b.open()
+    assert lib.count("nvmlInit") == 1
+    # The driver wakes up: the stuck attempt's result (here a failure) is taken, then a retry works.
+    del lib.fail[("nvmlInit", None)]
     lib.release()
+    wait_until = time.monotonic() + 5
+    while time.monotonic() < wait_until:
+        try:
+            b.open()
+            break
+        except NvmlInitError:
+            time.sleep(0.02)
+    assert len(b.sample()) == 1
 
 
 def test_xid_events_are_read_on_their_own_thread(backends: list[NvmlBackend]) -> None:

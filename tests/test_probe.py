@@ -290,7 +290,10 @@ def fake_worker(script: dict[str, object]) -> tuple[Callable[[str], list[str]], 
     env["PYTHONPATH"] = str(REPO)
 
     def argv(uuid: str) -> list[str]:
-        return [sys.executable, "-m", "tests.fake_probe", "--gpu", FAKE_UUID, "--period-s", "0.01"]
+        return [
+            sys.executable, "-m", "tests.fake_probe", "--gpu", FAKE_UUID, "--period-s", "0.01",
+            "--watch-stdin",
+        ]  # fmt: skip
 
     return argv, env
 
@@ -361,3 +364,25 @@ def test_disabled_probe_reads_unavailable(managers: list[ProbeManager]) -> None:
     m.start(FAKE_UUID, {})
     assert m.reading(FAKE_UUID).reason == "unavailable: probe disabled in config"
     assert m.mps_client_slots(FAKE_UUID) == 0
+
+
+def test_worker_exits_when_its_parent_pipe_closes() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FAKE_PROBE_SCRIPT": "{}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fake_probe", "--period-s", "0.01", "--watch-stdin"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdin is not None
+        assert json.loads(proc.stdout.readline())["type"] == "hello"
+        proc.stdin.close()  # what the parent's death does
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -191,7 +191,7 @@ class _Gpu:
     worker: _Worker
     name: str | None = None
     sm_count: int | None = None
-    pending: Future[GpuSample] | None = None
+    pending: Future[Any] | None = None
     pending_since_s: float = 0.0
     in_call: str | None = None
     gpm_supported: bool | None = None
@@ -247,6 +247,7 @@ class NvmlBackend:
         self._init_error: NvmlInitError | None = None
         self._init_failed_at_s = 0.0
         self._system: _Worker | None = None
+        self._init_future: Future[list[_Gpu]] | None = None
         self._gpus: list[_Gpu] = []
         self._chosen: dict[str, str] = {}
         self._chosen_lock = threading.Lock()
@@ -294,19 +295,19 @@ class NvmlBackend:
             self._nv = _load_pynvml()
         if self._system is None:
             self._system = _Worker("nvml-system")
-        fut = self._system.submit(self._init_and_discover)
+        fut = self._init_future
+        if fut is None:
+            fut = self._system.submit(self._init_and_discover)
+        elif not fut.done():
+            # The last attempt is still stuck in the driver: queueing another would only pile up.
+            raise self._init_timeout_error()
+        self._init_future = None
         try:
             gpus: list[_Gpu] = fut.result(timeout=self.init_timeout_s)
         except FutureTimeoutError:
-            # The system worker is now stuck; a fresh one serves the next attempt.
-            self._system = None
-            raise NvmlInitError(
-                "nvmlInit",
-                None,
-                f"NVML did not initialise within {self.init_timeout_s:g}s.\n"
-                "HINT: enable persistence mode (`nvidia-smi -pm 1`) so the driver keeps the GPUs "
-                "initialised, and check `dmesg` for NVRM errors.",
-            ) from None
+            # Kept, not abandoned: if the driver wakes up, the next attempt takes its result.
+            self._init_future = fut
+            raise self._init_timeout_error() from None
         self._gpus = gpus
         self._initialized = True
         log.info("nvml_ready", gpus=len(gpus), uuids=[g.uuid for g in gpus])
@@ -316,6 +317,15 @@ class NvmlBackend:
                 target=self._event_loop, name="nvml-events", daemon=True
             )
             self._event_thread.start()
+
+    def _init_timeout_error(self) -> NvmlInitError:
+        return NvmlInitError(
+            "nvmlInit",
+            None,
+            f"NVML did not initialise within {self.init_timeout_s:g}s.\n"
+            "HINT: enable persistence mode (`nvidia-smi -pm 1`) so the driver keeps the GPUs "
+            "initialised, and check `dmesg` for NVRM errors.",
+        )
 
     def _init_and_discover(self) -> list[_Gpu]:
         nv = self._nv
@@ -480,7 +490,7 @@ class NvmlBackend:
                 return ()
             gpus = list(self._gpus)
         start = self._clock()
-        waiting: dict[int, Future[GpuSample]] = {}
+        waiting: dict[int, Future[Any]] = {}
         results: dict[int, GpuSample] = {}
         for gpu in gpus:
             if gpu.discovery_error is not None:
@@ -777,6 +787,8 @@ class NvmlBackend:
         try:
             return fut.result(timeout=self.call_timeout_s)
         except FutureTimeoutError:
+            # The GPU's worker is stuck: sample() now reports it lost and queues nothing more.
+            gpu.pending, gpu.pending_since_s = fut, self._clock()
             raise NvmlError(gpu.in_call or "nvml", None, "nvml call timed out") from None
 
     def gpu_uuids(self) -> Sequence[str]:

@@ -418,6 +418,11 @@ def worker_main(
     parser.add_argument("--count", type=int, default=0, help="stop after N samples (0: never)")
     parser.add_argument("--blocks", type=int, default=1, help="grid size (>1: a busy load)")
     parser.add_argument(
+        "--watch-stdin",
+        action="store_true",
+        help="stop when stdin reaches EOF (the parent's pipe closed)",
+    )
+    parser.add_argument(
         "--inject-fault",
         action="store_true",
         help="GPU validation only: fault on purpose (sticky 700, an XID)",
@@ -480,7 +485,9 @@ def _main() -> int:
     configure_logging("info")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    threading.Thread(target=_watch_parent, args=(stop,), daemon=True).start()
+    # Only on request: a worker started by hand in the background must not read the terminal.
+    if "--watch-stdin" in sys.argv[1:]:
+        threading.Thread(target=_watch_parent, args=(stop,), daemon=True).start()
     return worker_main(sys.argv[1:], stop=stop)
 
 
@@ -633,6 +640,7 @@ class ProbeManager:
             repr(c.period_s),
             "--cycles",
             str(c.kernel_spin_cycles),
+            "--watch-stdin",
         ]
 
     def start(self, gpu_uuid: str, env: Mapping[str, str]) -> None:
