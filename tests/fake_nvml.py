@@ -141,6 +141,10 @@ class FakeNvmlLib:
         return self.gpus[handle.index]
 
     # --- init
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._enter("nvmlSystemGetDriverVersion")
+        return "550.54.15"
+
     def nvmlInit(self) -> None:
         self._enter("nvmlInit")
         if self.init_delay_s:

@@ -868,3 +868,19 @@ if TYPE_CHECKING:  # the adapter implements the Protocols the daemon holds it by
 
 if __name__ == "__main__":
     sys.exit(_main())
+
+
+def host_status() -> tuple[bool, str, str]:
+    """Whether NVML initialises on this host: ``(ok, what was seen, hint)`` for ``gpushare doctor``."""
+    backend = NvmlBackend(events=False, init_timeout_s=10.0, call_timeout_s=5.0)
+    try:
+        uuids = backend.gpu_uuids()
+        driver = _text(backend._nv.nvmlSystemGetDriverVersion())
+    except NvmlInitError as exc:
+        message, _, hint = str(exc).partition("HINT: ")
+        return False, message.strip(), hint.strip()
+    except Exception as exc:  # noqa: BLE001 - the doctor reports any failure as a line, never a crash
+        return False, f"{type(exc).__name__}: {exc}", ""
+    finally:
+        backend.close()
+    return True, f"driver {driver}, {len(uuids)} GPU(s)", ""

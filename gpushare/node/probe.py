@@ -867,3 +867,36 @@ if TYPE_CHECKING:  # ProbeManager is what the daemon holds as its LatencyProbe
 
 if __name__ == "__main__":
     sys.exit(_main())
+
+
+def driver_status() -> tuple[bool, str, str]:
+    """Whether the CUDA driver answers through cuda-python: ``(ok, what was seen, hint)``.
+
+    This is what the latency probe needs; ``gpushare doctor`` shows it.
+    """
+    try:
+        b = load_bindings()
+        cu = b.driver
+        _check("cuInit", cu.cuInit(0))
+        version = _check("cuDriverGetVersion", cu.cuDriverGetVersion())
+        count = _check("cuDeviceGetCount", cu.cuDeviceGetCount())
+    except ProbeUnavailableError as exc:
+        return False, str(exc), ""
+    except driver_missing_errors() as exc:
+        return (
+            False,
+            f"libcuda not found ({exc})",
+            "install the NVIDIA driver; it ships libcuda.so.1",
+        )
+    except ProbeError as exc:
+        return (
+            False,
+            str(exc),
+            "check `nvidia-smi`; a driver/library version mismatch needs a reboot",
+        )
+    major, minor = int(version) // 1000, (int(version) % 1000) // 10
+    return (
+        True,
+        f"CUDA {major}.{minor} driver, {count} device(s), bindings {b.name} {b.version}",
+        "",
+    )
