@@ -1,0 +1,659 @@
+"""Pausing and killing clients: the cgroup v2 freezer, or SIGSTOP/SIGCONT where there is none.
+
+This module owns cgroupfs. Layout (``reference/systemd-cgroups.md`` §5)::
+
+    <base>/                  the daemon's subtree (its delegated unit cgroup, or <mount>/gpushare)
+    <base>/daemon/           the daemon itself, when <base> is its own cgroup (no-internal-process rule)
+    <base>/client-<id>/      one leaf per client; the freezer, cgroup.kill and membership act on it
+
+The cgroup2 mount is found in ``/proc/self/mounts``; on hybrid hosts it is ``/sys/fs/cgroup/unified``,
+so it is never hard-coded. Freezing is asynchronous in the kernel: :meth:`CgroupPauser.freeze` and
+:meth:`CgroupPauser.thaw` write ``cgroup.freeze`` and then wait, with a deadline, for
+``cgroup.events`` to say ``frozen 1``/``frozen 0`` (woken by ``poll`` on the events file).
+
+Limit (DESIGN §2): a frozen client issues no new GPU work, but kernels it already queued still run.
+
+Where no writable cgroup v2 exists, :class:`SignalPauser` stops and continues the client's process
+group; :func:`make_pauser` picks one of the two and says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import math
+import os
+import re
+import select
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import structlog
+
+from gpushare.model import PauseMechanism
+from gpushare.node import procs
+
+log = structlog.get_logger(__name__)
+
+PROC_MOUNTS = Path("/proc/self/mounts")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+
+CLIENT_PREFIX = "client-"
+DAEMON_LEAF = "daemon"
+# Used as the base directory under the cgroup2 root when the daemon is not in a delegated cgroup
+# of its own (started by hand, or a hybrid host where everything sits in the root).
+DEFAULT_SUBTREE = "gpushare"
+
+DEFAULT_FREEZE_TIMEOUT_S = 1.0
+DEFAULT_KILL_TIMEOUT_S = 2.0
+DEFAULT_SIGNAL_WAIT_S = 1.0
+
+# Each round moves what the previous one missed; a workload forking faster than that is pathological.
+_SWEEP_ROUNDS = 5
+_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_OCTAL_ESCAPE_RE = re.compile(r"\\([0-7]{3})")
+
+
+class PauserError(RuntimeError):
+    """A pause, thaw, kill, attach or release could not be done; the message says why."""
+
+
+class FreezeTimeoutError(PauserError):
+    """``cgroup.events`` did not reach the wanted ``frozen`` value before the deadline.
+
+    The request stays written: the kernel finishes a freeze once the last task leaves the kernel
+    (a task blocked in a driver call freezes late). :meth:`CgroupPauser.thaw` cancels it.
+    """
+
+
+class PauserChoice(NamedTuple):
+    """What :func:`make_pauser` picked, and a one-line reason fit for ``status`` and the log."""
+
+    pauser: CgroupPauser | SignalPauser
+    reason: str
+
+
+# ---------------------------------------------------------------------------------------------------
+# Discovery
+
+
+def _unescape_mount_field(field: str) -> str:
+    # /proc/mounts writes space, tab, newline and backslash as octal escapes (\040 …).
+    return _OCTAL_ESCAPE_RE.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def cgroup2_mount(mounts_file: Path = PROC_MOUNTS) -> Path | None:
+    """The mount point of the cgroup v2 hierarchy, or ``None`` where none is mounted.
+
+    Args:
+        mounts_file: the mount table to read; tests pass a copy of a hybrid host's table.
+    """
+    try:
+        text = mounts_file.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and fields[2] == "cgroup2":
+            return Path(_unescape_mount_field(fields[1]))
+    return None
+
+
+def own_cgroup_path(cgroup_file: Path = PROC_SELF_CGROUP) -> str | None:
+    """This process's cgroup v2 path relative to the mount (``/`` on a hybrid host), or ``None``.
+
+    Args:
+        cgroup_file: ``/proc/<pid>/cgroup`` of the process to ask about.
+    """
+    try:
+        text = cgroup_file.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        hierarchy, _controllers, path = line.split(":", 2)
+        if hierarchy == "0":
+            return path
+    return None
+
+
+def own_cgroup(mount: Path | None = None, cgroup_file: Path = PROC_SELF_CGROUP) -> Path | None:
+    """This process's cgroup v2 directory (the ``0::`` line joined to the mount), or ``None``.
+
+    Args:
+        mount: the cgroup2 mount; discovered when not given.
+        cgroup_file: ``/proc/<pid>/cgroup`` of the process to ask about.
+    """
+    mount = mount if mount is not None else cgroup2_mount()
+    rel = own_cgroup_path(cgroup_file)
+    if mount is None or rel is None:
+        return None
+    return mount / rel.lstrip("/") if rel != "/" else mount
+
+
+def default_base_dir(mount: Path | None = None) -> Path | None:
+    """Where the daemon puts client cgroups when the config names no directory.
+
+    Under systemd with ``Delegate=yes`` the daemon's own cgroup is its unit's, and clients go beside
+    it (the daemon itself moves into ``daemon/``, see :func:`move_self_to_leaf`); a daemon already
+    in that leaf uses the leaf's parent. A daemon in the root cgroup (hybrid hosts, containers, a
+    hand start) uses ``<mount>/gpushare``.
+
+    Args:
+        mount: the cgroup2 mount; discovered when not given.
+
+    Returns:
+        The directory, or ``None`` without cgroup v2.
+    """
+    mount = mount if mount is not None else cgroup2_mount()
+    if mount is None:
+        return None
+    own = own_cgroup(mount)
+    if own is None or own == mount:
+        return mount / DEFAULT_SUBTREE
+    if own.name == DAEMON_LEAF:
+        return own.parent
+    return own
+
+
+def move_self_to_leaf(base: Path, leaf: str = DAEMON_LEAF) -> Path | None:
+    """Move this process (every thread) into ``<base>/<leaf>`` when it sits in ``base`` itself.
+
+    cgroup v2 forbids processes in a cgroup whose ``subtree_control`` enables controllers for
+    children, so with ``Delegate=yes`` the daemon must leave its unit cgroup before clients go
+    beside it. A process elsewhere (an ancestor such as the root, which is exempt) is left alone.
+
+    Args:
+        base: the client base directory (see :func:`default_base_dir`).
+        leaf: the name of the daemon's leaf.
+
+    Returns:
+        The leaf the process now lives in, or ``None`` when no move was needed.
+
+    Raises:
+        PauserError: the leaf cannot be created or joined (the message names the path).
+    """
+    own = own_cgroup()
+    if own is None or own.resolve() != base.resolve():
+        return None
+    target = base / leaf
+    try:
+        target.mkdir(exist_ok=True)
+        _write(target / "cgroup.procs", str(os.getpid()))
+    except OSError as exc:
+        raise PauserError(
+            f"cannot move the daemon into {target}: {exc.strerror or exc}; "
+            "run it with Delegate=yes (systemd) or as root"
+        ) from exc
+    log.info("cgroup_daemon_moved", leaf=str(target))
+    return target
+
+
+def _write(path: Path, text: str) -> None:
+    # cgroupfs wants one write() per value; open without O_CREAT so a typo'd path is an error.
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _read_keyed(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        out[key] = value.strip()
+    return out
+
+
+def _read_pids(path: Path) -> list[int]:
+    try:
+        return [int(line) for line in path.read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def check_client_id(client_id: str) -> str:
+    """Return ``client_id`` when it is usable as a cgroup name part, else raise.
+
+    Raises:
+        ValueError: the id is empty, too long or has characters other than ``A-Za-z0-9_.-``.
+    """
+    if not _CLIENT_ID_RE.match(client_id):
+        raise ValueError(
+            f"client id {client_id!r} cannot name a cgroup: use 1-128 characters from "
+            "A-Z a-z 0-9 _ . - starting with a letter or digit"
+        )
+    return client_id
+
+
+# ---------------------------------------------------------------------------------------------------
+# cgroup v2
+
+
+class CgroupPauser:
+    """The cgroup v2 freezer over ``<base>/client-<id>/`` leaves (implements ``Pauser``).
+
+    Args:
+        base: the daemon's subtree; created (one level) if missing.
+        freeze_timeout_s: how long :meth:`freeze`/:meth:`thaw` wait for ``cgroup.events``.
+        kill_timeout_s: how long :meth:`kill` waits for the cgroup to empty.
+
+    Raises:
+        PauserError: ``base`` cannot be created or is not a cgroup v2 directory.
+    """
+
+    mechanism: PauseMechanism = PauseMechanism.CGROUP
+
+    def __init__(
+        self,
+        base: Path,
+        *,
+        freeze_timeout_s: float = DEFAULT_FREEZE_TIMEOUT_S,
+        kill_timeout_s: float = DEFAULT_KILL_TIMEOUT_S,
+    ) -> None:
+        self.base = base
+        self.freeze_timeout_s = freeze_timeout_s
+        self.kill_timeout_s = kill_timeout_s
+        try:
+            base.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise PauserError(
+                f"cannot create the client cgroup base {base}: {exc.strerror or exc}"
+            ) from exc
+        if not (base / "cgroup.procs").exists():
+            raise PauserError(f"{base} is not a cgroup v2 directory (no cgroup.procs)")
+
+    def path(self, client_id: str) -> Path:
+        """The client's cgroup directory (whether or not it exists yet)."""
+        return self.base / f"{CLIENT_PREFIX}{check_client_id(client_id)}"
+
+    def _existing(self, client_id: str) -> Path:
+        path = self.path(client_id)
+        if not path.is_dir():
+            raise PauserError(f"client {client_id} has no cgroup ({path}): attach it first")
+        return path
+
+    def attach(self, client_id: str, pid: int) -> None:
+        """Move ``pid`` and its descendants into the client's cgroup, creating it.
+
+        Children forked after the move are born inside. A workload can fork between its start
+        and this call (a shell wrapper does within a millisecond), so the descendants that exist
+        already are moved too, until a scan finds none outside. Idempotent, so it also re-creates
+        membership for a re-adopted client after a daemon restart.
+
+        Raises:
+            PauserError: the process is gone or the cgroup cannot be joined.
+        """
+        path = self.path(client_id)
+        try:
+            path.mkdir(exist_ok=True)
+            _write(path / "cgroup.procs", str(pid))
+        except OSError as exc:
+            if exc.errno == errno.ESRCH:
+                raise PauserError(
+                    f"cannot attach pid {pid} to {client_id}: no such process"
+                ) from exc
+            raise PauserError(f"cannot attach pid {pid} to {path}: {exc.strerror or exc}") from exc
+        moved = self._sweep_descendants(path, pid)
+        log.debug("cgroup_attached", client_id=client_id, pid=pid, descendants_moved=moved)
+
+    def _sweep_descendants(self, path: Path, pid: int) -> int:
+        moved = 0
+        for _ in range(_SWEEP_ROUNDS):
+            inside = set(_walk_pids(path))
+            outside = [kid for kid in procs.descendants(pid) if kid not in inside]
+            if not outside:
+                break
+            for kid in outside:
+                try:
+                    _write(path / "cgroup.procs", str(kid))
+                    moved += 1
+                except ProcessLookupError:
+                    continue
+                except OSError as exc:
+                    log.warning("cgroup_attach_descendant_failed", pid=kid, error=exc.strerror)
+        return moved
+
+    def freeze(self, client_id: str) -> None:
+        """Freeze the client's cgroup and wait until the kernel reports it frozen.
+
+        Raises:
+            FreezeTimeoutError: not frozen within ``freeze_timeout_s`` (the freeze stays requested).
+            PauserError: the client has no cgroup.
+        """
+        self._set_frozen(client_id, True)
+
+    def thaw(self, client_id: str) -> None:
+        """Thaw the client's cgroup and wait until the kernel reports it thawed.
+
+        Raises:
+            FreezeTimeoutError: still frozen after ``freeze_timeout_s``.
+            PauserError: the client has no cgroup.
+        """
+        self._set_frozen(client_id, False)
+
+    def _set_frozen(self, client_id: str, frozen: bool) -> None:
+        path = self._existing(client_id)
+        want = "1" if frozen else "0"
+        start = time.monotonic()
+        try:
+            _write(path / "cgroup.freeze", want)
+        except OSError as exc:
+            raise PauserError(f"cannot write {path / 'cgroup.freeze'}: {exc.strerror}") from exc
+        if not _wait_event(path / "cgroup.events", "frozen", want, self.freeze_timeout_s):
+            raise FreezeTimeoutError(
+                f"{path} not {'frozen' if frozen else 'thawed'} after {self.freeze_timeout_s} s "
+                "(a task blocked in the kernel freezes when it returns)"
+            )
+        log.debug(
+            "cgroup_frozen" if frozen else "cgroup_thawed",
+            client_id=client_id,
+            wait_ms=round((time.monotonic() - start) * 1e3, 3),
+        )
+
+    def is_frozen(self, client_id: str) -> bool:
+        """Whether the kernel reports the client's cgroup frozen (``False`` without a cgroup)."""
+        try:
+            events = _read_keyed((self.path(client_id) / "cgroup.events").read_text())
+        except FileNotFoundError:
+            return False
+        return events.get("frozen") == "1"
+
+    def kill(self, client_id: str) -> None:
+        """SIGKILL every process in the client's cgroup (also when frozen) and wait for it to empty.
+
+        Uses ``cgroup.kill`` (race-free against fork); on kernels without it, SIGKILLs the members
+        until none is left. Does nothing when the client has no cgroup.
+
+        Raises:
+            PauserError: the cgroup still has processes after ``kill_timeout_s``.
+        """
+        path = self.path(client_id)
+        if not path.is_dir():
+            return
+        deadline = time.monotonic() + self.kill_timeout_s
+        if (path / "cgroup.kill").exists():
+            _write(path / "cgroup.kill", "1")
+            emptied = _wait_event(path / "cgroup.events", "populated", "0", self.kill_timeout_s)
+        else:
+            emptied = self._kill_each(path, deadline)
+        if not emptied:
+            raise PauserError(
+                f"{path} still has processes {self.pids(client_id)} after SIGKILL "
+                f"and {self.kill_timeout_s} s (stuck in the kernel?)"
+            )
+        log.info("cgroup_killed", client_id=client_id)
+
+    def _kill_each(self, path: Path, deadline: float) -> bool:
+        # Without cgroup.kill a fork can race the loop, so repeat until the cgroup stays empty.
+        while True:
+            members = list(_walk_pids(path))
+            if not members:
+                return True
+            for pid in members:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if time.monotonic() >= deadline:
+                return not list(_walk_pids(path))
+            time.sleep(0.005)
+
+    def pids(self, client_id: str) -> Sequence[int]:
+        """Live processes in the client's cgroup and any sub-cgroup it made (empty without one)."""
+        return sorted(_walk_pids(self.path(client_id)))
+
+    def release(self, client_id: str) -> None:
+        """Remove the client's (empty) cgroup; nothing to do when it does not exist.
+
+        Raises:
+            PauserError: processes are still in it (kill them first).
+        """
+        path = self.path(client_id)
+        if not path.is_dir():
+            return
+        left = self.pids(client_id)
+        if left:
+            raise PauserError(f"cannot release {client_id}: processes {left} remain; kill first")
+        # Depth first: a client may have created sub-cgroups of its own.
+        for sub in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
+            _rmdir(sub)
+        _rmdir(path)
+        log.debug("cgroup_released", client_id=client_id)
+
+    def clients(self) -> dict[str, list[int]]:
+        """Existing client cgroups and their processes, for re-adoption after a daemon restart."""
+        out: dict[str, list[int]] = {}
+        try:
+            entries = sorted(self.base.iterdir())
+        except FileNotFoundError:
+            return out
+        for entry in entries:
+            if entry.is_dir() and entry.name.startswith(CLIENT_PREFIX):
+                out[entry.name[len(CLIENT_PREFIX) :]] = sorted(_walk_pids(entry))
+        return out
+
+
+def _rmdir(path: Path) -> None:
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise PauserError(f"cannot remove {path}: {exc.strerror or exc}") from exc
+
+
+def _walk_pids(path: Path) -> Iterator[int]:
+    if not path.is_dir():
+        return
+    yield from _read_pids(path / "cgroup.procs")
+    for sub in path.iterdir():
+        if sub.is_dir():
+            yield from _walk_pids(sub)
+
+
+def _wait_event(events: Path, key: str, want: str, timeout_s: float) -> bool:
+    """Wait until ``key`` in ``cgroup.events`` reads ``want``; False at the deadline.
+
+    The kernel signals every change of the file with POLLPRI|POLLERR; a read re-arms it, so the
+    loop reads before each poll. Each poll is capped so that a missed wake-up costs 50 ms, not
+    the whole timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    fd = os.open(events, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLPRI | select.POLLERR)
+        while True:
+            if _read_keyed(os.pread(fd, 4096, 0).decode()).get(key) == want:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            poller.poll(math.ceil(min(remaining, 0.05) * 1000))
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Signal fallback
+
+
+class SignalPauser:
+    """SIGSTOP/SIGCONT of each client's process group (implements ``Pauser``).
+
+    The fallback where no writable cgroup v2 exists. Weaker than the freezer: a process that leaves
+    its group (``setsid``) escapes, and a stopped process is visible as state ``T`` and can be
+    continued by its owner. Never signals the daemon's own process group.
+
+    Args:
+        wait_s: how long :meth:`freeze` waits for every member to show state ``T``.
+    """
+
+    mechanism: PauseMechanism = PauseMechanism.SIGNAL
+
+    def __init__(self, *, wait_s: float = DEFAULT_SIGNAL_WAIT_S) -> None:
+        self.wait_s = wait_s
+        self._groups: dict[str, int] = {}
+
+    def attach(self, client_id: str, pid: int) -> None:
+        """Remember ``pid``'s process group as the client's (also for re-adoption).
+
+        Raises:
+            PauserError: the process is gone, or it shares the daemon's own process group.
+        """
+        check_client_id(client_id)
+        try:
+            pgid = os.getpgid(pid)
+        except ProcessLookupError as exc:
+            raise PauserError(f"cannot attach pid {pid} to {client_id}: no such process") from exc
+        if pgid == os.getpgrp():
+            # Stopping that group would stop the daemon itself.
+            raise PauserError(
+                f"pid {pid} is in the daemon's own process group {pgid}: "
+                "start clients in a new session (spawn(..., new_session=True))"
+            )
+        self._groups[client_id] = pgid
+        log.debug("signal_attached", client_id=client_id, pid=pid, pgid=pgid)
+
+    def _pgid(self, client_id: str) -> int:
+        try:
+            return self._groups[client_id]
+        except KeyError:
+            raise PauserError(f"client {client_id} is not attached: attach it first") from None
+
+    def _signal(self, client_id: str, sig: signal.Signals) -> bool:
+        try:
+            os.killpg(self._pgid(client_id), sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def freeze(self, client_id: str) -> None:
+        """SIGSTOP the client's group and wait until every member is stopped.
+
+        Raises:
+            FreezeTimeoutError: a member is not stopped after ``wait_s``.
+            PauserError: the client is not attached.
+        """
+        if not self._signal(client_id, signal.SIGSTOP):
+            return
+        pgid = self._pgid(client_id)
+        deadline = time.monotonic() + self.wait_s
+        while not all(procs.is_stopped(pid) for pid in procs.group_members(pgid)):
+            if time.monotonic() >= deadline:
+                raise FreezeTimeoutError(f"process group {pgid} not stopped after {self.wait_s} s")
+            time.sleep(0.001)
+        log.debug("signal_frozen", client_id=client_id, pgid=pgid)
+
+    def thaw(self, client_id: str) -> None:
+        """SIGCONT the client's process group.
+
+        Raises:
+            PauserError: the client is not attached.
+        """
+        self._signal(client_id, signal.SIGCONT)
+        log.debug("signal_thawed", client_id=client_id)
+
+    def kill(self, client_id: str) -> None:
+        """SIGKILL the client's process group (a stopped process dies too).
+
+        Raises:
+            PauserError: the client is not attached.
+        """
+        self._signal(client_id, signal.SIGKILL)
+        log.info("signal_killed", client_id=client_id)
+
+    def is_frozen(self, client_id: str) -> bool:
+        """Whether every live member of the client's group is stopped (``False`` if none)."""
+        pgid = self._groups.get(client_id)
+        if pgid is None:
+            return False
+        members = procs.group_members(pgid)
+        return bool(members) and all(procs.is_stopped(pid) for pid in members)
+
+    def pids(self, client_id: str) -> Sequence[int]:
+        """Live members of the client's process group (empty when not attached)."""
+        pgid = self._groups.get(client_id)
+        return [] if pgid is None else procs.group_members(pgid)
+
+    def release(self, client_id: str) -> None:
+        """Forget the client."""
+        self._groups.pop(client_id, None)
+
+    def clients(self) -> dict[str, list[int]]:
+        """Attached clients and their live processes (empty after a daemon restart)."""
+        return {cid: procs.group_members(pgid) for cid, pgid in sorted(self._groups.items())}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Choice
+
+
+def make_pauser(
+    base: Path | None = None,
+    *,
+    freeze_timeout_s: float = DEFAULT_FREEZE_TIMEOUT_S,
+    kill_timeout_s: float = DEFAULT_KILL_TIMEOUT_S,
+) -> PauserChoice:
+    """The cgroup freezer where a writable cgroup v2 exists, else the signal fallback, and why.
+
+    The check is real: it creates and removes a probe cgroup under ``base`` and looks for
+    ``cgroup.freeze`` in it (the root cgroup has none, and read-only or foreign trees refuse).
+
+    Args:
+        base: the client base directory; :func:`default_base_dir` when ``None``.
+        freeze_timeout_s: passed to :class:`CgroupPauser`.
+        kill_timeout_s: passed to :class:`CgroupPauser`.
+    """
+    mount = cgroup2_mount()
+    chosen = base if base is not None else default_base_dir(mount)
+    reason = _cgroup_unusable(chosen, mount)
+    if reason is None and chosen is not None:
+        pauser = CgroupPauser(
+            chosen, freeze_timeout_s=freeze_timeout_s, kill_timeout_s=kill_timeout_s
+        )
+        log.info("pauser_chosen", mechanism=pauser.mechanism.value, base=str(chosen))
+        return PauserChoice(pauser, f"cgroup v2 freezer under {chosen}")
+    log.warning("pauser_chosen", mechanism=PauseMechanism.SIGNAL.value, reason=reason)
+    return PauserChoice(SignalPauser(), f"SIGSTOP/SIGCONT of process groups: {reason}")
+
+
+def _cgroup_unusable(base: Path | None, mount: Path | None) -> str | None:
+    if mount is None or base is None:
+        return "no cgroup2 filesystem in /proc/self/mounts"
+    if not _is_within(base, mount):
+        return f"{base} is not under the cgroup2 mount {mount}"
+    if not base.parent.is_dir():
+        return f"{base.parent} does not exist"
+    created = False
+    try:
+        if not base.is_dir():
+            base.mkdir()
+            created = True
+        probe = base / f".probe-{os.getpid()}"
+        probe.mkdir()
+        try:
+            if not (probe / "cgroup.freeze").exists():
+                return f"{base} has no cgroup.freeze (kernel older than 5.2?)"
+            if not os.access(base / "cgroup.procs", os.W_OK):
+                return f"{base}/cgroup.procs is not writable"
+        finally:
+            probe.rmdir()
+    except OSError as exc:
+        return f"cannot create cgroups under {base}: {exc.strerror or exc}"
+    finally:
+        # Leave nothing behind when the answer is "no"; a usable base is kept for the pauser.
+        if created and not (base / "cgroup.freeze").exists():
+            with contextlib.suppress(OSError):
+                base.rmdir()
+    return None
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,427 @@
+"""Processes: spawning workloads as their submitter, identity across restarts, and exit noticing.
+
+This module owns ``/proc``, psutil, process spawning and uid switching (DESIGN §3, D9).
+
+- :func:`spawn` runs an argv (never a shell) as a given uid/gid with that user's groups only, in a
+  new session, stdin from ``/dev/null`` and stdout+stderr into a log file owned by the user.
+- :func:`process_start_time` and :func:`is_same_process` tell a live client from a recycled pid
+  when the daemon re-adopts clients after a restart (DESIGN D6).
+- :class:`ExitWatcher` notices exits on its own thread through pidfds (``poll``, no busy loop):
+  children report their exit code, adopted non-children report ``None`` (unknowable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import pwd
+import queue
+import select
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import psutil
+import structlog
+
+from gpushare.node.notify import clean_env
+
+log = structlog.get_logger(__name__)
+
+# psutil's create_time comes from /proc/<pid>/stat start ticks (10 ms on Linux) plus the boot
+# time; allow a little more than one tick so that two readings of one process always match.
+START_TIME_TOLERANCE_S = 0.02
+
+
+class SpawnError(OSError):
+    """A workload could not be started; the message names the command and the fix."""
+
+
+class Exit(NamedTuple):
+    """One exit noticed by :class:`ExitWatcher`.
+
+    ``exit_code`` follows ``Popen.returncode``: the status for a normal exit, ``-N`` for death by
+    signal N, and ``None`` when the process was not our child (its status went to its parent).
+    """
+
+    pid: int
+    exit_code: int | None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Users and groups
+
+
+def user_name(uid: int) -> str:
+    """The login name of ``uid``, or the number as text when it has no passwd entry."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def user_groups(uid: int, gid: int) -> list[int]:
+    """The groups ``uid`` gets at login (primary ``gid`` first); just ``[gid]`` without an entry."""
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return [gid]
+    groups = os.getgrouplist(name, gid)
+    return [gid, *sorted(set(groups) - {gid})]
+
+
+def user_in_group(uid: int, group_name: str) -> bool:
+    """Whether ``uid`` belongs to ``group_name``, as primary or supplementary group.
+
+    An unknown group or a uid without a passwd entry is not a member.
+    """
+    try:
+        group = grp.getgrnam(group_name)
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    if entry.pw_gid == group.gr_gid or entry.pw_name in group.gr_mem:
+        return True
+    # getgrouplist also asks NSS sources that do not list members in the group entry.
+    return group.gr_gid in os.getgrouplist(entry.pw_name, entry.pw_gid)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Spawning
+
+
+def open_log(log_path: Path, uid: int, gid: int) -> int:
+    """Open (append, create 0640) a client log file owned by ``uid:gid``; return the descriptor.
+
+    Refuses to follow a symlink at the final component, so a user cannot point the daemon's
+    root-opened log at a file of their choosing.
+
+    Raises:
+        SpawnError: the file cannot be opened or handed to the user.
+    """
+    try:
+        fd = os.open(
+            log_path,
+            os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o640,
+        )
+    except OSError as exc:
+        raise SpawnError(
+            exc.errno, f"cannot open client log {log_path}: {exc.strerror}; check client_log_dir"
+        ) from exc
+    try:
+        if os.geteuid() == 0:
+            os.fchown(fd, uid, gid)
+    except OSError as exc:
+        os.close(fd)
+        raise SpawnError(exc.errno, f"cannot chown client log {log_path}: {exc.strerror}") from exc
+    return fd
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    uid: int,
+    gid: int,
+    groups: Sequence[int] | None = None,
+    cwd: str | os.PathLike[str],
+    env: Mapping[str, str],
+    log_path: Path | None,
+    new_session: bool = True,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as ``uid:gid``, never with more privilege than that user.
+
+    The child gets exactly ``groups`` (default: the user's login groups) as supplementary groups,
+    ``env`` minus systemd's notify variables, stdin ``/dev/null``, and stdout+stderr appended to
+    ``log_path`` (``/dev/null`` when ``None``). ``argv[0]`` is looked up in ``env["PATH"]``.
+    Nothing goes through a shell.
+
+    Args:
+        argv: the command and its arguments.
+        uid: the submitter's uid.
+        gid: the submitter's primary gid.
+        groups: supplementary groups; ``None`` means :func:`user_groups`.
+        cwd: the working directory (the submitter's).
+        env: the complete environment of the child.
+        log_path: where output goes; created 0640 and owned by ``uid:gid``.
+        new_session: start a new session (and process group), so the client can be paused and
+            killed as a group and does not get the daemon's terminal signals.
+
+    Returns:
+        The running child.
+
+    Raises:
+        ValueError: ``argv`` is empty.
+        SpawnError: the command, its directory or the user switch failed (message says which).
+    """
+    if not argv:
+        raise ValueError("empty command: give the program to run after '--'")
+    argv = [os.fspath(a) for a in argv]
+    supplementary = list(groups) if groups is not None else user_groups(uid, gid)
+    # Root drops to the submitter completely (also when the submitter is root: only root's own
+    # login groups remain); anyone else can only start its own workloads.
+    as_root = os.geteuid() == 0
+    if not as_root and (uid != os.geteuid() or gid != os.getegid()):
+        raise SpawnError(
+            1,
+            f"cannot start a workload as uid {uid} gid {gid} from uid {os.geteuid()}: "
+            "the daemon must run as root to launch other users' workloads",
+        )
+    out_fd = open_log(log_path, uid, gid) if log_path is not None else None
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out_fd if out_fd is not None else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=clean_env(env),
+            close_fds=True,
+            start_new_session=new_session,
+            user=uid if as_root else None,
+            group=gid if as_root else None,
+            extra_groups=supplementary if as_root else None,
+        )
+    except FileNotFoundError as exc:
+        missing = exc.filename if exc.filename is not None else argv[0]
+        where = "working directory" if os.fspath(missing) == os.fspath(cwd) else "command"
+        raise SpawnError(
+            exc.errno,
+            f"cannot run {argv[0]!r}: {where} {missing!r} not found "
+            f"(the command is looked up in the submitter's PATH)",
+        ) from exc
+    except PermissionError as exc:
+        raise SpawnError(
+            exc.errno,
+            f"cannot run {argv[0]!r} as {user_name(uid)}: permission denied "
+            "(is it executable, and is the working directory readable by that user?)",
+        ) from exc
+    except OSError as exc:
+        raise SpawnError(exc.errno, f"cannot run {argv[0]!r}: {exc.strerror or exc}") from exc
+    finally:
+        if out_fd is not None:
+            os.close(out_fd)
+    log.info("process_spawned", pid=proc.pid, uid=uid, gid=gid, argv0=argv[0])
+    return proc
+
+
+# ---------------------------------------------------------------------------------------------------
+# Identity and /proc
+
+
+def process_start_time(pid: int) -> float | None:
+    """When ``pid`` started (seconds since the epoch, psutil ``create_time``), or ``None`` if gone."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def is_same_process(pid: int, start_time: float) -> bool:
+    """Whether ``pid`` still runs and is the process that started at ``start_time``.
+
+    A recycled pid has another start time; a zombie has finished and does not count.
+    """
+    try:
+        proc = psutil.Process(pid)
+        same = abs(proc.create_time() - start_time) <= START_TIME_TOLERANCE_S
+        return same and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def process_uid(pid: int) -> int | None:
+    """The real uid of ``pid``, or ``None`` when it is gone."""
+    try:
+        return psutil.Process(pid).uids().real
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendants of ``pid`` (children, grandchildren, …); empty when it is gone."""
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+    return sorted(kid.pid for kid in kids)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
+    out: list[int] = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        stat = _stat_fields(int(entry.name))
+        # fields after "comm": [0] state, [1] ppid, [2] pgrp
+        if stat is not None and int(stat[2]) == pgid and stat[0] != "Z":
+            out.append(int(entry.name))
+    return sorted(out)
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (state ``T``); ``True`` for a gone process.
+
+    A gone process cannot run, which is what the caller waiting for a stop wants to know.
+    """
+    stat = _stat_fields(pid)
+    return stat is None or stat[0] in ("T", "Z", "X")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm may contain spaces and parentheses; everything after the last ")" is well-formed.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exit noticing
+
+
+class ExitWatcher:
+    """Notices process exits on its own thread and reports each one once.
+
+    Every watched process is held by a pidfd (``os.pidfd_open``); one ``poll`` covers them all and
+    a pipe wakes it for new processes and for :meth:`stop`. When a pidfd turns readable the process
+    has exited: a child is reaped (``Popen.poll`` or ``waitpid``) and its exit code reported; a
+    non-child (adopted after a daemon restart) is reported with ``None``.
+
+    Args:
+        on_exit: called as ``on_exit(pid, exit_code)`` on the watcher thread; without it, exits
+            are put on :attr:`exits` as :class:`Exit` tuples.
+    """
+
+    def __init__(self, on_exit: Callable[[int, int | None], None] | None = None) -> None:
+        self.exits: queue.Queue[Exit] = queue.Queue()
+        self._on_exit = on_exit
+        self._lock = threading.Lock()
+        self._watched: dict[int, tuple[int, subprocess.Popen[bytes] | None, bool]] = {}
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="exit-watcher", daemon=True)
+        self._started = False
+
+    def start(self) -> ExitWatcher:
+        """Start the watcher thread; returns ``self``."""
+        self._started = True
+        self._thread.start()
+        return self
+
+    def watch(self, proc: subprocess.Popen[bytes] | int, start_time: float | None = None) -> None:
+        """Report when ``proc`` exits.
+
+        Args:
+            proc: a ``Popen`` (its exit code is reaped through it) or a pid. A pid of our own child
+                is reaped with ``waitpid``; any other pid is watched without an exit code.
+            start_time: for a pid, the start time recorded earlier; when it no longer matches (the
+                pid was recycled) the exit is reported at once.
+        """
+        pid = proc if isinstance(proc, int) else proc.pid
+        popen = None if isinstance(proc, int) else proc
+        is_child = popen is not None or _is_child(pid)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._report(pid, self._reap(pid, popen, is_child))
+            return
+        if start_time is not None and not is_child and not is_same_process(pid, start_time):
+            # The pidfd pins whatever holds the pid now, which is not the process we were asked
+            # about: that one is already gone.
+            os.close(pidfd)
+            self._report(pid, None)
+            return
+        with self._lock:
+            old = self._watched.pop(pid, None)
+            self._watched[pid] = (pidfd, popen, is_child)
+        if old is not None:
+            os.close(old[0])
+        self._wake()
+
+    def unwatch(self, pid: int) -> None:
+        """Stop watching ``pid`` without reporting it."""
+        with self._lock:
+            entry = self._watched.pop(pid, None)
+        if entry is not None:
+            os.close(entry[0])
+            self._wake()
+
+    def watched(self) -> list[int]:
+        """The pids being watched."""
+        with self._lock:
+            return sorted(self._watched)
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread and close every pidfd; pending exits are no longer reported."""
+        self._stopping = True
+        self._wake()
+        if self._started:
+            self._thread.join(timeout_s)
+        with self._lock:
+            entries, self._watched = list(self._watched.values()), {}
+        for pidfd, _popen, _child in entries:
+            os.close(pidfd)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        while not self._stopping:
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            with self._lock:
+                by_fd = {fd: pid for pid, (fd, _p, _c) in self._watched.items()}
+            for fd in by_fd:
+                poller.register(fd, select.POLLIN)
+            for fd, _events in poller.poll():
+                if fd == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                    continue
+                pid = by_fd[fd]
+                with self._lock:
+                    entry = self._watched.get(pid)
+                    if entry is None or entry[0] != fd:
+                        continue  # unwatched or replaced since the poll set was built
+                    del self._watched[pid]
+                os.close(fd)
+                _pidfd, popen, is_child = entry
+                self._report(pid, self._reap(pid, popen, is_child))
+
+    @staticmethod
+    def _reap(pid: int, popen: subprocess.Popen[bytes] | None, is_child: bool) -> int | None:
+        if popen is not None:
+            return popen.wait()
+        if not is_child:
+            return None
+        try:
+            _pid, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            return None  # someone else reaped it
+        return os.waitstatus_to_exitcode(status)
+
+    def _report(self, pid: int, exit_code: int | None) -> None:
+        log.debug("process_exited", pid=pid, exit_code=exit_code)
+        if self._on_exit is None:
+            self.exits.put(Exit(pid, exit_code))
+            return
+        try:
+            self._on_exit(pid, exit_code)
+        except Exception:
+            # A failing callback must not end exit noticing for every other client.
+            log.exception("exit_callback_failed", pid=pid)
+
+
+def _is_child(pid: int) -> bool:
+    stat = _stat_fields(pid)
+    return stat is not None and int(stat[1]) == os.getpid()

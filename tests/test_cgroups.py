@@ -1,0 +1,535 @@
+"""gpushare.node.cgroups against the real cgroup v2 hierarchy and real processes.
+
+Every test that touches cgroupfs works under its own ``gpushare-test-<pid>-<rand>`` directory next to
+this process's cgroup, and the fixture kills and removes everything under it at teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpushare.model import PauseMechanism
+from gpushare.node import cgroups
+from gpushare.node.cgroups import (
+    CgroupPauser,
+    FreezeTimeoutError,
+    PauserError,
+    SignalPauser,
+    cgroup2_mount,
+    make_pauser,
+    own_cgroup,
+)
+
+BUSY = [sys.executable, "-c", "while True: pass"]
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def _cgroup_skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create cgroups (run the suite as root)"
+    mount = cgroup2_mount()
+    if mount is None:
+        return "no cgroup2 filesystem is mounted (see /proc/self/mounts)"
+    own = own_cgroup(mount)
+    if own is None or not os.access(own, os.W_OK):
+        return f"this process's cgroup {own} is not writable"
+    return None
+
+
+CGROUP_SKIP = _cgroup_skip_reason()
+needs_cgroup = pytest.mark.skipif(CGROUP_SKIP is not None, reason=CGROUP_SKIP or "")
+
+
+def _kill_tree(path: Path) -> None:
+    for sub in [*sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True), path]:
+        if (sub / "cgroup.kill").exists():
+            with contextlib.suppress(OSError):
+                (sub / "cgroup.kill").write_text("1")
+        for line in (sub / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line), signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    for sub in [*sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True), path]:
+        while True:
+            try:
+                sub.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+
+@pytest.fixture
+def cg_base() -> Iterator[Path]:
+    """A fresh directory beside this process's cgroup; killed and removed at teardown."""
+    if CGROUP_SKIP is not None:
+        pytest.skip(CGROUP_SKIP)
+    own = own_cgroup()
+    assert own is not None
+    base = own / f"gpushare-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield base
+    if base.exists():
+        _kill_tree(base)
+
+
+@pytest.fixture
+def pauser(cg_base: Path) -> CgroupPauser:
+    return CgroupPauser(cg_base, freeze_timeout_s=2.0)
+
+
+class Children:
+    """Processes started by a test; every one is killed and reaped at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, start_new_session=True, **kwargs)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def children() -> Iterator[Children]:
+    kids = Children()
+    yield kids
+    kids.cleanup()
+
+
+def _cpu_s(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def _cpu_over(pid: int, seconds: float) -> float:
+    before = _cpu_s(pid)
+    time.sleep(seconds)
+    return _cpu_s(pid) - before
+
+
+def _wait_running_cpu(pid: int, want_s: float = 0.05, limit_s: float = 10.0) -> float:
+    # The machine is shared: wait for the child to get some CPU rather than assume a rate.
+    start = _cpu_s(pid)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        gained = _cpu_s(pid) - start
+        if gained >= want_s:
+            return gained
+    return _cpu_s(pid) - start
+
+
+def _wait_for(predicate: object, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# ---------------------------------------------------------------------------------------------------
+# Discovery (parsing fixtures: real file formats, written to disk)
+
+HYBRID_MOUNTS = """\
+sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0
+tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
+cgroup /sys/fs/cgroup/freezer cgroup rw,relatime,freezer 0 0
+cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0
+"""
+
+
+def test_cgroup2_mount_finds_hybrid_unified(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text(HYBRID_MOUNTS)
+    assert cgroup2_mount(mounts) == Path("/sys/fs/cgroup/unified")
+
+
+def test_cgroup2_mount_unescapes_spaces(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text("cgroup2 /mnt/my\\040cgroups cgroup2 rw 0 0\n")
+    assert cgroup2_mount(mounts) == Path("/mnt/my cgroups")
+
+
+def test_cgroup2_mount_none_on_v1_only_host(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text("cgroup /sys/fs/cgroup/freezer cgroup rw,freezer 0 0\n")
+    assert cgroup2_mount(mounts) is None
+    assert cgroup2_mount(tmp_path / "missing") is None
+
+
+def test_own_cgroup_joins_v2_line_to_mount(tmp_path: Path) -> None:
+    cg = tmp_path / "cgroup"
+    cg.write_text("4:memory:/x\n0::/system.slice/gpushare.service\n")
+    assert own_cgroup(Path("/sys/fs/cgroup"), cg) == Path(
+        "/sys/fs/cgroup/system.slice/gpushare.service"
+    )
+    cg.write_text("1:cpu:/\n0::/\n")
+    assert own_cgroup(Path("/sys/fs/cgroup/unified"), cg) == Path("/sys/fs/cgroup/unified")
+    cg.write_text("1:cpu:/\n")
+    assert own_cgroup(Path("/sys/fs/cgroup"), cg) is None
+
+
+def test_real_mount_matches_proc_mounts() -> None:
+    listed = [
+        line.split()[1]
+        for line in Path("/proc/self/mounts").read_text().splitlines()
+        if line.split()[2] == "cgroup2"
+    ]
+    found = cgroup2_mount()
+    if not listed:
+        assert found is None
+    else:
+        assert found == Path(listed[0].replace("\\040", " "))
+        assert (found / "cgroup.procs").exists()
+        own = own_cgroup(found)
+        assert own is not None
+        assert str(os.getpid()) in (own / "cgroup.procs").read_text().split()
+
+
+def test_default_base_dir_layout(tmp_path: Path) -> None:
+    mount = cgroup2_mount()
+    if mount is None:
+        pytest.skip("no cgroup2 filesystem is mounted")
+    own = own_cgroup(mount)
+    base = cgroups.default_base_dir(mount)
+    if own == mount:
+        assert base == mount / cgroups.DEFAULT_SUBTREE
+    elif own is not None and own.name == cgroups.DAEMON_LEAF:
+        assert base == own.parent
+    else:
+        assert base == own
+
+
+def test_bad_client_id_is_refused_and_creates_nothing(pauser: CgroupPauser) -> None:
+    for bad in ["", "../escape", "a/b", ".hidden", "x" * 129, "sp ace"]:
+        with pytest.raises(ValueError, match="cannot name a cgroup"):
+            pauser.attach(bad, os.getpid())
+    assert pauser.clients() == {}
+    assert [p.name for p in pauser.base.iterdir() if p.is_dir()] == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# The freezer on the real hierarchy
+
+
+@needs_cgroup
+def test_freeze_stops_and_thaw_resumes_busy_child(pauser: CgroupPauser, children: Children) -> None:
+    proc = children.start(BUSY)
+    pauser.attach("busy", proc.pid)
+    assert pauser.pids("busy") == [proc.pid]
+    assert _wait_running_cpu(proc.pid) >= 0.05, "busy child never got CPU"
+
+    pauser.freeze("busy")
+    assert pauser.is_frozen("busy")
+    assert (pauser.path("busy") / "cgroup.events").read_text().split("frozen ")[1][0] == "1"
+    frozen_cpu = _cpu_over(proc.pid, 0.5)
+
+    pauser.thaw("busy")
+    assert not pauser.is_frozen("busy")
+    thawed_cpu = _wait_running_cpu(proc.pid, want_s=0.05)
+
+    # One 10 ms clock tick of slack for the accounting; a running busy loop gets far more.
+    assert frozen_cpu <= 0.01, f"frozen child used {frozen_cpu:.3f} s CPU in 0.5 s"
+    assert thawed_cpu >= 0.05, f"thawed child used only {thawed_cpu:.3f} s CPU"
+    assert proc.poll() is None
+
+
+@needs_cgroup
+def test_freeze_covers_children_forked_later(pauser: CgroupPauser, children: Children) -> None:
+    # The parent forks a busy child after attach: cgroup membership is inherited.
+    script = (
+        "import os, sys, time\n"
+        "sys.stdin.readline()\n"
+        "if os.fork() == 0:\n"
+        "    while True: pass\n"
+        "time.sleep(60)\n"
+    )
+    proc = children.start([sys.executable, "-c", script], stdin=subprocess.PIPE)
+    pauser.attach("tree", proc.pid)
+    assert proc.stdin is not None
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
+    assert _wait_for(lambda: len(pauser.pids("tree")) == 2)
+    kid = next(p for p in pauser.pids("tree") if p != proc.pid)
+    assert _wait_running_cpu(kid) >= 0.05
+    pauser.freeze("tree")
+    assert _cpu_over(kid, 0.4) <= 0.01
+    pauser.thaw("tree")
+    assert _wait_running_cpu(kid) >= 0.05
+
+
+@needs_cgroup
+def test_freeze_timeout_when_events_never_flip(pauser: CgroupPauser, children: Children) -> None:
+    # A zero deadline cannot be met by a running busy task; the error says what happened and the
+    # request stays in place, so a later thaw is what cancels it.
+    proc = children.start(BUSY)
+    pauser.attach("slow", proc.pid)
+    quick = CgroupPauser(pauser.base, freeze_timeout_s=0.0)
+    timed_out = False
+    try:
+        quick.freeze("slow")
+    except FreezeTimeoutError as exc:
+        timed_out = "not frozen" in str(exc)
+    # The kernel may freeze it before our first read: allowed, but then it must be real.
+    assert timed_out or quick.is_frozen("slow")
+    assert (pauser.path("slow") / "cgroup.freeze").read_text().strip() == "1"
+    pauser.thaw("slow")
+    assert not pauser.is_frozen("slow")
+
+
+@needs_cgroup
+def test_freeze_unknown_client_is_an_error(pauser: CgroupPauser) -> None:
+    with pytest.raises(PauserError, match="attach it first"):
+        pauser.freeze("nobody-here")
+    with pytest.raises(PauserError, match="attach it first"):
+        pauser.thaw("nobody-here")
+    assert not pauser.is_frozen("nobody-here")
+
+
+@needs_cgroup
+def test_kill_kills_whole_tree_even_when_frozen(pauser: CgroupPauser, children: Children) -> None:
+    proc = children.start(["sh", "-c", "sleep 60 & sleep 60 & (sleep 60 &) ; wait"])
+    pauser.attach("tree", proc.pid)
+    assert _wait_for(lambda: len(pauser.pids("tree")) >= 4), pauser.pids("tree")
+    members = list(pauser.pids("tree"))
+    pauser.freeze("tree")
+    pauser.kill("tree")
+    assert pauser.pids("tree") == []
+    assert "populated 0" in (pauser.path("tree") / "cgroup.events").read_text()
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+    assert _wait_for(lambda: all(_gone(pid) for pid in members))
+    pauser.release("tree")
+    assert not pauser.path("tree").exists()
+
+
+@needs_cgroup
+def test_kill_without_cgroup_kill_file_falls_back_to_sigkill(
+    pauser: CgroupPauser, children: Children
+) -> None:
+    proc = children.start(["sh", "-c", "sleep 60 & wait"])
+    pauser.attach("old", proc.pid)
+    assert _wait_for(lambda: len(pauser.pids("old")) == 2)
+    # Exercise the per-pid path as on kernels before 5.14 (no cgroup.kill).
+    assert pauser._kill_each(pauser.path("old"), time.monotonic() + 5)
+    assert pauser.pids("old") == []
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+
+
+@needs_cgroup
+def test_attach_pids_release_and_clients(pauser: CgroupPauser, children: Children) -> None:
+    a = children.start(SLEEPER)
+    b = children.start(SLEEPER)
+    pauser.attach("a", a.pid)
+    pauser.attach("b", b.pid)
+    pauser.attach("a", a.pid)  # idempotent
+    assert pauser.pids("a") == [a.pid]
+    assert pauser.clients() == {"a": [a.pid], "b": [b.pid]}
+    own = f"0::/{pauser.path('a').relative_to(cgroup2_mount() or Path('/'))}"
+    assert own in Path(f"/proc/{a.pid}/cgroup").read_text()
+
+    with pytest.raises(PauserError, match="kill first"):
+        pauser.release("a")
+    assert pauser.path("a").exists()
+
+    pauser.kill("a")
+    a.wait(timeout=5)
+    pauser.release("a")
+    pauser.release("a")  # nothing left: a no-op
+    assert not pauser.path("a").exists()
+    assert pauser.clients() == {"b": [b.pid]}
+    assert pauser.pids("a") == []
+
+
+@needs_cgroup
+def test_attach_gone_pid_is_an_error(pauser: CgroupPauser, children: Children) -> None:
+    proc = children.start(["true"])
+    proc.wait(timeout=5)
+    with pytest.raises(PauserError, match="no such process"):
+        pauser.attach("gone", proc.pid)
+
+
+@needs_cgroup
+def test_readoption_after_restart(cg_base: Path, children: Children) -> None:
+    # One pauser "dies" with a frozen client; a new one over the same base sees it, attaches the
+    # recorded pid again and can thaw and kill it.
+    first = CgroupPauser(cg_base)
+    proc = children.start(BUSY)
+    first.attach("survivor", proc.pid)
+    first.freeze("survivor")
+    del first
+
+    second = CgroupPauser(cg_base)
+    assert second.clients() == {"survivor": [proc.pid]}
+    assert second.is_frozen("survivor")
+    second.attach("survivor", proc.pid)
+    second.thaw("survivor")
+    assert _wait_running_cpu(proc.pid) >= 0.05
+    second.kill("survivor")
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+    second.release("survivor")
+    assert second.clients() == {}
+
+
+@needs_cgroup
+def test_move_self_to_leaf_in_subprocess(cg_base: Path, children: Children) -> None:
+    # The daemon's situation under Delegate=yes: it starts in the base cgroup itself and must move
+    # into a leaf before clients go beside it. Done in a child so the test runner stays put.
+    CgroupPauser(cg_base)
+    script = (
+        "import json, os, sys\n"
+        "from pathlib import Path\n"
+        "import structlog\n"
+        "structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))\n"
+        "from gpushare.node import cgroups\n"
+        "base = Path(sys.argv[1])\n"
+        "(base / 'cgroup.procs').write_text(str(os.getpid()))\n"
+        "before = cgroups.own_cgroup()\n"
+        "moved = cgroups.move_self_to_leaf(base)\n"
+        "again = cgroups.move_self_to_leaf(base)\n"
+        "print(json.dumps([str(before), str(moved), str(again), str(cgroups.own_cgroup()),\n"
+        "                  str(cgroups.default_base_dir())]), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    proc = children.start(
+        [sys.executable, "-c", script, str(cg_base)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    before, moved, again, after, default = json.loads(proc.stdout.readline())
+    assert before == str(cg_base)
+    assert moved == str(cg_base / "daemon")
+    assert again == "None"
+    assert after == str(cg_base / "daemon")
+    assert default == str(cg_base)  # a daemon in its leaf still puts clients beside it
+    assert (cg_base / "cgroup.procs").read_text() == ""
+
+
+@needs_cgroup
+def test_move_self_to_leaf_noop_outside_base(cg_base: Path) -> None:
+    CgroupPauser(cg_base)
+    assert cgroups.move_self_to_leaf(cg_base) is None
+    assert not (cg_base / "daemon").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# make_pauser
+
+
+@needs_cgroup
+def test_make_pauser_picks_cgroup_when_writable(cg_base: Path) -> None:
+    choice = make_pauser(cg_base)
+    assert choice.pauser.mechanism is PauseMechanism.CGROUP
+    assert isinstance(choice.pauser, CgroupPauser)
+    assert str(cg_base) in choice.reason
+    assert [p for p in cg_base.iterdir() if p.is_dir()] == []  # the probe cgroup is gone
+
+
+def test_make_pauser_falls_back_outside_cgroupfs(tmp_path: Path) -> None:
+    pauser, reason = make_pauser(tmp_path / "clients")
+    assert pauser.mechanism is PauseMechanism.SIGNAL
+    assert isinstance(pauser, SignalPauser)
+    assert "not under the cgroup2 mount" in reason or "no cgroup2" in reason
+    assert not (tmp_path / "clients").exists()
+
+
+def test_make_pauser_falls_back_for_missing_parent() -> None:
+    mount = cgroup2_mount()
+    if mount is None:
+        pytest.skip("no cgroup2 filesystem is mounted")
+    base = mount / f"gpushare-no-such-{uuid.uuid4().hex[:8]}" / "clients"
+    pauser, reason = make_pauser(base)
+    assert pauser.mechanism is PauseMechanism.SIGNAL
+    assert "does not exist" in reason
+    assert not base.parent.exists()
+
+
+def test_cgroup_pauser_refuses_plain_directory(tmp_path: Path) -> None:
+    with pytest.raises(PauserError, match="not a cgroup v2 directory"):
+        CgroupPauser(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Signal fallback
+
+
+def _state(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2]
+
+
+def test_signal_pauser_stops_and_continues_group(children: Children) -> None:
+    pauser = SignalPauser()
+    script = "import os\nif os.fork() == 0:\n    while True: pass\nwhile True: pass\n"
+    proc = children.start([sys.executable, "-c", script])
+    assert pauser.pids("x") == []
+    pauser.attach("x", proc.pid)
+    assert _wait_for(lambda: len(pauser.pids("x")) == 2)
+    members = list(pauser.pids("x"))
+    assert _wait_running_cpu(members[1]) >= 0.05
+
+    pauser.freeze("x")
+    assert all(_state(pid) == "T" for pid in members)
+    assert pauser.is_frozen("x")
+    before = [_cpu_s(pid) for pid in members]
+    time.sleep(0.4)
+    frozen_delta = sum(_cpu_s(pid) for pid in members) - sum(before)
+    assert frozen_delta <= 0.01
+
+    pauser.thaw("x")
+    assert not pauser.is_frozen("x")
+    assert _wait_running_cpu(members[1]) >= 0.05
+
+    pauser.kill("x")
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+    assert _wait_for(lambda: all(_gone(pid) for pid in members))
+    assert pauser.pids("x") == []
+    pauser.release("x")
+    assert pauser.clients() == {}
+
+
+def test_signal_pauser_refuses_own_group() -> None:
+    pauser = SignalPauser()
+    with pytest.raises(PauserError, match="daemon's own process group"):
+        pauser.attach("me", os.getpid())
+    with pytest.raises(PauserError, match="attach it first"):
+        pauser.freeze("me")
+
+
+def test_signal_pauser_gone_pid(children: Children) -> None:
+    pauser = SignalPauser()
+    proc = children.start(["true"])
+    proc.wait(timeout=5)
+    with pytest.raises(PauserError, match="no such process"):
+        pauser.attach("gone", proc.pid)
