@@ -7,10 +7,12 @@ import grp
 import os
 import pwd
 import queue
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -120,6 +122,9 @@ def test_spawn_as_nobody_has_its_ids_groups_and_no_more(tmp_path: Path, started:
     assert os.readlink(f"/proc/{proc.pid}/fd/1") == str(log_path)
     assert os.readlink(f"/proc/{proc.pid}/fd/2") == str(log_path)
     assert procs.process_uid(proc.pid) == uid
+    # env(1) entered the directory and exec'd the workload in the same process.
+    assert _wait(lambda: Path(f"/proc/{proc.pid}/cmdline").read_bytes() == b"sleep\x0030\x00")
+    assert os.readlink(f"/proc/{proc.pid}/cwd") == "/"
 
 
 @needs_root
@@ -142,17 +147,16 @@ def test_spawn_explicit_groups(started: Procs) -> None:
 
 
 @needs_root
-def test_spawned_nobody_cannot_read_root_only_file(tmp_path: Path) -> None:
+def test_spawned_nobody_cannot_read_root_only_file(world_dir: Path) -> None:
     uid, gid = _nobody()
-    secret = tmp_path / "secret"
-    secret.write_text("root only")
-    secret.chmod(0o600)
-    tmp_path.chmod(0o755)
-    log_path = tmp_path / "out.log"
-    proc = spawn(["cat", str(secret)], uid=uid, gid=gid, cwd="/", env=_env(), log_path=log_path)
-    assert proc.wait(timeout=10) != 0
-    assert "Permission denied" in log_path.read_text()
-    assert "root only" not in log_path.read_text()
+    for mode, code in [(0o600, 1), (0o644, 0)]:  # the 0644 run is the control
+        secret = world_dir / f"secret-{mode:o}"
+        secret.write_text("root's data\n")
+        secret.chmod(mode)
+        log_path = world_dir / f"out-{mode:o}.log"
+        proc = spawn(["cat", str(secret)], uid=uid, gid=gid, cwd="/", env=_env(), log_path=log_path)
+        assert proc.wait(timeout=10) == code
+        assert ("root's data" in log_path.read_text()) == (code == 0)
 
 
 @needs_root
@@ -211,18 +215,75 @@ def test_spawn_uses_cwd_and_argv_without_shell(tmp_path: Path) -> None:
     assert not (tmp_path / "pwned").exists()
 
 
-def test_spawn_errors_name_the_problem(tmp_path: Path) -> None:
+def test_spawn_bad_input_is_refused(tmp_path: Path) -> None:
     me = {"uid": os.geteuid(), "gid": os.getegid(), "env": _env(), "log_path": None}
     with pytest.raises(ValueError, match="empty command"):
         spawn([], cwd=tmp_path, **me)  # type: ignore[arg-type]
-    with pytest.raises(SpawnError, match="no-such-program-xyz.*not found"):
-        spawn(["no-such-program-xyz"], cwd=tmp_path, **me)  # type: ignore[arg-type]
-    with pytest.raises(SpawnError, match="working directory"):
-        spawn(["true"], cwd=tmp_path / "missing", **me)  # type: ignore[arg-type]
-    noexec = tmp_path / "noexec.sh"
-    noexec.write_text("#!/bin/sh\n")
-    with pytest.raises(SpawnError, match="permission denied"):
-        spawn([str(noexec)], cwd=tmp_path, **me)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="absolute"):
+        spawn(["true"], cwd="relative/dir", **me)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="contains '='"):
+        spawn(["A=B", "true"], cwd=tmp_path, **me)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("argv", "cwd_name", "code", "message"),
+    [
+        (["no-such-program-xyz"], ".", 127, "No such file or directory"),
+        (["true"], "missing", 125, "cannot change directory"),
+        (["./noexec.sh"], ".", 126, "Permission denied"),
+    ],
+)
+def test_spawn_launch_failures_are_exit_codes_with_reason(
+    tmp_path: Path, argv: list[str], cwd_name: str, code: int, message: str
+) -> None:
+    (tmp_path / "noexec.sh").write_text("#!/bin/sh\n")
+    log_path = tmp_path / "client.log"
+    proc = spawn(
+        argv,
+        uid=os.geteuid(),
+        gid=os.getegid(),
+        cwd=tmp_path / cwd_name,
+        env=_env(),
+        log_path=log_path,
+    )
+    assert proc.wait(timeout=10) == code
+    assert message in log_path.read_text()
+    reason = procs.launch_failure(code)
+    assert reason is not None
+    assert procs.launch_failure(0) is None
+    assert procs.launch_failure(None) is None
+
+
+@pytest.fixture
+def world_dir() -> Iterator[Path]:
+    """A temporary directory every user may traverse (pytest's own tree is root-only)."""
+    path = Path(tempfile.mkdtemp(prefix="gpushare-test-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@needs_root
+@pytest.mark.parametrize(("locked_mode", "code"), [(0o700, 125), (0o755, 0)])
+def test_spawn_enters_cwd_as_the_user(world_dir: Path, locked_mode: int, code: int) -> None:
+    # cwd inside a directory nobody may traverse: entering it as root first would let the
+    # workload read files there through relative paths. The 0755 case is the control.
+    uid, gid = _nobody()
+    locked = world_dir / "locked"
+    inner = locked / "inner"
+    inner.mkdir(parents=True)
+    locked.chmod(locked_mode)
+    inner.chmod(0o755)
+    (inner / "secret").write_text("readable file\n")
+    (inner / "secret").chmod(0o644)
+    log_path = world_dir / "client.log"
+    proc = spawn(["cat", "secret"], uid=uid, gid=gid, cwd=inner, env=_env(), log_path=log_path)
+    assert proc.wait(timeout=10) == code
+    if code:
+        assert "readable file" not in log_path.read_text()
+        assert "Permission denied" in log_path.read_text()
+    else:
+        assert log_path.read_text() == "readable file\n"
 
 
 def test_spawn_log_refuses_symlink(tmp_path: Path) -> None:

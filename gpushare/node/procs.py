@@ -3,7 +3,8 @@
 This module owns ``/proc``, psutil, process spawning and uid switching (DESIGN §3, D9).
 
 - :func:`spawn` runs an argv (never a shell) as a given uid/gid with that user's groups only, in a
-  new session, stdin from ``/dev/null`` and stdout+stderr into a log file owned by the user.
+  new session, entering the working directory as that user, stdin from ``/dev/null`` and
+  stdout+stderr into a log file owned by the user.
 - :func:`process_start_time` and :func:`is_same_process` tell a live client from a recycled pid
   when the daemon re-adopts clients after a restart (DESIGN D6).
 - :class:`ExitWatcher` notices exits on its own thread through pidfds (``poll``, no busy loop):
@@ -13,11 +14,13 @@ This module owns ``/proc``, psutil, process spawning and uid switching (DESIGN �
 from __future__ import annotations
 
 import contextlib
+import functools
 import grp
 import os
 import pwd
 import queue
 import select
+import shutil
 import subprocess
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +30,7 @@ from typing import NamedTuple
 import psutil
 import structlog
 
+from gpushare.node.exec import run as exec_run
 from gpushare.node.notify import clean_env
 
 log = structlog.get_logger(__name__)
@@ -121,6 +125,38 @@ def open_log(log_path: Path, uid: int, gid: int) -> int:
     return fd
 
 
+# GNU env's exit statuses when it cannot chdir or exec (coreutils env(1)); spawn runs the workload
+# through `env -C` so these are what a bad working directory or command looks like.
+LAUNCH_FAILURES = {
+    125: "the working directory is missing or not accessible to the user",
+    126: "the command is not executable by the user",
+    127: "the command was not found in the user's PATH",
+}
+_ENV_DIRS = "/usr/bin:/bin"
+
+
+def launch_failure(exit_code: int | None) -> str | None:
+    """What an exit status of a process started by :func:`spawn` may mean, or ``None``.
+
+    The codes are GNU env's; a workload that exits 125-127 itself reads the same, so callers
+    should say "probably" and point at the log file.
+    """
+    return LAUNCH_FAILURES.get(exit_code) if exit_code is not None else None
+
+
+@functools.lru_cache(maxsize=1)
+def _env_binary() -> str | None:
+    """GNU env with ``-C`` (chdir), or ``None`` where it lacks the option (busybox, coreutils < 8.28)."""
+    found = shutil.which("env", path=_ENV_DIRS)
+    if found is None:
+        return None
+    try:
+        probe = exec_run([found, "-C", "/", "--", "true"], timeout_s=5.0, env={"PATH": _ENV_DIRS})
+    except OSError:
+        return None
+    return found if probe.ok else None
+
+
 def spawn(
     argv: Sequence[str],
     *,
@@ -136,15 +172,21 @@ def spawn(
 
     The child gets exactly ``groups`` (default: the user's login groups) as supplementary groups,
     ``env`` minus systemd's notify variables, stdin ``/dev/null``, and stdout+stderr appended to
-    ``log_path`` (``/dev/null`` when ``None``). ``argv[0]`` is looked up in ``env["PATH"]``.
-    Nothing goes through a shell.
+    ``log_path`` (``/dev/null`` when ``None``). Nothing goes through a shell.
+
+    The user's identity is taken before the working directory is entered: the child runs
+    ``env -C <cwd> -- argv…`` as the user, which changes directory and then execs ``argv`` (same
+    pid). Entering ``cwd`` as root first would let a user work inside a directory whose parents
+    they may not traverse. Consequently a bad ``cwd`` or command shows up as exit status 125, 126
+    or 127 with env's message in the log (see :func:`launch_failure`), not as an exception.
+    ``argv[0]`` is looked up in ``env["PATH"]``, relative to ``cwd`` when it has a slash.
 
     Args:
         argv: the command and its arguments.
         uid: the submitter's uid.
         gid: the submitter's primary gid.
         groups: supplementary groups; ``None`` means :func:`user_groups`.
-        cwd: the working directory (the submitter's).
+        cwd: the working directory (the submitter's), absolute.
         env: the complete environment of the child.
         log_path: where output goes; created 0640 and owned by ``uid:gid``.
         new_session: start a new session (and process group), so the client can be paused and
@@ -154,12 +196,18 @@ def spawn(
         The running child.
 
     Raises:
-        ValueError: ``argv`` is empty.
-        SpawnError: the command, its directory or the user switch failed (message says which).
+        ValueError: ``argv`` is empty, its program name contains ``=``, or ``cwd`` is relative.
+        SpawnError: the user switch, the log file or the launcher failed (message says which).
     """
     if not argv:
         raise ValueError("empty command: give the program to run after '--'")
-    argv = [os.fspath(a) for a in argv]
+    workdir = os.fspath(cwd)
+    if not os.path.isabs(workdir):
+        raise ValueError(f"working directory {workdir!r} must be an absolute path")
+    args = [os.fspath(a) for a in argv]
+    if "=" in args[0]:
+        # env(1) would take it for a NAME=VALUE assignment, not a command.
+        raise ValueError(f"command {args[0]!r} contains '=': rename the program")
     supplementary = list(groups) if groups is not None else user_groups(uid, gid)
     # Root drops to the submitter completely (also when the submitter is root: only root's own
     # login groups remain); anyone else can only start its own workloads.
@@ -170,14 +218,21 @@ def spawn(
             f"cannot start a workload as uid {uid} gid {gid} from uid {os.geteuid()}: "
             "the daemon must run as root to launch other users' workloads",
         )
+    launcher = _env_binary()
+    if launcher is None:
+        raise SpawnError(
+            2,
+            f"no GNU env with -C in {_ENV_DIRS}: install coreutils >= 8.28 "
+            "(gpushare enters the working directory as the user through it)",
+        )
     out_fd = open_log(log_path, uid, gid) if log_path is not None else None
     try:
         proc = subprocess.Popen(
-            argv,
+            [launcher, "-C", workdir, "--", *args],
             stdin=subprocess.DEVNULL,
             stdout=out_fd if out_fd is not None else subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
-            cwd=cwd,
+            cwd="/",
             env=clean_env(env),
             close_fds=True,
             start_new_session=new_session,
@@ -185,26 +240,14 @@ def spawn(
             group=gid if as_root else None,
             extra_groups=supplementary if as_root else None,
         )
-    except FileNotFoundError as exc:
-        missing = exc.filename if exc.filename is not None else argv[0]
-        where = "working directory" if os.fspath(missing) == os.fspath(cwd) else "command"
-        raise SpawnError(
-            exc.errno,
-            f"cannot run {argv[0]!r}: {where} {missing!r} not found "
-            f"(the command is looked up in the submitter's PATH)",
-        ) from exc
-    except PermissionError as exc:
-        raise SpawnError(
-            exc.errno,
-            f"cannot run {argv[0]!r} as {user_name(uid)}: permission denied "
-            "(is it executable, and is the working directory readable by that user?)",
-        ) from exc
     except OSError as exc:
-        raise SpawnError(exc.errno, f"cannot run {argv[0]!r}: {exc.strerror or exc}") from exc
+        raise SpawnError(
+            exc.errno, f"cannot start {args[0]!r} through {launcher}: {exc.strerror or exc}"
+        ) from exc
     finally:
         if out_fd is not None:
             os.close(out_fd)
-    log.info("process_spawned", pid=proc.pid, uid=uid, gid=gid, argv0=argv[0])
+    log.info("process_spawned", pid=proc.pid, uid=uid, gid=gid, argv0=args[0])
     return proc
 
 
