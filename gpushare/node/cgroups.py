@@ -341,9 +341,11 @@ class CgroupPauser:
         start = time.monotonic()
         try:
             _write(path / "cgroup.freeze", want)
+            done = _wait_event(path / "cgroup.events", "frozen", want, self.freeze_timeout_s)
         except OSError as exc:
-            raise PauserError(f"cannot write {path / 'cgroup.freeze'}: {exc.strerror}") from exc
-        if not _wait_event(path / "cgroup.events", "frozen", want, self.freeze_timeout_s):
+            # The cgroup vanished under us (released concurrently) or cgroupfs refused.
+            raise PauserError(f"cannot set {path / 'cgroup.freeze'} to {want}: {exc}") from exc
+        if not done:
             raise FreezeTimeoutError(
                 f"{path} not {'frozen' if frozen else 'thawed'} after {self.freeze_timeout_s} s "
                 "(a task blocked in the kernel freezes when it returns)"
@@ -375,11 +377,16 @@ class CgroupPauser:
         if not path.is_dir():
             return
         deadline = time.monotonic() + self.kill_timeout_s
-        if (path / "cgroup.kill").exists():
-            _write(path / "cgroup.kill", "1")
-            emptied = _wait_event(path / "cgroup.events", "populated", "0", self.kill_timeout_s)
-        else:
-            emptied = self._kill_each(path, deadline)
+        try:
+            if (path / "cgroup.kill").exists():
+                _write(path / "cgroup.kill", "1")
+                emptied = _wait_event(path / "cgroup.events", "populated", "0", self.kill_timeout_s)
+            else:
+                emptied = self._kill_each(path, deadline)
+        except FileNotFoundError:
+            return  # released concurrently: nothing left to kill
+        except OSError as exc:
+            raise PauserError(f"cannot kill {path}: {exc}") from exc
         if not emptied:
             raise PauserError(
                 f"{path} still has processes {self.pids(client_id)} after SIGKILL "

@@ -312,7 +312,8 @@ def is_stopped(pid: int) -> bool:
     A gone process cannot run, which is what the caller waiting for a stop wants to know.
     """
     stat = _stat_fields(pid)
-    return stat is None or stat[0] in ("T", "Z", "X")
+    # T: stopped by a signal, t: stopped under a tracer; Z/X: finished.
+    return stat is None or stat[0] in ("T", "t", "Z", "X")
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -365,7 +366,12 @@ class ExitWatcher:
                 is reaped with ``waitpid``; any other pid is watched without an exit code.
             start_time: for a pid, the start time recorded earlier; when it no longer matches (the
                 pid was recycled) the exit is reported at once.
+
+        Raises:
+            RuntimeError: the watcher was stopped.
         """
+        if self._stopping:
+            raise RuntimeError("the exit watcher is stopped: create a new one")
         pid = proc if isinstance(proc, int) else proc.pid
         popen = None if isinstance(proc, int) else proc
         is_child = popen is not None or _is_child(pid)
