@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import psutil
 import pytest
 
 from gpushare.model import PauseMechanism
-from gpushare.node import cgroups
+from gpushare.node import cgroups, procs
 from gpushare.node.cgroups import (
     CgroupPauser,
     FreezeTimeoutError,
@@ -319,9 +320,18 @@ def test_freeze_unknown_client_is_an_error(pauser: CgroupPauser) -> None:
 
 @needs_cgroup
 def test_kill_kills_whole_tree_even_when_frozen(pauser: CgroupPauser, children: Children) -> None:
-    proc = children.start(["sh", "-c", "sleep 60 & sleep 60 & (sleep 60 &) ; wait"])
+    # The shell forks only after attach (it waits for a line): the orphaned "(sleep &)" is no
+    # longer a descendant of the shell, and the cgroup still holds and kills it.
+    proc = children.start(
+        ["sh", "-c", "read go; sleep 60 & sleep 60 & (sleep 60 &) ; wait"], stdin=subprocess.PIPE
+    )
     pauser.attach("tree", proc.pid)
-    assert _wait_for(lambda: len(pauser.pids("tree")) >= 4), pauser.pids("tree")
+    assert proc.stdin is not None
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
+    assert _wait_for(lambda: len(pauser.pids("tree")) == 4), pauser.pids("tree")
+    orphan = [p for p in pauser.pids("tree") if psutil.Process(p).ppid() != proc.pid]
+    assert len(orphan) == 1
     members = list(pauser.pids("tree"))
     pauser.freeze("tree")
     pauser.kill("tree")
@@ -337,8 +347,11 @@ def test_kill_kills_whole_tree_even_when_frozen(pauser: CgroupPauser, children: 
 def test_kill_without_cgroup_kill_file_falls_back_to_sigkill(
     pauser: CgroupPauser, children: Children
 ) -> None:
-    proc = children.start(["sh", "-c", "sleep 60 & wait"])
+    proc = children.start(["sh", "-c", "read go; sleep 60 & wait"], stdin=subprocess.PIPE)
     pauser.attach("old", proc.pid)
+    assert proc.stdin is not None
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
     assert _wait_for(lambda: len(pauser.pids("old")) == 2)
     # Exercise the per-pid path as on kernels before 5.14 (no cgroup.kill).
     assert pauser._kill_each(pauser.path("old"), time.monotonic() + 5)
@@ -369,6 +382,72 @@ def test_attach_pids_release_and_clients(pauser: CgroupPauser, children: Childre
     assert not pauser.path("a").exists()
     assert pauser.clients() == {"b": [b.pid]}
     assert pauser.pids("a") == []
+
+
+@needs_cgroup
+def test_attach_moves_descendants_forked_before_attach(
+    pauser: CgroupPauser, children: Children
+) -> None:
+    # The race attach closes: the workload forked before the daemon wrote its pid.
+    proc = children.start(
+        ["sh", "-c", "sleep 60 & sleep 60 & echo forked; wait"], stdout=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == b"forked\n"
+    kids = [c.pid for c in psutil.Process(proc.pid).children()]
+    assert len(kids) == 2
+    pauser.attach("early", proc.pid)
+    assert pauser.pids("early") == sorted([proc.pid, *kids])
+
+
+@needs_cgroup
+def test_spawn_joins_cgroup_before_exec(pauser: CgroupPauser, children: Children) -> None:
+    # With the cgroup's procs fd, even a process orphaned in the workload's first instant (which
+    # attach's descendant sweep could miss) starts inside; the ids are dropped after joining.
+    try:
+        nobody = pwd.getpwuid(65534)
+    except KeyError:
+        pytest.skip("this machine has no passwd entry for uid 65534 (nobody)")
+    fd = pauser.open_procs_fd("born-inside")
+    try:
+        proc = procs.spawn(
+            ["sh", "-c", "(sleep 60 &); sleep 60 & wait"],
+            uid=nobody.pw_uid,
+            gid=nobody.pw_gid,
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin"},
+            log_path=None,
+            cgroup_procs_fd=fd,
+        )
+    finally:
+        os.close(fd)
+    children.procs.append(proc)
+    assert _wait_for(lambda: len(pauser.pids("born-inside")) == 3), pauser.pids("born-inside")
+    for pid in pauser.pids("born-inside"):
+        status = Path(f"/proc/{pid}/status").read_text()
+        assert f"Uid:\t{nobody.pw_uid}\t{nobody.pw_uid}\t{nobody.pw_uid}" in status
+        assert sorted(os.listdir(f"/proc/{pid}/fd")) == ["0", "1", "2"]  # the procs fd is not held
+    pauser.kill("born-inside")
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+
+
+@needs_cgroup
+def test_spawn_into_removed_cgroup_fails_cleanly(pauser: CgroupPauser) -> None:
+    fd = pauser.open_procs_fd("vanished")
+    try:
+        pauser.release("vanished")
+        with pytest.raises(procs.SpawnError, match="joining its cgroup"):
+            procs.spawn(
+                ["sleep", "60"],
+                uid=os.geteuid(),
+                gid=os.getegid(),
+                cwd="/",
+                env={"PATH": "/usr/bin:/bin"},
+                log_path=None,
+                cgroup_procs_fd=fd,
+            )
+    finally:
+        os.close(fd)
 
 
 @needs_cgroup

@@ -300,6 +300,25 @@ class CgroupPauser:
         moved = self._sweep_descendants(path, pid)
         log.debug("cgroup_attached", client_id=client_id, pid=pid, descendants_moved=moved)
 
+    def open_procs_fd(self, client_id: str) -> int:
+        """Create the client's cgroup and open its ``cgroup.procs`` for ``procs.spawn``.
+
+        A child spawned with this descriptor joins the cgroup before it execs, which closes the
+        window in which a workload could fork outside it. The caller closes the descriptor once
+        the spawn returned (it is close-on-exec, so the workload never holds it).
+
+        Raises:
+            PauserError: the cgroup cannot be created or opened.
+        """
+        path = self.path(client_id)
+        try:
+            path.mkdir(exist_ok=True)
+            return os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise PauserError(
+                f"cannot open {path / 'cgroup.procs'}: {exc.strerror or exc}"
+            ) from exc
+
     def _sweep_descendants(self, path: Path, pid: int) -> int:
         moved = 0
         for _ in range(_SWEEP_ROUNDS):
@@ -523,6 +542,10 @@ class SignalPauser:
             )
         self._groups[client_id] = pgid
         log.debug("signal_attached", client_id=client_id, pid=pid, pgid=pgid)
+
+    def open_procs_fd(self, client_id: str) -> None:
+        """No cgroup to join before exec with signals; present so callers need not tell apart."""
+        check_client_id(client_id)
 
     def _pgid(self, client_id: str) -> int:
         try:

@@ -167,6 +167,7 @@ def spawn(
     env: Mapping[str, str],
     log_path: Path | None,
     new_session: bool = True,
+    cgroup_procs_fd: int | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` as ``uid:gid``, never with more privilege than that user.
 
@@ -191,6 +192,10 @@ def spawn(
         log_path: where output goes; created 0640 and owned by ``uid:gid``.
         new_session: start a new session (and process group), so the client can be paused and
             killed as a group and does not get the daemon's terminal signals.
+        cgroup_procs_fd: an open ``cgroup.procs`` of the client's cgroup
+            (``CgroupPauser.open_procs_fd``). The child writes itself into it before it drops
+            privileges and execs, so no process of the workload ever runs outside its cgroup;
+            the caller closes the descriptor afterwards.
 
     Returns:
         The running child.
@@ -226,6 +231,10 @@ def spawn(
             "(gpushare enters the working directory as the user through it)",
         )
     out_fd = open_log(log_path, uid, gid) if log_path is not None else None
+    # Popen switches ids in C before it would call a preexec_fn, and joining a cgroup needs the
+    # daemon's rights: with a cgroup to join, the child does both itself, in that order.
+    join = cgroup_procs_fd is not None
+    setup = _join_then_drop(cgroup_procs_fd, uid, gid, supplementary, as_root) if join else None
     try:
         proc = subprocess.Popen(
             [launcher, "-C", workdir, "--", *args],
@@ -236,10 +245,17 @@ def spawn(
             env=clean_env(env),
             close_fds=True,
             start_new_session=new_session,
-            user=uid if as_root else None,
-            group=gid if as_root else None,
-            extra_groups=supplementary if as_root else None,
+            user=uid if as_root and not join else None,
+            group=gid if as_root and not join else None,
+            extra_groups=supplementary if as_root and not join else None,
+            preexec_fn=setup,  # direct system calls only, see _join_then_drop
         )
+    except subprocess.SubprocessError as exc:
+        raise SpawnError(
+            1,
+            f"cannot start {args[0]!r}: joining its cgroup or switching to uid {uid} failed "
+            "in the child (is the cgroup still there?)",
+        ) from exc
     except OSError as exc:
         raise SpawnError(
             exc.errno, f"cannot start {args[0]!r} through {launcher}: {exc.strerror or exc}"
@@ -249,6 +265,28 @@ def spawn(
             os.close(out_fd)
     log.info("process_spawned", pid=proc.pid, uid=uid, gid=gid, argv0=args[0])
     return proc
+
+
+def _join_then_drop(
+    procs_fd: int | None, uid: int, gid: int, groups: list[int], as_root: bool
+) -> Callable[[], None]:
+    """The child's steps between fork and exec: join the cgroup, then become the user.
+
+    Runs in the forked child of a threaded daemon, so it only makes direct system calls on
+    values prepared here (no imports, locks, logging or I/O buffers).
+    """
+    join = b"0"  # "0" moves the writing process itself
+    group_list = list(groups)
+
+    def setup() -> None:
+        if procs_fd is not None:
+            os.write(procs_fd, join)
+        if as_root:
+            os.setgroups(group_list)
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+
+    return setup
 
 
 # ---------------------------------------------------------------------------------------------------
