@@ -330,7 +330,9 @@ def test_kill_kills_whole_tree_even_when_frozen(pauser: CgroupPauser, children: 
     proc.stdin.write(b"go\n")
     proc.stdin.flush()
     assert _wait_for(lambda: len(pauser.pids("tree")) == 4), pauser.pids("tree")
-    orphan = [p for p in pauser.pids("tree") if psutil.Process(p).ppid() != proc.pid]
+    orphan = [
+        p for p in pauser.pids("tree") if p != proc.pid and psutil.Process(p).ppid() != proc.pid
+    ]
     assert len(orphan) == 1
     members = list(pauser.pids("tree"))
     pauser.freeze("tree")
