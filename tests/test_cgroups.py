@@ -526,6 +526,17 @@ def test_move_self_to_leaf_in_subprocess(cg_base: Path, children: Children) -> N
 
 
 @needs_cgroup
+def test_is_delegated_reads_systemds_marker(cg_base: Path) -> None:
+    CgroupPauser(cg_base)
+    assert not cgroups.is_delegated(cg_base)
+    try:
+        os.setxattr(cg_base, "trusted.delegate", b"1")
+    except OSError as exc:
+        pytest.skip(f"cgroupfs here does not take trusted.* xattrs: {exc}")
+    assert cgroups.is_delegated(cg_base)
+
+
+@needs_cgroup
 def test_move_self_to_leaf_noop_outside_base(cg_base: Path) -> None:
     CgroupPauser(cg_base)
     assert cgroups.move_self_to_leaf(cg_base) is None
@@ -622,3 +633,71 @@ def test_signal_pauser_gone_pid(children: Children) -> None:
     proc.wait(timeout=5)
     with pytest.raises(PauserError, match="no such process"):
         pauser.attach("gone", proc.pid)
+
+
+def test_signal_pauser_readoption(children: Children) -> None:
+    # A daemon restarted while a client was stopped: a new pauser attaches the recorded pid,
+    # sees the group stopped and continues it.
+    first = SignalPauser()
+    proc = children.start(BUSY)
+    first.attach("c", proc.pid)
+    first.freeze("c")
+    del first
+
+    second = SignalPauser()
+    assert second.clients() == {}
+    second.attach("c", proc.pid)
+    assert second.clients() == {"c": [proc.pid]}
+    assert second.is_frozen("c")
+    second.thaw("c")
+    assert _wait_for(lambda: _state(proc.pid) != "T")
+    assert _wait_running_cpu(proc.pid) >= 0.05
+
+
+@needs_cgroup
+def test_daemon_killed_then_new_daemon_readopts(cg_base: Path, children: Children) -> None:
+    # A stand-in "daemon" process spawns a client into its cgroup, reports pid and start time,
+    # and dies by SIGKILL. The client keeps running; this process then re-adopts it the way the
+    # restarted daemon does: identity check, cgroup membership, pidfd exit watching.
+    script = (
+        "import json, os, sys, time\n"
+        "from pathlib import Path\n"
+        "import structlog\n"
+        "structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))\n"
+        "from gpushare.node import cgroups, procs\n"
+        "pauser = cgroups.CgroupPauser(Path(sys.argv[1]))\n"
+        "fd = pauser.open_procs_fd('c1')\n"
+        "proc = procs.spawn(['sleep', '60'], uid=0, gid=0, cwd='/', env={'PATH': '/usr/bin:/bin'},\n"
+        "                   log_path=None, cgroup_procs_fd=fd)\n"
+        "os.close(fd)\n"
+        "print(json.dumps([proc.pid, procs.process_start_time(proc.pid)]), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    old = children.start([sys.executable, "-c", script, str(cg_base)], stdout=subprocess.PIPE)
+    assert old.stdout is not None
+    pid, start = json.loads(old.stdout.readline())
+    os.kill(old.pid, signal.SIGKILL)
+    assert old.wait(timeout=5) == -signal.SIGKILL
+    try:
+        assert procs.is_same_process(pid, start), "the client must survive its daemon"
+        assert psutil.Process(pid).ppid() != old.pid
+
+        pauser = CgroupPauser(cg_base)
+        assert pauser.clients() == {"c1": [pid]}
+        pauser.attach("c1", pid)
+        watcher = procs.ExitWatcher().start()
+        try:
+            watcher.watch(pid, start_time=start)
+            pauser.freeze("c1")
+            assert pauser.is_frozen("c1")
+            pauser.thaw("c1")
+            assert watcher.exits.empty()
+            pauser.kill("c1")
+            assert watcher.exits.get(timeout=5) == (pid, None)  # not our child: code unknown
+        finally:
+            watcher.stop()
+        pauser.release("c1")
+        assert pauser.clients() == {}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

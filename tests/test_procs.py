@@ -286,6 +286,18 @@ def test_spawn_enters_cwd_as_the_user(world_dir: Path, locked_mode: int, code: i
         assert log_path.read_text() == "readable file\n"
 
 
+def test_spawn_log_dir_missing(tmp_path: Path) -> None:
+    with pytest.raises(SpawnError, match="client_log_dir"):
+        spawn(
+            ["true"],
+            uid=os.geteuid(),
+            gid=os.getegid(),
+            cwd=tmp_path,
+            env=_env(),
+            log_path=tmp_path / "no-such-dir" / "client.log",
+        )
+
+
 def test_spawn_log_refuses_symlink(tmp_path: Path) -> None:
     target = tmp_path / "target"
     target.write_text("keep\n")
@@ -532,3 +544,22 @@ def test_watcher_many_processes(watcher: ExitWatcher, started: Procs) -> None:
         watcher.watch(kid)
     got = dict(watcher.exits.get(timeout=20) for _ in kids)
     assert got == {kid.pid: i for i, kid in enumerate(kids)}
+
+
+def test_watcher_thread_sleeps_while_nothing_exits(watcher: ExitWatcher, started: Procs) -> None:
+    # Exit noticing is event-driven: a watcher with live processes uses no CPU while they run.
+    for _ in range(5):
+        watcher.watch(started.add(subprocess.Popen(["sleep", "30"])))
+    native_id = watcher._thread.native_id
+
+    def thread_cpu() -> float:
+        for t in psutil.Process().threads():
+            if t.id == native_id:
+                return t.user_time + t.system_time
+        raise AssertionError("watcher thread not found")
+
+    before = thread_cpu()
+    time.sleep(1.0)
+    assert thread_cpu() - before <= 0.01
+    assert len(watcher.watched()) == 5
+    assert watcher.exits.empty()

@@ -155,7 +155,26 @@ def default_base_dir(mount: Path | None = None) -> Path | None:
         return mount / DEFAULT_SUBTREE
     if own.name == DAEMON_LEAF:
         return own.parent
+    if not is_delegated(own):
+        # Usable (root may write anywhere) but systemd owns this cgroup: say how to fix it.
+        log.warning("cgroup_not_delegated", cgroup=str(own), fix="set Delegate=yes in the unit")
     return own
+
+
+def is_delegated(path: Path) -> bool:
+    """Whether systemd marked ``path`` as delegated (``Delegate=yes``) to its unit.
+
+    systemd (v251 and later) sets the ``trusted.delegate`` (system units) or ``user.delegate``
+    (user units) extended attribute on a delegated cgroup. Outside a delegated subtree a daemon
+    should not create cgroups in its unit's cgroup (systemd owns it).
+    """
+    for attr in ("trusted.delegate", "user.delegate"):
+        try:
+            if os.getxattr(path, attr) == b"1":
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def move_self_to_leaf(base: Path, leaf: str = DAEMON_LEAF) -> Path | None:
