@@ -693,7 +693,8 @@ def test_daemon_killed_then_new_daemon_readopts(cg_base: Path, children: Childre
             pauser.thaw("c1")
             assert watcher.exits.empty()
             pauser.kill("c1")
-            assert watcher.exits.get(timeout=5) == (pid, None)  # not our child: code unknown
+            # Not our child: the code is unknown (None) unless its reaper was slower than us.
+            assert watcher.exits.get(timeout=5) in {(pid, None), (pid, -signal.SIGKILL)}
         finally:
             watcher.stop()
         pauser.release("c1")

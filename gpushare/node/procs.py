@@ -48,7 +48,8 @@ class Exit(NamedTuple):
     """One exit noticed by :class:`ExitWatcher`.
 
     ``exit_code`` follows ``Popen.returncode``: the status for a normal exit, ``-N`` for death by
-    signal N, and ``None`` when the process was not our child (its status went to its parent).
+    signal N, and ``None`` when it is unknown: the process was not our child and its parent reaped
+    it before we could read its status.
     """
 
     pid: int
@@ -372,8 +373,9 @@ class ExitWatcher:
 
     Every watched process is held by a pidfd (``os.pidfd_open``); one ``poll`` covers them all and
     a pipe wakes it for new processes and for :meth:`stop`. When a pidfd turns readable the process
-    has exited: a child is reaped (``Popen.poll`` or ``waitpid``) and its exit code reported; a
-    non-child (adopted after a daemon restart) is reported with ``None``.
+    has exited: a child is reaped (``Popen.poll`` or ``waitpid``) and its exit code reported; for a
+    non-child (adopted after a daemon restart, or a foreground client) the code is read from its
+    zombie when its parent has not reaped it yet, and is ``None`` otherwise.
 
     Args:
         on_exit: called as ``on_exit(pid, exit_code)`` on the watcher thread; without it, exits
@@ -490,7 +492,7 @@ class ExitWatcher:
         if popen is not None:
             return popen.wait()
         if not is_child:
-            return None
+            return _zombie_exit_code(pid)
         try:
             _pid, status = os.waitpid(pid, 0)
         except ChildProcessError:
@@ -507,6 +509,19 @@ class ExitWatcher:
         except Exception:
             # A failing callback must not end exit noticing for every other client.
             log.exception("exit_callback_failed", pid=pid)
+
+
+def _zombie_exit_code(pid: int) -> int | None:
+    """The exit code of a non-child that its parent has not reaped yet, else ``None``.
+
+    Best effort: a finished process keeps its wait status in ``/proc/<pid>/stat`` (field 52) until
+    its parent reaps it, which a shell does within microseconds, an init process soon after.
+    """
+    stat = _stat_fields(pid)
+    # Index 0 is field 3 (state), so field 52 (exit_code) is index 49.
+    if stat is None or stat[0] != "Z" or len(stat) < 50:
+        return None
+    return os.waitstatus_to_exitcode(int(stat[49]))
 
 
 def _is_child(pid: int) -> bool:
