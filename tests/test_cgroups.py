@@ -466,6 +466,28 @@ def test_attach_gone_pid_is_an_error(pauser: CgroupPauser, children: Children) -
     proc.wait(timeout=5)
     with pytest.raises(PauserError, match="no such process"):
         pauser.attach("gone", proc.pid)
+    assert not pauser.path("gone").exists()  # a refused attach leaves nothing behind
+
+
+@needs_cgroup
+def test_attach_refuses_daemon_init_and_foreign_pids(
+    pauser: CgroupPauser, children: Children
+) -> None:
+    for pid in (os.getpid(), 1):
+        with pytest.raises(PauserError, match="init or the daemon"):
+            pauser.attach("bad", pid)
+    proc = children.start(["sleep", "60"], user=65534)
+    with pytest.raises(PauserError, match="belongs to uid 65534"):
+        pauser.attach("bad", proc.pid, owner_uid=0)
+    assert pauser.clients() == {}
+    pauser.attach("good", proc.pid, owner_uid=65534)
+    assert pauser.pids("good") == [proc.pid]
+    signals = SignalPauser()
+    with pytest.raises(PauserError, match="belongs to uid 65534"):
+        signals.attach("bad", proc.pid, owner_uid=0)
+    with pytest.raises(PauserError, match="init or the daemon"):
+        signals.attach("bad", 1)
+    assert signals.clients() == {}
 
 
 @needs_cgroup
@@ -621,8 +643,13 @@ def test_signal_pauser_stops_and_continues_group(children: Children) -> None:
 
 def test_signal_pauser_refuses_own_group() -> None:
     pauser = SignalPauser()
-    with pytest.raises(PauserError, match="daemon's own process group"):
-        pauser.attach("me", os.getpid())
+    same_group = subprocess.Popen(["sleep", "60"])  # no new session: our process group
+    try:
+        with pytest.raises(PauserError, match="daemon's own process group"):
+            pauser.attach("me", same_group.pid)
+    finally:
+        same_group.kill()
+        same_group.wait()
     with pytest.raises(PauserError, match="attach it first"):
         pauser.freeze("me")
 

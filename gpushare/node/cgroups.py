@@ -234,6 +234,19 @@ def _read_pids(path: Path) -> list[int]:
         return []
 
 
+def _check_pid(pid: int, owner_uid: int | None) -> None:
+    if pid <= 1 or pid == os.getpid():
+        raise PauserError(f"refusing to put pid {pid} under a client: it is init or the daemon")
+    if owner_uid is not None:
+        actual = procs.process_uid(pid)
+        if actual is None:
+            raise PauserError(f"cannot attach pid {pid}: no such process")
+        if actual != owner_uid:
+            raise PauserError(
+                f"pid {pid} belongs to uid {actual}, not to the client's owner uid {owner_uid}"
+            )
+
+
 def check_client_id(client_id: str) -> str:
     """Return ``client_id`` when it is usable as a cgroup name part, else raise.
 
@@ -295,22 +308,35 @@ class CgroupPauser:
             raise PauserError(f"client {client_id} has no cgroup ({path}): attach it first")
         return path
 
-    def attach(self, client_id: str, pid: int) -> None:
+    def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
         """Move ``pid`` and its descendants into the client's cgroup, creating it.
 
         Children forked after the move are born inside. A workload can fork between its start
         and this call (a shell wrapper does within a millisecond), so the descendants that exist
         already are moved too, until a scan finds none outside. Idempotent, so it also re-creates
-        membership for a re-adopted client after a daemon restart.
+        membership for a re-adopted client after a daemon restart. On failure nothing is left
+        behind.
+
+        Args:
+            client_id: the client.
+            pid: its main process.
+            owner_uid: when given, the process must belong to this uid (a pid received from a
+                caller must be the caller's own, or freezing and killing would reach others).
 
         Raises:
-            PauserError: the process is gone or the cgroup cannot be joined.
+            PauserError: the process is gone, is the daemon or init, belongs to another uid, or
+                the cgroup cannot be joined.
         """
         path = self.path(client_id)
+        _check_pid(pid, owner_uid)
+        created = not path.is_dir()
         try:
             path.mkdir(exist_ok=True)
             _write(path / "cgroup.procs", str(pid))
         except OSError as exc:
+            if created:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
             if exc.errno == errno.ESRCH:
                 raise PauserError(
                     f"cannot attach pid {pid} to {client_id}: no such process"
@@ -542,13 +568,20 @@ class SignalPauser:
         self.wait_s = wait_s
         self._groups: dict[str, int] = {}
 
-    def attach(self, client_id: str, pid: int) -> None:
+    def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
         """Remember ``pid``'s process group as the client's (also for re-adoption).
 
+        Args:
+            client_id: the client.
+            pid: its main process (normally its group leader: spawn starts a new session).
+            owner_uid: when given, the process must belong to this uid.
+
         Raises:
-            PauserError: the process is gone, or it shares the daemon's own process group.
+            PauserError: the process is gone, is the daemon or init, belongs to another uid, or
+                shares the daemon's own process group.
         """
         check_client_id(client_id)
+        _check_pid(pid, owner_uid)
         try:
             pgid = os.getpgid(pid)
         except ProcessLookupError as exc:
