@@ -583,3 +583,18 @@ def test_watcher_reads_code_of_unreaped_non_child(
     assert psutil.Process(pid).ppid() == parent.pid
     watcher.watch(pid)
     assert watcher.exits.get(timeout=5) == (pid, code)
+
+
+def test_watcher_popen_already_waited(watcher: ExitWatcher) -> None:
+    proc = subprocess.Popen(["sh", "-c", "exit 6"])
+    assert proc.wait(timeout=10) == 6
+    watcher.watch(proc)
+    assert watcher.exits.get(timeout=5) == (proc.pid, 6)
+    assert watcher.watched() == []
+
+
+def test_watcher_refuses_watch_after_stop() -> None:
+    w = ExitWatcher().start()
+    w.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        w.watch(os.getpid())

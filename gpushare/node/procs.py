@@ -25,7 +25,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import psutil
 import structlog
@@ -361,7 +361,8 @@ def _stat_fields(pid: int) -> list[str] | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     # comm may contain spaces and parentheses; everything after the last ")" is well-formed.
-    return raw[raw.rindex(")") + 2 :].split()
+    end = raw.rfind(")")
+    return raw[end + 2 :].split() if end >= 0 else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,7 +387,7 @@ class ExitWatcher:
         self.exits: queue.Queue[Exit] = queue.Queue()
         self._on_exit = on_exit
         self._lock = threading.Lock()
-        self._watched: dict[int, tuple[int, subprocess.Popen[bytes] | None, bool]] = {}
+        self._watched: dict[int, tuple[int, subprocess.Popen[Any] | None, bool]] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="exit-watcher", daemon=True)
@@ -398,12 +399,13 @@ class ExitWatcher:
         self._thread.start()
         return self
 
-    def watch(self, proc: subprocess.Popen[bytes] | int, start_time: float | None = None) -> None:
+    def watch(self, proc: subprocess.Popen[Any] | int, start_time: float | None = None) -> None:
         """Report when ``proc`` exits.
 
         Args:
             proc: a ``Popen`` (its exit code is reaped through it) or a pid. A pid of our own child
-                is reaped with ``waitpid``; any other pid is watched without an exit code.
+                is reaped with ``waitpid``; for any other pid the exit code is best effort
+                (see :class:`Exit`).
             start_time: for a pid, the start time recorded earlier; when it no longer matches (the
                 pid was recycled) the exit is reported at once.
 
@@ -414,6 +416,10 @@ class ExitWatcher:
             raise RuntimeError("the exit watcher is stopped: create a new one")
         pid = proc if isinstance(proc, int) else proc.pid
         popen = None if isinstance(proc, int) else proc
+        if popen is not None and popen.returncode is not None:
+            # Already reaped elsewhere; its pid may belong to someone else by now.
+            self._report(pid, popen.returncode)
+            return
         is_child = popen is not None or _is_child(pid)
         try:
             pidfd = os.pidfd_open(pid)
@@ -488,7 +494,7 @@ class ExitWatcher:
                 self._report(pid, self._reap(pid, popen, is_child))
 
     @staticmethod
-    def _reap(pid: int, popen: subprocess.Popen[bytes] | None, is_child: bool) -> int | None:
+    def _reap(pid: int, popen: subprocess.Popen[Any] | None, is_child: bool) -> int | None:
         if popen is not None:
             return popen.wait()
         if not is_child:
