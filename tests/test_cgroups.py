@@ -578,6 +578,17 @@ def test_make_pauser_picks_cgroup_when_writable(cg_base: Path) -> None:
     assert [p for p in cg_base.iterdir() if p.is_dir()] == []  # the probe cgroup is gone
 
 
+@needs_cgroup
+def test_freezer_check_changes_nothing(cg_base: Path, tmp_path: Path) -> None:
+    ok, detail = cgroups.freezer_check(cg_base)
+    assert ok, detail
+    assert str(cg_base) in detail
+    assert not cg_base.exists()  # made for the check, removed again
+    ok, detail = cgroups.freezer_check(tmp_path / "x")
+    assert not ok
+    assert "not under the cgroup2 mount" in detail
+
+
 def test_make_pauser_falls_back_outside_cgroupfs(tmp_path: Path) -> None:
     pauser, reason = make_pauser(tmp_path / "clients")
     assert pauser.mechanism is PauseMechanism.SIGNAL

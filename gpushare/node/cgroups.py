@@ -691,7 +691,7 @@ def make_pauser(
     """
     mount = cgroup2_mount()
     chosen = base if base is not None else default_base_dir(mount)
-    reason = _cgroup_unusable(chosen, mount)
+    reason = _cgroup_unusable(chosen, mount, keep_base=True)
     if reason is None and chosen is not None:
         pauser = CgroupPauser(
             chosen, freeze_timeout_s=freeze_timeout_s, kill_timeout_s=kill_timeout_s
@@ -702,7 +702,24 @@ def make_pauser(
     return PauserChoice(SignalPauser(), f"SIGSTOP/SIGCONT of process groups: {reason}")
 
 
-def _cgroup_unusable(base: Path | None, mount: Path | None) -> str | None:
+def freezer_check(base: Path | None = None) -> tuple[bool, str]:
+    """Whether the cgroup freezer is usable under ``base``, and what was seen; changes nothing.
+
+    For ``gpushare doctor``: the same real check as :func:`make_pauser` (a probe cgroup is created
+    and removed), but a base directory it had to create is removed again.
+
+    Args:
+        base: the client base directory; :func:`default_base_dir` when ``None``.
+    """
+    mount = cgroup2_mount()
+    chosen = base if base is not None else default_base_dir(mount)
+    reason = _cgroup_unusable(chosen, mount, keep_base=False)
+    if reason is None:
+        return True, f"cgroup v2 at {mount}; client cgroups under {chosen}"
+    return False, reason
+
+
+def _cgroup_unusable(base: Path | None, mount: Path | None, *, keep_base: bool) -> str | None:
     if mount is None or base is None:
         return "no cgroup2 filesystem in /proc/self/mounts"
     if not _is_within(base, mount):
@@ -710,6 +727,7 @@ def _cgroup_unusable(base: Path | None, mount: Path | None) -> str | None:
     if not base.parent.is_dir():
         return f"{base.parent} does not exist"
     created = False
+    reason: str | None = None
     try:
         if not base.is_dir():
             base.mkdir()
@@ -718,19 +736,19 @@ def _cgroup_unusable(base: Path | None, mount: Path | None) -> str | None:
         probe.mkdir()
         try:
             if not (probe / "cgroup.freeze").exists():
-                return f"{base} has no cgroup.freeze (kernel older than 5.2?)"
-            if not os.access(base / "cgroup.procs", os.W_OK):
-                return f"{base}/cgroup.procs is not writable"
+                reason = f"{base} has no cgroup.freeze (kernel older than 5.2?)"
+            elif not os.access(base / "cgroup.procs", os.W_OK):
+                reason = f"{base}/cgroup.procs is not writable"
         finally:
             probe.rmdir()
     except OSError as exc:
-        return f"cannot create cgroups under {base}: {exc.strerror or exc}"
+        reason = f"cannot create cgroups under {base}: {exc.strerror or exc}"
     finally:
-        # Leave nothing behind when the answer is "no"; a usable base is kept for the pauser.
-        if created and not (base / "cgroup.freeze").exists():
+        # A base made only for this check goes again; a usable one is kept for the pauser.
+        if created and (reason is not None or not keep_base):
             with contextlib.suppress(OSError):
                 base.rmdir()
-    return None
+    return reason
 
 
 def _is_within(path: Path, root: Path) -> bool:
