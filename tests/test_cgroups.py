@@ -526,25 +526,33 @@ def test_move_self_to_leaf_in_subprocess(cg_base: Path, children: Children) -> N
         "base = Path(sys.argv[1])\n"
         "(base / 'cgroup.procs').write_text(str(os.getpid()))\n"
         "before = cgroups.own_cgroup()\n"
+        "in_base_default = cgroups.default_base_dir()\n"
         "moved = cgroups.move_self_to_leaf(base)\n"
         "again = cgroups.move_self_to_leaf(base)\n"
         "print(json.dumps([str(before), str(moved), str(again), str(cgroups.own_cgroup()),\n"
-        "                  str(cgroups.default_base_dir())]), flush=True)\n"
+        "                  str(cgroups.default_base_dir()), str(in_base_default)]), flush=True)\n"
         "sys.stdin.read()\n"
     )
     proc = children.start(
         [sys.executable, "-c", script, str(cg_base)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     assert proc.stdout is not None
-    before, moved, again, after, default = json.loads(proc.stdout.readline())
+    assert proc.stderr is not None
+    before, moved, again, after, default, in_base = json.loads(proc.stdout.readline())
     assert before == str(cg_base)
     assert moved == str(cg_base / "daemon")
     assert again == "None"
     assert after == str(cg_base / "daemon")
     assert default == str(cg_base)  # a daemon in its leaf still puts clients beside it
+    assert in_base == str(cg_base)  # a daemon in its own (unit) cgroup puts clients there...
     assert (cg_base / "cgroup.procs").read_text() == ""
+    proc.stdin.close()  # type: ignore[union-attr]
+    proc.wait(timeout=10)
+    # ...and says that systemd did not delegate it (no trusted.delegate marker here).
+    assert "cgroup_not_delegated" in proc.stderr.read().decode()
 
 
 @needs_cgroup

@@ -115,7 +115,7 @@ def test_spawn_as_nobody_has_its_ids_groups_and_no_more(tmp_path: Path, started:
     assert sorted(int(g) for g in status["Groups"].split()) == sorted(
         set(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
     )
-    assert status["CapEff"] == "0000000000000000"
+    assert status["CapEff"] == status["CapPrm"] == status["CapAmb"] == "0000000000000000"
     assert os.getsid(proc.pid) == proc.pid  # new session, own process group
     assert os.getpgid(proc.pid) == proc.pid
     assert os.readlink(f"/proc/{proc.pid}/fd/0") == "/dev/null"
