@@ -32,47 +32,14 @@ from gpushare.node.cgroups import (
     make_pauser,
     own_cgroup,
 )
+from tests.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
-def _cgroup_skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create cgroups (run the suite as root)"
-    mount = cgroup2_mount()
-    if mount is None:
-        return "no cgroup2 filesystem is mounted (see /proc/self/mounts)"
-    own = own_cgroup(mount)
-    if own is None or not os.access(own, os.W_OK):
-        return f"this process's cgroup {own} is not writable"
-    return None
-
-
-CGROUP_SKIP = _cgroup_skip_reason()
+CGROUP_SKIP = cgroup_skip_reason()
 needs_cgroup = pytest.mark.skipif(CGROUP_SKIP is not None, reason=CGROUP_SKIP or "")
-
-
-def _kill_tree(path: Path) -> None:
-    for sub in [*sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True), path]:
-        if (sub / "cgroup.kill").exists():
-            with contextlib.suppress(OSError):
-                (sub / "cgroup.kill").write_text("1")
-        for line in (sub / "cgroup.procs").read_text().split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(line), signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    for sub in [*sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True), path]:
-        while True:
-            try:
-                sub.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
 
 
 @pytest.fixture
@@ -80,12 +47,9 @@ def cg_base() -> Iterator[Path]:
     """A fresh directory beside this process's cgroup; killed and removed at teardown."""
     if CGROUP_SKIP is not None:
         pytest.skip(CGROUP_SKIP)
-    own = own_cgroup()
-    assert own is not None
-    base = own / f"gpushare-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    base = unique_base("gpushare-test")
     yield base
-    if base.exists():
-        _kill_tree(base)
+    remove_tree(base)
 
 
 @pytest.fixture
