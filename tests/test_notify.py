@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.node.notify import NOTIFY_VARS, clean_env, notify, watchdog_period_s
+from gpushare.node.notify import NOTIFY_VARS, clean_env, notify, status_field, watchdog_period_s
 
 
 @pytest.fixture
@@ -115,3 +115,11 @@ def test_clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     from_os = clean_env()
     assert not set(NOTIFY_VARS) & set(from_os)
     assert from_os.get("PATH") == os.environ.get("PATH")
+
+
+def test_status_field_is_one_line(abstract_socket: tuple[socket.socket, str]) -> None:
+    sock, address = abstract_socket
+    field = status_field("2 GPUs\n  MPS up\r\tclients: 3")
+    assert field == "STATUS=2 GPUs MPS up clients: 3"
+    assert notify("READY=1", field, env={"NOTIFY_SOCKET": address})
+    assert sock.recv(4096).decode().split("\n") == ["READY=1", field]

@@ -59,6 +59,15 @@ def notify(*fields: str, env: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+def status_field(text: str) -> str:
+    """``STATUS=<text>`` made safe for :func:`notify`: one line, control characters as spaces.
+
+    Example: ``notify("READY=1", status_field(summary))``.
+    """
+    line = "".join(ch if ch.isprintable() else " " for ch in text)
+    return "STATUS=" + " ".join(line.split())
+
+
 def watchdog_period_s(env: Mapping[str, str] | None = None) -> float | None:
     """Half of ``WatchdogSec=`` when systemd's watchdog is meant for this process, else ``None``.
 
