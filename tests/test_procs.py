@@ -388,6 +388,16 @@ def test_start_time_identity(started: Procs) -> None:
     assert not is_same_process(proc.pid, start)
 
 
+def test_identity_of_missing_records() -> None:
+    for pid in (0, -1):
+        assert process_start_time(pid) is None
+        assert not is_same_process(pid, time.time())
+        assert procs.process_uid(pid) is None
+        assert procs.descendants(pid) == []
+    assert not is_same_process(os.getpid(), None)
+    assert is_same_process(os.getpid(), process_start_time(os.getpid()))
+
+
 def test_descendants_and_group_members(started: Procs) -> None:
     proc = started.add(
         subprocess.Popen(
@@ -464,7 +474,7 @@ def test_watcher_notices_non_child_exit_promptly(watcher: ExitWatcher, started: 
     assert psutil.Process(pid).ppid() != os.getpid()
     start = process_start_time(pid)
     assert start is not None
-    watcher.watch(pid, start_time=start)
+    assert watcher.watch(pid, start_time=start)
     time.sleep(0.2)
     assert watcher.exits.empty()  # still running: nothing reported
     os.kill(pid, signal.SIGKILL)
@@ -481,13 +491,13 @@ def test_watcher_non_child_recycled_or_gone(watcher: ExitWatcher, started: Procs
     pid = _grandchild(started)
     start = process_start_time(pid)
     assert start is not None
-    watcher.watch(pid, start_time=start - 10.0)  # recorded start differs: not that process
+    assert not watcher.watch(pid, start_time=start - 10.0)  # recorded start differs
     assert watcher.exits.get(timeout=5) == (pid, None)
     assert watcher.watched() == []
 
     proc = subprocess.Popen(["true"])
     proc.wait()
-    watcher.watch(proc.pid)  # gone and reaped before watch: reported at once, code unknown
+    assert not watcher.watch(proc.pid)  # gone and reaped before watch: reported at once
     assert watcher.exits.get(timeout=5) == (proc.pid, None)
 
 

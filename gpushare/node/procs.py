@@ -296,17 +296,22 @@ def _join_then_drop(
 
 def process_start_time(pid: int) -> float | None:
     """When ``pid`` started (seconds since the epoch, psutil ``create_time``), or ``None`` if gone."""
+    if pid <= 0:
+        return None
     try:
         return psutil.Process(pid).create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
 
 
-def is_same_process(pid: int, start_time: float) -> bool:
+def is_same_process(pid: int, start_time: float | None) -> bool:
     """Whether ``pid`` still runs and is the process that started at ``start_time``.
 
-    A recycled pid has another start time; a zombie has finished and does not count.
+    A recycled pid has another start time; a zombie has finished and does not count. A missing
+    record (pid ``0`` or below, start time ``None``) is never the same process.
     """
+    if pid <= 0 or start_time is None:
+        return False
     try:
         proc = psutil.Process(pid)
         same = abs(proc.create_time() - start_time) <= START_TIME_TOLERANCE_S
@@ -317,6 +322,8 @@ def is_same_process(pid: int, start_time: float) -> bool:
 
 def process_uid(pid: int) -> int | None:
     """The real uid of ``pid``, or ``None`` when it is gone."""
+    if pid <= 0:
+        return None
     try:
         return psutil.Process(pid).uids().real
     except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -325,6 +332,8 @@ def process_uid(pid: int) -> int | None:
 
 def descendants(pid: int) -> list[int]:
     """Live descendants of ``pid`` (children, grandchildren, …); empty when it is gone."""
+    if pid <= 0:
+        return []
     try:
         kids = psutil.Process(pid).children(recursive=True)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -399,7 +408,7 @@ class ExitWatcher:
         self._thread.start()
         return self
 
-    def watch(self, proc: subprocess.Popen[Any] | int, start_time: float | None = None) -> None:
+    def watch(self, proc: subprocess.Popen[Any] | int, start_time: float | None = None) -> bool:
         """Report when ``proc`` exits.
 
         Args:
@@ -408,6 +417,10 @@ class ExitWatcher:
                 (see :class:`Exit`).
             start_time: for a pid, the start time recorded earlier; when it no longer matches (the
                 pid was recycled) the exit is reported at once.
+
+        Returns:
+            True when the process is being watched; False when its exit was reported at once
+            (already gone, or the pid no longer matches ``start_time``).
 
         Raises:
             RuntimeError: the watcher was stopped.
@@ -419,25 +432,26 @@ class ExitWatcher:
         if popen is not None and popen.returncode is not None:
             # Already reaped elsewhere; its pid may belong to someone else by now.
             self._report(pid, popen.returncode)
-            return
+            return False
         is_child = popen is not None or _is_child(pid)
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
             self._report(pid, self._reap(pid, popen, is_child))
-            return
+            return False
         if start_time is not None and not is_child and not is_same_process(pid, start_time):
             # The pidfd pins whatever holds the pid now, which is not the process we were asked
             # about: that one is already gone.
             os.close(pidfd)
             self._report(pid, None)
-            return
+            return False
         with self._lock:
             old = self._watched.pop(pid, None)
             self._watched[pid] = (pidfd, popen, is_child)
         if old is not None:
             os.close(old[0])
         self._wake()
+        return True
 
     def unwatch(self, pid: int) -> None:
         """Stop watching ``pid`` without reporting it."""
