@@ -712,3 +712,15 @@ def test_daemon_killed_then_new_daemon_readopts(cg_base: Path, children: Childre
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+@needs_cgroup
+def test_configured_cgroup_base_is_used(cg_base: Path) -> None:
+    from gpushare import config
+
+    cfg = config.loads(f'[paths]\ncgroup_base = "{cg_base}"\n')
+    assert cfg.paths.cgroup_base == cg_base
+    pauser, reason = make_pauser(cfg.paths.cgroup_base)
+    assert isinstance(pauser, CgroupPauser)
+    assert pauser.base == cg_base
+    assert str(cg_base) in reason
