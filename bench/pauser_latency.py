@@ -2,7 +2,8 @@
 
 Measures, over real processes:
 - cgroup freezer: time from writing cgroup.freeze to cgroup.events reporting frozen 1 (and back),
-  for a sleeping child and a CPU-busy child (CgroupPauser.freeze/thaw wall time);
+  for a sleeping child and a CPU-busy child (CgroupPauser.freeze/thaw wall time), and four busy
+  clients frozen one by one vs with freeze_many;
 - signal fallback: SignalPauser.freeze (SIGSTOP until every member shows T) and thaw;
 - ExitWatcher: time from SIGKILL to the exit being delivered, for a child and a non-child (pidfd).
 
@@ -78,6 +79,32 @@ def bench_cgroup(results: dict[str, object]) -> None:
             freeze, thaw = _cycle(pauser, name)
             results[f"cgroup_freeze_{name}"] = _summary(freeze)
             results[f"cgroup_thaw_{name}"] = _summary(thaw)
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        procs.clear()
+        # Four busy clients: one after the other vs all requests first (freeze_many).
+        ids = [f"busy{i}" for i in range(4)]
+        for cid in ids:
+            proc = subprocess.Popen(BUSY, start_new_session=True)
+            procs.append(proc)
+            pauser.attach(cid, proc.pid)
+        time.sleep(0.2)
+        one_by_one, batched = [], []
+        for _ in range(CYCLES // 2):
+            t0 = time.perf_counter()
+            for cid in ids:
+                pauser.freeze(cid)
+            one_by_one.append(time.perf_counter() - t0)
+            pauser.thaw_many(ids)
+            time.sleep(0.005)
+            t0 = time.perf_counter()
+            pauser.freeze_many(ids)
+            batched.append(time.perf_counter() - t0)
+            pauser.thaw_many(ids)
+            time.sleep(0.005)
+        results["cgroup_freeze_4_busy_one_by_one"] = _summary(one_by_one)
+        results["cgroup_freeze_4_busy_freeze_many"] = _summary(batched)
     finally:
         for proc in procs:
             proc.kill()

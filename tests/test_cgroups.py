@@ -724,3 +724,45 @@ def test_configured_cgroup_base_is_used(cg_base: Path) -> None:
     assert isinstance(pauser, CgroupPauser)
     assert pauser.base == cg_base
     assert str(cg_base) in reason
+
+
+@needs_cgroup
+def test_freeze_many_and_thaw_many(pauser: CgroupPauser, children: Children) -> None:
+    kids = [children.start(BUSY) for _ in range(3)]
+    for i, kid in enumerate(kids):
+        pauser.attach(f"m{i}", kid.pid)
+    ids = [f"m{i}" for i in range(3)]
+    pauser.freeze_many(ids)
+    assert all(pauser.is_frozen(cid) for cid in ids)
+    before = [_cpu_s(k.pid) for k in kids]
+    time.sleep(0.4)
+    assert all(_cpu_s(k.pid) - b <= 0.01 for k, b in zip(kids, before, strict=True))
+    pauser.thaw_many(ids)
+    assert not any(pauser.is_frozen(cid) for cid in ids)
+    assert all(_wait_running_cpu(k.pid, want_s=0.03) >= 0.03 for k in kids)
+
+    # An unknown client is named; the known ones are still frozen.
+    with pytest.raises(PauserError, match="absent"):
+        pauser.freeze_many(["m0", "absent", "m2"])
+    assert pauser.is_frozen("m0")
+    assert pauser.is_frozen("m2")
+    assert not pauser.is_frozen("m1")
+    with pytest.raises(ValueError, match="cannot name a cgroup"):
+        pauser.thaw_many(["m0", "../x"])
+    assert pauser.is_frozen("m0")  # a bad id changes nothing
+    pauser.thaw_many(["m0", "m2"])
+    assert not pauser.is_frozen("m0")
+
+
+def test_signal_freeze_many(children: Children) -> None:
+    pauser = SignalPauser()
+    kids = [children.start(BUSY) for _ in range(2)]
+    for i, kid in enumerate(kids):
+        pauser.attach(f"s{i}", kid.pid)
+    with pytest.raises(PauserError, match="attach it first"):
+        pauser.freeze_many(["s0", "nope"])
+    assert not pauser.is_frozen("s0")  # nothing was signalled
+    pauser.freeze_many(["s0", "s1"])
+    assert all(_state(k.pid) == "T" for k in kids)
+    pauser.thaw_many(["s0", "s1"])
+    assert _wait_for(lambda: all(_state(k.pid) != "T" for k in kids))
