@@ -1,0 +1,1 @@
+"""The daemon: composition root, run loop, socket server, registry and launcher."""

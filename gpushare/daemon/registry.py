@@ -1,0 +1,498 @@
+"""The daemon's durable state: clients and an event log in SQLite (WAL) under the state directory.
+
+Every change is one transaction; a state change is checked against :data:`ALLOWED` inside the same
+transaction that writes it and the event that records it, so a crash never leaves a client half
+moved. A database that cannot be opened or fails SQLite's quick check is moved aside (never deleted)
+and a fresh one records an error event naming where the old one went (DESIGN D6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpushare.model import ClientClass, ClientState
+
+log = structlog.get_logger(__name__)
+
+SCHEMA_VERSION = 1
+
+S = ClientState
+ALLOWED: Mapping[ClientState, frozenset[ClientState]] = {
+    S.QUEUED: frozenset({S.STARTING, S.EXITED, S.FAILED, S.LOST}),
+    S.STARTING: frozenset({S.RUNNING, S.THROTTLED, S.FROZEN, S.EXITED, S.FAILED, S.LOST}),
+    S.RUNNING: frozenset(
+        {S.THROTTLED, S.FROZEN, S.RESTARTING, S.QUEUED, S.EXITED, S.FAILED, S.LOST}
+    ),
+    S.THROTTLED: frozenset(
+        {S.RUNNING, S.FROZEN, S.RESTARTING, S.QUEUED, S.EXITED, S.FAILED, S.LOST}
+    ),
+    S.FROZEN: frozenset(
+        {S.RUNNING, S.THROTTLED, S.RESTARTING, S.QUEUED, S.EXITED, S.FAILED, S.LOST}
+    ),
+    S.RESTARTING: frozenset({S.STARTING, S.RUNNING, S.QUEUED, S.EXITED, S.FAILED, S.LOST}),
+    S.EXITED: frozenset(),
+    S.FAILED: frozenset(),
+    S.LOST: frozenset(),
+}
+"""Transitions the registry accepts; every other one raises :class:`TransitionError`."""
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS clients (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    name TEXT,
+    cls TEXT NOT NULL,
+    argv TEXT NOT NULL,
+    uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL,
+    user TEXT NOT NULL,
+    gpu_uuid TEXT,
+    gpu_index INTEGER,
+    sm_pct REAL,
+    mem_bytes INTEGER,
+    priority INTEGER NOT NULL,
+    slo_p99_ms REAL,
+    restartable INTEGER NOT NULL,
+    checkpoint_signal INTEGER NOT NULL,
+    detach INTEGER NOT NULL,
+    env TEXT NOT NULL,
+    cwd TEXT,
+    state TEXT NOT NULL,
+    reason TEXT,
+    pid INTEGER,
+    start_ticks INTEGER,
+    exit_code INTEGER,
+    pause_mechanism TEXT,
+    log_path TEXT,
+    held INTEGER NOT NULL DEFAULT 0,
+    restarts INTEGER NOT NULL DEFAULT 0,
+    failures INTEGER NOT NULL DEFAULT 0,
+    submitted_at REAL NOT NULL,
+    started_at REAL,
+    ended_at REAL
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    severity TEXT NOT NULL,
+    client_id TEXT,
+    gpu_uuid TEXT,
+    message TEXT NOT NULL,
+    data TEXT
+);
+"""
+
+
+class RegistryError(Exception):
+    """The registry cannot do what was asked (unknown client, database failure)."""
+
+
+class TransitionError(RegistryError):
+    """A state change that :data:`ALLOWED` does not permit."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRecord:
+    """One client as the registry stores it. Times are wall-clock seconds since the epoch."""
+
+    id: str
+    name: str | None
+    cls: ClientClass
+    argv: tuple[str, ...]
+    uid: int
+    gid: int
+    user: str
+    gpu_uuid: str | None
+    gpu_index: int | None
+    sm_pct: float | None
+    mem_bytes: int | None
+    priority: int
+    slo_p99_ms: float | None
+    restartable: bool
+    checkpoint_signal: int
+    detach: bool
+    env: Mapping[str, str]
+    cwd: str | None
+    state: ClientState
+    reason: str | None
+    pid: int | None
+    start_ticks: int | None
+    exit_code: int | None
+    pause_mechanism: str | None
+    log_path: str | None
+    held: bool
+    restarts: int
+    failures: int
+    submitted_at: float
+    started_at: float | None
+    ended_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One entry of the event log."""
+
+    id: int
+    at: float
+    kind: str
+    severity: str
+    client_id: str | None
+    gpu_uuid: str | None
+    message: str
+    data: Mapping[str, Any] | None
+
+
+_JSON_FIELDS = {"argv", "env"}
+_BOOL_FIELDS = {"restartable", "detach", "held"}
+_UPDATABLE = {f.name for f in dataclasses.fields(ClientRecord)} - {"id", "state", "submitted_at"}
+
+
+class Registry:
+    """Clients and events in one SQLite database; safe to share between threads.
+
+    Use :meth:`open`, which deals with a corrupted file.
+    """
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self._conn = conn
+        self._lock = threading.RLock()
+        self.path = path
+
+    @classmethod
+    def open(cls, path: Path) -> Registry:
+        """Open (or create) the database at ``path``, moving a corrupted one aside.
+
+        Raises:
+            RegistryError: the directory is unusable, or a fresh database cannot be created.
+        """
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise RegistryError(f"cannot create the state directory {path.parent}: {exc}") from exc
+        moved_to: Path | None = None
+        problem = ""
+        try:
+            conn = _connect(path)
+        except sqlite3.DatabaseError as exc:
+            problem = str(exc)
+            moved_to = _move_aside(path)
+            try:
+                conn = _connect(path)
+            except sqlite3.DatabaseError as exc2:
+                raise RegistryError(f"cannot create a fresh database at {path}: {exc2}") from exc2
+        registry = cls(conn, path)
+        if moved_to is not None:
+            log.error("registry_corrupt", path=str(path), moved_to=str(moved_to), error=problem)
+            registry.add_event(
+                "registry_corrupt",
+                f"the state database was unreadable ({problem}); moved aside to {moved_to} and "
+                "a fresh one started; clients recorded only there are not supervised",
+                severity="error",
+                data={"moved_to": str(moved_to), "error": problem},
+            )
+        return registry
+
+    def close(self) -> None:
+        """Close the database."""
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def add_client(
+        self,
+        *,
+        cls: ClientClass,
+        argv: Sequence[str],
+        uid: int,
+        gid: int,
+        user: str,
+        state: ClientState,
+        priority: int,
+        name: str | None = None,
+        gpu_uuid: str | None = None,
+        gpu_index: int | None = None,
+        sm_pct: float | None = None,
+        mem_bytes: int | None = None,
+        slo_p99_ms: float | None = None,
+        restartable: bool = False,
+        checkpoint_signal: int = 10,
+        detach: bool = False,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        pause_mechanism: str | None = None,
+        now: float | None = None,
+    ) -> ClientRecord:
+        """Record a new client and a ``client_submitted`` event; the id is ``c<number>``."""
+        at = time.time() if now is None else now
+        with self._tx() as conn:
+            cur = conn.execute(
+                "INSERT INTO clients (id, name, cls, argv, uid, gid, user, gpu_uuid, gpu_index,"
+                " sm_pct, mem_bytes, priority, slo_p99_ms, restartable, checkpoint_signal, detach,"
+                " env, cwd, state, pause_mechanism, submitted_at)"
+                " VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    name, cls.value, json.dumps(list(argv)), uid, gid, user, gpu_uuid, gpu_index,
+                    sm_pct, mem_bytes, priority, slo_p99_ms, int(restartable), checkpoint_signal,
+                    int(detach), json.dumps(dict(env or {})), cwd, state.value, pause_mechanism, at,
+                ),
+            )  # fmt: skip
+            seq = cur.lastrowid
+            client_id = f"c{seq}"
+            conn.execute("UPDATE clients SET id = ? WHERE seq = ?", (client_id, seq))
+            self._event(
+                conn, at, "client_submitted", "info", client_id, gpu_uuid,
+                f"{cls.value} client {client_id} submitted by {user} in state {state.value}",
+                None,
+            )  # fmt: skip
+            return self._get(conn, client_id)
+
+    def transition(
+        self,
+        client_id: str,
+        to: ClientState,
+        *,
+        reason: str | None = None,
+        expect: ClientState | None = None,
+        now: float | None = None,
+        **updates: Any,
+    ) -> ClientRecord:
+        """Move a client to state ``to`` (plus field ``updates``) and log it, in one transaction.
+
+        Raises:
+            RegistryError: no such client.
+            TransitionError: the move is not in :data:`ALLOWED`, or ``expect`` does not match.
+        """
+        at = time.time() if now is None else now
+        with self._tx() as conn:
+            current = self._get(conn, client_id)
+            if expect is not None and current.state is not expect:
+                raise TransitionError(
+                    f"client {client_id} is {current.state.value}, expected {expect.value}"
+                )
+            if to is not current.state and to not in ALLOWED[current.state]:
+                raise TransitionError(
+                    f"client {client_id} cannot go from {current.state.value} to {to.value}"
+                )
+            fields = dict(updates)
+            fields["reason"] = reason
+            if to.is_final and "ended_at" not in fields:
+                fields["ended_at"] = at
+            self._update(conn, client_id, fields, state=to)
+            if to is not current.state:
+                msg = f"client {client_id}: {current.state.value} -> {to.value}"
+                self._event(
+                    conn, at, f"client_{to.value}", "info", client_id, current.gpu_uuid,
+                    msg + (f" ({reason})" if reason else ""),
+                    {"from": current.state.value, "to": to.value, "reason": reason},
+                )  # fmt: skip
+            return self._get(conn, client_id)
+
+    def update(self, client_id: str, **updates: Any) -> ClientRecord:
+        """Change fields other than the state, in one transaction.
+
+        Raises:
+            RegistryError: no such client or an unknown field.
+        """
+        with self._tx() as conn:
+            self._get(conn, client_id)
+            self._update(conn, client_id, updates)
+            return self._get(conn, client_id)
+
+    def get(self, client_id: str) -> ClientRecord:
+        """One client.
+
+        Raises:
+            RegistryError: no such client.
+        """
+        with self._lock:
+            return self._get(self._conn, client_id)
+
+    def find(self, client_id: str) -> ClientRecord | None:
+        """One client, or None."""
+        try:
+            return self.get(client_id)
+        except RegistryError:
+            return None
+
+    def clients(self, *, include_final: bool = False) -> list[ClientRecord]:
+        """Clients in submission order; by default only those not in a final state."""
+        with self._lock:
+            rows = self._conn.execute("SELECT * FROM clients ORDER BY seq").fetchall()
+        records = [_record(row) for row in rows]
+        return records if include_final else [r for r in records if not r.state.is_final]
+
+    def add_event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        severity: str = "info",
+        client_id: str | None = None,
+        gpu_uuid: str | None = None,
+        data: Mapping[str, Any] | None = None,
+        now: float | None = None,
+    ) -> int:
+        """Append an event; returns its id."""
+        at = time.time() if now is None else now
+        with self._tx() as conn:
+            return self._event(conn, at, kind, severity, client_id, gpu_uuid, message, data)
+
+    def events(self, since_id: int = 0, limit: int = 100) -> list[Event]:
+        """Events with id above ``since_id``, oldest first, at most ``limit``."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT * FROM events WHERE id > ? ORDER BY id LIMIT ?", (since_id, limit)
+            ).fetchall()
+        return [
+            Event(
+                id=row["id"], at=row["at"], kind=row["kind"], severity=row["severity"],
+                client_id=row["client_id"], gpu_uuid=row["gpu_uuid"], message=row["message"],
+                data=json.loads(row["data"]) if row["data"] else None,
+            )
+            for row in rows
+        ]  # fmt: skip
+
+    def last_event_id(self) -> int:
+        """The id of the newest event, 0 when there is none."""
+        with self._lock:
+            row = self._conn.execute("SELECT MAX(id) AS m FROM events").fetchone()
+        return int(row["m"] or 0)
+
+    @staticmethod
+    def _get(conn: sqlite3.Connection, client_id: str) -> ClientRecord:
+        row = conn.execute("SELECT * FROM clients WHERE id = ?", (client_id,)).fetchone()
+        if row is None:
+            raise RegistryError(f"no client {client_id!r}; see `gpushare list --all`")
+        return _record(row)
+
+    @staticmethod
+    def _update(
+        conn: sqlite3.Connection,
+        client_id: str,
+        updates: Mapping[str, Any],
+        state: ClientState | None = None,
+    ) -> None:
+        bad = set(updates) - _UPDATABLE
+        if bad:
+            raise RegistryError(f"unknown client field(s): {', '.join(sorted(bad))}")
+        columns: list[str] = []
+        values: list[Any] = []
+        if state is not None:
+            columns.append("state = ?")
+            values.append(state.value)
+        for key, value in updates.items():
+            if key in _JSON_FIELDS:
+                value = json.dumps(list(value) if key == "argv" else dict(value))
+            elif key in _BOOL_FIELDS:
+                value = int(bool(value))
+            elif key == "cls":
+                value = ClientClass(value).value
+            columns.append(f"{key} = ?")
+            values.append(value)
+        if columns:
+            conn.execute(
+                f"UPDATE clients SET {', '.join(columns)} WHERE id = ?",  # column names are fixed
+                (*values, client_id),
+            )
+
+    @staticmethod
+    def _event(
+        conn: sqlite3.Connection,
+        at: float,
+        kind: str,
+        severity: str,
+        client_id: str | None,
+        gpu_uuid: str | None,
+        message: str,
+        data: Mapping[str, Any] | None,
+    ) -> int:
+        cur = conn.execute(
+            "INSERT INTO events (at, kind, severity, client_id, gpu_uuid, message, data)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (at, kind, severity, client_id, gpu_uuid, message, json.dumps(data) if data else None),
+        )
+        return int(cur.lastrowid or 0)
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+    try:
+        _prepare(conn)
+    except BaseException:
+        conn.close()
+        raise
+    path.chmod(0o600)
+    return conn
+
+
+def _prepare(conn: sqlite3.Connection) -> None:
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    row = conn.execute("PRAGMA quick_check").fetchone()
+    if row is None or row[0] != "ok":
+        raise sqlite3.DatabaseError(f"quick_check failed: {row[0] if row else 'no answer'}")
+    conn.executescript(_SCHEMA)
+    conn.execute(
+        "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+        (str(SCHEMA_VERSION),),
+    )
+    version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    if version[0] != str(SCHEMA_VERSION):
+        raise sqlite3.DatabaseError(f"unsupported schema version {version[0]}")
+    # A read of the columns the code uses: a foreign table layout counts as unreadable.
+    conn.execute("SELECT id, state, pid, start_ticks, held FROM clients LIMIT 1").fetchall()
+
+
+def _move_aside(path: Path) -> Path:
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    path.rename(target)
+    for suffix in ("-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.exists():
+            side.rename(target.with_name(target.name + suffix))
+    return target
+
+
+def _record(row: sqlite3.Row) -> ClientRecord:
+    return ClientRecord(
+        id=row["id"], name=row["name"], cls=ClientClass(row["cls"]),
+        argv=tuple(json.loads(row["argv"])), uid=row["uid"], gid=row["gid"], user=row["user"],
+        gpu_uuid=row["gpu_uuid"], gpu_index=row["gpu_index"], sm_pct=row["sm_pct"],
+        mem_bytes=row["mem_bytes"], priority=row["priority"], slo_p99_ms=row["slo_p99_ms"],
+        restartable=bool(row["restartable"]), checkpoint_signal=row["checkpoint_signal"],
+        detach=bool(row["detach"]), env=json.loads(row["env"]), cwd=row["cwd"],
+        state=ClientState(row["state"]), reason=row["reason"], pid=row["pid"],
+        start_ticks=row["start_ticks"], exit_code=row["exit_code"],
+        pause_mechanism=row["pause_mechanism"], log_path=row["log_path"], held=bool(row["held"]),
+        restarts=row["restarts"], failures=row["failures"], submitted_at=row["submitted_at"],
+        started_at=row["started_at"], ended_at=row["ended_at"],
+    )  # fmt: skip
