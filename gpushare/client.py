@@ -2,7 +2,8 @@
 
 Sections of this module:
 
-* the CLI's API socket client (added by the CLI work; above the latency section), and
+* the **API socket client** (:class:`ApiClient`): connect to the daemon's Unix socket, say
+  ``hello`` (refusing another API version), then one JSON request per line, and
 * **app-reported latency** (at the end): :func:`report_latency`, which a latency-critical service
   calls once per request. Its daemon side is :mod:`gpushare.latency`.
 """
@@ -16,8 +17,144 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
 
-from gpushare import paths
+from gpushare import paths, protocol
+
+# =====================================================================================
+# The API socket client: the CLI and scripts call the daemon through ApiClient.
+# =====================================================================================
+
+# Responses can be larger than requests (status of a busy node, a page of events).
+_MAX_RESPONSE_BYTES = 64 << 20
+
+
+class DaemonUnreachableError(Exception):
+    """The socket is missing or refuses connections: the daemon is not running there."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            f"cannot reach gpushare at {path}: is gpushare.service running? "
+            "(systemctl status gpushare)"
+        )
+
+
+class ApiError(Exception):
+    """The daemon answered a request with an error."""
+
+    def __init__(self, code: protocol.ErrorCode, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(message)
+
+
+def socket_path(explicit: str | Path | None = None) -> Path:
+    """The API socket: ``explicit``, else ``$GPUSHARE_SOCKET``, else the config's, else the default."""
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get(paths.ENV_SOCKET)
+    if env:
+        return Path(env)
+    config_file = paths.default_config_file()
+    if config_file.exists():
+        # Imported here so scripts that only report latency never pay for the config module.
+        from gpushare import config
+
+        try:
+            return config.load(config_file).paths.resolved("socket")
+        except config.ConfigError:
+            pass
+    return paths.RUNTIME_DIR / paths.SOCKET_NAME
+
+
+class ApiClient:
+    """One connection to the daemon, after a successful ``hello``."""
+
+    def __init__(self, sock: socket.socket, path: Path) -> None:
+        self._sock = sock
+        self.path = path
+        self._reader = protocol.LineReader(sock, _MAX_RESPONSE_BYTES)
+        self._next_id = 1
+        self.hello: dict[str, Any] = {}
+
+    @classmethod
+    def connect(
+        cls, path: str | Path | None = None, *, timeout_s: float | None = 30.0, name: str = "cli"
+    ) -> ApiClient:
+        """Connect and say hello.
+
+        Raises:
+            DaemonUnreachableError: no socket, or nobody listening on it.
+            ApiError: the daemon refused the hello (another API version).
+        """
+        target = socket_path(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(str(target))
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
+            sock.close()
+            raise DaemonUnreachableError(target, str(exc)) from None
+        except OSError:
+            sock.close()
+            raise
+        client = cls(sock, target)
+        try:
+            client.hello = client.call(
+                protocol.HELLO, {"api_version": protocol.API_VERSION, "client": name}
+            )
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
+        """Send one request and return its result.
+
+        Raises:
+            ApiError: the daemon answered with an error.
+            DaemonUnreachableError: the daemon closed the connection.
+        """
+        req_id = self._next_id
+        self._next_id += 1
+        try:
+            self._sock.sendall(
+                protocol.encode({"id": req_id, "method": method, "params": params or {}})
+            )
+            line = self._reader.read_line()
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise DaemonUnreachableError(self.path, str(exc)) from None
+        if line is None:
+            raise DaemonUnreachableError(self.path, "the daemon closed the connection")
+        reply = json.loads(line)
+        if "error" in reply:
+            err = reply["error"]
+            try:
+                code = protocol.ErrorCode(err.get("code"))
+            except ValueError:
+                code = protocol.ErrorCode.INTERNAL
+            raise ApiError(code, str(err.get("message", "")))
+        return reply.get("result")
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._sock.close()
+
+    def __enter__(self) -> ApiClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
 
 # =====================================================================================
 # App-reported latency: services call report_latency(seconds) once per request.

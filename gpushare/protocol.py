@@ -184,6 +184,7 @@ class SubmitResult:
     env: dict[str, str]
     log_path: str | None = None
     pid: int | None = None
+    unset_env: list[str] = field(default_factory=list)
 
 
 # Framing.

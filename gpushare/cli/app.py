@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from gpushare import __version__
-from gpushare.cli import config_cmd
+from gpushare.cli import clients_cmd, config_cmd, daemon_cmd
 
 app = typer.Typer(
     name="gpushare",
@@ -22,6 +22,8 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(config_cmd.app, name="config")
+clients_cmd.register(app)
+daemon_cmd.register(app)
 
 
 def _version(value: bool) -> None:

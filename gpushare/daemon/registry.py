@@ -339,10 +339,12 @@ class Registry:
 
     def clients(self, *, include_final: bool = False) -> list[ClientRecord]:
         """Clients in submission order; by default only those not in a final state."""
+        query = "SELECT * FROM clients"
+        if not include_final:
+            query += " WHERE state NOT IN ('exited', 'failed', 'lost')"
         with self._lock:
-            rows = self._conn.execute("SELECT * FROM clients ORDER BY seq").fetchall()
-        records = [_record(row) for row in rows]
-        return records if include_final else [r for r in records if not r.state.is_final]
+            rows = self._conn.execute(query + " ORDER BY seq").fetchall()
+        return [_record(row) for row in rows]
 
     def add_event(
         self,

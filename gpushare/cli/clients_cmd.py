@@ -1,0 +1,314 @@
+"""``gpushare submit|status|list|cancel|pause|resume|events``: thin clients of the daemon's API.
+
+Each command parses its arguments, makes one call (or a few, for ``--watch``/``--follow``),
+renders the answer and exits with the status :meth:`gpushare.protocol.ErrorCode.exit_code` gives;
+a daemon that cannot be reached is one line and exit 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Annotated, Any
+
+import typer
+
+from gpushare import protocol
+from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
+from gpushare.units import format_duration, parse_duration, parse_size
+
+SocketOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--socket", help="API socket (default: $GPUSHARE_SOCKET, the config's, /run/gpushare)."
+    ),
+]
+NA = "N/A"
+
+
+def _connect(socket: str | None) -> ApiClient:
+    try:
+        return ApiClient.connect(socket)
+    except DaemonUnreachableError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(code=protocol.EXIT_UNREACHABLE) from None
+    except ApiError as exc:
+        typer.echo(f"gpushare: {exc.message}", err=True)
+        raise typer.Exit(code=exc.code.exit_code()) from None
+
+
+def _call(api: ApiClient, method: str, params: dict[str, Any] | None = None) -> Any:
+    try:
+        return api.call(method, params)
+    except DaemonUnreachableError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(code=protocol.EXIT_UNREACHABLE) from None
+    except ApiError as exc:
+        typer.echo(f"gpushare: {exc.message}", err=True)
+        raise typer.Exit(code=exc.code.exit_code()) from None
+
+
+def call_once(socket: str | None, method: str, params: dict[str, Any] | None = None) -> Any:
+    """Connect, make one call, close."""
+    with _connect(socket) as api:
+        return _call(api, method, params)
+
+
+def _bad(message: str) -> typer.Exit:
+    typer.echo(f"gpushare: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+def _signal_number(text: str) -> int:
+    if text.isdigit():
+        return int(text)
+    name = text.upper()
+    name = name if name.startswith("SIG") else "SIG" + name
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        raise _bad(f"--checkpoint-signal: unknown signal {text!r} (e.g. USR1, TERM, 10)") from None
+
+
+def submit(
+    cmd: Annotated[list[str], typer.Argument(help="The command and its arguments, after --.")],
+    online: Annotated[bool, typer.Option("--online", help="Latency-critical service.")] = False,
+    offline: Annotated[bool, typer.Option("--offline", help="Best-effort job.")] = False,
+    gpu: Annotated[str, typer.Option("--gpu", help="GPU index, UUID or 'any'.")] = "any",
+    sm: Annotated[
+        float | None,
+        typer.Option("--sm", help="SM percentage (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)."),
+    ] = None,
+    mem: Annotated[
+        str | None, typer.Option("--mem", help="Pinned GPU memory limit, e.g. 8G.")
+    ] = None,
+    slo_p99: Annotated[
+        str | None, typer.Option("--slo-p99", help="Online p99 latency SLO, e.g. 40ms.")
+    ] = None,
+    name: Annotated[str | None, typer.Option("--name", help="A name shown in status.")] = None,
+    restartable: Annotated[
+        bool,
+        typer.Option("--restartable", help="Offline job that may be checkpointed and relaunched."),
+    ] = False,
+    checkpoint_signal: Annotated[
+        str, typer.Option("--checkpoint-signal", help="Signal asking it to checkpoint and exit.")
+    ] = "USR1",
+    detach: Annotated[
+        bool, typer.Option("--detach", help="Let the daemon run it; output to a log file.")
+    ] = False,
+    socket: SocketOpt = None,
+) -> None:
+    """Run a command as an MPS client with gpushare's limits (foreground unless --detach)."""
+    if online == offline:
+        raise _bad("give exactly one of --online or --offline")
+    if not cmd:
+        raise _bad("no command: gpushare submit --offline -- CMD ARGS...")
+    params: dict[str, Any] = {
+        "cls": "online" if online else "offline",
+        "argv": list(cmd),
+        "gpu": gpu,
+        "sm_pct": sm,
+        "name": name,
+        "restartable": restartable,
+        "checkpoint_signal": _signal_number(checkpoint_signal),
+        "detach": detach or restartable,
+        "cwd": os.getcwd(),
+    }
+    try:
+        params["mem_bytes"] = parse_size(mem) if mem is not None else None
+        params["slo_p99_ms"] = parse_duration(slo_p99) * 1e3 if slo_p99 is not None else None
+    except ValueError as exc:
+        raise _bad(str(exc)) from None
+    if params["detach"]:
+        params["env"] = dict(os.environ)
+    else:
+        params["pid"] = os.getpid()
+    result = call_once(socket, protocol.SUBMIT, params)
+    if params["detach"]:
+        typer.echo(
+            f"{result['client_id']} started on {result['gpu_uuid']} (pid {result['pid']}); "
+            f"output in {result['log_path']}"
+        )
+        return
+    env = {k: v for k, v in os.environ.items() if k not in set(result.get("unset_env", []))}
+    env.update(result["env"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(cmd[0], list(cmd), env)
+    except OSError as exc:
+        typer.echo(f"gpushare: cannot run {cmd[0]!r}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(code=127 if isinstance(exc, FileNotFoundError) else 126) from None
+
+
+def _gib(value: int | None) -> str:
+    return NA if value is None else f"{value / (1 << 30):.1f}G"
+
+
+def _pct(value: float | None) -> str:
+    return NA if value is None else f"{value:g}%"
+
+
+def _dur(value: float | None) -> str:
+    return NA if value is None else format_duration(round(value))
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)  # fmt: skip
+
+
+def render_clients(clients: Sequence[dict[str, Any]]) -> str:
+    """The client table of ``status`` and ``list``."""
+    rows = [["ID", "NAME", "USER", "CLASS", "GPU", "SM", "MEM LIMIT", "MEM USED", "STATE",
+             "UPTIME", "PAUSE"]]  # fmt: skip
+    for c in clients:
+        rows.append([
+            c["id"], c["name"] or "-", c["user"], c["class"],
+            NA if c["gpu_index"] is None else str(c["gpu_index"]), _pct(c["sm_pct"]),
+            _gib(c["mem_limit_bytes"]), _gib(c["mem_used_bytes"]),
+            c["state"] + (" (held)" if c["held"] else ""), _dur(c["uptime_s"]),
+            c["pause_mechanism"] or NA,
+        ])  # fmt: skip
+    return _table(rows) if clients else "no clients"
+
+
+def render_status(status: dict[str, Any]) -> str:
+    """The human ``status`` view: one row per GPU, then one per client."""
+    rows = [["GPU", "UUID", "MEMORY USED/TOTAL", "UTIL", "MPS", "ONLINE SLO", "PROBE",
+             "SLOTS", "DUTY", "OFFLINE SM"]]  # fmt: skip
+    for g in status["gpus"]:
+        probe = g["probe"]
+        probe_text = (
+            "off" if not probe["enabled"]
+            else NA if probe["latency_ms"] is None
+            else f"{probe['latency_ms']:.2f}ms"
+        )  # fmt: skip
+        rows.append([
+            str(g["index"]), g["uuid"], f"{_gib(g['mem_used_bytes'])}/{_gib(g['mem_total_bytes'])}",
+            _pct(g["gpu_util_pct"]), g["mps_state"] or NA, g["online_slo"]["state"], probe_text,
+            f"{g['client_slots_used']}/{g['client_slots_max']}", f"{g['duty']:.2f}",
+            _pct(g["offline_sm_pct"]),
+        ])  # fmt: skip
+        if g["error"]:
+            rows.append(["", f"error: {g['error']}", "", "", "", "", "", "", "", ""])
+    head = f"gpushare {status['daemon']['version']}: {status['daemon']['summary']}"
+    return "\n".join([head, "", _table(rows), "", render_clients(status["clients"])])
+
+
+def _mps_down(status: dict[str, Any]) -> bool:
+    return any(g["shared"] and g["mps_state"] in ("down", "fault") for g in status["gpus"])
+
+
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="JSON (docs/status-schema.md).")] = False,
+    watch: Annotated[
+        float | None, typer.Option("--watch", help="Refresh every this many seconds.")
+    ] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="Only this GPU (index or UUID).")] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Show GPUs and clients; exit 1 when a shared GPU's MPS is down."""
+    params = {"gpu": gpu} if gpu is not None else {}
+    with _connect(socket) as api:
+        while True:
+            result = _call(api, protocol.STATUS, params)
+            text = json.dumps(result, indent=2) if as_json else render_status(result)
+            if watch is None:
+                typer.echo(text)
+                break
+            typer.echo("\x1b[H\x1b[2J" + text, nl=True)
+            try:
+                time.sleep(max(0.1, watch))
+            except KeyboardInterrupt:
+                break
+    if _mps_down(result):
+        raise typer.Exit(code=1)
+
+
+def list_clients(
+    all_: Annotated[bool, typer.Option("--all", help="Include ended clients.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON output.")] = False,
+    socket: SocketOpt = None,
+) -> None:
+    """List clients (live and queued; --all for every one)."""
+    result = call_once(socket, protocol.LIST, {"all": all_})
+    typer.echo(json.dumps(result, indent=2) if as_json else render_clients(result["clients"]))
+
+
+def cancel(
+    client_id: Annotated[str, typer.Argument(help="Client id, e.g. c3.")],
+    socket: SocketOpt = None,
+) -> None:
+    """Stop a client: SIGTERM now, SIGKILL after daemon.cancel_grace."""
+    r = call_once(socket, protocol.CANCEL, {"client_id": client_id})
+    if r["grace_s"]:
+        typer.echo(f"{r['client_id']}: SIGTERM sent; SIGKILL in {r['grace_s']:g}s if it stays")
+    else:
+        typer.echo(f"{r['client_id']}: cancelled")
+
+
+def pause(
+    client_id: Annotated[str, typer.Argument(help="Client id.")], socket: SocketOpt = None
+) -> None:
+    """Hold a client frozen until `gpushare resume` (its owner, root or an admin)."""
+    r = call_once(socket, protocol.PAUSE, {"client_id": client_id})
+    typer.echo(f"{r['client_id']}: {r['state']}")
+
+
+def resume(
+    client_id: Annotated[str, typer.Argument(help="Client id.")], socket: SocketOpt = None
+) -> None:
+    """Release a pause."""
+    r = call_once(socket, protocol.RESUME, {"client_id": client_id})
+    typer.echo(f"{r['client_id']}: {r['state']}")
+
+
+def _event_line(e: dict[str, Any]) -> str:
+    at = datetime.fromtimestamp(e["at"], tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    who = e["client_id"] or (e["gpu_uuid"] or "-")
+    return f"{at[:-4]}Z {e['severity']:<7} {e['kind']:<22} {who:<10} {e['message']}"
+
+
+def events(
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new events.")
+    ] = False,
+    since: Annotated[int, typer.Option("--since", help="Only events after this id.")] = 0,
+    limit: Annotated[int, typer.Option("--limit", help="At most this many per page.")] = 1000,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+    socket: SocketOpt = None,
+) -> None:
+    """Print the daemon's event log (client transitions, MPS events, alerts)."""
+    with _connect(socket) as api:
+        last = since
+        while True:
+            page = _call(api, protocol.EVENTS, {"since_id": last, "limit": limit})
+            for e in page["events"]:
+                typer.echo(json.dumps(e) if as_json else _event_line(e))
+            last = page["last_id"]
+            if len(page["events"]) == limit:
+                continue
+            if not follow:
+                return
+            try:
+                time.sleep(0.5)
+            except KeyboardInterrupt:
+                return
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to the root application."""
+    app.command("submit", context_settings={"allow_interspersed_args": False})(submit)
+    app.command("status")(status)
+    app.command("list")(list_clients)
+    app.command("cancel")(cancel)
+    app.command("pause")(pause)
+    app.command("resume")(resume)
+    app.command("events")(events)

@@ -1,0 +1,1076 @@
+"""The daemon: API handlers, the run loop and the appliers of the controller's actions.
+
+One :class:`Daemon` owns the registry, the API server and the node adapters it is given (GPU
+backend, MPS node, pauser, probe, policy). The run loop senses, builds one
+:class:`~gpushare.model.Observation` per shared GPU, asks the policy for actions and applies them;
+between ticks it runs the offline duty cycle (see :mod:`gpushare.model`). API handlers run on the
+server's threads; every change of state goes through one lock, so the loop, the handlers and the
+exit watcher never interleave inside a transition.
+"""
+
+from __future__ import annotations
+
+import grp
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+
+from gpushare import __version__, protocol
+from gpushare import config as config_mod
+from gpushare.config import Config
+from gpushare.control.policy import Policy
+from gpushare.daemon import launcher, osshim
+from gpushare.daemon.registry import ClientRecord, Registry, RegistryError, TransitionError
+from gpushare.daemon.server import ApiServer, Caller
+from gpushare.model import (
+    Action,
+    Admit,
+    Alert,
+    ClientClass,
+    ClientState,
+    ClientView,
+    Evict,
+    Freeze,
+    GpuEvent,
+    GpuSample,
+    Limits,
+    MpsEventKind,
+    MpsState,
+    Observation,
+    ProbeReading,
+    RecoverMps,
+    RestartClient,
+    SetDuty,
+    SetOfflineShare,
+    Thaw,
+)
+from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
+from gpushare.units import format_size
+
+log = structlog.get_logger(__name__)
+
+S = ClientState
+E = protocol.ErrorCode
+_RUNNING_STATES = frozenset({S.RUNNING, S.THROTTLED, S.FROZEN})
+_QUIET_MPS_EVENTS = frozenset({MpsEventKind.COMMAND, MpsEventKind.RAW})
+_MAX_NAME = 64
+
+
+class NoopPolicy:
+    """A policy that never acts: offline work runs unthrottled. Used until a controller is wired."""
+
+    name = "none"
+
+    def initial_state(self, gpu_uuid: str, now: float) -> None:
+        """No state."""
+        return None
+
+    def step(self, state: None, observation: Observation, now: float) -> tuple[None, list[Action]]:
+        """No actions."""
+        return None, []
+
+
+@dataclass(frozen=True, slots=True)
+class _OnExit:
+    """What to do when a client's process exits, set by cancel, evict and restart."""
+
+    kind: Literal["cancel", "evict", "requeue", "restart"]
+    reason: str
+    sm_pct: float | None = None
+
+
+def _fail(code: protocol.ErrorCode, message: str) -> protocol.ProtocolError:
+    return protocol.ProtocolError(code, message)
+
+
+class Daemon:
+    """The node daemon; :meth:`start`, then :meth:`run` until :meth:`request_stop`, then :meth:`shutdown`."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        registry: Registry,
+        gpu: GpuBackend,
+        mps: MpsNode,
+        pauser: Pauser,
+        probe: LatencyProbe | None = None,
+        policy: Policy[Any] | None = None,
+        config_path: Path | None = None,
+        notify: Callable[..., bool] = osshim.notify,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.registry = registry
+        self.gpu = gpu
+        self.mps = mps
+        self.pauser = pauser
+        self.probe = probe
+        self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()
+        self._notify = notify
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._samples: list[GpuSample] = []
+        self._policy_state: dict[str, Any] = {}
+        self._duty: dict[str, float] = {}
+        self._offline_share: dict[str, float] = {}
+        self._edges: dict[str, float] = {}
+        self._paused: set[str] = set()
+        self._by_pid: dict[int, str] = {}
+        self._on_exit: dict[str, _OnExit] = {}
+        self._kill_at: dict[str, float] = {}
+        self._mps_states: dict[str, MpsState] = {}
+        self._ready = False
+        self._status_line = ""
+        self._started_mono = time.monotonic()
+        self._last_watchdog = 0.0
+        self._watchdog_s = osshim.watchdog_period_s()
+        self.server: ApiServer | None = None
+        self._watcher: osshim.ExitWatcher | None = None
+        self.ticks = 0
+
+    # ----------------------------------------------------------------------------- life cycle
+
+    def methods(self) -> dict[str, Callable[[Caller, dict[str, Any]], Any]]:
+        """The explicit dispatch table of the API (``hello`` is answered by the server)."""
+        return {
+            protocol.STATUS: self.api_status,
+            protocol.LIST: self.api_list,
+            protocol.EVENTS: self.api_events,
+            protocol.SUBMIT: self.api_submit,
+            protocol.CANCEL: self.api_cancel,
+            protocol.PAUSE: self.api_pause,
+            protocol.RESUME: self.api_resume,
+        }
+
+    def start(self) -> None:
+        """Re-adopt recorded clients, take a first GPU sample, and open the API socket.
+
+        Raises:
+            ServerError: the socket cannot be bound.
+        """
+        self._watcher = osshim.ExitWatcher(self._process_exited)
+        self._samples = list(self.gpu.sample())
+        self.readopt()
+        cfg = self.config
+        self.server = ApiServer(
+            cfg.paths.resolved("socket"),
+            self.methods(),
+            max_request_bytes=cfg.daemon.max_request_bytes,
+            mode=int(cfg.daemon.socket_mode, 8),
+            group=cfg.daemon.socket_group,
+            daemon_version=__version__,
+        )
+        self.server.start()
+        self.registry.add_event(
+            "daemon_started", f"gpushare {__version__} started (pid {os.getpid()})"
+        )
+        log.info("daemon_started", pid=os.getpid(), gpus=len(self._samples))
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop (safe from a signal handler)."""
+        self._stop.set()
+
+    def request_reload(self) -> None:
+        """Ask the loop to reload the config (safe from a signal handler)."""
+        self._reload.set()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop was requested."""
+        return self._stop.is_set()
+
+    def run(self, max_ticks: int | None = None) -> int:
+        """Tick every ``control.period`` until stopped (or ``max_ticks`` ticks); returns 0."""
+        deadline = time.monotonic()
+        ticks = 0
+        while not self._stop.is_set():
+            if self._reload.is_set():
+                self._reload.clear()
+                self.reload()
+            self.tick()
+            ticks += 1
+            if max_ticks is not None and ticks >= max_ticks:
+                break
+            period = self.config.control.period_s
+            deadline += period
+            now = time.monotonic()
+            if deadline < now:
+                deadline = now  # a slow tick: do not try to catch up with a burst
+            while True:
+                target = min([deadline, *self._edges.values()])
+                if self._stop.wait(max(0.0, target - time.monotonic())):
+                    break
+                if self._edges:
+                    self._duty_edges(time.monotonic())
+                if time.monotonic() >= deadline:
+                    break
+        return 0
+
+    def shutdown(self) -> None:
+        """Stop serving and leave the workloads running (they are not the daemon's to kill)."""
+        self._notify("STOPPING=1")
+        if self.server is not None:
+            self.server.close()
+        with self._lock:
+            # Duty-cycle freezes end with the daemon; a user's or controller's hold stays.
+            for client_id in list(self._paused):
+                rec = self.registry.find(client_id)
+                if rec is not None and not rec.held:
+                    self._set_paused(client_id, False)
+        if self._watcher is not None:
+            self._watcher.close()
+        if self.config.daemon.stop_mps_on_exit:
+            close = getattr(self.mps, "close", None)
+            if callable(close):
+                close()
+        self.registry.add_event("daemon_stopped", "gpushare stopped; workloads left running")
+        log.info("daemon_stopped")
+
+    def reload(self) -> bool:
+        """Re-read the config file; keep the old config with an error event if the new one is bad."""
+        if self.config_path is None:
+            return False
+        self._notify("RELOADING=1", f"MONOTONIC_USEC={int(time.monotonic() * 1e6)}")
+        try:
+            new = config_mod.load(self.config_path)
+        except config_mod.ConfigError as exc:
+            log.error("config_reload_failed", error=str(exc))  # noqa: TRY400 - expected, no trace
+            self.registry.add_event(
+                "config_reload_failed",
+                f"config not reloaded, the old one stays in force: {exc}",
+                severity="error",
+            )
+            self._notify("READY=1")
+            return False
+        if new.paths != self.config.paths:
+            self.registry.add_event(
+                "config_reload_partial",
+                "[paths] changed: takes effect only after a restart of gpushare",
+                severity="warning",
+            )
+            new = replace(new, paths=self.config.paths)
+        self.config = new
+        self.registry.add_event("config_reloaded", f"config reloaded from {self.config_path}")
+        log.info("config_reloaded", path=str(self.config_path))
+        self._notify("READY=1")
+        return True
+
+    def readopt(self) -> None:
+        """Take back every recorded live client whose process still runs; mark the rest lost."""
+        assert self._watcher is not None
+        with self._lock:
+            for rec in self.registry.clients():
+                if rec.state is S.QUEUED:
+                    continue
+                if rec.pid is not None and osshim.is_same_process(rec.pid, rec.start_ticks):
+                    self._adopt_pid(rec.id, rec.pid)
+                    if rec.held:
+                        self._set_paused(rec.id, True)
+                    else:
+                        # It may have been frozen by a duty cycle when the daemon died.
+                        self._thaw_quietly(rec.id)
+                    self.registry.add_event(
+                        "client_readopted",
+                        f"client {rec.id} (pid {rec.pid}) re-adopted after a daemon restart",
+                        client_id=rec.id,
+                        gpu_uuid=rec.gpu_uuid,
+                    )
+                    if rec.state is S.STARTING:
+                        self.registry.transition(rec.id, S.RUNNING)
+                else:
+                    why = "no process was recorded" if rec.pid is None else "its process is gone"
+                    self.registry.transition(
+                        rec.id, S.LOST, reason=f"{why} while the daemon was down"
+                    )
+
+    def _adopt_pid(self, client_id: str, pid: int) -> None:
+        assert self._watcher is not None
+        self._by_pid[pid] = client_id
+        try:
+            self.pauser.attach(client_id, pid)
+        except OSError as exc:
+            log.warning("pauser_attach_failed", client_id=client_id, pid=pid, error=str(exc))
+        self._watcher.watch(pid)
+
+    def _thaw_quietly(self, client_id: str) -> None:
+        try:
+            self.pauser.thaw(client_id)
+        except OSError as exc:
+            log.warning("thaw_failed", client_id=client_id, error=str(exc))
+
+    # ----------------------------------------------------------------------------- run loop
+
+    def tick(self) -> None:
+        """One control period: sense, decide per GPU, act, and report health to systemd."""
+        now = time.monotonic()
+        samples = list(self.gpu.sample())
+        gpu_events = list(self.gpu.drain_events())
+        with self._lock:
+            self._samples = samples
+            for event in gpu_events:
+                self._record_gpu_event(event)
+            records = self.registry.clients()
+            for sample in samples:
+                if not self._shared(sample):
+                    continue
+                self._tick_gpu(sample, records, gpu_events, now)
+            self._duty_phase(now)
+            self._kill_overdue(now)
+            self.ticks += 1
+        self._report(now)
+
+    def _tick_gpu(
+        self,
+        sample: GpuSample,
+        records: Sequence[ClientRecord],
+        gpu_events: Sequence[GpuEvent],
+        now: float,
+    ) -> None:
+        uuid = sample.uuid
+        mps_state = self.mps.state(uuid)
+        self._mps_states[uuid] = mps_state
+        mps_events = tuple(self.mps.drain_events(uuid))
+        for ev in mps_events:
+            if ev.kind not in _QUIET_MPS_EVENTS:
+                severity = "error" if ev.kind is MpsEventKind.FATAL_EXCEPTION else "info"
+                self.registry.add_event(
+                    f"mps_{ev.kind.value}", ev.text, severity=severity, gpu_uuid=uuid
+                )
+        probe = (
+            self.probe.reading(uuid)
+            if self.probe is not None
+            else ProbeReading(reason="probe disabled")
+        )
+        override = self.config.gpu_override(sample.index, uuid)
+        views = tuple(self._view(rec, sample, now) for rec in records if rec.gpu_uuid == uuid)
+        obs = Observation(
+            gpu_uuid=uuid,
+            gpu_index=sample.index,
+            sample=sample,
+            probe=probe,
+            clients=views,
+            mps_state=mps_state,
+            mps_events=mps_events,
+            gpu_events=tuple(e for e in gpu_events if e.gpu_uuid == uuid),
+            mem_reserve_bytes=self._reserve(sample),
+            offline_sm_pct_max=override.offline_sm_pct_max
+            or self.config.control.offline_sm_pct_max,
+            admissions_open=mps_state is MpsState.UP and not sample.lost,
+        )
+        state = self._policy_state.get(uuid)
+        if uuid not in self._policy_state:
+            state = self.policy.initial_state(uuid, now)
+        state, actions = self.policy.step(state, obs, now)
+        self._policy_state[uuid] = state
+        for action in actions:
+            try:
+                self.apply(action, now)
+            except (RegistryError, OSError) as exc:
+                log.warning("action_failed", action=type(action).__name__, error=str(exc))
+        if self.probe is not None:
+            running = any(
+                v.cls is ClientClass.OFFLINE and v.state.is_live and v.client_id not in self._paused
+                for v in views
+            )
+            self.probe.set_offline_running(uuid, running)
+
+    def _view(self, rec: ClientRecord, sample: GpuSample, now: float) -> ClientView:
+        used = None
+        for proc in sample.processes:
+            if proc.pid == rec.pid:
+                used = proc.used_bytes
+        started = None
+        if rec.started_at is not None:
+            started = now - max(0.0, time.time() - rec.started_at)
+        return ClientView(
+            client_id=rec.id,
+            cls=rec.cls,
+            state=rec.state,
+            limits=Limits(
+                sm_pct=rec.sm_pct if rec.sm_pct is not None else 100.0,
+                pinned_mem_bytes=rec.mem_bytes,
+                priority=rec.priority,
+            ),
+            uid=rec.uid,
+            pid=rec.pid,
+            mem_used_bytes=used,
+            slo_p99_ms=rec.slo_p99_ms,
+            p99_reason="no latency reports",
+            restartable=rec.restartable,
+            failures=rec.failures,
+            started_at_s=started,
+            held=rec.held,
+        )
+
+    def _report(self, now: float) -> None:
+        if not self._ready and self._all_mps_up():
+            self._ready = True
+            self._notify("READY=1", f"STATUS={self.summary()}")
+            self.registry.add_event("daemon_ready", f"ready: {self.summary()}")
+            log.info("daemon_ready")
+        line = self.summary()
+        if line != self._status_line:
+            self._status_line = line
+            self._notify(f"STATUS={line}")
+        if self._watchdog_s is not None and now - self._last_watchdog >= self._watchdog_s:
+            # Pinged only after a completed tick: a stuck loop stops the pings and systemd acts.
+            self._last_watchdog = now
+            self._notify("WATCHDOG=1")
+
+    @property
+    def ready(self) -> bool:
+        """Whether READY=1 has been sent (socket bound, registry open, every MPS answering)."""
+        return self._ready
+
+    def _all_mps_up(self) -> bool:
+        shared = [s for s in self._samples if self._shared(s)]
+        return all(self._mps_states.get(s.uuid) is MpsState.UP for s in shared)
+
+    def summary(self) -> str:
+        """The one-line STATUS= summary."""
+        shared = [s for s in self._samples if self._shared(s)]
+        up = sum(1 for s in shared if self._mps_states.get(s.uuid) is MpsState.UP)
+        recs = self.registry.clients()
+        online = sum(1 for r in recs if r.cls is ClientClass.ONLINE and r.state.is_live)
+        offline = sum(1 for r in recs if r.cls is ClientClass.OFFLINE and r.state.is_live)
+        queued = sum(1 for r in recs if r.state is S.QUEUED)
+        return (
+            f"{len(shared)} GPU(s), MPS up {up}/{len(shared)}, {online} online + {offline} "
+            f"offline client(s), {queued} queued"
+        )
+
+    def _record_gpu_event(self, event: GpuEvent) -> None:
+        self.registry.add_event(
+            "gpu_xid",
+            f"XID {event.xid} on {event.gpu_uuid}" + (" (fatal)" if event.fatal else ""),
+            severity="error" if event.fatal else "warning",
+            gpu_uuid=event.gpu_uuid,
+            data={"xid": event.xid},
+        )
+
+    # ----------------------------------------------------------------------------- duty cycle
+
+    def _duty_phase(self, now: float) -> None:
+        """Start of a period: thaw or freeze offline clients as each GPU's duty says."""
+        period = self.config.control.period_s
+        self._edges.clear()
+        for rec in self.registry.clients():
+            if rec.state not in _RUNNING_STATES or rec.pid is None:
+                continue
+            duty = self._duty.get(rec.gpu_uuid or "", 1.0)
+            if rec.held:
+                want = S.FROZEN
+                self._set_paused(rec.id, True)
+            elif rec.cls is ClientClass.ONLINE or duty >= 1.0:
+                want = S.RUNNING
+                self._set_paused(rec.id, False)
+            else:
+                want = S.THROTTLED
+                if duty <= 0.0:
+                    self._set_paused(rec.id, True)
+                else:
+                    self._set_paused(rec.id, False)
+                    self._edges[rec.gpu_uuid or ""] = now + duty * period
+            if rec.state is not want and rec.id not in self._on_exit:
+                self._transition(rec.id, want)
+
+    def _duty_edges(self, now: float) -> None:
+        with self._lock:
+            due = [gpu for gpu, at in self._edges.items() if at <= now]
+            if not due:
+                return
+            for gpu in due:
+                del self._edges[gpu]
+            for rec in self.registry.clients():
+                if (
+                    rec.gpu_uuid in due
+                    and rec.cls is ClientClass.OFFLINE
+                    and rec.state is S.THROTTLED
+                    and rec.id not in self._on_exit
+                ):
+                    self._set_paused(rec.id, True)
+
+    def _set_paused(self, client_id: str, paused: bool) -> None:
+        try:
+            if paused and client_id not in self._paused:
+                self.pauser.freeze(client_id)
+                self._paused.add(client_id)
+            elif not paused and client_id in self._paused:
+                self.pauser.thaw(client_id)
+                self._paused.discard(client_id)
+        except OSError as exc:
+            log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
+
+    def _kill_overdue(self, now: float) -> None:
+        for client_id, at in list(self._kill_at.items()):
+            if now >= at:
+                del self._kill_at[client_id]
+                log.info("client_kill", client_id=client_id)
+                try:
+                    self.pauser.kill(client_id)
+                except OSError as exc:
+                    log.warning("kill_failed", client_id=client_id, error=str(exc))
+
+    def _transition(self, client_id: str, to: ClientState, **kw: Any) -> ClientRecord | None:
+        try:
+            return self.registry.transition(client_id, to, **kw)
+        except TransitionError as exc:
+            log.warning("transition_refused", client_id=client_id, to=to.value, error=str(exc))
+            return None
+
+    # ----------------------------------------------------------------------------- actions
+
+    def apply(self, action: Action, now: float) -> None:
+        """Carry out one controller action."""
+        with self._lock:
+            if isinstance(action, SetDuty):
+                self._duty[action.gpu_uuid] = min(1.0, max(0.0, action.duty))
+            elif isinstance(action, Freeze):
+                self._hold(action.client_id, True, action.reason)
+            elif isinstance(action, Thaw):
+                self._hold(action.client_id, False, action.reason)
+            elif isinstance(action, SetOfflineShare):
+                if self._offline_share.get(action.gpu_uuid) != action.sm_pct:
+                    self._offline_share[action.gpu_uuid] = action.sm_pct
+                    self.registry.add_event(
+                        "offline_share_changed",
+                        f"offline SM share {launcher.format_pct(action.sm_pct)}%: {action.reason}",
+                        gpu_uuid=action.gpu_uuid,
+                    )
+            elif isinstance(action, RestartClient):
+                self._restart(action, now)
+            elif isinstance(action, Evict):
+                self._evict(action, now)
+            elif isinstance(action, Admit):
+                rec = self.registry.get(action.client_id)
+                if rec.state is S.QUEUED:
+                    self._launch_detached(rec, action.gpu_uuid, action.sm_pct, action.reason)
+            elif isinstance(action, RecoverMps):
+                recs = [r for r in self.registry.clients() if r.gpu_uuid == action.gpu_uuid]
+                pids = {c: [r.pid for r in recs if r.cls is c and r.pid] for c in ClientClass}
+                self.registry.add_event(
+                    "mps_recovery", f"MPS recovery: {action.reason}", severity="warning",
+                    gpu_uuid=action.gpu_uuid,
+                )  # fmt: skip
+                self.mps.recover(
+                    action.gpu_uuid, pids[ClientClass.OFFLINE], pids[ClientClass.ONLINE]
+                )
+            elif isinstance(action, Alert):
+                self.registry.add_event(
+                    "alert", action.reason, severity=action.severity.value,
+                    gpu_uuid=action.gpu_uuid,
+                )  # fmt: skip
+
+    def _hold(self, client_id: str, held: bool, reason: str) -> None:
+        rec = self.registry.get(client_id)
+        if not rec.state.is_live or rec.held == held:
+            return
+        self.registry.update(client_id, held=held)
+        if held:
+            self._set_paused(client_id, True)
+            self._transition(client_id, S.FROZEN, reason=reason)
+        else:
+            duty = self._duty.get(rec.gpu_uuid or "", 1.0)
+            offline = rec.cls is ClientClass.OFFLINE
+            if not offline or duty > 0.0:
+                self._set_paused(client_id, False)
+            self._transition(
+                client_id, S.THROTTLED if offline and duty < 1.0 else S.RUNNING, reason=reason
+            )
+
+    def _restart(self, action: RestartClient, now: float) -> None:
+        rec = self.registry.get(action.client_id)
+        if rec.state not in _RUNNING_STATES or not rec.restartable or rec.pid is None:
+            return
+        self._on_exit[rec.id] = _OnExit("restart", action.reason, action.sm_pct)
+        self._set_paused(rec.id, False)
+        self._signal(rec, rec.checkpoint_signal)
+        self._transition(rec.id, S.RESTARTING, reason=action.reason)
+        self._kill_at[rec.id] = now + self.config.daemon.cancel_grace_s
+
+    def _evict(self, action: Evict, now: float) -> None:
+        rec = self.registry.get(action.client_id)
+        if rec.state not in _RUNNING_STATES or rec.pid is None or rec.gpu_uuid is None:
+            return
+        requeue = action.requeue and rec.restartable
+        self._on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", action.reason)
+        self._set_paused(rec.id, False)
+        # MPS forbids killing a client with GPU work in flight: terminate_client first.
+        ok = self.mps.terminate_client(rec.gpu_uuid, rec.pid)
+        self.registry.add_event(
+            "client_evicting",
+            f"evicting {rec.id}: {action.reason} (terminate_client {'ok' if ok else 'failed'})",
+            severity="warning", client_id=rec.id, gpu_uuid=rec.gpu_uuid,
+        )  # fmt: skip
+        self._kill_at[rec.id] = now + self.config.control.evict_grace_s
+
+    def _signal(self, rec: ClientRecord, sig: int) -> None:
+        if rec.pid is None:
+            return
+        try:
+            if os.getpgid(rec.pid) == rec.pid:
+                os.killpg(rec.pid, sig)
+            else:
+                for pid in self.pauser.pids(rec.id) or [rec.pid]:
+                    os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    # ----------------------------------------------------------------------------- exits
+
+    def _process_exited(self, pid: int, code: int | None) -> None:
+        with self._lock:
+            client_id = self._by_pid.pop(pid, None)
+            if client_id is None:
+                return
+            self._paused.discard(client_id)
+            self._kill_at.pop(client_id, None)
+            try:
+                self.pauser.release(client_id)
+            except OSError as exc:
+                log.warning("pauser_release_failed", client_id=client_id, error=str(exc))
+            then = self._on_exit.pop(client_id, None)
+            rec = self.registry.get(client_id)
+            log.info("client_process_exited", client_id=client_id, pid=pid, exit_code=code)
+            if then is not None and then.kind == "restart" and rec.gpu_uuid is not None:
+                sm = then.sm_pct if then.sm_pct is not None else rec.sm_pct
+                self._launch_detached(
+                    rec, rec.gpu_uuid, sm, f"restarted: {then.reason}", restart=True
+                )
+            elif then is not None and then.kind == "requeue":
+                self._transition(client_id, S.QUEUED, reason=then.reason, exit_code=code, pid=None)
+            elif then is not None and then.kind == "evict":
+                self._transition(
+                    client_id, S.FAILED, reason=f"evicted: {then.reason}", exit_code=code
+                )
+            elif then is not None and then.kind == "cancel":
+                self._transition(client_id, S.EXITED, reason=then.reason, exit_code=code)
+            elif code is None:
+                self._transition(
+                    client_id, S.EXITED, reason="exit status not visible to the daemon"
+                )
+            elif code == 0:
+                self._transition(client_id, S.EXITED, exit_code=0)
+            else:
+                why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                self._transition(
+                    client_id, S.FAILED, reason=why, exit_code=code, failures=rec.failures + 1
+                )
+
+    # ----------------------------------------------------------------------------- launching
+
+    def _launch_detached(
+        self,
+        rec: ClientRecord,
+        gpu_uuid: str,
+        sm_pct: float | None,
+        reason: str,
+        *,
+        restart: bool = False,
+    ) -> ClientRecord:
+        sample = self._sample(gpu_uuid)
+        sm = sm_pct if sm_pct is not None else self._default_sm(rec.cls, gpu_uuid)
+        env = self._mps_env(rec.id, gpu_uuid, sm, rec.mem_bytes, rec.cls)
+        self._transition(
+            rec.id, S.STARTING, reason=reason, gpu_uuid=gpu_uuid, sm_pct=sm,
+            gpu_index=sample.index if sample else rec.gpu_index,
+        )  # fmt: skip
+        try:
+            pid, ticks, log_path = launcher.spawn_detached(
+                rec.argv,
+                uid=rec.uid,
+                gid=rec.gid,
+                groups=launcher.user_groups(rec.uid, rec.gid),
+                cwd=rec.cwd or "/",
+                env=launcher.workload_env(rec.env, env),
+                log_dir=self.config.paths.resolved("client_log_dir"),
+                client_id=rec.id,
+            )
+        except OSError as exc:
+            why = f"cannot start {rec.argv[0]!r}: {exc.strerror or exc}"
+            failed = self._transition(rec.id, S.FAILED, reason=why)
+            return failed or rec
+        self._adopt_pid(rec.id, pid)
+        started = self._transition(
+            rec.id, S.RUNNING, pid=pid, start_ticks=ticks, started_at=time.time(),
+            log_path=str(log_path), pause_mechanism=self.pauser.mechanism.value,
+            restarts=rec.restarts + (1 if restart else 0),
+        )  # fmt: skip
+        return started or self.registry.get(rec.id)
+
+    def _mps_env(
+        self, client_id: str, gpu_uuid: str, sm: float, mem: int | None, cls: ClientClass
+    ) -> dict[str, str]:
+        return launcher.mps_env(
+            client_id=client_id,
+            limits=launcher.LaunchLimits(gpu_uuid=gpu_uuid, sm_pct=sm, mem_bytes=mem, cls=cls),
+            pipe_dir=self.mps.pipe_dir(gpu_uuid),
+            latency_socket=self.config.paths.resolved("latency_socket"),
+        )
+
+    def _default_sm(self, cls: ClientClass, gpu_uuid: str) -> float:
+        if cls is ClientClass.ONLINE:
+            return 100.0
+        return self._offline_share.get(gpu_uuid, self.config.control.offline_sm_pct_default)
+
+    def _shared(self, sample: GpuSample) -> bool:
+        return self.config.gpu_override(sample.index, sample.uuid).shared
+
+    def _sample(self, gpu_uuid: str) -> GpuSample | None:
+        return next((s for s in self._samples if s.uuid == gpu_uuid), None)
+
+    def _reserve(self, sample: GpuSample) -> int:
+        override = self.config.gpu_override(sample.index, sample.uuid)
+        if override.online_memory_reserve_bytes is not None:
+            return override.online_memory_reserve_bytes
+        return self.config.control.online_memory_reserve_bytes
+
+    def _max_clients(self, sample: GpuSample) -> int:
+        override = self.config.gpu_override(sample.index, sample.uuid)
+        return override.max_clients or self.config.mps.max_clients
+
+    # ----------------------------------------------------------------------------- API
+
+    def _authorize(self, caller: Caller, rec: ClientRecord, what: str) -> None:
+        if caller.uid in (0, rec.uid):
+            return
+        admin = self.config.daemon.admin_group
+        if admin:
+            try:
+                admin_gid = grp.getgrnam(admin).gr_gid
+            except KeyError:
+                admin_gid = None
+            if admin_gid is not None and (admin_gid == caller.gid or admin_gid in caller.groups):
+                return
+            if osshim.user_in_group(caller.uid, admin):
+                return
+        raise _fail(
+            E.PERMISSION_DENIED,
+            f"{launcher.user_name(caller.uid)} may not {what} {rec.id}, which belongs to "
+            f"{rec.user}; only its owner, root or members of group {admin!r} may",
+        )
+
+    def _get(self, client_id: str) -> ClientRecord:
+        rec = self.registry.find(client_id)
+        if rec is None:
+            raise _fail(E.NOT_FOUND, f"no client {client_id!r}; see `gpushare list --all`")
+        return rec
+
+    def api_status(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
+        """``status``: GPUs and clients (schema in docs/status-schema.md)."""
+        req = protocol.from_params(protocol.StatusRequest, params)
+        with self._lock:
+            samples = list(self._samples)
+            if req.gpu is not None:
+                samples = [self._resolve_gpu(req.gpu)]
+            uuids = {s.uuid for s in samples}
+            recs = [r for r in self.registry.clients() if r.gpu_uuid in uuids or (
+                r.state is S.QUEUED and req.gpu is None)]  # fmt: skip
+            by_uuid = {s.uuid: s for s in samples}
+            now = time.time()
+            clients = [self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now) for r in recs]
+            gpus = [self._gpu_dict(s, recs) for s in samples]
+            return {
+                "schema_version": protocol.STATUS_SCHEMA_VERSION,
+                "daemon": {
+                    "version": __version__,
+                    "pid": os.getpid(),
+                    "uptime_s": round(time.monotonic() - self._started_mono, 3),
+                    "ready": self._ready,
+                    "policy": self.policy.name,
+                    "pause_mechanism": self.pauser.mechanism.value,
+                    "summary": self.summary(),
+                },
+                "gpus": gpus,
+                "clients": clients,
+            }
+
+    def _gpu_dict(self, s: GpuSample, recs: Sequence[ClientRecord]) -> dict[str, Any]:
+        shared = self._shared(s)
+        live = [r for r in recs if r.gpu_uuid == s.uuid and r.state.is_live]
+        probe_on = self.config.probe.enabled and shared
+        reading = self.probe.reading(s.uuid) if self.probe is not None and shared else None
+        mps_state = self._mps_states.get(s.uuid)
+        online = [r for r in live if r.cls is ClientClass.ONLINE]
+        slo: dict[str, Any]
+        if not online:
+            slo = {"state": "no_online_clients", "probe_ratio": None, "reason": None}
+        elif reading is None or reading.ratio is None:
+            why = reading.reason if reading is not None else "probe disabled"
+            slo = {"state": "unknown", "probe_ratio": None, "reason": why}
+        else:
+            bad = reading.ratio > self.config.control.probe_slo_ratio
+            slo = {"state": "degraded" if bad else "ok", "probe_ratio": reading.ratio,
+                   "reason": None}  # fmt: skip
+        return {
+            "index": s.index,
+            "uuid": s.uuid,
+            "name": s.name,
+            "shared": shared,
+            "mem_total_bytes": s.mem_total_bytes,
+            "mem_used_bytes": s.mem_used_bytes,
+            "mem_free_bytes": s.mem_free_bytes,
+            "mem_reserve_bytes": self._reserve(s),
+            "gpu_util_pct": s.gpu_util_pct,
+            "sm_active_pct": s.sm_active_pct,
+            "mps_state": mps_state.value if mps_state is not None else None,
+            "duty": self._duty.get(s.uuid, 1.0),
+            "offline_sm_pct": self._default_sm(ClientClass.OFFLINE, s.uuid),
+            "online_slo": slo,
+            "probe": {
+                "enabled": probe_on,
+                "latency_ms": reading.latency_ms if reading else None,
+                "baseline_ms": reading.baseline_ms if reading else None,
+                "ratio": reading.ratio if reading else None,
+                "reason": reading.reason if reading else "probe disabled",
+            },
+            "client_slots_used": len(live) + (1 if probe_on else 0),
+            "client_slots_max": self._max_clients(s),
+            "error": s.error,
+            "lost": s.lost,
+        }
+
+    def _client_dict(self, r: ClientRecord, sample: GpuSample | None, now: float) -> dict[str, Any]:
+        used = None
+        if sample is not None and r.pid is not None:
+            used = next((p.used_bytes for p in sample.processes if p.pid == r.pid), None)
+        uptime = None
+        if r.started_at is not None and r.state.is_live:
+            uptime = round(now - r.started_at, 3)
+        return {
+            "id": r.id, "name": r.name, "user": r.user, "uid": r.uid, "class": r.cls.value,
+            "gpu_uuid": r.gpu_uuid, "gpu_index": r.gpu_index, "sm_pct": r.sm_pct,
+            "mem_limit_bytes": r.mem_bytes, "mem_used_bytes": used, "state": r.state.value,
+            "reason": r.reason, "pid": r.pid, "uptime_s": uptime, "exit_code": r.exit_code,
+            "pause_mechanism": r.pause_mechanism, "held": r.held, "restartable": r.restartable,
+            "detached": r.detach, "slo_p99_ms": r.slo_p99_ms, "argv": list(r.argv),
+            "log_path": r.log_path, "restarts": r.restarts, "submitted_at": r.submitted_at,
+            "started_at": r.started_at, "ended_at": r.ended_at,
+        }  # fmt: skip
+
+    def api_list(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
+        """``list``: clients (live and queued, or all)."""
+        req = protocol.from_params(protocol.ListRequest, params)
+        with self._lock:
+            by_uuid = {s.uuid: s for s in self._samples}
+            now = time.time()
+            recs = self.registry.clients(include_final=req.all)
+            return {
+                "clients": [self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now) for r in recs]
+            }
+
+    def api_events(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
+        """``events``: the event log after ``since_id``."""
+        req = protocol.from_params(protocol.EventsRequest, params)
+        if req.since_id < 0 or not 1 <= req.limit <= 10_000:
+            raise _fail(E.INVALID_PARAMS, "since_id must be >= 0 and limit in 1..10000")
+        events = self.registry.events(req.since_id, req.limit)
+        return {
+            "events": [
+                {
+                    "id": e.id,
+                    "at": e.at,
+                    "kind": e.kind,
+                    "severity": e.severity,
+                    "client_id": e.client_id,
+                    "gpu_uuid": e.gpu_uuid,
+                    "message": e.message,
+                }
+                for e in events
+            ],  # fmt: skip
+            "last_id": events[-1].id if events else max(req.since_id, 0),
+        }
+
+    def api_cancel(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
+        """``cancel``: SIGTERM now, SIGKILL after ``daemon.cancel_grace``; a queued job just ends."""
+        req = protocol.from_params(protocol.ClientRequest, params)
+        with self._lock:
+            rec = self._get(req.client_id)
+            self._authorize(caller, rec, "cancel")
+            who = launcher.user_name(caller.uid)
+            if rec.state is S.QUEUED:
+                self.registry.transition(rec.id, S.EXITED, reason=f"cancelled by {who}")
+                return {"client_id": rec.id, "state": S.EXITED.value, "grace_s": 0.0}
+            if not rec.state.is_live or rec.pid is None:
+                raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; nothing to cancel")
+            grace = self.config.daemon.cancel_grace_s
+            self._on_exit[rec.id] = _OnExit("cancel", f"cancelled by {who}")
+            # A frozen process cannot act on SIGTERM: thaw it so it can shut down cleanly.
+            self._set_paused(rec.id, False)
+            if rec.held:
+                self._thaw_quietly(rec.id)
+            self._signal(rec, signal.SIGTERM)
+            self._kill_at[rec.id] = time.monotonic() + grace
+            self.registry.add_event(
+                "client_cancel", f"{who} cancelled {rec.id}; SIGKILL in {grace:g}s if it stays",
+                client_id=rec.id, gpu_uuid=rec.gpu_uuid,
+            )  # fmt: skip
+            return {"client_id": rec.id, "state": rec.state.value, "grace_s": grace}
+
+    def api_pause(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
+        """``pause``: hold a client frozen until ``resume``."""
+        req = protocol.from_params(protocol.ClientRequest, params)
+        with self._lock:
+            rec = self._get(req.client_id)
+            self._authorize(caller, rec, "pause")
+            if rec.state not in _RUNNING_STATES:
+                raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; cannot pause it")
+            self._hold(rec.id, True, f"paused by {launcher.user_name(caller.uid)}")
+            return {"client_id": rec.id, "state": self.registry.get(rec.id).state.value}
+
+    def api_resume(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
+        """``resume``: release a ``pause``."""
+        req = protocol.from_params(protocol.ClientRequest, params)
+        with self._lock:
+            rec = self._get(req.client_id)
+            self._authorize(caller, rec, "resume")
+            if rec.state not in _RUNNING_STATES:
+                raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; cannot resume it")
+            self._hold(rec.id, False, f"resumed by {launcher.user_name(caller.uid)}")
+            return {"client_id": rec.id, "state": self.registry.get(rec.id).state.value}
+
+    def _resolve_gpu(self, key: str) -> GpuSample:
+        for s in self._samples:
+            if key == s.uuid or (key.isdigit() and int(key) == s.index):
+                return s
+        known = ", ".join(f"{s.index} ({s.uuid})" for s in self._samples) or "none"
+        raise _fail(E.NOT_FOUND, f"no GPU {key!r} on this node; GPUs: {known}")
+
+    def api_submit(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
+        """``submit``: validate against the node, register, and adopt (foreground) or spawn."""
+        req = protocol.from_params(protocol.SubmitRequest, params)
+        cls = self._check_submit(req, caller)
+        detach = req.detach or req.restartable
+        with self._lock:
+            sample, sm = self._place(req, cls)
+            rec = self.registry.add_client(
+                cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid,
+                user=launcher.user_name(caller.uid), state=S.STARTING, priority=cls.mps_priority,
+                name=req.name, gpu_uuid=sample.uuid, gpu_index=sample.index, sm_pct=sm,
+                mem_bytes=req.mem_bytes, slo_p99_ms=req.slo_p99_ms, restartable=req.restartable,
+                checkpoint_signal=req.checkpoint_signal, detach=detach,
+                env=req.env if detach else {}, cwd=req.cwd,
+                pause_mechanism=self.pauser.mechanism.value,
+            )  # fmt: skip
+            env = self._mps_env(rec.id, sample.uuid, sm, req.mem_bytes, cls)
+            if detach:
+                rec = self._launch_detached(rec, sample.uuid, sm, "detached submit")
+                if rec.state is S.FAILED:
+                    raise _fail(E.INVALID_PARAMS, rec.reason or "the workload could not start")
+            else:
+                assert caller.pid > 0
+                ticks = osshim.process_start_time(caller.pid)
+                self._adopt_pid(rec.id, caller.pid)
+                rec = self.registry.transition(
+                    rec.id, S.RUNNING, pid=caller.pid, start_ticks=ticks, started_at=time.time()
+                )
+            log.info("client_submitted", client_id=rec.id, cls=cls.value, gpu=sample.uuid,
+                     uid=caller.uid, detach=detach)  # fmt: skip
+            result = protocol.SubmitResult(
+                client_id=rec.id, gpu_uuid=sample.uuid, state=rec.state.value, env=env,
+                log_path=rec.log_path, pid=rec.pid, unset_env=list(launcher.UNSET_ENV),
+            )  # fmt: skip
+            return protocol.as_dict(result)
+
+    def _check_submit(self, req: protocol.SubmitRequest, caller: Caller) -> ClientClass:
+        try:
+            cls = ClientClass(req.cls)
+        except ValueError:
+            raise _fail(E.INVALID_PARAMS, "cls must be 'online' or 'offline'") from None
+        if not req.argv or not req.argv[0]:
+            raise _fail(E.INVALID_PARAMS, "no command given: gpushare submit ... -- CMD ARGS")
+        if any("\0" in a for a in req.argv):
+            raise _fail(E.INVALID_PARAMS, "arguments must not contain NUL bytes")
+        if req.sm_pct is not None and not (0 < req.sm_pct <= 100 and math.isfinite(req.sm_pct)):
+            raise _fail(E.INVALID_PARAMS, f"--sm must be in (0, 100], got {req.sm_pct:g}")
+        if req.mem_bytes is not None and req.mem_bytes < (1 << 20):
+            raise _fail(E.INVALID_PARAMS, "--mem must be at least 1M")
+        if req.slo_p99_ms is not None:
+            if cls is not ClientClass.ONLINE:
+                raise _fail(E.INVALID_PARAMS, "--slo-p99 applies to --online clients only")
+            if not (req.slo_p99_ms > 0 and math.isfinite(req.slo_p99_ms)):
+                raise _fail(E.INVALID_PARAMS, "--slo-p99 must be a positive duration")
+        if req.restartable and cls is not ClientClass.OFFLINE:
+            raise _fail(E.INVALID_PARAMS, "--restartable applies to --offline clients only")
+        if not 1 <= req.checkpoint_signal < signal.NSIG:
+            raise _fail(E.INVALID_PARAMS, f"no signal number {req.checkpoint_signal}")
+        if req.name is not None and (len(req.name) > _MAX_NAME or not req.name.isprintable()):
+            raise _fail(E.INVALID_PARAMS, f"--name must be printable, at most {_MAX_NAME} chars")
+        if req.detach or req.restartable:
+            if req.cwd is None or not req.cwd.startswith("/"):
+                raise _fail(E.INVALID_PARAMS, "a detached submit needs an absolute cwd")
+        elif req.pid != caller.pid:
+            raise _fail(
+                E.INVALID_PARAMS,
+                "a foreground submit must come from the process that will exec the workload "
+                f"(pid {req.pid} given, the connection is pid {caller.pid})",
+            )
+        return cls
+
+    def _place(self, req: protocol.SubmitRequest, cls: ClientClass) -> tuple[GpuSample, float]:
+        """The GPU a submit goes to and its SM share; refuses what does not fit."""
+        if req.gpu == "any":
+            candidates = [s for s in self._samples if self._shared(s)]
+            if not candidates:
+                raise _fail(E.UNAVAILABLE, "no shared GPU on this node (see [gpus] in the config)")
+        else:
+            chosen = self._resolve_gpu(req.gpu)
+            if not self._shared(chosen):
+                raise _fail(
+                    E.INVALID_PARAMS, f"GPU {req.gpu} is not shared by gpushare (gpus.shared)"
+                )
+            candidates = [chosen]
+        problems: list[str] = []
+        fitting: list[tuple[GpuSample, float]] = []
+        for s in candidates:
+            why = self._misfit(s, req, cls)
+            if why:
+                problems.append(f"GPU {s.index}: {why}")
+            else:
+                sm = req.sm_pct if req.sm_pct is not None else self._default_sm(cls, s.uuid)
+                fitting.append((s, sm))
+        if not fitting:
+            code = E.INVALID_PARAMS if any("--sm" in p for p in problems) else E.NO_CAPACITY
+            if any("MPS is" in p for p in problems) and len(problems) == 1:
+                code = E.UNAVAILABLE
+            raise _fail(code, "; ".join(problems))
+        # With several candidates, the one with the most free memory (unknown counts as least).
+        return max(fitting, key=lambda f: f[0].mem_free_bytes or -1)
+
+    def _misfit(self, s: GpuSample, req: protocol.SubmitRequest, cls: ClientClass) -> str:
+        if s.lost:
+            return "the GPU is lost (see gpushare events)"
+        state = self._mps_states.get(s.uuid) or self.mps.state(s.uuid)
+        if state in (MpsState.FAULT, MpsState.DOWN):
+            return f"MPS is {state.value} (see gpushare events)"
+        override = self.config.gpu_override(s.index, s.uuid)
+        top = override.offline_sm_pct_max or self.config.control.offline_sm_pct_max
+        if cls is ClientClass.OFFLINE and req.sm_pct is not None and req.sm_pct > top:
+            return f"--sm {req.sm_pct:g} is above this GPU's offline maximum {top:g}"
+        live = sum(1 for r in self.registry.clients() if r.gpu_uuid == s.uuid and r.state.is_live)
+        probe = 1 if self.config.probe.enabled else 0
+        if live + probe + 1 > self._max_clients(s):
+            return (
+                f"all {self._max_clients(s)} MPS client slots are taken ({live} clients"
+                + (" + the latency probe" if probe else "")
+                + ")"
+            )
+        free = s.mem_free_bytes
+        reserve = self._reserve(s) if cls is ClientClass.OFFLINE else 0
+        need = (req.mem_bytes or 0) + reserve
+        if free is not None and need > free:
+            kept = f" with {format_size(reserve)} kept for online clients" if reserve else ""
+            return f"needs {format_size(need)}{kept}, {format_size(free)} free"
+        if s.mem_total_bytes is not None and (req.mem_bytes or 0) > s.mem_total_bytes:
+            return "--mem is larger than the GPU's memory"
+        return ""

@@ -1,0 +1,134 @@
+"""Composition root of ``gpushare daemon``: config, logging, adapters, signals, run, exit status.
+
+Signal handlers only record (conventions rule 9): SIGTERM/SIGINT ask the loop to stop, SIGHUP asks
+it to reload. The loop acts on them between ticks. On stop the daemon closes its socket, leaves
+every workload running (they are not its to kill; the next daemon re-adopts them) and exits 0;
+it stops MPS only when ``daemon.stop_mps_on_exit`` says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import structlog
+
+from gpushare import config as config_mod
+from gpushare.daemon import osshim
+from gpushare.daemon.core import Daemon
+from gpushare.daemon.registry import Registry, RegistryError
+from gpushare.daemon.server import ServerError
+from gpushare.logs import configure_logging
+from gpushare.node.base import Pauser
+
+log = structlog.get_logger(__name__)
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says what to fix."""
+
+
+def install_signals(daemon: Daemon) -> None:
+    """Route SIGTERM/SIGINT to a stop request and SIGHUP to a reload request."""
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        daemon.request_stop()
+
+    def _reload(signum: int, frame: FrameType | None) -> None:
+        daemon.request_reload()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGHUP, _reload)
+
+
+def serve(daemon: Daemon) -> int:
+    """Start, run until asked to stop, shut down; returns the exit status.
+
+    Raises:
+        StartupError: the socket cannot be bound.
+    """
+    install_signals(daemon)
+    try:
+        daemon.start()
+    except ServerError as exc:
+        daemon.registry.close()
+        raise StartupError(str(exc)) from exc
+    try:
+        daemon.run()
+    finally:
+        daemon.shutdown()
+        daemon.registry.close()
+    return 0
+
+
+def _make_pauser(cfg: config_mod.Config) -> Pauser:
+    try:
+        cgroups: Any = importlib.import_module("gpushare.node.cgroups")
+    except ImportError:
+        log.warning("pause_fallback", mechanism="signal", reason="gpushare.node.cgroups missing")
+        return osshim.SignalPauser()
+    pauser: Pauser = cgroups.make_pauser()
+    return pauser
+
+
+def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
+    """Wire the real node adapters into a :class:`Daemon`.
+
+    Raises:
+        StartupError: an adapter or the registry cannot be set up.
+    """
+    try:
+        nvml: Any = importlib.import_module("gpushare.node.nvml")
+        mps_mod: Any = importlib.import_module("gpushare.node.mps")
+    except ImportError as exc:
+        raise StartupError(f"this gpushare build lacks a node adapter: {exc}") from exc
+    try:
+        registry = Registry.open(cfg.paths.resolved("database"))
+    except RegistryError as exc:
+        raise StartupError(str(exc)) from exc
+    gpu = nvml.NvmlBackend()
+    mps = mps_mod.MpsNodeManager(cfg)
+    probe = None
+    if cfg.probe.enabled:
+        try:
+            probe_mod: Any = importlib.import_module("gpushare.node.probe")
+            probe = probe_mod.ProbeManager(cfg)
+        except ImportError as exc:
+            log.warning("probe_unavailable", error=str(exc))
+    policy = None
+    try:
+        registry_mod: Any = importlib.import_module("gpushare.control.registry")
+        policy = registry_mod.make_policy("gpushare", cfg.control)
+    except ImportError:
+        log.warning("policy_unavailable", fallback="none")
+    return Daemon(
+        cfg,
+        registry=registry,
+        gpu=gpu,
+        mps=mps,
+        pauser=_make_pauser(cfg),
+        probe=probe,
+        policy=policy,
+        config_path=config_path,
+    )
+
+
+def main(config_path: Path, log_level: str | None = None) -> int:
+    """Entry point of ``gpushare daemon``; returns the process exit status."""
+    try:
+        cfg = config_mod.load(config_path)
+    except config_mod.ConfigError as exc:
+        print(f"gpushare: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(log_level or cfg.daemon.log_level)
+    try:
+        return serve(build(cfg, config_path))
+    except StartupError as exc:
+        log.error("daemon_start_failed", error=str(exc))  # noqa: TRY400 - the message is the fix
+        print(f"gpushare: {exc}", file=sys.stderr)
+        return 1
