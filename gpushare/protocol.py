@@ -205,6 +205,8 @@ def decode_request(line: bytes) -> tuple[Any, str, dict[str, Any]]:
         obj = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(ErrorCode.PARSE_ERROR, f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(ErrorCode.PARSE_ERROR, "JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "a request must be a JSON object")
     req_id = obj.get("id")
