@@ -1,0 +1,260 @@
+"""The run loop and the appliers of every controller action, driven tick by tick in-process.
+
+Real registry, socket and child processes; a scripted policy stands in for the controller.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpushare import config
+from gpushare.daemon import osshim
+from gpushare.daemon.core import Daemon
+from gpushare.daemon.registry import Registry
+from gpushare.daemon.server import Caller
+from gpushare.model import (
+    Action,
+    Admit,
+    Alert,
+    ClientState,
+    Evict,
+    Freeze,
+    Observation,
+    RecoverMps,
+    RestartClient,
+    SetDuty,
+    SetOfflineShare,
+    Severity,
+    Thaw,
+)
+from gpushare.protocol import ErrorCode, ProtocolError
+from tests.daemon_helpers import cpu_ticks, wait_for
+from tests.fake_gpu import FakeGpuBackend, fake_uuid
+from tests.fake_mpsnode import FakeMpsNode
+
+ROOT = Caller(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
+GPU0 = fake_uuid(0)
+
+
+class ScriptedPolicy:
+    """Returns the actions queued in ``pending`` at the next step, and records observations."""
+
+    name = "scripted"
+
+    def __init__(self) -> None:
+        self.pending: list[Action] = []
+        self.seen: list[Observation] = []
+
+    def initial_state(self, gpu_uuid: str, now: float) -> int:
+        return 0
+
+    def step(
+        self, state: int, observation: Observation, now: float
+    ) -> tuple[int, Sequence[Action]]:
+        self.seen.append(observation)
+        mine = [a for a in self.pending if getattr(a, "gpu_uuid", GPU0) == observation.gpu_uuid]
+        self.pending = [a for a in self.pending if a not in mine]
+        return state + 1, mine
+
+
+@pytest.fixture
+def env() -> Iterator[tuple[Daemon, ScriptedPolicy, FakeMpsNode]]:
+    base = Path(tempfile.mkdtemp(prefix="gsa-", dir="/tmp"))
+    cfg = config.loads(f"""version = 1
+[paths]
+runtime_dir = "{base}/run"
+state_dir = "{base}/state"
+[daemon]
+cancel_grace = "1s"
+[control]
+period = "100ms"
+evict_grace = "500ms"
+[probe]
+enabled = false
+""")
+    policy = ScriptedPolicy()
+    mps = FakeMpsNode(base / "mps")
+    d = Daemon(
+        cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
+        mps=mps, pauser=osshim.SignalPauser(), policy=policy, notify=lambda *f: True,
+    )  # fmt: skip
+    d.start()
+    yield d, policy, mps
+    for rec in d.registry.clients(include_final=True):
+        if rec.pid and osshim.is_same_process(rec.pid, rec.start_ticks):
+            os.killpg(rec.pid, signal.SIGKILL)
+            os.killpg(rec.pid, signal.SIGCONT)
+    d.shutdown()
+    d.registry.close()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _submit(d: Daemon, argv: list[str], **kw: Any) -> dict[str, Any]:
+    params = {"cls": "offline", "argv": argv, "detach": True, "cwd": "/", "gpu": "0",
+              "env": {"PATH": os.environ["PATH"]}, **kw}  # fmt: skip
+    return d.api_submit(ROOT, params)
+
+
+BUSY = [sys.executable, "-c", "while True: pass"]
+
+
+def test_observation_carries_clients_and_limits(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    d, policy, _ = env
+    r = _submit(d, ["sleep", "30"], sm_pct=25.0, mem_bytes=1 << 30)
+    d.run(max_ticks=1)
+    obs = next(o for o in policy.seen if o.gpu_uuid == GPU0)
+    (view,) = obs.offline()
+    assert (view.client_id, view.pid, view.limits.sm_pct, view.limits.pinned_mem_bytes) == (
+        r["client_id"], r["pid"], 25.0, 1 << 30,
+    )  # fmt: skip
+    assert view.limits.priority == 1
+    assert obs.mem_reserve_bytes == 2 << 30
+    assert obs.admissions_open
+
+
+def test_duty_cycle_throttles_cpu_share(env: tuple[Daemon, ScriptedPolicy, FakeMpsNode]) -> None:
+    d, policy, _ = env
+    r = _submit(d, BUSY)
+    pid = r["pid"]
+    policy.pending = [SetDuty(GPU0, 0.0, "test")]
+    d.run(max_ticks=2)
+    assert d.registry.get(r["client_id"]).state is ClientState.THROTTLED
+    time.sleep(0.05)
+    t0 = cpu_ticks(pid)
+    d.run(max_ticks=5)
+    assert cpu_ticks(pid) - t0 <= 1, "duty 0 must keep offline work frozen"
+    policy.pending = [SetDuty(GPU0, 0.5, "test")]
+    t1 = time.monotonic()
+    c1 = cpu_ticks(pid)
+    d.run(max_ticks=10)
+    used = (cpu_ticks(pid) - c1) / os.sysconf("SC_CLK_TCK")
+    share = used / (time.monotonic() - t1)
+    assert 0.2 < share < 0.8, f"duty 0.5 gave a CPU share of {share:.2f}"
+    policy.pending = [SetDuty(GPU0, 1.0, "test")]
+    d.run(max_ticks=1)
+    assert d.registry.get(r["client_id"]).state is ClientState.RUNNING
+
+
+def test_freeze_hold_wins_over_duty(env: tuple[Daemon, ScriptedPolicy, FakeMpsNode]) -> None:
+    d, policy, _ = env
+    r = _submit(d, BUSY)
+    policy.pending = [Freeze(r["client_id"], "memory pressure")]
+    d.run(max_ticks=2)
+    rec = d.registry.get(r["client_id"])
+    assert (rec.state, rec.held, rec.reason) == (ClientState.FROZEN, True, "memory pressure")
+    t0 = cpu_ticks(r["pid"])
+    d.run(max_ticks=4)
+    assert cpu_ticks(r["pid"]) - t0 <= 1
+    policy.pending = [Thaw(r["client_id"], "ok again")]
+    d.run(max_ticks=1)
+    assert d.registry.get(r["client_id"]).state is ClientState.RUNNING
+    t1 = cpu_ticks(r["pid"])
+    d.run(max_ticks=4)
+    assert cpu_ticks(r["pid"]) - t1 >= 5
+
+
+def test_evict_terminates_then_kills_and_requeues(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    d, policy, mps = env
+    stubborn = [sys.executable, "-c",
+                "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]  # fmt: skip
+    r = _submit(d, stubborn, restartable=True)
+    o = _submit(d, ["sleep", "60"])
+    policy.pending = [
+        Evict(r["client_id"], True, "reserve"),
+        Evict(o["client_id"], True, "reserve"),
+    ]
+    d.run(max_ticks=1)
+    assert mps.terminated == [(GPU0, r["pid"]), (GPU0, o["pid"])]
+    start = time.monotonic()
+    wait_for(lambda: (d.run(max_ticks=1), d.registry.get(r["client_id"]).state)[1] is ClientState.QUEUED,
+             what="restartable evictee requeued")  # fmt: skip
+    assert time.monotonic() - start >= 0.3  # the kill waited for evict_grace
+    rec = d.registry.get(r["client_id"])
+    assert (rec.pid, rec.exit_code) == (None, -signal.SIGKILL)
+    wait_for(lambda: (d.run(max_ticks=1), d.registry.get(o["client_id"]).state)[1] is ClientState.FAILED,
+             what="non-restartable evictee failed")  # fmt: skip
+    assert d.registry.get(o["client_id"]).reason == "evicted: reserve"
+    # Admit launches the queued job again, with the share the controller chose.
+    policy.pending = [Admit(r["client_id"], GPU0, 20.0, "fits again")]
+    d.run(max_ticks=1)
+    rec = d.registry.get(r["client_id"])
+    assert (rec.state, rec.sm_pct) == (ClientState.RUNNING, 20.0)
+    assert rec.pid not in (None, r["pid"])
+
+
+def test_restart_client_checkpoints_and_relaunches(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode], tmp_path: Path
+) -> None:
+    d, policy, _ = env
+    script = ("import os, signal, sys, time\n"
+              "print('start', os.environ['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE'], flush=True)\n"
+              "signal.signal(signal.SIGUSR2, lambda *a: (print('checkpoint', flush=True), sys.exit(0)))\n"
+              "time.sleep(60)\n")  # fmt: skip
+    r = _submit(d, [sys.executable, "-c", script], restartable=True, checkpoint_signal=signal.SIGUSR2,
+                sm_pct=50.0)  # fmt: skip
+    time.sleep(0.3)
+    policy.pending = [RestartClient(r["client_id"], 30.0, "online demand up")]
+    d.run(max_ticks=1)
+    wait_for(lambda: d.registry.get(r["client_id"]).restarts == 1, what="relaunch")
+    rec = d.registry.get(r["client_id"])
+    assert (rec.state, rec.sm_pct) == (ClientState.RUNNING, 30.0)
+    wait_for(lambda: "start 30" in Path(r["log_path"]).read_text(), what="relaunched output")
+    assert Path(r["log_path"]).read_text().splitlines()[:3] == [
+        "start 50",
+        "checkpoint",
+        "start 30",
+    ]
+
+
+def test_share_recover_alert(env: tuple[Daemon, ScriptedPolicy, FakeMpsNode]) -> None:
+    d, policy, mps = env
+    policy.pending = [SetOfflineShare(GPU0, 35.0, "online load"),
+                      RecoverMps(GPU0, "fault"), Alert(GPU0, Severity.CRITICAL, "SLO broken")]  # fmt: skip
+    o = _submit(d, ["sleep", "30"])
+    d.run(max_ticks=1)
+    assert mps.recovered == [(GPU0, (o["pid"],), ())]
+    r = _submit(d, ["sleep", "30"])
+    assert r["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "35"
+    kinds = {(e.kind, e.severity) for e in d.registry.events()}
+    assert {
+        ("offline_share_changed", "info"),
+        ("mps_recovery", "warning"),
+        ("alert", "critical"),
+    } <= kinds
+    assert d.api_status(ROOT, {})["gpus"][0]["offline_sm_pct"] == 35.0
+
+
+def test_slot_limit_counts_live_clients(env: tuple[Daemon, ScriptedPolicy, FakeMpsNode]) -> None:
+    d, _, _ = env
+    d.config = config.loads(
+        d.config.paths
+        and f"""version = 1
+[paths]
+runtime_dir = "{d.config.paths.runtime_dir}"
+state_dir = "{d.config.paths.state_dir}"
+[mps]
+max_clients = 2
+[probe]
+enabled = true
+"""
+    )
+    _submit(d, ["sleep", "30"])
+    with pytest.raises(ProtocolError) as info:
+        _submit(d, ["sleep", "30"])
+    assert info.value.code is ErrorCode.NO_CAPACITY
+    assert "client slots" in info.value.message
+    assert "latency probe" in info.value.message
