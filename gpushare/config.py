@@ -163,6 +163,8 @@ class ControlConfig:
     max_client_failures: int = _num(5, minimum=1, maximum=1000)
     failure_backoff_min_s: float = _duration(5.0)
     failure_backoff_max_s: float = _duration(300.0)
+    # The sharing policy the daemon runs (gpushare.control.registry.POLICY_NAMES).
+    policy: str = "gpushare"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Runs a real gpushare daemon process with a fake GPU and fake MPS (``python -m tests.daemon_proc CONFIG``).
 
-Everything else is real: the socket, SQLite, signals, child processes, the pauser.
+Everything else is real: the controller, the socket, SQLite, signals, child processes, the pauser.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from gpushare import config
+from gpushare.control.registry import make_policy
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.main import StartupError, _make_pauser, serve
 from gpushare.daemon.registry import Registry
@@ -28,6 +29,7 @@ def main() -> int:
         gpu=FakeGpuBackend(gpus=int(os.environ.get("GPUSHARE_TEST_GPUS", "2"))),
         mps=FakeMpsNode(cfg.paths.resolved("mps_pipe_dir")),
         pauser=_make_pauser(cfg),
+        policy=make_policy(cfg.control.policy, cfg.control),
         config_path=path,
     )
     try:

@@ -95,20 +95,24 @@ def test_online_priority_and_defaults(daemon: DaemonProc) -> None:
 def test_detached_submit_runs_with_env_and_records_exit_code(
     daemon: DaemonProc, tmp_path: Path
 ) -> None:
+    share = daemon.call("status")["gpus"][0]["offline_sm_pct"]
+    expected = f"{share:g}"
     res = daemon.submit_detached(
         ["sh", "-c", 'echo "sm=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE cvd=${CUDA_VISIBLE_DEVICES-unset} '
          'mine=$MINE"; exit 3'],
         env={"PATH": os.environ["PATH"], "MINE": "kept", "CUDA_VISIBLE_DEVICES": "5"},
         cwd=str(tmp_path),
+        gpu="0",
     )  # fmt: skip
     cid = res["client_id"]
-    assert res["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"  # offline default share
+    # Without --sm an offline client gets the GPU's current offline share (the controller's).
+    assert res["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == expected
     wait_for(lambda: _state(daemon, cid) == "failed", what="detached exit")
     c = daemon.client(cid)
     assert c["exit_code"] == 3
     assert c["reason"] == "exit code 3"
     log = Path(c["log_path"]).read_text()
-    assert log.strip() == "sm=50 cvd=unset mine=kept"
+    assert log.strip() == f"sm={expected} cvd=unset mine=kept"
 
 
 def test_submit_validation_refuses_and_changes_nothing(daemon: DaemonProc) -> None:

@@ -24,7 +24,6 @@ from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
 from gpushare.model import (
     Action,
-    Admit,
     Alert,
     ClientState,
     Evict,
@@ -180,19 +179,30 @@ def test_evict_terminates_then_kills_and_requeues(
     d.run(max_ticks=1)
     assert mps.terminated == [(GPU0, r["pid"]), (GPU0, o["pid"])]
     start = time.monotonic()
-    wait_for(lambda: (d.run(max_ticks=1), d.registry.get(r["client_id"]).state)[1] is ClientState.QUEUED,
-             what="restartable evictee requeued")  # fmt: skip
+
+    def requeued() -> bool:
+        d.run(max_ticks=1)
+        return any(
+            e.kind == "client_queued" and e.client_id == r["client_id"] for e in d.registry.events()
+        )
+
+    wait_for(requeued, what="restartable evictee requeued")
     assert time.monotonic() - start >= 0.3  # the kill waited for evict_grace
-    rec = d.registry.get(r["client_id"])
-    assert (rec.pid, rec.exit_code) == (None, -signal.SIGKILL)
-    wait_for(lambda: (d.run(max_ticks=1), d.registry.get(o["client_id"]).state)[1] is ClientState.FAILED,
-             what="non-restartable evictee failed")  # fmt: skip
+    queued = next(e for e in d.registry.events() if e.kind == "client_queued")
+    assert queued.data is not None
+    assert queued.data["reason"] == "reserve"
+
+    def failed() -> bool:
+        d.run(max_ticks=1)
+        return d.registry.get(o["client_id"]).state is ClientState.FAILED
+
+    wait_for(failed, what="non-restartable evictee failed")
     assert d.registry.get(o["client_id"]).reason == "evicted: reserve"
-    # Admit launches the queued job again, with the share the controller chose.
-    policy.pending = [Admit(r["client_id"], GPU0, 20.0, "fits again")]
+    assert d.registry.get(o["client_id"]).exit_code == -signal.SIGKILL
+    # Admission starts the queued job again (a new process, the GPU's offline share).
     d.run(max_ticks=1)
     rec = d.registry.get(r["client_id"])
-    assert (rec.state, rec.sm_pct) == (ClientState.RUNNING, 20.0)
+    assert (rec.state, rec.sm_pct) == (ClientState.RUNNING, 50.0)
     assert rec.pid not in (None, r["pid"])
 
 

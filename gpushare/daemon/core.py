@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +26,10 @@ import structlog
 from gpushare import __version__, protocol
 from gpushare import config as config_mod
 from gpushare.config import Config
+from gpushare.control import admission
+from gpushare.control.controller import failure_backoff_s
 from gpushare.control.policy import Policy
+from gpushare.control.registry import make_policy
 from gpushare.daemon import launcher, osshim
 from gpushare.daemon.registry import ClientRecord, Registry, RegistryError, TransitionError
 from gpushare.daemon.server import ApiServer, Caller
@@ -46,6 +49,7 @@ from gpushare.model import (
     MpsState,
     Observation,
     ProbeReading,
+    QueuedJob,
     RecoverMps,
     RestartClient,
     SetDuty,
@@ -128,6 +132,7 @@ class Daemon:
         self._by_pid: dict[int, str] = {}
         self._on_exit: dict[str, _OnExit] = {}
         self._kill_at: dict[str, float] = {}
+        self._not_before: dict[str, float] = {}
         self._mps_states: dict[str, MpsState] = {}
         self._ready = False
         self._status_line = ""
@@ -252,6 +257,18 @@ class Daemon:
             )
             self._notify("READY=1")
             return False
+        policy = self.policy
+        if new.control != self.config.control:
+            try:
+                policy = make_policy(new.control.policy, new.control)
+            except ValueError as exc:
+                self.registry.add_event(
+                    "config_reload_failed",
+                    f"config not reloaded, the old one stays in force: control.policy: {exc}",
+                    severity="error",
+                )
+                self._notify("READY=1")
+                return False
         if new.paths != self.config.paths:
             self.registry.add_event(
                 "config_reload_partial",
@@ -259,7 +276,12 @@ class Daemon:
                 severity="warning",
             )
             new = replace(new, paths=self.config.paths)
-        self.config = new
+        with self._lock:
+            self.config = new
+            if policy is not self.policy:
+                # A new policy starts from its own initial state; the duty it sends first applies.
+                self.policy = policy
+                self._policy_state.clear()
         self.registry.add_event("config_reloaded", f"config reloaded from {self.config_path}")
         log.info("config_reloaded", path=str(self.config_path))
         self._notify("READY=1")
@@ -320,10 +342,13 @@ class Daemon:
             for event in gpu_events:
                 self._record_gpu_event(event)
             records = self.registry.clients()
+            observations: dict[str, Observation] = {}
             for sample in samples:
                 if not self._shared(sample):
                     continue
-                self._tick_gpu(sample, records, gpu_events, now)
+                observations[sample.uuid] = self._tick_gpu(sample, records, gpu_events, now)
+            if any(r.state is S.QUEUED for r in records):
+                self._admit(observations, now)
             self._duty_phase(now)
             self._kill_overdue(now)
             self.ticks += 1
@@ -335,7 +360,7 @@ class Daemon:
         records: Sequence[ClientRecord],
         gpu_events: Sequence[GpuEvent],
         now: float,
-    ) -> None:
+    ) -> Observation:
         uuid = sample.uuid
         mps_state = self.mps.state(uuid)
         self._mps_states[uuid] = mps_state
@@ -383,6 +408,39 @@ class Daemon:
                 for v in views
             )
             self.probe.set_offline_running(uuid, running)
+        return obs
+
+    def _admit(self, observations: Mapping[str, Observation], now: float) -> None:
+        """Start queued offline jobs where admission places them (SJF-BSBF, slots, D11)."""
+        jobs = [
+            QueuedJob(
+                client_id=r.id,
+                uid=r.uid,
+                mem_bytes=r.mem_bytes,
+                sm_pct=r.sm_ceiling,
+                gpu=None if r.gpu_request in (None, "any") else r.gpu_request,
+                submitted_at_s=now - max(0.0, time.time() - r.submitted_at),
+                restartable=r.restartable,
+                not_before_s=self._not_before.get(r.id, 0.0),
+            )
+            for r in self.registry.clients()
+            if r.state is S.QUEUED
+        ]
+        max_clients = {s.uuid: self._max_clients(s) for s in self._samples}
+        admits = admission.admit(
+            jobs,
+            observations,
+            {u: self._default_sm(ClientClass.OFFLINE, u) for u in observations},
+            now,
+            max_clients=max_clients,
+            multiuser=False,
+            probe_slots=1 if self.config.probe.enabled else 0,
+        )
+        for action in admits:
+            try:
+                self.apply(action, now)
+            except (RegistryError, OSError) as exc:
+                log.warning("admit_failed", client_id=action.client_id, error=str(exc))
 
     def _view(self, rec: ClientRecord, sample: GpuSample, now: float) -> ClientView:
         used = None
@@ -407,6 +465,7 @@ class Daemon:
             slo_p99_ms=rec.slo_p99_ms,
             p99_reason="no latency reports",
             restartable=rec.restartable,
+            ceiling_sm_pct=rec.sm_ceiling,
             failures=rec.failures,
             started_at_s=started,
             held=rec.held,
@@ -663,9 +722,22 @@ class Daemon:
                 self._transition(client_id, S.EXITED, exit_code=0)
             else:
                 why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                self._transition(
-                    client_id, S.FAILED, reason=why, exit_code=code, failures=rec.failures + 1
-                )
+                failures = rec.failures + 1
+                control = self.config.control
+                if rec.restartable and rec.detach and failures < control.max_client_failures:
+                    # A restartable job goes back to the queue, after a growing backoff.
+                    backoff = failure_backoff_s(failures, control)
+                    self._not_before[client_id] = time.monotonic() + backoff
+                    self._transition(
+                        client_id, S.QUEUED, reason=f"{why}; retry in {backoff:g}s",
+                        exit_code=code, failures=failures, pid=None,
+                    )  # fmt: skip
+                else:
+                    if rec.restartable and failures >= control.max_client_failures:
+                        why += f" ({failures} failures in a row: not retried)"
+                    self._transition(
+                        client_id, S.FAILED, reason=why, exit_code=code, failures=failures
+                    )
 
     # ----------------------------------------------------------------------------- launching
 
@@ -713,10 +785,18 @@ class Daemon:
     ) -> dict[str, str]:
         return launcher.mps_env(
             client_id=client_id,
-            limits=launcher.LaunchLimits(gpu_uuid=gpu_uuid, sm_pct=sm, mem_bytes=mem, cls=cls),
+            limits=launcher.LaunchLimits(
+                gpu_uuid=gpu_uuid, sm_pct=sm, mem_bytes=mem, priority=self._priority(cls)
+            ),
             pipe_dir=self.mps.pipe_dir(gpu_uuid),
             latency_socket=self.config.paths.resolved("latency_socket"),
         )
+
+    def _priority(self, cls: ClientClass) -> int:
+        # The policy decides offline clients' MPS priority (baselines compare without it).
+        if cls is ClientClass.ONLINE:
+            return 0
+        return int(getattr(self.policy, "offline_mps_priority", cls.mps_priority))
 
     def _default_sm(self, cls: ClientClass, gpu_uuid: str) -> float:
         if cls is ClientClass.ONLINE:
@@ -955,8 +1035,9 @@ class Daemon:
             sample, sm = self._place(req, cls)
             rec = self.registry.add_client(
                 cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid,
-                user=launcher.user_name(caller.uid), state=S.STARTING, priority=cls.mps_priority,
-                name=req.name, gpu_uuid=sample.uuid, gpu_index=sample.index, sm_pct=sm,
+                user=launcher.user_name(caller.uid), state=S.STARTING, priority=self._priority(cls),
+                name=req.name, gpu_request=req.gpu, gpu_uuid=sample.uuid, gpu_index=sample.index,
+                sm_ceiling=req.sm_pct, sm_pct=sm,
                 mem_bytes=req.mem_bytes, slo_p99_ms=req.slo_p99_ms, restartable=req.restartable,
                 checkpoint_signal=req.checkpoint_signal, detach=detach,
                 env=req.env if detach else {}, cwd=req.cwd,

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from gpushare import paths
 from gpushare.daemon import osshim
-from gpushare.model import ClientClass
 from gpushare.units import format_mps_size
 
 UNSET_ENV: tuple[str, ...] = (
@@ -43,7 +42,7 @@ class LaunchLimits:
     gpu_uuid: str
     sm_pct: float
     mem_bytes: int | None
-    cls: ClientClass
+    priority: int
 
 
 def format_pct(value: float) -> str:
@@ -62,7 +61,7 @@ def mps_env(
     env = {
         "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir),
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": format_pct(limits.sm_pct),
-        "CUDA_MPS_CLIENT_PRIORITY": str(limits.cls.mps_priority),
+        "CUDA_MPS_CLIENT_PRIORITY": str(limits.priority),
         ENV_GPU_UUID: limits.gpu_uuid,
         paths.ENV_CLIENT_ID: client_id,
         paths.ENV_LATENCY_SOCKET: str(latency_socket),

@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 from gpushare import config as config_mod
+from gpushare.control.registry import make_policy
 from gpushare.daemon import osshim
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry, RegistryError
@@ -100,12 +101,11 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
             probe = probe_mod.ProbeManager(cfg)
         except ImportError as exc:
             log.warning("probe_unavailable", error=str(exc))
-    policy = None
     try:
-        registry_mod: Any = importlib.import_module("gpushare.control.registry")
-        policy = registry_mod.make_policy("gpushare", cfg.control)
-    except ImportError:
-        log.warning("policy_unavailable", fallback="none")
+        policy = make_policy(cfg.control.policy, cfg.control)
+    except ValueError as exc:
+        registry.close()
+        raise StartupError(f"control.policy: {exc}") from exc
     return Daemon(
         cfg,
         registry=registry,

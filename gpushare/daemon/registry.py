@@ -58,8 +58,10 @@ CREATE TABLE IF NOT EXISTS clients (
     uid INTEGER NOT NULL,
     gid INTEGER NOT NULL,
     user TEXT NOT NULL,
+    gpu_request TEXT,
     gpu_uuid TEXT,
     gpu_index INTEGER,
+    sm_ceiling REAL,
     sm_pct REAL,
     mem_bytes INTEGER,
     priority INTEGER NOT NULL,
@@ -115,8 +117,10 @@ class ClientRecord:
     uid: int
     gid: int
     user: str
+    gpu_request: str | None
     gpu_uuid: str | None
     gpu_index: int | None
+    sm_ceiling: float | None
     sm_pct: float | None
     mem_bytes: int | None
     priority: int
@@ -232,8 +236,10 @@ class Registry:
         state: ClientState,
         priority: int,
         name: str | None = None,
+        gpu_request: str | None = None,
         gpu_uuid: str | None = None,
         gpu_index: int | None = None,
+        sm_ceiling: float | None = None,
         sm_pct: float | None = None,
         mem_bytes: int | None = None,
         slo_p99_ms: float | None = None,
@@ -249,14 +255,15 @@ class Registry:
         at = time.time() if now is None else now
         with self._tx() as conn:
             cur = conn.execute(
-                "INSERT INTO clients (id, name, cls, argv, uid, gid, user, gpu_uuid, gpu_index,"
-                " sm_pct, mem_bytes, priority, slo_p99_ms, restartable, checkpoint_signal, detach,"
-                " env, cwd, state, pause_mechanism, submitted_at)"
-                " VALUES ('', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO clients (id, name, cls, argv, uid, gid, user, gpu_request, gpu_uuid,"
+                " gpu_index, sm_ceiling, sm_pct, mem_bytes, priority, slo_p99_ms, restartable,"
+                " checkpoint_signal, detach, env, cwd, state, pause_mechanism, submitted_at)"
+                f" VALUES ('', {', '.join('?' * 22)})",
                 (
-                    name, cls.value, json.dumps(list(argv)), uid, gid, user, gpu_uuid, gpu_index,
-                    sm_pct, mem_bytes, priority, slo_p99_ms, int(restartable), checkpoint_signal,
-                    int(detach), json.dumps(dict(env or {})), cwd, state.value, pause_mechanism, at,
+                    name, cls.value, json.dumps(list(argv)), uid, gid, user, gpu_request, gpu_uuid,
+                    gpu_index, sm_ceiling, sm_pct, mem_bytes, priority, slo_p99_ms,
+                    int(restartable), checkpoint_signal, int(detach), json.dumps(dict(env or {})),
+                    cwd, state.value, pause_mechanism, at,
                 ),
             )  # fmt: skip
             seq = cur.lastrowid
@@ -488,7 +495,8 @@ def _record(row: sqlite3.Row) -> ClientRecord:
     return ClientRecord(
         id=row["id"], name=row["name"], cls=ClientClass(row["cls"]),
         argv=tuple(json.loads(row["argv"])), uid=row["uid"], gid=row["gid"], user=row["user"],
-        gpu_uuid=row["gpu_uuid"], gpu_index=row["gpu_index"], sm_pct=row["sm_pct"],
+        gpu_request=row["gpu_request"], gpu_uuid=row["gpu_uuid"], gpu_index=row["gpu_index"],
+        sm_ceiling=row["sm_ceiling"], sm_pct=row["sm_pct"],
         mem_bytes=row["mem_bytes"], priority=row["priority"], slo_p99_ms=row["slo_p99_ms"],
         restartable=bool(row["restartable"]), checkpoint_signal=row["checkpoint_signal"],
         detach=bool(row["detach"]), env=json.loads(row["env"]), cwd=row["cwd"],
