@@ -1,5 +1,5 @@
 """``python -m gpushare`` runs the command-line interface."""
 
-from gpushare.cli.app import main
+from gpushare.cli.fast import main
 
 main()

@@ -415,3 +415,21 @@ def test_api_client_refuses_other_version(daemon: DaemonProc) -> None:
     assert first["error"]["name"] == "HELLO_REQUIRED"
     assert second["error"]["name"] == "VERSION_MISMATCH"
     assert ApiClient.connect(daemon.socket).hello["api_version"] == 1
+
+
+def test_status_fast_path_matches_typer_command(daemon: DaemonProc) -> None:
+    from gpushare.cli.fast import _parse_status
+
+    assert _parse_status(["--json", "--gpu", "1"]) == {"json": True, "gpu": "1"}
+    assert _parse_status(["--socket=/x"]) == {"socket": "/x"}
+    for unknown in (["--watch", "1"], ["--gpu"], ["--gpu", "1", "--gpu", "2"], ["--help"], ["-h"]):
+        assert _parse_status(unknown) is None  # left to Typer
+    fast = run_cli(daemon, "status", "--gpu", "0")
+    typer_path = subprocess.run(
+        [sys.executable, "-c", "import sys; from gpushare.cli.app import main; sys.argv[0] = 'gpushare'; main()",
+         "status", "--gpu", "0", "--socket", str(daemon.socket)],
+        cwd=REPO, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert (fast.returncode, typer_path.returncode) == (0, 0)
+    strip = lambda text: [line for line in text.splitlines() if "UPTIME" not in line]  # noqa: E731
+    assert strip(fast.stdout)[:4] == strip(typer_path.stdout)[:4]

@@ -12,15 +12,15 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
 import typer
 
 from gpushare import protocol
+from gpushare.cli.render import mps_down, render_clients, render_status
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
-from gpushare.units import format_duration, parse_duration, parse_size
+from gpushare.units import parse_duration, parse_size
 
 SocketOpt = Annotated[
     str | None,
@@ -28,7 +28,6 @@ SocketOpt = Annotated[
         "--socket", help="API socket (default: $GPUSHARE_SOCKET, the config's, /run/gpushare)."
     ),
 ]
-NA = "N/A"
 
 
 def _connect(socket: str | None) -> ApiClient:
@@ -146,66 +145,6 @@ def submit(
         raise typer.Exit(code=127 if isinstance(exc, FileNotFoundError) else 126) from None
 
 
-def _gib(value: int | None) -> str:
-    return NA if value is None else f"{value / (1 << 30):.1f}G"
-
-
-def _pct(value: float | None) -> str:
-    return NA if value is None else f"{value:g}%"
-
-
-def _dur(value: float | None) -> str:
-    return NA if value is None else format_duration(round(value))
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)  # fmt: skip
-
-
-def render_clients(clients: Sequence[dict[str, Any]]) -> str:
-    """The client table of ``status`` and ``list``."""
-    rows = [["ID", "NAME", "USER", "CLASS", "GPU", "SM", "MEM LIMIT", "MEM USED", "STATE",
-             "UPTIME", "PAUSE"]]  # fmt: skip
-    for c in clients:
-        rows.append([
-            c["id"], c["name"] or "-", c["user"], c["class"],
-            NA if c["gpu_index"] is None else str(c["gpu_index"]), _pct(c["sm_pct"]),
-            _gib(c["mem_limit_bytes"]), _gib(c["mem_used_bytes"]),
-            c["state"] + (" (held)" if c["held"] else ""), _dur(c["uptime_s"]),
-            c["pause_mechanism"] or NA,
-        ])  # fmt: skip
-    return _table(rows) if clients else "no clients"
-
-
-def render_status(status: dict[str, Any]) -> str:
-    """The human ``status`` view: one row per GPU, then one per client."""
-    rows = [["GPU", "UUID", "MEMORY USED/TOTAL", "UTIL", "MPS", "ONLINE SLO", "PROBE",
-             "SLOTS", "DUTY", "OFFLINE SM"]]  # fmt: skip
-    for g in status["gpus"]:
-        probe = g["probe"]
-        probe_text = (
-            "off" if not probe["enabled"]
-            else NA if probe["latency_ms"] is None
-            else f"{probe['latency_ms']:.2f}ms"
-        )  # fmt: skip
-        rows.append([
-            str(g["index"]), g["uuid"], f"{_gib(g['mem_used_bytes'])}/{_gib(g['mem_total_bytes'])}",
-            _pct(g["gpu_util_pct"]), g["mps_state"] or NA, g["online_slo"]["state"], probe_text,
-            f"{g['client_slots_used']}/{g['client_slots_max']}", f"{g['duty']:.2f}",
-            _pct(g["offline_sm_pct"]),
-        ])  # fmt: skip
-        if g["error"]:
-            rows.append(["", f"error: {g['error']}", "", "", "", "", "", "", "", ""])
-    head = f"gpushare {status['daemon']['version']}: {status['daemon']['summary']}"
-    return "\n".join([head, "", _table(rows), "", render_clients(status["clients"])])
-
-
-def _mps_down(status: dict[str, Any]) -> bool:
-    return any(g["shared"] and g["mps_state"] in ("down", "fault") for g in status["gpus"])
-
-
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="JSON (docs/status-schema.md).")] = False,
     watch: Annotated[
@@ -228,7 +167,7 @@ def status(
                 time.sleep(max(0.1, watch))
             except KeyboardInterrupt:
                 break
-    if _mps_down(result):
+    if mps_down(result):
         raise typer.Exit(code=1)
 
 

@@ -1,0 +1,67 @@
+"""The console-script entry point, with a fast path for plain ``gpushare status``.
+
+``gpushare status`` is what people and monitoring scripts run most; through Typer it pays for
+Typer's and Pydantic's imports and per-parameter adapters (about 0.3 s), so the common forms
+(``status [--json] [--gpu G] [--socket S]``) are answered here with the standard library and the
+API client only. Anything else, including ``--help`` and any form this parser does not know, goes
+to the Typer application unchanged, which stays the reference for options and messages.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+_VALUE_OPTS = ("--gpu", "--socket")
+
+
+def _parse_status(args: Sequence[str]) -> dict[str, str | bool] | None:
+    opts: dict[str, str | bool] = {}
+    it = iter(args)
+    for arg in it:
+        if arg == "--json":
+            opts["json"] = True
+            continue
+        name, eq, value = arg.partition("=")
+        if name not in _VALUE_OPTS or name[2:] in opts:
+            return None
+        if not eq:
+            value = next(it, "")
+            if not value or value.startswith("-"):
+                return None
+        opts[name[2:]] = value
+    return opts
+
+
+def run_status(opts: dict[str, str | bool]) -> int:
+    """``gpushare status`` without Typer; returns the exit status."""
+    from gpushare import protocol
+    from gpushare.cli.render import mps_down, render_status
+    from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
+
+    sock = opts.get("socket")
+    params = {"gpu": opts["gpu"]} if "gpu" in opts else {}
+    try:
+        with ApiClient.connect(sock if isinstance(sock, str) else None) as api:
+            result = api.call(protocol.STATUS, params)
+    except DaemonUnreachableError as exc:
+        print(exc, file=sys.stderr)
+        return protocol.EXIT_UNREACHABLE
+    except ApiError as exc:
+        print(f"gpushare: {exc.message}", file=sys.stderr)
+        return exc.code.exit_code()
+    print(json.dumps(result, indent=2) if opts.get("json") else render_status(result))
+    return 1 if mps_down(result) else 0
+
+
+def main() -> None:
+    """Console-script entry point: the fast path when it applies, else the Typer application."""
+    args = sys.argv[1:]
+    if args[:1] == ["status"]:
+        opts = _parse_status(args[1:])
+        if opts is not None:
+            raise SystemExit(run_status(opts))
+    from gpushare.cli.app import main as typer_main
+
+    typer_main()
