@@ -268,3 +268,49 @@ enabled = true
     assert info.value.code is ErrorCode.NO_CAPACITY
     assert "client slots" in info.value.message
     assert "latency probe" in info.value.message
+
+
+def test_metrics_exporter_serves_daemon_state() -> None:
+    import socket
+    import urllib.request
+
+    from gpushare.metrics import Exporter
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    base = Path(tempfile.mkdtemp(prefix="gsm-", dir="/tmp"))
+    cfg = config.loads(f"""version = 1
+[paths]
+runtime_dir = "{base}/run"
+state_dir = "{base}/state"
+[probe]
+enabled = false
+[metrics]
+listen = "127.0.0.1:{port}"
+""")
+    policy = ScriptedPolicy()
+    d = Daemon(
+        cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
+        mps=FakeMpsNode(base / "mps"), pauser=osshim.SignalPauser(), policy=policy,
+        notify=lambda *f: True, metrics=Exporter(),
+    )  # fmt: skip
+    d.start()
+    try:
+        r = _submit(d, ["sleep", "30"], sm_pct=40.0)
+        policy.pending = [SetDuty(GPU0, 0.5, "test")]
+        d.run(max_ticks=2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        client_line = next(
+            line for line in text.splitlines()
+            if line.startswith("gpushare_client_sm_limit_ratio") and r["client_id"] in line
+        )  # fmt: skip
+        assert client_line.endswith(" 0.4")
+        assert f'gpushare_throttle_events_total{{UUID="{GPU0}",gpu="0"}} 1.0' in text
+    finally:
+        os.killpg(r["pid"], signal.SIGKILL)
+        d.shutdown()
+        d.registry.close()
+        shutil.rmtree(base, ignore_errors=True)

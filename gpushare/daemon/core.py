@@ -33,6 +33,7 @@ from gpushare.control.registry import make_policy
 from gpushare.daemon import launcher, osshim
 from gpushare.daemon.registry import ClientRecord, Registry, RegistryError, TransitionError
 from gpushare.daemon.server import ApiServer, Caller
+from gpushare.metrics import Exporter, GpuControl, NodeMetrics
 from gpushare.model import (
     Action,
     Admit,
@@ -110,6 +111,7 @@ class Daemon:
         policy: Policy[Any] | None = None,
         config_path: Path | None = None,
         notify: Callable[..., bool] = osshim.notify,
+        metrics: Exporter | None = None,
     ) -> None:
         self.config = config
         self.config_path = config_path
@@ -120,6 +122,9 @@ class Daemon:
         self.probe = probe
         self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()
         self._notify = notify
+        self.metrics = metrics
+        self._throttle_events: dict[str, int] = {}
+        self._mps_restarts: dict[str, int] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._reload = threading.Event()
@@ -176,6 +181,17 @@ class Daemon:
             daemon_version=__version__,
         )
         self.server.start()
+        if self.metrics is not None and cfg.metrics.enabled:
+            try:
+                host, port = self.metrics.serve(cfg.metrics.listen)
+                log.info("metrics_listening", host=host, port=port)
+            except OSError as exc:
+                # Metrics are for dashboards; a port clash must not take the node down.
+                self.registry.add_event(
+                    "metrics_unavailable",
+                    f"cannot serve metrics on {cfg.metrics.listen}: {exc.strerror or exc}",
+                    severity="warning",
+                )
         self.registry.add_event(
             "daemon_started", f"gpushare {__version__} started (pid {os.getpid()})"
         )
@@ -234,6 +250,8 @@ class Daemon:
                     self._set_paused(client_id, False)
         if self._watcher is not None:
             self._watcher.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.config.daemon.stop_mps_on_exit:
             close = getattr(self.mps, "close", None)
             if callable(close):
@@ -349,6 +367,8 @@ class Daemon:
                 observations[sample.uuid] = self._tick_gpu(sample, records, gpu_events, now)
             if any(r.state is S.QUEUED for r in records):
                 self._admit(observations, now)
+            if self.metrics is not None:
+                self.metrics.update(self._metrics_snapshot(observations, records))
             self._duty_phase(now)
             self._kill_overdue(now)
             self.ticks += 1
@@ -366,6 +386,8 @@ class Daemon:
         self._mps_states[uuid] = mps_state
         mps_events = tuple(self.mps.drain_events(uuid))
         for ev in mps_events:
+            if ev.kind is MpsEventKind.DAEMON_RESTARTED:
+                self._mps_restarts[uuid] = self._mps_restarts.get(uuid, 0) + 1
             if ev.kind not in _QUIET_MPS_EVENTS:
                 severity = "error" if ev.kind is MpsEventKind.FATAL_EXCEPTION else "info"
                 self.registry.add_event(
@@ -409,6 +431,22 @@ class Daemon:
             )
             self.probe.set_offline_running(uuid, running)
         return obs
+
+    def _metrics_snapshot(
+        self, observations: Mapping[str, Observation], records: Sequence[ClientRecord]
+    ) -> NodeMetrics:
+        control = {
+            uuid: GpuControl(
+                duty=self._duty.get(uuid, 1.0),
+                offline_sm_pct=self._default_sm(ClientClass.OFFLINE, uuid),
+                throttle_events=self._throttle_events.get(uuid, 0),
+                mps_restarts=self._mps_restarts.get(uuid, 0),
+            )
+            for uuid in observations
+        }
+        names = {r.uid: r.user for r in records}
+        return NodeMetrics(observations=tuple(observations.values()), control=control,
+                           user_names=names)  # fmt: skip
 
     def _admit(self, observations: Mapping[str, Observation], now: float) -> None:
         """Start queued offline jobs where admission places them (SJF-BSBF, slots, D11)."""
@@ -593,7 +631,11 @@ class Daemon:
         """Carry out one controller action."""
         with self._lock:
             if isinstance(action, SetDuty):
-                self._duty[action.gpu_uuid] = min(1.0, max(0.0, action.duty))
+                duty = min(1.0, max(0.0, action.duty))
+                if duty < self._duty.get(action.gpu_uuid, 1.0):
+                    gpu = action.gpu_uuid
+                    self._throttle_events[gpu] = self._throttle_events.get(gpu, 0) + 1
+                self._duty[action.gpu_uuid] = duty
             elif isinstance(action, Freeze):
                 self._hold(action.client_id, True, action.reason)
             elif isinstance(action, Thaw):

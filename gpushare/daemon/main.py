@@ -24,6 +24,7 @@ from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry, RegistryError
 from gpushare.daemon.server import ServerError
 from gpushare.logs import configure_logging
+from gpushare.metrics import Exporter
 from gpushare.node.base import Pauser
 
 log = structlog.get_logger(__name__)
@@ -115,6 +116,7 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
         probe=probe,
         policy=policy,
         config_path=config_path,
+        metrics=Exporter() if cfg.metrics.enabled else None,
     )
 
 
