@@ -15,7 +15,7 @@ class FakeMpsNode:
         self.root = root
         self.terminated: list[tuple[str, int]] = []
         self.recovered: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-        self.closed = False
+        self.stopped: list[bool] = []
 
     def pipe_dir(self, gpu_uuid: str) -> Path:
         return self.root / gpu_uuid
@@ -39,5 +39,5 @@ class FakeMpsNode:
     ) -> None:
         self.recovered.append((gpu_uuid, tuple(offline_pids), tuple(online_pids)))
 
-    def close(self) -> None:
-        self.closed = True
+    def stop(self, *, quit_daemon: bool = True) -> None:
+        self.stopped.append(quit_daemon)

@@ -433,3 +433,20 @@ def test_status_fast_path_matches_typer_command(daemon: DaemonProc) -> None:
     assert (fast.returncode, typer_path.returncode) == (0, 0)
     strip = lambda text: [line for line in text.splitlines() if "UPTIME" not in line]  # noqa: E731
     assert strip(fast.stdout)[:4] == strip(typer_path.stdout)[:4]
+
+
+@needs_root
+def test_one_user_per_gpu_without_multiuser_mps() -> None:
+    d = DaemonProc()
+    try:
+        d.start()
+        d.submit_detached(["sleep", "30"], gpu="1")
+        params = {"cls": "offline", "argv": ["sleep", "30"], "detach": True, "cwd": "/",
+                  "env": {"PATH": os.environ["PATH"]}}  # fmt: skip
+        refused = call_as(NOBODY, NOBODY, d.socket, "submit", {**params, "gpu": "1"})
+        assert refused["error"] == "NO_CAPACITY"
+        assert "one user at a time" in refused["message"]
+        placed = call_as(NOBODY, NOBODY, d.socket, "submit", {**params, "gpu": "any"})
+        assert placed["result"]["gpu_uuid"] == fake_uuid(0)
+    finally:
+        d.cleanup()

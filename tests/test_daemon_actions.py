@@ -314,3 +314,23 @@ listen = "127.0.0.1:{port}"
         d.shutdown()
         d.registry.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("stop_mps", [False, True])
+def test_shutdown_leaves_mps_running_unless_configured(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode], stop_mps: bool
+) -> None:
+    d, _, mps = env
+    r = _submit(d, ["sleep", "30"])
+    d.config = config.loads(f"""version = 1
+[paths]
+runtime_dir = "{d.config.paths.runtime_dir}"
+state_dir = "{d.config.paths.state_dir}"
+[daemon]
+stop_mps_on_exit = {str(stop_mps).lower()}
+""")
+    d.shutdown()
+    d.shutdown()  # idempotent
+    # Supervision always stops; the MPS daemons quit only when configured to.
+    assert mps.stopped == [stop_mps]
+    os.kill(r["pid"], 0)  # the workload is left running either way

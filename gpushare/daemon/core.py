@@ -147,6 +147,7 @@ class Daemon:
         self.server: ApiServer | None = None
         self._watcher: osshim.ExitWatcher | None = None
         self.ticks = 0
+        self._shut_down = False
 
     # ----------------------------------------------------------------------------- life cycle
 
@@ -239,6 +240,9 @@ class Daemon:
 
     def shutdown(self) -> None:
         """Stop serving and leave the workloads running (they are not the daemon's to kill)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self._notify("STOPPING=1")
         if self.server is not None:
             self.server.close()
@@ -252,10 +256,11 @@ class Daemon:
             self._watcher.close()
         if self.metrics is not None:
             self.metrics.close()
-        if self.config.daemon.stop_mps_on_exit:
-            close = getattr(self.mps, "close", None)
-            if callable(close):
-                close()
+        # Supervision ends with the daemon; the MPS daemons themselves keep serving the running
+        # clients unless the operator asked for them to stop too.
+        stop = getattr(self.mps, "stop", None)
+        if callable(stop):
+            stop(quit_daemon=self.config.daemon.stop_mps_on_exit)
         self.registry.add_event("daemon_stopped", "gpushare stopped; workloads left running")
         log.info("daemon_stopped")
 
@@ -471,7 +476,7 @@ class Daemon:
             {u: self._default_sm(ClientClass.OFFLINE, u) for u in observations},
             now,
             max_clients=max_clients,
-            multiuser=False,
+            multiuser={u: self._multiuser(u) for u in observations},
             probe_slots=1 if self.config.probe.enabled else 0,
         )
         for action in admits:
@@ -834,6 +839,12 @@ class Daemon:
             latency_socket=self.config.paths.resolved("latency_socket"),
         )
 
+    def _multiuser(self, gpu_uuid: str) -> bool:
+        # Only the real MPS node knows whether its daemon runs -multiuser-server (DESIGN D11);
+        # without that knowledge assume the stricter legacy behaviour.
+        supervisor = getattr(self.mps, "supervisors", {}).get(gpu_uuid)
+        return bool(getattr(supervisor, "multiuser", False))
+
     def _priority(self, cls: ClientClass) -> int:
         # The policy decides offline clients' MPS priority (baselines compare without it).
         if cls is ClientClass.ONLINE:
@@ -1074,7 +1085,7 @@ class Daemon:
         cls = self._check_submit(req, caller)
         detach = req.detach or req.restartable
         with self._lock:
-            sample, sm = self._place(req, cls)
+            sample, sm = self._place(req, cls, caller.uid)
             rec = self.registry.add_client(
                 cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid,
                 user=launcher.user_name(caller.uid), state=S.STARTING, priority=self._priority(cls),
@@ -1140,7 +1151,9 @@ class Daemon:
             )
         return cls
 
-    def _place(self, req: protocol.SubmitRequest, cls: ClientClass) -> tuple[GpuSample, float]:
+    def _place(
+        self, req: protocol.SubmitRequest, cls: ClientClass, uid: int
+    ) -> tuple[GpuSample, float]:
         """The GPU a submit goes to and its SM share; refuses what does not fit."""
         if req.gpu == "any":
             candidates = [s for s in self._samples if self._shared(s)]
@@ -1156,7 +1169,7 @@ class Daemon:
         problems: list[str] = []
         fitting: list[tuple[GpuSample, float]] = []
         for s in candidates:
-            why = self._misfit(s, req, cls)
+            why = self._misfit(s, req, cls, uid)
             if why:
                 problems.append(f"GPU {s.index}: {why}")
             else:
@@ -1170,7 +1183,7 @@ class Daemon:
         # With several candidates, the one with the most free memory (unknown counts as least).
         return max(fitting, key=lambda f: f[0].mem_free_bytes or -1)
 
-    def _misfit(self, s: GpuSample, req: protocol.SubmitRequest, cls: ClientClass) -> str:
+    def _misfit(self, s: GpuSample, req: protocol.SubmitRequest, cls: ClientClass, uid: int) -> str:
         if s.lost:
             return "the GPU is lost (see gpushare events)"
         state = self._mps_states.get(s.uuid) or self.mps.state(s.uuid)
@@ -1188,6 +1201,14 @@ class Daemon:
                 + (" + the latency probe" if probe else "")
                 + ")"
             )
+        if not self._multiuser(s.uuid):
+            others = sorted({r.user for r in self.registry.clients()
+                             if r.gpu_uuid == s.uuid and r.state.is_live and r.uid != uid})  # fmt: skip
+            if others:
+                return (
+                    f"MPS serves one user at a time here and {', '.join(others)} has clients "
+                    "running (DESIGN D11): pick another GPU, wait, or set mps.multiuser"
+                )
         free = s.mem_free_bytes
         reserve = self._reserve(s) if cls is ClientClass.OFFLINE else 0
         need = (req.mem_bytes or 0) + reserve

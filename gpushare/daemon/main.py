@@ -94,12 +94,18 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
     except RegistryError as exc:
         raise StartupError(str(exc)) from exc
     gpu = nvml.NvmlBackend()
-    mps = mps_mod.MpsNodeManager(cfg)
+    shared = [s.uuid for s in gpu.sample() if cfg.gpu_override(s.index, s.uuid).shared]
+    mps = mps_mod.MpsNodeManager(cfg, shared)
+    try:
+        mps.start()
+    except mps_mod.MpsError as exc:
+        registry.close()
+        raise StartupError(f"MPS: {exc}") from exc
     probe = None
     if cfg.probe.enabled:
         try:
             probe_mod: Any = importlib.import_module("gpushare.node.probe")
-            probe = probe_mod.ProbeManager(cfg)
+            probe = probe_mod.ProbeManager(cfg.probe)
         except ImportError as exc:
             log.warning("probe_unavailable", error=str(exc))
     try:
