@@ -142,11 +142,15 @@ enabled = false
         req.update(params)
         return self.call("submit", req)
 
-    def client_pids(self) -> list[tuple[int, int | None]]:
+    def client_pids(self) -> list[tuple[int, float]]:
         if not self.db.exists():
             return []
         with contextlib.closing(sqlite3.connect(self.db)) as conn:
-            return list(conn.execute("SELECT pid, start_ticks FROM clients WHERE pid IS NOT NULL"))
+            return list(
+                conn.execute(
+                    "SELECT pid, start_time FROM clients WHERE pid IS NOT NULL AND start_time IS NOT NULL"
+                )
+            )
 
     def cleanup(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

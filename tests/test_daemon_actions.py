@@ -90,7 +90,7 @@ enabled = false
     d.start()
     yield d, policy, mps
     for rec in d.registry.clients(include_final=True):
-        if rec.pid and osshim.is_same_process(rec.pid, rec.start_ticks):
+        if rec.pid and rec.start_time and osshim.is_same_process(rec.pid, rec.start_time):
             os.killpg(rec.pid, signal.SIGKILL)
             os.killpg(rec.pid, signal.SIGCONT)
     d.shutdown()

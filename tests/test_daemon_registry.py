@@ -21,11 +21,11 @@ def _add(reg: Registry, **kw: object) -> str:
 def test_transitions_are_checked_and_logged(tmp_path: Path) -> None:
     reg = Registry.open(tmp_path / "db.sqlite")
     cid = _add(reg, sm_pct=30.0, env={"A": "1"})
-    rec = reg.transition(cid, ClientState.RUNNING, pid=123, start_ticks=456)
-    assert (rec.state, rec.pid, rec.start_ticks, rec.env) == (
+    rec = reg.transition(cid, ClientState.RUNNING, pid=123, start_time=456.5)
+    assert (rec.state, rec.pid, rec.start_time, rec.env) == (
         ClientState.RUNNING,
         123,
-        456,
+        456.5,
         {"A": "1"},
     )
     with pytest.raises(TransitionError):

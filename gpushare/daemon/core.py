@@ -14,6 +14,7 @@ import grp
 import math
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -169,7 +170,7 @@ class Daemon:
         Raises:
             ServerError: the socket cannot be bound.
         """
-        self._watcher = osshim.ExitWatcher(self._process_exited)
+        self._watcher = osshim.ExitWatcher(self._process_exited).start()
         self._samples = list(self.gpu.sample())
         self.readopt()
         cfg = self.config
@@ -253,7 +254,7 @@ class Daemon:
                 if rec is not None and not rec.held:
                     self._set_paused(client_id, False)
         if self._watcher is not None:
-            self._watcher.close()
+            self._watcher.stop()
         if self.metrics is not None:
             self.metrics.close()
         # Supervision ends with the daemon; the MPS daemons themselves keep serving the running
@@ -317,8 +318,9 @@ class Daemon:
             for rec in self.registry.clients():
                 if rec.state is S.QUEUED:
                     continue
-                if rec.pid is not None and osshim.is_same_process(rec.pid, rec.start_ticks):
-                    self._adopt_pid(rec.id, rec.pid)
+                alive = rec.start_time is not None and rec.pid is not None
+                if alive and osshim.is_same_process(rec.pid or 0, rec.start_time or 0.0):
+                    self._adopt_pid(rec.id, rec.pid or 0, start_time=rec.start_time)
                     if rec.held:
                         self._set_paused(rec.id, True)
                     else:
@@ -338,14 +340,20 @@ class Daemon:
                         rec.id, S.LOST, reason=f"{why} while the daemon was down"
                     )
 
-    def _adopt_pid(self, client_id: str, pid: int) -> None:
+    def _adopt_pid(
+        self,
+        client_id: str,
+        proc: subprocess.Popen[bytes] | int,
+        start_time: float | None = None,
+    ) -> None:
         assert self._watcher is not None
+        pid = proc if isinstance(proc, int) else proc.pid
         self._by_pid[pid] = client_id
         try:
             self.pauser.attach(client_id, pid)
         except OSError as exc:
             log.warning("pauser_attach_failed", client_id=client_id, pid=pid, error=str(exc))
-        self._watcher.watch(pid)
+        self._watcher.watch(proc, start_time)
 
     def _thaw_quietly(self, client_id: str) -> None:
         try:
@@ -769,6 +777,9 @@ class Daemon:
                 self._transition(client_id, S.EXITED, exit_code=0)
             else:
                 why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                hint = osshim.launch_failure(code)
+                if hint:
+                    why += f" (probably: {hint}; see {rec.log_path or 'its log'})"
                 failures = rec.failures + 1
                 control = self.config.control
                 if rec.restartable and rec.detach and failures < control.max_client_failures:
@@ -805,23 +816,22 @@ class Daemon:
             gpu_index=sample.index if sample else rec.gpu_index,
         )  # fmt: skip
         try:
-            pid, ticks, log_path = launcher.spawn_detached(
+            proc, start_time, log_path = launcher.spawn_detached(
                 rec.argv,
                 uid=rec.uid,
                 gid=rec.gid,
-                groups=launcher.user_groups(rec.uid, rec.gid),
                 cwd=rec.cwd or "/",
                 env=launcher.workload_env(rec.env, env),
                 log_dir=self.config.paths.resolved("client_log_dir"),
                 client_id=rec.id,
             )
-        except OSError as exc:
-            why = f"cannot start {rec.argv[0]!r}: {exc.strerror or exc}"
-            failed = self._transition(rec.id, S.FAILED, reason=why)
+        except (OSError, ValueError) as exc:
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            failed = self._transition(rec.id, S.FAILED, reason=f"cannot start: {detail}")
             return failed or rec
-        self._adopt_pid(rec.id, pid)
+        self._adopt_pid(rec.id, proc)
         started = self._transition(
-            rec.id, S.RUNNING, pid=pid, start_ticks=ticks, started_at=time.time(),
+            rec.id, S.RUNNING, pid=proc.pid, start_time=start_time, started_at=time.time(),
             log_path=str(log_path), pause_mechanism=self.pauser.mechanism.value,
             restarts=rec.restarts + (1 if restart else 0),
         )  # fmt: skip
@@ -889,7 +899,7 @@ class Daemon:
                 return
         raise _fail(
             E.PERMISSION_DENIED,
-            f"{launcher.user_name(caller.uid)} may not {what} {rec.id}, which belongs to "
+            f"{osshim.user_name(caller.uid)} may not {what} {rec.id}, which belongs to "
             f"{rec.user}; only its owner, root or members of group {admin!r} may",
         )
 
@@ -1030,7 +1040,7 @@ class Daemon:
         with self._lock:
             rec = self._get(req.client_id)
             self._authorize(caller, rec, "cancel")
-            who = launcher.user_name(caller.uid)
+            who = osshim.user_name(caller.uid)
             if rec.state is S.QUEUED:
                 self.registry.transition(rec.id, S.EXITED, reason=f"cancelled by {who}")
                 return {"client_id": rec.id, "state": S.EXITED.value, "grace_s": 0.0}
@@ -1058,7 +1068,7 @@ class Daemon:
             self._authorize(caller, rec, "pause")
             if rec.state not in _RUNNING_STATES:
                 raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; cannot pause it")
-            self._hold(rec.id, True, f"paused by {launcher.user_name(caller.uid)}")
+            self._hold(rec.id, True, f"paused by {osshim.user_name(caller.uid)}")
             return {"client_id": rec.id, "state": self.registry.get(rec.id).state.value}
 
     def api_resume(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
@@ -1069,7 +1079,7 @@ class Daemon:
             self._authorize(caller, rec, "resume")
             if rec.state not in _RUNNING_STATES:
                 raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; cannot resume it")
-            self._hold(rec.id, False, f"resumed by {launcher.user_name(caller.uid)}")
+            self._hold(rec.id, False, f"resumed by {osshim.user_name(caller.uid)}")
             return {"client_id": rec.id, "state": self.registry.get(rec.id).state.value}
 
     def _resolve_gpu(self, key: str) -> GpuSample:
@@ -1088,7 +1098,7 @@ class Daemon:
             sample, sm = self._place(req, cls, caller.uid)
             rec = self.registry.add_client(
                 cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid,
-                user=launcher.user_name(caller.uid), state=S.STARTING, priority=self._priority(cls),
+                user=osshim.user_name(caller.uid), state=S.STARTING, priority=self._priority(cls),
                 name=req.name, gpu_request=req.gpu, gpu_uuid=sample.uuid, gpu_index=sample.index,
                 sm_ceiling=req.sm_pct, sm_pct=sm,
                 mem_bytes=req.mem_bytes, slo_p99_ms=req.slo_p99_ms, restartable=req.restartable,
@@ -1103,10 +1113,10 @@ class Daemon:
                     raise _fail(E.INVALID_PARAMS, rec.reason or "the workload could not start")
             else:
                 assert caller.pid > 0
-                ticks = osshim.process_start_time(caller.pid)
-                self._adopt_pid(rec.id, caller.pid)
+                start_time = osshim.process_start_time(caller.pid)
+                self._adopt_pid(rec.id, caller.pid, start_time)
                 rec = self.registry.transition(
-                    rec.id, S.RUNNING, pid=caller.pid, start_ticks=ticks, started_at=time.time()
+                    rec.id, S.RUNNING, pid=caller.pid, start_time=start_time, started_at=time.time()
                 )
             log.info("client_submitted", client_id=rec.id, cls=cls.value, gpu=sample.uuid,
                      uid=caller.uid, detach=detach)  # fmt: skip

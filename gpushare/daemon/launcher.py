@@ -7,8 +7,7 @@ that user's groups (DESIGN D9); argv is a list end to end, never a shell string.
 
 from __future__ import annotations
 
-import os
-import pwd
+import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,58 +80,30 @@ def workload_env(caller_env: Mapping[str, str], mps: Mapping[str, str]) -> dict[
     return env
 
 
-def user_name(uid: int) -> str:
-    """The login name of ``uid``, or the number when the user has no passwd entry."""
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def user_groups(uid: int, gid: int) -> list[int]:
-    """The supplementary groups of ``uid`` from the group database (its primary gid included)."""
-    try:
-        return os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)
-    except KeyError:
-        return [gid]
-
-
-def open_client_log(log_dir: Path, client_id: str, uid: int, gid: int) -> tuple[int, Path]:
-    """Open (append) the per-client log file owned by the client's user; returns (fd, path).
-
-    Raises:
-        OSError: the log directory cannot be created or written.
-    """
-    log_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
-    path = log_dir / f"{client_id}.log"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
-    try:
-        os.fchown(fd, uid, gid)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd, path
-
-
 def spawn_detached(
     argv: Sequence[str],
     *,
     uid: int,
     gid: int,
-    groups: Sequence[int],
     cwd: str,
     env: Mapping[str, str],
     log_dir: Path,
     client_id: str,
-) -> tuple[int, int | None, Path]:
-    """Start a detached workload as ``uid``; returns (pid, start time in ticks, log path).
+) -> tuple[subprocess.Popen[bytes], float | None, Path]:
+    """Start a detached workload as ``uid`` with its login groups; (process, start time, log).
 
     Raises:
         OSError: the program, the working directory or the log cannot be used.
     """
-    fd, log_path = open_client_log(log_dir, client_id, uid, gid)
-    try:
-        pid = osshim.spawn(argv, uid=uid, gid=gid, cwd=cwd, env=env, log_fd=fd, groups=groups)
-    finally:
-        os.close(fd)
-    return pid, osshim.process_start_time(pid), log_path
+    log_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+    log_path = log_dir / f"{client_id}.log"
+    proc = osshim.spawn(
+        argv,
+        uid=uid,
+        gid=gid,
+        groups=osshim.user_groups(uid, gid),
+        cwd=cwd,
+        env=env,
+        log_path=log_path,
+    )
+    return proc, osshim.process_start_time(proc.pid), log_path

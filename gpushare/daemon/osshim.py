@@ -18,37 +18,64 @@ import socket
 import subprocess
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
 
+import psutil
 import structlog
 
 from gpushare.model import PauseMechanism
+from gpushare.node.base import Pauser
 
 log = structlog.get_logger(__name__)
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 _SCRUBBED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+START_TIME_TOLERANCE_S = 0.02
 
 
-def process_start_time(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22).
+class PauserChoice(NamedTuple):
+    """The pauser the node gets and why (``node.cgroups.make_pauser``'s answer)."""
 
-    None when there is no such process or it is a zombie (it has exited).
+    pauser: Pauser
+    reason: str
+
+
+def process_start_time(pid: int) -> float | None:
+    """When ``pid`` started (seconds since the epoch, psutil ``create_time``), or None if gone."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def is_same_process(pid: int, start_time: float) -> bool:
+    """Whether ``pid`` still runs and is the process that started at ``start_time``.
+
+    A recycled pid has another start time; a zombie has finished and does not count.
     """
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    rest = data[data.rfind(b")") + 2 :].split()
-    if rest[0] in (b"Z", b"X"):
-        return None
-    return int(rest[19])
+        proc = psutil.Process(pid)
+        same = abs(proc.create_time() - start_time) <= START_TIME_TOLERANCE_S
+        return same and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
 
 
-def is_same_process(pid: int, start_time: int | None) -> bool:
-    """Whether ``pid`` is alive and is the process that had ``start_time`` (not a reused pid)."""
-    return start_time is not None and process_start_time(pid) == start_time
+def user_name(uid: int) -> str:
+    """The login name of ``uid``, or the number as text when it has no passwd entry."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def user_groups(uid: int, gid: int) -> list[int]:
+    """The groups ``uid`` gets at login (primary ``gid`` first); just ``[gid]`` without an entry."""
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return [gid]
+    return [gid, *sorted(set(os.getgrouplist(name, gid)) - {gid})]
 
 
 def user_in_group(uid: int, group: str) -> bool:
@@ -63,13 +90,33 @@ def user_in_group(uid: int, group: str) -> bool:
     return pw.pw_gid == gr.gr_gid or pw.pw_name in gr.gr_mem
 
 
-def scrub_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without the systemd variables meant for the daemon alone."""
-    return {k: v for k, v in env.items() if k not in _SCRUBBED_ENV}
+def clean_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``env`` without systemd's notify and watchdog variables."""
+    source = os.environ if env is None else env
+    return {k: v for k, v in source.items() if k not in _SCRUBBED_ENV}
 
 
-_children: dict[int, subprocess.Popen[bytes]] = {}
-_children_lock = threading.Lock()
+def open_log(log_path: Path, uid: int, gid: int) -> int:
+    """Open (append, create 0640, no symlink) a client log owned by ``uid:gid``; the descriptor.
+
+    Raises:
+        OSError: the file cannot be opened or handed to the user.
+    """
+    fd = os.open(
+        log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640
+    )
+    try:
+        if os.geteuid() == 0:
+            os.fchown(fd, uid, gid)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def launch_failure(exit_code: int | None) -> str | None:
+    """What an exit status of a process started by :func:`spawn` may mean (none here)."""
+    return None
 
 
 def spawn(
@@ -77,96 +124,113 @@ def spawn(
     *,
     uid: int,
     gid: int,
+    groups: Sequence[int] | None = None,
     cwd: str,
     env: Mapping[str, str],
-    log_fd: int,
-    groups: Sequence[int] | None = None,
-) -> int:
-    """Start ``argv`` (no shell) as ``uid``/``gid`` in its own session; stdout/stderr to ``log_fd``.
-
-    Returns the pid. The child is reaped by :class:`ExitWatcher`.
+    log_path: Path | None,
+    new_session: bool = True,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (no shell) as ``uid``/``gid`` in its own session; output to ``log_path``.
 
     Raises:
         OSError: the program or ``cwd`` does not exist, or is not accessible.
     """
-    switch = uid != os.geteuid() or gid != os.getegid()
-    proc = subprocess.Popen(
-        list(argv),
-        cwd=cwd,
-        env=scrub_env(env),
-        stdin=subprocess.DEVNULL,
-        stdout=log_fd,
-        stderr=log_fd,
-        start_new_session=True,
-        close_fds=True,
-        user=uid if switch else None,
-        group=gid if switch else None,
-        extra_groups=list(groups) if switch and groups is not None else None,
-    )
-    with _children_lock:
-        _children[proc.pid] = proc
-    return proc.pid
+    switch = os.geteuid() == 0
+    out_fd = open_log(log_path, uid, gid) if log_path is not None else None
+    try:
+        return subprocess.Popen(
+            list(argv),
+            cwd=cwd,
+            env=clean_env(env),
+            stdin=subprocess.DEVNULL,
+            stdout=out_fd if out_fd is not None else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
+            close_fds=True,
+            user=uid if switch else None,
+            group=gid if switch else None,
+            extra_groups=(list(groups) if groups is not None else user_groups(uid, gid))
+            if switch
+            else None,
+        )
+    finally:
+        if out_fd is not None:
+            os.close(out_fd)
 
 
 class ExitWatcher:
-    """Reports each watched pid's exit promptly through pidfds: ``on_exit(pid, exit_code)``.
+    """Reports each watched process's exit promptly through pidfds: ``on_exit(pid, exit_code)``.
 
-    ``exit_code`` is the wait status as :func:`os.waitstatus_to_exitcode` gives it (negative for
-    a signal) for the daemon's own children, and None for processes it only adopted.
+    ``exit_code`` follows ``Popen.returncode`` for the daemon's own children (negative for a
+    signal) and is None for processes it only adopted.
     """
 
     def __init__(self, on_exit: Callable[[int, int | None], None]) -> None:
         self._on_exit = on_exit
-        self._fds: dict[int, int] = {}
+        self._fds: dict[int, tuple[int, subprocess.Popen[bytes] | None]] = {}
         self._lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
-        self._closed = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="exit-watcher", daemon=True)
-        self._thread.start()
 
-    def watch(self, pid: int) -> bool:
-        """Start watching ``pid``; False when it is already gone (its exit is reported at once)."""
+    def start(self) -> ExitWatcher:
+        """Start the watcher thread; returns ``self``."""
+        self._thread.start()
+        return self
+
+    def watch(self, proc: subprocess.Popen[bytes] | int, start_time: float | None = None) -> None:
+        """Report when ``proc`` (a Popen, or a pid) exits; at once if it is already gone."""
+        pid = proc if isinstance(proc, int) else proc.pid
+        popen = None if isinstance(proc, int) else proc
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:
-            self._on_exit(pid, self._reap(pid))
-            return False
+            self._report(pid, self._reap(pid, popen))
+            return
+        if start_time is not None and popen is None and not is_same_process(pid, start_time):
+            os.close(fd)
+            self._report(pid, None)
+            return
         with self._lock:
-            self._fds[fd] = pid
+            self._fds[fd] = (pid, popen)
         self._wake()
-        return True
 
-    def close(self) -> None:
+    def stop(self, timeout_s: float = 2.0) -> None:
         """Stop watching everything."""
-        self._closed = True
+        self._stopping = True
         self._wake()
-        self._thread.join(timeout=2.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
         with self._lock:
             for fd in self._fds:
                 os.close(fd)
             self._fds.clear()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
 
     @staticmethod
-    def _reap(pid: int) -> int | None:
-        with _children_lock:
-            proc = _children.pop(pid, None)
-        if proc is None:
-            return None
+    def _reap(pid: int, popen: subprocess.Popen[bytes] | None) -> int | None:
+        if popen is not None:
+            return popen.wait()
         try:
             _, status = os.waitpid(pid, 0)
         except ChildProcessError:
             return None
         return os.waitstatus_to_exitcode(status)
 
+    def _report(self, pid: int, code: int | None) -> None:
+        try:
+            self._on_exit(pid, code)
+        except Exception:  # the watcher must outlive a failing callback
+            log.exception("exit_callback_failed", pid=pid)
+
     def _run(self) -> None:
-        while not self._closed:
+        while not self._stopping:
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
             with self._lock:
@@ -178,15 +242,11 @@ class ExitWatcher:
                         os.read(self._wake_r, 4096)
                     continue
                 with self._lock:
-                    pid = self._fds.pop(fd, None)
-                os.close(fd)
-                if pid is None:
+                    entry = self._fds.pop(fd, None)
+                if entry is None:
                     continue
-                code = self._reap(pid)
-                try:
-                    self._on_exit(pid, code)
-                except Exception:  # the watcher must outlive a failing callback
-                    log.exception("exit_callback_failed", pid=pid)
+                os.close(fd)
+                self._report(entry[0], self._reap(*entry))
 
 
 class SignalPauser:
@@ -232,11 +292,16 @@ class SignalPauser:
     def pids(self, client_id: str) -> Sequence[int]:
         """The client's pid while it lives."""
         pid = self._pids.get(client_id)
-        return [pid] if pid is not None and process_start_time(pid) is not None else []
+        return [pid] if pid is not None and psutil.pid_exists(pid) else []
 
     def release(self, client_id: str) -> None:
         """Forget the client."""
         self._pids.pop(client_id, None)
+
+
+def make_pauser() -> PauserChoice:
+    """The pauser for this node: here always the signal fallback (no cgroup code in the shim)."""
+    return PauserChoice(SignalPauser(), "SIGSTOP/SIGCONT of process groups")
 
 
 def notify(*fields: str) -> bool:

@@ -74,7 +74,7 @@ CREATE TABLE IF NOT EXISTS clients (
     state TEXT NOT NULL,
     reason TEXT,
     pid INTEGER,
-    start_ticks INTEGER,
+    start_time REAL,
     exit_code INTEGER,
     pause_mechanism TEXT,
     log_path TEXT,
@@ -133,7 +133,7 @@ class ClientRecord:
     state: ClientState
     reason: str | None
     pid: int | None
-    start_ticks: int | None
+    start_time: float | None
     exit_code: int | None
     pause_mechanism: str | None
     log_path: str | None
@@ -473,7 +473,7 @@ def _prepare(conn: sqlite3.Connection) -> None:
     if version[0] != str(SCHEMA_VERSION):
         raise sqlite3.DatabaseError(f"unsupported schema version {version[0]}")
     # A read of the columns the code uses: a foreign table layout counts as unreadable.
-    conn.execute("SELECT id, state, pid, start_ticks, held FROM clients LIMIT 1").fetchall()
+    conn.execute("SELECT id, state, pid, start_time, held FROM clients LIMIT 1").fetchall()
 
 
 def _move_aside(path: Path) -> Path:
@@ -501,7 +501,7 @@ def _record(row: sqlite3.Row) -> ClientRecord:
         restartable=bool(row["restartable"]), checkpoint_signal=row["checkpoint_signal"],
         detach=bool(row["detach"]), env=json.loads(row["env"]), cwd=row["cwd"],
         state=ClientState(row["state"]), reason=row["reason"], pid=row["pid"],
-        start_ticks=row["start_ticks"], exit_code=row["exit_code"],
+        start_time=row["start_time"], exit_code=row["exit_code"],
         pause_mechanism=row["pause_mechanism"], log_path=row["log_path"], held=bool(row["held"]),
         restarts=row["restarts"], failures=row["failures"], submitted_at=row["submitted_at"],
         started_at=row["started_at"], ended_at=row["ended_at"],
