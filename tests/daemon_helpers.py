@@ -20,6 +20,20 @@ from gpushare.client import ApiClient, ApiError
 from gpushare.daemon import osshim
 from gpushare.paths import repo_root
 
+try:  # the real cgroup helpers come with gpushare.node.cgroups
+    from tests.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+except ImportError:  # pragma: no cover - until node/cgroups.py is on this branch
+
+    def cgroup_skip_reason() -> str | None:
+        return "gpushare.node.cgroups is not on this branch"
+
+    def unique_base(prefix: str) -> Path:
+        raise AssertionError(prefix)
+
+    def remove_tree(path: Path, timeout_s: float = 5.0) -> None:
+        raise AssertionError(path)
+
+
 REPO = repo_root()
 
 
@@ -55,6 +69,8 @@ class DaemonProc:
         self.gpus = gpus
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
+        # Real cgroup v2 where the machine allows it, in a directory of this daemon's own.
+        self.cgroup_dir = unique_base("gs-daemon-test") if cgroup_skip_reason() is None else None
         self.write_config(extra_toml)
 
     def config_text(self, extra_toml: str = "") -> str:
@@ -64,6 +80,7 @@ runtime_dir = "{self.base}/run"
 state_dir = "{self.base}/state"
 socket = "{self.socket}"
 [daemon]
+cgroup_dir = "{self.cgroup_dir or ""}"
 admin_group = ""
 cancel_grace = "2s"
 [probe]
@@ -164,6 +181,8 @@ enabled = false
                         os.killpg(pid, signal.SIGCONT)
                     else:
                         os.kill(pid, signal.SIGKILL)
+        if self.cgroup_dir is not None:
+            remove_tree(self.cgroup_dir)
         shutil.rmtree(self.base, ignore_errors=True)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from gpushare import config
 from gpushare.control.registry import make_policy
 from gpushare.daemon.core import Daemon
-from gpushare.daemon.main import StartupError, _make_pauser, serve
+from gpushare.daemon.main import StartupError, make_pauser, serve
 from gpushare.daemon.registry import Registry
 from gpushare.logs import configure_logging
 from tests.fake_gpu import FakeGpuBackend
@@ -28,7 +28,7 @@ def main() -> int:
         registry=Registry.open(cfg.paths.resolved("database")),
         gpu=FakeGpuBackend(gpus=int(os.environ.get("GPUSHARE_TEST_GPUS", "2"))),
         mps=FakeMpsNode(cfg.paths.resolved("mps_pipe_dir")),
-        pauser=_make_pauser(cfg),
+        pauser=make_pauser(cfg).pauser,
         policy=make_policy(cfg.control.policy, cfg.control),
         config_path=path,
     )

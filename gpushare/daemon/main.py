@@ -25,7 +25,7 @@ from gpushare.daemon.registry import Registry, RegistryError
 from gpushare.daemon.server import ServerError
 from gpushare.logs import configure_logging
 from gpushare.metrics import Exporter
-from gpushare.node.base import Pauser
+from gpushare.model import PauseMechanism
 
 log = structlog.get_logger(__name__)
 
@@ -68,14 +68,16 @@ def serve(daemon: Daemon) -> int:
     return 0
 
 
-def _make_pauser(cfg: config_mod.Config) -> Pauser:
-    try:
-        cgroups: Any = importlib.import_module("gpushare.node.cgroups")
-    except ImportError:
-        log.warning("pause_fallback", mechanism="signal", reason="gpushare.node.cgroups missing")
-        return osshim.SignalPauser()
-    pauser: Pauser = cgroups.make_pauser()
-    return pauser
+def make_pauser(cfg: config_mod.Config) -> osshim.PauserChoice:
+    """The cgroup freezer where cgroup v2 is writable (the daemon moved into its leaf), else signals."""
+    base = Path(cfg.daemon.cgroup_dir) if cfg.daemon.cgroup_dir else None
+    choice = osshim.make_pauser(base)
+    if choice.pauser.mechanism is PauseMechanism.CGROUP:
+        leaf_base = base if base is not None else osshim.default_base_dir()
+        if leaf_base is not None:
+            # cgroup v2's no-internal-processes rule: the daemon leaves the clients' parent.
+            osshim.move_self_to_leaf(leaf_base)
+    return choice
 
 
 def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
@@ -113,12 +115,14 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
     except ValueError as exc:
         registry.close()
         raise StartupError(f"control.policy: {exc}") from exc
+    pauser = make_pauser(cfg)
+    log.info("pause_mechanism", mechanism=pauser.pauser.mechanism.value, reason=pauser.reason)
     return Daemon(
         cfg,
         registry=registry,
         gpu=gpu,
         mps=mps,
-        pauser=_make_pauser(cfg),
+        pauser=pauser.pauser,
         probe=probe,
         policy=policy,
         config_path=config_path,

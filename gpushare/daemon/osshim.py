@@ -299,9 +299,19 @@ class SignalPauser:
         self._pids.pop(client_id, None)
 
 
-def make_pauser() -> PauserChoice:
+def make_pauser(base: Path | None = None) -> PauserChoice:
     """The pauser for this node: here always the signal fallback (no cgroup code in the shim)."""
     return PauserChoice(SignalPauser(), "SIGSTOP/SIGCONT of process groups")
+
+
+def default_base_dir(mount: Path | None = None) -> Path | None:
+    """Where client cgroups go by default: none without the cgroup module."""
+    return None
+
+
+def move_self_to_leaf(base: Path, leaf: str = "daemon") -> Path | None:
+    """Move the daemon into its cgroup leaf: nothing to do without the cgroup module."""
+    return None
 
 
 def notify(*fields: str) -> bool:
