@@ -158,6 +158,7 @@ class SubmitRequest:
     pid: int | None = None
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    latency_from: str | None = None
 
 
 # Results.

@@ -129,6 +129,16 @@ def test_submit_validation_refuses_and_changes_nothing(daemon: DaemonProc) -> No
         ({"slo_p99_ms": 10.0}, ErrorCode.INVALID_PARAMS, "--online"),
         ({"argv": []}, ErrorCode.INVALID_PARAMS, "no command"),
         ({"cls": "batch"}, ErrorCode.INVALID_PARAMS, "online"),
+        (
+            {"cls": "online", "latency_from": "http://10.0.0.1/m"},
+            ErrorCode.INVALID_PARAMS,
+            "--latency-from",
+        ),
+        (
+            {"latency_from": "prometheus:http://127.0.0.1:1/m#h"},
+            ErrorCode.INVALID_PARAMS,
+            "--online",
+        ),
     ]
     for params, code, text in cases:
         with pytest.raises(ApiError) as info:
@@ -468,3 +478,28 @@ def test_one_user_per_gpu_without_multiuser_mps() -> None:
         assert placed["result"]["gpu_uuid"] == fake_uuid(0)
     finally:
         d.cleanup()
+
+
+REPORTER = (
+    "import time; from gpushare.client import report_latency, flush_latency\n"
+    "for _ in range(40): report_latency(0.05)\n"
+    "flush_latency(); time.sleep(30)\n"
+)
+
+
+def test_app_reported_latency_reaches_status(daemon: DaemonProc) -> None:
+    res = daemon.submit_detached([sys.executable, "-c", REPORTER], cls="online", gpu="1",
+                                 slo_p99_ms=40.0)  # fmt: skip
+    cid = res["client_id"]
+
+    def p99() -> float | None:
+        st = daemon.call("status", {"gpu": "1"})
+        c = next(c for c in st["clients"] if c["id"] == cid)
+        return c["p99_ms"]
+
+    assert wait_for(p99, what="app p99 in status") == pytest.approx(50.0)
+    slo = daemon.call("status", {"gpu": "1"})["gpus"][0]["online_slo"]
+    assert slo["state"] == "degraded"
+    assert slo["violating_clients"] == [cid]
+    daemon.call("cancel", {"client_id": cid})
+    wait_for(lambda: _state(daemon, cid) == "exited", what="cancel")

@@ -90,6 +90,13 @@ def submit(
         str | None, typer.Option("--slo-p99", help="Online p99 latency SLO, e.g. 40ms.")
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="A name shown in status.")] = None,
+    latency_from: Annotated[
+        str | None,
+        typer.Option(
+            "--latency-from",
+            help="Online: scrape latency from prometheus:http://127.0.0.1:PORT/metrics#HISTOGRAM.",
+        ),
+    ] = None,
     restartable: Annotated[
         bool,
         typer.Option("--restartable", help="Offline job that may be checkpointed and relaunched."),
@@ -113,6 +120,7 @@ def submit(
         "gpu": gpu,
         "sm_pct": sm,
         "name": name,
+        "latency_from": latency_from,
         "restartable": restartable,
         "checkpoint_signal": _signal_number(checkpoint_signal),
         "detach": detach or restartable,

@@ -34,6 +34,13 @@ from gpushare.control.registry import make_policy
 from gpushare.daemon import launcher, osshim
 from gpushare.daemon.registry import ClientRecord, Registry, RegistryError, TransitionError
 from gpushare.daemon.server import ApiServer, Caller
+from gpushare.latency import (
+    AppLatency,
+    LatencyP99,
+    LatencyReceiver,
+    parse_latency_from,
+    verified_identify,
+)
 from gpushare.metrics import Exporter, GpuControl, NodeMetrics
 from gpushare.model import (
     Action,
@@ -50,7 +57,6 @@ from gpushare.model import (
     MpsEventKind,
     MpsState,
     Observation,
-    ProbeReading,
     QueuedJob,
     RecoverMps,
     RestartClient,
@@ -59,6 +65,7 @@ from gpushare.model import (
     Thaw,
 )
 from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
+from gpushare.observe import build_observation
 from gpushare.units import format_size
 
 log = structlog.get_logger(__name__)
@@ -124,6 +131,10 @@ class Daemon:
         self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()
         self._notify = notify
         self.metrics = metrics
+        lat = config.latency
+        self.latency = AppLatency(lat.window_s, lat.min_samples, lat.scrape_period_s)
+        self._latency_rx: LatencyReceiver | None = None
+        self._p99: dict[str, LatencyP99] = {}
         self._throttle_events: dict[str, int] = {}
         self._mps_restarts: dict[str, int] = {}
         self._lock = threading.RLock()
@@ -183,6 +194,7 @@ class Daemon:
             daemon_version=__version__,
         )
         self.server.start()
+        self._start_latency()
         if self.metrics is not None and cfg.metrics.enabled:
             try:
                 host, port = self.metrics.serve(cfg.metrics.listen)
@@ -198,6 +210,36 @@ class Daemon:
             "daemon_started", f"gpushare {__version__} started (pid {os.getpid()})"
         )
         log.info("daemon_started", pid=os.getpid(), gpus=len(self._samples))
+
+    def _start_latency(self) -> None:
+        path = self.config.paths.resolved("latency_socket")
+        rx = LatencyReceiver(
+            path,
+            self.latency.tracker,
+            identify=verified_identify(self._client_of_pid, self._uid_of_client),
+        )
+        try:
+            rx.start()
+        except OSError as exc:
+            # Without it online clients' own latency is unknown; the probe still protects them.
+            self.registry.add_event("latency_socket_unavailable", str(exc), severity="warning")
+            return
+        self._latency_rx = rx
+        self.latency.start()
+
+    def _client_of_pid(self, pid: int) -> str | None:
+        with self._lock:
+            owner = self._by_pid.get(pid)
+            if owner is not None:
+                return owner
+            for client_id in set(self._by_pid.values()):
+                if pid in self.pauser.pids(client_id):
+                    return client_id
+        return None
+
+    def _uid_of_client(self, client_id: str) -> int | None:
+        rec = self.registry.find(client_id)
+        return rec.uid if rec is not None and rec.state.is_live else None
 
     def request_stop(self) -> None:
         """Ask the loop to stop (safe from a signal handler)."""
@@ -257,6 +299,9 @@ class Daemon:
             self._watcher.stop()
         if self.metrics is not None:
             self.metrics.close()
+        if self._latency_rx is not None:
+            self._latency_rx.close()
+        self.latency.close()
         # Supervision ends with the daemon; the MPS daemons themselves keep serving the running
         # clients unless the operator asked for them to stop too.
         stop = getattr(self.mps, "stop", None)
@@ -321,6 +366,8 @@ class Daemon:
                 alive = rec.start_time is not None and rec.pid is not None
                 if alive and osshim.is_same_process(rec.pid or 0, rec.start_time or 0.0):
                     self._adopt_pid(rec.id, rec.pid or 0, start_time=rec.start_time)
+                    if rec.latency_from is not None:
+                        self.latency.add_prometheus(rec.id, rec.latency_from)
                     if rec.held:
                         self._set_paused(rec.id, True)
                     else:
@@ -368,7 +415,9 @@ class Daemon:
         now = time.monotonic()
         samples = list(self.gpu.sample())
         gpu_events = list(self.gpu.drain_events())
+        p99 = self.latency.p99s(now)
         with self._lock:
+            self._p99 = p99
             self._samples = samples
             for event in gpu_events:
                 self._record_gpu_event(event)
@@ -406,26 +455,19 @@ class Daemon:
                 self.registry.add_event(
                     f"mps_{ev.kind.value}", ev.text, severity=severity, gpu_uuid=uuid
                 )
-        probe = (
-            self.probe.reading(uuid)
-            if self.probe is not None
-            else ProbeReading(reason="probe disabled")
-        )
-        override = self.config.gpu_override(sample.index, uuid)
-        views = tuple(self._view(rec, sample, now) for rec in records if rec.gpu_uuid == uuid)
-        obs = Observation(
-            gpu_uuid=uuid,
-            gpu_index=sample.index,
+        probe = self.probe.reading(uuid) if self.probe is not None else None
+        views = tuple(self._view(rec, now) for rec in records if rec.gpu_uuid == uuid)
+        obs = build_observation(
             sample=sample,
-            probe=probe,
+            probe=probe if self.probe is not None else None,
             clients=views,
+            config=self.config,
+            app_p99=self._p99,
             mps_state=mps_state,
             mps_events=mps_events,
-            gpu_events=tuple(e for e in gpu_events if e.gpu_uuid == uuid),
-            mem_reserve_bytes=self._reserve(sample),
-            offline_sm_pct_max=override.offline_sm_pct_max
-            or self.config.control.offline_sm_pct_max,
-            admissions_open=mps_state is MpsState.UP and not sample.lost,
+            gpu_events=gpu_events,
+            client_pids={v.client_id: self.pauser.pids(v.client_id) for v in views if v.pid},
+            probe_mps_slots=1 if self.probe is not None and self.config.probe.enabled else 0,
         )
         state = self._policy_state.get(uuid)
         if uuid not in self._policy_state:
@@ -493,11 +535,7 @@ class Daemon:
             except (RegistryError, OSError) as exc:
                 log.warning("admit_failed", client_id=action.client_id, error=str(exc))
 
-    def _view(self, rec: ClientRecord, sample: GpuSample, now: float) -> ClientView:
-        used = None
-        for proc in sample.processes:
-            if proc.pid == rec.pid:
-                used = proc.used_bytes
+    def _view(self, rec: ClientRecord, now: float) -> ClientView:
         started = None
         if rec.started_at is not None:
             started = now - max(0.0, time.time() - rec.started_at)
@@ -512,9 +550,7 @@ class Daemon:
             ),
             uid=rec.uid,
             pid=rec.pid,
-            mem_used_bytes=used,
             slo_p99_ms=rec.slo_p99_ms,
-            p99_reason="no latency reports",
             restartable=rec.restartable,
             ceiling_sm_pct=rec.sm_ceiling,
             failures=rec.failures,
@@ -749,6 +785,7 @@ class Daemon:
                 return
             self._paused.discard(client_id)
             self._kill_at.pop(client_id, None)
+            self.latency.forget(client_id)
             try:
                 self.pauser.release(client_id)
             except OSError as exc:
@@ -945,16 +982,21 @@ class Daemon:
         reading = self.probe.reading(s.uuid) if self.probe is not None and shared else None
         mps_state = self._mps_states.get(s.uuid)
         online = [r for r in live if r.cls is ClientClass.ONLINE]
-        slo: dict[str, Any]
+        ratio = reading.ratio if reading is not None else None
+        # App-reported p99 against each declared SLO first; the probe speaks for the rest.
+        app = [(r, self._p99.get(r.id)) for r in online if r.slo_p99_ms is not None]
+        known = [(r, p.p99_ms) for r, p in app if p is not None and p.p99_ms is not None]
+        violated = [r.id for r, p99 in known if p99 > (r.slo_p99_ms or math.inf)]
+        slo: dict[str, Any] = {"probe_ratio": ratio, "violating_clients": violated, "reason": None}
         if not online:
-            slo = {"state": "no_online_clients", "probe_ratio": None, "reason": None}
-        elif reading is None or reading.ratio is None:
-            why = reading.reason if reading is not None else "probe disabled"
-            slo = {"state": "unknown", "probe_ratio": None, "reason": why}
+            slo["state"] = "no_online_clients"
+        elif violated or (ratio is not None and ratio > self.config.control.probe_slo_ratio):
+            slo["state"] = "degraded"
+        elif known or ratio is not None:
+            slo["state"] = "ok"
         else:
-            bad = reading.ratio > self.config.control.probe_slo_ratio
-            slo = {"state": "degraded" if bad else "ok", "probe_ratio": reading.ratio,
-                   "reason": None}  # fmt: skip
+            slo["state"] = "unknown"
+            slo["reason"] = reading.reason if reading is not None else "probe disabled"
         return {
             "index": s.index,
             "uuid": s.uuid,
@@ -987,6 +1029,7 @@ class Daemon:
         used = None
         if sample is not None and r.pid is not None:
             used = next((p.used_bytes for p in sample.processes if p.pid == r.pid), None)
+        p99 = self._p99.get(r.id) if r.cls is ClientClass.ONLINE and r.state.is_live else None
         uptime = None
         if r.started_at is not None and r.state.is_live:
             uptime = round(now - r.started_at, 3)
@@ -998,6 +1041,8 @@ class Daemon:
             "pause_mechanism": r.pause_mechanism, "held": r.held, "restartable": r.restartable,
             "detached": r.detach, "slo_p99_ms": r.slo_p99_ms, "argv": list(r.argv),
             "log_path": r.log_path, "restarts": r.restarts, "submitted_at": r.submitted_at,
+            "p99_ms": p99.p99_ms if p99 else None, "p99_samples": p99.samples if p99 else 0,
+            "p99_reason": p99.reason if p99 else None,
             "started_at": r.started_at, "ended_at": r.ended_at,
         }  # fmt: skip
 
@@ -1106,6 +1151,9 @@ class Daemon:
                 env=req.env if detach else {}, cwd=req.cwd,
                 pause_mechanism=self.pauser.mechanism.value,
             )  # fmt: skip
+            if req.latency_from is not None:
+                self.registry.update(rec.id, latency_from=req.latency_from)
+                self.latency.add_prometheus(rec.id, req.latency_from)
             env = self._mps_env(rec.id, sample.uuid, sm, req.mem_bytes, cls)
             if detach:
                 rec = self._launch_detached(rec, sample.uuid, sm, "detached submit")
@@ -1144,6 +1192,13 @@ class Daemon:
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 applies to --online clients only")
             if not (req.slo_p99_ms > 0 and math.isfinite(req.slo_p99_ms)):
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 must be a positive duration")
+        if req.latency_from is not None:
+            if cls is not ClientClass.ONLINE:
+                raise _fail(E.INVALID_PARAMS, "--latency-from applies to --online clients only")
+            try:
+                parse_latency_from(req.latency_from)
+            except ValueError as exc:
+                raise _fail(E.INVALID_PARAMS, f"--latency-from: {exc}") from None
         if req.restartable and cls is not ClientClass.OFFLINE:
             raise _fail(E.INVALID_PARAMS, "--restartable applies to --offline clients only")
         if not 1 <= req.checkpoint_signal < signal.NSIG:

@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS clients (
     mem_bytes INTEGER,
     priority INTEGER NOT NULL,
     slo_p99_ms REAL,
+    latency_from TEXT,
     restartable INTEGER NOT NULL,
     checkpoint_signal INTEGER NOT NULL,
     detach INTEGER NOT NULL,
@@ -125,6 +126,7 @@ class ClientRecord:
     mem_bytes: int | None
     priority: int
     slo_p99_ms: float | None
+    latency_from: str | None
     restartable: bool
     checkpoint_signal: int
     detach: bool
@@ -498,6 +500,7 @@ def _record(row: sqlite3.Row) -> ClientRecord:
         gpu_request=row["gpu_request"], gpu_uuid=row["gpu_uuid"], gpu_index=row["gpu_index"],
         sm_ceiling=row["sm_ceiling"], sm_pct=row["sm_pct"],
         mem_bytes=row["mem_bytes"], priority=row["priority"], slo_p99_ms=row["slo_p99_ms"],
+        latency_from=row["latency_from"],
         restartable=bool(row["restartable"]), checkpoint_signal=row["checkpoint_signal"],
         detach=bool(row["detach"]), env=json.loads(row["env"]), cwd=row["cwd"],
         state=ClientState(row["state"]), reason=row["reason"], pid=row["pid"],
