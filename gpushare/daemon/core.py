@@ -302,6 +302,9 @@ class Daemon:
         if self._latency_rx is not None:
             self._latency_rx.close()
         self.latency.close()
+        if self.probe is not None:
+            self.probe.close()
+        self.gpu.close()
         # Supervision ends with the daemon; the MPS daemons themselves keep serving the running
         # clients unless the operator asked for them to stop too.
         stop = getattr(self.mps, "stop", None)

@@ -9,6 +9,7 @@ it stops MPS only when ``daemon.stop_mps_on_exit`` says so.
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ from gpushare.daemon.server import ServerError
 from gpushare.logs import configure_logging
 from gpushare.metrics import Exporter
 from gpushare.model import PauseMechanism
+from gpushare.node.nvml import NvmlBackend
+from gpushare.node.probe import ProbeManager
 
 log = structlog.get_logger(__name__)
 
@@ -87,7 +90,6 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
         StartupError: an adapter or the registry cannot be set up.
     """
     try:
-        nvml: Any = importlib.import_module("gpushare.node.nvml")
         mps_mod: Any = importlib.import_module("gpushare.node.mps")
     except ImportError as exc:
         raise StartupError(f"this gpushare build lacks a node adapter: {exc}") from exc
@@ -95,7 +97,7 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
         registry = Registry.open(cfg.paths.resolved("database"))
     except RegistryError as exc:
         raise StartupError(str(exc)) from exc
-    gpu = nvml.NvmlBackend()
+    gpu = NvmlBackend()
     shared = [s.uuid for s in gpu.sample() if cfg.gpu_override(s.index, s.uuid).shared]
     mps = mps_mod.MpsNodeManager(cfg, shared)
     try:
@@ -105,11 +107,17 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
         raise StartupError(f"MPS: {exc}") from exc
     probe = None
     if cfg.probe.enabled:
-        try:
-            probe_mod: Any = importlib.import_module("gpushare.node.probe")
-            probe = probe_mod.ProbeManager(cfg.probe)
-        except ImportError as exc:
-            log.warning("probe_unavailable", error=str(exc))
+        probe = ProbeManager(cfg.probe)
+        for uuid in shared:
+            # The probe is an MPS client of its GPU like any workload, at normal priority.
+            probe.start(
+                uuid,
+                {
+                    **osshim.clean_env(os.environ),
+                    "CUDA_MPS_PIPE_DIRECTORY": str(mps.pipe_dir(uuid)),
+                    "CUDA_MPS_LOG_DIRECTORY": str(cfg.paths.resolved("mps_log_dir") / uuid),
+                },
+            )
     try:
         policy = make_policy(cfg.control.policy, cfg.control)
     except ValueError as exc:
