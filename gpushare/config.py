@@ -117,9 +117,6 @@ class DaemonConfig:
     max_request_bytes: int = _size(1 << 20, minimum=1024)
     stop_mps_on_exit: bool = False
     cancel_grace_s: float = _duration(10.0)
-    # cgroup v2 directory holding one child cgroup per client; empty: beside the daemon's own
-    # cgroup (its systemd unit's, with Delegate=yes), or <cgroup2 mount>/gpushare.
-    cgroup_dir: str = ""
 
 
 @dataclass(frozen=True, slots=True)

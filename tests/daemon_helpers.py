@@ -17,22 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from gpushare.client import ApiClient, ApiError
-from gpushare.daemon import osshim
+from gpushare.node import procs
 from gpushare.paths import repo_root
-
-try:  # the real cgroup helpers come with gpushare.node.cgroups
-    from tests.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-except ImportError:  # pragma: no cover - until node/cgroups.py is on this branch
-
-    def cgroup_skip_reason() -> str | None:
-        return "gpushare.node.cgroups is not on this branch"
-
-    def unique_base(prefix: str) -> Path:
-        raise AssertionError(prefix)
-
-    def remove_tree(path: Path, timeout_s: float = 5.0) -> None:
-        raise AssertionError(path)
-
+from tests.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
 REPO = repo_root()
 
@@ -73,14 +60,18 @@ class DaemonProc:
         self.cgroup_dir = unique_base("gs-daemon-test") if cgroup_skip_reason() is None else None
         self.write_config(extra_toml)
 
+    @property
+    def cgroup_line(self) -> str:
+        return f'cgroup_base = "{self.cgroup_dir}"' if self.cgroup_dir is not None else ""
+
     def config_text(self, extra_toml: str = "") -> str:
         return f"""version = 1
 [paths]
 runtime_dir = "{self.base}/run"
 state_dir = "{self.base}/state"
 socket = "{self.socket}"
+{self.cgroup_line}
 [daemon]
-cgroup_dir = "{self.cgroup_dir or ""}"
 admin_group = ""
 cancel_grace = "2s"
 [probe]
@@ -174,7 +165,7 @@ enabled = false
             self.proc.kill()
             self.proc.wait(timeout=10)
         for pid, ticks in self.client_pids():
-            if osshim.is_same_process(pid, ticks):
+            if procs.is_same_process(pid, ticks):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     if os.getpgid(pid) == pid:
                         os.killpg(pid, signal.SIGKILL)

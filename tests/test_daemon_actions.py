@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from gpushare import config
-from gpushare.daemon import osshim
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
@@ -36,6 +35,7 @@ from gpushare.model import (
     Severity,
     Thaw,
 )
+from gpushare.node import cgroups, procs
 from gpushare.protocol import ErrorCode, ProtocolError
 from tests.daemon_helpers import cpu_ticks, wait_for
 from tests.fake_gpu import FakeGpuBackend, fake_uuid
@@ -85,12 +85,12 @@ enabled = false
     mps = FakeMpsNode(base / "mps")
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
-        mps=mps, pauser=osshim.SignalPauser(), policy=policy, notify=lambda *f: True,
+        mps=mps, pauser=cgroups.SignalPauser(), policy=policy, notify=lambda *f: True,
     )  # fmt: skip
     d.start()
     yield d, policy, mps
     for rec in d.registry.clients(include_final=True):
-        if rec.pid and rec.start_time and osshim.is_same_process(rec.pid, rec.start_time):
+        if rec.pid and rec.start_time and procs.is_same_process(rec.pid, rec.start_time):
             os.killpg(rec.pid, signal.SIGKILL)
             os.killpg(rec.pid, signal.SIGCONT)
     d.shutdown()
@@ -293,7 +293,7 @@ listen = "127.0.0.1:{port}"
     policy = ScriptedPolicy()
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
-        mps=FakeMpsNode(base / "mps"), pauser=osshim.SignalPauser(), policy=policy,
+        mps=FakeMpsNode(base / "mps"), pauser=cgroups.SignalPauser(), policy=policy,
         notify=lambda *f: True, metrics=Exporter(),
     )  # fmt: skip
     d.start()

@@ -31,7 +31,7 @@ from gpushare.control import admission
 from gpushare.control.controller import failure_backoff_s
 from gpushare.control.policy import Policy
 from gpushare.control.registry import make_policy
-from gpushare.daemon import launcher, osshim
+from gpushare.daemon import launcher
 from gpushare.daemon.registry import ClientRecord, Registry, RegistryError, TransitionError
 from gpushare.daemon.server import ApiServer, Caller
 from gpushare.latency import (
@@ -64,7 +64,10 @@ from gpushare.model import (
     SetOfflineShare,
     Thaw,
 )
+from gpushare.node import notify as sd
+from gpushare.node import procs
 from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
+from gpushare.node.cgroups import PauserError
 from gpushare.observe import build_observation
 from gpushare.units import format_size
 
@@ -75,6 +78,8 @@ E = protocol.ErrorCode
 _RUNNING_STATES = frozenset({S.RUNNING, S.THROTTLED, S.FROZEN})
 _QUIET_MPS_EVENTS = frozenset({MpsEventKind.COMMAND, MpsEventKind.RAW})
 _MAX_NAME = 64
+# A pauser fails with OSError (cgroupfs, signals) or its own PauserError (timeouts, no cgroup).
+_PAUSE_ERRORS = (OSError, PauserError)
 
 
 class NoopPolicy:
@@ -118,7 +123,7 @@ class Daemon:
         probe: LatencyProbe | None = None,
         policy: Policy[Any] | None = None,
         config_path: Path | None = None,
-        notify: Callable[..., bool] = osshim.notify,
+        notify: Callable[..., bool] = sd.notify,
         metrics: Exporter | None = None,
     ) -> None:
         self.config = config
@@ -155,9 +160,9 @@ class Daemon:
         self._status_line = ""
         self._started_mono = time.monotonic()
         self._last_watchdog = 0.0
-        self._watchdog_s = osshim.watchdog_period_s()
+        self._watchdog_s = sd.watchdog_period_s()
         self.server: ApiServer | None = None
-        self._watcher: osshim.ExitWatcher | None = None
+        self._watcher: procs.ExitWatcher | None = None
         self.ticks = 0
         self._shut_down = False
 
@@ -181,7 +186,7 @@ class Daemon:
         Raises:
             ServerError: the socket cannot be bound.
         """
-        self._watcher = osshim.ExitWatcher(self._process_exited).start()
+        self._watcher = procs.ExitWatcher(self._process_exited).start()
         self._samples = list(self.gpu.sample())
         self.readopt()
         cfg = self.config
@@ -367,7 +372,7 @@ class Daemon:
                 if rec.state is S.QUEUED:
                     continue
                 alive = rec.start_time is not None and rec.pid is not None
-                if alive and osshim.is_same_process(rec.pid or 0, rec.start_time or 0.0):
+                if alive and procs.is_same_process(rec.pid or 0, rec.start_time or 0.0):
                     self._adopt_pid(rec.id, rec.pid or 0, start_time=rec.start_time)
                     if rec.latency_from is not None:
                         self.latency.add_prometheus(rec.id, rec.latency_from)
@@ -401,14 +406,14 @@ class Daemon:
         self._by_pid[pid] = client_id
         try:
             self.pauser.attach(client_id, pid)
-        except OSError as exc:
+        except _PAUSE_ERRORS as exc:
             log.warning("pauser_attach_failed", client_id=client_id, pid=pid, error=str(exc))
         self._watcher.watch(proc, start_time)
 
     def _thaw_quietly(self, client_id: str) -> None:
         try:
             self.pauser.thaw(client_id)
-        except OSError as exc:
+        except _PAUSE_ERRORS as exc:
             log.warning("thaw_failed", client_id=client_id, error=str(exc))
 
     # ----------------------------------------------------------------------------- run loop
@@ -480,7 +485,7 @@ class Daemon:
         for action in actions:
             try:
                 self.apply(action, now)
-            except (RegistryError, OSError) as exc:
+            except (RegistryError, *_PAUSE_ERRORS) as exc:
                 log.warning("action_failed", action=type(action).__name__, error=str(exc))
         if self.probe is not None:
             running = any(
@@ -535,7 +540,7 @@ class Daemon:
         for action in admits:
             try:
                 self.apply(action, now)
-            except (RegistryError, OSError) as exc:
+            except (RegistryError, *_PAUSE_ERRORS) as exc:
                 log.warning("admit_failed", client_id=action.client_id, error=str(exc))
 
     def _view(self, rec: ClientRecord, now: float) -> ClientView:
@@ -564,13 +569,13 @@ class Daemon:
     def _report(self, now: float) -> None:
         if not self._ready and self._all_mps_up():
             self._ready = True
-            self._notify("READY=1", f"STATUS={self.summary()}")
+            self._notify("READY=1", sd.status_field(self.summary()))
             self.registry.add_event("daemon_ready", f"ready: {self.summary()}")
             log.info("daemon_ready")
         line = self.summary()
         if line != self._status_line:
             self._status_line = line
-            self._notify(f"STATUS={line}")
+            self._notify(sd.status_field(line))
         if self._watchdog_s is not None and now - self._last_watchdog >= self._watchdog_s:
             # Pinged only after a completed tick: a stuck loop stops the pings and systemd acts.
             self._last_watchdog = now
@@ -640,14 +645,29 @@ class Daemon:
                 return
             for gpu in due:
                 del self._edges[gpu]
-            for rec in self.registry.clients():
-                if (
-                    rec.gpu_uuid in due
-                    and rec.cls is ClientClass.OFFLINE
-                    and rec.state is S.THROTTLED
-                    and rec.id not in self._on_exit
-                ):
-                    self._set_paused(rec.id, True)
+            ids = [
+                rec.id
+                for rec in self.registry.clients()
+                if rec.gpu_uuid in due
+                and rec.cls is ClientClass.OFFLINE
+                and rec.state is S.THROTTLED
+                and rec.id not in self._on_exit
+                and rec.id not in self._paused
+            ]
+            if not ids:
+                return
+            # All freeze requests first, one deadline: N clients cost about one freeze latency.
+            freeze_many = getattr(self.pauser, "freeze_many", None)
+            if callable(freeze_many) and len(ids) > 1:
+                try:
+                    freeze_many(ids)
+                except _PAUSE_ERRORS as exc:
+                    log.warning("freeze_many_failed", clients=ids, error=str(exc))
+                else:
+                    self._paused.update(ids)
+                    return
+            for client_id in ids:
+                self._set_paused(client_id, True)
 
     def _set_paused(self, client_id: str, paused: bool) -> None:
         try:
@@ -657,7 +677,7 @@ class Daemon:
             elif not paused and client_id in self._paused:
                 self.pauser.thaw(client_id)
                 self._paused.discard(client_id)
-        except OSError as exc:
+        except _PAUSE_ERRORS as exc:
             log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
 
     def _kill_overdue(self, now: float) -> None:
@@ -667,7 +687,7 @@ class Daemon:
                 log.info("client_kill", client_id=client_id)
                 try:
                     self.pauser.kill(client_id)
-                except OSError as exc:
+                except _PAUSE_ERRORS as exc:
                     log.warning("kill_failed", client_id=client_id, error=str(exc))
 
     def _transition(self, client_id: str, to: ClientState, **kw: Any) -> ClientRecord | None:
@@ -791,7 +811,7 @@ class Daemon:
             self.latency.forget(client_id)
             try:
                 self.pauser.release(client_id)
-            except OSError as exc:
+            except _PAUSE_ERRORS as exc:
                 log.warning("pauser_release_failed", client_id=client_id, error=str(exc))
             then = self._on_exit.pop(client_id, None)
             rec = self.registry.get(client_id)
@@ -817,7 +837,7 @@ class Daemon:
                 self._transition(client_id, S.EXITED, exit_code=0)
             else:
                 why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                hint = osshim.launch_failure(code)
+                hint = procs.launch_failure(code)
                 if hint:
                     why += f" (probably: {hint}; see {rec.log_path or 'its log'})"
                 failures = rec.failures + 1
@@ -935,11 +955,11 @@ class Daemon:
                 admin_gid = None
             if admin_gid is not None and (admin_gid == caller.gid or admin_gid in caller.groups):
                 return
-            if osshim.user_in_group(caller.uid, admin):
+            if procs.user_in_group(caller.uid, admin):
                 return
         raise _fail(
             E.PERMISSION_DENIED,
-            f"{osshim.user_name(caller.uid)} may not {what} {rec.id}, which belongs to "
+            f"{procs.user_name(caller.uid)} may not {what} {rec.id}, which belongs to "
             f"{rec.user}; only its owner, root or members of group {admin!r} may",
         )
 
@@ -1088,7 +1108,7 @@ class Daemon:
         with self._lock:
             rec = self._get(req.client_id)
             self._authorize(caller, rec, "cancel")
-            who = osshim.user_name(caller.uid)
+            who = procs.user_name(caller.uid)
             if rec.state is S.QUEUED:
                 self.registry.transition(rec.id, S.EXITED, reason=f"cancelled by {who}")
                 return {"client_id": rec.id, "state": S.EXITED.value, "grace_s": 0.0}
@@ -1116,7 +1136,7 @@ class Daemon:
             self._authorize(caller, rec, "pause")
             if rec.state not in _RUNNING_STATES:
                 raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; cannot pause it")
-            self._hold(rec.id, True, f"paused by {osshim.user_name(caller.uid)}")
+            self._hold(rec.id, True, f"paused by {procs.user_name(caller.uid)}")
             return {"client_id": rec.id, "state": self.registry.get(rec.id).state.value}
 
     def api_resume(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
@@ -1127,7 +1147,7 @@ class Daemon:
             self._authorize(caller, rec, "resume")
             if rec.state not in _RUNNING_STATES:
                 raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; cannot resume it")
-            self._hold(rec.id, False, f"resumed by {osshim.user_name(caller.uid)}")
+            self._hold(rec.id, False, f"resumed by {procs.user_name(caller.uid)}")
             return {"client_id": rec.id, "state": self.registry.get(rec.id).state.value}
 
     def _resolve_gpu(self, key: str) -> GpuSample:
@@ -1146,7 +1166,7 @@ class Daemon:
             sample, sm = self._place(req, cls, caller.uid)
             rec = self.registry.add_client(
                 cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid,
-                user=osshim.user_name(caller.uid), state=S.STARTING, priority=self._priority(cls),
+                user=procs.user_name(caller.uid), state=S.STARTING, priority=self._priority(cls),
                 name=req.name, gpu_request=req.gpu, gpu_uuid=sample.uuid, gpu_index=sample.index,
                 sm_ceiling=req.sm_pct, sm_pct=sm,
                 mem_bytes=req.mem_bytes, slo_p99_ms=req.slo_p99_ms, restartable=req.restartable,
@@ -1164,7 +1184,7 @@ class Daemon:
                     raise _fail(E.INVALID_PARAMS, rec.reason or "the workload could not start")
             else:
                 assert caller.pid > 0
-                start_time = osshim.process_start_time(caller.pid)
+                start_time = procs.process_start_time(caller.pid)
                 self._adopt_pid(rec.id, caller.pid, start_time)
                 rec = self.registry.transition(
                     rec.id, S.RUNNING, pid=caller.pid, start_time=start_time, started_at=time.time()

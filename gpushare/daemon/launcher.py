@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpushare import paths
-from gpushare.daemon import osshim
+from gpushare.node import procs
 from gpushare.units import format_mps_size
 
 UNSET_ENV: tuple[str, ...] = (
@@ -97,13 +97,13 @@ def spawn_detached(
     """
     log_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
     log_path = log_dir / f"{client_id}.log"
-    proc = osshim.spawn(
+    proc = procs.spawn(
         argv,
         uid=uid,
         gid=gid,
-        groups=osshim.user_groups(uid, gid),
+        groups=procs.user_groups(uid, gid),
         cwd=cwd,
         env=env,
         log_path=log_path,
     )
-    return proc, osshim.process_start_time(proc.pid), log_path
+    return proc, procs.process_start_time(proc.pid), log_path

@@ -20,13 +20,14 @@ import structlog
 
 from gpushare import config as config_mod
 from gpushare.control.registry import make_policy
-from gpushare.daemon import osshim
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry, RegistryError
 from gpushare.daemon.server import ServerError
 from gpushare.logs import configure_logging
 from gpushare.metrics import Exporter
 from gpushare.model import PauseMechanism
+from gpushare.node import cgroups
+from gpushare.node import notify as sd
 from gpushare.node.nvml import NvmlBackend
 from gpushare.node.probe import ProbeManager
 
@@ -71,15 +72,15 @@ def serve(daemon: Daemon) -> int:
     return 0
 
 
-def make_pauser(cfg: config_mod.Config) -> osshim.PauserChoice:
+def make_pauser(cfg: config_mod.Config) -> cgroups.PauserChoice:
     """The cgroup freezer where cgroup v2 is writable (the daemon moved into its leaf), else signals."""
-    base = Path(cfg.daemon.cgroup_dir) if cfg.daemon.cgroup_dir else None
-    choice = osshim.make_pauser(base)
+    base = cfg.paths.cgroup_base
+    choice = cgroups.make_pauser(base)
     if choice.pauser.mechanism is PauseMechanism.CGROUP:
-        leaf_base = base if base is not None else osshim.default_base_dir()
+        leaf_base = base if base is not None else cgroups.default_base_dir()
         if leaf_base is not None:
             # cgroup v2's no-internal-processes rule: the daemon leaves the clients' parent.
-            osshim.move_self_to_leaf(leaf_base)
+            cgroups.move_self_to_leaf(leaf_base)
     return choice
 
 
@@ -113,7 +114,7 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
             probe.start(
                 uuid,
                 {
-                    **osshim.clean_env(os.environ),
+                    **sd.clean_env(os.environ),
                     "CUDA_MPS_PIPE_DIRECTORY": str(mps.pipe_dir(uuid)),
                     "CUDA_MPS_LOG_DIRECTORY": str(cfg.paths.resolved("mps_log_dir") / uuid),
                 },
