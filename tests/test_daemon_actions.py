@@ -36,7 +36,9 @@ from gpushare.model import (
     Thaw,
 )
 from gpushare.node import cgroups, procs
+from gpushare.node.base import Pauser
 from gpushare.protocol import ErrorCode, ProtocolError
+from tests.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from tests.daemon_helpers import cpu_ticks, wait_for
 from tests.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fake_mpsnode import FakeMpsNode
@@ -66,8 +68,16 @@ class ScriptedPolicy:
         return state + 1, mine
 
 
-@pytest.fixture
-def env() -> Iterator[tuple[Daemon, ScriptedPolicy, FakeMpsNode]]:
+@pytest.fixture(params=["signal", "cgroup"])
+def env(request: pytest.FixtureRequest) -> Iterator[tuple[Daemon, ScriptedPolicy, FakeMpsNode]]:
+    cg_base = None
+    if request.param == "cgroup":
+        if (reason := cgroup_skip_reason()) is not None:
+            pytest.skip(reason)
+        cg_base = unique_base("gs-actions-test")
+        pauser: Pauser = cgroups.CgroupPauser(cg_base)
+    else:
+        pauser = cgroups.SignalPauser()
     base = Path(tempfile.mkdtemp(prefix="gsa-", dir="/tmp"))
     cfg = config.loads(f"""version = 1
 [paths]
@@ -85,7 +95,7 @@ enabled = false
     mps = FakeMpsNode(base / "mps")
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
-        mps=mps, pauser=cgroups.SignalPauser(), policy=policy, notify=lambda *f: True,
+        mps=mps, pauser=pauser, policy=policy, notify=lambda *f: True,
     )  # fmt: skip
     d.start()
     yield d, policy, mps
@@ -95,6 +105,8 @@ enabled = false
             os.killpg(rec.pid, signal.SIGCONT)
     d.shutdown()
     d.registry.close()
+    if cg_base is not None:
+        remove_tree(cg_base)
     shutil.rmtree(base, ignore_errors=True)
 
 
