@@ -95,13 +95,13 @@ def main() -> None:
     d = DaemonProc("[mps]\nmax_clients = 128")
     try:
         d.start()
+        cli = cli_status_wall(d.socket)  # on an idle daemon, before the load runs
         status = [
             load(d.socket, "status", lambda i: {}, c, 2000 if c > 1 else 1000) for c in LEVELS
         ]
         submit_params = {"cls": "offline", "argv": ["true"], "detach": True, "cwd": "/",
                          "env": {"PATH": os.environ["PATH"]}}  # fmt: skip
         submit = [load(d.socket, "submit", lambda i: submit_params, c, 200) for c in LEVELS]
-        cli = cli_status_wall(d.socket)
     finally:
         d.cleanup()
     result = {

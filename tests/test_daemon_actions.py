@@ -231,7 +231,11 @@ def test_restart_client_checkpoints_and_relaunches(
     time.sleep(0.3)
     policy.pending = [RestartClient(r["client_id"], 30.0, "online demand up")]
     d.run(max_ticks=1)
-    wait_for(lambda: d.registry.get(r["client_id"]).restarts == 1, what="relaunch")
+    wait_for(
+        lambda: (d.registry.get(r["client_id"]).restarts, d.registry.get(r["client_id"]).state)
+        == (1, ClientState.RUNNING),
+        what="relaunch",
+    )
     rec = d.registry.get(r["client_id"])
     assert (rec.state, rec.sm_pct) == (ClientState.RUNNING, 30.0)
     wait_for(lambda: "start 30" in Path(r["log_path"]).read_text(), what="relaunched output")

@@ -868,15 +868,31 @@ class Daemon:
         *,
         restart: bool = False,
     ) -> ClientRecord:
+        """STARTING, spawn and adopt, all under the caller's lock (admission, relaunch)."""
+        rec = self._prepare_launch(rec, gpu_uuid, sm_pct, reason)
+        return self._finish_launch(rec, self._spawn(rec), restart=restart)
+
+    def _prepare_launch(
+        self, rec: ClientRecord, gpu_uuid: str, sm_pct: float | None, reason: str
+    ) -> ClientRecord:
         sample = self._sample(gpu_uuid)
         sm = sm_pct if sm_pct is not None else self._default_sm(rec.cls, gpu_uuid)
-        env = self._mps_env(rec.id, gpu_uuid, sm, rec.mem_bytes, rec.cls)
-        self._transition(
+        moved = self._transition(
             rec.id, S.STARTING, reason=reason, gpu_uuid=gpu_uuid, sm_pct=sm,
             gpu_index=sample.index if sample else rec.gpu_index,
         )  # fmt: skip
+        return moved or self.registry.get(rec.id)
+
+    def _spawn(self, rec: ClientRecord) -> tuple[subprocess.Popen[bytes], float | None, Path] | str:
+        """Start a STARTING client's process; the failure text instead when it cannot start.
+
+        Needs no lock: it reads only the record, so API threads spawn in parallel.
+        """
+        assert rec.gpu_uuid is not None
+        sm = rec.sm_pct if rec.sm_pct is not None else 100.0
+        env = self._mps_env(rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls)
         try:
-            proc, start_time, log_path = launcher.spawn_detached(
+            return launcher.spawn_detached(
                 rec.argv,
                 uid=rec.uid,
                 gid=rec.gid,
@@ -887,15 +903,29 @@ class Daemon:
             )
         except (OSError, ValueError) as exc:
             detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            failed = self._transition(rec.id, S.FAILED, reason=f"cannot start: {detail}")
-            return failed or rec
-        self._adopt_pid(rec.id, proc)
-        started = self._transition(
-            rec.id, S.RUNNING, pid=proc.pid, start_time=start_time, started_at=time.time(),
+            return f"cannot start: {detail}"
+
+    def _finish_launch(
+        self,
+        rec: ClientRecord,
+        spawned: tuple[subprocess.Popen[bytes], float | None, Path] | str,
+        *,
+        restart: bool = False,
+    ) -> ClientRecord:
+        if isinstance(spawned, str):
+            return self._transition(rec.id, S.FAILED, reason=spawned) or rec
+        proc, start_time, log_path = spawned
+        # Recorded before the exit watch: a process that is already gone is still traceable.
+        self.registry.update(
+            rec.id, pid=proc.pid, start_time=start_time, started_at=time.time(),
             log_path=str(log_path), pause_mechanism=self.pauser.mechanism.value,
             restarts=rec.restarts + (1 if restart else 0),
         )  # fmt: skip
-        return started or self.registry.get(rec.id)
+        self._adopt_pid(rec.id, proc)
+        current = self.registry.get(rec.id)
+        if current.state is S.STARTING:  # not already ended by a prompt exit
+            current = self._transition(rec.id, S.RUNNING) or current
+        return current
 
     def _mps_env(
         self, client_id: str, gpu_uuid: str, sm: float, mem: int | None, cls: ClientClass
@@ -1178,17 +1208,22 @@ class Daemon:
                 self.registry.update(rec.id, latency_from=req.latency_from)
                 self.latency.add_prometheus(rec.id, req.latency_from)
             env = self._mps_env(rec.id, sample.uuid, sm, req.mem_bytes, cls)
-            if detach:
-                rec = self._launch_detached(rec, sample.uuid, sm, "detached submit")
-                if rec.state is S.FAILED:
-                    raise _fail(E.INVALID_PARAMS, rec.reason or "the workload could not start")
-            else:
+            if not detach:
                 assert caller.pid > 0
                 start_time = procs.process_start_time(caller.pid)
                 self._adopt_pid(rec.id, caller.pid, start_time)
                 rec = self.registry.transition(
                     rec.id, S.RUNNING, pid=caller.pid, start_time=start_time, started_at=time.time()
                 )
+        if detach:
+            # Spawned outside the lock: concurrent submits fork in parallel; the STARTING
+            # record already holds its MPS slot and memory against other submits.
+            spawned = self._spawn(rec)
+            with self._lock:
+                rec = self._finish_launch(rec, spawned)
+            if rec.state is S.FAILED and rec.pid is None:
+                raise _fail(E.INVALID_PARAMS, rec.reason or "the workload could not start")
+        with self._lock:
             log.info("client_submitted", client_id=rec.id, cls=cls.value, gpu=sample.uuid,
                      uid=caller.uid, detach=detach)  # fmt: skip
             result = protocol.SubmitResult(
