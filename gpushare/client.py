@@ -110,6 +110,14 @@ class ApiClient:
         except BaseException:
             client.close()
             raise
+        theirs = client.hello.get("api_version") if isinstance(client.hello, dict) else None
+        if theirs != protocol.API_VERSION:
+            client.close()
+            raise ApiError(
+                protocol.ErrorCode.VERSION_MISMATCH,
+                f"the daemon at {target} speaks API version {theirs}, this CLI "
+                f"{protocol.API_VERSION}; use the gpushare CLI installed with the daemon",
+            )
         return client
 
     def call(self, method: str, params: dict[str, Any] | None = None) -> Any:

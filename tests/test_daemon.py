@@ -505,3 +505,51 @@ def test_app_reported_latency_reaches_status(daemon: DaemonProc) -> None:
     assert slo["violating_clients"] == [cid]
     daemon.call("cancel", {"client_id": cid})
     wait_for(lambda: _state(daemon, cid) == "exited", what="cancel")
+
+
+def test_corrupted_database_is_moved_aside_and_reported() -> None:
+    d = DaemonProc()
+    try:
+        d.db.parent.mkdir(parents=True)
+        d.db.write_bytes(b"\x00garbage, not SQLite\x00" * 64)
+        d.start()
+        ev = next(e for e in d.events() if e["kind"] == "registry_corrupt")
+        assert ev["severity"] == "error"
+        aside = [p for p in d.db.parent.iterdir() if ".corrupt-" in p.name]
+        assert len(aside) == 1
+        assert aside[0].read_bytes().startswith(b"\x00garbage")
+        assert str(aside[0]) in ev["message"]
+        assert d.call("status")["daemon"]["ready"] is True
+    finally:
+        d.cleanup()
+
+
+def test_events_follow_prints_new_events(daemon: DaemonProc) -> None:
+    import threading
+
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "gpushare", "events", "--follow", "--socket", str(daemon.socket)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+
+    def read() -> None:
+        assert follow.stdout is not None
+        for line in follow.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        wait_for(lambda: any("daemon_started" in line for line in lines), what="history printed")
+        cid = daemon.submit_detached(["true"], name="followed")["client_id"]
+        # A new event shows up while --follow keeps running.
+        wait_for(
+            lambda: any(f" {cid} " in line and "client_exited" in line for line in lines),
+            what="the new client's exit in --follow",
+        )
+        assert follow.poll() is None
+    finally:
+        follow.kill()
+        follow.wait()
+        reader.join(timeout=5)
