@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from gpushare import config
 from gpushare.control.registry import make_policy
@@ -15,8 +16,22 @@ from gpushare.daemon.core import Daemon
 from gpushare.daemon.main import StartupError, make_pauser, serve
 from gpushare.daemon.registry import Registry
 from gpushare.logs import configure_logging
-from tests.fake_gpu import FakeGpuBackend
+from tests.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fake_mpsnode import FakeMpsNode
+
+
+def _mps_node(cfg: config.Config) -> Any:
+    """The fake MPS node, or with GPUSHARE_TEST_REAL_MPS=1 the real one over the real binary."""
+    if not os.environ.get("GPUSHARE_TEST_REAL_MPS"):
+        return FakeMpsNode(cfg.paths.resolved("mps_pipe_dir"))
+    from gpushare.node.mps import MpsNodeManager
+    from tests.helpers import mps_server_dir
+
+    gpus = int(os.environ.get("GPUSHARE_TEST_GPUS", "2"))
+    node = MpsNodeManager(cfg, [fake_uuid(i) for i in range(gpus)],
+                          extra_path=[str(mps_server_dir() or "")])  # fmt: skip
+    node.start()
+    return node
 
 
 def main() -> int:
@@ -27,7 +42,7 @@ def main() -> int:
         cfg,
         registry=Registry.open(cfg.paths.resolved("database")),
         gpu=FakeGpuBackend(gpus=int(os.environ.get("GPUSHARE_TEST_GPUS", "2"))),
-        mps=FakeMpsNode(cfg.paths.resolved("mps_pipe_dir")),
+        mps=_mps_node(cfg),
         pauser=make_pauser(cfg).pauser,
         policy=make_policy(cfg.control.policy, cfg.control),
         config_path=path,

@@ -519,7 +519,7 @@ def test_corrupted_database_is_moved_aside_and_reported() -> None:
         assert len(aside) == 1
         assert aside[0].read_bytes().startswith(b"\x00garbage")
         assert str(aside[0]) in ev["message"]
-        assert d.call("status")["daemon"]["ready"] is True
+        wait_for(lambda: d.call("status")["daemon"]["ready"], what="ready on the fresh database")
     finally:
         d.cleanup()
 
