@@ -553,3 +553,32 @@ def test_events_follow_prints_new_events(daemon: DaemonProc) -> None:
         follow.kill()
         follow.wait()
         reader.join(timeout=5)
+
+
+def test_socket_mode_and_group_from_config() -> None:
+    import grp
+    import stat as st
+
+    d = DaemonProc()
+    d.config_path.write_text(
+        d.config_text().replace(
+            "[daemon]\n", '[daemon]\nsocket_mode = "0660"\nsocket_group = "nogroup"\n'
+        )
+    )
+    bad = DaemonProc()
+    bad.config_path.write_text(
+        bad.config_text().replace("[daemon]\n", '[daemon]\nsocket_group = "no-such-group-xyz"\n')
+    )
+    try:
+        d.start()
+        info = d.socket.stat()
+        assert st.S_IMODE(info.st_mode) == 0o660
+        assert info.st_gid == grp.getgrnam("nogroup").gr_gid
+        # A group that does not exist stops the start with a message that names the fix.
+        bad.start(wait=False)
+        assert bad.proc is not None
+        assert bad.proc.wait(timeout=20) == 1
+        assert "socket_group 'no-such-group-xyz' does not exist" in bad.stderr_path.read_text()
+    finally:
+        d.cleanup()
+        bad.cleanup()
