@@ -373,7 +373,9 @@ class Daemon:
                     continue
                 alive = rec.start_time is not None and rec.pid is not None
                 if alive and procs.is_same_process(rec.pid or 0, rec.start_time or 0.0):
-                    self._adopt_pid(rec.id, rec.pid or 0, start_time=rec.start_time)
+                    self._adopt_pid(
+                        rec.id, rec.pid or 0, start_time=rec.start_time, owner_uid=rec.uid
+                    )
                     if rec.latency_from is not None:
                         self.latency.add_prometheus(rec.id, rec.latency_from)
                     if rec.held:
@@ -400,12 +402,16 @@ class Daemon:
         client_id: str,
         proc: subprocess.Popen[bytes] | int,
         start_time: float | None = None,
+        *,
+        owner_uid: int,
     ) -> None:
         assert self._watcher is not None
         pid = proc if isinstance(proc, int) else proc.pid
         self._by_pid[pid] = client_id
         try:
-            self.pauser.attach(client_id, pid)
+            # owner_uid: a pid handed to the daemon must never let one user freeze or kill
+            # another user's process.
+            self.pauser.attach(client_id, pid, owner_uid=owner_uid)
         except _PAUSE_ERRORS as exc:
             log.warning("pauser_attach_failed", client_id=client_id, pid=pid, error=str(exc))
         self._watcher.watch(proc, start_time)
@@ -891,7 +897,13 @@ class Daemon:
         assert rec.gpu_uuid is not None
         sm = rec.sm_pct if rec.sm_pct is not None else 100.0
         env = self._mps_env(rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls)
+        # With the cgroup freezer the child joins its cgroup before it execs, so a workload that
+        # forks at once cannot leave a process outside the freezer's reach.
+        open_fd = getattr(self.pauser, "open_procs_fd", None)
+        procs_fd: int | None = None
         try:
+            if callable(open_fd):
+                procs_fd = open_fd(rec.id)
             return launcher.spawn_detached(
                 rec.argv,
                 uid=rec.uid,
@@ -900,10 +912,16 @@ class Daemon:
                 env=launcher.workload_env(rec.env, env),
                 log_dir=self.config.paths.resolved("client_log_dir"),
                 client_id=rec.id,
+                cgroup_procs_fd=procs_fd,
             )
         except (OSError, ValueError) as exc:
             detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             return f"cannot start: {detail}"
+        except _PAUSE_ERRORS as exc:
+            return f"cannot start: the client's cgroup cannot be used: {exc}"
+        finally:
+            if procs_fd is not None:
+                os.close(procs_fd)
 
     def _finish_launch(
         self,
@@ -921,7 +939,7 @@ class Daemon:
             log_path=str(log_path), pause_mechanism=self.pauser.mechanism.value,
             restarts=rec.restarts + (1 if restart else 0),
         )  # fmt: skip
-        self._adopt_pid(rec.id, proc)
+        self._adopt_pid(rec.id, proc, owner_uid=rec.uid)
         current = self.registry.get(rec.id)
         if current.state is S.STARTING:  # not already ended by a prompt exit
             current = self._transition(rec.id, S.RUNNING) or current
@@ -1211,7 +1229,7 @@ class Daemon:
             if not detach:
                 assert caller.pid > 0
                 start_time = procs.process_start_time(caller.pid)
-                self._adopt_pid(rec.id, caller.pid, start_time)
+                self._adopt_pid(rec.id, caller.pid, start_time, owner_uid=caller.uid)
                 rec = self.registry.transition(
                     rec.id, S.RUNNING, pid=caller.pid, start_time=start_time, started_at=time.time()
                 )

@@ -89,6 +89,7 @@ def spawn_detached(
     env: Mapping[str, str],
     log_dir: Path,
     client_id: str,
+    cgroup_procs_fd: int | None = None,
 ) -> tuple[subprocess.Popen[bytes], float | None, Path]:
     """Start a detached workload as ``uid`` with its login groups; (process, start time, log).
 
@@ -105,5 +106,6 @@ def spawn_detached(
         cwd=cwd,
         env=env,
         log_path=log_path,
+        cgroup_procs_fd=cgroup_procs_fd,
     )
     return proc, procs.process_start_time(proc.pid), log_path

@@ -53,8 +53,12 @@ class Pauser(Protocol):
 
     mechanism: PauseMechanism
 
-    def attach(self, client_id: str, pid: int) -> None:
-        """Put a client's process (and later its children) under this pauser."""
+    def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
+        """Put a client's process (and later its children) under this pauser.
+
+        With ``owner_uid`` the process must belong to that user: a pid handed to the daemon
+        never lets one user freeze or kill another's process.
+        """
         ...
 
     def freeze(self, client_id: str) -> None:
