@@ -30,6 +30,7 @@ import enum
 import math
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -38,7 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import structlog
 
@@ -1007,6 +1008,7 @@ class MpsSupervisor:
         self._subscribers: tuple[EventCallback, ...] = ()
         self._fault_lock = threading.Lock()
         self._ui_reply = False
+        self._reader_stop = threading.Event()
         self._log = log.bind(gpu=gpu_uuid)
 
     # Public view -----------------------------------------------------------------------------
@@ -1367,6 +1369,7 @@ class MpsSupervisor:
                 (self.pipe_dir / name).unlink()
 
     def _spawn(self) -> None:
+        self._prepare_dirs()  # the pipe directory may have been removed under a running daemon
         self._remove_pipe_entries()  # stale sockets/FIFO of a dead daemon
         argv = [self.config.mps.control_binary, "-f"]
         if self._multiuser:
@@ -1391,10 +1394,11 @@ class MpsSupervisor:
         self._proc = proc
         self._adopted = False
         self._ui_reply = False
+        self._reader_stop = threading.Event()
         assert proc.stdout is not None
         self._reader = threading.Thread(
             target=self._read_loop,
-            args=(proc, proc.stdout),
+            args=(proc, proc.stdout.fileno(), self._reader_stop),
             name=f"mps-out-{self.gpu_uuid[:12]}",
             daemon=True,
         )
@@ -1478,21 +1482,34 @@ class MpsSupervisor:
     def _detach(self) -> None:
         proc = self._proc
         self._proc = None
+        # Stop the reader before closing its pipe: closing a file another thread reads blocks.
+        self._reader_stop.set()
+        self._join_reader()
         if proc is not None and proc.stdout is not None:
-            # The daemon survives a closed stdout (checked on R535); its reader thread ends on EOF.
+            # The daemon survives a closed stdout (checked on R535) and goes on serving clients.
             with contextlib.suppress(OSError):
                 proc.stdout.close()
-        self._join_reader()
 
     # Internals: output and events ------------------------------------------------------------
 
-    def _read_loop(self, proc: subprocess.Popen[bytes], stream: IO[bytes]) -> None:
-        try:
-            for raw in iter(stream.readline, b""):
+    def _read_loop(self, proc: subprocess.Popen[bytes], fd: int, stop: threading.Event) -> None:
+        pending = b""
+        while not stop.is_set():
+            try:
+                ready, _, _ = select.select([fd], [], [], 0.1)
+                if not ready:
+                    continue
+                chunk = os.read(fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
                 self._handle_line(raw.decode("utf-8", errors="replace"))
-        except (OSError, ValueError):
-            pass  # stdout closed by _detach
-        # EOF: the daemon exited (or we detached); let the health thread look now.
+        if pending and not stop.is_set():
+            self._handle_line(pending.decode("utf-8", errors="replace"))
+        # EOF: the daemon exited; let the health thread look now.
         if proc is self._proc:
             self._wake.set()
 
