@@ -7,6 +7,7 @@ Samples marked "R535" were recorded from nvidia-cuda-mps-control 535.261.03 on t
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -340,3 +341,42 @@ def test_parsers_never_crash(text: str) -> None:
     event = mps.event_from_line(text, GPU, 0.0)
     assert event.gpu_uuid == GPU
     mps.parse_log_line(text)
+
+
+# The front end's exit and output contract, with stand-in front ends -------------------------------
+
+
+def _front_end(tmp_path: Path, body: str) -> mps.MpsControl:
+    script = tmp_path / "fake-control"
+    script.write_text("#!/bin/sh\ncat >/dev/null\n" + body + "\n")
+    script.chmod(0o755)
+    return mps.MpsControl(script, tmp_path, timeout_s=0.5)
+
+
+def test_empty_reply_means_connection_broke(tmp_path: Path) -> None:
+    ctl = _front_end(tmp_path, "exit 0")
+    with pytest.raises(DaemonNotReachable, match="no reply"):
+        ctl.get_default_active_thread_percentage()
+    # Commands whose normal reply is empty still succeed.
+    assert ctl.get_server_list() == ()
+
+
+def test_nonzero_exit_and_stderr_message(tmp_path: Path) -> None:
+    ctl = _front_end(tmp_path, "echo 'Cannot find MPS control daemon process' >&2; exit 1")
+    with pytest.raises(DaemonNotReachable, match="Cannot find"):
+        ctl.get_server_list()
+    ctl = _front_end(tmp_path, "exit 3")
+    with pytest.raises(DaemonNotReachable, match="exited 3"):
+        ctl.get_server_list()
+
+
+def test_timeout_is_typed(tmp_path: Path) -> None:
+    ctl = _front_end(tmp_path, "exec sleep 5")
+    with pytest.raises(mps.CommandTimeout):
+        ctl.get_server_list()
+
+
+def test_multiline_command_refused(tmp_path: Path) -> None:
+    ctl = _front_end(tmp_path, "exit 0")
+    with pytest.raises(InvalidValue, match="one line"):
+        ctl.command("get_server_list\nquit")

@@ -670,6 +670,13 @@ class MpsControl:
         try:
             return parser(text)
         except MpsParseError as exc:
+            if not text.strip():
+                # Exit 0 with nothing printed: the connection broke mid-command (seen when the
+                # daemon is killed while the front end waits on it).
+                raise DaemonNotReachable(
+                    f"{' '.join(words)!r}: no reply from the daemon at {self.pipe_dir}",
+                    command=" ".join(words),
+                ) from exc
             exc.command = " ".join(words)
             raise
 
@@ -1358,7 +1365,7 @@ class MpsSupervisor:
 
     def _answers(self) -> bool:
         try:
-            self.control.command(HEALTH_COMMAND)
+            self.control.get_default_active_thread_percentage()
         except DaemonNotReachable:
             return False
         return True
@@ -1415,8 +1422,10 @@ class MpsSupervisor:
                     f"the MPS control daemon exited with status {proc.returncode} before answering "
                     f"(another daemon on {self.pipe_dir}? see the mps_daemon_output log lines)"
                 )
+            if self._started and self._stop.is_set():
+                raise DaemonNotReachable("supervisor stopping")
             try:
-                self.control.command(HEALTH_COMMAND)
+                self.control.get_default_active_thread_percentage()
             except DaemonNotReachable as exc:
                 last = exc
             else:
@@ -1530,7 +1539,12 @@ class MpsSupervisor:
             self._ui_reply = True
             if event.text.split()[:1] == [HEALTH_COMMAND]:
                 return  # the supervisor's own probe, every health period
-        elif kind is MpsEventKind.RAW and self._ui_reply and parsed is not None:
+        elif (
+            kind is MpsEventKind.RAW
+            and self._ui_reply
+            and parsed is not None
+            and parsed.component == "Control"
+        ):
             return  # the reply to a front-end command, already returned to its caller
         elif kind in (MpsEventKind.DAEMON_STARTED, MpsEventKind.DAEMON_EXITED):
             return  # the supervisor emits these itself, with its own view of the process
@@ -1578,7 +1592,7 @@ class MpsSupervisor:
         if not self._adopted and proc is None:
             return "not running"
         try:
-            self.control.command(HEALTH_COMMAND)
+            self.control.get_default_active_thread_percentage()
         except CommandTimeout:
             return "not answering (timeout)"
         except DaemonNotReachable as exc:
@@ -1673,10 +1687,11 @@ class MpsNodeManager:
         for uuid, sup in self.supervisors.items():
             try:
                 sup.start()
-            except MpsError as exc:
+            except MpsError:
+                log.exception("mps_start_failed", gpu=uuid)
                 for done in started:
                     done.stop()
-                raise type(exc)(f"GPU {uuid}: {exc}") from exc
+                raise
             started.append(sup)
 
     def stop(self, *, quit_daemon: bool = True) -> None:
