@@ -54,17 +54,7 @@ def _quit(mps_control: Path, pipe_dir: Path) -> None:
 @pytest.mark.mps
 @pytest.mark.parametrize(
     "stop_mps",
-    [
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="MpsSupervisor.stop(quit_daemon=False) hangs: _detach closes the control "
-                "daemon's stdout while the reader thread blocks in readline on it (node/mps.py)",
-            ),
-        ),
-        True,
-    ],
+    [False, True],
 )
 def test_real_mps_ready_status_env_and_stop(mps_control: Path, stop_mps: bool) -> None:
     d = _daemon(mps_control, stop_mps)
