@@ -570,10 +570,15 @@ def test_recover_without_fault_clears_state(sup: MpsSupervisor) -> None:
 def test_node_manager_two_gpus(make_config: Callable[..., Config]) -> None:
     server_dir = mps_server_dir()
     mgr = MpsNodeManager(
-        make_config(), [GPU_A, GPU_B], extra_path=[server_dir] if server_dir else []
+        make_config(),
+        [GPU_A, GPU_B],
+        extra_path=[server_dir] if server_dir else [],
+        client_priority=1,
     )
     mgr.start()
     try:
+        for sup in mgr.supervisors.values():
+            assert sup.control.get_default_client_priority() == 1
         assert mgr.pipe_dir(GPU_A) != mgr.pipe_dir(GPU_B)
         assert mgr.state(GPU_A) is MpsState.UP
         assert mgr.state(GPU_B) is MpsState.UP

@@ -716,12 +716,21 @@ class MpsControl:
     def quit(self, timeout_s: float | None = None) -> None:
         """Stop the daemon; with ``timeout_s`` servers are forced down after that many seconds."""
         words = ["quit"]
+        wait_s = self.timeout_s
         if timeout_s is not None:
             if not math.isfinite(timeout_s) or timeout_s < 0:
                 raise InvalidValue(f"quit timeout must be >= 0 seconds, got {timeout_s!r}")
             # The daemon reads whole seconds (%u); round up so it never waits less than asked.
             words += ["-t", str(math.ceil(timeout_s))]
-        self._expect_silent(*words)
+            # The front end may wait while servers wind down: allow it the quit timeout too.
+            wait_s += math.ceil(timeout_s)
+        text = self.command(*words, timeout_s=wait_s)
+        if text.strip():
+            raise MpsParseError(
+                f"quit: unexpected reply {text.strip()[:200]!r}",
+                command=" ".join(words),
+                output=text,
+            )
 
     # Active thread percentage ---------------------------------------------------------------
 
@@ -1657,13 +1666,29 @@ class MpsNodeManager:
         *,
         extra_path: Sequence[str | Path] = (),
         compute_mode: ComputeModeControl | None = None,
+        pinned_limits: Mapping[int | str, int | str] | None = None,
+        client_priority: int | None = None,
         supervisor_factory: Callable[[str], MpsSupervisor] | None = None,
     ) -> None:
-        """Build stopped supervisors for ``gpu_uuids`` (callers pass only the shared GPUs)."""
+        """Build stopped supervisors for ``gpu_uuids`` (callers pass only the shared GPUs).
+
+        ``pinned_limits`` and ``client_priority`` are the defaults every GPU's daemon gets (see
+        :class:`MpsSupervisor`); ``supervisor_factory`` replaces the construction entirely.
+
+        Raises:
+            InvalidValue: a bad default. MpsSetupError: a pipe directory path too long.
+        """
         self.config = config
 
         def default_factory(uuid: str) -> MpsSupervisor:
-            return MpsSupervisor(uuid, config, extra_path=extra_path, compute_mode=compute_mode)
+            return MpsSupervisor(
+                uuid,
+                config,
+                extra_path=extra_path,
+                compute_mode=compute_mode,
+                pinned_limits=pinned_limits,
+                client_priority=client_priority,
+            )
 
         factory = supervisor_factory or default_factory
         self.supervisors: dict[str, MpsSupervisor] = {
