@@ -509,7 +509,7 @@ def test_multiuser_detection(
 
 
 class RecordingComputeMode:
-    def __init__(self, mode: str | None = "DEFAULT") -> None:
+    def __init__(self, mode: str | None = "default") -> None:
         self.mode = mode
         self.calls: list[tuple[str, str]] = []
 
@@ -522,18 +522,18 @@ class RecordingComputeMode:
 
 
 def test_compute_mode_set_and_restored(make_supervisor: Callable[..., MpsSupervisor]) -> None:
-    cm = RecordingComputeMode("DEFAULT")
+    cm = RecordingComputeMode("default")
     s = make_supervisor(compute_mode=cm)
     s.start()
-    assert cm.calls == [(GPU_A, "EXCLUSIVE_PROCESS")]
+    assert cm.calls == [(GPU_A, "exclusive_process")]
     s.stop()
-    assert cm.calls == [(GPU_A, "EXCLUSIVE_PROCESS"), (GPU_A, "DEFAULT")]
+    assert cm.calls == [(GPU_A, "exclusive_process"), (GPU_A, "default")]
 
 
 def test_compute_mode_leave(
     make_supervisor: Callable[..., MpsSupervisor], make_config: Callable[..., Config]
 ) -> None:
-    cm = RecordingComputeMode("DEFAULT")
+    cm = RecordingComputeMode("default")
     s = make_supervisor(config=make_config(compute_mode="leave"), compute_mode=cm)
     s.start()
     s.stop()
@@ -600,3 +600,35 @@ def test_node_manager_two_gpus(make_config: Callable[..., Config]) -> None:
         mgr.stop()
     assert mgr.state(GPU_A) is MpsState.DOWN
     assert list(mgr.pipe_dir(GPU_A).iterdir()) == []
+
+
+def test_compute_mode_through_the_real_nvml_adapter(
+    make_supervisor: Callable[..., MpsSupervisor],
+) -> None:
+    # The NVML adapter and the supervisor must agree on mode names end to end.
+    from gpushare.node.nvml import NvmlBackend
+    from tests import fake_nvml
+
+    lib = fake_nvml.healthy(1)
+    backend = NvmlBackend(nvml=lib, events=False)
+    try:
+        s = make_supervisor(GPU_A, compute_mode=_RenamedGpu(backend, fake_nvml.uuid_of(0)))
+        s.start()
+        assert backend.get_compute_mode(fake_nvml.uuid_of(0)) == "exclusive_process"
+        s.stop()
+        assert backend.get_compute_mode(fake_nvml.uuid_of(0)) == "default"
+    finally:
+        backend.close()
+
+
+class _RenamedGpu:
+    """Maps the supervisor's GPU UUID onto the fake NVML's one."""
+
+    def __init__(self, backend: object, uuid: str) -> None:
+        self.backend, self.uuid = backend, uuid
+
+    def get_compute_mode(self, gpu_uuid: str) -> str | None:
+        return self.backend.get_compute_mode(self.uuid)  # type: ignore[attr-defined]
+
+    def set_compute_mode(self, gpu_uuid: str, mode: str) -> None:
+        self.backend.set_compute_mode(self.uuid, mode)  # type: ignore[attr-defined]

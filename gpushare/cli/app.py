@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from gpushare import __version__
-from gpushare.cli import clients_cmd, config_cmd, daemon_cmd
+from gpushare.cli import clients_cmd, config_cmd, daemon_cmd, doctor_cmd
 
 app = typer.Typer(
     name="gpushare",
@@ -24,6 +24,7 @@ app = typer.Typer(
 app.add_typer(config_cmd.app, name="config")
 clients_cmd.register(app)
 daemon_cmd.register(app)
+doctor_cmd.register(app)
 
 
 def _version(value: bool) -> None:

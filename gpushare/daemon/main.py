@@ -8,13 +8,11 @@ it stops MPS only when ``daemon.stop_mps_on_exit`` says so.
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import structlog
 
@@ -27,6 +25,7 @@ from gpushare.logs import configure_logging
 from gpushare.metrics import Exporter
 from gpushare.model import PauseMechanism
 from gpushare.node import cgroups
+from gpushare.node import mps as mps_mod
 from gpushare.node import notify as sd
 from gpushare.node.nvml import NvmlBackend
 from gpushare.node.probe import ProbeManager
@@ -91,16 +90,13 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
         StartupError: an adapter or the registry cannot be set up.
     """
     try:
-        mps_mod: Any = importlib.import_module("gpushare.node.mps")
-    except ImportError as exc:
-        raise StartupError(f"this gpushare build lacks a node adapter: {exc}") from exc
-    try:
         registry = Registry.open(cfg.paths.resolved("database"))
     except RegistryError as exc:
         raise StartupError(str(exc)) from exc
     gpu = NvmlBackend()
     shared = [s.uuid for s in gpu.sample() if cfg.gpu_override(s.index, s.uuid).shared]
-    mps = mps_mod.MpsNodeManager(cfg, shared)
+    # NVML sets EXCLUSIVE_PROCESS on each shared GPU while MPS runs (mps.compute_mode).
+    mps = mps_mod.MpsNodeManager(cfg, shared, compute_mode=gpu)
     try:
         mps.start()
     except mps_mod.MpsError as exc:

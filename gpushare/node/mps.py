@@ -34,24 +34,27 @@ import select
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import structlog
 
 from gpushare.config import Config
 from gpushare.model import MpsEvent, MpsEventKind, MpsState
+from gpushare.node.base import ComputeModeControl
 from gpushare.node.exec import run
 
 log = structlog.get_logger(__name__)
 
 SERVER_BINARY = "nvidia-cuda-mps-server"
 HEALTH_COMMAND = "get_default_active_thread_percentage"
-EXCLUSIVE_PROCESS = "EXCLUSIVE_PROCESS"
+# Compute-mode names as node.base.ComputeModeControl spells them.
+EXCLUSIVE_PROCESS = "exclusive_process"
 # Entries the daemon leaves in its pipe directory (reference/mps.md section 1).
 PIPE_ENTRIES = (
     "control",
@@ -902,19 +905,25 @@ class MpsControl:
 # Compute mode (through NVML, injected: this module must not import pynvml)
 
 
-class ComputeModeControl(Protocol):
-    """Reads and sets a GPU's compute mode; :class:`gpushare.node.nvml.NvmlBackend` implements it.
+def binary_status(control_binary: str | Path) -> tuple[bool, str, str]:
+    """Whether the control binary is found and runs: ``(ok, what was seen, hint)``.
 
-    Modes are NVML's names: ``DEFAULT``, ``EXCLUSIVE_PROCESS``, ``PROHIBITED``.
+    Runs the front end against an empty pipe directory: a working binary answers that it finds
+    no daemon there (reference/mps.md section 3), which proves it executes on this host.
     """
-
-    def get_compute_mode(self, gpu_uuid: str) -> str | None:
-        """The current mode, or None when it cannot be read."""
-        ...
-
-    def set_compute_mode(self, gpu_uuid: str, mode: str) -> None:
-        """Set the mode (root only); raises on failure."""
-        ...
+    path = shutil.which(str(control_binary))
+    if path is None:
+        return False, f"{control_binary} not found (PATH or absolute path)", ""
+    with tempfile.TemporaryDirectory(prefix="gpushare-doctor-") as pipe_dir:
+        env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe_dir}
+        try:
+            result = run([path], input=HEALTH_COMMAND + "\n", timeout_s=10.0, env=env)
+        except OSError as exc:
+            return False, f"{path} cannot run: {exc.strerror or exc}", "check its permissions"
+    answer = (result.stdout + result.stderr).strip()
+    if "Cannot find MPS control daemon" in answer or result.ok:
+        return True, path, ""
+    return False, f"{path} ran but answered {answer[:80]!r} (exit {result.returncode})", ""
 
 
 def supports_multiuser(control_binary: str | Path) -> bool:

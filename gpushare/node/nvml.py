@@ -72,7 +72,8 @@ _LOST_CODES = frozenset({NVML_ERROR_GPU_IS_LOST, NVML_ERROR_UNKNOWN})
 FATAL_XIDS = frozenset({48, 62, 64, 74, 79, 95, 119, 120})
 
 COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "exclusive_process"}
-SETTABLE_COMPUTE_MODES = {"default": 0, "exclusive_process": 3}
+# "prohibited" is settable so that a supervisor can restore a GPU an operator had prohibited.
+SETTABLE_COMPUTE_MODES = {"default": 0, "prohibited": 2, "exclusive_process": 3}
 
 NVML_TEMPERATURE_GPU = 0
 NVML_CLOCK_SM = 1
@@ -730,7 +731,7 @@ class NvmlBackend:
         return COMPUTE_MODES.get(int(mode)) if mode is not None else None
 
     def set_compute_mode(self, uuid: str, mode: str) -> None:
-        """Set the GPU's compute mode (root only): ``"exclusive_process"`` or ``"default"``.
+        """Set the GPU's compute mode (root only): ``"exclusive_process"``, ``"default"`` or ``"prohibited"``.
 
         Raises:
             ValueError: ``mode`` is not one of the two.

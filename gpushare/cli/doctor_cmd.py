@@ -1,0 +1,97 @@
+"""``gpushare doctor``, over the real :class:`~gpushare.cli.doctor.Host`.
+
+Each fact comes from the node module that owns the resource (NVML from ``node/nvml.py``, the MPS
+binary from ``node/mps.py``, ...); the checks themselves live in :mod:`gpushare.cli.doctor`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import structlog
+import typer
+
+from gpushare import config, paths
+from gpushare.cli.doctor import (
+    DirFacts,
+    Probe,
+    Status,
+    directory_facts,
+    load_config_for_doctor,
+    python_version,
+    render,
+    run_checks,
+)
+from gpushare.node import cgroups, mps, nvml, probe
+
+
+class RealHost:
+    """Reads this host: NVML, the CUDA driver, the MPS binary, cgroups, directories, systemd."""
+
+    def __init__(self, cfg: config.Config) -> None:
+        self._cfg = cfg
+
+    def python_version(self) -> tuple[int, int, int]:
+        """The running interpreter's version."""
+        return python_version()
+
+    def nvml(self) -> Probe:
+        """NVML init, driver version and GPU count."""
+        return Probe(*nvml.host_status())
+
+    def cuda_driver(self) -> Probe:
+        """The CUDA driver through cuda-python."""
+        return Probe(*probe.driver_status())
+
+    def mps_binary(self, name: str) -> Probe:
+        """Whether the MPS control binary is found and runs."""
+        return Probe(*mps.binary_status(name))
+
+    def mps_multiuser(self, name: str) -> bool | None:
+        """Whether the binary supports ``-multiuser-server``."""
+        path = shutil.which(name)
+        return mps.supports_multiuser(path) if path else None
+
+    def cgroup_freezer(self) -> Probe:
+        """Whether the freezer works under the configured client cgroup base."""
+        ok, detail = cgroups.freezer_check(self._cfg.paths.cgroup_base)
+        return Probe(ok, detail)
+
+    def directory(self, path: Path) -> DirFacts:
+        """Facts about a runtime or state directory."""
+        return directory_facts(path)
+
+    def systemd(self) -> bool:
+        """Booted with systemd: sd_booted(3) checks for this directory."""
+        return Path("/run/systemd/system").is_dir()
+
+
+def doctor(
+    config_path: Annotated[
+        Path | None, typer.Option("--config", help="Config file to check the host against.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Check that this host has what gpushare needs: driver, MPS, cgroups, directories, systemd.
+
+    Exits 0 only when nothing a production host needs is missing.
+    """
+    # The adapters log their failures; the table already says them, with the fix.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    cfg, config_line = load_config_for_doctor(config_path or paths.default_config_file())
+    results = run_checks(RealHost(cfg), cfg, config_line)
+    if as_json:
+        typer.echo(json.dumps([{**asdict(r), "status": r.status.value} for r in results], indent=2))
+    else:
+        typer.echo(render(results))
+    raise typer.Exit(code=1 if any(r.status is Status.FAIL for r in results) else 0)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the command to the root application."""
+    app.command("doctor")(doctor)
