@@ -133,6 +133,7 @@ def test_constants_match_pynvml() -> None:
     assert adapter.NVML_TEMPERATURE_GPU == pynvml.NVML_TEMPERATURE_GPU
     assert adapter.SETTABLE_COMPUTE_MODES == {
         "default": pynvml.NVML_COMPUTEMODE_DEFAULT,
+        "prohibited": pynvml.NVML_COMPUTEMODE_PROHIBITED,
         "exclusive_process": pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
     }
     for variants in adapter.VERSIONED.values():
