@@ -350,3 +350,35 @@ stop_mps_on_exit = {str(stop_mps).lower()}
     # Supervision always stops; the MPS daemons quit only when configured to.
     assert mps.stopped == [stop_mps]
     os.kill(r["pid"], 0)  # the workload is left running either way
+
+
+def test_a_client_going_away_is_not_refrozen_by_the_duty_cycle(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode], tmp_path: Path
+) -> None:
+    """A cancel under duty 0 thaws the client; later ticks must let it finish its clean exit."""
+    d, policy, _ = env
+    marker = tmp_path / "checkpointed"
+    slow_exit = [sys.executable, "-c", (
+        "import signal, sys, time\n"
+        "def bye(*_):\n"
+        "    time.sleep(0.4)\n"
+        f"    open({str(marker)!r}, 'w').write('ok')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "while True: time.sleep(0.01)\n"
+    )]  # fmt: skip
+    r = _submit(d, slow_exit)
+    time.sleep(0.3)  # its handler is installed
+    policy.pending = [SetDuty(GPU0, 0.0, "test")]
+    d.run(max_ticks=2)
+    assert d.registry.get(r["client_id"]).state is ClientState.THROTTLED
+    d.api_cancel(ROOT, {"client_id": r["client_id"]})
+
+    def ended() -> bool:
+        d.run(max_ticks=1)
+        return d.registry.get(r["client_id"]).state.is_final
+
+    wait_for(ended, 5.0, "the cancelled client to end")
+    rec = d.registry.get(r["client_id"])
+    assert (rec.state, rec.exit_code) == (ClientState.EXITED, 0), rec.reason
+    assert marker.read_text() == "ok"

@@ -627,6 +627,11 @@ class Daemon:
         for rec in self.registry.clients():
             if rec.state not in _RUNNING_STATES or rec.pid is None:
                 continue
+            if rec.id in self._on_exit:
+                # Cancelled or evicted: it was thawed to act on its signal; freezing it again
+                # would turn a clean exit into the SIGKILL at the end of the grace.
+                self._set_paused(rec.id, False)
+                continue
             duty = self._duty.get(rec.gpu_uuid or "", 1.0)
             if rec.held:
                 want = S.FROZEN
@@ -641,7 +646,7 @@ class Daemon:
                 else:
                     self._set_paused(rec.id, False)
                     self._edges[rec.gpu_uuid or ""] = now + duty * period
-            if rec.state is not want and rec.id not in self._on_exit:
+            if rec.state is not want:
                 self._transition(rec.id, want)
 
     def _duty_edges(self, now: float) -> None:
