@@ -16,6 +16,7 @@ from gpushare.daemon.core import Daemon
 from gpushare.daemon.main import StartupError, make_pauser, serve
 from gpushare.daemon.registry import Registry
 from gpushare.logs import configure_logging
+from gpushare.node.cgroups import SignalPauser
 from tests.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fake_mpsnode import FakeMpsNode
 
@@ -34,16 +35,35 @@ def _mps_node(cfg: config.Config) -> Any:
     return node
 
 
+def _gpu_and_probe(gpus: int) -> tuple[Any, Any]:
+    """The fake GPU (and probe): with GPUSHARE_TEST_FAKE_GPU=duty, tests/fake_dutyprobe.py's."""
+    if os.environ.get("GPUSHARE_TEST_FAKE_GPU") != "duty":
+        return FakeGpuBackend(gpus=gpus), None
+    from tests.fake_dutyprobe import DutyGpu, DutyProbe
+
+    state_dir = Path(os.environ["GPUSHARE_TEST_STATE_DIR"])
+    return DutyGpu(state_dir, gpus=gpus), DutyProbe(state_dir)
+
+
+def _pauser(cfg: config.Config) -> Any:
+    """The daemon's own choice, or with GPUSHARE_TEST_PAUSER=signal the signal fallback."""
+    if os.environ.get("GPUSHARE_TEST_PAUSER") == "signal":
+        return SignalPauser()
+    return make_pauser(cfg).pauser
+
+
 def main() -> int:
     path = Path(sys.argv[1])
     cfg = config.load(path)
     configure_logging("debug" if os.environ.get("GPUSHARE_TEST_DEBUG") else "warning", json=True)
+    gpu, probe = _gpu_and_probe(int(os.environ.get("GPUSHARE_TEST_GPUS", "2")))
     daemon = Daemon(
         cfg,
         registry=Registry.open(cfg.paths.resolved("database")),
-        gpu=FakeGpuBackend(gpus=int(os.environ.get("GPUSHARE_TEST_GPUS", "2"))),
+        gpu=gpu,
         mps=_mps_node(cfg),
-        pauser=make_pauser(cfg).pauser,
+        pauser=_pauser(cfg),
+        probe=probe,
         policy=make_policy(cfg.control.policy, cfg.control),
         config_path=path,
     )

@@ -80,6 +80,8 @@ _QUIET_MPS_EVENTS = frozenset({MpsEventKind.COMMAND, MpsEventKind.RAW})
 _MAX_NAME = 64
 # A pauser fails with OSError (cgroupfs, signals) or its own PauserError (timeouts, no cgroup).
 _PAUSE_ERRORS = (OSError, PauserError)
+# Duty steps between leaving 1 and coming back are recorded as events at most this often per GPU.
+_DUTY_EVENT_INTERVAL_S = 5.0
 
 
 class NoopPolicy:
@@ -148,6 +150,7 @@ class Daemon:
         self._samples: list[GpuSample] = []
         self._policy_state: dict[str, Any] = {}
         self._duty: dict[str, float] = {}
+        self._duty_event_at: dict[str, float] = {}
         self._offline_share: dict[str, float] = {}
         self._edges: dict[str, float] = {}
         self._paused: set[str] = set()
@@ -647,7 +650,8 @@ class Daemon:
                     self._set_paused(rec.id, False)
                     self._edges[rec.gpu_uuid or ""] = now + duty * period
             if rec.state is not want:
-                self._transition(rec.id, want)
+                why = f"offline duty {duty:g} on its GPU" if want is S.THROTTLED else None
+                self._transition(rec.id, want, reason=rec.reason if want is S.FROZEN else why)
 
     def _duty_edges(self, now: float) -> None:
         with self._lock:
@@ -714,11 +718,7 @@ class Daemon:
         """Carry out one controller action."""
         with self._lock:
             if isinstance(action, SetDuty):
-                duty = min(1.0, max(0.0, action.duty))
-                if duty < self._duty.get(action.gpu_uuid, 1.0):
-                    gpu = action.gpu_uuid
-                    self._throttle_events[gpu] = self._throttle_events.get(gpu, 0) + 1
-                self._duty[action.gpu_uuid] = duty
+                self._set_duty(action, now)
             elif isinstance(action, Freeze):
                 self._hold(action.client_id, True, action.reason)
             elif isinstance(action, Thaw):
@@ -754,6 +754,31 @@ class Daemon:
                     "alert", action.reason, severity=action.severity.value,
                     gpu_uuid=action.gpu_uuid,
                 )  # fmt: skip
+
+    def _set_duty(self, action: SetDuty, now: float) -> None:
+        gpu = action.gpu_uuid
+        duty = min(1.0, max(0.0, action.duty))
+        old = self._duty.get(gpu, 1.0)
+        self._duty[gpu] = duty
+        log.info("offline_duty_set", gpu=gpu, duty=duty, previous=old, reason=action.reason)
+        if duty == old:
+            return
+        if duty < old:
+            self._throttle_events[gpu] = self._throttle_events.get(gpu, 0) + 1
+        # Leaving and reaching 1 are always recorded; the steps between (several a second
+        # while a burst lasts) at most once per interval, so the event log stays readable.
+        if old >= 1.0:
+            kind = "offline_throttled"
+        elif duty >= 1.0:
+            kind = "offline_released"
+        elif now - self._duty_event_at.get(gpu, -math.inf) >= _DUTY_EVENT_INTERVAL_S:
+            kind = "offline_duty"
+        else:
+            return
+        self._duty_event_at[gpu] = now
+        self.registry.add_event(
+            kind, action.reason, gpu_uuid=gpu, data={"duty": duty, "previous": old}
+        )
 
     def _hold(self, client_id: str, held: bool, reason: str) -> None:
         rec = self.registry.get(client_id)
