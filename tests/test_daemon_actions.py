@@ -28,6 +28,7 @@ from gpushare.model import (
     Evict,
     Freeze,
     Observation,
+    ProbeReading,
     RecoverMps,
     RestartClient,
     SetDuty,
@@ -382,3 +383,43 @@ def test_a_client_going_away_is_not_refrozen_by_the_duty_cycle(
     rec = d.registry.get(r["client_id"])
     assert (rec.state, rec.exit_code) == (ClientState.EXITED, 0), rec.reason
     assert marker.read_text() == "ok"
+
+
+class _RecordingProbe:
+    """A LatencyProbe with no readings that records what the daemon tells it."""
+
+    def __init__(self) -> None:
+        self.running: list[bool] = []
+
+    def reading(self, gpu_uuid: str) -> ProbeReading:
+        return ProbeReading(reason="test: no reading")
+
+    def set_offline_running(self, gpu_uuid: str, running: bool) -> None:
+        if gpu_uuid == GPU0:
+            self.running.append(running)
+
+    def close(self) -> None:
+        pass
+
+
+def test_probe_is_told_offline_work_runs_under_a_partial_duty(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    """Frozen at the tick's start is not idle: under duty 0.5 offline work runs every period.
+
+    The probe learns its baseline only while told offline work is quiet, so a wrong "quiet"
+    would teach it contended latencies as the baseline.
+    """
+    d, policy, _ = env
+    probe = _RecordingProbe()
+    d.probe = probe
+    _submit(d, BUSY)
+    policy.pending = [SetDuty(GPU0, 0.5, "test")]
+    d.run(max_ticks=4)
+    assert probe.running[-3:] == [True, True, True]
+    policy.pending = [SetDuty(GPU0, 0.0, "test")]
+    d.run(max_ticks=3)
+    assert probe.running[-1] is False
+    policy.pending = [SetDuty(GPU0, 1.0, "test")]
+    d.run(max_ticks=2)
+    assert probe.running[-1] is True

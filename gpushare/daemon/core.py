@@ -497,8 +497,13 @@ class Daemon:
             except (RegistryError, *_PAUSE_ERRORS) as exc:
                 log.warning("action_failed", action=type(action).__name__, error=str(exc))
         if self.probe is not None:
+            # Until the next tick. A client frozen at the last duty edge runs again in this
+            # period unless the duty is 0 or it is held: "frozen right now" is not "quiet".
+            duty = self._duty.get(uuid, 1.0)
             running = any(
-                v.cls is ClientClass.OFFLINE and v.state.is_live and v.client_id not in self._paused
+                v.cls is ClientClass.OFFLINE
+                and v.state.is_live
+                and (v.client_id not in self._paused or (duty > 0.0 and not v.held))
                 for v in views
             )
             self.probe.set_offline_running(uuid, running)
