@@ -13,7 +13,8 @@ sets it) is a client of that GPU.
 * :class:`DutyGpu`: each client uses the GPU memory its pinned limit says
   (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``), listed per process as NVML would; the rest of the GPU's
   use (the online side) is read from ``<state_dir>/mem_used`` (bytes), so a test can squeeze
-  free memory under the reserve.
+  free memory under the reserve. ``<state_dir>/sm_active`` (a percentage), when present, is the
+  GPU's SM activity, the online demand the controller measures while offline work is quiet.
 
 Every probe reading is appended to ``<state_dir>/trace.jsonl`` for the test to inspect.
 """
@@ -163,8 +164,15 @@ class DutyGpu(FakeGpuBackend):
         except (OSError, ValueError):
             return self.mem_used_bytes
 
+    def _sm_active(self) -> float | None:
+        try:
+            return float((self.state_dir / "sm_active").read_text())
+        except (OSError, ValueError):
+            return None
+
     def sample(self) -> Sequence[GpuSample]:
         base = self._base_used()
+        sm_active = self._sm_active()
         running = clients()
         out = []
         for s in super().sample():
@@ -180,6 +188,7 @@ class DutyGpu(FakeGpuBackend):
                     mem_total_bytes=total,
                     mem_used_bytes=used,
                     mem_free_bytes=max(0, total - used),
+                    sm_active_pct=sm_active,
                     processes=tuple(ProcessMemory(c.pid, c.mem_bytes) for c in mine),
                 )
             )

@@ -28,6 +28,8 @@ from tests.fake_gpu import GIB
 PERIOD = "50ms"
 BUSY = "while True: pass"
 IDLE = "import time\nwhile True: time.sleep(0.005)"
+# Busy, and exits cleanly on its checkpoint signal (SIGUSR1), as a restartable job should.
+CHECKPOINTING = "import signal, sys\nsignal.signal(signal.SIGUSR1, lambda *_: sys.exit(0))\n" + BUSY
 
 
 class E2e:
@@ -59,9 +61,9 @@ class E2e:
         assert out.returncode == 0, f"gpushare {' '.join(args)}: {out.stderr}"
         return out.stdout
 
-    def submit_offline(self, *opts: str) -> str:
+    def submit_offline(self, *opts: str, code: str = BUSY) -> str:
         out = self.cli("submit", "--offline", "--detach", "--gpu", "0", *opts,
-                       "--", sys.executable, "-c", BUSY)  # fmt: skip
+                       "--", sys.executable, "-c", code)  # fmt: skip
         return out.split()[0]
 
     def submit_online(self, slo: str) -> str:
@@ -240,5 +242,45 @@ def test_memory_pressure_evicts_a_restartable_offline_client_and_requeues_it() -
         wait_for(lambda: e2e.dp.client(small)["state"] == "running", 10.0, "the readmission")
         assert e2e.pid(small) != old_pid
         assert e2e.dp.client(large)["state"] == "running"
+    finally:
+        e2e.close()
+
+
+def test_measured_online_demand_lowers_the_share_and_restarts_a_restartable_client() -> None:
+    """The slow lever: SetOfflineShare, then RestartClient through the checkpoint signal."""
+    e2e = _start("cgroup" if cgroup_skip_reason() is None else "signal",
+                 'share_min_interval = "1s"\n')  # fmt: skip
+    try:
+        (e2e.state_dir / "sm_active").write_text("70")
+        online = e2e.submit_online("40ms")
+        job = e2e.submit_offline("--restartable", code=CHECKPOINTING)
+        first = e2e.dp.client(job)
+        # The share the GPU had (100 %: it had no online client a moment ago): the job runs at it.
+        before = e2e.dp.call("status")["gpus"][0]["offline_sm_pct"]
+        assert first["sm_pct"] == before
+        old_pid = first["pid"]
+
+        # The burst freezes offline work; quiet ticks measure online demand (70 % SMs busy):
+        # the share comes down and the job is checkpointed and relaunched under it.
+        e2e.burst(True)
+
+        def relaunched() -> dict[str, Any] | None:
+            c = e2e.dp.client(job)
+            return c if c["restarts"] >= 1 and c["state"] in ("running", "throttled") else None
+
+        now = wait_for(relaunched, 10.0, "the restart under the new share")
+        e2e.burst(False)
+        share = e2e.dp.call("status")["gpus"][0]["offline_sm_pct"]
+        assert share <= 30.0 < before  # 100 - 70 % demand - 10 % headroom, or less
+        assert now["sm_pct"] == share and now["pid"] != old_pid
+        env = Path(f"/proc/{now['pid']}/environ").read_bytes().split(b"\0")
+        assert f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={share:g}".encode() in env
+        events = e2e.events()
+        changed = [e for e in events if e["kind"] == "offline_share_changed"]
+        assert changed and "online SM demand" in changed[-1]["message"], changed
+        restarting = [e for e in events if e["kind"] == "client_restarting"]
+        assert [e["client_id"] for e in restarting] == [job]
+        assert "checkpoint and relaunch" in restarting[0]["message"]
+        assert e2e.dp.client(online)["restarts"] == 0
     finally:
         e2e.close()
