@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -104,6 +105,8 @@ class DutyProbe:
         self._last: dict[str, tuple[float, ProbeReading]] = {}
         self.offline_running: dict[str, bool] = {}
         self.closed = False
+        # The run loop and the API threads (status) both read it.
+        self._lock = threading.Lock()
 
     def _busy(self, gpu_uuid: str, now: float) -> float:
         cpu = {
@@ -124,6 +127,10 @@ class DutyProbe:
 
     def reading(self, gpu_uuid: str) -> ProbeReading:
         """The latency over the window; readings closer than 20 ms apart share one measurement."""
+        with self._lock:
+            return self._reading(gpu_uuid)
+
+    def _reading(self, gpu_uuid: str) -> ProbeReading:
         now = time.monotonic()
         last = self._last.get(gpu_uuid)
         if last is not None and now - last[0] < 0.02:
