@@ -423,3 +423,38 @@ def test_probe_is_told_offline_work_runs_under_a_partial_duty(
     policy.pending = [SetDuty(GPU0, 1.0, "test")]
     d.run(max_ticks=2)
     assert probe.running[-1] is True
+
+
+def test_mps_recovery_removes_offline_clients_and_requeues_restartable_ones(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    """The faulted server refuses new clients until every old one is gone (DESIGN §2).
+
+    MPS's terminate_client kills a client's GPU work, not its process: the daemon makes sure the
+    offline processes go, puts restartable ones back in the queue without counting the fault as
+    their failure, and leaves online clients to reconnect.
+    """
+    d, policy, mps = env
+    stubborn = [sys.executable, "-c",
+                "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]  # fmt: skip
+    job = _submit(d, stubborn, restartable=True)
+    other = _submit(d, stubborn)
+    online = _submit(d, ["sleep", "60"], cls="online")
+    policy.pending = [RecoverMps(GPU0, "MPS server in FAULT")]
+    d.run(max_ticks=1)
+    assert mps.recovered == [(GPU0, (job["pid"], other["pid"]), (online["pid"],))]
+
+    def queued_event() -> list[Any]:
+        return [e for e in d.registry.events(limit=1000)
+                if e.kind == "client_queued" and e.client_id == job["client_id"]]  # fmt: skip
+
+    def gone() -> bool:
+        d.run(max_ticks=1)
+        return d.registry.get(other["client_id"]).state.is_final and bool(queued_event())
+
+    wait_for(gone, 5.0, "the offline clients to be removed")
+    assert "MPS server in FAULT" in queued_event()[0].message
+    assert d.registry.get(job["client_id"]).failures == 0
+    stopped = d.registry.get(other["client_id"])
+    assert stopped.state is ClientState.FAILED and "MPS" in (stopped.reason or "")
+    assert d.registry.get(online["client_id"]).state is ClientState.RUNNING

@@ -745,20 +745,38 @@ class Daemon:
                 if rec.state is S.QUEUED:
                     self._launch_detached(rec, action.gpu_uuid, action.sm_pct, action.reason)
             elif isinstance(action, RecoverMps):
-                recs = [r for r in self.registry.clients() if r.gpu_uuid == action.gpu_uuid]
-                pids = {c: [r.pid for r in recs if r.cls is c and r.pid] for c in ClientClass}
-                self.registry.add_event(
-                    "mps_recovery", f"MPS recovery: {action.reason}", severity="warning",
-                    gpu_uuid=action.gpu_uuid,
-                )  # fmt: skip
-                self.mps.recover(
-                    action.gpu_uuid, pids[ClientClass.OFFLINE], pids[ClientClass.ONLINE]
-                )
+                self._recover(action, now)
             elif isinstance(action, Alert):
                 self.registry.add_event(
                     "alert", action.reason, severity=action.severity.value,
                     gpu_uuid=action.gpu_uuid,
                 )  # fmt: skip
+
+    def _recover(self, action: RecoverMps, now: float) -> None:
+        recs = [r for r in self.registry.clients() if r.gpu_uuid == action.gpu_uuid]
+        pids = {c: [r.pid for r in recs if r.cls is c and r.pid] for c in ClientClass}
+        self.registry.add_event(
+            "mps_recovery", f"MPS recovery: {action.reason}", severity="warning",
+            gpu_uuid=action.gpu_uuid,
+        )  # fmt: skip
+        # A faulted server takes no new client until every old one has exited, and
+        # terminate_client ends a client's GPU work, not its process: the offline processes are
+        # made to go (SIGKILL after evict_grace). The fault is not counted as their failure:
+        # restartable ones go back to the queue, the others end with the recovery as reason.
+        grace = self.config.control.evict_grace_s
+        for rec in recs:
+            if (
+                rec.cls is ClientClass.OFFLINE
+                and rec.state in _RUNNING_STATES
+                and rec.pid is not None
+                and rec.id not in self._on_exit
+            ):
+                requeue = rec.restartable and rec.detach
+                why = f"MPS recovery: {action.reason}"
+                self._on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", why)
+                self._set_paused(rec.id, False)
+                self._kill_at[rec.id] = now + grace
+        self.mps.recover(action.gpu_uuid, pids[ClientClass.OFFLINE], pids[ClientClass.ONLINE])
 
     def _set_duty(self, action: SetDuty, now: float) -> None:
         gpu = action.gpu_uuid
