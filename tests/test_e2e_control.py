@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
+from gpushare import config
 from gpushare.node import procs
 from tests.cgroup_helpers import cgroup_skip_reason
 from tests.daemon_helpers import REPO, DaemonProc, wait_for
 from tests.fake_dutyprobe import cpu_ns
-from tests.fake_gpu import GIB
+from tests.fake_gpu import GIB, fake_uuid
 
 PERIOD = "50ms"
 BUSY = "while True: pass"
@@ -282,5 +283,43 @@ def test_measured_online_demand_lowers_the_share_and_restarts_a_restartable_clie
         assert [e["client_id"] for e in restarting] == [job]
         assert "checkpoint and relaunch" in restarting[0]["message"]
         assert e2e.dp.client(online)["restarts"] == 0
+    finally:
+        e2e.close()
+
+
+def test_mps_fault_recovers_with_offline_clients_removed_first() -> None:
+    """RecoverMps: offline clients go (restartable requeued), online kept, admission waits."""
+    e2e = _start("cgroup" if cgroup_skip_reason() is None else "signal",
+                 'evict_grace = "300ms"\n')  # fmt: skip
+    try:
+        online = e2e.submit_online("40ms")
+        job = e2e.submit_offline("--restartable")
+        other = e2e.submit_offline()
+        old_pid = e2e.pid(job)
+        cfg = config.load(e2e.dp.config_path)
+        state_file = cfg.paths.resolved("mps_pipe_dir") / f"{fake_uuid(0)}.state"
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        state_file.write_text("fault")
+
+        wait_for(lambda: e2e.dp.client(other)["state"] == "failed", 10.0, "the offline removal")
+        wait_for(lambda: e2e.dp.client(job)["state"] == "queued", 10.0, "the requeue")
+        assert "MPS recovery" in (e2e.dp.client(other)["reason"] or "")
+        events = e2e.events()
+        recovery = [e for e in events if e["kind"] == "mps_recovery"]
+        assert recovery and "FAULT" in recovery[0]["message"]
+        assert any(e["kind"] == "alert" and e["severity"] == "critical" for e in events)
+        assert e2e.dp.client(online)["state"] == "running"
+        # Admission waits while MPS is not up.
+        time.sleep(0.3)
+        assert e2e.dp.client(job)["state"] == "queued"
+
+        state_file.write_text("up")
+        wait_for(lambda: e2e.dp.client(job)["state"] == "running", 10.0, "the readmission")
+        assert e2e.pid(job) != old_pid
+        events = e2e.events()
+        assert any(
+            e["kind"] == "alert" and e["message"].startswith("MPS recovered") for e in events
+        )
+        assert e2e.dp.client(online)["state"] == "running"
     finally:
         e2e.close()
