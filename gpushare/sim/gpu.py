@@ -1,0 +1,382 @@
+"""The GPU model: a virtual clock, an event queue, and SMs shared by MPS clients.
+
+A GPU has ``sm_count`` SMs. Every client owns one stream (a PyTorch process issues its kernels in
+order on its default stream), so at most one of its kernels runs at a time. A kernel can use up to
+``width`` SMs; under MPS a client also never holds more than its cap (its active-thread percentage of
+the SMs). When SMs are free they go to the kernels that want them in order of (MPS priority, the time
+the kernel became eligible): a kernel that is running with fewer SMs than it wants grows into SMs as
+they free up (the hardware block scheduler dispatches remaining blocks to any SM with room), a
+kernel that started is never preempted, and it keeps its SMs until it ends.
+
+A kernel of duration ``d`` (alone, at its full width ``w``) that holds ``g < w`` SMs runs at the rate
+``1 / ((1 - f) + f * w / g)``: an Amdahl-style law whose parallel fraction ``f`` is calibrated on the
+iGniter V100 curves. Co-running kernels of other clients slow it further by a memory-bandwidth
+factor ``1 + beta * e_self * sum_j(g_j / N * e_j)`` with ``e = 0.25 + 0.75 * memory_boundness``.
+Both are evaluated when a kernel starts or grows (see ``docs/simulator.md`` for sources and limits).
+
+``mode = "time_slice"`` models the default compute mode without MPS: one client (context) at a
+time owns the GPU, for ``slice_s`` at least, switching at a kernel boundary after its slice ends.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, cast
+
+GpuMode = Literal["mps", "time_slice"]
+
+#: Parallel fraction of the run-time law; iGniter V100 large-batch curves (docs/simulator.md).
+DEFAULT_PARALLEL_FRACTION = 0.87
+#: Memory-bandwidth interference coefficient (docs/simulator.md).
+DEFAULT_BW_BETA = 0.3
+#: Time slice of the default (time-sliced) compute mode; NVIDIA does not document it.
+DEFAULT_SLICE_S = 0.002
+
+
+class EventLoop:
+    """A virtual clock and a heap of timed callbacks; deterministic for equal inputs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[object], None], object]] = []
+        self._seq = itertools.count()
+        self.events = 0
+        self.end_s = 0.0
+
+    def at(self, time_s: float, callback: Callable[[object], None], arg: object = None) -> None:
+        """Run ``callback(arg)`` at virtual time ``time_s`` (never earlier than now)."""
+        heapq.heappush(self._heap, (max(time_s, self.now), next(self._seq), callback, arg))
+
+    def run_until(self, end_s: float) -> None:
+        """Process every event up to ``end_s``, then set the clock to ``end_s``."""
+        heap = self._heap
+        pop = heapq.heappop
+        n = 0
+        self.end_s = end_s
+        while heap and heap[0][0] <= end_s:
+            t, _, callback, arg = pop(heap)
+            self.now = t
+            callback(arg)
+            n += 1
+        self.events += n
+        self.now = max(self.now, end_s)
+
+
+class Stream(Protocol):
+    """A client as the GPU sees it: one in-order stream of kernels."""
+
+    cid: str
+    priority: int
+    cap_sms: int
+    run: Run | None
+    eligible_since: float
+    held_max: int
+
+    def head(self) -> tuple[float, int, float] | None:
+        """The next kernel ``(dur_s, width, memory_boundness)`` if one is issued, else None."""
+        ...
+
+    def on_kernel_done(self, now: float) -> None:
+        """The running kernel completed at ``now``."""
+        ...
+
+
+@dataclass(slots=True, eq=False)
+class Run:
+    """A kernel on the GPU: SMs held, remaining work (fraction of the kernel), progress rate."""
+
+    stream: Stream
+    dur_s: float
+    width: int
+    mem_e: float
+    want: int
+    since: float
+    g: int = 0
+    remaining: float = 1.0
+    rate: float = 0.0
+    last_s: float = 0.0
+    version: int = 0
+
+
+@dataclass(slots=True)
+class GpuStats:
+    """Integrals since the last reset, for busy fraction and SM activity."""
+
+    busy_s: float = 0.0
+    sm_s: float = 0.0
+    since_s: float = 0.0
+    kernels_started: int = 0
+    kernels_done: int = 0
+    kernels_killed: int = 0
+    per_client_max_sms: dict[str, int] = field(default_factory=dict)
+
+
+class Gpu:
+    """One simulated GPU: SM allocation, kernel progress and accounting."""
+
+    def __init__(
+        self,
+        loop: EventLoop,
+        *,
+        uuid: str,
+        index: int,
+        sm_count: int = 80,
+        mem_total_bytes: int = 16 << 30,
+        parallel_fraction: float = DEFAULT_PARALLEL_FRACTION,
+        bw_beta: float = DEFAULT_BW_BETA,
+        mode: GpuMode = "mps",
+        slice_s: float = DEFAULT_SLICE_S,
+    ) -> None:
+        self.loop = loop
+        self.uuid = uuid
+        self.index = index
+        self.sm_count = sm_count
+        self.mem_total_bytes = mem_total_bytes
+        self.f = parallel_fraction
+        self.beta = bw_beta
+        self.mode: GpuMode = mode
+        self.slice_s = slice_s
+        self.streams: list[Stream] = []
+        self.free = sm_count
+        self.runs: list[Run] = []
+        self.stats = GpuStats()
+        self._last_change = 0.0
+        self._dispatch_pending = False
+        self._active: Stream | None = None
+        self._active_since = 0.0
+        self._slice_timer_for = -1.0
+
+    # --- clients -------------------------------------------------------------------------------
+
+    def attach(self, stream: Stream) -> None:
+        """Connect a client; it may issue kernels from now on."""
+        if stream not in self.streams:
+            self.streams.append(stream)
+        self.wake()
+
+    def detach(self, stream: Stream) -> int:
+        """Disconnect a client, killing its running kernel. Returns kernels killed (0 or 1)."""
+        killed = self.kill_running(stream)
+        if stream in self.streams:
+            self.streams.remove(stream)
+        if self._active is stream:
+            self._active = None
+        self.wake()
+        return killed
+
+    def kill_running(self, stream: Stream) -> int:
+        """Kill the client's running kernel (``terminate_client``); its SMs free at once."""
+        run = stream.run
+        if run is None:
+            return 0
+        self._account()
+        run.version += 1
+        self.free += run.g
+        self.runs.remove(run)
+        stream.run = None
+        self.stats.kernels_killed += 1
+        self.wake()
+        return 1
+
+    def wake(self) -> None:
+        """A kernel may have become eligible: allocate SMs at the current time."""
+        if not self._dispatch_pending:
+            self._dispatch_pending = True
+            self.loop.at(self.loop.now, self._dispatch_event)
+
+    # --- accounting ----------------------------------------------------------------------------
+
+    def _account(self) -> None:
+        now = self.loop.now
+        dt = now - self._last_change
+        if dt > 0.0:
+            held = self.sm_count - self.free
+            if held:
+                self.stats.busy_s += dt
+                self.stats.sm_s += held * dt
+            self._last_change = now
+
+    def take_stats(self) -> GpuStats:
+        """Return the integrals since the last call and start new ones."""
+        self._account()
+        stats = self.stats
+        self.stats = GpuStats(since_s=self.loop.now, per_client_max_sms={})
+        return stats
+
+    @property
+    def held_sms(self) -> int:
+        """SMs held by running kernels now."""
+        return self.sm_count - self.free
+
+    # --- scheduling ----------------------------------------------------------------------------
+
+    def _rate(self, run: Run, g: int) -> float:
+        w = run.width
+        slow = 1.0 if g >= w else (1.0 - self.f) + self.f * w / g
+        if self.beta > 0.0 and len(self.runs) > 1:
+            other = 0.0
+            for r in self.runs:
+                if r is not run:
+                    other += r.g * r.mem_e
+            slow *= 1.0 + self.beta * run.mem_e * other / self.sm_count
+        return 1.0 / (run.dur_s * slow)
+
+    def _set_alloc(self, run: Run, g: int, now: float) -> None:
+        if run.g:
+            run.remaining -= (now - run.last_s) * run.rate
+        run.g = g
+        run.last_s = now
+        run.rate = self._rate(run, g)
+        run.version += 1
+        stream = run.stream
+        if g > stream.held_max:
+            stream.held_max = g
+        self.loop.at(now + max(run.remaining, 0.0) / run.rate, self._complete, (run, run.version))
+
+    def _complete(self, arg: object) -> None:
+        run, version = cast(tuple[Run, int], arg)
+        if run.version != version:
+            return
+        self._account()
+        self.free += run.g
+        self.runs.remove(run)
+        stream = run.stream
+        stream.run = None
+        self.stats.kernels_done += 1
+        stream.on_kernel_done(self.loop.now)
+        if not self.runs and self.mode == "mps":
+            self._run_alone(stream)
+        self._dispatch()
+
+    def _run_alone(self, stream: Stream) -> None:
+        """Fast path: while one stream is alone on an idle GPU, run its kernels without events.
+
+        Exact: alone, a kernel gets ``min(width, cap)`` SMs at once and no bandwidth contention, so
+        its end time is known; the loop stops before any pending event (an arrival, a probe, a
+        duty-cycle edge, the end of the control period) could change the picture.
+        """
+        for s in self.streams:
+            if s is not stream and (s.run is not None or s.head() is not None):
+                return
+        loop = self.loop
+        heap = loop._heap
+        limit = min(heap[0][0], loop.end_s) if heap else loop.end_s
+        now = loop.now
+        cap = stream.cap_sms
+        f = self.f
+        stats = self.stats
+        n = self.sm_count
+        while True:
+            head = stream.head()
+            if head is None:
+                break
+            dur, width, _ = head
+            g = min(width, cap, n)
+            t_end = now + (dur if g >= width else dur * ((1.0 - f) + f * width / g))
+            if t_end >= limit:
+                break
+            stats.busy_s += t_end - now
+            stats.sm_s += g * (t_end - now)
+            stats.kernels_started += 1
+            stats.kernels_done += 1
+            if g > stream.held_max:
+                stream.held_max = g
+            now = t_end
+            loop.now = now
+            self._last_change = now
+            stream.on_kernel_done(now)
+
+    def _dispatch_event(self, _: object) -> None:
+        self._dispatch_pending = False
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        if self.free <= 0:
+            return
+        now = self.loop.now
+        if self.mode == "time_slice":
+            allowed = self._time_slice_owner(now)
+            if allowed is None:
+                return
+            streams: list[Stream] = [allowed]
+            full = self.sm_count
+        else:
+            streams = self.streams
+            full = 0
+        accounted = False
+        # Repeatedly serve the most urgent stream that wants SMs: (priority, eligible time).
+        while self.free > 0:
+            best: Stream | None = None
+            best_prio = 99
+            best_since = math.inf
+            for s in streams:
+                run = s.run
+                if run is not None:
+                    if run.g >= run.want:
+                        continue
+                    since = run.since
+                elif s.head() is None:
+                    continue
+                else:
+                    since = s.eligible_since
+                prio = s.priority
+                if prio < best_prio or (prio == best_prio and since < best_since):
+                    best, best_prio, best_since = s, prio, since
+            if best is None:
+                return
+            if not accounted:
+                self._account()
+                accounted = True
+            run = best.run
+            if run is None:
+                head = best.head()
+                assert head is not None
+                dur, width, mem = head
+                want = min(width, full or best.cap_sms)
+                run = Run(best, dur, width, 0.25 + 0.75 * mem, want, best.eligible_since)
+                best.run = run
+                self.runs.append(run)
+                self.stats.kernels_started += 1
+                g = min(want, self.free)
+            else:
+                g = min(run.want, run.g + self.free)
+            self.free -= g - run.g
+            self._set_alloc(run, g, now)
+
+    def _time_slice_owner(self, now: float) -> Stream | None:
+        """The context that may issue to the GPU now under time-slicing (None: wait)."""
+        active = self._active
+        others = [s for s in self.streams if s is not active and s.head() is not None]
+        if active is not None and active in self.streams:
+            busy = active.run is not None or active.head() is not None
+            if busy and (not others or now - self._active_since < self.slice_s):
+                if others:
+                    self._arm_slice_timer(self._active_since + self.slice_s)
+                return active
+            if active.run is not None:
+                return None  # slice over: switch once the running kernel ends
+        if not others:
+            return active if active is not None and active.head() is not None else None
+        # Round robin: the next context after the active one in attach order.
+        order = self.streams
+        start = order.index(active) + 1 if active in order else 0
+        for k in range(len(order)):
+            s = order[(start + k) % len(order)]
+            if s is not active and s.head() is not None:
+                self._active = s
+                self._active_since = now
+                self._arm_slice_timer(now + self.slice_s)
+                return s
+        return None  # pragma: no cover - others is non-empty
+
+    def _arm_slice_timer(self, at_s: float) -> None:
+        if at_s > self._slice_timer_for:
+            self._slice_timer_for = at_s
+            self.loop.at(at_s, self._dispatch_event_slice)
+
+    def _dispatch_event_slice(self, _: object) -> None:
+        self._dispatch()
