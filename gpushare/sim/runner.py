@@ -530,7 +530,7 @@ def run_policy(
         t_next = min(end, (ticks + 1) * period)
         # Offline jobs reach the queue at their submit time.
         for job in node.offline:
-            if job.state is ClientState.QUEUED and node.submit_at.get(c.cid, math.inf) <= t:
+            if job.state is ClientState.QUEUED and node.submit_at.get(job.cid, math.inf) <= t:
                 queued_since.setdefault(job.cid, t)
         for gpu in node.gpus:
             stats = gpu.take_stats()
