@@ -30,9 +30,9 @@ from typing import Literal, Protocol, cast
 GpuMode = Literal["mps", "time_slice"]
 
 #: Parallel fraction of the run-time law; iGniter V100 large-batch curves (docs/simulator.md).
-DEFAULT_PARALLEL_FRACTION = 0.87
+DEFAULT_PARALLEL_FRACTION = 0.95
 #: Memory-bandwidth interference coefficient (docs/simulator.md).
-DEFAULT_BW_BETA = 0.3
+DEFAULT_BW_BETA = 0.6
 #: Time slice of the default (time-sliced) compute mode; NVIDIA does not document it.
 DEFAULT_SLICE_S = 0.002
 

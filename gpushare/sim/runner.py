@@ -11,6 +11,7 @@ against.
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +35,7 @@ from gpushare.model import (
     Observation,
     ProbeReading,
     ProcessMemory,
+    QueuedJob,
     RecoverMps,
     RestartClient,
     SetDuty,
@@ -55,16 +57,25 @@ from gpushare.sim.workloads import (
 )
 
 GPU_NAME = "Tesla V100-SXM2-16GB (simulated)"
+#: Quiet probe samples needed before a baseline is learned (as in gpushare.node.probe).
+PROBE_BASELINE_MIN_SAMPLES = 20
 #: Width of the bins of the time series (offline throughput, online p99).
 SERIES_BIN_S = 1.0
+
+
+#: Policies the simulator models by a GPU mode rather than by their actions.
+TIME_SLICE_POLICIES = frozenset({"time-slicing"})
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyTraits:
     """How a policy wants the node set up, beyond its actions.
 
-    A policy may carry ``gpu_mode`` ("mps" or "time_slice") and ``offline_priority`` (the MPS
-    priority offline clients start with, 1 by default; plain MPS runs everyone at 0) as attributes.
+    ``offline_mps_priority`` (a policy attribute; 1 when absent) is the MPS priority offline clients
+    start with: plain MPS runs everyone at 0. A policy named in :data:`TIME_SLICE_POLICIES` (or with
+    ``gpu_mode = "time_slice"``) runs the GPU in the driver's time-sliced compute mode instead of
+    MPS, and its duty actions are not applied: the driver's slices (``[gpu] slice``, ms long) are
+    what time-slicing is, a duty cycle at the control period would be a different, coarser thing.
     """
 
     gpu_mode: GpuMode = "mps"
@@ -73,8 +84,10 @@ class PolicyTraits:
     @classmethod
     def of(cls, policy: object) -> PolicyTraits:
         """Read the traits a policy declares, defaulting the rest."""
-        mode = getattr(policy, "gpu_mode", "mps")
-        prio = getattr(policy, "offline_priority", 1)
+        mode = getattr(policy, "gpu_mode", None)
+        if mode is None and getattr(policy, "name", None) in TIME_SLICE_POLICIES:
+            mode = "time_slice"
+        prio = getattr(policy, "offline_mps_priority", 1)
         return cls(
             gpu_mode="time_slice" if mode == "time_slice" else "mps",
             offline_priority=int(prio) if prio in (0, 1) else 1,
@@ -242,7 +255,7 @@ class SimNode:
             kind = type(a).__name__
             self.actions_applied[kind] = self.actions_applied.get(kind, 0) + 1
             if isinstance(a, SetDuty):
-                if a.gpu_uuid in self.duty:
+                if a.gpu_uuid in self.duty and self.traits.gpu_mode == "mps":
                     self.duty[a.gpu_uuid] = min(1.0, max(0.0, a.duty))
             elif isinstance(a, Freeze | Thaw):
                 c = self._offline(a.client_id)
@@ -375,32 +388,40 @@ class SimNode:
         )
 
     def probe_reading(self, gpu_uuid: str) -> ProbeReading:
-        """The probe's p99 latency over its window, against a baseline learned without offline work."""
+        """The probe's reading, by the rules of ``gpushare.node.probe.ProbeWindow``.
+
+        Latency is the p99 over the probe window (a launch not yet back counts as stalled);
+        the baseline is the p99 of the samples taken while no offline work ran, over the baseline
+        window ending at the last such sample, once there are at least
+        :data:`PROBE_BASELINE_MIN_SAMPLES`; when offline work runs throughout, the last learned
+        baseline is kept.
+        """
         probe = self.probes[gpu_uuid]
         now = self.loop.now
         pc = self.cfg.probe
-        lo = now - pc.window_s
-        window = [(lat, off) for t, lat, off in _tail(probe.samples, lo)]
+        samples = probe.samples
+        window = [lat for t, lat, _ in _tail(samples, now - pc.window_s)]
         if not window:
             return ProbeReading(reason="no probe samples yet")
-        base_lo = now - pc.baseline_window_s
-        base = [lat for t, lat, off in _tail(probe.samples, base_lo) if not off]
-        lat_ms = percentile([lat * 1e3 for lat, _ in window], 99.0)
-        run_ms = probe.kernel_s * 1e3
-        if not base:
-            return ProbeReading(
-                latency_ms=lat_ms,
-                run_ms=run_ms,
-                samples=len(window),
-                reason="no baseline yet: offline work ran throughout the baseline window",
-            )
-        baseline_ms = percentile([b * 1e3 for b in base], 50.0)
+        quiet_end = next((t for t, _, off in reversed(samples) if not off), None)
+        if quiet_end is not None and quiet_end != probe.baseline_at_s:
+            lo = quiet_end - pc.baseline_window_s
+            quiet = [lat for t, lat, off in _tail(samples, lo) if not off and t <= quiet_end]
+            if len(quiet) >= PROBE_BASELINE_MIN_SAMPLES:
+                probe.baseline_ms = percentile(quiet, 99.0) * 1e3
+                probe.baseline_at_s = quiet_end
+        lat_ms = percentile(window, 99.0) * 1e3
+        if probe.pending_since is not None:
+            stalled_ms = (now - samples[-1][0] - probe.period_s) * 1e3 if samples else 0.0
+            lat_ms = max(lat_ms, stalled_ms)
+        base = probe.baseline_ms
         return ProbeReading(
             latency_ms=lat_ms,
-            run_ms=run_ms,
-            baseline_ms=baseline_ms,
-            ratio=lat_ms / baseline_ms if baseline_ms > 0 else None,
+            run_ms=probe.kernel_s * 1e3,
+            baseline_ms=base,
+            ratio=lat_ms / base if base else None,
             samples=len(window),
+            reason=None if base else "no baseline yet: needs quiet samples",
         )
 
 
@@ -532,6 +553,7 @@ def run_policy(
         for job in node.offline:
             if job.state is ClientState.QUEUED and node.submit_at.get(job.cid, math.inf) <= t:
                 queued_since.setdefault(job.cid, t)
+        observations: dict[str, Observation] = {}
         for gpu in node.gpus:
             stats = gpu.take_stats()
             dt = loop.now - stats.since_s
@@ -542,14 +564,40 @@ def run_policy(
                 sm_total[gpu.uuid] += stats.sm_s * frac
             if policy is not None:
                 obs = node.observe(gpu, (stats.busy_s, stats.sm_s, dt))
+                observations[gpu.uuid] = obs
                 states[gpu.uuid], actions = policy.step(states[gpu.uuid], obs, loop.now)
                 node.apply(gpu, actions)
             duty_series[gpu.uuid].append((loop.now, node.duty[gpu.uuid]))
-        # The simulator admits a job the policy leaves queued for a period, under the GPU's
-        # current offline share, so policies without an admission rule still share the GPU.
+        admit_fn = _admission_function()
+        if admit_fn is not None and observations:
+            queue = [
+                QueuedJob(
+                    client_id=job.cid,
+                    uid=job.uid,
+                    mem_bytes=job.mem_bytes,
+                    sm_pct=None,
+                    gpu=job.gpu.uuid,
+                    submitted_at_s=since,
+                    restartable=job.restartable,
+                )
+                for job in node.offline
+                if (since := queued_since.get(job.cid)) is not None
+                and job.state is ClientState.QUEUED
+            ]
+            if queue:
+                admits = admit_fn(queue, observations, dict(node.offline_share), loop.now)
+                for admit in admits:
+                    node.apply(node.by_uuid[admit.gpu_uuid], [admit])
+        # Without gpushare's admission module (or without a policy), the simulator admits a job
+        # left queued for a period under the GPU's current offline share.
         for job in node.offline:
             since = queued_since.get(job.cid)
-            if since is not None and job.state is ClientState.QUEUED and t - since >= period:
+            if (
+                since is not None
+                and job.state is ClientState.QUEUED
+                and (admit_fn is None or not observations)
+                and t - since >= period
+            ):
                 node.admit(job, job.gpu, node.offline_share[job.gpu.uuid])
             if job.state is not ClientState.QUEUED:
                 queued_since.pop(job.cid, None)
@@ -567,6 +615,21 @@ def run_policy(
             sm_total[gpu.uuid] += stats.sm_s
     wall = time.perf_counter() - wall0
     return _collect(node, scenario, policy, name, wall, duty_series, busy_total, sm_total)
+
+
+AdmitFn = Callable[
+    [Sequence[QueuedJob], dict[str, Observation], dict[str, float], float], list[Admit]
+]
+
+
+def _admission_function() -> AdmitFn | None:
+    """The node-level admission rule of the controller package, when it provides one."""
+    try:
+        module = importlib.import_module("gpushare.control.admission")
+    except ImportError:
+        return None
+    fn = getattr(module, "admit", None)
+    return cast(AdmitFn, fn) if callable(fn) else None
 
 
 def _collect(

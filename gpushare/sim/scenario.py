@@ -45,8 +45,8 @@ class GpuSpec:
     count: int = 1
     sm_count: int = 80
     mem_total_bytes: int = 16 << 30
-    parallel_fraction: float = 0.87
-    bw_beta: float = 0.3
+    parallel_fraction: float = 0.95
+    bw_beta: float = 0.6
     slice_s: float = 0.002
     merge_us: float = data.DEFAULT_MERGE_US
     start_s: float = 1.0

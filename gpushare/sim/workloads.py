@@ -289,6 +289,13 @@ class ProbeClient:
         #: (launch_s, latency_s, offline_running) per probe kernel.
         self.samples: list[tuple[float, float, bool]] = []
         self.offline_running = False
+        self.baseline_ms: float | None = None
+        self.baseline_at_s: float | None = None
+
+    @property
+    def pending_since(self) -> float | None:
+        """Launch time of the probe kernel not yet back, if any."""
+        return self._launched if self._pending else None
 
     def start(self, loop: EventLoop) -> None:
         """Attach to the GPU and launch the first probe now."""
