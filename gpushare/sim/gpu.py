@@ -24,7 +24,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol, cast
 
 GpuMode = Literal["mps", "time_slice"]
@@ -112,7 +112,6 @@ class GpuStats:
     kernels_started: int = 0
     kernels_done: int = 0
     kernels_killed: int = 0
-    per_client_max_sms: dict[str, int] = field(default_factory=dict)
 
 
 class Gpu:
@@ -149,6 +148,8 @@ class Gpu:
         self._active: Stream | None = None
         self._active_since = 0.0
         self._slice_timer_for = -1.0
+        self._cum_busy_s = 0.0
+        self._cum_sm_s = 0.0
 
     # --- clients -------------------------------------------------------------------------------
 
@@ -204,8 +205,15 @@ class Gpu:
         """Return the integrals since the last call and start new ones."""
         self._account()
         stats = self.stats
-        self.stats = GpuStats(since_s=self.loop.now, per_client_max_sms={})
+        self._cum_busy_s += stats.busy_s
+        self._cum_sm_s += stats.sm_s
+        self.stats = GpuStats(since_s=self.loop.now)
         return stats
+
+    def totals(self) -> tuple[float, float]:
+        """Busy seconds and SM-seconds since the GPU was created (for NVML-like readings)."""
+        self._account()
+        return self._cum_busy_s + self.stats.busy_s, self._cum_sm_s + self.stats.sm_s
 
     @property
     def held_sms(self) -> int:
