@@ -317,11 +317,11 @@ class SimNode:
         ):
             return
         c.pid = self._next_pid()
-        c.frozen = False
+        # The launcher puts the process in its (frozen, when the duty is 0) cgroup before it runs.
+        c.frozen = c.held or self.duty[c.gpu.uuid] <= 0.0
         c.start(self.loop.now)
-        d = self.duty[c.gpu.uuid]
-        if c.held or d <= 0.0:
-            c.set_frozen(True, self.loop.now)
+        if c.frozen:
+            c.state = ClientState.FROZEN
 
     # --- observation ---------------------------------------------------------------------------
 
