@@ -4,7 +4,7 @@
   curve (ResNet-50 b32, VGG-19 b16, AlexNet b64) is reproduced within 6 % at every percentage by a
   wide-kernel profile; the small-batch ResNet-50 b4 curve is under-estimated, by at most 25 %.
 * Orion (``mps_example_*``): ResNet-50 b4 inference at Poisson 30 rps next to ResNet-50 b32
-  training under plain MPS: the model's p50 is within a factor 2.5 (it is lower: the model is
+  training under plain MPS: the model's p50 is within a factor 2 (it is lower: the model is
   gentler on plain MPS than the measurement), its p99 within a factor 2, training throughput
   within 15 %.
 """
@@ -39,7 +39,8 @@ def sequence_time_s(profile: str, pct: float) -> float:
     """Run one pass of a profile alone on the simulated GPU under an MPS cap."""
     loop = EventLoop()
     gpu = Gpu(loop, uuid="GPU-cal", index=0)
-    prof = data.load_profile(profile)
+    merge = data.DEFAULT_MERGE_OFFLINE_US if "_fb1" in profile else data.DEFAULT_MERGE_ONLINE_US
+    prof = data.load_profile(profile, merge)
     job = OfflineTrainer("job", gpu, prof, sm_pct=pct, mem_bytes=0)
     job.start(0.0)
     loop.run_until(prof.total_s * 20)
@@ -84,7 +85,11 @@ def test_orion_plain_mps_colocation_point() -> None:
     gpu.attach(server)
     server.start(loop)
     train = OfflineTrainer(
-        "train", gpu, data.load_profile(f"{ORION}/resnet50_32_fb1.csv"), sm_pct=100, mem_bytes=0
+        "train",
+        gpu,
+        data.load_profile(f"{ORION}/resnet50_32_fb1.csv", data.DEFAULT_MERGE_OFFLINE_US),
+        sm_pct=100,
+        mem_bytes=0,
     )
     train.priority = 0  # plain MPS: no client priority
     train.start(0.0)
@@ -92,7 +97,7 @@ def test_orion_plain_mps_colocation_point() -> None:
     lats = [lat * 1e3 for arr, lat in server.completed if arr >= 1.0]
     p50, p99 = percentile(lats, 50), percentile(lats, 99)
     ips = len([t for t in train.iterations if t >= 1.0]) / (end - 1.0)
-    assert 1 / 2.5 <= p50 / point["p50-latency-0"] <= 2.5
+    assert 1 / 2 <= p50 / point["p50-latency-0"] <= 2
     assert 1 / 2 <= p99 / point["p99-latency-0"] <= 2
     assert ips == pytest.approx(point["throughput-1"], rel=0.15)
     # "Several times over": a 6.5 ms forward pass at p50 >= 4x, p99 >= 15x its standalone time.

@@ -99,7 +99,8 @@ def test_frozen_client_issues_nothing_while_its_queue_drains() -> None:
     loop.run_until(loop.now + prof.total_s * 3)
     assert train.counts.issued == issued_at_freeze
     assert train.counts.done == issued_at_freeze  # the queued ones drained
-    assert train.run is None and gpu.held_sms == 0
+    assert train.run is None
+    assert gpu.held_sms == 0
     done_frozen = len(train.iterations)
     loop.run_until(loop.now + prof.total_s * 3)
     assert len(train.iterations) == done_frozen
@@ -120,7 +121,8 @@ def test_runner_freeze_hold_stops_issuing_until_thaw() -> None:
     res = runner.run_policy(sc, policy)
     ips = res.series["offline_ips"]["train"]  # 1 s bins from the warmup (0.5 s)
     assert ips[2] == 0.0  # 2.5-3.5 s: held frozen (one iteration may drain at 2.0-2.5)
-    assert ips[0] > 0 and ips[3] > 0
+    assert ips[0] > 0
+    assert ips[3] > 0
 
 
 @pytest.mark.parametrize("pct", [10.0, 25.0, 50.0, 90.0])

@@ -319,6 +319,7 @@ class Gpu:
         # Repeatedly serve the most urgent stream that wants SMs: (priority, eligible time).
         while self.free > 0:
             best: Stream | None = None
+            best_head: tuple[float, int, float] | None = None
             best_prio = 99
             best_since = math.inf
             for s in streams:
@@ -327,13 +328,15 @@ class Gpu:
                     if run.g >= run.want:
                         continue
                     since = run.since
-                elif s.head() is None:
-                    continue
+                    head = None
                 else:
+                    head = s.head()
+                    if head is None:
+                        continue
                     since = s.eligible_since
                 prio = s.priority
                 if prio < best_prio or (prio == best_prio and since < best_since):
-                    best, best_prio, best_since = s, prio, since
+                    best, best_head, best_prio, best_since = s, head, prio, since
             if best is None:
                 return
             if not accounted:
@@ -341,15 +344,14 @@ class Gpu:
                 accounted = True
             run = best.run
             if run is None:
-                head = best.head()
-                assert head is not None
-                dur, width, mem = head
-                want = min(width, full or best.cap_sms)
-                run = Run(best, dur, width, 0.25 + 0.75 * mem, want, best.eligible_since)
+                assert best_head is not None
+                dur, width, mem = best_head
+                want = width if width < (full or best.cap_sms) else (full or best.cap_sms)
+                run = Run(best, dur, width, 0.25 + 0.75 * mem, want, best_since)
                 best.run = run
                 self.runs.append(run)
                 self.stats.kernels_started += 1
-                g = min(want, self.free)
+                g = want if want < self.free else self.free
             else:
                 g = min(run.want, run.g + self.free)
             self.free -= g - run.g

@@ -145,7 +145,7 @@ class SimNode:
         if with_online:
             for k, spec in enumerate(scenario.online):
                 gpu = self.gpus[spec.gpu]
-                prof = data.load_profile(spec.profile, g.merge_us, g.sm_count)
+                prof = data.load_profile(spec.profile, g.merge_online_us, g.sm_count)
                 server = OnlineServer(
                     spec.name,
                     gpu,
@@ -160,7 +160,7 @@ class SimNode:
         if with_offline:
             for spec_off in scenario.offline:
                 gpu = self.gpus[spec_off.gpu]
-                prof = data.load_profile(spec_off.profile, g.merge_us, g.sm_count)
+                prof = data.load_profile(spec_off.profile, g.merge_offline_us, g.sm_count)
                 trainer = OfflineTrainer(
                     spec_off.name,
                     gpu,

@@ -48,7 +48,8 @@ class GpuSpec:
     parallel_fraction: float = 0.95
     bw_beta: float = 0.6
     slice_s: float = 0.002
-    merge_us: float = data.DEFAULT_MERGE_US
+    merge_online_us: float = data.DEFAULT_MERGE_ONLINE_US
+    merge_offline_us: float = data.DEFAULT_MERGE_OFFLINE_US
     start_s: float = 1.0
     restart_s: float = 5.0
     probe_kernel_s: float = 15e-6
@@ -180,7 +181,8 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
             "parallel_fraction",
             "bw_beta",
             "slice",
-            "merge_us",
+            "merge_online_us",
+            "merge_offline_us",
             "start",
             "restart",
             "probe_kernel",
@@ -194,7 +196,8 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
         parallel_fraction=r.number(t, p, "parallel_fraction", d.parallel_fraction, 0.0, 1.0),
         bw_beta=r.number(t, p, "bw_beta", d.bw_beta, 0.0, 10.0),
         slice_s=r.duration(t, p, "slice", default=d.slice_s, above=0.0),
-        merge_us=r.number(t, p, "merge_us", d.merge_us, 0.0, 10_000.0),
+        merge_online_us=r.number(t, p, "merge_online_us", d.merge_online_us, 0.0, 10_000.0),
+        merge_offline_us=r.number(t, p, "merge_offline_us", d.merge_offline_us, 0.0, 10_000.0),
         start_s=r.duration(t, p, "start", default=d.start_s),
         restart_s=r.duration(t, p, "restart", default=d.restart_s),
         probe_kernel_s=r.duration(t, p, "probe_kernel", default=d.probe_kernel_s, above=0.0),
@@ -241,7 +244,7 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
         r.data_file(p + "trace", trace)
     spec = OnlineSpec(
         name=r.string(t, p, "name", required=True),
-        profile=r.profile(t, p, gpu),
+        profile=r.profile(t, p, gpu.merge_online_us, gpu.sm_count),
         gpu=r.gpu_index(t, p, gpu),
         arrivals=arrivals,  # type: ignore[arg-type]
         load=load,
@@ -263,7 +266,7 @@ def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineS
     pinned = r.size(t, p, "pinned_mem", default=None) if "pinned_mem" in t else None
     return OfflineSpec(
         name=r.string(t, p, "name", required=True),
-        profile=r.profile(t, p, gpu),
+        profile=r.profile(t, p, gpu.merge_offline_us, gpu.sm_count),
         gpu=r.gpu_index(t, p, gpu),
         mem_bytes=r.size(t, p, "mem", default=4 << 30),
         pinned_mem_bytes=pinned,
@@ -402,11 +405,11 @@ class _Reader:
             raise self.err(key, f"no such data file {path} (names are relative to the data root)")
         return path
 
-    def profile(self, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> str:
+    def profile(self, t: Mapping[str, Any], p: str, merge_us: float, sm_count: int) -> str:
         rel = self.string(t, p, "profile", required=True)
         self.data_file(p + "profile", rel)
         try:
-            data.load_profile(rel, gpu.merge_us, gpu.sm_count)
+            data.load_profile(rel, merge_us, sm_count)
         except data.DataError as exc:
             raise self.err(p + "profile", str(exc)) from exc
         return rel

@@ -64,18 +64,12 @@ class SimClient:
     started_at_s: float | None = None
     fail_reason: str | None = None
     counts: KernelCounts = field(default_factory=KernelCounts)
-
-    @property
-    def priority(self) -> int:
-        """MPS client priority: online 0, offline 1 (the runner may override for a baseline)."""
-        return self._priority
-
-    @priority.setter
-    def priority(self, value: int) -> None:
-        self._priority = value
+    #: MPS client priority: online 0, offline 1 (the runner may override it for a baseline).
+    priority: int = -1
 
     def __post_init__(self) -> None:
-        self._priority = self.cls.mps_priority
+        if self.priority < 0:
+            self.priority = self.cls.mps_priority
         self.cap_sms = cap_sms(self.sm_pct, self.gpu.sm_count)
 
     def set_limits(self, sm_pct: float) -> None:
