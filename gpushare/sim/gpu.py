@@ -150,6 +150,10 @@ class Gpu:
         self._slice_timer_for = -1.0
         self._cum_busy_s = 0.0
         self._cum_sm_s = 0.0
+        self._serial = 1.0 - parallel_fraction
+        #: Run uncontended stretches inline (exact; False only to test that it is).
+        self.fast_path = True
+        self._beta_per_sm = bw_beta / sm_count
 
     # --- clients -------------------------------------------------------------------------------
 
@@ -222,73 +226,129 @@ class Gpu:
 
     # --- scheduling ----------------------------------------------------------------------------
 
-    def _rate(self, run: Run, g: int) -> float:
-        w = run.width
-        slow = 1.0 if g >= w else (1.0 - self.f) + self.f * w / g
-        if self.beta > 0.0 and len(self.runs) > 1:
-            other = 0.0
-            for r in self.runs:
-                if r is not run:
-                    other += r.g * r.mem_e
-            slow *= 1.0 + self.beta * run.mem_e * other / self.sm_count
-        return 1.0 / (run.dur_s * slow)
-
     def _set_alloc(self, run: Run, g: int, now: float) -> None:
         if run.g:
             run.remaining -= (now - run.last_s) * run.rate
         run.g = g
         run.last_s = now
-        run.rate = self._rate(run, g)
+        # The rate law (G7, G8 in docs/simulator.md), inlined: this is the hot path.
+        w = run.width
+        slow = 1.0 if g >= w else self._serial + self.f * w / g
+        runs = self.runs
+        if len(runs) > 1 and self.beta > 0.0:
+            other = 0.0
+            for r in runs:
+                if r is not run:
+                    other += r.g * r.mem_e
+            slow *= 1.0 + self._beta_per_sm * run.mem_e * other
+        rate = 1.0 / (run.dur_s * slow)
+        run.rate = rate
         run.version += 1
         stream = run.stream
         if g > stream.held_max:
             stream.held_max = g
-        self.loop.at(now + max(run.remaining, 0.0) / run.rate, self._complete, (run, run.version))
+        remaining = run.remaining if run.remaining > 0.0 else 0.0
+        loop = self.loop
+        heapq.heappush(
+            loop._heap,
+            (now + remaining / rate, next(loop._seq), self._complete, (run, run.version)),
+        )
 
     def _complete(self, arg: object) -> None:
         run, version = cast(tuple[Run, int], arg)
         if run.version != version:
             return
-        self._account()
+        now = self.loop.now
+        # Accounting (see _account), inlined.
+        dt = now - self._last_change
+        if dt > 0.0:
+            held = self.sm_count - self.free
+            if held:
+                self.stats.busy_s += dt
+                self.stats.sm_s += held * dt
+            self._last_change = now
         self.free += run.g
-        self.runs.remove(run)
+        runs = self.runs
+        runs.remove(run)
         stream = run.stream
         stream.run = None
         self.stats.kernels_done += 1
-        stream.on_kernel_done(self.loop.now)
-        if not self.runs and self.mode == "mps":
-            self._run_alone(stream)
-        self._dispatch()
+        stream.on_kernel_done(now)
+        if self.mode != "mps" or not self.fast_path or self._others_waiting(stream):
+            self._dispatch()
+            return
+        self._run_on(stream)
+        head = stream.head()
+        if head is not None:
+            # Nobody else wants SMs: the stream's next kernel takes what is free, no scan needed.
+            dur, width, mem = head
+            want = width if width < stream.cap_sms else stream.cap_sms
+            g = want if want < self.free else self.free
+            if g > 0:
+                self._account()
+                run = Run(stream, dur, width, 0.25 + 0.75 * mem, want, stream.eligible_since)
+                stream.run = run
+                runs.append(run)
+                self.stats.kernels_started += 1
+                self.free -= g
+                self._set_alloc(run, g, self.loop.now)
 
-    def _run_alone(self, stream: Stream) -> None:
-        """Fast path: while one stream is alone on an idle GPU, run its kernels without events.
-
-        Exact: alone, a kernel gets ``min(width, cap)`` SMs at once and no bandwidth contention, so
-        its end time is known; the loop stops before any pending event (an arrival, a probe, a
-        duty-cycle edge, the end of the control period) could change the picture.
-        """
+    def _others_waiting(self, stream: Stream) -> bool:
+        """Whether a stream other than ``stream`` wants SMs it does not have."""
         for s in self.streams:
-            if s is not stream and (s.run is not None or s.head() is not None):
-                return
+            if s is stream:
+                continue
+            run = s.run
+            if run is None:
+                if s.head() is not None:
+                    return True
+            elif run.g < run.want:
+                return True
+        return False
+
+    def _run_on(self, stream: Stream) -> None:
+        """Fast path: run a stream's next kernels inline while nothing else can change.
+
+        Called only when no other stream waits for SMs (none has an issued kernel not yet started,
+        none runs below its width): then the kernels the completing stream starts next take the SMs it just freed,
+        and every other kernel keeps its SMs and rate (G8 evaluates bandwidth when a kernel starts
+        or grows). So each next kernel's end time is known exactly, and the loop runs them without
+        the event queue until one would end at or after the next pending event (a completion of
+        another stream, an arrival, a probe, a duty edge, the end of the period).
+        """
+        runs = self.runs
         loop = self.loop
         heap = loop._heap
         limit = min(heap[0][0], loop.end_s) if heap else loop.end_s
         now = loop.now
         cap = stream.cap_sms
         f = self.f
+        serial = self._serial
+        free = self.free
+        held_others = self.sm_count - free
+        other_bw = 0.0
+        if runs and self.beta > 0.0:
+            other_bw = self._beta_per_sm * sum(r.g * r.mem_e for r in runs)
         stats = self.stats
-        n = self.sm_count
         while True:
             head = stream.head()
             if head is None:
                 break
-            dur, width, _ = head
-            g = min(width, cap, n)
-            t_end = now + (dur if g >= width else dur * ((1.0 - f) + f * width / g))
+            dur, width, mem = head
+            g = width if width < cap else cap
+            if g > free:
+                g = free
+            if g <= 0:
+                break
+            slow = 1.0 if g >= width else serial + f * width / g
+            if other_bw:
+                slow *= 1.0 + other_bw * (0.25 + 0.75 * mem)
+            t_end = now + dur * slow
             if t_end >= limit:
                 break
-            stats.busy_s += t_end - now
-            stats.sm_s += g * (t_end - now)
+            dt = t_end - now
+            stats.busy_s += dt
+            stats.sm_s += (held_others + g) * dt
             stats.kernels_started += 1
             stats.kernels_done += 1
             if g > stream.held_max:
@@ -322,6 +382,7 @@ class Gpu:
             best_head: tuple[float, int, float] | None = None
             best_prio = 99
             best_since = math.inf
+            n_cand = 0
             for s in streams:
                 run = s.run
                 if run is not None:
@@ -334,6 +395,7 @@ class Gpu:
                     if head is None:
                         continue
                     since = s.eligible_since
+                n_cand += 1
                 prio = s.priority
                 if prio < best_prio or (prio == best_prio and since < best_since):
                     best, best_head, best_prio, best_since = s, head, prio, since
@@ -342,6 +404,7 @@ class Gpu:
             if not accounted:
                 self._account()
                 accounted = True
+            # (the scan below is the hot path of the whole simulator: keep it lean)
             run = best.run
             if run is None:
                 assert best_head is not None
@@ -356,6 +419,8 @@ class Gpu:
                 g = min(run.want, run.g + self.free)
             self.free -= g - run.g
             self._set_alloc(run, g, now)
+            if n_cand == 1:
+                return  # nobody else wants SMs: no need to scan again
 
     def _time_slice_owner(self, now: float) -> Stream | None:
         """The context that may issue to the GPU now under time-slicing (None: wait)."""

@@ -361,7 +361,11 @@ class SimNode:
         reason: str | None = None
         if isinstance(c, OnlineServer):
             lo = now - self.cfg.latency.window_s
-            recent = [lat * 1e3 for arr, lat in c.completed if arr + lat >= lo]
+            done = c.completed
+            i = len(done)
+            while i > 0 and done[i - 1][0] + done[i - 1][1] >= lo:
+                i -= 1  # completions are in time order: walk back over the window only
+            recent = [lat * 1e3 for _, lat in done[i:]]
             if len(recent) >= self.cfg.latency.min_samples:
                 p99 = percentile(recent, 99.0)
             else:
