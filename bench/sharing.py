@@ -109,11 +109,19 @@ def main() -> None:
     ap.add_argument("--policy", action="append", help="policy to run (repeat; default: all)")
     ap.add_argument("--duration", type=float, help="override each scenario's virtual duration")
     ap.add_argument("--jobs", type=int, default=1, help="scenarios run in parallel")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the 3 trace scenarios + the 5 pairs with ResNet-50 training, 10 s each (~1 min)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "sharing.json")
     args = ap.parse_args()
     files = args.scenarios or sorted(
         str(p) for p in (REPO / "examples" / "scenarios").rglob("*.toml")
     )
+    if args.quick and not args.scenarios:
+        files = [f for f in files if "/pairs/" not in f or f.endswith("+resnet50_32_fb1.toml")]
+        args.duration = args.duration or 10.0
     t0 = time.perf_counter()
     work = [(f, args.policy, args.duration) for f in files]
     if args.jobs > 1:
