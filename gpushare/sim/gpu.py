@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, cast
@@ -274,37 +273,7 @@ class Gpu:
         stream.run = None
         self.stats.kernels_done += 1
         stream.on_kernel_done(now)
-        if self.mode != "mps" or not self.fast_path or self._others_waiting(stream):
-            self._dispatch()
-            return
-        self._run_on(stream)
-        head = stream.head()
-        if head is not None:
-            # Nobody else wants SMs: the stream's next kernel takes what is free, no scan needed.
-            dur, width, mem = head
-            want = width if width < stream.cap_sms else stream.cap_sms
-            g = want if want < self.free else self.free
-            if g > 0:
-                self._account()
-                run = Run(stream, dur, width, 0.25 + 0.75 * mem, want, stream.eligible_since)
-                stream.run = run
-                runs.append(run)
-                self.stats.kernels_started += 1
-                self.free -= g
-                self._set_alloc(run, g, self.loop.now)
-
-    def _others_waiting(self, stream: Stream) -> bool:
-        """Whether a stream other than ``stream`` wants SMs it does not have."""
-        for s in self.streams:
-            if s is stream:
-                continue
-            run = s.run
-            if run is None:
-                if s.head() is not None:
-                    return True
-            elif run.g < run.want:
-                return True
-        return False
+        self._dispatch(stream)
 
     def _run_on(self, stream: Stream) -> None:
         """Fast path: run a stream's next kernels inline while nothing else can change.
@@ -362,7 +331,14 @@ class Gpu:
         self._dispatch_pending = False
         self._dispatch()
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, completing: Stream | None = None) -> None:
+        """Give free SMs to the kernels that want them, most urgent first.
+
+        One scan collects every stream that wants SMs (an issued kernel not started, or a kernel
+        running below its width); they are served in order of (MPS priority, eligible time).
+        When the only one is the stream whose kernel just completed, its uncontended stretch runs
+        inline first (:meth:`_run_on`).
+        """
         if self.free <= 0:
             return
         now = self.loop.now
@@ -375,52 +351,51 @@ class Gpu:
         else:
             streams = self.streams
             full = 0
-        accounted = False
-        # Repeatedly serve the most urgent stream that wants SMs: (priority, eligible time).
-        while self.free > 0:
-            best: Stream | None = None
-            best_head: tuple[float, int, float] | None = None
-            best_prio = 99
-            best_since = math.inf
-            n_cand = 0
-            for s in streams:
-                run = s.run
-                if run is not None:
-                    if run.g >= run.want:
-                        continue
-                    since = run.since
-                    head = None
-                else:
-                    head = s.head()
-                    if head is None:
-                        continue
-                    since = s.eligible_since
-                n_cand += 1
-                prio = s.priority
-                if prio < best_prio or (prio == best_prio and since < best_since):
-                    best, best_head, best_prio, best_since = s, head, prio, since
-            if best is None:
-                return
-            if not accounted:
-                self._account()
-                accounted = True
-            # (the scan below is the hot path of the whole simulator: keep it lean)
-            run = best.run
-            if run is None:
-                assert best_head is not None
-                dur, width, mem = best_head
-                want = width if width < (full or best.cap_sms) else (full or best.cap_sms)
-                run = Run(best, dur, width, 0.25 + 0.75 * mem, want, best_since)
-                best.run = run
-                self.runs.append(run)
-                self.stats.kernels_started += 1
-                g = want if want < self.free else self.free
+        cands: list[tuple[int, float, int, Stream, tuple[float, int, float] | None]] = []
+        for i, s in enumerate(streams):
+            run = s.run
+            if run is not None:
+                if run.g < run.want:
+                    cands.append((s.priority, run.since, i, s, None))
             else:
-                g = min(run.want, run.g + self.free)
-            self.free -= g - run.g
+                head = s.head()
+                if head is not None:
+                    cands.append((s.priority, s.eligible_since, i, s, head))
+        if not cands:
+            return
+        if len(cands) > 1:
+            cands.sort()
+        elif completing is not None and cands[0][3] is completing and self.fast_path and not full:
+            self._run_on(completing)
+            head = completing.head()
+            if head is None:
+                return
+            cands = [(completing.priority, completing.eligible_since, 0, completing, head)]
+            now = self.loop.now
+        self._account()
+        runs = self.runs
+        for _, since, _, s, head in cands:
+            free = self.free
+            if free <= 0:
+                break
+            run = s.run
+            if run is None:
+                assert head is not None
+                dur, width, mem = head
+                cap = full or s.cap_sms
+                want = width if width < cap else cap
+                run = Run(s, dur, width, 0.25 + 0.75 * mem, want, since)
+                s.run = run
+                runs.append(run)
+                self.stats.kernels_started += 1
+                g = want if want < free else free
+                self.free = free - g
+            else:
+                g = run.g + free
+                if g > run.want:
+                    g = run.want
+                self.free = free - (g - run.g)
             self._set_alloc(run, g, now)
-            if n_cand == 1:
-                return  # nobody else wants SMs: no need to scan again
 
     def _time_slice_owner(self, now: float) -> Stream | None:
         """The context that may issue to the GPU now under time-slicing (None: wait)."""
