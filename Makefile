@@ -29,6 +29,10 @@ typecheck: $(STAMP)
 unit: $(STAMP) mps
 	$(BIN)/pytest -q
 
+# Interim demo until the daemon's --simulate mode lands: every policy on one simulated pair.
+demo: $(STAMP)
+	$(BIN)/gpushare sim examples/scenarios/pairs/resnet50_4_fwd+resnet50_32_fb1.toml --out demo-run
+
 bench: $(STAMP) mps
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
