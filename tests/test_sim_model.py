@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpushare.model import ClientState, Evict, Freeze, Thaw
 from gpushare.sim import data, runner, scenario
@@ -270,3 +272,59 @@ def test_fast_path_gives_the_same_run_as_the_event_queue(offline_pct: float) -> 
     assert fast[0] == pytest.approx(slow[0], rel=1e-9, abs=1e-12)
     assert fast[1] == pytest.approx(slow[1], rel=1e-9, abs=1e-12)
     assert fast[2] == slow[2]
+
+
+PROFILES_FWD = ["resnet50_4_fwd", "mobilenetv2_4_fwd", "bert_2_fwd"]
+PROFILES_FB = ["resnet50_32_fb1", "mobilenetv2_32_fb1", "transformer_xl_8_fb1"]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    on_pct=st.sampled_from([20.0, 50.0, 100.0]),
+    off_pcts=st.lists(st.sampled_from([10.0, 30.0, 60.0, 100.0]), min_size=1, max_size=3),
+    prio=st.sampled_from([0, 1]),
+    fwd=st.sampled_from(PROFILES_FWD),
+    fb=st.sampled_from(PROFILES_FB),
+    seed=st.integers(0, 1000),
+    fast=st.booleans(),
+)
+def test_invariants_hold_for_random_mixes(
+    on_pct: float, off_pcts: list[float], prio: int, fwd: str, fb: str, seed: int, fast: bool
+) -> None:
+    loop = EventLoop()
+    gpu = Gpu(loop, uuid="GPU-h", index=0)
+    gpu.fast_path = fast
+    prof = data.load_profile(f"{ORION}/{fwd}.csv")
+    server = OnlineServer(
+        "inf",
+        gpu,
+        prof,
+        poisson_arrivals(0.5 / prof.total_s, seed, 0.6),
+        sm_pct=on_pct,
+        mem_bytes=0,
+    )
+    gpu.attach(server)
+    server.start(loop)
+    trainers = []
+    for i, pct in enumerate(off_pcts):
+        t = OfflineTrainer(
+            f"t{i}", gpu, data.load_profile(f"{ORION}/{fb}.csv"), sm_pct=pct, mem_bytes=0
+        )
+        t.priority = prio
+        t.start(0.0)
+        trainers.append(t)
+    clients = [server, *trainers]
+    for k in range(12):
+        loop.run_until((k + 1) * 0.05)
+        if k == 5:
+            trainers[0].set_frozen(True, loop.now)
+        assert 0 <= gpu.free <= gpu.sm_count
+        assert sum(r.g for r in gpu.runs) == gpu.held_sms
+        for c in clients:
+            assert c.held_max <= cap_sms(c.sm_pct, gpu.sm_count)
+            if c.run is not None:
+                assert 0 < c.run.g <= c.run.want
+    for c in clients:
+        in_flight = max(0, len(c.profile) - c.pos)
+        assert c.counts.issued == c.counts.done + c.counts.discarded + in_flight
+    assert server.completed  # the online service makes progress whatever the mix
