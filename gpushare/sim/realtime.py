@@ -11,8 +11,9 @@ bert-inference --rps 40``) and removed, and hands out the four node Protocols of
 from __future__ import annotations
 
 import math
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +30,10 @@ from gpushare.model import (
 )
 from gpushare.sim import data
 from gpushare.sim import node as simnode
-from gpushare.sim.runner import SimNode, arrivals_for
-from gpushare.sim.scenario import GpuSpec, OnlineSpec, Scenario
-from gpushare.sim.workloads import OfflineTrainer, OnlineServer
+from gpushare.sim.runner import SimNode
+from gpushare.sim.scenario import GpuSpec, Scenario
+from gpushare.sim.simenv import ENV_BURST, ENV_PROFILE, ENV_RPS
+from gpushare.sim.workloads import OfflineTrainer, OnlineServer, bursty_poisson_arrivals
 
 ORION = "orion-v100-kernels"
 
@@ -60,6 +62,9 @@ class SimWorkload:
 
     profile: str
     rps: float | None = None
+    #: ``(at_s, for_s, factor)``: from ``at_s`` after the client starts, for ``for_s``, the
+    #: request rate is ``factor`` times ``rps`` (an online burst).
+    burst: tuple[float, float, float] | None = None
 
     def validate(self, cls: ClientClass) -> None:
         """Check the profile exists, fits the client's class, and has a rate when online.
@@ -78,6 +83,33 @@ class SimWorkload:
             )
         if cls is ClientClass.ONLINE and (self.rps is None or not self.rps > 0):
             raise SimProfileError(f"--sim-profile {self.profile} needs --rps > 0")
+        if self.burst is not None and (
+            self.burst[0] < 0 or self.burst[1] <= 0 or self.burst[2] <= 0
+        ):
+            raise SimProfileError("--sim-burst is AT_S:FOR_S:FACTOR with positive numbers")
+
+
+def workload_from_env(env: Mapping[str, str]) -> SimWorkload | None:
+    """The simulated workload a client's environment names, None when it names none.
+
+    Raises:
+        SimProfileError: a malformed rate or burst.
+    """
+    profile = env.get(ENV_PROFILE)
+    if not profile:
+        return None
+    try:
+        rps = float(env[ENV_RPS]) if ENV_RPS in env else None
+        burst = None
+        if env.get(ENV_BURST):
+            at, length, factor = (float(x) for x in env[ENV_BURST].split(":"))
+            burst = (at, length, factor)
+    except ValueError:
+        raise SimProfileError(
+            f"bad {ENV_RPS}={env.get(ENV_RPS)!r} or {ENV_BURST}={env.get(ENV_BURST)!r}: "
+            "a rate is a number, a burst AT_S:FOR_S:FACTOR"
+        ) from None
+    return SimWorkload(profile, rps, burst)
 
 
 class RealTimeSimNode:
@@ -112,6 +144,13 @@ class RealTimeSimNode:
         self._t0 = clock()
         self._seed = seed
         self._adapters = simnode.protocols(self.node, runtime_dir)
+        #: The daemon calls in from its tick thread and its API threads.
+        self.lock = threading.RLock()
+        #: ``(client_id, latency_s, at_s)`` for every completed request of a simulated online
+        #: client, ``at_s`` on ``clock``: what the service would report with
+        #: ``gpushare.client.report_latency`` (the daemon's simulated mode records it directly).
+        self.on_latency: Callable[[str, float, float], None] | None = None
+        self._reported: dict[str, int] = {}
 
     @property
     def gpu_uuids(self) -> list[str]:
@@ -120,7 +159,15 @@ class RealTimeSimNode:
 
     def advance(self) -> None:
         """Run the simulation up to the wall clock."""
-        self.node.loop.run_until(self._clock() - self._t0)
+        with self.lock:
+            self.node.loop.run_until(max(self.node.loop.now, self._clock() - self._t0))
+            if self.on_latency is not None:
+                for server in self.node.online:
+                    done = server.completed
+                    start = self._reported.get(server.cid, 0)
+                    for arrival, latency in done[start:]:
+                        self.on_latency(server.cid, latency, self._t0 + arrival + latency)
+                    self._reported[server.cid] = len(done)
 
     def add_client(
         self,
@@ -142,17 +189,37 @@ class RealTimeSimNode:
             KeyError: no simulated GPU with that UUID.
         """
         workload.validate(cls)
-        self.advance()
+        with self.lock:
+            self.advance()
+            if self.node.client(client_id) is not None:
+                return True  # re-attached (e.g. the daemon re-adopted it): already simulated
+            return self._add(
+                client_id, cls, workload, gpu_uuid, sm_pct, mem_bytes, pid, slo_p99_ms, restartable
+            )
+
+    def _add(
+        self,
+        client_id: str,
+        cls: ClientClass,
+        workload: SimWorkload,
+        gpu_uuid: str,
+        sm_pct: float,
+        mem_bytes: int,
+        pid: int,
+        slo_p99_ms: float | None,
+        restartable: bool,
+    ) -> bool:
         node = self.node
         gpu = node.by_uuid[gpu_uuid]
         rel = SIM_PROFILES[workload.profile][1]
         g = node.scenario.gpu
         if cls is ClientClass.ONLINE:
             prof = data.load_profile(rel, g.merge_online_us, g.sm_count)
-            spec = OnlineSpec(name=client_id, profile=rel, rps=workload.rps, load=None)
             self._seed += 1
-            now = node.loop.now
-            arrivals = (now + t for t in arrivals_for(spec, prof.total_s, self._seed, math.inf))
+            assert workload.rps is not None
+            arrivals = bursty_poisson_arrivals(
+                workload.rps, workload.burst, self._seed, node.loop.now, math.inf
+            )
             server = OnlineServer(
                 client_id,
                 gpu,
@@ -187,12 +254,20 @@ class RealTimeSimNode:
 
     def remove_client(self, client_id: str) -> None:
         """The client's process is gone: its outstanding work is discarded."""
-        self.advance()
-        c = self.node.client(client_id)
-        if isinstance(c, OfflineTrainer) and c.state.is_live:
-            c.stop(ClientState.EXITED)
-        elif isinstance(c, OnlineServer) and c.state.is_live:
-            c.stop()
+        with self.lock:
+            self.advance()
+            c = self.node.client(client_id)
+            if isinstance(c, OfflineTrainer) and c.state.is_live:
+                c.stop(ClientState.EXITED)
+            elif isinstance(c, OnlineServer) and c.state.is_live:
+                c.stop()
+            if c is not None:
+                # Forget it: a relaunch under the same id is a new simulated client.
+                if isinstance(c, OfflineTrainer):
+                    self.node.offline.remove(c)
+                elif isinstance(c, OnlineServer):
+                    self.node.online.remove(c)
+                    self._reported.pop(client_id, None)
 
     # --- the node Protocols, advanced to the wall clock on every call ----------------------------
 
@@ -221,8 +296,9 @@ class RealTimeGpuBackend:
 
     def sample(self) -> Sequence[GpuSample]:
         """One reading per simulated GPU."""
-        self.rt.advance()
-        return self.rt._adapters[0].sample()
+        with self.rt.lock:
+            self.rt.advance()
+            return self.rt._adapters[0].sample()
 
     def drain_events(self) -> Sequence[GpuEvent]:
         """No XIDs on simulated GPUs."""
@@ -240,13 +316,15 @@ class RealTimeLatencyProbe:
 
     def reading(self, gpu_uuid: str) -> ProbeReading:
         """The probe's reading now."""
-        self.rt.advance()
-        return self.rt._adapters[1].reading(gpu_uuid)
+        with self.rt.lock:
+            self.rt.advance()
+            return self.rt._adapters[1].reading(gpu_uuid)
 
     def set_offline_running(self, gpu_uuid: str, running: bool) -> None:
         """Mark later probe samples as taken with or without offline work."""
-        self.rt.advance()
-        self.rt._adapters[1].set_offline_running(gpu_uuid, running)
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[1].set_offline_running(gpu_uuid, running)
 
     def close(self) -> None:
         """Nothing to stop."""
@@ -262,31 +340,37 @@ class RealTimePauser:
 
     def attach(self, client_id: str, pid: int) -> None:
         """Track a simulated client."""
-        self.rt.advance()
-        self.rt._adapters[2].attach(client_id, pid)
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[2].attach(client_id, pid)
 
     def freeze(self, client_id: str) -> None:
         """Stop the client issuing kernels."""
-        self.rt.advance()
-        self.rt._adapters[2].freeze(client_id)
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[2].freeze(client_id)
 
     def thaw(self, client_id: str) -> None:
         """Let the client issue kernels again."""
-        self.rt.advance()
-        self.rt._adapters[2].thaw(client_id)
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[2].thaw(client_id)
 
     def kill(self, client_id: str) -> None:
         """End the simulated client."""
-        self.rt.advance()
-        self.rt._adapters[2].kill(client_id)
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[2].kill(client_id)
 
     def pids(self, client_id: str) -> Sequence[int]:
         """The client's pid while it is live."""
-        return self.rt._adapters[2].pids(client_id)
+        with self.rt.lock:
+            return self.rt._adapters[2].pids(client_id)
 
     def release(self, client_id: str) -> None:
         """Forget the client."""
-        self.rt._adapters[2].release(client_id)
+        with self.rt.lock:
+            self.rt._adapters[2].release(client_id)
 
 
 class RealTimeMpsNode:
@@ -309,12 +393,14 @@ class RealTimeMpsNode:
 
     def terminate_client(self, gpu_uuid: str, client_pid: int) -> bool:
         """Kill the client's outstanding simulated work."""
-        self.rt.advance()
-        return self.rt._adapters[3].terminate_client(gpu_uuid, client_pid)
+        with self.rt.lock:
+            self.rt.advance()
+            return self.rt._adapters[3].terminate_client(gpu_uuid, client_pid)
 
     def recover(
         self, gpu_uuid: str, offline_pids: Sequence[int], online_pids: Sequence[int]
     ) -> None:
         """Offline clients first, then online ones."""
-        self.rt.advance()
-        self.rt._adapters[3].recover(gpu_uuid, offline_pids, online_pids)
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[3].recover(gpu_uuid, offline_pids, online_pids)

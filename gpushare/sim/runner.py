@@ -50,6 +50,7 @@ from gpushare.sim.workloads import (
     OnlineServer,
     ProbeClient,
     SimClient,
+    bursty_poisson_arrivals,
     percentile,
     poisson_arrivals,
     rate_series_arrivals,
@@ -443,6 +444,8 @@ def arrivals_for(spec: OnlineSpec, standalone_s: float, seed: int, end_s: float)
     """The arrival process of an online service."""
     if spec.arrivals == "poisson":
         rps = spec.rps if spec.rps is not None else (spec.load or 0.5) / standalone_s
+        if spec.burst is not None:
+            return bursty_poisson_arrivals(rps, spec.burst, seed, 0.0, end_s)
         return poisson_arrivals(rps, seed, end_s)
     assert spec.trace is not None
     if spec.arrivals == "azure":

@@ -73,6 +73,8 @@ class OnlineSpec:
     mem_bytes: int = 2 << 30
     slo_p99_ms: float | None = None
     slo_factor: float = 1.1
+    #: Poisson only: ``(at_s, for_s, factor)``, the rate times ``factor`` for a while.
+    burst: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +228,7 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
             "mem",
             "slo_p99_ms",
             "slo_factor",
+            "burst",
         },
     )
     arrivals = r.string(t, p, "arrivals", default="poisson")
@@ -257,7 +260,10 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
         mem_bytes=r.size(t, p, "mem", default=2 << 30),
         slo_p99_ms=r.opt_number(t, p, "slo_p99_ms", 0.0, 1e9),
         slo_factor=r.number(t, p, "slo_factor", 1.1, 1.0, 1000.0),
+        burst=r.burst(t, p) if arrivals == "poisson" else None,
     )
+    if "burst" in t and arrivals != "poisson":
+        raise ScenarioError(r.file, p + "burst", "a burst applies to poisson arrivals only")
     return spec
 
 
@@ -392,6 +398,21 @@ class _Reader:
             return parse_size("bad" if bad_type else v)
         except ValueError:
             raise self.err(p + key, "expected a size such as '4GiB' or '512MiB'", v) from None
+
+    def burst(self, t: Mapping[str, Any], p: str) -> tuple[float, float, float] | None:
+        v = t.get("burst")
+        if v is None:
+            return None
+        ok = isinstance(v, list) and len(v) == 3
+        nums = [parse_duration(x) if isinstance(x, str) else x for x in v] if ok else []
+        if not ok or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in nums
+        ):
+            raise self.err(p + "burst", 'expected ["AT", "FOR", FACTOR], e.g. ["20s", "15s", 3]', v)
+        at, length, factor = (float(x) for x in nums)
+        if length <= 0 or factor <= 0:
+            raise self.err(p + "burst", "the burst's length and factor must be positive", v)
+        return (at, length, factor)
 
     def gpu_index(self, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> int:
         return self.integer(t, p, "gpu", default=0, low=0, high=gpu.count - 1)

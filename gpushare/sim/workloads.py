@@ -327,6 +327,36 @@ def poisson_arrivals(rate_per_s: float, seed: int, end_s: float) -> Iterator[flo
         yield t
 
 
+def bursty_poisson_arrivals(
+    rps: float,
+    burst: tuple[float, float, float] | None,
+    seed: int,
+    start_s: float,
+    end_s: float,
+) -> Iterator[float]:
+    """Poisson arrivals at ``rps`` from ``start_s``, with an optional burst.
+
+    ``burst = (at_s, for_s, factor)`` multiplies the rate by ``factor`` from ``at_s`` (relative to
+    ``start_s``) for ``for_s``.
+    """
+    rng = random.Random(seed)
+    t = 0.0
+    lo, length, factor = burst if burst is not None else (math.inf, 0.0, 1.0)
+    hi = lo + length
+    while True:
+        rate = rps * factor if lo <= t < hi else rps
+        step = rng.expovariate(rate)
+        # Memorylessness: a draw that crosses a rate boundary restarts at the boundary.
+        edge = lo if t < lo else hi if t < hi else math.inf
+        if t + step > edge:
+            t = edge
+            continue
+        t += step
+        if start_s + t >= end_s:
+            return
+        yield start_s + t
+
+
 def trace_arrivals(
     times_s: tuple[float, ...], *, start_s: float, speedup: float, rate_scale: float, end_s: float
 ) -> Iterator[float]:
