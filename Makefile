@@ -29,9 +29,9 @@ typecheck: $(STAMP)
 unit: $(STAMP) mps
 	$(BIN)/pytest -q
 
-# Interim demo until the daemon's --simulate mode lands: every policy on one simulated pair.
+# The real daemon on one simulated GPU, driven by the real CLI (scripts/demo.sh); ~90 s.
 demo: $(STAMP)
-	$(BIN)/gpushare sim examples/scenarios/pairs/resnet50_4_fwd+resnet50_32_fb1.toml --out demo-run
+	BIN=$(BIN) scripts/demo.sh
 
 bench: $(STAMP) mps
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
