@@ -65,6 +65,8 @@ def test_good_scenario_has_defaults_and_config_overrides() -> None:
         (("[[online]]", "[gpu]\ncount = 0\n[[online]]"), "gpu.count", "integer in [1, 64]"),
         (("[[online]]", '[control]\nperiod = "fast"\n[[online]]'), "control.period", ""),
         (("[[online]]", "[control]\nnot_a_key = 1\n[[online]]"), "control.not_a_key", "unknown"),
+        (('name = "inf"', 'name = "inf"\nburst = ["1s", "2s"]'), "online[0].burst", "expected"),
+        (('name = "inf"', 'name = "inf"\nburst = ["1s", "0s", 3]'), "online[0].burst", "positive"),
     ],
 )
 def test_bad_scenario_names_the_key(mutation: tuple[str, str], key: str, words: str) -> None:
@@ -75,6 +77,19 @@ def test_bad_scenario_names_the_key(mutation: tuple[str, str], key: str, words: 
     assert err.key == key
     assert str(err).startswith(f"bad.toml: {key}: ")
     assert words in err.reason
+
+
+def test_burst_parses_and_raises_the_rate() -> None:
+    from gpushare.sim import runner
+
+    text = GOOD.replace('name = "inf"', 'name = "inf"\nrps = 10.0\nburst = ["2s", "1s", 5]')
+    text = text.replace("[[offline]]", '[[offline]]\nsubmit = "60s"')
+    sc = scenario.loads(text.replace('duration = "10s"', 'duration = "4s"'), "x.toml")
+    assert sc.online[0].burst == (2.0, 1.0, 5.0)
+    arrivals = list(runner.arrivals_for(sc.online[0], 0.0065, 1, 4.0))
+    in_burst = sum(1 for t in arrivals if 2.0 <= t < 3.0)
+    before = sum(1 for t in arrivals if 0.0 <= t < 2.0) / 2
+    assert in_burst > 2.5 * before
 
 
 def test_not_toml_and_missing_file() -> None:
