@@ -69,9 +69,9 @@ class SimulatedPauser:
         self.mechanism = real.mechanism
         self._sim = rt.pauser()
 
-    def attach(self, client_id: str, pid: int) -> None:
+    def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
         """Attach the process, and start its simulated twin if it names a profile."""
-        self.real.attach(client_id, pid)
+        self.real.attach(client_id, pid, owner_uid=owner_uid)
         info = self.lookup(client_id)
         if info is None:
             return
@@ -110,6 +110,32 @@ class SimulatedPauser:
         """Thaw both."""
         self.real.thaw(client_id)
         self._sim.thaw(client_id)
+
+    def freeze_many(self, client_ids: Sequence[str]) -> None:
+        """Freeze several at once (the real pauser's batched form when it has one)."""
+        batch = getattr(self.real, "freeze_many", None)
+        try:
+            if callable(batch):
+                batch(client_ids)
+            else:
+                for client_id in client_ids:
+                    self.real.freeze(client_id)
+        finally:
+            for client_id in client_ids:
+                self._sim.freeze(client_id)
+
+    def thaw_many(self, client_ids: Sequence[str]) -> None:
+        """Thaw several at once."""
+        batch = getattr(self.real, "thaw_many", None)
+        try:
+            if callable(batch):
+                batch(client_ids)
+            else:
+                for client_id in client_ids:
+                    self.real.thaw(client_id)
+        finally:
+            for client_id in client_ids:
+                self._sim.thaw(client_id)
 
     def kill(self, client_id: str) -> None:
         """Kill the process; its twin's work is discarded."""

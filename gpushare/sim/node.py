@@ -92,8 +92,8 @@ class SimPauser:
         self.node = node
         self._attached: dict[str, SimClient] = {}
 
-    def attach(self, client_id: str, pid: int) -> None:
-        """Track a simulated client under its id (``pid`` is recorded on it)."""
+    def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
+        """Track a simulated client under its id (``pid`` is recorded on it; no owner check)."""
         client = self.node.client(client_id)
         if client is None:
             raise KeyError(f"no simulated client {client_id!r}")

@@ -338,7 +338,7 @@ class RealTimePauser:
     def __init__(self, rt: RealTimeSimNode) -> None:
         self.rt = rt
 
-    def attach(self, client_id: str, pid: int) -> None:
+    def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
         """Track a simulated client."""
         with self.rt.lock:
             self.rt.advance()
