@@ -24,6 +24,12 @@ enabled = false
 window = "5s"
 TOML
 
+# As root on a host without systemd delegation the daemon puts client cgroups under
+# <cgroup2 mount>/gpushare; remove what this demo created (rmdir only removes empty ones).
+CG_MOUNT=$(awk '$3 == "cgroup2" {print $2; exit}' /proc/self/mounts)
+CG_BASE=${CG_MOUNT:+$CG_MOUNT/gpushare}
+CG_EXISTED=0; [[ -n "$CG_BASE" && -d "$CG_BASE" ]] && CG_EXISTED=1
+
 DAEMON_PID=""
 IDS=()
 cleanup() {
@@ -34,6 +40,9 @@ cleanup() {
         kill -KILL "$DAEMON_PID" 2>/dev/null || true
     fi
     rm -rf "$RUN"
+    if [[ -n "$CG_BASE" && $CG_EXISTED == 0 && -d "$CG_BASE" ]]; then
+        find "$CG_BASE" -depth -type d -exec rmdir {} \; 2>/dev/null || true
+    fi
 }
 trap cleanup EXIT
 
