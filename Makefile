@@ -29,6 +29,10 @@ typecheck: $(STAMP)
 unit: $(STAMP) mps
 	$(BIN)/pytest -q
 
+# The real daemon on one simulated GPU, driven by the real CLI (scripts/demo.sh); ~90 s.
+demo: $(STAMP)
+	BIN=$(BIN) scripts/demo.sh
+
 bench: $(STAMP) mps
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 

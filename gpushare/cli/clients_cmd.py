@@ -20,6 +20,7 @@ import typer
 from gpushare import protocol
 from gpushare.cli.render import mps_down, render_clients, render_status
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
+from gpushare.sim.simenv import workload_env as sim_workload_env
 from gpushare.units import parse_duration, parse_size
 
 SocketOpt = Annotated[
@@ -107,6 +108,20 @@ def submit(
     detach: Annotated[
         bool, typer.Option("--detach", help="Let the daemon run it; output to a log file.")
     ] = False,
+    sim_profile: Annotated[
+        str | None,
+        typer.Option(
+            "--sim-profile",
+            help="Under 'gpushare daemon --simulate': the simulated workload, e.g. resnet50-train.",
+        ),
+    ] = None,
+    rps: Annotated[
+        float | None, typer.Option("--rps", help="Simulated online request rate (--sim-profile).")
+    ] = None,
+    sim_burst: Annotated[
+        str | None,
+        typer.Option("--sim-burst", help="Simulated burst AT_S:FOR_S:FACTOR (--sim-profile)."),
+    ] = None,
     socket: SocketOpt = None,
 ) -> None:
     """Run a command as an MPS client with gpushare's limits (foreground unless --detach)."""
@@ -131,8 +146,14 @@ def submit(
         params["slo_p99_ms"] = parse_duration(slo_p99) * 1e3 if slo_p99 is not None else None
     except ValueError as exc:
         raise _bad(str(exc)) from None
+    if (rps is not None or sim_burst is not None) and sim_profile is None:
+        raise _bad("--rps and --sim-burst describe a simulated workload: give --sim-profile too")
     if params["detach"]:
         params["env"] = dict(os.environ)
+        if sim_profile is not None:
+            params["env"].update(sim_workload_env(sim_profile, rps, sim_burst))
+    elif sim_profile is not None:
+        raise _bad("--sim-profile needs --detach (or GPUSHARE_SIM_PROFILE in the environment)")
     else:
         params["pid"] = os.getpid()
     result = call_once(socket, protocol.SUBMIT, params)

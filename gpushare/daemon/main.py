@@ -135,8 +135,66 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
     )
 
 
-def main(config_path: Path, log_level: str | None = None) -> int:
-    """Entry point of ``gpushare daemon``; returns the process exit status."""
+def build_simulated(cfg: config_mod.Config, config_path: Path | None, gpus: int) -> Daemon:
+    """Wire the real daemon to ``gpus`` simulated GPUs running in real time (DESIGN D10).
+
+    Raises:
+        StartupError: the registry cannot be opened or the policy is unknown.
+    """
+    from gpushare.sim.daemon_node import SimClientInfo, SimulatedPauser
+    from gpushare.sim.realtime import RealTimeSimNode
+
+    try:
+        registry = Registry.open(cfg.paths.resolved("database"))
+    except RegistryError as exc:
+        raise StartupError(str(exc)) from exc
+    try:
+        policy = make_policy(cfg.control.policy, cfg.control)
+    except ValueError as exc:
+        registry.close()
+        raise StartupError(f"control.policy: {exc}") from exc
+    rt = RealTimeSimNode(gpus, cfg, runtime_dir=cfg.paths.runtime_dir)
+
+    def lookup(client_id: str) -> SimClientInfo | None:
+        try:
+            rec = registry.get(client_id)
+        except RegistryError:
+            return None
+        if rec.gpu_uuid is None:
+            return None
+        return SimClientInfo(
+            cls=rec.cls,
+            gpu_uuid=rec.gpu_uuid,
+            sm_pct=rec.sm_pct if rec.sm_pct is not None else 100.0,
+            mem_bytes=rec.mem_bytes,
+            slo_p99_ms=rec.slo_p99_ms,
+            restartable=rec.restartable,
+            env=rec.env,
+        )
+
+    real = make_pauser(cfg)
+    log.info("simulated_node", gpus=gpus, uuids=rt.gpu_uuids, mechanism=real.pauser.mechanism.value)
+    daemon = Daemon(
+        cfg,
+        registry=registry,
+        gpu=rt.gpu_backend(),
+        mps=rt.mps_node(),
+        pauser=SimulatedPauser(real.pauser, rt, lookup),
+        probe=rt.latency_probe() if cfg.probe.enabled else None,
+        policy=policy,
+        config_path=config_path,
+        metrics=Exporter() if cfg.metrics.enabled else None,
+    )
+    # Simulated services report their request latencies as real ones would (report_latency).
+    rt.on_latency = daemon.latency.tracker.add
+    return daemon
+
+
+def main(config_path: Path, log_level: str | None = None, simulate: int | None = None) -> int:
+    """Entry point of ``gpushare daemon``; returns the process exit status.
+
+    ``simulate``: run on that many simulated GPUs in real time instead of the host's.
+    """
     try:
         cfg = config_mod.load(config_path)
     except config_mod.ConfigError as exc:
@@ -144,6 +202,8 @@ def main(config_path: Path, log_level: str | None = None) -> int:
         return 2
     configure_logging(log_level or cfg.daemon.log_level)
     try:
+        if simulate is not None:
+            return serve(build_simulated(cfg, config_path, simulate))
         return serve(build(cfg, config_path))
     except StartupError as exc:
         log.error("daemon_start_failed", error=str(exc))  # noqa: TRY400 - the message is the fix

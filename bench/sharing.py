@@ -1,0 +1,176 @@
+"""Sharing quality: every shipped scenario x every policy on the simulated GPU node.
+
+Runs ``examples/scenarios/**/*.toml`` under each policy of the registry (plus each scenario's
+online services alone, the reference), prints a per-policy summary and writes
+``bench/results/sharing.json`` and ``bench/results/sharing.md`` (the per-scenario table and the
+summary). Usage::
+
+    .venv/bin/python bench/sharing.py [--jobs 2] [--duration S] [--policy NAME ...] [SCENARIO ...]
+
+Numbers are virtual-time results of the model described in ``docs/simulator.md``: they rank
+policies on one model, they are not measurements of a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gpushare.cli import sim_cmd  # noqa: E402
+from gpushare.sim import report  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+
+
+def _run(args: tuple[str, list[str] | None, float | None]) -> dict[str, Any]:
+    path, policies, duration = args
+    t0 = time.perf_counter()
+    (result,) = sim_cmd.run_files([Path(path)], policies, duration_s=duration, progress=False)
+    rows = report.summarise(result)
+    return {
+        "file": str(Path(path).relative_to(REPO)),
+        "scenario": result.scenario.name,
+        "wall_s": time.perf_counter() - t0,
+        "virtual_s": result.scenario.duration_s,
+        "alone_speed": result.alone.speed_factor if result.alone else None,
+        "rows": [r.as_dict() for r in rows],
+    }
+
+
+def summary(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per policy: mean and worst p99 overhead, mean offline and system throughput, SLO, speed."""
+    by_policy: dict[str, list[dict[str, Any]]] = {}
+    for sc in scenarios:
+        for row in sc["rows"]:
+            by_policy.setdefault(row["policy"], []).append(row)
+    out = []
+    for policy, rows in by_policy.items():
+        ovh = [r["p99_overhead"] for r in rows if r["p99_overhead"] is not None]
+        off = [r["offline_norm"] for r in rows if r["offline_norm"] is not None]
+        slo = [r["slo_attainment"] for r in rows if r["slo_attainment"] is not None]
+        out.append(
+            {
+                "policy": policy,
+                "scenarios": len(rows),
+                "p99_overhead_mean": statistics.fmean(ovh) if ovh else None,
+                "p99_overhead_median": statistics.median(ovh) if ovh else None,
+                "p99_overhead_worst": max(ovh) if ovh else None,
+                "within_7pct": sum(1 for x in ovh if x <= 0.07),
+                "slo_attainment_mean": statistics.fmean(slo) if slo else None,
+                "offline_norm_mean": statistics.fmean(off) if off else None,
+                "system_throughput_mean": statistics.fmean(r["system_throughput"] for r in rows),
+                "busy_mean": statistics.fmean(r["busy_fraction"] for r in rows),
+                "speed_min": min(r["speed_factor"] for r in rows),
+            }
+        )
+    return out
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v * 100:+.0f}%"
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def summary_markdown(rows: list[dict[str, Any]]) -> str:
+    """The per-policy summary as a Markdown table."""
+    head = (
+        "| policy | p99 overhead mean | median | worst | scenarios within 7 % | SLO attainment "
+        "| offline tput | system tput | GPU busy | slowest run |"
+    )
+    out = [head, "|" + "---|" * 10]
+    for r in rows:
+        out.append(
+            f"| {r['policy']} | {_pct(r['p99_overhead_mean'])} | {_pct(r['p99_overhead_median'])} "
+            f"| {_pct(r['p99_overhead_worst'])} | {r['within_7pct']}/{r['scenarios']} "
+            f"| {_num(r['slo_attainment_mean'] and r['slo_attainment_mean'] * 100)}% "
+            f"| {_num(r['offline_norm_mean'])} | {_num(r['system_throughput_mean'])} "
+            f"| {r['busy_mean'] * 100:.0f}% | {r['speed_min']:.0f}x |"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    """Run the benchmark and write its results."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("scenarios", nargs="*", help="scenario files (default: every shipped one)")
+    ap.add_argument("--policy", action="append", help="policy to run (repeat; default: all)")
+    ap.add_argument("--duration", type=float, help="override each scenario's virtual duration")
+    ap.add_argument("--jobs", type=int, default=1, help="scenarios run in parallel")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the 3 trace scenarios + the 5 pairs with ResNet-50 training, 10 s each (~1 min)",
+    )
+    ap.add_argument("--out", type=Path, default=RESULTS / "sharing.json")
+    args = ap.parse_args()
+    files = args.scenarios or sorted(
+        str(p) for p in (REPO / "examples" / "scenarios").rglob("*.toml")
+    )
+    if args.quick and not args.scenarios:
+        files = [f for f in files if "/pairs/" not in f or f.endswith("+resnet50_32_fb1.toml")]
+        args.duration = args.duration or 10.0
+    t0 = time.perf_counter()
+    work = [(f, args.policy, args.duration) for f in files]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            scenarios = list(pool.map(_run, work))
+    else:
+        scenarios = []
+        for i, w in enumerate(work, 1):
+            scenarios.append(_run(w))
+            print(
+                f"[{i}/{len(work)}] {scenarios[-1]['scenario']} ({scenarios[-1]['wall_s']:.1f}s)",
+                file=sys.stderr,
+            )
+    wall = time.perf_counter() - t0
+    summ = summary(scenarios)
+    policies = [s["policy"] for s in summ]
+    virtual = sum(sc["virtual_s"] * (len(policies) + 1) for sc in scenarios)
+    command = "python bench/sharing.py " + " ".join(sys.argv[1:])
+    doc = {
+        "command": command.strip(),
+        "wall_s": wall,
+        "virtual_s": virtual,
+        "speed_overall": virtual / wall,
+        "summary": summ,
+        "scenarios": scenarios,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    all_rows = [report.Row(**r) for sc in scenarios for r in sc["rows"]]
+    md = [
+        f"Command: `{doc['command']}` ({len(scenarios)} scenarios x {len(policies)} policies, "
+        f"{virtual:.0f} s virtual in {wall:.0f} s wall, {virtual / wall:.0f}x real time overall)",
+        "",
+        "### Summary per policy",
+        "",
+        summary_markdown(summ),
+        "",
+        "### Every scenario",
+        "",
+        report.markdown_table(all_rows, with_scenario=True),
+        "",
+    ]
+    args.out.with_suffix(".md").write_text("\n".join(md))
+    print(summary_markdown(summ))
+    print(
+        f"\n{len(scenarios)} scenarios, {virtual:.0f} s virtual in {wall:.0f} s "
+        f"({virtual / wall:.0f}x real time); wrote {args.out} and {args.out.with_suffix('.md')}"
+    )
+
+
+if __name__ == "__main__":
+    main()

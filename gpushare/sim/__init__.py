@@ -1,0 +1,16 @@
+"""A simulated GPU node: a discrete-event, kernel-level model of GPUs shared through MPS.
+
+The simulator runs gpushare's controller and the baselines against the same simulated node in
+virtual time (``gpushare sim``), so that their effect on online latency and offline throughput can be
+compared on machines without a GPU. Every modelling assumption and its source is written down in
+``docs/simulator.md``.
+
+Modules:
+    data: find the shared data directory; load kernel profiles and arrival traces.
+    gpu: the GPU model and its event loop (virtual clock, SMs, MPS caps, priority, bandwidth).
+    workloads: online (open-loop requests) and offline (closed-loop training) clients.
+    scenario: TOML scenario files, validated with errors that name the file and key.
+    runner: runs one policy on one scenario and collects the metrics.
+    node: the node Protocols of :mod:`gpushare.node.base` implemented on the simulated node.
+    report: tables, JSON and plots.
+"""

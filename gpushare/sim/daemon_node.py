@@ -1,0 +1,153 @@
+"""Wiring of the real-time simulated node into the real daemon (``gpushare daemon --simulate N``).
+
+The daemon runs unchanged: its socket, CLI, registry, controller, launcher and pauser are real, and
+every submitted workload is a real process (any command: ``sleep 600`` does). What it would do on a
+GPU is simulated: a client whose environment names a simulated profile (``gpushare submit
+--sim-profile resnet50-train``, or ``GPUSHARE_SIM_PROFILE``) gets a simulated twin on the
+simulated GPU when the daemon attaches its process, is frozen and thawed with it, and goes away
+with it. NVML readings, the probe and MPS come from the simulated node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from gpushare.model import ClientClass
+from gpushare.node.base import Pauser
+from gpushare.sim.realtime import RealTimeSimNode, SimProfileError, workload_from_env
+from gpushare.sim.simenv import ENV_PROFILE
+
+log = structlog.get_logger("gpushare.sim")
+
+#: Memory a simulated client allocates when it declared none.
+DEFAULT_MEM_BYTES = {ClientClass.ONLINE: 2 << 30, ClientClass.OFFLINE: 4 << 30}
+
+
+@dataclass(frozen=True, slots=True)
+class SimClientInfo:
+    """What the registry knows of a client that its simulated twin needs."""
+
+    cls: ClientClass
+    gpu_uuid: str
+    sm_pct: float
+    mem_bytes: int | None
+    slo_p99_ms: float | None
+    restartable: bool
+    env: Mapping[str, str]
+
+
+def _process_env(pid: int) -> dict[str, str]:
+    """A process's initial environment (empty when unreadable)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            out[key.decode(errors="replace")] = value.decode(errors="replace")
+    return out
+
+
+class SimulatedPauser:
+    """A real pauser that also freezes, thaws and ends each client's simulated twin."""
+
+    def __init__(
+        self,
+        real: Pauser,
+        rt: RealTimeSimNode,
+        lookup: Callable[[str], SimClientInfo | None],
+    ) -> None:
+        self.real = real
+        self.rt = rt
+        self.lookup = lookup
+        self.mechanism = real.mechanism
+        self._sim = rt.pauser()
+
+    def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
+        """Attach the process, and start its simulated twin if it names a profile."""
+        self.real.attach(client_id, pid, owner_uid=owner_uid)
+        info = self.lookup(client_id)
+        if info is None:
+            return
+        env = info.env
+        if ENV_PROFILE not in env:
+            env = _process_env(pid)  # a foreground submit: the profile is in its environment
+        try:
+            workload = workload_from_env(env)
+            if workload is None:
+                log.info("sim_client_without_profile", client_id=client_id)
+                return
+            ok = self.rt.add_client(
+                client_id,
+                info.cls,
+                workload,
+                gpu_uuid=info.gpu_uuid,
+                sm_pct=info.sm_pct,
+                mem_bytes=info.mem_bytes or DEFAULT_MEM_BYTES[info.cls],
+                pid=pid,
+                slo_p99_ms=info.slo_p99_ms,
+                restartable=info.restartable,
+            )
+        except (SimProfileError, KeyError) as exc:
+            log.warning("sim_client_refused", client_id=client_id, error=str(exc))
+            return
+        if not ok:
+            log.warning("sim_client_allocation_failed", client_id=client_id)
+        self._sim.attach(client_id, pid)
+
+    def freeze(self, client_id: str) -> None:
+        """Freeze the process and stop its twin issuing kernels."""
+        self.real.freeze(client_id)
+        self._sim.freeze(client_id)
+
+    def thaw(self, client_id: str) -> None:
+        """Thaw both."""
+        self.real.thaw(client_id)
+        self._sim.thaw(client_id)
+
+    def freeze_many(self, client_ids: Sequence[str]) -> None:
+        """Freeze several at once (the real pauser's batched form when it has one)."""
+        batch = getattr(self.real, "freeze_many", None)
+        try:
+            if callable(batch):
+                batch(client_ids)
+            else:
+                for client_id in client_ids:
+                    self.real.freeze(client_id)
+        finally:
+            for client_id in client_ids:
+                self._sim.freeze(client_id)
+
+    def thaw_many(self, client_ids: Sequence[str]) -> None:
+        """Thaw several at once."""
+        batch = getattr(self.real, "thaw_many", None)
+        try:
+            if callable(batch):
+                batch(client_ids)
+            else:
+                for client_id in client_ids:
+                    self.real.thaw(client_id)
+        finally:
+            for client_id in client_ids:
+                self._sim.thaw(client_id)
+
+    def kill(self, client_id: str) -> None:
+        """Kill the process; its twin's work is discarded."""
+        self.real.kill(client_id)
+        self.rt.remove_client(client_id)
+
+    def pids(self, client_id: str) -> Sequence[int]:
+        """The real process's pids."""
+        return self.real.pids(client_id)
+
+    def release(self, client_id: str) -> None:
+        """Forget the client and its twin."""
+        self.real.release(client_id)
+        self._sim.release(client_id)
+        self.rt.remove_client(client_id)

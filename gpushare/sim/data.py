@@ -1,0 +1,252 @@
+"""The shared data directory: kernel profiles and arrival traces for the simulator.
+
+The data is not part of the package (``../shared/data`` beside a clone, ``/work/shared/data`` on the
+development machines; ``$GPUSHARE_SIM_DATA`` overrides both). Scenario files name data files relative
+to that root. Loaded profiles and traces are cached per process because every policy run of a
+scenario reads the same files.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import math
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+DATA_ENV = "GPUSHARE_SIM_DATA"
+_FALLBACK = Path("/work/shared/data")
+
+#: SMs of the V100 the Orion and iGniter profiles were measured on.
+PROFILE_SM_COUNT = 80
+
+#: Chunk bound when merging an inference profile's kernels (see :func:`merge_kernels`).
+DEFAULT_MERGE_ONLINE_US = 50.0
+#: Chunk bound when merging a training profile's kernels.
+DEFAULT_MERGE_OFFLINE_US = 100.0
+DEFAULT_MERGE_US = DEFAULT_MERGE_ONLINE_US
+
+
+class DataError(Exception):
+    """A data file is missing or malformed; the message names the file and the fix."""
+
+
+def data_root() -> Path:
+    """The data directory: ``$GPUSHARE_SIM_DATA``, ``<repo>/../shared/data`` or ``/work/shared/data``.
+
+    Raises:
+        DataError: none of them exists.
+    """
+    env = os.environ.get(DATA_ENV)
+    if env:
+        path = Path(env)
+        if not path.is_dir():
+            raise DataError(f"{DATA_ENV}={env} is not a directory; point it at the shared data")
+        return path
+    repo = Path(__file__).resolve().parents[2]
+    for candidate in (repo.parent / "shared" / "data", _FALLBACK):
+        if candidate.is_dir():
+            return candidate
+    raise DataError(
+        f"no simulator data found at {repo.parent / 'shared' / 'data'} or {_FALLBACK}; "
+        f"clone the shared data beside the repository or set {DATA_ENV}"
+    )
+
+
+def resolve(relative: str | Path) -> Path:
+    """A data file named relative to :func:`data_root` (absolute paths are kept)."""
+    path = Path(relative)
+    return path if path.is_absolute() else data_root() / path
+
+
+@dataclass(frozen=True, slots=True)
+class KernelProfile:
+    """A kernel sequence (one inference request or one training iteration) as parallel tuples.
+
+    ``dur_s`` is each kernel's run time when it holds ``width`` SMs alone on the GPU; ``width`` is the
+    SMs it can use (its block count, capped at the GPU's SMs); ``mem`` is its memory-boundness in
+    [0, 1] (Orion's roofline class: 1 memory-bound, 0 compute-bound, 0.5 unknown).
+    """
+
+    name: str
+    dur_s: tuple[float, ...]
+    width: tuple[int, ...]
+    mem: tuple[float, ...]
+    source_kernels: int
+
+    @property
+    def total_s(self) -> float:
+        """Run time of the whole sequence alone on a full GPU."""
+        return math.fsum(self.dur_s)
+
+    def __len__(self) -> int:
+        return len(self.dur_s)
+
+
+def merge_kernels(
+    rows: list[tuple[float, int, float]], merge_us: float, name: str, sm_count: int
+) -> KernelProfile:
+    """Merge runs of consecutive kernels into chunks of at most ``merge_us`` microseconds.
+
+    Why: training iterations hold ~1,000-5,000 kernels, most a few microseconds long; simulating
+    each one would make a scenario slower than real time in Python. A kernel longer than the bound
+    is never merged, so the long kernels that dominate how long another client waits for SMs (the
+    length-biased residual) are kept exactly; merging training profiles at 100 us changes that
+    residual by under 3 % for every shipped profile, and the Orion co-location point moves by
+    under 5 % against no merging at all (``docs/simulator.md``). A chunk's width and memory-boundness
+    are duration-weighted means of its kernels.
+    """
+    dur: list[float] = []
+    width: list[int] = []
+    mem: list[float] = []
+    acc_d = acc_w = acc_m = 0.0
+    for d_us, w, m in rows:
+        if acc_d > 0.0 and acc_d + d_us > merge_us:
+            dur.append(acc_d * 1e-6)
+            width.append(max(1, min(sm_count, round(acc_w / acc_d))))
+            mem.append(acc_m / acc_d)
+            acc_d = acc_w = acc_m = 0.0
+        acc_d += d_us
+        acc_w += min(w, sm_count) * d_us
+        acc_m += m * d_us
+    if acc_d > 0.0:
+        dur.append(acc_d * 1e-6)
+        width.append(max(1, min(sm_count, round(acc_w / acc_d))))
+        mem.append(acc_m / acc_d)
+    return KernelProfile(name, tuple(dur), tuple(width), tuple(mem), len(rows))
+
+
+@functools.lru_cache(maxsize=64)
+def load_profile(
+    relative: str, merge_us: float = DEFAULT_MERGE_US, sm_count: int = PROFILE_SM_COUNT
+) -> KernelProfile:
+    """Load an Orion per-kernel profile (``Name,Profile,Memory_footprint,SM_usage,Duration``).
+
+    Widths are scaled from the V100's 80 SMs to ``sm_count``.
+
+    Raises:
+        DataError: the file is missing or a row is malformed.
+    """
+    path = resolve(relative)
+    try:
+        with path.open(newline="") as fh:
+            reader = csv.DictReader(fh)
+            rows: list[tuple[float, int, float]] = []
+            for lineno, row in enumerate(reader, start=2):
+                try:
+                    d_us = int(row["Duration"]) / 1000.0
+                    blocks = int(row["SM_usage"])
+                    prof = int(row["Profile"])
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise DataError(
+                        f"{path}:{lineno}: expected integer Profile, SM_usage and Duration columns "
+                        f"({exc})"
+                    ) from exc
+                mem = 1.0 if prof == 0 else 0.0 if prof == 1 else 0.5
+                width = max(1, round(min(blocks, PROFILE_SM_COUNT) * sm_count / PROFILE_SM_COUNT))
+                if d_us > 0:
+                    rows.append((d_us, width, mem))
+    except OSError as exc:
+        raise DataError(f"cannot read kernel profile {path}: {exc.strerror or exc}") from exc
+    if not rows:
+        raise DataError(f"kernel profile {path} has no kernels")
+    return merge_kernels(rows, merge_us, path.stem, sm_count)
+
+
+@functools.lru_cache(maxsize=16)
+def load_azure_arrivals(relative: str) -> tuple[float, ...]:
+    """Arrival times in seconds from the start of an Azure LLM trace (``TIMESTAMP`` column).
+
+    Raises:
+        DataError: the file is missing or a timestamp is malformed.
+    """
+    path = resolve(relative)
+    times: list[float] = []
+    try:
+        with path.open(newline="") as fh:
+            for lineno, row in enumerate(csv.DictReader(fh), start=2):
+                stamp = row.get("TIMESTAMP", "")
+                try:
+                    # Seven fractional digits: Python parses at most six.
+                    head, _, frac = stamp.partition(".")
+                    t = datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp()
+                    times.append(t + float("0." + (frac or "0")))
+                except ValueError as exc:
+                    raise DataError(f"{path}:{lineno}: bad TIMESTAMP {stamp!r}") from exc
+    except OSError as exc:
+        raise DataError(f"cannot read arrival trace {path}: {exc.strerror or exc}") from exc
+    if not times:
+        raise DataError(f"arrival trace {path} has no rows")
+    times.sort()
+    t0 = times[0]
+    return tuple(t - t0 for t in times)
+
+
+@functools.lru_cache(maxsize=16)
+def load_genai_qps(relative: str) -> tuple[float, ...]:
+    """Per-minute total QPS of the Alibaba GenAI service (``qps.csv`` inside ``qps.tar.gz``).
+
+    Raises:
+        DataError: the archive is missing or malformed.
+    """
+    import io
+    import tarfile
+
+    path = resolve(relative)
+    per_minute: dict[int, float] = {}
+    try:
+        with tarfile.open(path) as tar:
+            member = next((m for m in tar.getmembers() if m.name.endswith(".csv")), None)
+            extracted = tar.extractfile(member) if member else None
+            if extracted is None:
+                raise DataError(f"{path}: no CSV inside the archive")
+            text = io.TextIOWrapper(extracted, encoding="utf-8")
+            for lineno, row in enumerate(csv.DictReader(text), start=2):
+                try:
+                    minute = int(float(row["timestamp_anon"]) // 60)
+                    per_minute[minute] = per_minute.get(minute, 0.0) + float(row["value"])
+                except (KeyError, ValueError) as exc:
+                    raise DataError(f"{path}:{lineno}: bad timestamp_anon/value ({exc})") from exc
+    except (OSError, tarfile.TarError) as exc:
+        raise DataError(f"cannot read QPS archive {path}: {exc}") from exc
+    if not per_minute:
+        raise DataError(f"QPS archive {path} has no rows")
+    first, last = min(per_minute), max(per_minute)
+    return tuple(per_minute.get(m, 0.0) for m in range(first, last + 1))
+
+
+@dataclass(frozen=True, slots=True)
+class PodShare:
+    """One single-GPU pod of the Alibaba GPU trace that asked for a fraction of a GPU."""
+
+    name: str
+    qos: str
+    gpu_milli: int
+
+
+@functools.lru_cache(maxsize=4)
+def load_alibaba_pods(relative: str) -> tuple[PodShare, ...]:
+    """Single-GPU LS and BE pods with a fractional ``gpu_milli`` from the Alibaba GPU trace.
+
+    Raises:
+        DataError: the file is missing or malformed.
+    """
+    path = resolve(relative)
+    pods: list[PodShare] = []
+    try:
+        with path.open(newline="") as fh:
+            for lineno, row in enumerate(csv.DictReader(fh), start=2):
+                try:
+                    num_gpu = int(row["num_gpu"])
+                    milli = int(row["gpu_milli"])
+                except (KeyError, ValueError) as exc:
+                    raise DataError(f"{path}:{lineno}: bad num_gpu/gpu_milli ({exc})") from exc
+                if num_gpu == 1 and 0 < milli < 1000 and row.get("qos") in ("LS", "BE"):
+                    pods.append(PodShare(row["name"], row["qos"], milli))
+    except OSError as exc:
+        raise DataError(f"cannot read pod list {path}: {exc.strerror or exc}") from exc
+    if not pods:
+        raise DataError(f"pod list {path} has no fractional single-GPU LS/BE pods")
+    return tuple(pods)

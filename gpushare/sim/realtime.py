@@ -1,0 +1,406 @@
+"""The simulated node in real time, with clients added and removed as they come and go.
+
+This is the piece a daemon's simulated mode (DESIGN D10: "the daemon's ``--simulate`` mode runs
+the same simulated node in real time") needs: :class:`RealTimeSimNode` owns a
+:class:`gpushare.sim.runner.SimNode` whose virtual clock follows a wall clock, lets clients be
+added by a named simulated profile (``--sim-profile resnet50-train``, ``--sim-profile
+bert-inference --rps 40``) and removed, and hands out the four node Protocols of
+:mod:`gpushare.node.base`; every Protocol call first advances the simulation to the wall clock.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpushare.config import Config
+from gpushare.model import (
+    ClientClass,
+    ClientState,
+    GpuEvent,
+    GpuSample,
+    MpsEvent,
+    MpsState,
+    PauseMechanism,
+    ProbeReading,
+)
+from gpushare.sim import data
+from gpushare.sim import node as simnode
+from gpushare.sim.runner import SimNode
+from gpushare.sim.scenario import GpuSpec, Scenario
+from gpushare.sim.simenv import ENV_BURST, ENV_PROFILE, ENV_RPS
+from gpushare.sim.workloads import OfflineTrainer, OnlineServer, bursty_poisson_arrivals
+
+ORION = "orion-v100-kernels"
+
+#: Simulated workload profiles by the name ``--sim-profile`` takes: class and kernel profile.
+SIM_PROFILES: dict[str, tuple[ClientClass, str]] = {
+    "bert-inference": (ClientClass.ONLINE, f"{ORION}/bert_2_fwd.csv"),
+    "mobilenetv2-inference": (ClientClass.ONLINE, f"{ORION}/mobilenetv2_4_fwd.csv"),
+    "resnet50-inference": (ClientClass.ONLINE, f"{ORION}/resnet50_4_fwd.csv"),
+    "resnet101-inference": (ClientClass.ONLINE, f"{ORION}/resnet101_4_fwd.csv"),
+    "transformer-xl-inference": (ClientClass.ONLINE, f"{ORION}/transformer_xl_4_fwd.csv"),
+    "bert-train": (ClientClass.OFFLINE, f"{ORION}/bert_8_fb1.csv"),
+    "mobilenetv2-train": (ClientClass.OFFLINE, f"{ORION}/mobilenetv2_32_fb1.csv"),
+    "resnet50-train": (ClientClass.OFFLINE, f"{ORION}/resnet50_32_fb1.csv"),
+    "resnet101-train": (ClientClass.OFFLINE, f"{ORION}/resnet101_32_fb1.csv"),
+    "transformer-xl-train": (ClientClass.OFFLINE, f"{ORION}/transformer_xl_8_fb1.csv"),
+}
+
+
+class SimProfileError(ValueError):
+    """A simulated profile name or its parameters are bad; the message names the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimWorkload:
+    """What a client submitted in simulated mode runs on the simulated GPU."""
+
+    profile: str
+    rps: float | None = None
+    #: ``(at_s, for_s, factor)``: from ``at_s`` after the client starts, for ``for_s``, the
+    #: request rate is ``factor`` times ``rps`` (an online burst).
+    burst: tuple[float, float, float] | None = None
+
+    def validate(self, cls: ClientClass) -> None:
+        """Check the profile exists, fits the client's class, and has a rate when online.
+
+        Raises:
+            SimProfileError: the message lists the valid profiles or says what is missing.
+        """
+        entry = SIM_PROFILES.get(self.profile)
+        if entry is None:
+            valid = ", ".join(sorted(SIM_PROFILES))
+            raise SimProfileError(f"unknown --sim-profile {self.profile!r}; valid: {valid}")
+        if entry[0] is not cls:
+            raise SimProfileError(
+                f"--sim-profile {self.profile} is an {entry[0].value} workload, "
+                f"the client is {cls.value}"
+            )
+        if cls is ClientClass.ONLINE and (self.rps is None or not self.rps > 0):
+            raise SimProfileError(f"--sim-profile {self.profile} needs --rps > 0")
+        if self.burst is not None and (
+            self.burst[0] < 0 or self.burst[1] <= 0 or self.burst[2] <= 0
+        ):
+            raise SimProfileError("--sim-burst is AT_S:FOR_S:FACTOR with positive numbers")
+
+
+def workload_from_env(env: Mapping[str, str]) -> SimWorkload | None:
+    """The simulated workload a client's environment names, None when it names none.
+
+    Raises:
+        SimProfileError: a malformed rate or burst.
+    """
+    profile = env.get(ENV_PROFILE)
+    if not profile:
+        return None
+    try:
+        rps = float(env[ENV_RPS]) if ENV_RPS in env else None
+        burst = None
+        if env.get(ENV_BURST):
+            at, length, factor = (float(x) for x in env[ENV_BURST].split(":"))
+            burst = (at, length, factor)
+    except ValueError:
+        raise SimProfileError(
+            f"bad {ENV_RPS}={env.get(ENV_RPS)!r} or {ENV_BURST}={env.get(ENV_BURST)!r}: "
+            "a rate is a number, a burst AT_S:FOR_S:FACTOR"
+        ) from None
+    return SimWorkload(profile, rps, burst)
+
+
+class RealTimeSimNode:
+    """A simulated node whose virtual time follows ``clock`` (seconds, monotonic)."""
+
+    def __init__(
+        self,
+        gpu_count: int,
+        config: Config,
+        *,
+        runtime_dir: Path,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int = 1,
+    ) -> None:
+        if gpu_count < 1:
+            raise ValueError(f"need at least one simulated GPU, got {gpu_count}")
+        scenario = Scenario(
+            name="simulate",
+            file="<simulate>",
+            description="the daemon's simulated node",
+            duration_s=math.inf,
+            warmup_s=0.0,
+            seed=seed,
+            gpu=GpuSpec(count=gpu_count),
+            online=(),
+            offline=(),
+            config=config,
+        )
+        self.node = SimNode(scenario)
+        self.node.start()
+        self._clock = clock
+        self._t0 = clock()
+        self._seed = seed
+        self._adapters = simnode.protocols(self.node, runtime_dir)
+        #: The daemon calls in from its tick thread and its API threads.
+        self.lock = threading.RLock()
+        #: ``(client_id, latency_s, at_s)`` for every completed request of a simulated online
+        #: client, ``at_s`` on ``clock``: what the service would report with
+        #: ``gpushare.client.report_latency`` (the daemon's simulated mode records it directly).
+        self.on_latency: Callable[[str, float, float], None] | None = None
+        self._reported: dict[str, int] = {}
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        """The simulated GPUs' UUIDs, by index."""
+        return [g.uuid for g in self.node.gpus]
+
+    def advance(self) -> None:
+        """Run the simulation up to the wall clock."""
+        with self.lock:
+            self.node.loop.run_until(max(self.node.loop.now, self._clock() - self._t0))
+            if self.on_latency is not None:
+                for server in self.node.online:
+                    done = server.completed
+                    start = self._reported.get(server.cid, 0)
+                    for arrival, latency in done[start:]:
+                        self.on_latency(server.cid, latency, self._t0 + arrival + latency)
+                    self._reported[server.cid] = len(done)
+
+    def add_client(
+        self,
+        client_id: str,
+        cls: ClientClass,
+        workload: SimWorkload,
+        *,
+        gpu_uuid: str,
+        sm_pct: float,
+        mem_bytes: int,
+        pid: int,
+        slo_p99_ms: float | None = None,
+        restartable: bool = False,
+    ) -> bool:
+        """Start a client on a simulated GPU; False when its memory allocation failed.
+
+        Raises:
+            SimProfileError: a bad profile for the class, or no rate for an online client.
+            KeyError: no simulated GPU with that UUID.
+        """
+        workload.validate(cls)
+        with self.lock:
+            self.advance()
+            if self.node.client(client_id) is not None:
+                return True  # re-attached (e.g. the daemon re-adopted it): already simulated
+            return self._add(
+                client_id, cls, workload, gpu_uuid, sm_pct, mem_bytes, pid, slo_p99_ms, restartable
+            )
+
+    def _add(
+        self,
+        client_id: str,
+        cls: ClientClass,
+        workload: SimWorkload,
+        gpu_uuid: str,
+        sm_pct: float,
+        mem_bytes: int,
+        pid: int,
+        slo_p99_ms: float | None,
+        restartable: bool,
+    ) -> bool:
+        node = self.node
+        gpu = node.by_uuid[gpu_uuid]
+        rel = SIM_PROFILES[workload.profile][1]
+        g = node.scenario.gpu
+        if cls is ClientClass.ONLINE:
+            prof = data.load_profile(rel, g.merge_online_us, g.sm_count)
+            self._seed += 1
+            assert workload.rps is not None
+            arrivals = bursty_poisson_arrivals(
+                workload.rps, workload.burst, self._seed, node.loop.now, math.inf
+            )
+            server = OnlineServer(
+                client_id,
+                gpu,
+                prof,
+                arrivals,
+                sm_pct=sm_pct,
+                mem_bytes=mem_bytes,
+                slo_p99_ms=slo_p99_ms,
+                pid=pid,
+            )
+            node.online.append(server)
+            if not node._allocate(server):
+                return False
+            gpu.attach(server)
+            server.start(node.loop)
+            return True
+        trainer = OfflineTrainer(
+            client_id,
+            gpu,
+            data.load_profile(rel, g.merge_offline_us, g.sm_count),
+            sm_pct=sm_pct,
+            mem_bytes=mem_bytes,
+            restartable=restartable,
+            pid=pid,
+        )
+        trainer.priority = node.traits.offline_priority
+        node.offline.append(trainer)
+        if not node._allocate(trainer):
+            return False
+        trainer.start(node.loop.now)
+        return True
+
+    def remove_client(self, client_id: str) -> None:
+        """The client's process is gone: its outstanding work is discarded."""
+        with self.lock:
+            self.advance()
+            c = self.node.client(client_id)
+            if isinstance(c, OfflineTrainer) and c.state.is_live:
+                c.stop(ClientState.EXITED)
+            elif isinstance(c, OnlineServer) and c.state.is_live:
+                c.stop()
+            if c is not None:
+                # Forget it: a relaunch under the same id is a new simulated client.
+                if isinstance(c, OfflineTrainer):
+                    self.node.offline.remove(c)
+                elif isinstance(c, OnlineServer):
+                    self.node.online.remove(c)
+                    self._reported.pop(client_id, None)
+
+    # --- the node Protocols, advanced to the wall clock on every call ----------------------------
+
+    def gpu_backend(self) -> RealTimeGpuBackend:
+        """:class:`gpushare.node.base.GpuBackend` of the simulated GPUs."""
+        return RealTimeGpuBackend(self)
+
+    def latency_probe(self) -> RealTimeLatencyProbe:
+        """:class:`gpushare.node.base.LatencyProbe` of the simulated probe."""
+        return RealTimeLatencyProbe(self)
+
+    def pauser(self) -> RealTimePauser:
+        """:class:`gpushare.node.base.Pauser` acting on the simulated clients."""
+        return RealTimePauser(self)
+
+    def mps_node(self) -> RealTimeMpsNode:
+        """:class:`gpushare.node.base.MpsNode` of the simulated GPUs."""
+        return RealTimeMpsNode(self)
+
+
+class RealTimeGpuBackend:
+    """NVML-like readings of the simulated GPUs at the wall clock."""
+
+    def __init__(self, rt: RealTimeSimNode) -> None:
+        self.rt = rt
+
+    def sample(self) -> Sequence[GpuSample]:
+        """One reading per simulated GPU."""
+        with self.rt.lock:
+            self.rt.advance()
+            return self.rt._adapters[0].sample()
+
+    def drain_events(self) -> Sequence[GpuEvent]:
+        """No XIDs on simulated GPUs."""
+        return ()
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class RealTimeLatencyProbe:
+    """The simulated probe at the wall clock."""
+
+    def __init__(self, rt: RealTimeSimNode) -> None:
+        self.rt = rt
+
+    def reading(self, gpu_uuid: str) -> ProbeReading:
+        """The probe's reading now."""
+        with self.rt.lock:
+            self.rt.advance()
+            return self.rt._adapters[1].reading(gpu_uuid)
+
+    def set_offline_running(self, gpu_uuid: str, running: bool) -> None:
+        """Mark later probe samples as taken with or without offline work."""
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[1].set_offline_running(gpu_uuid, running)
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+class RealTimePauser:
+    """Freezes and thaws simulated clients at the wall clock (no process is touched)."""
+
+    mechanism = PauseMechanism.CGROUP
+
+    def __init__(self, rt: RealTimeSimNode) -> None:
+        self.rt = rt
+
+    def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
+        """Track a simulated client."""
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[2].attach(client_id, pid)
+
+    def freeze(self, client_id: str) -> None:
+        """Stop the client issuing kernels."""
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[2].freeze(client_id)
+
+    def thaw(self, client_id: str) -> None:
+        """Let the client issue kernels again."""
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[2].thaw(client_id)
+
+    def kill(self, client_id: str) -> None:
+        """End the simulated client."""
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[2].kill(client_id)
+
+    def pids(self, client_id: str) -> Sequence[int]:
+        """The client's pid while it is live."""
+        with self.rt.lock:
+            return self.rt._adapters[2].pids(client_id)
+
+    def release(self, client_id: str) -> None:
+        """Forget the client."""
+        with self.rt.lock:
+            self.rt._adapters[2].release(client_id)
+
+
+class RealTimeMpsNode:
+    """The simulated MPS at the wall clock."""
+
+    def __init__(self, rt: RealTimeSimNode) -> None:
+        self.rt = rt
+
+    def pipe_dir(self, gpu_uuid: str) -> Path:
+        """A per-GPU pipe directory name."""
+        return self.rt._adapters[3].pipe_dir(gpu_uuid)
+
+    def state(self, gpu_uuid: str) -> MpsState:
+        """UP for a simulated GPU."""
+        return self.rt._adapters[3].state(gpu_uuid)
+
+    def drain_events(self, gpu_uuid: str) -> Sequence[MpsEvent]:
+        """No MPS events."""
+        return ()
+
+    def terminate_client(self, gpu_uuid: str, client_pid: int) -> bool:
+        """Kill the client's outstanding simulated work."""
+        with self.rt.lock:
+            self.rt.advance()
+            return self.rt._adapters[3].terminate_client(gpu_uuid, client_pid)
+
+    def recover(
+        self, gpu_uuid: str, offline_pids: Sequence[int], online_pids: Sequence[int]
+    ) -> None:
+        """Offline clients first, then online ones."""
+        with self.rt.lock:
+            self.rt.advance()
+            self.rt._adapters[3].recover(gpu_uuid, offline_pids, online_pids)

@@ -1,0 +1,415 @@
+"""Simulated clients: online servers (open-loop requests), offline trainers, and the latency probe.
+
+Each is a :class:`gpushare.sim.gpu.Stream`: one in-order stream of kernels on one GPU.
+
+* :class:`OnlineServer` serves requests first come, first served; a request is the kernel sequence
+  of one forward pass, issued all at once when the request starts (an inference server launches a
+  whole forward pass asynchronously and synchronises at its end). Latency = completion - arrival.
+* :class:`OfflineTrainer` runs training iterations in a closed loop. Its CPU side issues a whole
+  iteration at the iteration's start and synchronises at its end (PyTorch's ``loss.item()``), so it
+  runs ahead of the GPU by at most one iteration. Frozen, it issues nothing new; the kernels of the
+  iteration already issued still run.
+* :class:`ProbeClient` launches one tiny kernel every probe period at MPS priority 0 and records
+  how long it waited and ran, like gpushare's cuda-python probe.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from gpushare.model import ClientClass, ClientState
+from gpushare.sim.data import KernelProfile
+from gpushare.sim.gpu import EventLoop, Gpu, Run
+
+
+def cap_sms(sm_pct: float, sm_count: int) -> int:
+    """SMs an MPS client with an active-thread percentage may hold (at least one)."""
+    return max(1, min(sm_count, round(sm_pct * sm_count / 100.0)))
+
+
+@dataclass(slots=True)
+class KernelCounts:
+    """Conservation bookkeeping of one client: every kernel issued completes or is killed."""
+
+    issued: int = 0
+    done: int = 0
+    discarded: int = 0
+
+
+@dataclass(eq=False)
+class SimClient:
+    """State shared by every simulated client (the registry's view of it)."""
+
+    cid: str
+    cls: ClientClass
+    gpu: Gpu
+    sm_pct: float
+    mem_bytes: int
+    pinned_mem_bytes: int | None
+    uid: int = 1000
+    pid: int = 0
+    slo_p99_ms: float | None = None
+    restartable: bool = False
+    state: ClientState = ClientState.QUEUED
+    run: Run | None = None
+    eligible_since: float = 0.0
+    held_max: int = 0
+    cap_sms: int = 1
+    failures: int = 0
+    started_at_s: float | None = None
+    fail_reason: str | None = None
+    counts: KernelCounts = field(default_factory=KernelCounts)
+    #: MPS client priority: online 0, offline 1 (the runner may override it for a baseline).
+    priority: int = -1
+
+    def __post_init__(self) -> None:
+        if self.priority < 0:
+            self.priority = self.cls.mps_priority
+        self.cap_sms = cap_sms(self.sm_pct, self.gpu.sm_count)
+
+    def set_limits(self, sm_pct: float) -> None:
+        """Apply a new SM percentage (only at a (re)start: MPS fixes it for the client's life)."""
+        self.sm_pct = sm_pct
+        self.cap_sms = cap_sms(sm_pct, self.gpu.sm_count)
+
+
+class OnlineServer(SimClient):
+    """An inference server: FIFO requests, each one forward pass."""
+
+    def __init__(
+        self,
+        cid: str,
+        gpu: Gpu,
+        profile: KernelProfile,
+        arrivals: Iterator[float],
+        *,
+        sm_pct: float,
+        mem_bytes: int,
+        pinned_mem_bytes: int | None = None,
+        slo_p99_ms: float | None = None,
+        pid: int = 0,
+    ) -> None:
+        super().__init__(
+            cid=cid,
+            cls=ClientClass.ONLINE,
+            gpu=gpu,
+            sm_pct=sm_pct,
+            mem_bytes=mem_bytes,
+            pinned_mem_bytes=pinned_mem_bytes,
+            slo_p99_ms=slo_p99_ms,
+            pid=pid,
+        )
+        self.profile = profile
+        self._dur = profile.dur_s
+        self._width = profile.width
+        self._mem = profile.mem
+        self._n = len(profile)
+        self._arrivals = arrivals
+        self.queue: deque[float] = deque()
+        self.pos = self._n  # no request in progress
+        self.current_arrival = 0.0
+        #: (arrival_s, latency_s) of every completed request.
+        self.completed: list[tuple[float, float]] = []
+        self.arrived = 0
+
+    def start(self, loop: EventLoop) -> None:
+        """Begin accepting requests (schedules the first arrival)."""
+        self.state = ClientState.RUNNING
+        self.started_at_s = loop.now
+        self._loop = loop
+        self._next_arrival()
+
+    def _next_arrival(self) -> None:
+        t = next(self._arrivals, None)
+        if t is not None:
+            self._loop.at(t, self._arrive, t)
+
+    def _arrive(self, arg: object) -> None:
+        self.arrived += 1
+        self.queue.append(float(arg))  # type: ignore[arg-type]
+        self._next_arrival()
+        if self.pos >= self._n and self.run is None:
+            self._begin_next(self._loop.now)
+            self.gpu.wake()
+
+    def _begin_next(self, now: float) -> None:
+        if self.queue and self.state is ClientState.RUNNING:
+            self.current_arrival = self.queue.popleft()
+            self.pos = 0
+            self.eligible_since = now
+            self.counts.issued += self._n
+
+    def head(self) -> tuple[float, int, float] | None:
+        """The next kernel of the request in progress."""
+        p = self.pos
+        if p < self._n:
+            return (self._dur[p], self._width[p], self._mem[p])
+        return None
+
+    def on_kernel_done(self, now: float) -> None:
+        """Advance the request; at its end record the latency and start the next one."""
+        self.counts.done += 1
+        self.pos += 1
+        if self.pos >= self._n:
+            self.completed.append((self.current_arrival, now - self.current_arrival))
+            self._begin_next(now)
+        else:
+            self.eligible_since = now
+
+    def stop(self) -> None:
+        """Stop serving: drop queued requests and the rest of the current one."""
+        if self.pos < self._n:
+            self.counts.discarded += self._n - self.pos - (1 if self.run else 0)
+        self.counts.discarded += self.gpu.detach(self)
+        self.pos = self._n
+        self.queue.clear()
+        self.state = ClientState.EXITED
+
+
+class OfflineTrainer(SimClient):
+    """A training job: iterations in a closed loop, at most one iteration issued ahead."""
+
+    def __init__(
+        self,
+        cid: str,
+        gpu: Gpu,
+        profile: KernelProfile,
+        *,
+        sm_pct: float,
+        mem_bytes: int,
+        pinned_mem_bytes: int | None = None,
+        restartable: bool = False,
+        pid: int = 0,
+    ) -> None:
+        super().__init__(
+            cid=cid,
+            cls=ClientClass.OFFLINE,
+            gpu=gpu,
+            sm_pct=sm_pct,
+            mem_bytes=mem_bytes,
+            pinned_mem_bytes=pinned_mem_bytes,
+            restartable=restartable,
+            pid=pid,
+        )
+        self.profile = profile
+        self._dur = profile.dur_s
+        self._width = profile.width
+        self._mem = profile.mem
+        self._n = len(profile)
+        self.pos = self._n
+        self.frozen = False
+        self.held = False
+        self.active = False
+        #: Completion time of every training iteration.
+        self.iterations: list[float] = []
+
+    def start(self, now: float) -> None:
+        """The process is up and begins its first iteration (unless frozen)."""
+        self.active = True
+        self.state = ClientState.RUNNING
+        self.started_at_s = now
+        self.pos = self._n
+        self._maybe_issue(now)
+        self.gpu.attach(self)
+
+    def _maybe_issue(self, now: float) -> None:
+        if self.active and not self.frozen and self.pos >= self._n:
+            self.pos = 0
+            self.eligible_since = now
+            self.counts.issued += self._n
+
+    def set_frozen(self, frozen: bool, now: float) -> None:
+        """Freeze or thaw the CPU side (cgroup freezer); queued kernels are unaffected."""
+        if frozen == self.frozen:
+            return
+        self.frozen = frozen
+        if self.active and self.state in (ClientState.RUNNING, ClientState.FROZEN):
+            self.state = ClientState.FROZEN if frozen else ClientState.RUNNING
+        if not frozen:
+            self._maybe_issue(now)
+            self.gpu.wake()
+
+    def head(self) -> tuple[float, int, float] | None:
+        """The next issued kernel of the current iteration."""
+        p = self.pos
+        if p < self._n:
+            return (self._dur[p], self._width[p], self._mem[p])
+        return None
+
+    def on_kernel_done(self, now: float) -> None:
+        """Advance; at an iteration's end record it and issue the next unless frozen."""
+        self.counts.done += 1
+        self.pos += 1
+        if self.pos >= self._n:
+            self.iterations.append(now)
+            self._maybe_issue(now)
+        else:
+            self.eligible_since = now
+
+    def stop(self, state: ClientState) -> None:
+        """The process is gone (evicted, restarting, failed): its outstanding work is discarded."""
+        if self.pos < self._n:
+            self.counts.discarded += self._n - self.pos - (1 if self.run else 0)
+        self.counts.discarded += self.gpu.detach(self)
+        self.pos = self._n
+        self.active = False
+        self.state = state
+
+
+class ProbeClient:
+    """gpushare's latency probe: a tiny kernel every period at priority 0, synchronously."""
+
+    cid = "probe"
+    priority = 0
+
+    def __init__(
+        self, gpu: Gpu, *, period_s: float, kernel_s: float = 15e-6, width: int = 1
+    ) -> None:
+        self.gpu = gpu
+        self.cap_sms = gpu.sm_count
+        self.run: Run | None = None
+        self.eligible_since = 0.0
+        self.held_max = 0
+        self.period_s = period_s
+        self.kernel_s = kernel_s
+        self.width = width
+        self._pending = False
+        self._launched = 0.0
+        #: (launch_s, latency_s, offline_running) per probe kernel.
+        self.samples: list[tuple[float, float, bool]] = []
+        self.offline_running = False
+        self.baseline_ms: float | None = None
+        self.baseline_at_s: float | None = None
+
+    @property
+    def pending_since(self) -> float | None:
+        """Launch time of the probe kernel not yet back, if any."""
+        return self._launched if self._pending else None
+
+    def start(self, loop: EventLoop) -> None:
+        """Attach to the GPU and launch the first probe now."""
+        self._loop = loop
+        self.gpu.attach(self)
+        loop.at(loop.now, self._launch)
+
+    def _launch(self, _: object) -> None:
+        loop = self._loop
+        if not self._pending:
+            self._pending = True
+            self._launched = loop.now
+            self.eligible_since = loop.now
+            self.gpu.wake()
+        loop.at(loop.now + self.period_s, self._launch)
+
+    def head(self) -> tuple[float, int, float] | None:
+        """The probe kernel while one is launched and not yet started."""
+        return (self.kernel_s, self.width, 0.0) if self._pending else None
+
+    def on_kernel_done(self, now: float) -> None:
+        """Record wait + run time."""
+        self._pending = False
+        self.samples.append((self._launched, now - self._launched, self.offline_running))
+
+
+def poisson_arrivals(rate_per_s: float, seed: int, end_s: float) -> Iterator[float]:
+    """Open-loop Poisson arrivals at ``rate_per_s`` until ``end_s``."""
+    rng = random.Random(seed)
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate_per_s)
+        if t >= end_s:
+            return
+        yield t
+
+
+def bursty_poisson_arrivals(
+    rps: float,
+    burst: tuple[float, float, float] | None,
+    seed: int,
+    start_s: float,
+    end_s: float,
+) -> Iterator[float]:
+    """Poisson arrivals at ``rps`` from ``start_s``, with an optional burst.
+
+    ``burst = (at_s, for_s, factor)`` multiplies the rate by ``factor`` from ``at_s`` (relative to
+    ``start_s``) for ``for_s``.
+    """
+    rng = random.Random(seed)
+    t = 0.0
+    lo, length, factor = burst if burst is not None else (math.inf, 0.0, 1.0)
+    hi = lo + length
+    while True:
+        rate = rps * factor if lo <= t < hi else rps
+        step = rng.expovariate(rate)
+        # Memorylessness: a draw that crosses a rate boundary restarts at the boundary.
+        edge = lo if t < lo else hi if t < hi else math.inf
+        if t + step > edge:
+            t = edge
+            continue
+        t += step
+        if start_s + t >= end_s:
+            return
+        yield start_s + t
+
+
+def trace_arrivals(
+    times_s: tuple[float, ...], *, start_s: float, speedup: float, rate_scale: float, end_s: float
+) -> Iterator[float]:
+    """Replay a recorded arrival trace from ``start_s``, ``speedup`` times faster.
+
+    ``rate_scale`` thins (< 1) the trace deterministically to scale its mean rate; it must be <= 1.
+    """
+    i = bisect.bisect_left(times_s, start_s)
+    acc = 0.0
+    while i < len(times_s):
+        t = (times_s[i] - start_s) / speedup
+        if t >= end_s:
+            return
+        acc += rate_scale
+        if acc >= 1.0:
+            acc -= 1.0
+            yield t
+        i += 1
+
+
+def rate_series_arrivals(
+    per_bin: tuple[float, ...], *, bin_s: float, peak_rps: float, seed: int, end_s: float
+) -> Iterator[float]:
+    """A non-homogeneous Poisson process whose rate follows ``per_bin`` scaled to ``peak_rps``.
+
+    Each bin of the series lasts ``bin_s`` of virtual time (the series is compressed in time).
+    """
+    rng = random.Random(seed)
+    peak = max(per_bin) or 1.0
+    t = 0.0
+    b = 0
+    while b < len(per_bin):
+        rate = per_bin[b] / peak * peak_rps
+        bin_end = (b + 1) * bin_s
+        if rate <= 0.0:
+            t = bin_end
+            b += 1
+            continue
+        t += rng.expovariate(rate)
+        if t >= end_s:
+            return
+        if t >= bin_end:
+            # Memorylessness: restart the draw at the next bin's start with its own rate.
+            t = bin_end
+            b += 1
+            continue
+        yield t
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` percentile (0-100) by the nearest-rank method; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, math.ceil(q / 100.0 * len(ordered)) - 1))
+    return ordered[k]

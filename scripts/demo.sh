@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# make demo: the real daemon on one simulated GPU (no GPU, no root needed), driven by the real CLI.
+# An online service and two training jobs are submitted; status is shown while an online burst
+# arrives and the controller throttles, then releases, the offline jobs; everything is stopped and
+# the simulator's summary table for the same scenario (examples/scenarios/demo.toml) is printed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-.venv/bin}
+OUT=demo-run
+RUN=$(mktemp -d /tmp/gsdemo-XXXXXX)   # Unix socket paths must stay short
+rm -rf "$OUT"; mkdir -p "$OUT"
+export GPUSHARE_SOCKET="$RUN/gpushare.sock"
+cat > "$OUT/gpushare.toml" <<TOML
+version = 1
+[paths]
+runtime_dir = "$RUN"
+state_dir = "$PWD/$OUT/state"
+[daemon]
+admin_group = ""
+cancel_grace = "2s"
+[metrics]
+enabled = false
+[latency]
+window = "5s"
+TOML
+
+# As root on a host without systemd delegation the daemon puts client cgroups under
+# <cgroup2 mount>/gpushare; remove what this demo created (rmdir only removes empty ones).
+CG_MOUNT=$(awk '$3 == "cgroup2" {print $2; exit}' /proc/self/mounts)
+CG_BASE=${CG_MOUNT:+$CG_MOUNT/gpushare}
+CG_EXISTED=0; [[ -n "$CG_BASE" && -d "$CG_BASE" ]] && CG_EXISTED=1
+
+DAEMON_PID=""
+IDS=()
+cleanup() {
+    for id in "${IDS[@]}"; do "$BIN/gpushare" cancel "$id" >/dev/null 2>&1 || true; done
+    if [[ -n "$DAEMON_PID" ]] && kill -0 "$DAEMON_PID" 2>/dev/null; then
+        kill -TERM "$DAEMON_PID"
+        for _ in $(seq 50); do kill -0 "$DAEMON_PID" 2>/dev/null || break; sleep 0.2; done
+        kill -KILL "$DAEMON_PID" 2>/dev/null || true
+    fi
+    rm -rf "$RUN"
+    if [[ -n "$CG_BASE" && $CG_EXISTED == 0 && -d "$CG_BASE" ]]; then
+        find "$CG_BASE" -depth -type d -exec rmdir {} \; 2>/dev/null || true
+    fi
+}
+trap cleanup EXIT
+
+echo "== starting: gpushare daemon --simulate 1 (log: $OUT/daemon.log)"
+"$BIN/gpushare" daemon --simulate 1 --config "$OUT/gpushare.toml" >"$OUT/daemon.log" 2>&1 &
+DAEMON_PID=$!
+for _ in $(seq 100); do [[ -S "$GPUSHARE_SOCKET" ]] && break; sleep 0.1; done
+[[ -S "$GPUSHARE_SOCKET" ]] || { echo "daemon did not start:"; tail -20 "$OUT/daemon.log"; exit 1; }
+
+submit() { "$BIN/gpushare" submit "$@" | tee -a "$OUT/submits.log"; }
+echo "== submitting one online service (30 req/s, 3x burst at 20-35 s, SLO p99 40 ms) and two training jobs"
+submit --online --detach --name web --slo-p99 40ms \
+    --sim-profile resnet50-inference --rps 30 --sim-burst 20:15:3 -- sleep 600
+submit --offline --restartable --name train-a --sim-profile resnet50-train -- sleep 600
+submit --offline --restartable --name train-b --sim-profile mobilenetv2-train -- sleep 600
+mapfile -t IDS < <(awk '{print $1}' "$OUT/submits.log")
+
+START=$(date +%s)
+for t in 5 15 25 30 40 50 60; do
+    while (( $(date +%s) - START < t )); do sleep 0.5; done
+    echo
+    echo "== t=${t}s$( ((t >= 20 && t < 35)) && echo '  (online burst: 90 req/s)')"
+    "$BIN/gpushare" status
+done
+
+echo
+echo "== stopping"
+cleanup
+trap - EXIT
+echo
+echo "== the same scenario in the simulator (gpushare sim examples/scenarios/demo.toml)"
+"$BIN/gpushare" sim examples/scenarios/demo.toml --out "$OUT/sim" --no-progress \
+    --policy gpushare --policy exclusive --policy mps --policy mps-priority --policy time-slicing

@@ -1,0 +1,89 @@
+"""The simulated node in real time: clients by profile name, Protocols advancing with the clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpushare.config import Config
+from gpushare.model import ClientClass, ClientState
+from gpushare.sim.realtime import RealTimeSimNode, SimProfileError, SimWorkload
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_clients_run_as_the_clock_advances(tmp_path: Path) -> None:
+    clock = FakeClock()
+    rt = RealTimeSimNode(1, Config(), runtime_dir=tmp_path, clock=clock)
+    (uuid,) = rt.gpu_uuids
+    assert rt.add_client(
+        "inf",
+        ClientClass.ONLINE,
+        SimWorkload("resnet50-inference", rps=40.0),
+        gpu_uuid=uuid,
+        sm_pct=100,
+        mem_bytes=2 << 30,
+        pid=11,
+    )
+    assert rt.add_client(
+        "train",
+        ClientClass.OFFLINE,
+        SimWorkload("resnet50-train"),
+        gpu_uuid=uuid,
+        sm_pct=50,
+        mem_bytes=6 << 30,
+        pid=12,
+    )
+    backend, probe, pauser = rt.gpu_backend(), rt.latency_probe(), rt.pauser()
+    backend.sample()
+    clock.t += 2.0
+    (sample,) = backend.sample()
+    assert rt.node.loop.now == pytest.approx(2.0)
+    assert sample.mem_used_bytes == 8 << 30
+    assert sample.gpu_util_pct is not None
+    assert sample.gpu_util_pct > 50
+    assert probe.reading(uuid).samples > 10
+    train = rt.node.client("train")
+    assert train is not None
+    iterations = len(train.iterations)  # type: ignore[attr-defined]
+    assert iterations > 5
+    pauser.attach("train", 12)
+    pauser.freeze("train")
+    clock.t += 1.0
+    rt.advance()
+    frozen_at = len(train.iterations)  # type: ignore[attr-defined]
+    clock.t += 2.0
+    rt.advance()
+    assert len(train.iterations) == frozen_at  # type: ignore[attr-defined]
+    pauser.thaw("train")
+    clock.t += 1.0
+    rt.advance()
+    assert len(train.iterations) > frozen_at  # type: ignore[attr-defined]
+    server = rt.node.client("inf")
+    assert server is not None
+    assert len(server.completed) > 150  # type: ignore[attr-defined]
+    rt.remove_client("train")
+    assert train.state is ClientState.EXITED
+    assert rt.mps_node().terminate_client(uuid, 11)
+
+
+def test_bad_profiles_are_refused_with_the_fix(tmp_path: Path) -> None:
+    rt = RealTimeSimNode(1, Config(), runtime_dir=tmp_path, clock=FakeClock())
+    (uuid,) = rt.gpu_uuids
+    kw = {"gpu_uuid": uuid, "sm_pct": 100.0, "mem_bytes": 1 << 30, "pid": 1}
+    with pytest.raises(SimProfileError, match="valid: bert-inference"):
+        rt.add_client("a", ClientClass.ONLINE, SimWorkload("gpt-9", rps=1.0), **kw)
+    with pytest.raises(SimProfileError, match="needs --rps"):
+        rt.add_client("a", ClientClass.ONLINE, SimWorkload("bert-inference"), **kw)
+    with pytest.raises(SimProfileError, match="is an offline workload"):
+        rt.add_client("a", ClientClass.ONLINE, SimWorkload("bert-train", rps=3.0), **kw)
+    assert not rt.add_client(
+        "big", ClientClass.OFFLINE, SimWorkload("bert-train"), **{**kw, "mem_bytes": 64 << 30}
+    )
