@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpushare.model import ClientState, Evict, Freeze, Thaw
@@ -279,6 +279,16 @@ PROFILES_FB = ["resnet50_32_fb1", "mobilenetv2_32_fb1", "transformer_xl_8_fb1"]
 
 
 @settings(max_examples=12, deadline=None)
+# A lone request arriving at 0.43 s cannot finish by 0.6 s at a 20 % cap: progress, not completion.
+@example(
+    on_pct=20.0,
+    off_pcts=[10.0],
+    prio=0,
+    fwd="bert_2_fwd",
+    fb="resnet50_32_fb1",
+    seed=558,
+    fast=False,
+)
 @given(
     on_pct=st.sampled_from([20.0, 50.0, 100.0]),
     off_pcts=st.lists(st.sampled_from([10.0, 30.0, 60.0, 100.0]), min_size=1, max_size=3),
@@ -295,14 +305,8 @@ def test_invariants_hold_for_random_mixes(
     gpu = Gpu(loop, uuid="GPU-h", index=0)
     gpu.fast_path = fast
     prof = data.load_profile(f"{ORION}/{fwd}.csv")
-    server = OnlineServer(
-        "inf",
-        gpu,
-        prof,
-        poisson_arrivals(0.5 / prof.total_s, seed, 0.6),
-        sm_pct=on_pct,
-        mem_bytes=0,
-    )
+    arrivals = list(poisson_arrivals(0.5 / prof.total_s, seed, 0.6))
+    server = OnlineServer("inf", gpu, prof, iter(arrivals), sm_pct=on_pct, mem_bytes=0)
     gpu.attach(server)
     server.start(loop)
     trainers = []
@@ -327,4 +331,7 @@ def test_invariants_hold_for_random_mixes(
     for c in clients:
         in_flight = max(0, len(c.profile) - c.pos)
         assert c.counts.issued == c.counts.done + c.counts.discarded + in_flight
-    assert server.completed  # the online service makes progress whatever the mix
+    # The online service makes progress whatever the mix: a request that arrived runs kernels
+    # (it may not finish: one arriving late in the 0.6 s run at a 20 % cap is still in flight).
+    if arrivals:
+        assert server.counts.done > 0
