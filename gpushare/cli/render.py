@@ -18,7 +18,8 @@ def _gib(value: int | None) -> str:
 
 
 def _pct(value: float | None) -> str:
-    return NA if value is None else f"{value:g}%"
+    # One decimal at most: 33.3%, 50%, 15.9% (a reading is not more precise than that).
+    return NA if value is None else f"{round(value, 1):g}%"
 
 
 def _dur(value: float | None) -> str:
