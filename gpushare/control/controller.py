@@ -366,15 +366,14 @@ class GpushareController:
             comfortable, violating = comfortable + 1, 0
             why = f"{signals.describe()} under comfort ratio {cfg.comfort_ratio:g}"
             wait = cfg.increase_after_ticks
-            if (
-                breach is not None
-                and duty + cfg.duty_increase_step > breach * cfg.duty_decrease_factor
+            if breach is not None and round(duty + cfg.duty_increase_step, _DUTY_DIGITS) > round(
+                breach * cfg.duty_decrease_factor, _DUTY_DIGITS
             ):
                 # Above where the last decrease landed, each step probes toward the duty that
                 # broke the SLO: probe slowly, so breaches (each one costs the p99) stay rare.
                 wait = max(wait, cfg.cautious_increase_after_ticks)
             if comfortable >= wait:
-                duty, comfortable = duty + cfg.duty_increase_step, 0
+                duty, comfortable = round(duty + cfg.duty_increase_step, _DUTY_DIGITS), 0
                 why += f" for {wait} tick(s): duty + {cfg.duty_increase_step:g}"
                 if breach is not None and duty > breach:
                     breach = None  # past the duty that broke the SLO, unharmed: conditions changed
