@@ -152,7 +152,7 @@ class ControlConfig:
     duty_decrease_factor: float = _num(0.5, minimum=0.0, maximum=1.0)
     increase_after_ticks: int = _num(3, minimum=1, maximum=10_000)
     freeze_after_ticks: int = _num(5, minimum=1, maximum=10_000)
-    cautious_increase_after_ticks: int = _num(30, minimum=1, maximum=100_000)
+    slow_increase_after_ticks: int = _num(30, minimum=1, maximum=100_000)
     online_memory_reserve_bytes: int = _size(2 << 30)
     offline_sm_pct_default: float = _num(50.0, minimum=1.0, maximum=100.0)
     offline_sm_pct_min: float = _num(10.0, minimum=1.0, maximum=100.0)

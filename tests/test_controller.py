@@ -67,7 +67,7 @@ configs = st.builds(
     duty_decrease_factor=st.sampled_from([0.0, 0.5, 0.8, 1.0]),
     increase_after_ticks=st.integers(1, 4),
     freeze_after_ticks=st.integers(1, 8),
-    cautious_increase_after_ticks=st.integers(1, 8),
+    slow_increase_after_ticks=st.integers(1, 8),
     share_min_interval_s=st.sampled_from([0.0, 1.0, 60.0]),
 )
 
@@ -207,7 +207,7 @@ def test_comfortable_slo_climbs_back_to_full_duty(
     )
     calm = with_p99(calm, 1.0)
     # After a breach in the warm-up, steps above half the breaching duty wait the cautious count.
-    slowest = max(config.increase_after_ticks, config.cautious_increase_after_ticks)
+    slowest = max(config.increase_after_ticks, config.slow_increase_after_ticks)
     bound = math.ceil(1.0 / config.duty_increase_step + 1) * slowest
     for i in range(bound):
         state, _ = ctl.step(state, calm, 200.0 + i * config.period_s)
@@ -420,7 +420,7 @@ def test_share_is_split_over_the_offline_clients_of_the_gpu() -> None:
 
 
 def test_increases_are_cautious_above_half_the_duty_that_broke_the_slo() -> None:
-    cfg = ControlConfig(cautious_increase_after_ticks=30)
+    cfg = ControlConfig(slow_increase_after_ticks=30)
     ctl = GpushareController(cfg)
     base = observation((online(), offline()))
     over = with_p99(base, 44.0)  # 1.1 x SLO

@@ -253,10 +253,13 @@ def test_measured_online_demand_lowers_the_share_and_restarts_a_restartable_clie
                  'share_min_interval = "1s"\n')  # fmt: skip
     try:
         (e2e.state_dir / "sm_active").write_text("70")
-        online = e2e.submit_online("40ms")
+        # The job first: it starts under the share of a GPU with no online client (100 %). Submitted
+        # after the online client, it could race the share change that client's quiet ticks
+        # allow (the CLI takes a second or more to start on a loaded machine).
         job = e2e.submit_offline("--restartable", code=CHECKPOINTING)
+        online = e2e.submit_online("40ms")
         first = e2e.dp.client(job)
-        # The share the GPU had (100 %: it had no online client a moment ago): the job runs at it.
+        # Offline work runs (duty 1), so nothing is quiet and the share has not moved yet.
         before = e2e.dp.call("status")["gpus"][0]["offline_sm_pct"]
         assert first["sm_pct"] == before
         old_pid = first["pid"]

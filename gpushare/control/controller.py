@@ -68,7 +68,7 @@ class GpuState:
         comfortable_ticks: consecutive ticks with every online signal under the comfort ratio.
         breach_duty: the duty when the last SLO violation began (``None``: none since, or the duty
             has since grown past it, or online work left); increases above
-            ``duty_decrease_factor`` x this wait ``cautious_increase_after_ticks``.
+            ``duty_decrease_factor`` x this wait ``slow_increase_after_ticks``.
         violation_ticks: consecutive ticks with an online signal over the violation ratio.
         quiet_ticks: consecutive ticks during which offline work was frozen or absent.
         share_pct: the SM percentage offline (re)launches get.
@@ -371,7 +371,7 @@ class GpushareController:
             ):
                 # Above where the last decrease landed, each step probes toward the duty that
                 # broke the SLO: probe slowly, so breaches (each one costs the p99) stay rare.
-                wait = max(wait, cfg.cautious_increase_after_ticks)
+                wait = max(wait, cfg.slow_increase_after_ticks)
             if comfortable >= wait:
                 duty, comfortable = round(duty + cfg.duty_increase_step, _DUTY_DIGITS), 0
                 why += f" for {wait} tick(s): duty + {cfg.duty_increase_step:g}"
