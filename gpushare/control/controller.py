@@ -13,11 +13,13 @@ A step runs, in this order (``docs/controller.md`` gives the law and justifies e
    evicted, restartable ones first and then largest first, until the memory they hold covers the
    deficit; a client already going away is not evicted twice.
 5. **Duty-cycle throttle** (fast lever): AIMD on the worst normalised online signal with a
-   comfort band, an immediate freeze at the hard threshold, and offline guarantees as duty floors
-   while SLOs hold. Online clients are never the target of any throttle action.
-6. **Offline SM share** (slow lever): recomputed from online SM demand measured while offline work
-   is quiet, with hysteresis and a minimum interval; then restartable offline clients running under
-   a different share are restarted one at a time, never during an SLO violation.
+   comfort band, an immediate freeze at the hard threshold, slow increases near the duty that last
+   broke the SLO, and offline guarantees as duty floors while SLOs hold. Online clients are never the target of any throttle action.
+6. **Offline SM share** (slow lever): recomputed from online SM demand and online latency measured
+   while offline work is quiet (the SMs online work leaves idle, at most the SMs its SLO leaves),
+   split over the GPU's offline clients, with hysteresis and a minimum interval; then restartable
+   offline clients running under a different share are restarted one at a time, never during an
+   SLO violation.
 
 Pure: no I/O, no clock; ``now`` is an argument.
 """
