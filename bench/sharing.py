@@ -5,7 +5,8 @@ online services alone, the reference), prints a per-policy summary and writes
 ``bench/results/sharing.json`` and ``bench/results/sharing.md`` (the per-scenario table and the
 summary). Usage::
 
-    .venv/bin/python bench/sharing.py [--jobs 2] [--duration S] [--policy NAME ...] [SCENARIO ...]
+    .venv/bin/python bench/sharing.py [--jobs 2] [--duration S] [--slo-factor F] [--policy NAME ...]
+        [SCENARIO ...]
 
 Numbers are virtual-time results of the model described in ``docs/simulator.md``: they rank
 policies on one model, they are not measurements of a GPU.
@@ -32,10 +33,12 @@ from gpushare.sim import report  # noqa: E402
 RESULTS = REPO / "bench" / "results"
 
 
-def _run(args: tuple[str, list[str] | None, float | None]) -> dict[str, Any]:
-    path, policies, duration = args
+def _run(args: tuple[str, list[str] | None, float | None, float | None]) -> dict[str, Any]:
+    path, policies, duration, slo_factor = args
     t0 = time.perf_counter()
-    (result,) = sim_cmd.run_files([Path(path)], policies, duration_s=duration, progress=False)
+    (result,) = sim_cmd.run_files(
+        [Path(path)], policies, duration_s=duration, progress=False, slo_factor=slo_factor
+    )
     rows = report.summarise(result)
     return {
         "file": str(Path(path).relative_to(REPO)),
@@ -108,6 +111,12 @@ def main() -> None:
     ap.add_argument("scenarios", nargs="*", help="scenario files (default: every shipped one)")
     ap.add_argument("--policy", action="append", help="policy to run (repeat; default: all)")
     ap.add_argument("--duration", type=float, help="override each scenario's virtual duration")
+    ap.add_argument(
+        "--slo-factor",
+        type=float,
+        help="every online SLO = this x its p99 alone (overrides scenarios' slo_factor; "
+        "an explicit slo_p99_ms is kept)",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="scenarios run in parallel")
     ap.add_argument(
         "--quick",
@@ -123,7 +132,9 @@ def main() -> None:
         files = [f for f in files if "/pairs/" not in f or f.endswith("+resnet50_32_fb1.toml")]
         args.duration = args.duration or 10.0
     t0 = time.perf_counter()
-    work = [(f, args.policy, args.duration) for f in files]
+    if args.slo_factor is not None and args.slo_factor < 1.0:
+        ap.error(f"--slo-factor {args.slo_factor:g}: must be >= 1 (an SLO under the p99 alone)")
+    work = [(f, args.policy, args.duration, args.slo_factor) for f in files]
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
             scenarios = list(pool.map(_run, work))

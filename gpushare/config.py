@@ -152,6 +152,7 @@ class ControlConfig:
     duty_decrease_factor: float = _num(0.5, minimum=0.0, maximum=1.0)
     increase_after_ticks: int = _num(3, minimum=1, maximum=10_000)
     freeze_after_ticks: int = _num(5, minimum=1, maximum=10_000)
+    slow_increase_after_ticks: int = _num(30, minimum=1, maximum=100_000)
     online_memory_reserve_bytes: int = _size(2 << 30)
     offline_sm_pct_default: float = _num(50.0, minimum=1.0, maximum=100.0)
     offline_sm_pct_min: float = _num(10.0, minimum=1.0, maximum=100.0)
@@ -173,7 +174,7 @@ class ProbeConfig:
 
     enabled: bool = True
     period_s: float = _duration(0.05, above=True)
-    window_s: float = _duration(10.0, above=True)
+    window_s: float = _duration(1.0, above=True)
     baseline_window_s: float = _duration(60.0, above=True)
     kernel_spin_cycles: int = _num(20_000, minimum=1, maximum=10**9)
     restart_backoff_min_s: float = _duration(1.0, above=True)
@@ -184,7 +185,7 @@ class ProbeConfig:
 class LatencyConfig:
     """Latency that online clients report themselves or expose as a Prometheus histogram."""
 
-    window_s: float = _duration(30.0, above=True)
+    window_s: float = _duration(2.0, above=True)
     min_samples: int = _num(20, minimum=1, maximum=1_000_000)
     scrape_period_s: float = _duration(1.0, above=True)
 

@@ -67,6 +67,7 @@ configs = st.builds(
     duty_decrease_factor=st.sampled_from([0.0, 0.5, 0.8, 1.0]),
     increase_after_ticks=st.integers(1, 4),
     freeze_after_ticks=st.integers(1, 8),
+    slow_increase_after_ticks=st.integers(1, 8),
     share_min_interval_s=st.sampled_from([0.0, 1.0, 60.0]),
 )
 
@@ -205,7 +206,9 @@ def test_comfortable_slo_climbs_back_to_full_duty(
         mem_free=79 * GIB,
     )
     calm = with_p99(calm, 1.0)
-    bound = math.ceil(1.0 / config.duty_increase_step + 1) * config.increase_after_ticks
+    # After a breach in the warm-up, steps above half the breaching duty wait the cautious count.
+    slowest = max(config.increase_after_ticks, config.slow_increase_after_ticks)
+    bound = math.ceil(1.0 / config.duty_increase_step + 1) * slowest
     for i in range(bound):
         state, _ = ctl.step(state, calm, 200.0 + i * config.period_s)
     assert state.duty == 1.0
@@ -372,6 +375,73 @@ def test_share_follows_online_demand_measured_while_offline_is_frozen() -> None:
     assert not any(isinstance(a, SetOfflineShare) for a in actions)
     state, actions = ctl.step(state, observation((offline(),)), 12.1)
     assert [a.sm_pct for a in actions if isinstance(a, SetOfflineShare)] == [100.0]
+
+
+def test_share_is_bounded_by_the_latency_online_work_has_alone() -> None:
+    ctl = GpushareController(CFG)
+    # Online alone at 0.7x its SLO, 20 % SM activity: the SM demand alone would allow 70 %, but
+    # online work held to 70 % of the SMs may run up to 1/0.7 slower: the SLO leaves 30 %.
+    alone = observation((online(p99_ms=28.0),), sm_active=20.0, probe_ratio=1.0)
+    state, ticks = run(ctl, [alone] * 4)
+    shares = [a for t in ticks for a in t if isinstance(a, SetOfflineShare)]
+    assert [s.sm_pct for s in shares] == [50.0, 30.0]
+    assert "0.70x its SLO" in shares[1].reason
+    # A looser SLO leaves more, up to what the SM demand allows (the interval has passed).
+    loose = observation((online(p99_ms=8.0),), sm_active=20.0, probe_ratio=0.3)
+    later = [a for t in run(ctl, [loose] * 4, state)[1] for a in t]
+    assert not [a for a in later if isinstance(a, SetOfflineShare)], "interval not yet passed"
+    state, actions = ctl.step(state, loose, CFG.share_min_interval_s + CFG.period_s * 4)
+    (share,) = [a for a in actions if isinstance(a, SetOfflineShare)]
+    assert share.sm_pct == 70.0 and "demand 20%" in share.reason
+
+
+def test_share_waits_for_a_latency_measured_while_offline_is_quiet() -> None:
+    ctl = GpushareController(CFG)
+    blind = observation(
+        (online(slo_ms=None, p99_ms=None),), sm_active=10.0, probe_ratio=None
+    )  # SM demand known, latency not: the share stays where it is
+    _, ticks = run(ctl, [blind] * 6)
+    assert [a.sm_pct for t in ticks for a in t if isinstance(a, SetOfflineShare)] == [50.0]
+
+
+def test_share_is_split_over_the_offline_clients_of_the_gpu() -> None:
+    ctl = GpushareController(CFG)
+    queued = (
+        offline("a", state=ClientState.QUEUED),
+        offline("b", state=ClientState.QUEUED),
+        offline("gone", state=ClientState.EXITED),
+    )
+    # Online at 0.5x its SLO, demand 20 %: 50 % for offline work, 25 % for each of two jobs.
+    obs = observation((online(p99_ms=20.0), *queued), sm_active=20.0, probe_ratio=0.3)
+    _, ticks = run(ctl, [obs] * 4)
+    shares = [a for t in ticks for a in t if isinstance(a, SetOfflineShare)]
+    assert [s.sm_pct for s in shares] == [50.0, 25.0]
+    assert "split over 2 offline clients" in shares[1].reason
+
+
+def test_increases_are_cautious_above_half_the_duty_that_broke_the_slo() -> None:
+    cfg = ControlConfig(slow_increase_after_ticks=30)
+    ctl = GpushareController(cfg)
+    base = observation((online(), offline()))
+    over = with_p99(base, 44.0)  # 1.1 x SLO
+    calm = with_p99(base, 20.0)
+    state, _ = run(ctl, [over] * cfg.freeze_after_ticks)  # broke at duty 1: frozen
+    assert state.duty == 0.0 and state.breach_duty == 1.0
+    # Up to 0.5 (half the breaching duty) at the usual pace: 10 steps, 3 ticks each.
+    state, ticks = run(ctl, [calm] * 30, state)
+    assert state.duty == 0.5
+    state, ticks = run(ctl, [calm] * 29, state)
+    assert state.duty == 0.5 and not duties(ticks)
+    state, ticks = run(ctl, [calm], state)
+    assert duties(ticks) == [0.55]
+    # A breach at 0.6 sets the memory there; passing it unharmed forgets it.
+    state = replace(state, duty=0.6, duty_emitted=0.6)
+    state, _ = run(ctl, [over], state)
+    assert state.breach_duty == 0.6 and state.duty == 0.3
+    state, _ = run(ctl, [calm] * (30 * 7), state)  # 0.3 -> 0.65, every step above 0.3 cautious
+    assert state.duty == 0.65 and state.breach_duty is None
+    state, _ = run(ctl, [calm] * 3, state)  # the usual pace again
+    assert state.duty == 0.7
 
 
 def test_share_hysteresis_ignores_small_changes() -> None:

@@ -252,11 +252,11 @@ def test_measured_online_demand_lowers_the_share_and_restarts_a_restartable_clie
     e2e = _start("cgroup" if cgroup_skip_reason() is None else "signal",
                  'share_min_interval = "1s"\n')  # fmt: skip
     try:
-        # Online demand starts low, so the job is launched under a high share however long
-        # the submits take on a loaded machine.
+        # Online demand starts low, and the job is submitted first: it is launched under the
+        # share of a GPU with no online demand however long the CLI takes on a loaded machine.
         (e2e.state_dir / "sm_active").write_text("0")
-        online = e2e.submit_online("40ms")
         job = e2e.submit_offline("--restartable", code=CHECKPOINTING)
+        online = e2e.submit_online("40ms")
         first = e2e.dp.client(job)
         before = first["sm_pct"]
         assert before >= 80.0

@@ -76,3 +76,24 @@ def test_bad_inputs_exit_2_with_the_reason(tmp_path: Path) -> None:
     assert res.exit_code == 2
     assert "online[0].load" in res.output
     assert not (tmp_path / "cli-pair.json").exists()
+
+
+def test_slo_factor_overrides_the_scenarios_slo(tmp_path: Path) -> None:
+    from gpushare.cli import sim_cmd
+
+    sc = tmp_path / "s.toml"
+    sc.write_text(SCENARIO.replace('"3s"', '"1s"'))
+    (default,) = sim_cmd.run_files([sc], ["exclusive"], progress=False)
+    (loose,) = sim_cmd.run_files([sc], ["exclusive"], progress=False, slo_factor=2.0)
+    assert default.alone is not None and loose.alone is not None
+    alone_p99 = loose.alone.online[0].p99_ms
+    assert default.slo_ms["inf"] == 1.1 * default.alone.online[0].p99_ms  # the scenario default
+    assert loose.slo_ms["inf"] == 2.0 * alone_p99
+    assert loose.runs[0].online[0].slo_p99_ms == 2.0 * alone_p99
+    # An explicit SLO in ms is the user's contract: the factor does not replace it.
+    fixed = tmp_path / "fixed.toml"
+    fixed.write_text(
+        SCENARIO.replace('"3s"', '"1s"').replace("load = 0.5", "load = 0.5\nslo_p99_ms = 50.0")
+    )
+    (kept,) = sim_cmd.run_files([fixed], ["exclusive"], progress=False, slo_factor=2.0)
+    assert kept.slo_ms["inf"] == 50.0

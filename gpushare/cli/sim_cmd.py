@@ -101,8 +101,12 @@ def run_files(
     *,
     duration_s: float | None = None,
     progress: bool = True,
+    slo_factor: float | None = None,
 ) -> list[runner.ScenarioResult]:
     """Load the scenarios and run every policy on each (the reference run first).
+
+    ``slo_factor`` overrides every online service's ``slo_factor`` (its SLO as a multiple of its
+    p99 alone); a service with an explicit ``slo_p99_ms`` keeps it.
 
     Raises:
         scenario.ScenarioError: a bad scenario file.
@@ -113,6 +117,14 @@ def run_files(
     if duration_s is not None:
         loaded = [
             dataclasses.replace(s, duration_s=duration_s, warmup_s=min(s.warmup_s, duration_s / 4))
+            for s in loaded
+        ]
+    if slo_factor is not None:
+        loaded = [
+            dataclasses.replace(
+                s,
+                online=tuple(dataclasses.replace(o, slo_factor=slo_factor) for o in s.online),
+            )
             for s in loaded
         ]
     names = list(policies) if policies else list(policy_names())

@@ -13,11 +13,13 @@ A step runs, in this order (``docs/controller.md`` gives the law and justifies e
    evicted, restartable ones first and then largest first, until the memory they hold covers the
    deficit; a client already going away is not evicted twice.
 5. **Duty-cycle throttle** (fast lever): AIMD on the worst normalised online signal with a
-   comfort band, an immediate freeze at the hard threshold, and offline guarantees as duty floors
-   while SLOs hold. Online clients are never the target of any throttle action.
-6. **Offline SM share** (slow lever): recomputed from online SM demand measured while offline work
-   is quiet, with hysteresis and a minimum interval; then restartable offline clients running under
-   a different share are restarted one at a time, never during an SLO violation.
+   comfort band, an immediate freeze at the hard threshold, slow increases near the duty that last
+   broke the SLO, and offline guarantees as duty floors while SLOs hold. Online clients are never the target of any throttle action.
+6. **Offline SM share** (slow lever): recomputed from online SM demand and online latency measured
+   while offline work is quiet (the SMs online work leaves idle, at most the SMs its SLO leaves),
+   split over the GPU's offline clients, with hysteresis and a minimum interval; then restartable
+   offline clients running under a different share are restarted one at a time, never during an
+   SLO violation.
 
 Pure: no I/O, no clock; ``now`` is an argument.
 """
@@ -33,6 +35,7 @@ from gpushare.control.signals import Signals, free_memory_bytes, online_signals
 from gpushare.model import (
     Action,
     Alert,
+    ClientClass,
     ClientState,
     ClientView,
     Evict,
@@ -65,12 +68,17 @@ class GpuState:
         duty: the offline duty fraction decided last tick, in [0, 1].
         duty_emitted: the duty last sent to the runner (``None``: nothing sent yet).
         comfortable_ticks: consecutive ticks with every online signal under the comfort ratio.
+        breach_duty: the duty when the last SLO violation began (``None``: none since, or the duty
+            has since grown past it, or online work left); increases above
+            ``duty_decrease_factor`` x this wait ``slow_increase_after_ticks``.
         violation_ticks: consecutive ticks with an online signal over the violation ratio.
         quiet_ticks: consecutive ticks during which offline work was frozen or absent.
         share_pct: the SM percentage offline (re)launches get.
         share_emitted: whether ``share_pct`` has been sent.
         share_changed_at_s: when the share last changed (``None``: never).
         demand_samples: ``(at_s, online SM demand pct)`` measured while offline work was quiet.
+        quiet_signals: ``(at_s, worst normalised online signal)`` measured while offline work was
+            quiet: what the SLO leaves when online work runs alone.
         evicting: ``(client_id, since_s)`` of clients asked to go away that are still live.
         stopped: clients stopped for repeated failures (never evicted twice).
         restart_pending: ``(client_id, since_s)`` of the restart in flight, if any.
@@ -92,6 +100,8 @@ class GpuState:
     share_emitted: bool = False
     share_changed_at_s: float | None = None
     demand_samples: tuple[tuple[float, float], ...] = ()
+    quiet_signals: tuple[tuple[float, float], ...] = ()
+    breach_duty: float | None = None
     evicting: tuple[tuple[str, float], ...] = ()
     stopped: frozenset[str] = frozenset()
     restart_pending: tuple[str, float] | None = None
@@ -319,10 +329,11 @@ class GpushareController:
     ) -> GpuState:
         cfg = self.config
         duty = state.duty
+        breach = state.breach_duty
         comfortable, violating = state.comfortable_ticks, state.violation_ticks
         quiet = state.quiet_ticks + 1 if state.duty_emitted == 0.0 or not obs.offline() else 0
         if signals.online == 0:
-            duty, comfortable, violating = 1.0, 0, 0
+            duty, comfortable, violating, breach = 1.0, 0, 0, None
             why = "no online client: offline runs free"
         elif signals.worst is None:
             comfortable, violating = 0, 0
@@ -338,9 +349,13 @@ class GpushareController:
                 )
                 state = replace(state, unsignalled_alerted=True)
         elif signals.worst >= cfg.hard_ratio:
+            if violating == 0 and duty > 0:
+                breach = duty
             duty, comfortable, violating = 0.0, 0, violating + 1
             why = f"{signals.describe()} >= hard ratio {cfg.hard_ratio:g}: offline frozen"
         elif signals.worst > cfg.violation_ratio:
+            if violating == 0 and duty > 0:
+                breach = duty
             comfortable, violating = 0, violating + 1
             duty *= cfg.duty_decrease_factor
             if duty < cfg.duty_increase_step or violating >= cfg.freeze_after_ticks:
@@ -352,9 +367,18 @@ class GpushareController:
         elif signals.worst < cfg.comfort_ratio:
             comfortable, violating = comfortable + 1, 0
             why = f"{signals.describe()} under comfort ratio {cfg.comfort_ratio:g}"
-            if comfortable >= cfg.increase_after_ticks:
-                duty, comfortable = duty + cfg.duty_increase_step, 0
-                why += f" for {cfg.increase_after_ticks} tick(s): duty + {cfg.duty_increase_step:g}"
+            wait = cfg.increase_after_ticks
+            if breach is not None and round(duty + cfg.duty_increase_step, _DUTY_DIGITS) > round(
+                breach * cfg.duty_decrease_factor, _DUTY_DIGITS
+            ):
+                # Above where the last decrease landed, each step probes toward the duty that
+                # broke the SLO: probe slowly, so breaches (each one costs the p99) stay rare.
+                wait = max(wait, cfg.slow_increase_after_ticks)
+            if comfortable >= wait:
+                duty, comfortable = round(duty + cfg.duty_increase_step, _DUTY_DIGITS), 0
+                why += f" for {wait} tick(s): duty + {cfg.duty_increase_step:g}"
+                if breach is not None and duty > breach:
+                    breach = None  # past the duty that broke the SLO, unharmed: conditions changed
         else:
             comfortable, violating = 0, 0
             why = f"{signals.describe()} inside the comfort band: duty held"
@@ -377,6 +401,7 @@ class GpushareController:
             comfortable_ticks=comfortable,
             violation_ticks=violating,
             quiet_ticks=quiet,
+            breach_duty=breach,
         )
 
     @staticmethod
@@ -407,11 +432,14 @@ class GpushareController:
         low = min(cfg.offline_sm_pct_min, top)
         window = max(cfg.share_min_interval_s, 10 * cfg.period_s)
         samples = tuple(s for s in state.demand_samples if now - s[0] <= window)
+        quiet_signals = tuple(s for s in state.quiet_signals if now - s[0] <= window)
         if signals.online and state.quiet_ticks >= cfg.increase_after_ticks:
             demand = self._quiet_demand(obs, signals)
             if demand is not None:
                 samples = (*samples, (now, demand))[-_MAX_DEMAND_SAMPLES:]
-        state = replace(state, demand_samples=samples)
+            if signals.worst is not None:
+                quiet_signals = (*quiet_signals, (now, signals.worst))[-_MAX_DEMAND_SAMPLES:]
+        state = replace(state, demand_samples=samples, quiet_signals=quiet_signals)
         if not state.share_emitted:
             share = min(top, max(low, state.share_pct))
             actions.append(
@@ -425,15 +453,43 @@ class GpushareController:
             return replace(state, share_pct=top, share_changed_at_s=now)
         if signals.online == 0:
             target, basis = top, "no online client"
-        elif samples:
+        elif samples and quiet_signals:
+            # Both the SM demand and the latency online work has alone are needed: SM activity
+            # averaged over a tick understates what a burst of online kernels needs.
             demand = max(s for _, s in samples)
             target = 100.0 - demand - cfg.share_headroom_pct
             basis = (
                 f"online SM demand {demand:.0f}% measured with offline quiet "
                 f"+ {cfg.share_headroom_pct:g}% headroom"
             )
+            quiet = _quiet_level(state)
+            if quiet is not None and quiet < cfg.violation_ratio:
+                # Online work held to (100 - s) % of the SMs runs at most 100 / (100 - s) times
+                # slower (iGniter: 1.28-1.56x at half the SMs, under the 2x this bound gives), so
+                # its p99 stays under the SLO while quiet * 100 / (100 - s) <= violation ratio.
+                bound = 100.0 * (1.0 - quiet / cfg.violation_ratio)
+                if bound < target:
+                    target = bound
+                    basis = (
+                        f"online alone at {quiet:.2f}x its SLO with offline quiet: to stay "
+                        f"under the SLO online work needs {quiet / cfg.violation_ratio:.0%} "
+                        "of the SMs"
+                    )
         else:
-            return state  # online present, demand not measured: keep the share
+            return state  # online present, demand or quiet latency not measured: keep the share
+        if signals.online:
+            # MPS caps each client, not offline work as a whole: n offline clients at s % each can
+            # hold n x s % of the SMs. The share is what the online clients leave, split evenly.
+            sharing = sum(
+                1
+                for c in obs.clients
+                if c.cls is ClientClass.OFFLINE
+                and not c.state.is_final
+                and c.client_id not in state.stopped
+            )
+            if sharing > 1:
+                target /= sharing
+                basis += f", split over {sharing} offline clients"
         target = float(math.floor(min(top, max(low, target))))
         target = max(low, target)
         violating = signals.worst is not None and signals.worst > cfg.violation_ratio
@@ -534,6 +590,13 @@ class GpushareController:
         current = client.limits.sm_pct
         # Above target: always (it crowds online work). Below: only when worth a restart.
         return current > target + 0.5 or current < target - self.config.share_hysteresis_pct
+
+
+def _quiet_level(state: GpuState) -> float | None:
+    """The worst online signal measured with offline work quiet (the largest in the window)."""
+    if not state.quiet_signals:
+        return None
+    return max(v for _, v in state.quiet_signals)
 
 
 def _gib(n: int) -> str:
