@@ -72,6 +72,8 @@ class Stream(Protocol):
     priority: int
     cap_sms: int
     run: Run | None
+    #: The stream's :class:`Run` record, reused for each of its kernels (None before the first).
+    spare: Run | None
     #: What :meth:`head` returns, as an attribute: the scheduler reads it on every event.
     nxt: tuple[float, int, float] | None
     eligible_since: float
@@ -101,6 +103,8 @@ class Run:
     rate: float = 0.0
     last_s: float = 0.0
     version: int = 0
+    #: ``g * mem_e``: this kernel's term of the bandwidth sum (G8), kept with ``g``.
+    bw: float = 0.0
 
 
 @dataclass(slots=True)
@@ -231,6 +235,7 @@ class Gpu:
         if run.g:
             run.remaining -= (now - run.last_s) * run.rate
         run.g = g
+        run.bw = g * run.mem_e
         run.last_s = now
         # The rate law (G7, G8 in docs/simulator.md), inlined: this is the hot path.
         w = run.width
@@ -240,7 +245,7 @@ class Gpu:
             other = 0.0
             for r in runs:
                 if r is not run:
-                    other += r.g * r.mem_e
+                    other += r.bw
             slow *= 1.0 + self._beta_per_sm * run.mem_e * other
         rate = 1.0 / (run.dur_s * slow)
         run.rate = rate
@@ -299,7 +304,7 @@ class Gpu:
         held_others = self.sm_count - free
         other_bw = 0.0
         if runs and self.beta > 0.0:
-            other_bw = self._beta_per_sm * sum(r.g * r.mem_e for r in runs)
+            other_bw = self._beta_per_sm * sum(r.bw for r in runs)
         stats = self.stats
         while True:
             head = stream.nxt
@@ -400,27 +405,40 @@ class Gpu:
             cap = full or s.cap_sms
             want = width if width < cap else cap
             mem_e = 0.25 + 0.75 * mem
-            run = Run(s, dur, width, mem_e, want, since)
-            s.run = run
-            stats.kernels_started += 1
             g = want if want < free else free
             self.free = free - g
-            # _set_alloc for a fresh run (g was 0, remaining 1), inlined: same arithmetic.
+            # A fresh run (g was 0, remaining 1): _set_alloc inlined, with the same arithmetic.
+            # The stream's Run record is reused; its version keeps growing, so an event left
+            # over from an earlier kernel never matches.
+            run = s.spare
+            if run is None:
+                run = s.spare = Run(s, dur, width, mem_e, want, since)
+            else:
+                run.dur_s = dur
+                run.width = width
+                run.mem_e = mem_e
+                run.want = want
+                run.since = since
+                run.remaining = 1.0
+            s.run = run
+            stats.kernels_started += 1
             run.g = g
+            run.bw = g * mem_e
             run.last_s = now
             slow = 1.0 if g >= width else self._serial + self.f * width / g
             if runs and beta_per_sm:
                 other = 0.0
                 for r in runs:
-                    other += r.g * r.mem_e
+                    other += r.bw
                 slow *= 1.0 + beta_per_sm * mem_e * other
             runs.append(run)
             rate = 1.0 / (dur * slow)
             run.rate = rate
-            run.version = 1
+            version = run.version + 1
+            run.version = version
             if g > s.held_max:
                 s.held_max = g
-            heapq.heappush(heap, (now + 1.0 / rate, next(seq), complete, (run, 1)))
+            heapq.heappush(heap, (now + 1.0 / rate, next(seq), complete, (run, version)))
 
     def _time_slice_owner(self, now: float) -> Stream | None:
         """The context that may issue to the GPU now under time-slicing (None: wait)."""

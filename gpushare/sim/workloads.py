@@ -57,6 +57,7 @@ class SimClient:
     restartable: bool = False
     state: ClientState = ClientState.QUEUED
     run: Run | None = None
+    spare: Run | None = None
     #: The next issued kernel not yet started, kept by the subclasses (what ``head()`` returns).
     nxt: tuple[float, int, float] | None = None
     eligible_since: float = 0.0
@@ -282,6 +283,7 @@ class ProbeClient:
         self.gpu = gpu
         self.cap_sms = gpu.sm_count
         self.run: Run | None = None
+        self.spare: Run | None = None
         self.nxt: tuple[float, int, float] | None = None
         self.eligible_since = 0.0
         self.held_max = 0
