@@ -24,7 +24,7 @@ import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, cast
+from typing import Any, Literal, Protocol
 
 GpuMode = Literal["mps", "time_slice"]
 
@@ -41,12 +41,12 @@ class EventLoop:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self._heap: list[tuple[float, int, Callable[[object], None], object]] = []
+        self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()
         self.events = 0
         self.end_s = 0.0
 
-    def at(self, time_s: float, callback: Callable[[object], None], arg: object = None) -> None:
+    def at(self, time_s: float, callback: Callable[[Any], None], arg: object = None) -> None:
         """Run ``callback(arg)`` at virtual time ``time_s`` (never earlier than now)."""
         heapq.heappush(self._heap, (max(time_s, self.now), next(self._seq), callback, arg))
 
@@ -72,6 +72,10 @@ class Stream(Protocol):
     priority: int
     cap_sms: int
     run: Run | None
+    #: The stream's :class:`Run` record, reused for each of its kernels (None before the first).
+    spare: Run | None
+    #: What :meth:`head` returns, as an attribute: the scheduler reads it on every event.
+    nxt: tuple[float, int, float] | None
     eligible_since: float
     held_max: int
 
@@ -99,6 +103,8 @@ class Run:
     rate: float = 0.0
     last_s: float = 0.0
     version: int = 0
+    #: ``g * mem_e``: this kernel's term of the bandwidth sum (G8), kept with ``g``.
+    bw: float = 0.0
 
 
 @dataclass(slots=True)
@@ -229,6 +235,7 @@ class Gpu:
         if run.g:
             run.remaining -= (now - run.last_s) * run.rate
         run.g = g
+        run.bw = g * run.mem_e
         run.last_s = now
         # The rate law (G7, G8 in docs/simulator.md), inlined: this is the hot path.
         w = run.width
@@ -238,7 +245,7 @@ class Gpu:
             other = 0.0
             for r in runs:
                 if r is not run:
-                    other += r.g * r.mem_e
+                    other += r.bw
             slow *= 1.0 + self._beta_per_sm * run.mem_e * other
         rate = 1.0 / (run.dur_s * slow)
         run.rate = rate
@@ -253,25 +260,25 @@ class Gpu:
             (now + remaining / rate, next(loop._seq), self._complete, (run, run.version)),
         )
 
-    def _complete(self, arg: object) -> None:
-        run, version = cast(tuple[Run, int], arg)
+    def _complete(self, arg: tuple[Run, int]) -> None:
+        run, version = arg
         if run.version != version:
             return
         now = self.loop.now
+        stats = self.stats
         # Accounting (see _account), inlined.
         dt = now - self._last_change
         if dt > 0.0:
             held = self.sm_count - self.free
             if held:
-                self.stats.busy_s += dt
-                self.stats.sm_s += held * dt
+                stats.busy_s += dt
+                stats.sm_s += held * dt
             self._last_change = now
         self.free += run.g
-        runs = self.runs
-        runs.remove(run)
+        self.runs.remove(run)
         stream = run.stream
         stream.run = None
-        self.stats.kernels_done += 1
+        stats.kernels_done += 1
         stream.on_kernel_done(now)
         self._dispatch(stream)
 
@@ -297,10 +304,10 @@ class Gpu:
         held_others = self.sm_count - free
         other_bw = 0.0
         if runs and self.beta > 0.0:
-            other_bw = self._beta_per_sm * sum(r.g * r.mem_e for r in runs)
+            other_bw = self._beta_per_sm * sum(r.bw for r in runs)
         stats = self.stats
         while True:
-            head = stream.head()
+            head = stream.nxt
             if head is None:
                 break
             dur, width, mem = head
@@ -337,11 +344,13 @@ class Gpu:
         One scan collects every stream that wants SMs (an issued kernel not started, or a kernel
         running below its width); they are served in order of (MPS priority, eligible time).
         When the only one is the stream whose kernel just completed, its uncontended stretch runs
-        inline first (:meth:`_run_on`).
+        inline first (:meth:`_run_on`). This is the simulator's hot path: the start of a kernel
+        (:meth:`_set_alloc` for a fresh run) is inlined with the same arithmetic, in the same order.
         """
         if self.free <= 0:
             return
-        now = self.loop.now
+        loop = self.loop
+        now = loop.now
         if self.mode == "time_slice":
             allowed = self._time_slice_owner(now)
             if allowed is None:
@@ -354,48 +363,82 @@ class Gpu:
         cands: list[tuple[int, float, int, Stream, tuple[float, int, float] | None]] = []
         for i, s in enumerate(streams):
             run = s.run
-            if run is not None:
-                if run.g < run.want:
-                    cands.append((s.priority, run.since, i, s, None))
-            else:
-                head = s.head()
+            if run is None:
+                head = s.nxt
                 if head is not None:
                     cands.append((s.priority, s.eligible_since, i, s, head))
+            elif run.g < run.want:
+                cands.append((s.priority, run.since, i, s, None))
         if not cands:
             return
         if len(cands) > 1:
             cands.sort()
         elif completing is not None and cands[0][3] is completing and self.fast_path and not full:
             self._run_on(completing)
-            head = completing.head()
+            head = completing.nxt
             if head is None:
                 return
             cands = [(completing.priority, completing.eligible_since, 0, completing, head)]
-            now = self.loop.now
-        self._account()
+            now = loop.now
+        if now != self._last_change:
+            self._account()
         runs = self.runs
+        stats = self.stats
+        heap = loop._heap
+        seq = loop._seq
+        complete = self._complete
+        beta_per_sm = self._beta_per_sm if self.beta > 0.0 else 0.0
         for _, since, _, s, head in cands:
             free = self.free
             if free <= 0:
                 break
             run = s.run
-            if run is None:
-                assert head is not None
-                dur, width, mem = head
-                cap = full or s.cap_sms
-                want = width if width < cap else cap
-                run = Run(s, dur, width, 0.25 + 0.75 * mem, want, since)
-                s.run = run
-                runs.append(run)
-                self.stats.kernels_started += 1
-                g = want if want < free else free
-                self.free = free - g
-            else:
+            if run is not None:
                 g = run.g + free
                 if g > run.want:
                     g = run.want
                 self.free = free - (g - run.g)
-            self._set_alloc(run, g, now)
+                self._set_alloc(run, g, now)
+                continue
+            assert head is not None
+            dur, width, mem = head
+            cap = full or s.cap_sms
+            want = width if width < cap else cap
+            mem_e = 0.25 + 0.75 * mem
+            g = want if want < free else free
+            self.free = free - g
+            # A fresh run (g was 0, remaining 1): _set_alloc inlined, with the same arithmetic.
+            # The stream's Run record is reused; its version keeps growing, so an event left
+            # over from an earlier kernel never matches.
+            run = s.spare
+            if run is None:
+                run = s.spare = Run(s, dur, width, mem_e, want, since)
+            else:
+                run.dur_s = dur
+                run.width = width
+                run.mem_e = mem_e
+                run.want = want
+                run.since = since
+                run.remaining = 1.0
+            s.run = run
+            stats.kernels_started += 1
+            run.g = g
+            run.bw = g * mem_e
+            run.last_s = now
+            slow = 1.0 if g >= width else self._serial + self.f * width / g
+            if runs and beta_per_sm:
+                other = 0.0
+                for r in runs:
+                    other += r.bw
+                slow *= 1.0 + beta_per_sm * mem_e * other
+            runs.append(run)
+            rate = 1.0 / (dur * slow)
+            run.rate = rate
+            version = run.version + 1
+            run.version = version
+            if g > s.held_max:
+                s.held_max = g
+            heapq.heappush(heap, (now + 1.0 / rate, next(seq), complete, (run, version)))
 
     def _time_slice_owner(self, now: float) -> Stream | None:
         """The context that may issue to the GPU now under time-slicing (None: wait)."""

@@ -50,8 +50,10 @@ from gpushare.sim.workloads import (
     OnlineServer,
     ProbeClient,
     SimClient,
+    WindowLatencies,
     bursty_poisson_arrivals,
     percentile,
+    percentile_sorted,
     poisson_arrivals,
     rate_series_arrivals,
     trace_arrivals,
@@ -126,6 +128,8 @@ class SimNode:
             for i in range(g.count)
         ]
         self.by_uuid = {gpu.uuid: gpu for gpu in self.gpus}
+        #: Each online server's latency window, kept sorted across control periods.
+        self._windows: dict[str, WindowLatencies] = {}
         self.duty = {gpu.uuid: 1.0 for gpu in self.gpus}
         self.offline_share = {
             gpu.uuid: self.cfg.control.offline_sm_pct_default for gpu in self.gpus
@@ -361,14 +365,12 @@ class SimNode:
         p99: float | None = None
         reason: str | None = None
         if isinstance(c, OnlineServer):
-            lo = now - self.cfg.latency.window_s
-            done = c.completed
-            i = len(done)
-            while i > 0 and done[i - 1][0] + done[i - 1][1] >= lo:
-                i -= 1  # completions are in time order: walk back over the window only
-            recent = [lat * 1e3 for _, lat in done[i:]]
+            window = self._windows.get(c.cid)
+            if window is None or window.completed is not c.completed:
+                window = self._windows[c.cid] = WindowLatencies(c.completed)
+            recent = window.update(now - self.cfg.latency.window_s)
             if len(recent) >= self.cfg.latency.min_samples:
-                p99 = percentile(recent, 99.0)
+                p99 = percentile_sorted(recent, 99.0)
             else:
                 reason = f"{len(recent)} samples in the window (< {self.cfg.latency.min_samples})"
         state = c.state

@@ -57,6 +57,9 @@ class SimClient:
     restartable: bool = False
     state: ClientState = ClientState.QUEUED
     run: Run | None = None
+    spare: Run | None = None
+    #: The next issued kernel not yet started, kept by the subclasses (what ``head()`` returns).
+    nxt: tuple[float, int, float] | None = None
     eligible_since: float = 0.0
     held_max: int = 0
     cap_sms: int = 1
@@ -109,6 +112,7 @@ class OnlineServer(SimClient):
         self._width = profile.width
         self._mem = profile.mem
         self._n = len(profile)
+        self._kernels = tuple(zip(profile.dur_s, profile.width, profile.mem, strict=True))
         self._arrivals = arrivals
         self.queue: deque[float] = deque()
         self.pos = self._n  # no request in progress
@@ -141,24 +145,25 @@ class OnlineServer(SimClient):
         if self.queue and self.state is ClientState.RUNNING:
             self.current_arrival = self.queue.popleft()
             self.pos = 0
+            self.nxt = self._kernels[0]
             self.eligible_since = now
             self.counts.issued += self._n
 
     def head(self) -> tuple[float, int, float] | None:
         """The next kernel of the request in progress."""
-        p = self.pos
-        if p < self._n:
-            return (self._dur[p], self._width[p], self._mem[p])
-        return None
+        return self.nxt
 
     def on_kernel_done(self, now: float) -> None:
         """Advance the request; at its end record the latency and start the next one."""
         self.counts.done += 1
-        self.pos += 1
-        if self.pos >= self._n:
+        p = self.pos + 1
+        self.pos = p
+        if p >= self._n:
+            self.nxt = None
             self.completed.append((self.current_arrival, now - self.current_arrival))
             self._begin_next(now)
         else:
+            self.nxt = self._kernels[p]
             self.eligible_since = now
 
     def stop(self) -> None:
@@ -167,6 +172,7 @@ class OnlineServer(SimClient):
             self.counts.discarded += self._n - self.pos - (1 if self.run else 0)
         self.counts.discarded += self.gpu.detach(self)
         self.pos = self._n
+        self.nxt = None
         self.queue.clear()
         self.state = ClientState.EXITED
 
@@ -201,6 +207,7 @@ class OfflineTrainer(SimClient):
         self._width = profile.width
         self._mem = profile.mem
         self._n = len(profile)
+        self._kernels = tuple(zip(profile.dur_s, profile.width, profile.mem, strict=True))
         self.pos = self._n
         self.frozen = False
         self.held = False
@@ -214,12 +221,14 @@ class OfflineTrainer(SimClient):
         self.state = ClientState.RUNNING
         self.started_at_s = now
         self.pos = self._n
+        self.nxt = None
         self._maybe_issue(now)
         self.gpu.attach(self)
 
     def _maybe_issue(self, now: float) -> None:
         if self.active and not self.frozen and self.pos >= self._n:
             self.pos = 0
+            self.nxt = self._kernels[0]
             self.eligible_since = now
             self.counts.issued += self._n
 
@@ -236,19 +245,19 @@ class OfflineTrainer(SimClient):
 
     def head(self) -> tuple[float, int, float] | None:
         """The next issued kernel of the current iteration."""
-        p = self.pos
-        if p < self._n:
-            return (self._dur[p], self._width[p], self._mem[p])
-        return None
+        return self.nxt
 
     def on_kernel_done(self, now: float) -> None:
         """Advance; at an iteration's end record it and issue the next unless frozen."""
         self.counts.done += 1
-        self.pos += 1
-        if self.pos >= self._n:
+        p = self.pos + 1
+        self.pos = p
+        if p >= self._n:
+            self.nxt = None
             self.iterations.append(now)
             self._maybe_issue(now)
         else:
+            self.nxt = self._kernels[p]
             self.eligible_since = now
 
     def stop(self, state: ClientState) -> None:
@@ -257,6 +266,7 @@ class OfflineTrainer(SimClient):
             self.counts.discarded += self._n - self.pos - (1 if self.run else 0)
         self.counts.discarded += self.gpu.detach(self)
         self.pos = self._n
+        self.nxt = None
         self.active = False
         self.state = state
 
@@ -273,6 +283,8 @@ class ProbeClient:
         self.gpu = gpu
         self.cap_sms = gpu.sm_count
         self.run: Run | None = None
+        self.spare: Run | None = None
+        self.nxt: tuple[float, int, float] | None = None
         self.eligible_since = 0.0
         self.held_max = 0
         self.period_s = period_s
@@ -301,6 +313,7 @@ class ProbeClient:
         loop = self._loop
         if not self._pending:
             self._pending = True
+            self.nxt = (self.kernel_s, self.width, 0.0)
             self._launched = loop.now
             self.eligible_since = loop.now
             self.gpu.wake()
@@ -308,11 +321,12 @@ class ProbeClient:
 
     def head(self) -> tuple[float, int, float] | None:
         """The probe kernel while one is launched and not yet started."""
-        return (self.kernel_s, self.width, 0.0) if self._pending else None
+        return self.nxt
 
     def on_kernel_done(self, now: float) -> None:
         """Record wait + run time."""
         self._pending = False
+        self.nxt = None
         self.samples.append((self._launched, now - self._launched, self.offline_running))
 
 
@@ -408,8 +422,43 @@ def rate_series_arrivals(
 
 def percentile(values: list[float], q: float) -> float:
     """The ``q`` percentile (0-100) by the nearest-rank method; NaN for no values."""
-    if not values:
+    return percentile_sorted(sorted(values), q)
+
+
+def percentile_sorted(ordered: list[float], q: float) -> float:
+    """:func:`percentile` of values already sorted in ascending order."""
+    if not ordered:
         return math.nan
-    ordered = sorted(values)
     k = max(0, min(len(ordered) - 1, math.ceil(q / 100.0 * len(ordered)) - 1))
     return ordered[k]
+
+
+class WindowLatencies:
+    """The latencies (ms) of a server's requests completed in a trailing window, kept sorted.
+
+    :meth:`update` returns what sorting ``[lat * 1e3 for arr, lat in completed if arr + lat >= lo]``
+    would, but incrementally: requests completed since the last call are inserted, those whose
+    completion fell out of the window are removed. It relies on ``completed`` being appended to in
+    completion order and ``lo`` never decreasing (the controller reads it once per period).
+    """
+
+    def __init__(self, completed: list[tuple[float, float]]) -> None:
+        self.completed = completed
+        self._added = 0
+        self._first = 0
+        self._sorted_ms: list[float] = []
+
+    def update(self, lo: float) -> list[float]:
+        """The sorted latencies (ms) of the requests completed at or after ``lo``."""
+        done = self.completed
+        n = len(done)
+        ordered = self._sorted_ms
+        for k in range(self._added, n):
+            bisect.insort(ordered, done[k][1] * 1e3)
+        self._added = n
+        i = self._first
+        while i < n and done[i][0] + done[i][1] < lo:
+            del ordered[bisect.bisect_left(ordered, done[i][1] * 1e3)]
+            i += 1
+        self._first = i
+        return ordered
