@@ -356,25 +356,44 @@ def test_share_follows_online_demand_measured_while_offline_is_frozen() -> None:
     assert share.sm_pct == 30.0 and "demand 60%" in share.reason
     (restart,) = [a for a in actions if isinstance(a, RestartClient)]
     assert restart.client_id == "ckpt" and restart.sm_pct == 30.0
-    # One at a time: no second restart while the first is in flight.
+    # A second offline client arrives while the first restarts: the share is split between them
+    # at once (a decrease protects the SLO and does not wait for the interval), and no second
+    # restart starts while the first is in flight.
     other = offline("ckpt2", sm_pct=50.0, restartable=True)
     busy = observation(
         (online(p99_ms=36.0), replace(victim, state=ClientState.RESTARTING), other), sm_active=60.0
     )
     state, actions = ctl.step(state, busy, 2.1)
+    assert [a.sm_pct for a in actions if isinstance(a, SetOfflineShare)] == [15.0]
     assert not any(isinstance(a, RestartClient) for a in actions)
-    # The first came back under 30 %: the next one is restarted.
+    # The first came back under 15 %: the next one is restarted.
     done = observation(
-        (online(p99_ms=36.0), replace(victim, limits=replace(victim.limits, sm_pct=30.0)), other),
+        (online(p99_ms=36.0), replace(victim, limits=replace(victim.limits, sm_pct=15.0)), other),
         sm_active=60.0,
     )
     state, actions = ctl.step(state, done, 2.2)
     assert [a.client_id for a in actions if isinstance(a, RestartClient)] == ["ckpt2"]
-    # A share change waits for the minimum interval.
+    # An increase waits for the minimum interval since the last change (at 2.1).
     state, actions = ctl.step(state, observation((offline(),)), 3.0)
     assert not any(isinstance(a, SetOfflineShare) for a in actions)
-    state, actions = ctl.step(state, observation((offline(),)), 12.1)
+    state, actions = ctl.step(state, observation((offline(),)), 12.2)
     assert [a.sm_pct for a in actions if isinstance(a, SetOfflineShare)] == [100.0]
+
+
+def test_share_decrease_does_not_wait_behind_a_recent_increase() -> None:
+    # make demo's start: offline work alone raises the share to 100 %, then an online client
+    # arrives a moment later. Protecting it must not wait out the interval of that increase.
+    cfg = ControlConfig(share_min_interval_s=60.0)
+    ctl = GpushareController(cfg)
+    job = offline("job", sm_pct=100.0, restartable=True)
+    state, ticks = run(ctl, [observation((job,))] * 3)
+    assert [a.sm_pct for t in ticks for a in t if isinstance(a, SetOfflineShare)][-1] == 100.0
+    shared = observation((online(p99_ms=36.0), job), sm_active=60.0)
+    state, ticks = run(ctl, [with_p99(shared, 100.0)] * 8, state)  # frozen: demand measured
+    state, actions = ctl.step(state, shared, 2.0)  # SLO holds again, 1.7 s after the increase
+    (share,) = [a for a in actions if isinstance(a, SetOfflineShare)]
+    assert share.sm_pct == 30.0
+    assert [a.client_id for a in actions if isinstance(a, RestartClient)] == ["job"]
 
 
 def test_share_is_bounded_by_the_latency_online_work_has_alone() -> None:

@@ -493,8 +493,11 @@ class GpushareController:
         target = float(math.floor(min(top, max(low, target))))
         target = max(low, target)
         violating = signals.worst is not None and signals.worst > cfg.violation_ratio
+        # Fast down, slow up: a lower share protects the online SLO and never waits; a higher one
+        # is opportunistic and waits out the interval (each change restarts restartable clients).
         interval_ok = (
-            state.share_changed_at_s is None
+            target < state.share_pct
+            or state.share_changed_at_s is None
             or now - state.share_changed_at_s >= cfg.share_min_interval_s
         )
         if (
