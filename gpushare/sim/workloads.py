@@ -75,6 +75,16 @@ class SimClient:
             self.priority = self.cls.mps_priority
         self.cap_sms = cap_sms(self.sm_pct, self.gpu.sm_count)
 
+    def _load_profile(self, profile: KernelProfile) -> None:
+        """Unpack a kernel profile into the flat per-kernel sequences the hot path reads."""
+        self.profile = profile
+        self._dur = profile.dur_s
+        self._width = profile.width
+        self._mem = profile.mem
+        self._n = len(profile)
+        self._kernels = tuple(zip(profile.dur_s, profile.width, profile.mem, strict=True))
+        self.pos = self._n  # no kernel sequence in progress
+
     def set_limits(self, sm_pct: float) -> None:
         """Apply a new SM percentage (only at a (re)start: MPS fixes it for the client's life)."""
         self.sm_pct = sm_pct
@@ -107,15 +117,9 @@ class OnlineServer(SimClient):
             slo_p99_ms=slo_p99_ms,
             pid=pid,
         )
-        self.profile = profile
-        self._dur = profile.dur_s
-        self._width = profile.width
-        self._mem = profile.mem
-        self._n = len(profile)
-        self._kernels = tuple(zip(profile.dur_s, profile.width, profile.mem, strict=True))
+        self._load_profile(profile)
         self._arrivals = arrivals
         self.queue: deque[float] = deque()
-        self.pos = self._n  # no request in progress
         self.current_arrival = 0.0
         #: (arrival_s, latency_s) of every completed request.
         self.completed: list[tuple[float, float]] = []
@@ -202,13 +206,7 @@ class OfflineTrainer(SimClient):
             restartable=restartable,
             pid=pid,
         )
-        self.profile = profile
-        self._dur = profile.dur_s
-        self._width = profile.width
-        self._mem = profile.mem
-        self._n = len(profile)
-        self._kernels = tuple(zip(profile.dur_s, profile.width, profile.mem, strict=True))
-        self.pos = self._n
+        self._load_profile(profile)
         self.frozen = False
         self.held = False
         self.active = False
