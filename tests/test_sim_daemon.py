@@ -1,4 +1,9 @@
-"""``gpushare daemon --simulate 1``: the real daemon and CLI on a simulated GPU, end to end."""
+"""``gpushare daemon --simulate 1``: the real daemon and CLI on a simulated GPU, end to end.
+
+These run with simulated MPS on every machine: ``mps.control_binary`` names a binary that does not
+exist, as on a host without ``nvidia-cuda-mps-control``. The real control binary in simulate mode
+is tested in ``tests/test_sim_hybrid_mps.py``.
+"""
 
 from __future__ import annotations
 
@@ -47,6 +52,8 @@ cancel_grace = "1s"
 enabled = false
 [latency]
 window = "5s"
+[mps]
+control_binary = "{base}/absent/nvidia-cuda-mps-control"
 """
     )
     env = {**os.environ, "GPUSHARE_SOCKET": str(base / "run" / "gpushare.sock")}
@@ -63,7 +70,7 @@ window = "5s"
             assert proc.poll() is None, (base / "daemon.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "the simulated daemon did not start"
             time.sleep(0.1)
-        yield env
+        yield {**env, "GSS_DAEMON_LOG": str(base / "daemon.log")}
     finally:
         try:
             listing = _cli(env, "list", "--json")
@@ -105,6 +112,19 @@ def test_simulated_daemon_runs_submitted_workloads(sim_daemon: dict[str, str]) -
     names = {c["name"]: c for c in status["clients"]}
     assert set(names) == {"train", "web"}
     assert all(c["state"] in ("running", "throttled", "frozen") for c in names.values())
+    # No MPS binary: MPS is simulated, and the daemon says so and why.
+    assert gpu["mps_state"] == "up"
+    assert gpu["mps_backend"] == "simulated"
+    assert status["daemon"]["simulated"] is True
+    assert "up (sim)" in _cli(env, "status").stdout
+    line = next(
+        json.loads(x)
+        for x in Path(env["GSS_DAEMON_LOG"]).read_text().splitlines()
+        if '"simulated_node"' in x
+    )
+    assert line["mps"] == "simulated"
+    assert "nvidia-cuda-mps-control not found" in line["reason"]
+    assert "scripts/get-mps-control.sh" in line["reason"]
 
 
 def test_sim_profile_errors(sim_daemon: dict[str, str]) -> None:

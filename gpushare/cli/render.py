@@ -47,10 +47,20 @@ def render_clients(clients: Sequence[dict[str, Any]]) -> str:
     return _table(rows) if clients else "no clients"
 
 
+def _mps(gpu: dict[str, Any], simulated: bool) -> str:
+    # On simulated GPUs MPS may be the real control daemon or simulated too: say which.
+    state = gpu["mps_state"] or NA
+    backend = gpu.get("mps_backend")
+    if not simulated or backend is None:
+        return state
+    return f"{state} ({'real' if backend == 'real' else 'sim'})"
+
+
 def render_status(status: dict[str, Any]) -> str:
     """The human ``status`` view: one row per GPU, then one per client."""
     rows = [["GPU", "UUID", "MEMORY USED/TOTAL", "UTIL", "MPS", "ONLINE SLO", "PROBE",
              "SLOTS", "DUTY", "OFFLINE SM"]]  # fmt: skip
+    simulated = bool(status["daemon"].get("simulated"))
     for g in status["gpus"]:
         probe = g["probe"]
         probe_text = (
@@ -60,13 +70,14 @@ def render_status(status: dict[str, Any]) -> str:
         )  # fmt: skip
         rows.append([
             str(g["index"]), g["uuid"], f"{_gib(g['mem_used_bytes'])}/{_gib(g['mem_total_bytes'])}",
-            _pct(g["gpu_util_pct"]), g["mps_state"] or NA, g["online_slo"]["state"], probe_text,
+            _pct(g["gpu_util_pct"]), _mps(g, simulated), g["online_slo"]["state"], probe_text,
             f"{g['client_slots_used']}/{g['client_slots_max']}", f"{g['duty']:.2f}",
             _pct(g["offline_sm_pct"]),
         ])  # fmt: skip
         if g["error"]:
             rows.append(["", f"error: {g['error']}", "", "", "", "", "", "", "", ""])
-    head = f"gpushare {status['daemon']['version']}: {status['daemon']['summary']}"
+    node = " (simulated GPUs)" if simulated else ""
+    head = f"gpushare {status['daemon']['version']}{node}: {status['daemon']['summary']}"
     return "\n".join([head, "", _table(rows), "", render_clients(status["clients"])])
 
 

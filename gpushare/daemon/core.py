@@ -1094,6 +1094,8 @@ class Daemon:
                     "policy": self.policy.name,
                     "pause_mechanism": self.pauser.mechanism.value,
                     "summary": self.summary(),
+                    # Optional attributes of the adapters: only the simulated node sets them.
+                    "simulated": bool(getattr(self.gpu, "simulated", False)),
                 },
                 "gpus": gpus,
                 "clients": clients,
@@ -1133,6 +1135,7 @@ class Daemon:
             "gpu_util_pct": s.gpu_util_pct,
             "sm_active_pct": s.sm_active_pct,
             "mps_state": mps_state.value if mps_state is not None else None,
+            "mps_backend": getattr(self.mps, "backend", None),
             "duty": self._duty.get(s.uuid, 1.0),
             "offline_sm_pct": self._default_sm(ClientClass.OFFLINE, s.uuid),
             "online_slo": slo,

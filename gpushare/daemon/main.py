@@ -8,11 +8,13 @@ it stops MPS only when ``daemon.stop_mps_on_exit`` says so.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -27,8 +29,12 @@ from gpushare.model import PauseMechanism
 from gpushare.node import cgroups
 from gpushare.node import mps as mps_mod
 from gpushare.node import notify as sd
+from gpushare.node.base import MpsNode
 from gpushare.node.nvml import NvmlBackend
 from gpushare.node.probe import ProbeManager
+
+if TYPE_CHECKING:
+    from gpushare.sim.realtime import RealTimeSimNode
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +67,8 @@ def serve(daemon: Daemon) -> int:
     try:
         daemon.start()
     except ServerError as exc:
+        # As at a normal stop: supervision ends, and MPS stops where it would then.
+        _stop_mps(daemon.mps, quit_daemon=daemon.config.daemon.stop_mps_on_exit)
         daemon.registry.close()
         raise StartupError(str(exc)) from exc
     try:
@@ -135,11 +143,64 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
     )
 
 
+def _stop_mps(mps: object, *, quit_daemon: bool) -> None:
+    stop = getattr(mps, "stop", None)
+    if callable(stop):
+        stop(quit_daemon=quit_daemon)
+
+
+def simulated_mps(cfg: config_mod.Config, rt: RealTimeSimNode) -> tuple[MpsNode, dict[str, str]]:
+    """The MPS of the simulated node: real control daemons when the binary is installed.
+
+    The binary is looked up as the real daemon and ``gpushare doctor`` do (``mps.control_binary``,
+    a name on PATH or an absolute path). Found: one real control daemon per simulated GPU,
+    started and supervised by :class:`~gpushare.node.mps.MpsNodeManager` under
+    ``paths.mps_pipe_dir``/``paths.mps_log_dir``, joined with the simulated MPS
+    (:class:`~gpushare.sim.hybrid_mps.HybridMpsNode`). Not found: the simulated MPS alone. Also
+    returns what to log about the choice.
+
+    Raises:
+        StartupError: the binary is installed but does not run, or its daemons do not start:
+            a simulate run that silently fell back would hide a broken MPS set-up.
+    """
+    from gpushare.sim.hybrid_mps import HybridMpsNode
+
+    name = cfg.mps.control_binary
+    if mps_mod.find_binary(name) is None:
+        reason = f"{name} not found; run scripts/get-mps-control.sh or set mps.control_binary"
+        return rt.mps_node(), {"mps": "simulated", "reason": reason}
+    ok, path, hint = mps_mod.binary_status(name)
+    if not ok:
+        raise StartupError(
+            f"MPS: {path}; {hint or 'reinstall it'} (or set mps.control_binary to a name that is "
+            "not installed to simulate MPS)"
+        )
+    # Simulated GPUs have no NVML: no compute mode to set, and nothing to warn about.
+    mps_cfg = dataclasses.replace(cfg, mps=dataclasses.replace(cfg.mps, compute_mode="leave"))
+    try:
+        manager = mps_mod.MpsNodeManager(mps_cfg, rt.gpu_uuids)
+        node = HybridMpsNode(manager, rt.mps_node())
+        node.start()
+    except mps_mod.MpsError as exc:
+        raise StartupError(
+            f"MPS ({path}, simulate mode): {exc} (or set mps.control_binary to a name that is not "
+            "installed to simulate MPS)"
+        ) from exc
+    return node, {
+        "mps": "real",
+        "binary": path,
+        "version": mps_mod.binary_version(path) or "unknown",
+    }
+
+
 def build_simulated(cfg: config_mod.Config, config_path: Path | None, gpus: int) -> Daemon:
     """Wire the real daemon to ``gpus`` simulated GPUs running in real time (DESIGN D10).
 
+    MPS is real where its control binary is installed (:func:`simulated_mps`).
+
     Raises:
-        StartupError: the registry cannot be opened or the policy is unknown.
+        StartupError: the registry cannot be opened, the policy is unknown, or the installed MPS
+            control daemons cannot be started.
     """
     from gpushare.sim.daemon_node import SimClientInfo, SimulatedPauser
     from gpushare.sim.realtime import RealTimeSimNode
@@ -173,18 +234,29 @@ def build_simulated(cfg: config_mod.Config, config_path: Path | None, gpus: int)
         )
 
     real = make_pauser(cfg)
-    log.info("simulated_node", gpus=gpus, uuids=rt.gpu_uuids, mechanism=real.pauser.mechanism.value)
-    daemon = Daemon(
-        cfg,
-        registry=registry,
-        gpu=rt.gpu_backend(),
-        mps=rt.mps_node(),
-        pauser=SimulatedPauser(real.pauser, rt, lookup),
-        probe=rt.latency_probe() if cfg.probe.enabled else None,
-        policy=policy,
-        config_path=config_path,
-        metrics=Exporter() if cfg.metrics.enabled else None,
-    )
+    try:
+        mps, mps_info = simulated_mps(cfg, rt)
+    except StartupError:
+        registry.close()
+        raise
+    log.info("simulated_node", gpus=gpus, uuids=rt.gpu_uuids, mechanism=real.pauser.mechanism.value,
+             **mps_info)  # fmt: skip
+    try:
+        daemon = Daemon(
+            cfg,
+            registry=registry,
+            gpu=rt.gpu_backend(),
+            mps=mps,
+            pauser=SimulatedPauser(real.pauser, rt, lookup),
+            probe=rt.latency_probe() if cfg.probe.enabled else None,
+            policy=policy,
+            config_path=config_path,
+            metrics=Exporter() if cfg.metrics.enabled else None,
+        )
+    except BaseException:
+        _stop_mps(mps, quit_daemon=True)
+        registry.close()
+        raise
     # Simulated services report their request latencies as real ones would (report_latency).
     rt.on_latency = daemon.latency.tracker.add
     return daemon

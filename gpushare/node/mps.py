@@ -905,13 +905,40 @@ class MpsControl:
 # Compute mode (through NVML, injected: this module must not import pynvml)
 
 
+def find_binary(control_binary: str | Path) -> str | None:
+    """Where ``mps.control_binary`` resolves (an absolute path, or a name on PATH); None if absent.
+
+    The one lookup :func:`binary_status`, ``gpushare doctor`` and the daemon share.
+    """
+    return shutil.which(str(control_binary))
+
+
+_VERSION_RE = re.compile(rb"(?<![\d.])(\d{3}\.\d{2,3}(?:\.\d{2})?)(?![\d.])")
+
+
+def binary_version(control_binary: str | Path) -> str | None:
+    """The driver version the control binary was built for (``535.261.03``), None if not seen.
+
+    R535 has no ``-v`` option; its one driver-version literal is read from the binary instead
+    (as :func:`supports_multiuser` reads its options). None unless exactly one version is found.
+    """
+    path = find_binary(control_binary)
+    if path is None:
+        return None
+    try:
+        found = {m.decode() for m in _VERSION_RE.findall(Path(path).read_bytes())}
+    except OSError:
+        return None
+    return found.pop() if len(found) == 1 else None
+
+
 def binary_status(control_binary: str | Path) -> tuple[bool, str, str]:
     """Whether the control binary is found and runs: ``(ok, what was seen, hint)``.
 
     Runs the front end against an empty pipe directory: a working binary answers that it finds
     no daemon there (reference/mps.md section 3), which proves it executes on this host.
     """
-    path = shutil.which(str(control_binary))
+    path = find_binary(control_binary)
     if path is None:
         return False, f"{control_binary} not found (PATH or absolute path)", ""
     with tempfile.TemporaryDirectory(prefix="gpushare-doctor-") as pipe_dir:
@@ -1667,6 +1694,9 @@ class MpsSupervisor:
 
 class MpsNodeManager:
     """One :class:`MpsSupervisor` per shared GPU; implements :class:`gpushare.node.base.MpsNode`."""
+
+    #: What answers MPS commands (``gpus[].mps_backend`` in ``gpushare status --json``).
+    backend = "real"
 
     def __init__(
         self,

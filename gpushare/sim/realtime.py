@@ -291,6 +291,9 @@ class RealTimeSimNode:
 class RealTimeGpuBackend:
     """NVML-like readings of the simulated GPUs at the wall clock."""
 
+    #: The GPUs are simulated (``daemon.simulated`` in ``gpushare status --json``).
+    simulated = True
+
     def __init__(self, rt: RealTimeSimNode) -> None:
         self.rt = rt
 
@@ -375,6 +378,9 @@ class RealTimePauser:
 
 class RealTimeMpsNode:
     """The simulated MPS at the wall clock."""
+
+    #: What answers MPS commands (``gpus[].mps_backend`` in ``gpushare status --json``).
+    backend = "simulated"
 
     def __init__(self, rt: RealTimeSimNode) -> None:
         self.rt = rt
