@@ -29,8 +29,10 @@ typecheck: $(STAMP)
 unit: $(STAMP) mps
 	$(BIN)/pytest -q
 
-# The real daemon on one simulated GPU, driven by the real CLI (scripts/demo.sh); ~90 s.
+# The real daemon on one simulated GPU, driven by the real CLI (scripts/demo.sh); ~90 s. With the
+# real MPS control binary when it can be had; without it MPS is simulated too.
 demo: $(STAMP)
+	@scripts/get-mps-control.sh || echo "make demo: no MPS control binary; MPS will be simulated"
 	BIN=$(BIN) scripts/demo.sh
 
 bench: $(STAMP) mps

@@ -10,6 +10,11 @@ OUT=demo-run
 RUN=$(mktemp -d /tmp/gsdemo-XXXXXX)   # Unix socket paths must stay short
 rm -rf "$OUT"; mkdir -p "$OUT"
 export GPUSHARE_SOCKET="$RUN/gpushare.sock"
+# The real MPS control daemon runs for the simulated GPU when the binary is installed or was
+# fetched into .cache/mps (make demo tries); without it the daemon simulates MPS as well.
+MPS_CONTROL=$(command -v nvidia-cuda-mps-control || true)
+CACHED_MPS="$PWD/.cache/mps/root/usr/bin/nvidia-cuda-mps-control"
+[[ -z "$MPS_CONTROL" && -x "$CACHED_MPS" ]] && MPS_CONTROL=$CACHED_MPS
 cat > "$OUT/gpushare.toml" <<TOML
 version = 1
 [paths]
@@ -22,6 +27,8 @@ cancel_grace = "2s"
 enabled = false
 [latency]
 window = "5s"
+[mps]
+control_binary = "${MPS_CONTROL:-nvidia-cuda-mps-control}"
 TOML
 
 # As root on a host without systemd delegation the daemon puts client cgroups under
@@ -37,7 +44,14 @@ cleanup() {
     if [[ -n "$DAEMON_PID" ]] && kill -0 "$DAEMON_PID" 2>/dev/null; then
         kill -TERM "$DAEMON_PID"
         for _ in $(seq 50); do kill -0 "$DAEMON_PID" 2>/dev/null || break; sleep 0.2; done
-        kill -KILL "$DAEMON_PID" 2>/dev/null || true
+        if kill -0 "$DAEMON_PID" 2>/dev/null; then
+            kill -KILL "$DAEMON_PID" 2>/dev/null || true
+            # It could not stop its MPS control daemons itself: quit them here.
+            for pipe in "$RUN"/mps/*/; do
+                [[ -n "$MPS_CONTROL" && -S "$pipe/control" ]] || continue
+                echo quit | CUDA_MPS_PIPE_DIRECTORY="$pipe" "$MPS_CONTROL" >/dev/null 2>&1 || true
+            done
+        fi
     fi
     rm -rf "$RUN"
     if [[ -n "$CG_BASE" && $CG_EXISTED == 0 && -d "$CG_BASE" ]]; then
@@ -51,6 +65,11 @@ echo "== starting: gpushare daemon --simulate 1 (log: $OUT/daemon.log)"
 DAEMON_PID=$!
 for _ in $(seq 100); do [[ -S "$GPUSHARE_SOCKET" ]] && break; sleep 0.1; done
 [[ -S "$GPUSHARE_SOCKET" ]] || { echo "daemon did not start:"; tail -20 "$OUT/daemon.log"; exit 1; }
+if grep -q '"mps": "real"' "$OUT/daemon.log"; then
+    echo "== MPS: the real control daemon ($MPS_CONTROL), one per simulated GPU"
+else
+    echo "== MPS: simulated (no nvidia-cuda-mps-control; scripts/get-mps-control.sh fetches it)"
+fi
 
 submit() { "$BIN/gpushare" submit "$@" | tee -a "$OUT/submits.log"; }
 echo "== submitting one online service (30 req/s, 3x burst at 20-35 s, SLO p99 40 ms) and two training jobs"
