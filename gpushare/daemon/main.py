@@ -3,7 +3,8 @@
 Signal handlers only record (conventions rule 9): SIGTERM/SIGINT ask the loop to stop, SIGHUP asks
 it to reload. The loop acts on them between ticks. On stop the daemon closes its socket, leaves
 every workload running (they are not its to kill; the next daemon re-adopts them) and exits 0;
-it stops MPS only when ``daemon.stop_mps_on_exit`` says so.
+it stops MPS only when ``daemon.stop_mps_on_exit`` says so, except in ``--simulate`` mode, whose
+real MPS control daemons (:func:`simulated_mps`) always stop with the simulated GPUs.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ every submitted workload is a real process (any command: ``sleep 600`` does). Wh
 GPU is simulated: a client whose environment names a simulated profile (``gpushare submit
 --sim-profile resnet50-train``, or ``GPUSHARE_SIM_PROFILE``) gets a simulated twin on the
 simulated GPU when the daemon attaches its process, is frozen and thawed with it, and goes away
-with it. NVML readings, the probe and MPS come from the simulated node.
+with it. NVML readings and the probe come from the simulated node; MPS is NVIDIA's real control
+daemon where it is installed (:mod:`gpushare.sim.hybrid_mps`), else simulated too.
 """
 
 from __future__ import annotations
