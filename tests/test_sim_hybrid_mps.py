@@ -282,9 +282,7 @@ class SimDaemon:
         return [json.loads(x)["kind"] for x in res.stdout.splitlines()]
 
 
-@pytest.fixture
-def real_mps_sim_daemon(mps_control: Path) -> Iterator[SimDaemon]:
-    base = Path(tempfile.mkdtemp(prefix="gsh-", dir="/tmp"))  # short: Unix socket path limit
+def _write_config(base: Path, mps_control: Path, extra: str = "") -> Path:
     cgroup_dir = unique_base("gs-simmps-test") if cgroup_skip_reason() is None else None
     cgroup_line = f'cgroup_base = "{cgroup_dir}"' if cgroup_dir is not None else ""
     cfg = base / "gpushare.toml"
@@ -297,6 +295,7 @@ state_dir = "{base}/state"
 [daemon]
 admin_group = ""
 cancel_grace = "1s"
+{extra}
 [metrics]
 enabled = false
 [mps]
@@ -305,6 +304,24 @@ default_active_thread_pct = 60
 health_period = "0.5s"
 """
     )
+    (base / "cgroup").write_text(str(cgroup_dir or ""))
+    return cfg
+
+
+def _cleanup(base: Path, mps_control: Path) -> None:
+    # Whatever the test saw, leave no control daemon of this test running.
+    for pid in _daemons_on(mps_control, base / "run" / "mps" / UUID):
+        os.kill(pid, signal.SIGKILL)
+    cgroup_dir = (base / "cgroup").read_text()
+    subprocess.run(["rm", "-rf", str(base)], check=False)
+    if cgroup_dir:
+        remove_tree(Path(cgroup_dir))
+
+
+@pytest.fixture
+def real_mps_sim_daemon(mps_control: Path) -> Iterator[SimDaemon]:
+    base = Path(tempfile.mkdtemp(prefix="gsh-", dir="/tmp"))  # short: Unix socket path limit
+    cfg = _write_config(base, mps_control)
     env = {**os.environ, "GPUSHARE_SOCKET": str(base / "run" / "gpushare.sock")}
     proc = subprocess.Popen(
         [*GPUSHARE, "daemon", "--simulate", "1", "--config", str(cfg)],
@@ -335,12 +352,7 @@ health_period = "0.5s"
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            # Whatever the test saw, leave no control daemon of this test running.
-            for pid in _daemons_on(mps_control, d.pipe_dir):
-                os.kill(pid, signal.SIGKILL)
-            subprocess.run(["rm", "-rf", str(base)], check=False)
-            if cgroup_dir is not None:
-                remove_tree(cgroup_dir)
+            _cleanup(base, mps_control)
 
 
 @pytest.mark.mps
@@ -405,3 +417,51 @@ def test_simulate_runs_supervises_and_stops_the_real_control_daemon(
     assert d.proc.wait(timeout=20) == 0
     assert _daemons_on(binary, pipe_dir) == []
     assert not (pipe_dir / "control").exists()
+
+
+@pytest.mark.mps
+def test_a_second_daemon_on_the_same_directories_leaves_the_first_alone(
+    real_mps_sim_daemon: SimDaemon,
+) -> None:
+    d = real_mps_sim_daemon
+    (first,) = _daemons_on(d.binary, d.pipe_dir)
+    second = subprocess.run(
+        [*GPUSHARE, "daemon", "--simulate", "1", "--config", str(d.base / "gpushare.toml")],
+        env=d.env, cwd=repo_root(), capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert second.returncode == 1
+    assert "another gpushare daemon is serving" in second.stderr
+    assert _daemons_on(d.binary, d.pipe_dir) == [first]
+    assert MpsControl(d.binary, d.pipe_dir).get_default_active_thread_percentage() == 60.0
+
+
+@pytest.mark.mps
+def test_a_failed_start_leaves_no_control_daemon(mps_control: Path) -> None:
+    base = Path(tempfile.mkdtemp(prefix="gsh-", dir="/tmp"))
+    try:
+        # The control daemon starts, then the API socket cannot be set up.
+        cfg = _write_config(base, mps_control, 'socket_group = "gpushare-no-such-group"')
+        env = {**os.environ, "GPUSHARE_SOCKET": str(base / "run" / "gpushare.sock")}
+        res = subprocess.run(
+            [*GPUSHARE, "daemon", "--simulate", "1", "--config", str(cfg)],
+            env=env, cwd=repo_root(), capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert res.returncode == 1
+        assert "daemon.socket_group" in res.stderr
+        assert '"mps_daemon_ready"' in res.stderr  # it did start, and was stopped again
+        assert _daemons_on(mps_control, base / "run" / "mps" / UUID) == []
+        assert not (base / "run" / "mps" / UUID / "control").exists()
+    finally:
+        _cleanup(base, mps_control)
+
+
+def test_a_control_daemon_that_cannot_start_fails_startup_naming_the_fix(
+    mps_control: Path, tmp_path: Path
+) -> None:
+    deep = tmp_path / ("d" * 100)  # the MPS socket path would not fit in a Unix socket address
+    cfg = _config(deep, str(mps_control))
+    rt = RealTimeSimNode(1, cfg, runtime_dir=cfg.paths.runtime_dir)
+    with pytest.raises(StartupError) as err:
+        simulated_mps(cfg, rt)
+    assert "paths.mps_pipe_dir" in str(err.value)
+    assert _daemons_on(mps_control, deep / "run" / "mps" / UUID) == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from types import FrameType
@@ -67,11 +68,14 @@ def serve(daemon: Daemon) -> int:
     install_signals(daemon)
     try:
         daemon.start()
-    except ServerError as exc:
-        # As at a normal stop: supervision ends, and MPS stops where it would then.
+    except BaseException as exc:
+        # As at a normal stop: supervision ends, and MPS stops where it would then (always in
+        # simulate mode, where no control daemon may outlive the daemon).
         _stop_mps(daemon.mps, quit_daemon=daemon.config.daemon.stop_mps_on_exit)
         daemon.registry.close()
-        raise StartupError(str(exc)) from exc
+        if isinstance(exc, ServerError):
+            raise StartupError(str(exc)) from exc
+        raise
     try:
         daemon.run()
     finally:
@@ -144,6 +148,19 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
     )
 
 
+def _serving(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 def _stop_mps(mps: object, *, quit_daemon: bool) -> None:
     stop = getattr(mps, "stop", None)
     if callable(stop):
@@ -170,6 +187,10 @@ def simulated_mps(cfg: config_mod.Config, rt: RealTimeSimNode) -> tuple[MpsNode,
     if mps_mod.find_binary(name) is None:
         reason = f"{name} not found; run scripts/get-mps-control.sh or set mps.control_binary"
         return rt.mps_node(), {"mps": "simulated", "reason": reason}
+    sock = cfg.paths.resolved("socket")
+    if _serving(sock):
+        # Its control daemons would be adopted here and quit at this daemon's failed start.
+        raise StartupError(f"another gpushare daemon is serving {sock}; stop it first")
     ok, path, hint = mps_mod.binary_status(name)
     if not ok:
         raise StartupError(
