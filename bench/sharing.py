@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gpushare.cli import sim_cmd  # noqa: E402
-from gpushare.sim import report  # noqa: E402
+from gpushare.sim import engine, report  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 
@@ -156,6 +156,7 @@ def main() -> None:
         "wall_s": wall,
         "virtual_s": virtual,
         "speed_overall": virtual / wall,
+        "engine": engine.loaded(),
         "summary": summ,
         "scenarios": scenarios,
     }
@@ -164,7 +165,8 @@ def main() -> None:
     all_rows = [report.Row(**r) for sc in scenarios for r in sc["rows"]]
     md = [
         f"Command: `{doc['command']}` ({len(scenarios)} scenarios x {len(policies)} policies, "
-        f"{virtual:.0f} s virtual in {wall:.0f} s wall, {virtual / wall:.0f}x real time overall)",
+        f"{virtual:.0f} s virtual in {wall:.0f} s wall, {virtual / wall:.0f}x real time overall, "
+        f"{engine.loaded()} engine)",
         "",
         "### Summary per policy",
         "",

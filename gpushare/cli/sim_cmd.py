@@ -19,7 +19,7 @@ import typer
 
 from gpushare.config import ControlConfig
 from gpushare.control.policy import Policy
-from gpushare.sim import data, report, runner, scenario
+from gpushare.sim import ENGINE, data, engine, report, runner, scenario
 
 REGISTRY_MODULE = "gpushare.control.registry"
 
@@ -233,3 +233,4 @@ def sim(
             f"{virtual / wall:.0f}x real time overall; slowest run "
             f"{slowest.scenario} / {slowest.policy} at {slowest.speed_factor:.0f}x"
         )
+        typer.echo(f"engine: {engine.loaded()} ({ENGINE.reason})")

@@ -8,9 +8,15 @@ compared on machines without a GPU. Every modelling assumption and its source is
 Modules:
     data: find the shared data directory; load kernel profiles and arrival traces.
     gpu: the GPU model and its event loop (virtual clock, SMs, MPS caps, priority, bandwidth).
+    engine: whether the compiled build of gpu or its pure-Python source runs.
     workloads: online (open-loop requests) and offline (closed-loop training) clients.
     scenario: TOML scenario files, validated with errors that name the file and key.
     runner: runs one policy on one scenario and collects the metrics.
     node: the node Protocols of :mod:`gpushare.node.base` implemented on the simulated node.
     report: tables, JSON and plots.
 """
+
+from gpushare.sim import engine as _engine
+
+#: The GPU model's implementation this process loads (see :mod:`gpushare.sim.engine`).
+ENGINE = _engine.select(__path__)

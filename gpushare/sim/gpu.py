@@ -304,7 +304,8 @@ class Gpu:
         held_others = self.sm_count - free
         other_bw = 0.0
         if runs and self.beta > 0.0:
-            other_bw = self._beta_per_sm * sum(r.bw for r in runs)
+            other_bw = sum(r.bw for r in runs)
+        beta_per_sm = self._beta_per_sm
         stats = self.stats
         while True:
             head = stream.nxt
@@ -318,8 +319,9 @@ class Gpu:
                 break
             slow = 1.0 if g >= width else serial + f * width / g
             if other_bw:
-                slow *= 1.0 + other_bw * (0.25 + 0.75 * mem)
-            t_end = now + dur * slow
+                slow *= 1.0 + beta_per_sm * (0.25 + 0.75 * mem) * other_bw
+            # The arithmetic of a kernel started through the event queue, to the last bit.
+            t_end = now + 1.0 / (1.0 / (dur * slow))
             if t_end >= limit:
                 break
             dt = t_end - now

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpushare.sim import engine
 from gpushare.sim.runner import RunResult, ScenarioResult
 
 
@@ -198,6 +199,7 @@ def to_json(result: ScenarioResult) -> dict[str, Any]:
 
     sc = result.scenario
     return {
+        "engine": engine.loaded(),
         "scenario": sc.name,
         "file": sc.file,
         "description": sc.description,
