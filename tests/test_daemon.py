@@ -582,3 +582,14 @@ def test_socket_mode_and_group_from_config() -> None:
     finally:
         d.cleanup()
         bad.cleanup()
+
+
+def test_socket_directory_that_cannot_be_created_is_a_clear_startup_error(tmp_path: Path) -> None:
+    from gpushare.daemon.server import ApiServer, ServerError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the socket's directory should be
+    server = ApiServer(blocker / "run" / "gpushare.sock", {}, max_request_bytes=1024)
+    with pytest.raises(ServerError, match=r"cannot create .*paths\.socket"):
+        server.start()
+    assert blocker.read_text() == ""

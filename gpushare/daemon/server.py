@@ -88,7 +88,8 @@ class ApiServer:
         """Bind the socket, set its mode and group, and start accepting.
 
         Raises:
-            ServerError: the path is held by a live daemon, or the group does not exist.
+            ServerError: the path is held by a live daemon, its directory cannot be created, or
+                the group does not exist.
         """
         gid = -1
         if self._group:
@@ -99,7 +100,13 @@ class ApiServer:
                     f"daemon.socket_group {self._group!r} does not exist; create it or set "
                     '`socket_group = ""`'
                 ) from None
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ServerError(
+                f"cannot create {self.path.parent} for the socket: {exc.strerror or exc}; "
+                "create it or set paths.socket"
+            ) from exc
         self._remove_stale()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
