@@ -20,6 +20,8 @@ say() { printf 'build-sim-engine: %s\n' "$*" >&2; }
 fail() { say "$*"; exit 1; }
 
 [[ -x "$py" ]] || fail "$py not found: run 'make' (it creates .venv) or pass the Python to build for"
+# Absolute, but not through the venv's symlink (the build runs elsewhere and needs the venv's mypyc).
+[[ "$py" == /* ]] || py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"
 digest=$(sha256sum "$src" | cut -d' ' -f1)
 suffix=$("$py" -c 'import importlib.machinery as m; print(m.EXTENSION_SUFFIXES[0])')
 if [[ -f "$out/gpu$suffix" && "$(cat "$out/SOURCE_SHA256" 2>/dev/null)" == "$digest" ]]; then
