@@ -592,7 +592,8 @@ def test_node_manager_two_gpus(make_config: Callable[..., Config]) -> None:
         # One GPU's restart leaves the other's daemon alone (DESIGN D1).
         assert mgr.supervisors[GPU_B].child_pid == pid_b
         assert mgr.terminate_client(GPU_A, 999_999) is False
-        mgr.recover(GPU_B, [], [])
+        mgr.recover(GPU_B, [], [])  # on a worker: the caller's loop goes on
+        assert mgr.wait_recovery(GPU_B, 5.0)
         assert any(e.kind is MpsEventKind.RECOVERY_STEP for e in mgr.drain_events(GPU_B))
         with pytest.raises(KeyError, match="shared GPUs"):
             mgr.state("GPU-nope")

@@ -7,6 +7,7 @@ recover() is in test_mps_real.py.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from gpushare.model import MpsEvent, MpsEventKind, MpsState
 from gpushare.node.base import MpsNode
 from gpushare.node.mps import (
     DaemonNotReachable,
+    MpsNodeManager,
     MpsSupervisor,
     ServerNotFound,
     ServerStatus,
@@ -110,6 +112,32 @@ def test_r535_uses_fatal_events_and_shuts_down(sup: MpsSupervisor) -> None:
     assert [c[1] for c in ctl.calls if c[0] == "terminate"] == [22, 21]
     assert ("shutdown", 100, True) in ctl.calls
     assert "server_gone" in _steps(sup)
+
+
+class BlockingControl(ScriptedControl):
+    """A server that stays in FAULT until the test lets it answer."""
+
+    def __init__(self) -> None:
+        super().__init__([31, 32], has_status=True)
+        self.release = threading.Event()
+
+    def get_server_status(self, pid: int) -> ServerStatus:
+        self.release.wait(10.0)
+        return super().get_server_status(pid)
+
+
+def test_node_recovery_runs_on_a_worker_and_never_twice_at_once(sup: MpsSupervisor) -> None:
+    ctl = BlockingControl()
+    sup.control = ctl  # type: ignore[assignment]
+    mgr = MpsNodeManager(sup.config, [GPU], supervisor_factory=lambda _: sup)
+    mgr.recover(GPU, [31], [32])  # returns although the server has not answered yet
+    assert mgr.wait_recovery(GPU, 0.05) is False
+    mgr.recover(GPU, [31], [32])  # a second request while the first runs is ignored
+    ctl.release.set()
+    assert mgr.wait_recovery(GPU, 5.0) is True
+    assert [c[1] for c in ctl.calls if c[0] == "terminate"] == [31, 32]
+    assert [c for c in ctl.calls if c[0] == "status"].count(("status", 100)) == 2
+    assert _steps(sup)[-1] == "server_active"
 
 
 def test_r535_without_fatal_event_touches_nothing(sup: MpsSupervisor) -> None:

@@ -1733,6 +1733,7 @@ class MpsNodeManager:
         self.supervisors: dict[str, MpsSupervisor] = {
             u: factory(u) for u in dict.fromkeys(gpu_uuids)
         }
+        self._recoveries: dict[str, threading.Thread] = {}
 
     def _sup(self, gpu_uuid: str) -> MpsSupervisor:
         try:
@@ -1759,9 +1760,12 @@ class MpsNodeManager:
             started.append(sup)
 
     def stop(self, *, quit_daemon: bool = True) -> None:
-        """Stop every supervisor (see :meth:`MpsSupervisor.stop`)."""
+        """Stop every supervisor (see :meth:`MpsSupervisor.stop`) and wait out any recovery."""
         for sup in self.supervisors.values():
             sup.stop(quit_daemon=quit_daemon)
+        # A stopped supervisor ends its recovery's waits at once; what is left is one command.
+        for uuid in list(self._recoveries):
+            self.wait_recovery(uuid, self.config.mps.ready_timeout_s)
 
     def pipe_dir(self, gpu_uuid: str) -> Path:
         """The ``CUDA_MPS_PIPE_DIRECTORY`` clients of this GPU must use."""
@@ -1793,5 +1797,42 @@ class MpsNodeManager:
     def recover(
         self, gpu_uuid: str, offline_pids: Sequence[int], online_pids: Sequence[int]
     ) -> None:
-        """Recover a FAULTed server: offline clients terminated first, then the rest."""
-        self._sup(gpu_uuid).recover(offline_pids, online_pids)
+        """Start recovering a FAULTed server (offline clients first) on a worker; return at once.
+
+        :meth:`MpsSupervisor.recover` waits up to ``mps.ready_timeout`` twice for the server; run
+        inline it would stop the daemon's loop, and so the control of every other GPU and the
+        killing of this GPU's offline processes that the recovery waits for. The GPU reads FAULT
+        until the recovery clears it. A request while one runs for the GPU is logged and ignored.
+        """
+        sup = self._sup(gpu_uuid)
+        running = self._recoveries.get(gpu_uuid)
+        if running is not None and running.is_alive():
+            log.info("mps_recovery_in_progress", gpu=gpu_uuid)
+            return
+        worker = threading.Thread(
+            target=self._recover_on_worker,
+            args=(sup, tuple(offline_pids), tuple(online_pids)),
+            name=f"mps-recover-{gpu_uuid}",
+            daemon=True,
+        )
+        self._recoveries[gpu_uuid] = worker
+        worker.start()
+
+    @staticmethod
+    def _recover_on_worker(
+        sup: MpsSupervisor, offline_pids: Sequence[int], online_pids: Sequence[int]
+    ) -> None:
+        try:
+            ok = sup.recover(offline_pids, online_pids)
+        except Exception:  # a worker's crash must be logged, not lost with the thread
+            log.exception("mps_recovery_crashed", gpu=sup.gpu_uuid)
+            return
+        log.info("mps_recovery_finished", gpu=sup.gpu_uuid, ok=ok)
+
+    def wait_recovery(self, gpu_uuid: str, timeout_s: float) -> bool:
+        """Wait for the GPU's running recovery, if any; False when it is still running."""
+        worker = self._recoveries.get(gpu_uuid)
+        if worker is None:
+            return True
+        worker.join(timeout_s)
+        return not worker.is_alive()
