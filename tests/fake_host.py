@@ -15,6 +15,9 @@ class FakeHost:
     cuda_probe: Probe = field(
         default_factory=lambda: Probe(True, "CUDA 12.4 driver, cuda-bindings 12.x")
     )
+    nvrtc_probe: Probe = field(
+        default_factory=lambda: Probe(True, "probe kernel compiled (3368-byte CUBIN for sm_75)")
+    )
     mps_probe: Probe = field(
         default_factory=lambda: Probe(True, "/usr/bin/nvidia-cuda-mps-control")
     )
@@ -32,6 +35,9 @@ class FakeHost:
 
     def cuda_driver(self) -> Probe:
         return self.cuda_probe
+
+    def nvrtc(self) -> Probe:
+        return self.nvrtc_probe
 
     def mps_binary(self, name: str) -> Probe:
         self.asked_binary.append(name)

@@ -57,6 +57,25 @@ def test_cuda_missing_fails_only_when_probe_enabled():
     assert _by_name(run_checks(host, no_probe, None))["CUDA driver"].status is Status.WARN
 
 
+def test_missing_nvrtc_fails_only_when_probe_enabled_and_names_the_fix():
+    host = FakeHost(
+        nvrtc_probe=Probe(False, "libnvrtc not found", "install NVRTC: the CUDA toolkit, or ...")
+    )
+    check = _by_name(run_checks(host, config.Config(), None))["NVRTC"]
+    assert (check.status, check.hint.startswith("install NVRTC")) == (Status.FAIL, True)
+    no_probe = config.loads("[probe]\nenabled = false\n")
+    assert _by_name(run_checks(host, no_probe, None))["NVRTC"].status is Status.WARN
+
+
+def test_real_nvrtc_check_compiles_the_probe_kernel():
+    from gpushare.node import probe
+
+    ok, detail, hint = probe.nvrtc_status()
+    # The dev extra installs the NVRTC wheel: the real compile runs here, no GPU needed.
+    assert ok, (detail, hint)
+    assert "CUBIN for sm_75" in detail
+
+
 def test_missing_mps_binary_fails_and_skips_multiuser():
     host = FakeHost(mps_probe=Probe(False, "nvidia-cuda-mps-control not found on PATH"))
     cfg = config.loads('[mps]\ncontrol_binary = "/opt/nv/mps-control"\n')

@@ -69,6 +69,10 @@ class Host(Protocol):
         """The CUDA driver through cuda-python (what the latency probe needs)."""
         ...
 
+    def nvrtc(self) -> Probe:
+        """NVRTC compiling the probe kernel (the latency probe needs it at start)."""
+        ...
+
     def mps_binary(self, name: str) -> Probe:
         """Whether the MPS control binary is found and runs."""
         ...
@@ -116,6 +120,15 @@ def run_checks(
             ""
             if cuda.ok
             else cuda.hint or "the latency probe needs libcuda from the NVIDIA driver",
+        )
+    )
+    nvrtc = host.nvrtc()
+    results.append(
+        CheckResult(
+            "NVRTC",
+            Status.OK if nvrtc.ok else (Status.FAIL if cfg.probe.enabled else Status.WARN),
+            nvrtc.detail,
+            "" if nvrtc.ok else nvrtc.hint or "the latency probe compiles its kernel with NVRTC",
         )
     )
     results.extend(_mps(host, cfg))

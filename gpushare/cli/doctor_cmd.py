@@ -48,6 +48,10 @@ class RealHost:
         """The CUDA driver through cuda-python."""
         return Probe(*probe.driver_status())
 
+    def nvrtc(self) -> Probe:
+        """NVRTC compiling the probe kernel."""
+        return Probe(*probe.nvrtc_status())
+
     def mps_binary(self, name: str) -> Probe:
         """Whether the MPS control binary is found and runs."""
         return Probe(*mps.binary_status(name))

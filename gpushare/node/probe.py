@@ -869,6 +869,30 @@ if __name__ == "__main__":
     sys.exit(_main())
 
 
+def nvrtc_status() -> tuple[bool, str, str]:
+    """Whether NVRTC compiles the probe kernel: ``(ok, what was seen, hint)``.
+
+    The probe compiles its kernel at start; the driver does not ship NVRTC (the CUDA toolkit or
+    the ``nvidia-cuda-nvrtc`` wheel does). Compiling needs no GPU, so this is a real compile for
+    ``sm_75``, the oldest architecture current toolkits target. ``gpushare doctor`` shows it.
+    """
+    try:
+        b = load_bindings()
+        cubin = compile_cubin(b.nvrtc, 7, 5)
+    except ProbeUnavailableError as exc:
+        return False, str(exc), ""
+    except driver_missing_errors() as exc:
+        return (
+            False,
+            f"libnvrtc not found ({exc})",
+            "install NVRTC: the CUDA toolkit, or `pip install nvidia-cuda-nvrtc` matching "
+            "the cuda-bindings major version",
+        )
+    except ProbeError as exc:
+        return False, str(exc), "the NVRTC and cuda-bindings versions must match"
+    return True, f"probe kernel compiled ({len(cubin)}-byte CUBIN for sm_75)", ""
+
+
 def driver_status() -> tuple[bool, str, str]:
     """Whether the CUDA driver answers through cuda-python: ``(ok, what was seen, hint)``.
 
