@@ -405,13 +405,70 @@ def test_share_is_bounded_by_the_latency_online_work_has_alone() -> None:
     shares = [a for t in ticks for a in t if isinstance(a, SetOfflineShare)]
     assert [s.sm_pct for s in shares] == [50.0, 30.0]
     assert "0.70x its SLO" in shares[1].reason
-    # A looser SLO leaves more, up to what the SM demand allows (the interval has passed).
+    # A looser SLO leaves more (the interval has passed): the latency bound sets the share, not
+    # the SM demand (100 - 20 - 10 headroom = 70 would be lower).
     loose = observation((online(p99_ms=8.0),), sm_active=20.0, probe_ratio=0.3)
     later = [a for t in run(ctl, [loose] * 4, state)[1] for a in t]
     assert not [a for a in later if isinstance(a, SetOfflineShare)], "interval not yet passed"
     state, actions = ctl.step(state, loose, CFG.share_min_interval_s + CFG.period_s * 4)
     (share,) = [a for a in actions if isinstance(a, SetOfflineShare)]
-    assert share.sm_pct == 70.0 and "demand 20%" in share.reason
+    assert share.sm_pct == 80.0 and "0.20x its SLO" in share.reason
+
+
+def test_share_follows_the_slo_not_a_busy_tick_of_sm_activity() -> None:
+    ctl = GpushareController(CFG)
+    # A service at half load whose kernels fill the GPU: some ticks read ~100 % SM activity, yet
+    # alone it runs at 0.5x its SLO. SM demand would leave nothing (the 10 % floor); the SLO
+    # leaves half the SMs.
+    busy = observation((online(p99_ms=20.0),), sm_active=97.0, probe_ratio=0.6)
+    state, ticks = run(ctl, [busy] * 4)
+    shares = [a for t in ticks for a in t if isinstance(a, SetOfflineShare)]
+    assert [s.sm_pct for s in shares] == [50.0] and state.quiet_signals and state.demand_samples
+    # A tighter SLO (alone at 0.9x): the SLO leaves 10 %.
+    tight = observation((online(p99_ms=36.0),), sm_active=97.0, probe_ratio=0.6)
+    _, ticks = run(ctl, [tight] * 4)
+    shares = [a for t in ticks for a in t if isinstance(a, SetOfflineShare)]
+    assert [s.sm_pct for s in shares] == [50.0, 10.0]
+    assert "0.90x its SLO" in shares[1].reason
+
+
+def test_share_falls_back_on_sm_demand_when_online_alone_breaks_its_slo() -> None:
+    ctl = GpushareController(CFG)
+    # Online over its SLO even with offline quiet (the quiet level stays in the window after the
+    # violation ends): the SLO leaves nothing measurable, so the SMs online work leaves idle set
+    # the share (100 - 75 - 10 headroom).
+    over = observation((online(p99_ms=44.0),), sm_active=75.0, probe_ratio=1.0)
+    state, ticks = run(ctl, [over] * 4)
+    assert [a.sm_pct for t in ticks for a in t if isinstance(a, SetOfflineShare)] == [50.0]
+    state, actions = ctl.step(state, with_p99(over, 36.0), 0.4)
+    (share,) = [a for a in actions if isinstance(a, SetOfflineShare)]
+    assert share.sm_pct == 15.0 and "demand 75%" in share.reason
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    p99_ratio=st.floats(0.05, 0.99),
+    probe_ratio=st.floats(0.5, 1.45),
+    sm_active=st.floats(0.0, 100.0),
+)
+def test_share_with_a_quiet_latency_is_the_latency_bound(
+    p99_ratio: float, probe_ratio: float, sm_active: float
+) -> None:
+    # With online work alone under its SLO, the share is what the SLO leaves (the worst signal
+    # q: 100 x (1 - q), floored and clamped), whatever SM activity reads; it changes from the
+    # initial share only beyond the hysteresis.
+    ctl = GpushareController(CFG)
+    obs = observation(
+        (online(p99_ms=p99_ratio * 40.0),), sm_active=sm_active, probe_ratio=probe_ratio
+    )
+    state, _ = run(ctl, [obs] * 4)
+    q = max(p99_ratio, probe_ratio / CFG.probe_slo_ratio)
+    target = float(math.floor(min(100.0, max(CFG.offline_sm_pct_min, 100.0 * (1.0 - q)))))
+    target = max(CFG.offline_sm_pct_min, target)
+    if abs(target - CFG.offline_sm_pct_default) > CFG.share_hysteresis_pct:
+        assert state.share_pct == target
+    else:
+        assert state.share_pct == CFG.offline_sm_pct_default
 
 
 def test_share_waits_for_a_latency_measured_while_offline_is_quiet() -> None:
