@@ -160,6 +160,7 @@ class ControlConfig:
     share_hysteresis_pct: float = _num(10.0, minimum=0.0, maximum=100.0)
     share_min_interval_s: float = _duration(60.0)
     share_headroom_pct: float = _num(10.0, minimum=0.0, maximum=100.0)
+    quiet_settle_s: float = _duration(1.0)
     evict_grace_s: float = _duration(5.0)
     max_client_failures: int = _num(5, minimum=1, maximum=1000)
     failure_backoff_min_s: float = _duration(5.0)

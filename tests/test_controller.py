@@ -33,6 +33,9 @@ from gpushare.model import (
 from tests.fake_observations import GIB, GPU, observation, offline, online, with_p99
 
 CFG = ControlConfig()
+# The share tests below are about what the share is computed from, not when a quiet period starts
+# to count (test_quiet_samples_wait_for_the_latency_windows_to_settle): every quiet tick counts.
+SHARE_CFG = ControlConfig(quiet_settle_s=0.0)
 
 
 def run(
@@ -340,7 +343,7 @@ def test_guarantee_is_a_floor_only_while_slos_hold() -> None:
 
 
 def test_share_follows_online_demand_measured_while_offline_is_frozen() -> None:
-    cfg = ControlConfig(share_min_interval_s=10.0)
+    cfg = ControlConfig(share_min_interval_s=10.0, quiet_settle_s=0.0)
     ctl = GpushareController(cfg)
     victim = offline("ckpt", sm_pct=50.0, restartable=True)
     base = observation((online(), victim), sm_active=60.0)
@@ -383,7 +386,7 @@ def test_share_follows_online_demand_measured_while_offline_is_frozen() -> None:
 def test_share_decrease_does_not_wait_behind_a_recent_increase() -> None:
     # make demo's start: offline work alone raises the share to 100 %, then an online client
     # arrives a moment later. Protecting it must not wait out the interval of that increase.
-    cfg = ControlConfig(share_min_interval_s=60.0)
+    cfg = ControlConfig(share_min_interval_s=60.0, quiet_settle_s=0.0)
     ctl = GpushareController(cfg)
     job = offline("job", sm_pct=100.0, restartable=True)
     state, ticks = run(ctl, [observation((job,))] * 3)
@@ -397,7 +400,7 @@ def test_share_decrease_does_not_wait_behind_a_recent_increase() -> None:
 
 
 def test_share_is_bounded_by_the_latency_online_work_has_alone() -> None:
-    ctl = GpushareController(CFG)
+    ctl = GpushareController(SHARE_CFG)
     # Online alone at 0.7x its SLO, 20 % SM activity: the SM demand alone would allow 70 %, but
     # online work held to 70 % of the SMs may run up to 1/0.7 slower: the SLO leaves 30 %.
     alone = observation((online(p99_ms=28.0),), sm_active=20.0, probe_ratio=1.0)
@@ -410,13 +413,13 @@ def test_share_is_bounded_by_the_latency_online_work_has_alone() -> None:
     loose = observation((online(p99_ms=8.0),), sm_active=20.0, probe_ratio=0.3)
     later = [a for t in run(ctl, [loose] * 4, state)[1] for a in t]
     assert not [a for a in later if isinstance(a, SetOfflineShare)], "interval not yet passed"
-    state, actions = ctl.step(state, loose, CFG.share_min_interval_s + CFG.period_s * 4)
+    state, actions = ctl.step(state, loose, SHARE_CFG.share_min_interval_s + SHARE_CFG.period_s * 4)
     (share,) = [a for a in actions if isinstance(a, SetOfflineShare)]
     assert share.sm_pct == 80.0 and "0.20x its SLO" in share.reason
 
 
 def test_share_follows_the_slo_not_a_busy_tick_of_sm_activity() -> None:
-    ctl = GpushareController(CFG)
+    ctl = GpushareController(SHARE_CFG)
     # A service at half load whose kernels fill the GPU: some ticks read ~100 % SM activity, yet
     # alone it runs at 0.5x its SLO. SM demand would leave nothing (the 10 % floor); the SLO
     # leaves half the SMs.
@@ -433,7 +436,7 @@ def test_share_follows_the_slo_not_a_busy_tick_of_sm_activity() -> None:
 
 
 def test_share_falls_back_on_sm_demand_when_online_alone_breaks_its_slo() -> None:
-    ctl = GpushareController(CFG)
+    ctl = GpushareController(SHARE_CFG)
     # Online over its SLO even with offline quiet (the quiet level stays in the window after the
     # violation ends): the SLO leaves nothing measurable, so the SMs online work leaves idle set
     # the share (100 - 75 - 10 headroom).
@@ -457,18 +460,18 @@ def test_share_with_a_quiet_latency_is_the_latency_bound(
     # With online work alone under its SLO, the share is what the SLO leaves (the worst signal
     # q: 100 x (1 - q), floored and clamped), whatever SM activity reads; it changes from the
     # initial share only beyond the hysteresis.
-    ctl = GpushareController(CFG)
+    ctl = GpushareController(SHARE_CFG)
     obs = observation(
         (online(p99_ms=p99_ratio * 40.0),), sm_active=sm_active, probe_ratio=probe_ratio
     )
     state, _ = run(ctl, [obs] * 4)
-    q = max(p99_ratio, probe_ratio / CFG.probe_slo_ratio)
-    target = float(math.floor(min(100.0, max(CFG.offline_sm_pct_min, 100.0 * (1.0 - q)))))
-    target = max(CFG.offline_sm_pct_min, target)
-    if abs(target - CFG.offline_sm_pct_default) > CFG.share_hysteresis_pct:
+    q = max(p99_ratio, probe_ratio / SHARE_CFG.probe_slo_ratio)
+    target = float(math.floor(min(100.0, max(SHARE_CFG.offline_sm_pct_min, 100.0 * (1.0 - q)))))
+    target = max(SHARE_CFG.offline_sm_pct_min, target)
+    if abs(target - SHARE_CFG.offline_sm_pct_default) > SHARE_CFG.share_hysteresis_pct:
         assert state.share_pct == target
     else:
-        assert state.share_pct == CFG.offline_sm_pct_default
+        assert state.share_pct == SHARE_CFG.offline_sm_pct_default
 
 
 def test_share_waits_for_a_latency_measured_while_offline_is_quiet() -> None:
@@ -480,8 +483,28 @@ def test_share_waits_for_a_latency_measured_while_offline_is_quiet() -> None:
     assert [a.sm_pct for t in ticks for a in t if isinstance(a, SetOfflineShare)] == [50.0]
 
 
+def test_quiet_samples_wait_for_the_latency_windows_to_settle() -> None:
+    # A breach freezes offline work; the latency window keeps reporting the pre-freeze tail
+    # (2.5x the SLO) for 1 s, then reads what online work has alone (0.3x). Only the settled
+    # reading is evidence of online work alone: the share follows the SLO (70 %), not the tail.
+    job = offline("job", sm_pct=50.0)
+    tail = observation((online(p99_ms=100.0), job), sm_active=25.0, probe_ratio=0.3)
+    alone = with_p99(tail, 12.0)
+    settle_ticks = round(CFG.quiet_settle_s / CFG.period_s)
+    seq = [tail] * settle_ticks + [alone] * 2
+    state, ticks = run(GpushareController(CFG), seq)
+    assert state.quiet_signals and max(v for _, v in state.quiet_signals) < 1.0
+    shares = [a for t in ticks for a in t if isinstance(a, SetOfflineShare)]
+    assert [s.sm_pct for s in shares] == [50.0, 70.0] and "0.30x its SLO" in shares[1].reason
+    # Read at once, the tail says online work alone breaks its SLO: the share falls back on SM
+    # demand (100 - 25 - 10 headroom) instead.
+    _, ticks = run(GpushareController(SHARE_CFG), seq)
+    shares = [a for t in ticks for a in t if isinstance(a, SetOfflineShare)]
+    assert [s.sm_pct for s in shares] == [50.0, 65.0] and "demand 25%" in shares[1].reason
+
+
 def test_share_is_split_over_the_offline_clients_of_the_gpu() -> None:
-    ctl = GpushareController(CFG)
+    ctl = GpushareController(SHARE_CFG)
     queued = (
         offline("a", state=ClientState.QUEUED),
         offline("b", state=ClientState.QUEUED),

@@ -275,13 +275,16 @@ def test_measured_online_demand_lowers_the_share_and_restarts_a_restartable_clie
         now = wait_for(relaunched, 10.0, "the restart under the new share")
         e2e.burst(False)
         share = e2e.dp.call("status")["gpus"][0]["offline_sm_pct"]
-        assert share <= 30.0 < before  # 100 - 70 % demand - 10 % headroom, or less
+        # What the SLO leaves: with offline work quiet the probe is back at its baseline, 1/1.5
+        # of its SLO, so online work may need 67 % of the SMs (the share follows the SLO's
+        # latency bound; SM demand, 100 - 70 - 10 headroom, is its fallback).
+        assert share <= 33.0 < before
         assert now["sm_pct"] == share and now["pid"] != old_pid
         env = Path(f"/proc/{now['pid']}/environ").read_bytes().split(b"\0")
         assert f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={share:g}".encode() in env
         events = e2e.events()
         changed = [e for e in events if e["kind"] == "offline_share_changed"]
-        assert changed and "online SM demand" in changed[-1]["message"], changed
+        assert changed and "its SLO with offline quiet" in changed[-1]["message"], changed
         restarting = [e for e in events if e["kind"] == "client_restarting"]
         assert [e["client_id"] for e in restarting] == [job]
         assert "checkpoint and relaunch" in restarting[0]["message"]

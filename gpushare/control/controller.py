@@ -433,7 +433,10 @@ class GpushareController:
         window = max(cfg.share_min_interval_s, 10 * cfg.period_s)
         samples = tuple(s for s in state.demand_samples if now - s[0] <= window)
         quiet_signals = tuple(s for s in state.quiet_signals if now - s[0] <= window)
-        if signals.online and state.quiet_ticks >= cfg.increase_after_ticks:
+        # A latency window still holds the tail from before the freeze for its whole length: read
+        # too early, it says online work alone breaks its SLO, and the share falls to its floor.
+        settle_ticks = math.ceil(round(cfg.quiet_settle_s / cfg.period_s, 6))
+        if signals.online and state.quiet_ticks >= max(cfg.increase_after_ticks, settle_ticks):
             demand = self._quiet_demand(obs, signals)
             if demand is not None:
                 samples = (*samples, (now, demand))[-_MAX_DEMAND_SAMPLES:]
