@@ -79,6 +79,9 @@ class GpuState:
         demand_samples: ``(at_s, online SM demand pct)`` measured while offline work was quiet.
         quiet_signals: ``(at_s, worst normalised online signal)`` measured while offline work was
             quiet: what the SLO leaves when online work runs alone.
+        app_quiet_signals: ``(at_s, worst app-reported signal)`` measured on the same ticks: how
+            much room the app SLOs leave online work alone (the probe yields to app latency
+            only while it is under ``comfort_ratio``).
         evicting: ``(client_id, since_s)`` of clients asked to go away that are still live.
         stopped: clients stopped for repeated failures (never evicted twice).
         restart_pending: ``(client_id, since_s)`` of the restart in flight, if any.
@@ -101,6 +104,7 @@ class GpuState:
     share_changed_at_s: float | None = None
     demand_samples: tuple[tuple[float, float], ...] = ()
     quiet_signals: tuple[tuple[float, float], ...] = ()
+    app_quiet_signals: tuple[tuple[float, float], ...] = ()
     breach_duty: float | None = None
     evicting: tuple[tuple[str, float], ...] = ()
     stopped: frozenset[str] = frozenset()
@@ -188,7 +192,7 @@ class GpushareController:
         state = self._failing_clients(state, observation, now, actions)
         state = self._memory(state, observation, now, actions)
         signals = online_signals(observation, self.config.probe_slo_ratio)
-        state = self._throttle(state, observation, signals, actions)
+        state = self._throttle(state, observation, self._duty_signals(state, signals), actions)
         state = self._share(state, observation, signals, now, actions)
         state = self._restarts(state, observation, signals, now, actions)
         return state, actions
@@ -324,6 +328,37 @@ class GpushareController:
 
     # Duty-cycle throttle -----------------------------------------------------------------------
 
+    def _duty_signals(self, state: GpuState, signals: Signals) -> Signals:
+        """The signals the duty cycle follows: the probe yields to app latency while SLOs have room.
+
+        The probe's SLO (``probe_slo_ratio`` x its baseline) is the same whatever the app SLOs
+        are, so under a loose app SLO it trips long before the app latency moves. When every
+        online client reports its p99 against an SLO, the app SLOs leave room with online work
+        alone (worst quiet app signal under ``comfort_ratio``) and the app latency is under
+        ``comfort_ratio`` now, the probe counts only at ``hard_ratio``; otherwise (an online
+        client without a report, a tight SLO, app latency near its SLO) it counts as before.
+        """
+        cfg = self.config
+        quiet_app = max((v for _, v in state.app_quiet_signals), default=None)
+        if (
+            signals.app_complete
+            and signals.app_worst is not None
+            and signals.probe is not None
+            and quiet_app is not None
+            and quiet_app < cfg.comfort_ratio
+            and signals.app_worst < cfg.comfort_ratio
+            and signals.app_worst < signals.probe < cfg.hard_ratio
+        ):
+            return replace(
+                signals,
+                worst=signals.app_worst,
+                worst_source=(
+                    f"{signals.app_source} (the probe at {signals.probe:.2f}x its SLO yields to "
+                    f"app latency: online alone at {quiet_app:.2f}x its SLO)"
+                ),
+            )
+        return signals
+
     def _throttle(
         self, state: GpuState, obs: Observation, signals: Signals, actions: list[Action]
     ) -> GpuState:
@@ -433,6 +468,7 @@ class GpushareController:
         window = max(cfg.share_min_interval_s, 10 * cfg.period_s)
         samples = tuple(s for s in state.demand_samples if now - s[0] <= window)
         quiet_signals = tuple(s for s in state.quiet_signals if now - s[0] <= window)
+        app_quiet = tuple(s for s in state.app_quiet_signals if now - s[0] <= window)
         # A latency window still holds the tail from before the freeze for its whole length: read
         # too early, it says online work alone breaks its SLO, and the share falls to its floor.
         settle_ticks = math.ceil(round(cfg.quiet_settle_s / cfg.period_s, 6))
@@ -442,7 +478,14 @@ class GpushareController:
                 samples = (*samples, (now, demand))[-_MAX_DEMAND_SAMPLES:]
             if signals.worst is not None:
                 quiet_signals = (*quiet_signals, (now, signals.worst))[-_MAX_DEMAND_SAMPLES:]
-        state = replace(state, demand_samples=samples, quiet_signals=quiet_signals)
+            if signals.app_worst is not None:
+                app_quiet = (*app_quiet, (now, signals.app_worst))[-_MAX_DEMAND_SAMPLES:]
+        state = replace(
+            state,
+            demand_samples=samples,
+            quiet_signals=quiet_signals,
+            app_quiet_signals=app_quiet,
+        )
         if not state.share_emitted:
             share = min(top, max(low, state.share_pct))
             actions.append(

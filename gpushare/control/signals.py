@@ -23,12 +23,21 @@ class Signals:
         worst_source: what produced ``worst`` (``"probe"`` or ``"client <id>"``), for reasons.
         count: how many signals were computed.
         online: how many live online clients the GPU has.
+        app_worst: the largest app-reported signal alone (``None``: no online client reports).
+        app_source: what produced ``app_worst``.
+        app_complete: every live online client declares an SLO and reports a p99 (there is at
+            least one): app latency then covers all the online work of the GPU.
+        probe: the probe's normalised signal (``None``: no reading or no online client).
     """
 
     worst: float | None
     worst_source: str
     count: int
     online: int
+    app_worst: float | None = None
+    app_source: str = ""
+    app_complete: bool = False
+    probe: float | None = None
 
     def describe(self) -> str:
         """A short human phrase for action reasons: ``"probe at 1.73x its SLO"``."""
@@ -59,13 +68,24 @@ def online_signals(observation: Observation, probe_slo_ratio: float) -> Signals:
         count += 1
         if worst is None or value > worst:
             worst, source = value, f"client {client.client_id} p99 {client.p99_ms:.1f}ms"
+    app_worst, app_source, app_count = worst, source, count
     ratio = observation.probe.ratio
+    probe: float | None = None
     if online and ratio is not None:
-        value = ratio / probe_slo_ratio
+        probe = ratio / probe_slo_ratio
         count += 1
-        if worst is None or value > worst:
-            worst, source = value, f"probe ratio {ratio:.2f}"
-    return Signals(worst=worst, worst_source=source, count=count, online=len(online))
+        if worst is None or probe > worst:
+            worst, source = probe, f"probe ratio {ratio:.2f}"
+    return Signals(
+        worst=worst,
+        worst_source=source,
+        count=count,
+        online=len(online),
+        app_worst=app_worst,
+        app_source=app_source,
+        app_complete=bool(online) and app_count == len(online),
+        probe=probe,
+    )
 
 
 def free_memory_bytes(observation: Observation) -> int | None:
