@@ -14,12 +14,14 @@ A step runs, in this order (``docs/controller.md`` gives the law and justifies e
    deficit; a client already going away is not evicted twice.
 5. **Duty-cycle throttle** (fast lever): AIMD on the worst normalised online signal with a
    comfort band, an immediate freeze at the hard threshold, slow increases near the duty that last
-   broke the SLO, and offline guarantees as duty floors while SLOs hold. Online clients are never the target of any throttle action.
-6. **Offline SM share** (slow lever): recomputed from online SM demand and online latency measured
-   while offline work is quiet (the SMs online work leaves idle, at most the SMs its SLO leaves),
-   split over the GPU's offline clients, with hysteresis and a minimum interval; then restartable
-   offline clients running under a different share are restarted one at a time, never during an
-   SLO violation.
+   broke the SLO, and offline guarantees as duty floors while SLOs hold. The probe yields to app
+   latency (counts only at the hard threshold) while every online client reports it and the app
+   SLOs have room. Online clients are never the target of any throttle action.
+6. **Offline SM share** (slow lever): recomputed from online latency measured while offline work
+   has been quiet for ``quiet_settle`` (the SMs its SLO leaves; the SMs online work leaves idle
+   when online work alone breaks its SLO), split over the GPU's offline clients, with hysteresis
+   and a minimum interval; then restartable offline clients running under a different share are
+   restarted one at a time, never during an SLO violation.
 
 Pure: no I/O, no clock; ``now`` is an argument.
 """
