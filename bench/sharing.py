@@ -123,8 +123,17 @@ def main() -> None:
         action="store_true",
         help="the 3 trace scenarios + the 5 pairs with ResNet-50 training, 10 s each (~1 min)",
     )
-    ap.add_argument("--out", type=Path, default=RESULTS / "sharing.json")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS / "sharing.json",
+        help="JSON file to write; the Markdown table goes beside it as NAME.md",
+    )
     args = ap.parse_args()
+    if args.out.is_dir():
+        args.out = args.out / "sharing.json"
+    # with_suffix would cut "run_1.5" to "run_1.md"; only a .json suffix is replaced.
+    md_path = args.out.with_suffix(".md") if args.out.suffix == ".json" else Path(f"{args.out}.md")
     files = args.scenarios or sorted(
         str(p) for p in (REPO / "examples" / "scenarios").rglob("*.toml")
     )
@@ -177,11 +186,11 @@ def main() -> None:
         report.markdown_table(all_rows, with_scenario=True),
         "",
     ]
-    args.out.with_suffix(".md").write_text("\n".join(md))
+    md_path.write_text("\n".join(md))
     print(summary_markdown(summ))
     print(
         f"\n{len(scenarios)} scenarios, {virtual:.0f} s virtual in {wall:.0f} s "
-        f"({virtual / wall:.0f}x real time); wrote {args.out} and {args.out.with_suffix('.md')}"
+        f"({virtual / wall:.0f}x real time); wrote {args.out} and {md_path}"
     )
 
 
