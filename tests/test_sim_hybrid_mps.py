@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,12 +24,11 @@ from gpushare.cli.render import render_status
 from gpushare.daemon.main import StartupError, simulated_mps
 from gpushare.model import MpsEvent, MpsEventKind, MpsState
 from gpushare.node.mps import DaemonNotReachable, MpsControl, MpsError
-from gpushare.paths import repo_root
 from gpushare.sim.hybrid_mps import HybridMpsNode, merge_state
 from gpushare.sim.realtime import RealTimeMpsNode, RealTimeSimNode
-from tests.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from tests.cgroup_helpers import remove_tree
+from tests.sim_daemon_helpers import SimDaemon, run_daemon, sim_config, sim_daemon
 
-GPUSHARE = [sys.executable, "-c", "from gpushare.cli.app import main; main()"]
 UUID = "GPU-sim-0000"
 
 # ------------------------------------------------------------------------------------------------
@@ -256,103 +254,26 @@ def _wait(pred: Callable[[], object], what: str, timeout_s: float = 15.0) -> Non
         time.sleep(0.1)
 
 
-@dataclass
-class SimDaemon:
-    base: Path
-    env: dict[str, str]
-    proc: subprocess.Popen[bytes]
-    binary: Path
-
-    @property
-    def pipe_dir(self) -> Path:
-        return self.base / "run" / "mps" / UUID
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*GPUSHARE, *args], env=self.env, capture_output=True, text=True, timeout=30,
-            check=False,
-        )  # fmt: skip
-
-    def log_lines(self) -> list[dict[str, object]]:
-        lines = (self.base / "daemon.log").read_text().splitlines()
-        return [json.loads(x) for x in lines if x.startswith("{")]
-
-    def events(self) -> list[str]:
-        res = self.cli("events", "--json")
-        return [json.loads(x)["kind"] for x in res.stdout.splitlines()]
+_MPS_REST = 'default_active_thread_pct = 60\nhealth_period = "0.5s"'
 
 
-def _write_config(base: Path, mps_control: Path, extra: str = "") -> Path:
-    cgroup_dir = unique_base("gs-simmps-test") if cgroup_skip_reason() is None else None
-    cgroup_line = f'cgroup_base = "{cgroup_dir}"' if cgroup_dir is not None else ""
-    cfg = base / "gpushare.toml"
-    cfg.write_text(
-        f"""version = 1
-[paths]
-runtime_dir = "{base}/run"
-state_dir = "{base}/state"
-{cgroup_line}
-[daemon]
-admin_group = ""
-cancel_grace = "1s"
-{extra}
-[metrics]
-enabled = false
-[mps]
-control_binary = "{mps_control}"
-default_active_thread_pct = 60
-health_period = "0.5s"
-"""
-    )
-    (base / "cgroup").write_text(str(cgroup_dir or ""))
-    return cfg
+def _pipe_dir(base: Path) -> Path:
+    return base / "run" / "mps" / UUID
 
 
-def _cleanup(base: Path, mps_control: Path) -> None:
-    # Whatever the test saw, leave no control daemon of this test running.
-    for pid in _daemons_on(mps_control, base / "run" / "mps" / UUID):
-        os.kill(pid, signal.SIGKILL)
-    cgroup_dir = (base / "cgroup").read_text()
-    subprocess.run(["rm", "-rf", str(base)], check=False)
-    if cgroup_dir:
-        remove_tree(Path(cgroup_dir))
+def _kill_control_daemons(mps_control: Path) -> Callable[[Path], None]:
+    def kill(base: Path) -> None:
+        # Whatever the test saw, leave no control daemon of this test running.
+        for pid in _daemons_on(mps_control, _pipe_dir(base)):
+            os.kill(pid, signal.SIGKILL)
+
+    return kill
 
 
 @pytest.fixture
 def real_mps_sim_daemon(mps_control: Path) -> Iterator[SimDaemon]:
-    base = Path(tempfile.mkdtemp(prefix="gsh-", dir="/tmp"))  # short: Unix socket path limit
-    cfg = _write_config(base, mps_control)
-    env = {**os.environ, "GPUSHARE_SOCKET": str(base / "run" / "gpushare.sock")}
-    proc = subprocess.Popen(
-        [*GPUSHARE, "daemon", "--simulate", "1", "--config", str(cfg)],
-        env=env,
-        cwd=repo_root(),
-        stdout=subprocess.DEVNULL,
-        stderr=(base / "daemon.log").open("wb"),
-    )
-    d = SimDaemon(base, env, proc, mps_control)
-    try:
-        deadline = time.monotonic() + 20
-        while not (base / "run" / "gpushare.sock").exists():
-            assert proc.poll() is None, (base / "daemon.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "the simulated daemon did not start"
-            time.sleep(0.1)
+    with sim_daemon(mps_control, rest=_MPS_REST, after=_kill_control_daemons(mps_control)) as d:
         yield d
-    finally:
-        try:
-            listing = d.cli("list", "--json")
-            if listing.returncode == 0:
-                for client in json.loads(listing.stdout)["clients"]:
-                    d.cli("cancel", client["id"])
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            _cleanup(base, mps_control)
 
 
 @pytest.mark.mps
@@ -360,7 +281,7 @@ def test_simulate_runs_supervises_and_stops_the_real_control_daemon(
     real_mps_sim_daemon: SimDaemon, tmp_path: Path
 ) -> None:
     d = real_mps_sim_daemon
-    binary, pipe_dir = d.binary, d.pipe_dir
+    binary, pipe_dir = d.mps_control, _pipe_dir(d.base)
     # One real control daemon for the simulated GPU, on the configured pipe directory, with the
     # configured default applied.
     (first,) = _daemons_on(binary, pipe_dir)
@@ -424,35 +345,33 @@ def test_a_second_daemon_on_the_same_directories_leaves_the_first_alone(
     real_mps_sim_daemon: SimDaemon,
 ) -> None:
     d = real_mps_sim_daemon
-    (first,) = _daemons_on(d.binary, d.pipe_dir)
-    second = subprocess.run(
-        [*GPUSHARE, "daemon", "--simulate", "1", "--config", str(d.base / "gpushare.toml")],
-        env=d.env, cwd=repo_root(), capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    pipe_dir = _pipe_dir(d.base)
+    (first,) = _daemons_on(d.mps_control, pipe_dir)
+    second = run_daemon(d.base)
     assert second.returncode == 1
     assert "another gpushare daemon is serving" in second.stderr
-    assert _daemons_on(d.binary, d.pipe_dir) == [first]
-    assert MpsControl(d.binary, d.pipe_dir).get_default_active_thread_percentage() == 60.0
+    assert _daemons_on(d.mps_control, pipe_dir) == [first]
+    assert MpsControl(d.mps_control, pipe_dir).get_default_active_thread_percentage() == 60.0
 
 
 @pytest.mark.mps
 def test_a_failed_start_leaves_no_control_daemon(mps_control: Path) -> None:
     base = Path(tempfile.mkdtemp(prefix="gsh-", dir="/tmp"))
+    cgroup_dir = None
     try:
         # The control daemon starts, then the API socket cannot be set up.
-        cfg = _write_config(base, mps_control, 'socket_group = "gpushare-no-such-group"')
-        env = {**os.environ, "GPUSHARE_SOCKET": str(base / "run" / "gpushare.sock")}
-        res = subprocess.run(
-            [*GPUSHARE, "daemon", "--simulate", "1", "--config", str(cfg)],
-            env=env, cwd=repo_root(), capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+        cgroup_dir = sim_config(base, mps_control, daemon='socket_group = "gpushare-no-such-group"')
+        res = run_daemon(base)
         assert res.returncode == 1
         assert "daemon.socket_group" in res.stderr
         assert '"mps_daemon_ready"' in res.stderr  # it did start, and was stopped again
-        assert _daemons_on(mps_control, base / "run" / "mps" / UUID) == []
-        assert not (base / "run" / "mps" / UUID / "control").exists()
+        assert _daemons_on(mps_control, _pipe_dir(base)) == []
+        assert not (_pipe_dir(base) / "control").exists()
     finally:
-        _cleanup(base, mps_control)
+        _kill_control_daemons(mps_control)(base)
+        shutil.rmtree(base, ignore_errors=True)
+        if cgroup_dir is not None:
+            remove_tree(cgroup_dir)
 
 
 def test_a_control_daemon_that_cannot_start_fails_startup_naming_the_fix(
