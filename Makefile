@@ -24,8 +24,8 @@ engine: $(STAMP)
 	scripts/build-sim-engine.sh $(BIN)/python
 
 lint: $(STAMP)
-	$(BIN)/ruff check gpushare tests bench
-	$(BIN)/ruff format --check gpushare tests bench
+	$(BIN)/ruff check gpushare tests bench scripts
+	$(BIN)/ruff format --check gpushare tests bench scripts
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -45,6 +45,7 @@ def _cuda() -> tuple[object, object]:
 
 
 def client(mode: str) -> int:
+    """One check's CUDA client, run inside the MPS environment; prints a JSON report line."""
     cu, nvrtc = _cuda()
 
     def check(ret: tuple) -> object:
@@ -58,12 +59,16 @@ def client(mode: str) -> int:
     dev = check(cu.cuDeviceGet(0))
     attr = cu.CUdevice_attribute
     report["mps_enabled"] = check(cu.cuDeviceGetAttribute(attr(133), dev))
-    report["sm_count"] = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev))
+    report["sm_count"] = check(
+        cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)
+    )
     ctx = check(cu.cuDevicePrimaryCtxRetain(dev))
     check(cu.cuCtxSetCurrent(ctx))
     if mode == "limits":
         try:
-            aff = check(cu.cuCtxGetExecAffinity(cu.CUexecAffinityType.CU_EXEC_AFFINITY_TYPE_SM_COUNT))
+            aff = check(
+                cu.cuCtxGetExecAffinity(cu.CUexecAffinityType.CU_EXEC_AFFINITY_TYPE_SM_COUNT)
+            )
             report["exec_affinity_sm_count"] = int(aff.param.smCount.val)
         except Exception as exc:  # noqa: BLE001 - report, do not fail: the attribute is informative
             report["exec_affinity_sm_count"] = f"unavailable: {exc}"
@@ -73,8 +78,12 @@ def client(mode: str) -> int:
         report["alloc_2G_status"] = int(status)
         check(cu.cuMemFree(small))
     if mode == "fault":
-        major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))
-        minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
+        major = check(
+            cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+        )
+        minor = check(
+            cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+        )
         prog = check(nvrtc.nvrtcCreateProgram(BAD_KERNEL, b"bad.cu", 0, [], []))
         opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
         check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts))
@@ -100,25 +109,39 @@ def client(mode: str) -> int:
 
 def _first_gpu() -> str:
     out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True, check=True
+        ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return out.stdout.split()[0]
 
 
 def _spawn(mode: str, pipe_dir: Path, extra_env: dict[str, str]) -> subprocess.Popen[str]:
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir), **extra_env}
-    env.pop("CUDA_VISIBLE_DEVICES", None)  # the daemon has it; a client must not (reference/mps.md 7)
-    return subprocess.Popen([sys.executable, __file__, "--client", mode], env=env, stdout=subprocess.PIPE, text=True)
+    env.pop(
+        "CUDA_VISIBLE_DEVICES", None
+    )  # the daemon has it; a client must not (reference/mps.md 7)
+    return subprocess.Popen(
+        [sys.executable, __file__, "--client", mode], env=env, stdout=subprocess.PIPE, text=True
+    )
 
 
 def _report(proc: subprocess.Popen[str]) -> dict[str, object]:
     out, _ = proc.communicate(timeout=120)
     lines = [line for line in out.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if lines else {"error": f"client exited {proc.returncode} without a report"}
+    return (
+        json.loads(lines[-1])
+        if lines
+        else {"error": f"client exited {proc.returncode} without a report"}
+    )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Run one check (or, with ``--client``, be its CUDA client); 0 when every expectation held."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     # "idle" is a client role only (an innocent client during the fault check).
     parser.add_argument("check", choices=["connect", "limits", "fault", "idle"])
     parser.add_argument("--gpu", help="GPU UUID (default: the first GPU)")
@@ -137,7 +160,9 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="gsv", dir="/tmp"))
     config = Config(
         paths=PathsConfig(runtime_dir=root, state_dir=root / "state"),
-        mps=MpsConfig(compute_mode="leave", health_period_s=1.0, quit_timeout_s=5.0, ready_timeout_s=30.0),
+        mps=MpsConfig(
+            compute_mode="leave", health_period_s=1.0, quit_timeout_s=5.0, ready_timeout_s=30.0
+        ),
     )
     sup = MpsSupervisor(gpu, config)
     events: list[object] = []
@@ -158,18 +183,26 @@ def main() -> int:
             print("ps:", rows)
             rep = _report(proc)
             print("client:", rep)
-            expect(rep.get("mps_enabled") == 1, "client reports CU_DEVICE_ATTRIBUTE_MPS_ENABLED == 1")
+            expect(
+                rep.get("mps_enabled") == 1, "client reports CU_DEVICE_ATTRIBUTE_MPS_ENABLED == 1"
+            )
             expect(any(r.client_pid == proc.pid for r in rows), "ps lists the client pid")
             kinds = {e.kind for e in events}  # type: ignore[attr-defined]
             expect(MpsEventKind.SERVER_STARTED in kinds, "SERVER_STARTED event seen")
             expect(MpsEventKind.CLIENT_CONNECTED in kinds, "CLIENT_CONNECTED event seen")
         elif args.check == "limits":
-            env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1G"}
+            env = {
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1G",
+            }
             rep = _report(_spawn("limits", sup.pipe_dir, env))
             print("client:", rep)
             expect(rep.get("mps_enabled") == 1, "client is under MPS")
             expect(rep.get("alloc_512M") == "ok", "512M allocation under a 1G cap succeeds")
-            expect(rep.get("alloc_2G_status") == 2, "2G allocation under a 1G cap fails with CUDA_ERROR_OUT_OF_MEMORY (2)")
+            expect(
+                rep.get("alloc_2G_status") == 2,
+                "2G allocation under a 1G cap fails with CUDA_ERROR_OUT_OF_MEMORY (2)",
+            )
             print("SM count", rep.get("sm_count"), "exec-affinity SM count", rep.get("exec_affinity_sm_count"),
                   "(expected about 25% of the SMs; record the value in docs/gpu-validation.md)")  # fmt: skip
         else:
@@ -179,9 +212,14 @@ def main() -> int:
             bad = _spawn("fault", sup.pipe_dir, {})
             rep = _report(bad)
             print("faulting client:", rep)
-            expect(rep.get("sync_status") == 700, "faulting client gets CUDA_ERROR_ILLEGAL_ADDRESS (700)")
+            expect(
+                rep.get("sync_status") == 700,
+                "faulting client gets CUDA_ERROR_ILLEGAL_ADDRESS (700)",
+            )
             deadline = time.time() + 10
-            while time.time() < deadline and not any(e.kind is MpsEventKind.FATAL_EXCEPTION for e in events):  # type: ignore[attr-defined]
+            while time.time() < deadline and not any(
+                e.kind is MpsEventKind.FATAL_EXCEPTION for e in events
+            ):  # type: ignore[attr-defined]
                 time.sleep(0.1)
             print("state after fault:", sup.state())
             ok = sup.recover(offline_pids=[bad.pid], online_pids=[idle.pid])
