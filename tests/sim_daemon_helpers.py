@@ -60,11 +60,14 @@ def socket_env(base: Path) -> dict[str, str]:
     return {**os.environ, "GPUSHARE_SOCKET": str(base / "run" / "gpushare.sock")}
 
 
+def _daemon_argv(base: Path) -> list[str]:
+    return [*GPUSHARE, "daemon", "--simulate", "1", "--config", str(base / "gpushare.toml")]
+
+
 def run_daemon(base: Path, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
     """Run the daemon under ``base`` in the foreground: for a start that is expected to fail."""
     return subprocess.run(
-        [*GPUSHARE, "daemon", "--simulate", "1", "--config", str(base / "gpushare.toml")],
-        env=socket_env(base), cwd=repo_root(), capture_output=True, text=True,
+        _daemon_argv(base), env=socket_env(base), cwd=repo_root(), capture_output=True, text=True,
         timeout=timeout_s, check=False,
     )  # fmt: skip
 
@@ -114,7 +117,7 @@ def sim_daemon(
     cgroup_dir = sim_config(base, mps_control, daemon=daemon, rest=rest)
     env = socket_env(base)
     proc = subprocess.Popen(
-        [*GPUSHARE, "daemon", "--simulate", "1", "--config", str(base / "gpushare.toml")],
+        _daemon_argv(base),
         env=env,
         cwd=repo_root(),
         stdout=subprocess.DEVNULL,

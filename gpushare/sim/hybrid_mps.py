@@ -1,7 +1,8 @@
 """Real MPS control daemons in front of simulated GPUs (``gpushare daemon --simulate N``).
 
-When NVIDIA's ``nvidia-cuda-mps-control`` is installed (``scripts/get-mps-control.sh`` puts it in
-``.cache/mps``; it runs without a GPU and without root), the simulated daemon runs one real
+When NVIDIA's MPS control binary is installed (:func:`gpushare.node.mps.find_binary` finds it;
+``scripts/get-mps-control.sh`` puts it in ``.cache/mps``; it runs without a GPU and without
+root), the simulated daemon runs one real
 control daemon per simulated GPU through the real :class:`gpushare.node.mps.MpsNodeManager`:
 the same supervisor, health checks, restarts, default limits and events as on a GPU node.
 :class:`HybridMpsNode` joins that real MPS with the simulated node's MPS into one
