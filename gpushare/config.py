@@ -1,6 +1,6 @@
 """The daemon's configuration: one TOML file loaded into frozen dataclasses.
 
-Defaults live in the dataclasses below and nowhere else; ``etc/gpushare/gpushare.toml`` documents
+Defaults live in the dataclasses below and nowhere else; ``gpushare/data/gpushare.toml`` documents
 every key and loads to exactly these defaults (a test checks it). Field names carry their unit
 (``period_s``, ``online_memory_reserve_bytes``); the TOML key is the name without the unit suffix
 and takes a human spelling (``period = "100ms"``, ``online_memory_reserve = "2G"``).

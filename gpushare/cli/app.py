@@ -12,7 +12,15 @@ from typing import Annotated
 import typer
 
 from gpushare import __version__
-from gpushare.cli import clients_cmd, config_cmd, daemon_cmd, doctor_cmd, env_cmd, sim_cmd
+from gpushare.cli import (
+    clients_cmd,
+    config_cmd,
+    daemon_cmd,
+    doctor_cmd,
+    env_cmd,
+    install_cmd,
+    sim_cmd,
+)
 
 app = typer.Typer(
     name="gpushare",
@@ -26,6 +34,7 @@ clients_cmd.register(app)
 daemon_cmd.register(app)
 doctor_cmd.register(app)
 env_cmd.register(app)
+install_cmd.register(app)
 app.command("sim")(sim_cmd.sim)
 
 

@@ -226,7 +226,7 @@ def load_config_for_doctor(path: Path) -> tuple[config.Config, CheckResult]:
             "config",
             Status.WARN,
             f"{path} not found; using defaults",
-            "copy etc/gpushare/gpushare.toml there",
+            "run gpushare install (it writes the documented default there)",
         )
     try:
         return config.load(path), CheckResult("config", Status.OK, str(path))

@@ -1,0 +1,188 @@
+"""``gpushare install`` / ``uninstall`` against a temporary root, with the real groupadd/systemctl."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpushare import install
+from gpushare.cli.app import app
+
+runner = CliRunner()
+needs_systemctl = pytest.mark.skipif(
+    shutil.which("systemctl") is None, reason="systemctl is not installed (apt-get install systemd)"
+)
+needs_groupadd = pytest.mark.skipif(
+    shutil.which("groupadd") is None or os.geteuid() != 0,
+    reason="groupadd --prefix needs the shadow utilities and root",
+)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int, str]]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        target = os.readlink(p) if p.is_symlink() else ""
+        out[str(p.relative_to(root))] = (st.st_mode, st.st_mtime_ns, target)
+    return out
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _steps(out: str) -> dict[str, tuple[str, str]]:
+    data = json.loads(out)
+    return {s["what"]: (s["result"], s["detail"]) for s in data["steps"]}
+
+
+@needs_groupadd
+@needs_systemctl
+def test_install_writes_everything_once_and_a_second_run_changes_nothing(tmp_path: Path):
+    code, out, err = _cli("install", "--root", str(tmp_path), "--json")
+    assert code == 0, err
+    steps = _steps(out)
+    assert {r for r, _d in steps.values()} == {"created", "updated"}
+    cfg = tmp_path / "etc/gpushare/gpushare.toml"
+    assert cfg.read_text() == install.shipped("gpushare.toml")
+    assert cfg.stat().st_mode & 0o777 == 0o644
+    unit = tmp_path / "etc/systemd/system/gpushare.service"
+    assert unit.read_text() == install.shipped("gpushare.service")
+    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o755
+    link = tmp_path / "usr/bin/gpushare"
+    assert link.is_symlink() and Path(os.readlink(link)) == install.console_script()
+    assert any(
+        line.startswith("gpushare:") for line in (tmp_path / "etc/group").read_text().splitlines()
+    )
+    wants = tmp_path / "etc/systemd/system/multi-user.target.wants/gpushare.service"
+    assert os.readlink(wants) == "/etc/systemd/system/gpushare.service"
+
+    before = _snapshot(tmp_path)
+    code, out, err = _cli("install", "--root", str(tmp_path), "--json")
+    assert code == 0, err
+    assert {r for r, _d in _steps(out).values()} == {"unchanged"}
+    assert _snapshot(tmp_path) == before
+
+
+@needs_groupadd
+def test_an_edited_config_is_kept_byte_for_byte_and_said_so(tmp_path: Path):
+    cfg = tmp_path / "etc/gpushare/gpushare.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text('[daemon]\nadmin_group = "gpuadmins"\n')
+    code, out, err = _cli("install", "--root", str(tmp_path), "--no-systemd", "--json")
+    assert code == 0, err
+    steps = _steps(out)
+    assert steps["/etc/gpushare/gpushare.toml"] == ("kept", "edited: not overwritten; it is valid")
+    assert cfg.read_text() == '[daemon]\nadmin_group = "gpuadmins"\n'
+    # The group is the one the kept config names.
+    assert steps["group gpuadmins"][0] == "created"
+
+
+@needs_groupadd
+def test_an_invalid_config_stops_before_systemd_and_is_left_alone(tmp_path: Path):
+    cfg = tmp_path / "etc/gpushare/gpushare.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text("[control]\nperiod = -1\n")
+    code, out, err = _cli("install", "--root", str(tmp_path))
+    assert code == 1
+    assert "failed        /etc/gpushare/gpushare.toml  (kept, but invalid:" in out
+    assert "control.period" in out
+    assert "skipped       systemd  (the config is invalid: fix it, then run again)" in out
+    assert "a step failed" in err
+    assert cfg.read_text() == "[control]\nperiod = -1\n"
+    assert not (tmp_path / "etc/systemd/system/multi-user.target.wants").exists()
+
+
+@needs_systemctl
+def test_dry_run_changes_nothing_and_says_what_it_would_do(tmp_path: Path):
+    (tmp_path / "etc").mkdir()
+    before = _snapshot(tmp_path)
+    code, out, err = _cli("install", "--root", str(tmp_path), "--dry-run")
+    assert code == 0, err
+    assert "would create  /etc/gpushare/gpushare.toml" in out
+    assert "would create  group gpushare" in out
+    assert _snapshot(tmp_path) == before
+
+
+@needs_groupadd
+@needs_systemctl
+def test_uninstall_reverses_install_but_keeps_state_and_an_edited_config(tmp_path: Path):
+    assert _cli("install", "--root", str(tmp_path))[0] == 0
+    (tmp_path / "var/lib/gpushare/gpushare.db").write_text("registry")
+    cfg = tmp_path / "etc/gpushare/gpushare.toml"
+    cfg.write_text(cfg.read_text() + "# tuned here\n")
+    code, out, err = _cli("uninstall", "--root", str(tmp_path), "--json")
+    assert code == 0, err
+    steps = _steps(out)
+    assert steps["/etc/gpushare/gpushare.toml"] == ("kept", "edited; --purge removes it")
+    assert steps["/var/lib/gpushare"][0] == "kept"
+    assert steps["group gpushare"] == ("removed", "")
+    assert not (tmp_path / "etc/systemd/system/gpushare.service").exists()
+    assert not (tmp_path / "etc/systemd/system/multi-user.target.wants/gpushare.service").exists()
+    assert not (tmp_path / "usr/bin/gpushare").is_symlink()
+    assert (tmp_path / "var/lib/gpushare/gpushare.db").read_text() == "registry"
+    assert cfg.exists()
+    assert "gpushare:" not in (tmp_path / "etc/group").read_text()
+
+    code, out, err = _cli("uninstall", "--root", str(tmp_path), "--purge", "--no-systemd")
+    assert code == 0, err
+    assert not cfg.exists() and not cfg.parent.exists()
+    assert not (tmp_path / "var/lib/gpushare").exists()
+
+
+@needs_groupadd
+def test_uninstall_keeps_a_group_with_members_unless_purged(tmp_path: Path):
+    assert _cli("install", "--root", str(tmp_path), "--no-systemd")[0] == 0
+    group = tmp_path / "etc/group"
+    group.write_text(
+        "\n".join(
+            line + "alice,bob" if line.startswith("gpushare:") else line
+            for line in group.read_text().splitlines()
+        )
+        + "\n"
+    )
+    code, out, _err = _cli("uninstall", "--root", str(tmp_path), "--no-systemd")
+    assert code == 0
+    assert "kept          group gpushare  (members: alice, bob; --purge removes it anyway)" in out
+    assert "gpushare:" in group.read_text()
+
+
+@needs_groupadd
+def test_a_failing_groupadd_is_a_failed_step_with_its_message(tmp_path: Path):
+    (tmp_path / "etc/group").mkdir(parents=True)  # groupadd cannot rewrite a directory
+    code, out, _err = _cli("install", "--root", str(tmp_path), "--no-systemd", "--json")
+    assert code == 1
+    result, detail = _steps(out)["group gpushare"]
+    assert result == "failed"
+    assert detail.startswith("groupadd: ")
+
+
+def test_without_systemd_the_host_install_refuses_and_names_the_fix(monkeypatch, tmp_path: Path):
+    monkeypatch.setattr(install, "SYSTEMD_RUNNING", tmp_path / "no-systemd")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    with pytest.raises(install.InstallError, match="use --no-systemd to install the files only"):
+        install.install(install.Options(root=Path("/")), run=_no_commands)
+
+
+def test_not_root_refuses_and_names_sudo(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    code, out, err = _cli("install")
+    assert code == 1
+    assert out == ""
+    assert "must run as root: sudo gpushare install" in err
+
+
+def test_a_missing_root_directory_is_refused(tmp_path: Path):
+    code, out, _err = _cli("uninstall", "--root", str(tmp_path / "nope"), "--json")
+    assert code == 1
+    data = json.loads(out)
+    assert data["ok"] is False
+    assert "is not a directory" in data["error"]
+
+
+def _no_commands(argv):
+    raise AssertionError(f"no command may run: {argv}")
