@@ -211,6 +211,41 @@ class GpuOverride:
     max_clients: int | None = field(default=None, metadata={"min": 1, "max": 128})
 
 
+AdoptClass = Literal["online", "offline", "marker"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptRule:
+    """One ``[[adopt]]`` table: which running processes gpushare adopts as clients, and as what.
+
+    Conditions (every one given must hold, at least one is required): ``marker`` (the process has
+    ``GPUSHARE_CLASS`` in its environment), ``unit`` (a glob on its systemd unit), ``cgroup`` (a
+    glob on its cgroup v2 path), ``user`` (a name or uid), ``uses_gpu`` (NVML lists it as a compute
+    process), ``env`` (globs on environment variables). ``class = "marker"`` takes the class (and
+    the SLO) from the process's own ``GPUSHARE_CLASS``/``GPUSHARE_SLO_P99``. The matcher is
+    :mod:`gpushare.adoption`.
+    """
+
+    name: str = ""
+    marker: bool = False
+    unit: str = ""
+    cgroup: str = ""
+    user: str = ""
+    uses_gpu: bool = False
+    env: Mapping[str, str] = field(default_factory=dict, metadata={"kind": "strmap"})
+    cls: AdoptClass = field(default="marker", metadata={"key": "class"})
+    slo_p99_s: float | None = field(
+        default=None, metadata={"kind": "duration", "min": 0.0, "above": True}
+    )
+    sm_pct: float | None = field(default=None, metadata={"min": 0.0, "max": 100.0, "above": True})
+    mem_bytes: int | None = field(default=None, metadata={"kind": "size", "min": 1 << 20})
+
+
+MARKER_RULE = AdoptRule(name="marker", marker=True, cls="marker")
+"""The default rule: a process started with ``gpushare env`` (or any ``GPUSHARE_CLASS``) is
+adopted in the class it declares. Its owner asked for it, so no further right is needed."""
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """The whole daemon configuration."""
@@ -224,6 +259,7 @@ class Config:
     latency: LatencyConfig = field(default_factory=LatencyConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     gpus: Mapping[str, GpuOverride] = field(default_factory=dict)
+    adopt: tuple[AdoptRule, ...] = (MARKER_RULE,)
 
     def gpu_override(self, index: int, uuid: str) -> GpuOverride:
         """The override for a GPU; a UUID key wins over an index key."""
@@ -331,8 +367,10 @@ _UNIT_SUFFIX = {"size": "_bytes", "duration": "_s"}
 
 def toml_key(f: dataclasses.Field[Any]) -> str:
     """The TOML key of a dataclass field: its name without the unit suffix."""
+    if "key" in f.metadata:
+        return str(f.metadata["key"])
     kind = f.metadata.get("kind")
-    return f.name.removesuffix(_UNIT_SUFFIX[kind]) if kind else f.name
+    return f.name.removesuffix(_UNIT_SUFFIX.get(kind, "")) if kind else f.name
 
 
 def _build(cls: type[Any], data: Any, file: Path | str | None, prefix: str) -> Any:
@@ -375,6 +413,10 @@ def _convert(
             result = value
         elif dataclasses.is_dataclass(hint):
             return _build(typing.cast(type[Any], hint), value, file, key + ".")
+        elif kind == "strmap":
+            return _string_table(value, file, key)
+        elif origin is tuple:
+            return _rule_list(value, file, key)
         elif origin in (Mapping, dict):
             return _gpu_table(args[1], value, file, key)
         elif hint is bool:
@@ -412,6 +454,66 @@ def _gpu_table(
             )
         out[gpu_key] = _build(item_type, sub, file, f"{key}.{gpu_key}.")
     return out
+
+
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_UNIT_GLOB_RE = re.compile(r"^[A-Za-z0-9:_.@\\*?\[\]!-]+$")
+
+
+def _string_table(value: Any, file: Path | str | None, key: str) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            file, key, f'expected a table such as {{ SLURM_JOB_ID = "*" }}, got {_tname(value)}'
+        )
+    for name, pattern in value.items():
+        if not _ENV_NAME_RE.match(name):
+            raise ConfigError(file, f"{key}.{name}", "not an environment variable name")
+        if not isinstance(pattern, str):
+            raise ConfigError(
+                file, f"{key}.{name}", f"expected a string (a glob), got {_show(pattern)}"
+            )
+    return dict(value)
+
+
+def _rule_list(value: Any, file: Path | str | None, key: str) -> tuple[AdoptRule, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(file, key, f"expected [[{key}]] tables, got {_tname(value)}")
+    rules: list[AdoptRule] = []
+    for i, item in enumerate(value):
+        where = f"{key}[{i}]"
+        rule: AdoptRule = _build(AdoptRule, item, file, where + ".")
+        if not rule.name:
+            rule = dataclasses.replace(rule, name=where)
+        _check_rule(rule, file, where)
+        if any(r.name == rule.name for r in rules):
+            raise ConfigError(file, f"{where}.name", f"{rule.name!r} names an earlier rule too")
+        rules.append(rule)
+    return tuple(rules)
+
+
+def _check_rule(rule: AdoptRule, file: Path | str | None, where: str) -> None:
+    if not (rule.marker or rule.unit or rule.cgroup or rule.user or rule.uses_gpu or rule.env):
+        raise ConfigError(
+            file, where, "matches every process: give at least one of marker, unit, cgroup, "
+            "user, uses_gpu, env",
+        )  # fmt: skip
+    if rule.cls == "marker" and not rule.marker:
+        raise ConfigError(
+            file, f"{where}.class", 'give class = "online" or "offline"; "marker" (the default) '
+            "takes it from GPUSHARE_CLASS and needs marker = true",
+        )  # fmt: skip
+    if rule.slo_p99_s is not None and rule.cls == "offline":
+        raise ConfigError(file, f"{where}.slo_p99", "applies to online clients only")
+    if rule.unit and not _UNIT_GLOB_RE.match(rule.unit):
+        raise ConfigError(file, f"{where}.unit", f"not a unit name or glob: {rule.unit!r}")
+    if rule.cgroup and not rule.cgroup.startswith("/"):
+        raise ConfigError(
+            file,
+            f"{where}.cgroup",
+            'a cgroup v2 path from the hierarchy\'s root, e.g. "/system.slice/*"',
+        )
+    if rule.user and not re.match(r"^[a-z_][a-z0-9_.-]*\$?$|^\d+$", rule.user):
+        raise ConfigError(file, f"{where}.user", f"not a user name or uid: {rule.user!r}")
 
 
 def _check_range(f: dataclasses.Field[Any], value: Any, file: Path | str | None, key: str) -> None:
@@ -454,8 +556,13 @@ def to_dict(config: Any) -> dict[str, Any]:
             continue
         if dataclasses.is_dataclass(value):
             out[toml_key(f)] = to_dict(value)
+        elif f.metadata.get("kind") == "strmap":
+            if value:
+                out[toml_key(f)] = dict(value)
         elif isinstance(value, Mapping):
             out[toml_key(f)] = {k: to_dict(v) for k, v in value.items()}
+        elif isinstance(value, tuple):
+            out[toml_key(f)] = [to_dict(v) for v in value]
         elif kind == "size":
             out[toml_key(f)] = format_size(value)
         elif kind == "duration":
@@ -471,7 +578,8 @@ def to_toml(config: Config) -> str:
     """Render the effective config as TOML text that :func:`loads` reads back to the same value."""
     data = to_dict(config)
     lines: list[str] = []
-    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    # Top-level keys come before the first table; an empty rule list is one of them.
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict | list) or v == []}
     lines += [f"{k} = {_toml_value(v)}" for k, v in scalars.items()]
     for section, body in data.items():
         if not isinstance(body, dict):
@@ -483,10 +591,17 @@ def to_toml(config: Config) -> str:
             continue
         lines += ["", f"[{section}]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+    for rule in data.get("adopt", []):
+        lines += ["", "[[adopt]]"]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in rule.items()]
     return "\n".join(lines) + "\n"
 
 
 def _toml_value(value: Any) -> str:
+    if value == []:
+        return "[]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):

@@ -14,6 +14,7 @@ Duty cycle semantics (shared by every runner):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -366,3 +367,24 @@ class ClientSpec:
     latency_from: str | None = None
     env: tuple[tuple[str, str], ...] = field(default=())
     cwd: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessFacts:
+    """What adoption knows about one running process."""
+
+    pid: int
+    ppid: int
+    uid: int
+    user: str
+    name: str
+    start_time: float
+    cgroup: str | None
+    """cgroup v2 path from the hierarchy's root (``/system.slice/x.service``); ``None``: no v2."""
+    unit: str | None
+    """The systemd unit whose cgroup holds the process (``x.service``, ``session-3.scope``)."""
+    environ: Mapping[str, str] | None
+    """The variables adoption reads (``gpushare.adoption.FACT_ENV`` and rules' ``env`` names);
+    ``None``: the environment could not be read (another user's process, the daemon not root)."""
+    gpu_uuids: tuple[str, ...] | None
+    """GPUs NVML lists the process on; ``None``: unknown (no NVML on this host)."""

@@ -23,14 +23,16 @@ def _keys(obj: object, prefix: str = "") -> set[str]:
         key = prefix + config.toml_key(f)
         if dataclasses.is_dataclass(value):
             out |= _keys(value, key + ".")
-        elif f.name != "gpus":
+        elif f.name not in ("gpus", "adopt"):
             out.add(key)
     return out
 
 
 def test_shipped_file_documents_every_key():
     text = SHIPPED.read_text()
-    for key in _keys(Config()) | {"gpus." + k for k in _keys(config.GpuOverride())}:
+    nested = {"gpus." + k for k in _keys(config.GpuOverride())}
+    nested |= {"adopt." + k for k in _keys(config.AdoptRule())}
+    for key in _keys(Config()) | nested:
         leaf = key.rsplit(".", 1)[-1]
         assert f"\n{leaf} =" in text or f"\n# {leaf} =" in text, f"{key} is not documented"
 

@@ -27,7 +27,7 @@ import re
 import select
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -109,14 +109,9 @@ def own_cgroup_path(cgroup_file: Path = PROC_SELF_CGROUP) -> str | None:
         cgroup_file: ``/proc/<pid>/cgroup`` of the process to ask about.
     """
     try:
-        text = cgroup_file.read_text()
+        return procs.cgroup_v2_path(cgroup_file.read_text())
     except OSError:
         return None
-    for line in text.splitlines():
-        hierarchy, _controllers, path = line.split(":", 2)
-        if hierarchy == "0":
-            return path
-    return None
 
 
 def own_cgroup(mount: Path | None = None, cgroup_file: Path = PROC_SELF_CGROUP) -> Path | None:
@@ -747,6 +742,48 @@ class SignalPauser:
     def clients(self) -> dict[str, list[int]]:
         """Attached clients and their live processes (empty after a daemon restart)."""
         return {cid: procs.group_members(pgid) for cid, pgid in sorted(self._groups.items())}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Adopted processes
+
+
+class FreezeRoute(NamedTuple):
+    """How an adopted process can be paused, and a one-line reason fit for ``status``."""
+
+    mechanism: PauseMechanism
+    cgroup: Path | None
+    reason: str
+
+
+def freeze_route(pid: int, client_pids: Collection[int], mount: Path | None = None) -> FreezeRoute:
+    """Whether an adopted process may be frozen through its own cgroup, or needs SIGSTOP.
+
+    Its cgroup (a service's, a container's, a delegated leaf) is used when it is not the root, has
+    a writable ``cgroup.freeze`` and holds no process outside ``client_pids`` (the process and its
+    descendants): a login session's scope also holds the user's shell. Changes nothing.
+    """
+    mount = mount if mount is not None else cgroup2_mount()
+    rel = procs.process_cgroup(pid)
+    path = mount / rel.lstrip("/") if mount is not None and rel is not None and rel != "/" else None
+    others = sorted(set(_walk_pids(path)) - set(client_pids)) if path is not None else []
+    if mount is None or rel is None:
+        why = "no cgroup v2 is mounted" if mount is None else f"pid {pid} has no cgroup v2 (gone?)"
+    elif path is None:
+        why = "it is in the root cgroup, which cannot be frozen"
+    elif not (path / "cgroup.freeze").exists():
+        why = f"{path} has no cgroup.freeze (kernel older than 5.2?)"
+    elif not os.access(path / "cgroup.freeze", os.W_OK):
+        why = f"{path}/cgroup.freeze is not writable (read-only cgroupfs?)"
+    elif others:
+        why = f"{path} also holds pid {others[0]}, which is not part of the client"
+    else:
+        delegated = any(
+            is_delegated(p) for p in (path, *path.parents) if p != mount and _is_within(p, mount)
+        )
+        owner = "a delegated cgroup" if delegated else "its own cgroup"
+        return FreezeRoute(PauseMechanism.CGROUP, path, f"cgroup freezer on {owner}: {path}")
+    return FreezeRoute(PauseMechanism.SIGNAL, None, f"SIGSTOP/SIGCONT: {why}")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ This module owns ``/proc``, psutil, process spawning and uid switching (DESIGN Â
   stdout+stderr into a log file owned by the user.
 - :func:`process_start_time` and :func:`is_same_process` tell a live client from a recycled pid
   when the daemon re-adopts clients after a restart (DESIGN D6).
+- :func:`process_facts` reads what adoption rules match on (uid, cgroup, systemd unit, the
+  ``GPUSHARE_*``/``CUDA_MPS_*`` environment) for processes gpushare did not start.
 - :class:`ExitWatcher` notices exits on its own thread through pidfds (``poll``, no busy loop):
   children report their exit code, adopted non-children report ``None`` (unknowable).
 """
@@ -23,13 +25,14 @@ import select
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import psutil
 import structlog
 
+from gpushare.model import ProcessFacts
 from gpushare.node.exec import run as exec_run
 from gpushare.node.notify import clean_env
 
@@ -372,6 +375,120 @@ def _stat_fields(pid: int) -> list[str] | None:
     # comm may contain spaces and parentheses; everything after the last ")" is well-formed.
     end = raw.rfind(")")
     return raw[end + 2 :].split() if end >= 0 else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Facts of processes gpushare did not start (adoption)
+
+# systemd puts a unit's processes in a cgroup named after it; services and scopes hold processes,
+# slices only hold other cgroups.
+_UNIT_SUFFIXES = (".service", ".scope")
+_PF_KTHREAD = 0x00200000  # include/linux/sched.h: the task is a kernel thread
+
+
+def cgroup_v2_path(text: str) -> str | None:
+    """The cgroup v2 path in the text of a ``/proc/<pid>/cgroup`` file (its ``0::`` line)."""
+    for line in text.splitlines():
+        hierarchy, _controllers, path = line.split(":", 2)
+        if hierarchy == "0":
+            return path
+    return None
+
+
+def process_cgroup(pid: int) -> str | None:
+    """The cgroup v2 path of ``pid`` from the hierarchy's root, or ``None`` (gone, or no v2)."""
+    try:
+        return cgroup_v2_path(Path(f"/proc/{pid}/cgroup").read_text())
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def unit_of_cgroup(path: str | None) -> str | None:
+    """The systemd unit whose cgroup ``path`` lies in: the deepest ``.service``/``.scope`` part.
+
+    ``/system.slice/triton.service`` gives ``triton.service``; a user's unit under
+    ``user@1000.service/app.slice/x.service`` gives ``x.service``; a client cgroup in a delegated
+    subtree (``.../gpushare.service/client-7``) gives ``gpushare.service``.
+    """
+    if not path:
+        return None
+    for part in reversed(path.strip("/").split("/")):
+        if part.endswith(_UNIT_SUFFIXES):
+            return part
+    return None
+
+
+def read_environ(pid: int, names: Collection[str]) -> dict[str, str] | None:
+    """The variables of ``names`` in ``/proc/<pid>/environ`` (the environment it started with).
+
+    Only the named variables are returned: the rest may hold secrets.
+
+    Returns:
+        The variables found (empty for a zombie or a kernel thread), or ``None`` when the process
+        is gone.
+
+    Raises:
+        PermissionError: another user's process, and we are not root.
+    """
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    wanted = set(names)
+    out: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        name, eq, value = item.partition(b"=")
+        key = name.decode(errors="replace")
+        if eq and key in wanted:
+            out[key] = value.decode(errors="replace")
+    return out
+
+
+def all_pids() -> list[int]:
+    """Every process now in ``/proc`` (this pid namespace), in pid order."""
+    return sorted(int(e.name) for e in os.scandir("/proc") if e.name.isdigit())
+
+
+def process_facts(
+    pid: int, env_names: Collection[str], gpu_pids: Mapping[int, tuple[str, ...]] | None = None
+) -> ProcessFacts | None:
+    """What adoption needs to know about ``pid``; ``None`` when it is gone or a kernel thread.
+
+    The start time is read first and checked again last, so facts of a process that exited (or a
+    pid reused) while they were read are never returned as one process's facts.
+
+    Args:
+        pid: the process.
+        env_names: the environment variables to keep (:func:`read_environ`).
+        gpu_pids: pid to GPU UUIDs from NVML's compute-process lists; ``None`` where NVML is not
+            available (``uses_gpu`` is then unknown, not false).
+    """
+    stat = _stat_fields(pid)
+    started = process_start_time(pid)
+    # Index 6 is field 9 (flags).
+    if stat is None or started is None or int(stat[6]) & _PF_KTHREAD:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            uid, name = proc.uids().real, proc.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    cgroup = process_cgroup(pid)
+    try:
+        environ = read_environ(pid, env_names)
+    except PermissionError:
+        environ = None
+    else:
+        if environ is None:
+            return None
+    if not is_same_process(pid, started):
+        return None
+    return ProcessFacts(
+        pid=pid, ppid=int(stat[1]), uid=uid, user=user_name(uid), name=name, start_time=started,
+        cgroup=cgroup, unit=unit_of_cgroup(cgroup), environ=environ,
+        gpu_uuids=None if gpu_pids is None else gpu_pids.get(pid, ()),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
