@@ -1,4 +1,4 @@
-"""On a GPU host: how long a frozen client keeps the GPU busy (DESIGN §2, the freezer's limit).
+"""On a GPU host: how long a frozen client keeps the GPU busy (docs/design.md §2, the freezer's limit).
 
 Usage (root, a GPU, any command that keeps the GPU busy, e.g. a training script):
 

@@ -1,7 +1,7 @@
 """Wall time of one MPS control command round trip against the real control daemon.
 
 This is the controller's cost of talking to MPS: one ``nvidia-cuda-mps-control`` front-end process
-per command (reference/mps.md: one command per invocation), through ``MpsControl``. The daemon is
+per command (MPS docs: one command per invocation), through ``MpsControl``. The daemon is
 started by ``MpsSupervisor`` in a temporary directory, exactly as the daemon runs it.
 
 Usage: ``.venv/bin/python bench/mps_commands.py [--n 400]``; prints the numbers and writes
@@ -91,7 +91,8 @@ def main() -> int:
     out = {
         "bench": "mps_commands",
         "what": "wall time of one MPS control front-end round trip (MpsControl, one process per command)",
-        "binary": str(binary),
+        # Relative inside the checkout: the results are committed, a machine's paths are not.
+        "binary": str(binary.relative_to(REPO)) if binary.is_relative_to(REPO) else binary.name,
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),

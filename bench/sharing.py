@@ -1,7 +1,7 @@
 """Sharing quality: every shipped scenario x every policy on the simulated GPU node.
 
-Runs ``examples/scenarios/**/*.toml`` under each policy of the registry (plus each scenario's
-online services alone, the reference), prints a per-policy summary and writes
+Runs the shipped scenarios (``gpushare/scenarios/**/*.toml``) under each policy of the registry
+(plus each scenario's online services alone, the reference), prints a per-policy summary and writes
 ``bench/results/sharing.json`` and ``bench/results/sharing.md`` (the per-scenario table and the
 summary). Usage::
 
@@ -135,7 +135,7 @@ def main() -> None:
     # with_suffix would cut "run_1.5" to "run_1.md"; only a .json suffix is replaced.
     md_path = args.out.with_suffix(".md") if args.out.suffix == ".json" else Path(f"{args.out}.md")
     files = args.scenarios or sorted(
-        str(p) for p in (REPO / "examples" / "scenarios").rglob("*.toml")
+        str(p) for p in (REPO / "gpushare" / "scenarios").rglob("*.toml")
     )
     if args.quick and not args.scenarios:
         files = [f for f in files if "/pairs/" not in f or f.endswith("+resnet50_32_fb1.toml")]

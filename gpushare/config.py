@@ -1,6 +1,6 @@
 """The daemon's configuration: one TOML file loaded into frozen dataclasses.
 
-Defaults live in the dataclasses below and nowhere else; ``gpushare/data/gpushare.toml`` documents
+Defaults live in the dataclasses below and nowhere else; ``gpushare/host_files/gpushare.toml`` documents
 every key and loads to exactly these defaults (a test checks it). Field names carry their unit
 (``period_s``, ``online_memory_reserve_bytes``); the TOML key is the name without the unit suffix
 and takes a human spelling (``period = "100ms"``, ``online_memory_reserve = "2G"``).
@@ -109,7 +109,7 @@ class DaemonConfig:
     """The daemon process: logging, socket permissions, who may administer clients."""
 
     log_level: LogLevel = "info"
-    # Everyone may read status (DESIGN D7); rights to change a client are checked per request
+    # Everyone may read status (docs/design.md D7); rights to change a client are checked per request
     # through SO_PEERCRED, so the socket itself is world-connectable by default.
     socket_mode: str = "0666"
     socket_group: str = ""
@@ -121,7 +121,7 @@ class DaemonConfig:
 
 @dataclass(frozen=True, slots=True)
 class MpsConfig:
-    """How gpushare runs and supervises one MPS control daemon per shared GPU (DESIGN D1)."""
+    """How gpushare runs and supervises one MPS control daemon per shared GPU (docs/design.md D1)."""
 
     control_binary: str = "nvidia-cuda-mps-control"
     compute_mode: Literal["exclusive_process", "leave"] = "exclusive_process"

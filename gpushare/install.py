@@ -105,7 +105,7 @@ class Report:
 
 def shipped(name: str) -> str:
     """The text of a file shipped in the package (``gpushare.toml``, ``gpushare.service``)."""
-    return (resources.files("gpushare") / "data" / name).read_text(encoding="utf-8")
+    return (resources.files("gpushare") / "host_files" / name).read_text(encoding="utf-8")
 
 
 def console_script() -> Path | None:

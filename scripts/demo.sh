@@ -2,7 +2,7 @@
 # make demo: the real daemon on one simulated GPU (no GPU, no root needed), driven by the real CLI.
 # An online service and two training jobs are submitted; status is shown while an online burst
 # arrives and the controller throttles, then releases, the offline jobs; everything is stopped and
-# the simulator's summary table for the same scenario (examples/scenarios/demo.toml) is printed.
+# the simulator's summary table for the same scenario (the shipped scenario `demo`, gpushare/scenarios/demo.toml) is printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
@@ -92,6 +92,6 @@ echo "== stopping"
 cleanup
 trap - EXIT
 echo
-echo "== the same scenario in the simulator (gpushare sim examples/scenarios/demo.toml)"
-"$BIN/gpushare" sim examples/scenarios/demo.toml --out "$OUT/sim" --no-progress \
+echo "== the same scenario in the simulator (gpushare sim demo)"
+"$BIN/gpushare" sim demo --out "$OUT/sim" --no-progress \
     --policy gpushare --policy exclusive --policy mps --policy mps-priority --policy time-slicing

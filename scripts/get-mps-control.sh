@@ -2,7 +2,7 @@
 # Put NVIDIA's real MPS control daemon (Debian non-free package nvidia-cuda-mps) into .cache/mps/
 # without root and without touching the system's apt configuration.
 #
-# The binaries run without a GPU or driver (reference/mps.md section 11), which lets the test suite
+# The binaries run without a GPU or driver (docs/mps.md), which lets the test suite
 # drive the real nvidia-cuda-mps-control instead of a fake.
 #
 # Usage: scripts/get-mps-control.sh [CACHE_DIR]   (default: <repo>/.cache/mps)

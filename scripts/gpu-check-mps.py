@@ -121,7 +121,7 @@ def _spawn(mode: str, pipe_dir: Path, extra_env: dict[str, str]) -> subprocess.P
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir), **extra_env}
     env.pop(
         "CUDA_VISIBLE_DEVICES", None
-    )  # the daemon has it; a client must not (reference/mps.md 7)
+    )  # the daemon has it; a client must not (MPS docs: environment variables)
     return subprocess.Popen(
         [sys.executable, __file__, "--client", mode], env=env, stdout=subprocess.PIPE, text=True
     )

@@ -1,6 +1,6 @@
 """A fake :class:`gpushare.node.base.MpsNode` for other components' tests.
 
-It follows the documented MPS behaviour (reference/mps.md): a server starts for the first client of
+It follows the documented MPS behaviour (MPS docs, docs/sources.md): a server starts for the first client of
 a uid (``SERVER_STARTED`` then ``SERVER_READY``), clients connect (``CLIENT_CONNECTED``), a fatal
 fault puts the GPU in FAULT (``FATAL_EXCEPTION``, every client affected), ``terminate_client``
 succeeds only for a connected client, and recovery removes offline clients first, then the rest,

@@ -12,7 +12,7 @@ from gpushare.cli.app import app
 from gpushare.paths import repo_root
 
 runner = CliRunner()
-SHIPPED = repo_root() / "gpushare" / "data" / "gpushare.toml"
+SHIPPED = repo_root() / "gpushare" / "host_files" / "gpushare.toml"
 
 
 def test_version():

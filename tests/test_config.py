@@ -9,7 +9,7 @@ from gpushare import config
 from gpushare.config import Config, ConfigError
 from gpushare.paths import repo_root
 
-SHIPPED = repo_root() / "gpushare" / "data" / "gpushare.toml"
+SHIPPED = repo_root() / "gpushare" / "host_files" / "gpushare.toml"
 
 
 def test_shipped_file_loads_to_exactly_the_defaults():

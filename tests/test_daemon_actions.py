@@ -428,7 +428,7 @@ def test_probe_is_told_offline_work_runs_under_a_partial_duty(
 def test_mps_recovery_removes_offline_clients_and_requeues_restartable_ones(
     env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
 ) -> None:
-    """The faulted server refuses new clients until every old one is gone (DESIGN §2).
+    """The faulted server refuses new clients until every old one is gone (docs/design.md §2).
 
     MPS's terminate_client kills a client's GPU work, not its process: the daemon makes sure the
     offline processes go, puts restartable ones back in the queue without counting the fault as

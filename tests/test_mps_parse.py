@@ -1,7 +1,7 @@
-"""Parsers of gpushare.node.mps on recorded output (R535 observed, reference/mps.md formats).
+"""Parsers of gpushare.node.mps on recorded output (R535 observed, documented formats, docs/sources.md).
 
 Samples marked "R535" were recorded from nvidia-cuda-mps-control 535.261.03 on this machine; the
-``ps``/``lspart`` tables are the documented formats of reference/mps.md section 4.1.
+``ps``/``lspart`` tables are the documented formats of the MPS docs' tools reference (docs/sources.md).
 """
 
 from __future__ import annotations

@@ -589,7 +589,7 @@ def test_node_manager_two_gpus(make_config: Callable[..., Config]) -> None:
             lambda: any(e.kind is MpsEventKind.DAEMON_RESTARTED for e in mgr.drain_events(GPU_A)),
             2.0,
         )
-        # One GPU's restart leaves the other's daemon alone (DESIGN D1).
+        # One GPU's restart leaves the other's daemon alone (docs/design.md D1).
         assert mgr.supervisors[GPU_B].child_pid == pid_b
         assert mgr.terminate_client(GPU_A, 999_999) is False
         mgr.recover(GPU_B, [], [])  # on a worker: the caller's loop goes on

@@ -39,7 +39,7 @@ def test_a_build_of_an_edited_source_is_never_chosen(tmp_path: Path) -> None:
     choice = engine.choose(native, src, env={})
     assert choice.kind == "python"
     assert "another gpu.py" in choice.reason
-    assert "build-sim-engine.sh" in choice.reason
+    assert "make engine" in choice.reason
 
 
 def test_no_build_or_no_record_means_python(tmp_path: Path) -> None:
@@ -67,7 +67,7 @@ def _sim(tmp_path: Path, name: str, env_engine: str | None) -> dict[str, object]
             "-m",
             "gpushare",
             "sim",
-            str(REPO / "examples" / "scenarios" / "alibaba-node-mix.toml"),
+            str(REPO / "gpushare" / "scenarios" / "alibaba-node-mix.toml"),
             "--policy",
             "gpushare",
             "--policy",

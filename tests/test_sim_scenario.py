@@ -9,7 +9,7 @@ import pytest
 from gpushare.sim import scenario
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = sorted((REPO / "examples" / "scenarios").rglob("*.toml"))
+SHIPPED = sorted((REPO / "gpushare" / "scenarios").rglob("*.toml"))
 
 GOOD = """
 [scenario]
@@ -95,7 +95,7 @@ def test_burst_parses_and_raises_the_rate() -> None:
 def test_not_toml_and_missing_file() -> None:
     with pytest.raises(scenario.ScenarioError, match="not valid TOML"):
         scenario.loads("[scenario\n", "x.toml")
-    with pytest.raises(scenario.ScenarioError, match="cannot read the file"):
+    with pytest.raises(scenario.ScenarioError, match="no such file, and no shipped scenario"):
         scenario.load("/nonexistent/x.toml")
     with pytest.raises(scenario.ScenarioError, match=r"missing table \[scenario\]"):
         scenario.loads("[[online]]\nname='a'\n", "x.toml")

@@ -9,7 +9,7 @@ import pytest
 
 from gpushare.paths import repo_root
 
-UNIT = repo_root() / "gpushare" / "data" / "gpushare.service"
+UNIT = repo_root() / "gpushare" / "host_files" / "gpushare.service"
 
 
 def _settings(text: str) -> dict[str, dict[str, list[str]]]:

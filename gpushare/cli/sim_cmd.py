@@ -11,6 +11,11 @@ import importlib
 import json
 import sys
 import time
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -179,10 +184,27 @@ def write_outputs(result: runner.ScenarioResult, out: Path) -> list[str]:
     return lines
 
 
+def shipped_scenarios() -> list[tuple[str, str]]:
+    """(name, description) of every shipped scenario; reads only their ``[scenario]`` tables."""
+    out = []
+    for name in scenario.shipped():
+        try:
+            head = tomllib.loads(scenario.find(name).read_text(encoding="utf-8"))["scenario"]
+            about = str(head.get("description", ""))
+        except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as exc:
+            about = f"(unreadable: {exc})"
+        out.append((name, about))
+    return out
+
+
 def sim(
     scenarios: Annotated[
-        list[Path], typer.Argument(help="Scenario files (see examples/scenarios/).")
-    ],
+        list[Path] | None,
+        typer.Argument(
+            help="Scenario files, or names of shipped scenarios (`--list`), e.g. `demo`.",
+            show_default=False,
+        ),
+    ] = None,
     policy: Annotated[
         list[str] | None,
         typer.Option("--policy", "-p", help="A policy to run (repeat; default: every policy)."),
@@ -197,8 +219,22 @@ def sim(
     no_progress: Annotated[
         bool, typer.Option("--no-progress", help="No progress bar on stderr.")
     ] = False,
+    list_shipped: Annotated[
+        bool, typer.Option("--list", help="List the shipped scenarios and exit.")
+    ] = False,
 ) -> None:
     """Run sharing policies on simulated GPUs in virtual time and compare what they do."""
+    if list_shipped:
+        for name, about in shipped_scenarios():
+            typer.echo(f"{name:<48} {about}")
+        return
+    if not scenarios:
+        typer.echo(
+            "error: name a scenario file or a shipped scenario (`gpushare sim --list`), "
+            "e.g. `gpushare sim demo`",
+            err=True,
+        )
+        raise typer.Exit(code=2)
     if duration is not None and duration <= 0:
         typer.echo("error: --duration must be a positive number of seconds", err=True)
         raise typer.Exit(code=2)

@@ -1,6 +1,6 @@
 """Node-level admission of queued offline jobs: SJF-BSBF's rule brought to one node.
 
-SJF-BSBF (prior-art.md §4.7, Lai-JX/Scheduler ``cluster/switch.py`` ``share_check``) takes jobs
+SJF-BSBF (SJF-BSBF, docs/sources.md; Lai-JX/Scheduler ``cluster/switch.py`` ``share_check``) takes jobs
 shortest first and places each where sharing costs least: it predicts each job's slowdown ξ when
 co-located, computes ``t_con = ½·etc_a + (1 - 1/(2ξ_a))·êtc_b`` against the sequential
 ``t_seq = etc_b + ½·etc_a``, shares only when ``t_con < t_seq``, prefers idle GPUs, and requires
@@ -13,7 +13,7 @@ Adaptation to one node (``docs/controller.md`` has the argument):
   one that cannot start.
 * **Fit**: the job's memory must fit in the GPU's free memory minus the online reserve minus what
   this round already placed there; an MPS client slot must be free (``max_clients`` minus the probe
-  minus live clients); MPS must be up, the GPU not lost and open for admissions; and (DESIGN D11)
+  minus live clients); MPS must be up, the GPU not lost and open for admissions; and (docs/design.md D11)
   without ``-multiuser-server`` a job is not placed beside a live client of another uid.
 * **Benefit**: the running partners' remaining times ``etc_b`` are unknown on a node (clients carry
   no progress), so the pairwise ``t_con < t_seq`` test cannot be evaluated. On one node the
@@ -87,7 +87,7 @@ def admit(
             missing here uses its ``offline_sm_pct_max``.
         now: the current time, for ``not_before_s`` (failure backoff).
         max_clients: MPS client slots per GPU (one number, or per UUID).
-        multiuser: whether each GPU's MPS runs ``-multiuser-server`` (DESIGN D11).
+        multiuser: whether each GPU's MPS runs ``-multiuser-server`` (docs/design.md D11).
         probe_slots: client slots the latency probe takes on each GPU.
 
     Returns:

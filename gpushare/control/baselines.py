@@ -54,7 +54,7 @@ class ExclusivePolicy:
     """No sharing: offline work waits (duty 0) whenever an online client is live on the GPU.
 
     This is a GPU given to one workload at a time, with online work first: what clusters without
-    sharing do (26-52 % utilisation, DESIGN §1).
+    sharing do (26-52 % utilisation, docs/design.md §1).
     """
 
     name = "exclusive"
@@ -81,7 +81,7 @@ class ExclusivePolicy:
 class TimeSlicingPolicy:
     """Online and offline alternate in fixed slices of ``slice_ticks`` control periods.
 
-    The driver's time-slicing gives each context the whole GPU for a slice in turn (prior-art §3.8:
+    The driver's time-slicing gives each context the whole GPU for a slice in turn (docs/sources.md:
     "nothing special is done to isolate workloads"). Expressed with the runner's levers: while an
     online client is live the offline duty alternates 0 (online's slice) and 1 (offline's slice);
     online clients keep running in both, as a context switch would only delay them by the slice.
@@ -146,7 +146,7 @@ class StaticSharePolicy:
         return _emit(state, observation.gpu_uuid, 1.0, self.share_pct, why)
 
 
-# TGS constants (prior-art.md §4.2, pkusys/TGS hijack/src/low_priority_hijack_call.c), in TGS's
+# TGS constants (TGS, docs/sources.md: pkusys/TGS hijack/src/low_priority_hijack_call.c), in TGS's
 # unit (thread blocks per 50 ms window) and then normalised to a duty fraction below.
 TGS_LIMIT_INITIALIZER = 20_000.0  # L45
 TGS_RATE_MIN = 1_000.0  # L46

@@ -1,8 +1,8 @@
 """Starting clients: the MPS environment a workload gets, and detached spawning as its submitter.
 
-MPS fixes a client's SM share, pinned-memory cap and priority when the client starts (DESIGN §2),
+MPS fixes a client's SM share, pinned-memory cap and priority when the client starts (docs/design.md §2),
 so everything is decided here, before exec. The workload always runs as the submitting user with
-that user's groups (DESIGN D9); argv is a list end to end, never a shell string.
+that user's groups (docs/design.md D9); argv is a list end to end, never a shell string.
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ def simulated_mps(cfg: config_mod.Config, rt: RealTimeSimNode) -> tuple[MpsNode,
 
 
 def build_simulated(cfg: config_mod.Config, config_path: Path | None, gpus: int) -> Daemon:
-    """Wire the real daemon to ``gpus`` simulated GPUs running in real time (DESIGN D10).
+    """Wire the real daemon to ``gpus`` simulated GPUs running in real time (docs/design.md D10).
 
     MPS is real where its control binary is installed (:func:`simulated_mps`).
 

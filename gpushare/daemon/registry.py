@@ -3,7 +3,7 @@
 Every change is one transaction; a state change is checked against :data:`ALLOWED` inside the same
 transaction that writes it and the event that records it, so a crash never leaves a client half
 moved. A database that cannot be opened or fails SQLite's quick check is moved aside (never deleted)
-and a fresh one records an error event naming where the old one went (DESIGN D6).
+and a fresh one records an error event naming where the old one went (docs/design.md D6).
 """
 
 from __future__ import annotations

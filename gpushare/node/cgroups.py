@@ -1,6 +1,6 @@
 """Pausing and killing clients: the cgroup v2 freezer, or SIGSTOP/SIGCONT where there is none.
 
-This module owns cgroupfs. Layout (``reference/systemd-cgroups.md`` §5)::
+This module owns cgroupfs. Layout (``docs/cgroups.md``)::
 
     <base>/                  the daemon's subtree (its delegated unit cgroup, or <mount>/gpushare)
     <base>/daemon/           the daemon itself, when <base> is its own cgroup (no-internal-process rule)
@@ -11,7 +11,7 @@ so it is never hard-coded. Freezing is asynchronous in the kernel: :meth:`Cgroup
 :meth:`CgroupPauser.thaw` write ``cgroup.freeze`` and then wait, with a deadline, for
 ``cgroup.events`` to say ``frozen 1``/``frozen 0`` (woken by ``poll`` on the events file).
 
-Limit (DESIGN §2): a frozen client issues no new GPU work, but kernels it already queued still run.
+Limit (docs/design.md §2): a frozen client issues no new GPU work, but kernels it already queued still run.
 
 Where no writable cgroup v2 exists, :class:`SignalPauser` stops and continues the client's process
 group; :func:`make_pauser` picks one of the two and says why.

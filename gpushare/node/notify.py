@@ -1,4 +1,4 @@
-"""sd_notify in pure Python: readiness, status, watchdog (``reference/systemd-cgroups.md`` §1).
+"""sd_notify in pure Python: readiness, status, watchdog (``sd_notify(3)``).
 
 One datagram of newline-separated ``KEY=VALUE`` lines to the ``AF_UNIX``/``SOCK_DGRAM`` socket in
 ``$NOTIFY_SOCKET`` (a leading ``@`` names the abstract namespace). Without that variable the daemon

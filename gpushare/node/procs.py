@@ -1,12 +1,12 @@
 """Processes: spawning workloads as their submitter, identity across restarts, and exit noticing.
 
-This module owns ``/proc``, psutil, process spawning and uid switching (DESIGN §3, D9).
+This module owns ``/proc``, psutil, process spawning and uid switching (docs/design.md §3, D9).
 
 - :func:`spawn` runs an argv (never a shell) as a given uid/gid with that user's groups only, in a
   new session, entering the working directory as that user, stdin from ``/dev/null`` and
   stdout+stderr into a log file owned by the user.
 - :func:`process_start_time` and :func:`is_same_process` tell a live client from a recycled pid
-  when the daemon re-adopts clients after a restart (DESIGN D6).
+  when the daemon re-adopts clients after a restart (docs/design.md D6).
 - :func:`process_facts` reads what adoption rules match on (uid, cgroup, systemd unit, the
   ``GPUSHARE_*``/``CUDA_MPS_*`` environment) for processes gpushare did not start.
 - :class:`ExitWatcher` notices exits on its own thread through pidfds (``poll``, no busy loop):

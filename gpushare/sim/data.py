@@ -1,23 +1,32 @@
-"""The shared data directory: kernel profiles and arrival traces for the simulator.
+"""The simulator's data: kernel profiles and arrival traces, shipped in the package.
 
-The data is not part of the package (``../shared/data`` beside a clone, ``/work/shared/data`` on the
-development machines; ``$GPUSHARE_SIM_DATA`` overrides both). Scenario files name data files relative
-to that root. Loaded profiles and traces are cached per process because every policy run of a
-scenario reads the same files.
+Scenario files name data files relative to the package's data folder (``gpushare/data``, found with
+:mod:`importlib.resources`, so it works from a clone and from an installed wheel alike), e.g.
+``orion-v100-kernels/resnet50_4_fwd.csv``. ``$GPUSHARE_SIM_DATA`` names a folder of the user's own
+profiles and traces that is searched first; absolute paths are used as they are. A name may be
+stored compressed as ``NAME.gz``. The loaders read both the shipped (reduced) files and the
+upstream formats (``gpushare/data/README.md``). Loaded profiles and traces are cached per process
+because every policy run of a scenario reads the same files.
 """
 
 from __future__ import annotations
 
 import csv
 import functools
+import gzip
+import io
 import math
 import os
+import tarfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from importlib import resources
 from pathlib import Path
+from typing import TextIO
 
 DATA_ENV = "GPUSHARE_SIM_DATA"
-_FALLBACK = Path("/work/shared/data")
 
 #: SMs of the V100 the Orion and iGniter profiles were measured on.
 PROFILE_SM_COUNT = 80
@@ -33,32 +42,67 @@ class DataError(Exception):
     """A data file is missing or malformed; the message names the file and the fix."""
 
 
-def data_root() -> Path:
-    """The data directory: ``$GPUSHARE_SIM_DATA``, ``<repo>/../shared/data`` or ``/work/shared/data``.
+def package_dir(name: str) -> Path:
+    """A folder of files shipped in the package (``gpushare/<name>``)."""
+    root = resources.files("gpushare").joinpath(name)
+    # A regular install or a checkout gives a real directory; a zipped install is not supported
+    # (the loaders open files by path), and says so instead of failing on a missing file.
+    if not isinstance(root, Path):
+        raise DataError(f"gpushare's {name} folder is not a directory ({root}); install unzipped")
+    return root
+
+
+def package_root() -> Path:
+    """The data folder shipped in the package (``gpushare/data``)."""
+    return package_dir("data")
+
+
+def search_roots() -> list[Path]:
+    """Where relative data names are looked up, in order: ``$GPUSHARE_SIM_DATA``, the package.
 
     Raises:
-        DataError: none of them exists.
+        DataError: ``$GPUSHARE_SIM_DATA`` is set but is not a directory.
     """
+    roots: list[Path] = []
     env = os.environ.get(DATA_ENV)
     if env:
-        path = Path(env)
-        if not path.is_dir():
-            raise DataError(f"{DATA_ENV}={env} is not a directory; point it at the shared data")
-        return path
-    repo = Path(__file__).resolve().parents[2]
-    for candidate in (repo.parent / "shared" / "data", _FALLBACK):
-        if candidate.is_dir():
-            return candidate
-    raise DataError(
-        f"no simulator data found at {repo.parent / 'shared' / 'data'} or {_FALLBACK}; "
-        f"clone the shared data beside the repository or set {DATA_ENV}"
-    )
+        user = Path(env)
+        if not user.is_dir():
+            raise DataError(
+                f"{DATA_ENV}={env} is not a directory; point it at a folder of your own profiles "
+                f"and traces, or unset it to use the shipped data"
+            )
+        roots.append(user)
+    roots.append(package_root())
+    return roots
 
 
-def resolve(relative: str | Path) -> Path:
-    """A data file named relative to :func:`data_root` (absolute paths are kept)."""
-    path = Path(relative)
-    return path if path.is_absolute() else data_root() / path
+def resolve(name: str | Path) -> Path:
+    """The file a data name stands for: ``NAME`` or ``NAME.gz`` under the first root that has it.
+
+    Raises:
+        DataError: no root has the file; the message lists every path tried.
+    """
+    path = Path(name)
+    roots = [Path("/")] if path.is_absolute() else search_roots()
+    tried: list[Path] = []
+    for root in roots:
+        for candidate in (root / path, root / f"{path}.gz"):
+            if candidate.is_file():
+                return candidate
+            tried.append(candidate)
+    raise DataError(f"no such data file {str(name)!r} (tried {', '.join(map(str, tried))})")
+
+
+@contextmanager
+def open_text(path: Path) -> Iterator[TextIO]:
+    """Open a data file as text, decompressing a ``.gz`` file."""
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8", newline="") as fh:
+            yield fh
+    else:
+        with path.open(encoding="utf-8", newline="") as fh:
+            yield fh
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,16 +166,16 @@ def merge_kernels(
 def load_profile(
     relative: str, merge_us: float = DEFAULT_MERGE_US, sm_count: int = PROFILE_SM_COUNT
 ) -> KernelProfile:
-    """Load an Orion per-kernel profile (``Name,Profile,Memory_footprint,SM_usage,Duration``).
+    """Load an Orion per-kernel profile: its ``Profile``, ``SM_usage`` and ``Duration`` columns.
 
-    Widths are scaled from the V100's 80 SMs to ``sm_count``.
+    The upstream files' other columns (``Name``, ``Memory_footprint``) are not read. Widths are scaled from the V100's 80 SMs to ``sm_count``.
 
     Raises:
         DataError: the file is missing or a row is malformed.
     """
     path = resolve(relative)
     try:
-        with path.open(newline="") as fh:
+        with open_text(path) as fh:
             reader = csv.DictReader(fh)
             rows: list[tuple[float, int, float]] = []
             for lineno, row in enumerate(reader, start=2):
@@ -148,11 +192,11 @@ def load_profile(
                 width = max(1, round(min(blocks, PROFILE_SM_COUNT) * sm_count / PROFILE_SM_COUNT))
                 if d_us > 0:
                     rows.append((d_us, width, mem))
-    except OSError as exc:
-        raise DataError(f"cannot read kernel profile {path}: {exc.strerror or exc}") from exc
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise DataError(f"cannot read kernel profile {path}: {_why(exc)}") from exc
     if not rows:
         raise DataError(f"kernel profile {path} has no kernels")
-    return merge_kernels(rows, merge_us, path.stem, sm_count)
+    return merge_kernels(rows, merge_us, path.name.split(".")[0], sm_count)
 
 
 @functools.lru_cache(maxsize=16)
@@ -165,7 +209,7 @@ def load_azure_arrivals(relative: str) -> tuple[float, ...]:
     path = resolve(relative)
     times: list[float] = []
     try:
-        with path.open(newline="") as fh:
+        with open_text(path) as fh:
             for lineno, row in enumerate(csv.DictReader(fh), start=2):
                 stamp = row.get("TIMESTAMP", "")
                 try:
@@ -175,8 +219,8 @@ def load_azure_arrivals(relative: str) -> tuple[float, ...]:
                     times.append(t + float("0." + (frac or "0")))
                 except ValueError as exc:
                     raise DataError(f"{path}:{lineno}: bad TIMESTAMP {stamp!r}") from exc
-    except OSError as exc:
-        raise DataError(f"cannot read arrival trace {path}: {exc.strerror or exc}") from exc
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise DataError(f"cannot read arrival trace {path}: {_why(exc)}") from exc
     if not times:
         raise DataError(f"arrival trace {path} has no rows")
     times.sort()
@@ -186,35 +230,51 @@ def load_azure_arrivals(relative: str) -> tuple[float, ...]:
 
 @functools.lru_cache(maxsize=16)
 def load_genai_qps(relative: str) -> tuple[float, ...]:
-    """Per-minute total QPS of the Alibaba GenAI service (``qps.csv`` inside ``qps.tar.gz``).
+    """Per-minute total QPS of the Alibaba GenAI service, from the first minute to the last.
+
+    Reads the shipped ``qps_per_minute.csv`` (``minute,qps``) or the upstream ``qps.tar.gz``
+    (``qps.csv`` inside: ``timestamp_anon,value`` per container, summed here per minute).
 
     Raises:
-        DataError: the archive is missing or malformed.
+        DataError: the file is missing or malformed.
     """
-    import io
-    import tarfile
-
     path = resolve(relative)
     per_minute: dict[int, float] = {}
     try:
-        with tarfile.open(path) as tar:
-            member = next((m for m in tar.getmembers() if m.name.endswith(".csv")), None)
-            extracted = tar.extractfile(member) if member else None
-            if extracted is None:
-                raise DataError(f"{path}: no CSV inside the archive")
-            text = io.TextIOWrapper(extracted, encoding="utf-8")
-            for lineno, row in enumerate(csv.DictReader(text), start=2):
-                try:
-                    minute = int(float(row["timestamp_anon"]) // 60)
-                    per_minute[minute] = per_minute.get(minute, 0.0) + float(row["value"])
-                except (KeyError, ValueError) as exc:
-                    raise DataError(f"{path}:{lineno}: bad timestamp_anon/value ({exc})") from exc
-    except (OSError, tarfile.TarError) as exc:
-        raise DataError(f"cannot read QPS archive {path}: {exc}") from exc
+        if path.name.endswith((".tar.gz", ".tgz")):
+            _read_genai_archive(path, per_minute)
+        else:
+            with open_text(path) as fh:
+                for lineno, row in enumerate(csv.DictReader(fh), start=2):
+                    try:
+                        per_minute[int(row["minute"])] = float(row["qps"])
+                    except (KeyError, TypeError, ValueError) as exc:
+                        raise DataError(f"{path}:{lineno}: bad minute/qps ({exc})") from exc
+    except (OSError, UnicodeDecodeError, EOFError, tarfile.TarError) as exc:
+        raise DataError(f"cannot read QPS series {path}: {_why(exc)}") from exc
     if not per_minute:
-        raise DataError(f"QPS archive {path} has no rows")
+        raise DataError(f"QPS series {path} has no rows")
     first, last = min(per_minute), max(per_minute)
     return tuple(per_minute.get(m, 0.0) for m in range(first, last + 1))
+
+
+def _read_genai_archive(path: Path, per_minute: dict[int, float]) -> None:
+    with tarfile.open(path) as tar:
+        member = next((m for m in tar.getmembers() if m.name.endswith(".csv")), None)
+        extracted = tar.extractfile(member) if member else None
+        if extracted is None:
+            raise DataError(f"{path}: no CSV inside the archive")
+        text = io.TextIOWrapper(extracted, encoding="utf-8")
+        for lineno, row in enumerate(csv.DictReader(text), start=2):
+            try:
+                minute = int(float(row["timestamp_anon"]) // 60)
+                per_minute[minute] = per_minute.get(minute, 0.0) + float(row["value"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise DataError(f"{path}:{lineno}: bad timestamp_anon/value ({exc})") from exc
+
+
+def _why(exc: BaseException) -> str:
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +296,7 @@ def load_alibaba_pods(relative: str) -> tuple[PodShare, ...]:
     path = resolve(relative)
     pods: list[PodShare] = []
     try:
-        with path.open(newline="") as fh:
+        with open_text(path) as fh:
             for lineno, row in enumerate(csv.DictReader(fh), start=2):
                 try:
                     num_gpu = int(row["num_gpu"])
@@ -245,8 +305,8 @@ def load_alibaba_pods(relative: str) -> tuple[PodShare, ...]:
                     raise DataError(f"{path}:{lineno}: bad num_gpu/gpu_milli ({exc})") from exc
                 if num_gpu == 1 and 0 < milli < 1000 and row.get("qos") in ("LS", "BE"):
                     pods.append(PodShare(row["name"], row["qos"], milli))
-    except OSError as exc:
-        raise DataError(f"cannot read pod list {path}: {exc.strerror or exc}") from exc
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise DataError(f"cannot read pod list {path}: {_why(exc)}") from exc
     if not pods:
         raise DataError(f"pod list {path} has no fractional single-GPU LS/BE pods")
     return tuple(pods)

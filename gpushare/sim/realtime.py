@@ -1,6 +1,6 @@
 """The simulated node in real time, with clients added and removed as they come and go.
 
-This is the piece a daemon's simulated mode (DESIGN D10: "the daemon's ``--simulate`` mode runs
+This is the piece a daemon's simulated mode (docs/design.md D10: "the daemon's ``--simulate`` mode runs
 the same simulated node in real time") needs: :class:`RealTimeSimNode` owns a
 :class:`gpushare.sim.runner.SimNode` whose virtual clock follows a wall clock, lets clients be
 added by a named simulated profile (``--sim-profile resnet50-train``, ``--sim-profile
@@ -67,7 +67,7 @@ class SimWorkload:
     burst: tuple[float, float, float] | None = None
 
     def validate(self, cls: ClientClass) -> None:
-        """Check the profile exists, fits the client's class, and has a rate when online.
+        """Check the profile exists and is readable, fits the client's class, has a rate when online.
 
         Raises:
             SimProfileError: the message lists the valid profiles or says what is missing.
@@ -87,6 +87,13 @@ class SimWorkload:
             self.burst[0] < 0 or self.burst[1] <= 0 or self.burst[2] <= 0
         ):
             raise SimProfileError("--sim-burst is AT_S:FOR_S:FACTOR with positive numbers")
+        try:
+            data.load_profile(entry[1])
+        except data.DataError as exc:
+            raise SimProfileError(
+                f"--sim-profile {self.profile}: {exc} (reinstall gpushare, or set "
+                f"{data.DATA_ENV} to a folder that has {entry[1]})"
+            ) from exc
 
 
 def workload_from_env(env: Mapping[str, str]) -> SimWorkload | None:

@@ -1,6 +1,6 @@
 """Summaries of simulation runs: rows, a text table, a Markdown table, JSON and plots.
 
-Metric definitions (the Tally evaluation's, ``reference/prior-art.md``):
+Metric definitions (the Tally evaluation's, Tally's, ``docs/sources.md``):
 
 * **p99 overhead**: an online service's p99 under the policy over its p99 running alone (the same
   arrivals with no offline work), minus one. With several services, the worst one is shown.

@@ -3,8 +3,8 @@
 A scenario names a node (GPUs), online services (a forward-pass profile and an arrival process),
 offline jobs (a training-iteration profile) and optional overrides of gpushare's ``[control]``,
 ``[probe]`` and ``[latency]`` tables (same keys as ``gpushare.toml``). Data files are named relative
-to the shared data root (:func:`gpushare.sim.data.data_root`). Every bad value raises
-:class:`ScenarioError` naming the file, the key and the fix. See ``examples/scenarios/README.md``.
+to gpushare's data folder (:func:`gpushare.sim.data.resolve`). Every bad value raises
+:class:`ScenarioError` naming the file, the key and the fix. See ``gpushare/scenarios/README.md``.
 """
 
 from __future__ import annotations
@@ -106,13 +106,45 @@ class Scenario:
     config: gconfig.Config
 
 
-def load(path: Path | str) -> Scenario:
-    """Read and validate a scenario file.
+def shipped_dir() -> Path:
+    """The scenarios shipped in the package (``gpushare/scenarios``)."""
+    return data.package_dir("scenarios")
+
+
+def shipped() -> list[str]:
+    """Names of the shipped scenarios (``demo``, ``pairs/bert_2_fwd+bert_8_fb1``, ...)."""
+    root = shipped_dir()
+    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.toml"))
+
+
+def find(name: Path | str) -> Path:
+    """A scenario file: the path itself when it is a file, else the shipped scenario so named.
 
     Raises:
-        ScenarioError: unreadable file, bad TOML, or a bad key or value.
+        ScenarioError: neither exists.
     """
-    path = Path(path)
+    path = Path(name)
+    if path.is_file():
+        return path
+    if not path.is_absolute() and ".." not in path.parts:
+        root = shipped_dir()
+        for candidate in (root / path, root / f"{path}.toml"):
+            if candidate.is_file():
+                return candidate
+    raise ScenarioError(
+        name,
+        "",
+        "no such file, and no shipped scenario of that name (`gpushare sim --list` lists them)",
+    )
+
+
+def load(path: Path | str) -> Scenario:
+    """Read and validate a scenario file (a path, or the name of a shipped scenario).
+
+    Raises:
+        ScenarioError: no such file, unreadable file, bad TOML, or a bad key or value.
+    """
+    path = find(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -419,12 +451,11 @@ class _Reader:
 
     def data_file(self, key: str, relative: str) -> Path:
         try:
-            path = data.resolve(relative)
+            return data.resolve(relative)
         except data.DataError as exc:
-            raise self.err(key, str(exc)) from exc
-        if not path.is_file():
-            raise self.err(key, f"no such data file {path} (names are relative to the data root)")
-        return path
+            raise self.err(
+                key, f"{exc}; names are relative to gpushare's data folder or ${data.DATA_ENV}"
+            ) from exc
 
     def profile(self, t: Mapping[str, Any], p: str, merge_us: float, sm_count: int) -> str:
         rel = self.string(t, p, "profile", required=True)

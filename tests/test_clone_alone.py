@@ -1,0 +1,182 @@
+"""The repository works on its own: a copy with nothing beside it, and the wheel in a fresh venv.
+
+A user who clones the repository has no data folder beside it, and `pip install gpushare` has
+nothing but the wheel: the simulator must find its profiles, traces and scenarios inside the
+package. Both tests run the real CLI in a child process, so nothing of this process's state leaks in.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NETWORK_ERRORS = (
+    "NewConnectionError",
+    "Temporary failure in name resolution",
+    "Network is unreachable",
+    "ConnectTimeoutError",
+)
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("GPUSHARE_", "PYTHON", "VIRTUAL_ENV"))
+    }
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The repository's files (tracked, and new ones git does not ignore) copied with nothing beside."""
+    git = shutil.which("git")
+    if git is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: which files belong to the repository is unknown")
+    names = subprocess.run(
+        [git, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    root = tmp_path_factory.mktemp("alone") / "gpushare"
+    for raw in names:
+        if not raw:
+            continue
+        src = REPO / os.fsdecode(raw)
+        if src.is_file():  # a file deleted in the working tree is still listed as tracked
+            dst = root / os.fsdecode(raw)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    assert not (root.parent / "shared").exists()
+    return root
+
+
+def _run(
+    argv: list[str | Path], cwd: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_copy_of_the_repository_alone_runs_scenarios(alone: Path, tmp_path: Path) -> None:
+    env = _clean_env(PYTHONPATH=str(alone))
+    where = _run(
+        [
+            sys.executable,
+            "-c",
+            "import gpushare; from gpushare.sim import data;"
+            "print(gpushare.__file__); print(data.resolve('orion-v100-kernels/bert_2_fwd.csv'))",
+        ],
+        alone,
+        env,
+    )
+    assert where.returncode == 0, where.stderr
+    module, profile = where.stdout.split()
+    assert Path(module).is_relative_to(alone) and Path(profile).is_relative_to(alone)
+    # A shipped scenario by name, and a scenario file by path that replays a trace.
+    done = _run(
+        [
+            sys.executable,
+            "-m",
+            "gpushare",
+            "sim",
+            "pairs/bert_2_fwd+resnet50_32_fb1",
+            alone / "gpushare" / "scenarios" / "azure-bursty.toml",
+            "--policy",
+            "gpushare",
+            "--duration",
+            "3",
+            "--no-progress",
+            "--out",
+            tmp_path,
+        ],
+        alone,
+        env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "pair-bert_2_fwd+resnet50_32_fb1.json").is_file()
+    assert (tmp_path / "azure-bursty.json").is_file()
+
+
+def test_the_wheel_installed_in_a_fresh_venv_runs_a_shipped_scenario(
+    alone: Path, tmp_path: Path
+) -> None:
+    wheels = tmp_path / "wheels"
+    built = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-cache-dir",
+            "-q",
+            "-w",
+            wheels,
+            alone,
+        ],
+        tmp_path,
+        _clean_env(),
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = wheels.glob("gpushare-*.whl")
+    target = tmp_path / "venv"
+    try:
+        venv.create(target, with_pip=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"this Python cannot create a virtual environment with pip: {exc}")
+    installed = _run(
+        [target / "bin" / "python", "-m", "pip", "install", "-q", wheel], tmp_path, _clean_env()
+    )
+    if installed.returncode != 0 and any(e in installed.stderr for e in NETWORK_ERRORS):
+        pytest.skip("PyPI is not reachable: the wheel's dependencies cannot be installed")
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    ran = _run(
+        [
+            target / "bin" / "gpushare",
+            "sim",
+            "demo",
+            "--policy",
+            "gpushare",
+            "--duration",
+            "3",
+            "--no-progress",
+            "--out",
+            outside / "out",
+        ],
+        outside,
+        _clean_env(),
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert (outside / "out" / "demo.json").is_file()
+    listed = _run([target / "bin" / "gpushare", "sim", "--list"], outside, _clean_env())
+    assert "pairs/resnet50_4_fwd+resnet50_32_fb1" in listed.stdout
+    where = _run(
+        [target / "bin" / "python", "-c", "import gpushare; print(gpushare.__file__)"],
+        outside,
+        _clean_env(),
+    )
+    assert Path(where.stdout.strip()).is_relative_to(target)
+    # The files `gpushare install` writes travel in the wheel too.
+    root = tmp_path / "root"
+    root.mkdir()
+    dry = _run(
+        [target / "bin" / "gpushare", "install", "--root", root, "--dry-run", "--no-systemd"],
+        outside,
+        _clean_env(),
+    )
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "would create  /etc/gpushare/gpushare.toml" in dry.stdout
