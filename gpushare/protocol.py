@@ -40,6 +40,8 @@ SUBMIT = "submit"
 CANCEL = "cancel"
 PAUSE = "pause"
 RESUME = "resume"
+ADOPT = "adopt"
+RELEASE = "release"
 
 READ_METHODS = frozenset({HELLO, STATUS, LIST, EVENTS})
 """Methods anyone may call; the others are checked against the caller's rights."""
@@ -159,6 +161,44 @@ class SubmitRequest:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     latency_from: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptRequest:
+    """``adopt``: make the processes of one scheduler job clients, now and as they start.
+
+    A scheduler's prolog sends it once per job and node, before the job's tasks run
+    (``gpushare.slurm``). The daemon keeps it as an adoption rule scoped to the job: processes of
+    ``uid`` whose environment matches every glob of ``match_env`` become clients of class ``cls``,
+    ``pids`` at once, the others as they appear, until a ``release`` with the same ``source`` and
+    ``job``. A second ``adopt`` for the same pair replaces the first. Root may register any uid's
+    job in any class; any other caller only its own processes (``uid`` equal to its own), which is
+    its owner asking. Sizes are bytes, durations milliseconds, as in :class:`SubmitRequest`.
+    """
+
+    source: str
+    job: str
+    uid: int
+    cls: str
+    match_env: dict[str, str] = field(default_factory=dict)
+    pids: list[int] = field(default_factory=list)
+    slo_p99_ms: float | None = None
+    sm_pct: float | None = None
+    mem_bytes: int | None = None
+    gpu: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseRequest:
+    """``release``: end an ``adopt`` registration: drop its rule and forget its clients.
+
+    The scheduler has ended the job's processes by then (an epilog runs after the job); anything of
+    the job still running is released from gpushare's control (thawed), not killed. Releasing a
+    job that was never registered is not an error: an epilog runs for every job.
+    """
+
+    source: str
+    job: str
 
 
 # Results.

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpushare import mpsenv
-from gpushare.cli import env_cmd
+from gpushare.cli import envresolve as env_cmd
 from gpushare.cli.app import app
 from gpushare.model import ClientClass
 from tests.daemon_helpers import DaemonProc

@@ -38,6 +38,14 @@ install_cmd.register(app)
 app.command("sim")(sim_cmd.sim)
 
 
+@app.command("slurm", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def _slurm(ctx: typer.Context) -> None:
+    """Slurm's Prolog, TaskProlog and Epilog: gpushare slurm prolog|task-prolog|epilog."""
+    from gpushare.slurm import main as slurm_main
+
+    raise typer.Exit(slurm_main(ctx.args))
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"gpushare {__version__}")

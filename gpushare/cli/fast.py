@@ -5,6 +5,7 @@ Typer's and Pydantic's imports and per-parameter adapters (about 0.3 s), so the 
 (``status [--json] [--gpu G] [--socket S]``) are answered here with the standard library and the
 API client only. Anything else, including ``--help`` and any form this parser does not know, goes
 to the Typer application unchanged, which stays the reference for options and messages.
+``gpushare slurm ...`` (Slurm's Prolog, TaskProlog and Epilog) is always answered here.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def run_status(opts: dict[str, str | bool]) -> int:
 def main() -> None:
     """Console-script entry point: the fast path when it applies, else the Typer application."""
     args = sys.argv[1:]
+    if args[:1] == ["slurm"]:
+        # Slurm runs the TaskProlog before every task: argparse, no Typer.
+        from gpushare.slurm import main as slurm_main
+
+        raise SystemExit(slurm_main(args[1:]))
     if args[:1] == ["status"]:
         opts = _parse_status(args[1:])
         if opts is not None:

@@ -1,0 +1,289 @@
+"""Slurm: the Prolog, TaskProlog and Epilog that make a job's tasks gpushare clients.
+
+A job declares its class in its comment (``docs/slurm.md``)::
+
+    sbatch --comment gpushare=offline job.sh
+    srun --comment gpushare=online,slo-p99=40ms,sm=60,mem=20G serve.sh
+
+The one word of the comment that starts with ``gpushare=`` is gpushare's; the rest of the comment
+is left to the site. The three scripts, run by Slurm (``deploy/slurm/``):
+
+- **Prolog** (slurmd, root, once per job and node, before its first task): validates the
+  declaration, writes it to ``<runtime_dir>/slurm/job-<id>.json`` for the TaskProlog, and
+  registers the job with the daemon (an ``adopt`` request: the job owner's processes whose
+  environment has ``SLURM_JOB_ID=<id>``). It never fails: a failing Prolog drains the node, and
+  a user's typo must not do that. A bad declaration is recorded and fails the job's tasks instead.
+- **TaskProlog** (slurmstepd, as the job's user, before each task): prints the ``export`` and
+  ``unset`` lines Slurm applies to the task (``gpushare env --format slurm``: MPS limits, the pipe
+  directory of the task's GPU, the class marker). For a bad declaration it prints the reason to the
+  job's output and exits 1, which fails the task before it runs.
+- **Epilog** (slurmd, root, after the job): ``release`` the registration, remove the job file.
+
+Run as ``gpushare slurm prolog|task-prolog|epilog`` (answered without Typer, see
+:mod:`gpushare.cli.fast`: a TaskProlog runs before every task).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from gpushare import config, mpsenv, protocol
+from gpushare.cli import envresolve
+from gpushare.model import ClientClass
+from gpushare.units import parse_duration, parse_size
+
+COMMENT_KEY = "gpushare"
+SOURCE = "slurm"
+JOB_DIR = "slurm"
+REQUEST_TIMEOUT_S = 5.0
+_OPTIONS = {"slo-p99", "sm", "mem"}
+_EXAMPLE = "--comment gpushare=offline (or gpushare=online,slo-p99=40ms,sm=60,mem=20G)"
+
+
+@dataclass(frozen=True, slots=True)
+class JobClass:
+    """What a job declared: its class and the limits its tasks start with."""
+
+    cls: ClientClass
+    slo_p99_s: float | None = None
+    sm_pct: float | None = None
+    mem_bytes: int | None = None
+
+
+def parse_comment(comment: str | None) -> JobClass | None:
+    """The declaration in a job's comment; ``None`` when the comment has none.
+
+    Raises:
+        ValueError: a declaration gpushare cannot use; the message names the fix.
+    """
+    words = [w for w in (comment or "").split() if w.startswith(f"{COMMENT_KEY}=")]
+    if not words:
+        return None
+    if len(words) > 1:
+        raise ValueError(f"the comment declares gpushare twice ({' '.join(words)}); keep one")
+    first, *rest = words[0].removeprefix(f"{COMMENT_KEY}=").split(",")
+    try:
+        cls = ClientClass(first)
+    except ValueError:
+        raise ValueError(f"{first!r} is not a gpushare class: use {_EXAMPLE}") from None
+    opts: dict[str, str] = {}
+    for item in rest:
+        key, eq, value = item.partition("=")
+        if not eq or key not in _OPTIONS:
+            raise ValueError(
+                f"{item!r} in the comment is not one of slo-p99=, sm=, mem=: {_EXAMPLE}"
+            )
+        opts[key] = value
+    try:
+        slo = parse_duration(opts["slo-p99"]) if "slo-p99" in opts else None
+        sm = float(opts["sm"]) if "sm" in opts else None
+        mem = parse_size(opts["mem"]) if "mem" in opts else None
+    except ValueError as exc:
+        raise ValueError(f"in the comment's {words[0]!r}: {exc}") from None
+    try:
+        mpsenv.check_limits(cls, sm, mem, slo)
+    except ValueError as exc:
+        raise ValueError(f"in the comment's {words[0]!r}: {exc}") from None
+    return JobClass(cls, slo, sm, mem)
+
+
+def job_file(cfg: config.Config, job_id: str) -> Path:
+    """Where the Prolog leaves a job's declaration for its TaskProlog."""
+    return cfg.paths.runtime_dir / JOB_DIR / f"job-{job_id}.json"
+
+
+def _job_id(env: Mapping[str, str]) -> str:
+    job = env.get("SLURM_JOB_ID", "")
+    if not job.isdigit():
+        raise ValueError(f"SLURM_JOB_ID={job!r}: not run by Slurm for a job?")
+    return job
+
+
+def adopt_request(job: str, uid: int, declared: JobClass) -> dict[str, Any]:
+    """The ``adopt`` parameters that register a job's processes (:class:`protocol.AdoptRequest`)."""
+    req = protocol.AdoptRequest(
+        source=SOURCE, job=job, uid=uid, cls=declared.cls.value,
+        match_env={"SLURM_JOB_ID": job},
+        slo_p99_ms=declared.slo_p99_s * 1000 if declared.slo_p99_s is not None else None,
+        sm_pct=declared.sm_pct, mem_bytes=declared.mem_bytes,
+    )  # fmt: skip
+    return protocol.as_dict(req)
+
+
+Send = Callable[[str, dict[str, Any]], str | None]
+"""Sends one request to the daemon; returns why it failed, or ``None``."""
+
+
+def daemon_sender(cfg: config.Config) -> Send:
+    """A :data:`Send` over the daemon's API socket, with a short timeout."""
+
+    def send(method: str, params: dict[str, Any]) -> str | None:
+        from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
+
+        sock = cfg.paths.resolved("socket")
+        try:
+            with ApiClient.connect(sock, timeout_s=REQUEST_TIMEOUT_S, name="slurm") as api:
+                api.call(method, params)
+        except (DaemonUnreachableError, ApiError, OSError) as exc:
+            return f"{method} to {sock}: {exc}"
+        return None
+
+    return send
+
+
+def prolog(env: Mapping[str, str], cfg: config.Config, send: Send, log: TextIO) -> int:
+    """Record and register a job's declaration; always 0 (a failing Prolog drains the node)."""
+    try:
+        job = _job_id(env)
+        uid = int(env.get("SLURM_JOB_UID", ""))
+    except ValueError as exc:
+        print(f"gpushare prolog: {exc}", file=log)
+        return 0
+    try:
+        declared = parse_comment(env.get("SLURM_JOB_COMMENT"))
+    except ValueError as exc:
+        record: dict[str, Any] = {"job": job, "uid": uid, "error": str(exc)}
+        print(f"gpushare prolog: job {job}: {exc}; its tasks will fail with this message", file=log)
+        _write_job(cfg, job, record, log)
+        return 0
+    if declared is None:
+        return 0
+    record = {"job": job, "uid": uid, **asdict(declared), "cls": declared.cls.value}
+    _write_job(cfg, job, record, log)
+    failed = send(protocol.ADOPT, adopt_request(job, uid, declared))
+    if failed is not None:
+        # The tasks still start with the MPS environment; the marker rule adopts them once the
+        # daemon answers.
+        print(f"gpushare prolog: job {job}: not registered: {failed}", file=log)
+    return 0
+
+
+def _write_job(cfg: config.Config, job: str, record: dict[str, Any], log: TextIO) -> None:
+    target = job_file(cfg, job)
+    try:
+        target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(json.dumps(record) + "\n")
+        tmp.chmod(0o644)  # read by the TaskProlog, which runs as the job's user
+        os.replace(tmp, target)
+    except OSError as exc:
+        print(f"gpushare prolog: job {job}: cannot write {target}: {exc}", file=log)
+
+
+def task_prolog(
+    env: Mapping[str, str],
+    cfg: config.Config,
+    out: TextIO,
+    sources: Sequence[Callable[[], list[envresolve.Gpu] | str]] | None = None,
+) -> int:
+    """Print the task's ``export``/``unset`` lines; 1 (the task fails) for a bad declaration."""
+
+    def fail(message: str) -> int:
+        out.write(f"print gpushare: {message}\n")
+        return 1
+
+    try:
+        job = _job_id(env)
+    except ValueError as exc:
+        return fail(str(exc))
+    try:
+        record = json.loads(job_file(cfg, job).read_text())
+    except FileNotFoundError:
+        return 0  # not a gpushare job
+    except (OSError, ValueError) as exc:
+        return fail(f"job {job}: cannot read {job_file(cfg, job)}: {exc}")
+    if "error" in record:
+        return fail(f"job {job} not started: {record['error']}")
+    declared = JobClass(ClientClass(record["cls"]), record["slo_p99_s"], record["sm_pct"],
+                        record["mem_bytes"])  # fmt: skip
+    try:
+        key = task_gpu(env)
+        _index, uuid = envresolve.resolve_gpu(key, sources or envresolve.gpu_sources(cfg))
+    except (ValueError, envresolve.GpuLookupError) as exc:
+        return fail(f"job {job}: {exc}")
+    variables = envresolve.workload_env(cfg, declared.cls, uuid, sm_pct=declared.sm_pct,
+                                        mem_bytes=declared.mem_bytes, slo_p99_s=declared.slo_p99_s)  # fmt: skip
+    try:
+        out.write(mpsenv.render(variables, "slurm", envresolve.UNSET))
+    except ValueError as exc:
+        return fail(f"job {job}: {exc}")
+    return 0
+
+
+def task_gpu(env: Mapping[str, str]) -> str | None:
+    """The one GPU a task runs on (an index or a UUID), or ``None`` when Slurm gave it none.
+
+    ``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS`` hold the node's own indices; ``CUDA_VISIBLE_DEVICES``
+    may be renumbered from 0 (``ConstrainDevices=yes``), or set per task (``--gpus-per-task``).
+
+    Raises:
+        ValueError: the task sees several GPUs; an MPS client uses one GPU's control daemon.
+    """
+    step = [
+        g for g in (env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS") or "").split(",") if g
+    ]
+    visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    if len(visible) > 1 or (not visible and len(step) > 1):
+        seen = ",".join(visible or step)
+        raise ValueError(
+            f"the task sees GPUs {seen}; a gpushare client runs on one GPU: give each task one "
+            "(--gpus-per-task=1) or drop the gpushare= comment"
+        )
+    if visible and (visible[0].startswith(("GPU-", "MIG-")) or len(step) != 1):
+        if len(step) > 1 and visible[0] not in step:
+            raise ValueError(
+                f"CUDA_VISIBLE_DEVICES={visible[0]} is not one of the step's GPUs {step}"
+            )
+        return visible[0]
+    return step[0] if step else None
+
+
+def epilog(env: Mapping[str, str], cfg: config.Config, send: Send, log: TextIO) -> int:
+    """Release a job's registration and remove its file; always 0."""
+    try:
+        job = _job_id(env)
+    except ValueError as exc:
+        print(f"gpushare epilog: {exc}", file=log)
+        return 0
+    target = job_file(cfg, job)
+    if not target.exists():
+        return 0
+    with contextlib.suppress(FileNotFoundError):
+        target.unlink()
+    failed = send(protocol.RELEASE, protocol.as_dict(protocol.ReleaseRequest(SOURCE, job)))
+    if failed is not None:
+        print(f"gpushare epilog: job {job}: not released: {failed}", file=log)
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """``gpushare slurm prolog|task-prolog|epilog [--config FILE]``."""
+    parser = argparse.ArgumentParser(prog="gpushare slurm", description=__doc__.split("\n")[0])
+    parser.add_argument("script", choices=["prolog", "task-prolog", "epilog"])
+    parser.add_argument("--config", type=Path, default=None, help="config file")
+    args = parser.parse_args(argv)
+    try:
+        cfg = envresolve.load_config(args.config)
+    except config.ConfigError as exc:
+        if args.script == "task-prolog":
+            print(f"print gpushare: {exc}")
+            return 1
+        print(f"gpushare {args.script}: {exc}", file=sys.stderr)
+        return 0
+    env = dict(os.environ)
+    if args.script == "task-prolog":
+        return task_prolog(env, cfg, sys.stdout)
+    run = prolog if args.script == "prolog" else epilog
+    try:
+        return run(env, cfg, daemon_sender(cfg), sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - a failing Prolog/Epilog drains the node: never fail
+        print(f"gpushare {args.script}: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 0

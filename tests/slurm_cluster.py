@@ -1,0 +1,198 @@
+"""A real single-node Slurm (munged, slurmctld, slurmd from the distribution) under a temp directory.
+
+Started once per test module; it needs root (Slurm's daemons switch to the job's user) and the
+binaries that ``scripts/get-slurm.sh`` installs. Everything runs in the foreground as this
+process's children, with its own munge socket, ports, state and spool directories, so it neither
+needs nor touches a system Slurm. :meth:`SlurmCluster.stop` ends every process that carries this
+cluster's ``SLURM_CONF`` (daemons, job step daemons, tasks) and removes the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpushare.node import procs
+
+NODE = "gstest"
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo")
+
+
+def skip_reason() -> str | None:
+    """Why this machine cannot run the cluster, or ``None``."""
+    if os.geteuid() != 0:
+        return "Slurm's daemons must run as root to start jobs (run the suite as root)"
+    missing = [
+        b
+        for b in BINARIES
+        if shutil.which(b, path=os.environ.get("PATH", "") + ":/usr/sbin") is None
+    ]
+    if missing:
+        return f"{', '.join(missing)} not installed: scripts/get-slurm.sh installs them (root, apt-get)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class SlurmCluster:
+    """A running cluster and the commands that talk to it."""
+
+    base: Path
+    conf: Path
+    daemons: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def run(
+        self, *argv: str, user: str | None = None, timeout_s: float = 60, **env: str
+    ) -> subprocess.CompletedProcess[str]:
+        """A Slurm command, as ``user`` when given, with ``env`` added to its environment."""
+        cmd = ["runuser", "-u", user, "--", *argv] if user else list(argv)
+        return subprocess.run(cmd, env={**self.env, **env}, capture_output=True, text=True,
+                              timeout=timeout_s, check=False, cwd="/tmp")  # fmt: skip
+
+    def job(self, job_id: str) -> dict[str, str]:
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        return dict(w.split("=", 1) for w in out.split() if "=" in w)
+
+    def wait_job(
+        self, job_id: str, states: tuple[str, ...], timeout_s: float = 60
+    ) -> dict[str, str]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            assert time.monotonic() < deadline, f"job {job_id} never reached {states}: {info}"
+            time.sleep(0.1)
+
+    def node_state(self) -> str:
+        return self.run("sinfo", "-h", "-n", NODE, "-o", "%T").stdout.strip()
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.run("scancel", "--full", "--quiet", "-w", NODE, timeout_s=20)
+        for proc in reversed(self.daemons):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.daemons:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        # slurmstepd and the tasks are no children of ours; they carry this cluster's SLURM_CONF.
+        for pid in procs.all_pids():
+            with contextlib.suppress(PermissionError):
+                if (procs.read_environ(pid, ["SLURM_CONF"]) or {}).get("SLURM_CONF") == str(
+                    self.conf
+                ):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def start(*, prolog: Path, task_prolog: Path, epilog: Path, cpus: int = 8) -> SlurmCluster:
+    """Start munged, slurmctld and slurmd; return once the node is idle.
+
+    Raises:
+        AssertionError: a daemon exited or the node did not come up; the logs are in the message.
+    """
+    base = Path(tempfile.mkdtemp(prefix="gsl-", dir="/tmp"))  # short: Unix socket path limit
+    base.chmod(0o755)
+    for sub in ("munge", "sock", "state", "spool", "log"):
+        (base / sub).mkdir()
+    (base / "munge").chmod(0o700)
+    (base / "sock").chmod(0o755)
+    key = base / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    sock = base / "sock" / "munge"
+    conf = base / "slurm.conf"
+    conf.write_text(
+        f"""ClusterName=gpushare-test
+SlurmctldHost=localhost
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+AuthType=auth/munge
+AuthInfo=socket={sock}
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={base}/state
+SlurmdSpoolDir={base}/spool
+SlurmctldPidFile={base}/slurmctld.pid
+SlurmdPidFile={base}/slurmd.pid
+SlurmctldLogFile={base}/log/slurmctld.log
+SlurmdLogFile={base}/log/slurmd.log
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+KillWait=2
+Prolog={prolog}
+TaskProlog={task_prolog}
+Epilog={epilog}
+NodeName={NODE} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
+"""
+    )
+    cluster = SlurmCluster(base, conf)
+    env = cluster.env
+    logs = [base / "log" / n for n in ("munged.log", "slurmctld.log", "slurmd.log")]
+    argvs = [
+        ["munged", "-F", f"--socket={sock}", f"--key-file={key}", f"--pid-file={base}/munge/pid",
+         f"--log-file={logs[0]}", f"--seed-file={base}/munge/seed"],
+        ["slurmctld", "-D", "-i"],
+        ["slurmd", "-D", "-N", NODE],
+    ]  # fmt: skip
+    try:
+        for argv in argvs:
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
+                                    stderr=(base / "log" / f"{argv[0]}.stderr").open("wb"))  # fmt: skip
+            cluster.daemons.append(proc)
+            if argv[0] == "munged":
+                _wait(lambda: sock.exists(), cluster, logs, "munged's socket")
+        _wait(lambda: cluster.node_state() == "idle", cluster, logs, "the node to be idle")
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _wait(
+    ready: object, cluster: SlurmCluster, logs: list[Path], what: str, timeout_s: float = 30
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():  # type: ignore[operator]
+        dead = [p.args[0] for p in cluster.daemons if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            tails = {
+                p.name: p.read_text()[-1500:]
+                for p in [*logs, *cluster.base.joinpath("log").glob("*.stderr")]
+                if p.exists()
+            }
+            raise AssertionError(f"waiting for {what}: exited {dead}; logs {tails}")
+        time.sleep(0.1)

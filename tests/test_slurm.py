@@ -1,0 +1,355 @@
+"""Slurm: the job declaration, and the Prolog/TaskProlog/Epilog run by a real single-node Slurm.
+
+The cluster (tests/slurm_cluster.py) runs the scripts of deploy/slurm/ with only the path of the
+gpushare command changed. The daemon side of ``adopt``/``release`` is not built yet (issue 16,
+phase 2): a recorder speaking the daemon's protocol on a real Unix socket stands in for it, so the
+tests check exactly what the Prolog and Epilog send, and that ``status`` names the GPU a task
+without a GPU of Slurm's gets.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pwd
+import re
+import shutil
+import socket
+import socketserver
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpushare import config, protocol, slurm
+from gpushare.model import ClientClass
+from gpushare.paths import repo_root
+from tests import slurm_cluster
+from tests.daemon_helpers import python_for_others
+
+GPU = "GPU-8a2f1c3e-1111-2222-3333-444455556666"
+
+
+# ------------------------------------------------------------------------- without a cluster
+
+
+@pytest.mark.parametrize(
+    ("comment", "want"),
+    [
+        (None, None),
+        ("nightly run for team a", None),
+        ("gpushare=offline", slurm.JobClass(ClientClass.OFFLINE)),
+        ("team-a gpushare=online,slo-p99=40ms,sm=60,mem=20G x", slurm.JobClass(ClientClass.ONLINE, 0.04, 60.0, 20 << 30)),
+    ],
+)  # fmt: skip
+def test_the_declaration_in_a_job_comment(comment, want):
+    assert slurm.parse_comment(comment) == want
+
+
+@pytest.mark.parametrize(
+    ("comment", "message"),
+    [
+        ("gpushare=batch", "'batch' is not a gpushare class: use --comment gpushare=offline"),
+        ("gpushare=", "'' is not a gpushare class"),
+        ("gpushare=offline,slo-p99=40ms", "--slo-p99 applies to --online workloads only"),
+        ("gpushare=online,sm=150", "--sm must be a percentage in (0, 100], got 150"),
+        ("gpushare=online,sm=lots", "could not convert string to float"),
+        ("gpushare=offline,mem=8Q", "expected a size such as 512M"),
+        ("gpushare=offline,gpu=1", "'gpu=1' in the comment is not one of slo-p99=, sm=, mem="),
+        ("gpushare=offline gpushare=online", "declares gpushare twice"),
+    ],
+)
+def test_a_bad_declaration_names_the_fix(comment, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        slurm.parse_comment(comment)
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, None),
+        ({"SLURM_JOB_GPUS": "3"}, "3"),
+        ({"SLURM_STEP_GPUS": "2", "SLURM_JOB_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0"}, "2"),
+        ({"SLURM_STEP_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "3"}, "3"),
+        ({"CUDA_VISIBLE_DEVICES": GPU}, GPU),
+        ({"CUDA_VISIBLE_DEVICES": "1"}, "1"),
+    ],
+)
+def test_the_gpu_of_a_task(env, want):
+    assert slurm.task_gpu(env) == want
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"SLURM_STEP_GPUS": "0,1"}, {"SLURM_STEP_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0"}],
+)  # fmt: skip
+def test_a_task_on_several_gpus_is_refused(env):
+    with pytest.raises(ValueError, match="one GPU|not one of the step's GPUs"):
+        slurm.task_gpu(env)
+
+
+def _cfg(tmp_path: Path) -> config.Config:
+    return config.loads(f'[paths]\nruntime_dir = "{tmp_path}/run"\n')
+
+
+def test_prolog_never_fails_and_records_what_the_task_prolog_reports(tmp_path: Path):
+    cfg, log, out = _cfg(tmp_path), io.StringIO(), io.StringIO()
+    sent: list[tuple[str, dict[str, Any]]] = []
+    env = {"SLURM_JOB_ID": "12", "SLURM_JOB_UID": "1000", "SLURM_JOB_COMMENT": "gpushare=fast"}
+    assert slurm.prolog(env, cfg, lambda m, p: sent.append((m, p)) or "daemon down", log) == 0
+    assert sent == []
+    assert "job 12: 'fast' is not a gpushare class" in log.getvalue()
+    assert slurm.task_prolog({"SLURM_JOB_ID": "12"}, cfg, out) == 1
+    assert out.getvalue().startswith(
+        "print gpushare: job 12 not started: 'fast' is not a gpushare class"
+    )
+    # An unreachable daemon is logged; the declaration is still there for the tasks.
+    env["SLURM_JOB_COMMENT"] = "gpushare=offline"
+    assert slurm.prolog(env, cfg, lambda m, p: sent.append((m, p)) or "daemon down", log) == 0
+    assert [m for m, _p in sent] == ["adopt"] and "not registered: daemon down" in log.getvalue()
+    out = io.StringIO()
+    assert slurm.task_prolog({"SLURM_JOB_ID": "12", "CUDA_VISIBLE_DEVICES": GPU}, cfg, out) == 0
+    assert f"export CUDA_MPS_PIPE_DIRECTORY={tmp_path}/run/mps/{GPU}\n" in out.getvalue()
+    for bad in (
+        {},
+        {"SLURM_JOB_ID": "../x", "SLURM_JOB_UID": "0"},
+        {"SLURM_JOB_ID": "3", "SLURM_JOB_UID": "x"},
+    ):
+        assert slurm.prolog(bad, cfg, lambda m, p: "unused", log) == 0
+        assert slurm.epilog(bad, cfg, lambda m, p: "unused", log) == 0
+
+
+def test_main_with_a_bad_config(tmp_path: Path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[control]\nperiod = -1\n")
+    assert slurm.main(["prolog", "--config", str(bad)]) == 0
+    assert slurm.main(["task-prolog", "--config", str(bad)]) == 1
+    assert "print gpushare: " in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ a real Slurm
+
+
+class _Recorder(socketserver.ThreadingUnixStreamServer):
+    """Speaks the daemon's protocol: answers hello and status, records adopt and release."""
+
+    daemon_threads = True
+
+    def __init__(self, path: Path) -> None:
+        self.requests: list[tuple[str, dict[str, Any], int]] = []
+        self.lock = threading.Lock()
+        super().__init__(str(path), _Handler)
+        path.chmod(0o666)
+
+    def wait(self, method: str, job: str, timeout_s: float = 30) -> tuple[dict[str, Any], int]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.lock:
+                found = [
+                    (p, uid) for m, p, uid in self.requests if m == method and p.get("job") == job
+                ]
+            if found:
+                return found[0]
+            assert time.monotonic() < deadline, f"no {method} for job {job}: {self.requests}"
+            time.sleep(0.05)
+
+    def for_job(self, job: str) -> list[str]:
+        with self.lock:
+            return [m for m, p, _uid in self.requests if p.get("job") == job]
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        creds = self.request.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+        )
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        server: _Recorder = self.server  # type: ignore[assignment]
+        for line in self.rfile:
+            msg = json.loads(line)
+            method, params = msg["method"], msg.get("params", {})
+            if method == protocol.HELLO:
+                result: Any = {"api_version": protocol.API_VERSION, "daemon_version": "recorder",
+                               "uid": uid, "gid": 0, "pid": 0}  # fmt: skip
+            elif method == protocol.STATUS:
+                result = {"gpus": [{"index": 0, "uuid": GPU}], "clients": []}
+            else:
+                with server.lock:
+                    server.requests.append((method, params, uid))
+                result = {}
+            self.wfile.write(protocol.encode(protocol.ok_response(msg["id"], result)))
+
+
+@dataclass
+class Harness:
+    cluster: slurm_cluster.SlurmCluster
+    recorder: _Recorder
+    base: Path
+    user: str | None
+
+    def job_file(self, job: str) -> Path:
+        return self.base / "run" / "slurm" / f"job-{job}.json"
+
+    def output(self, job: str) -> str:
+        return (self.base / "out" / f"{job}.out").read_text()
+
+    def sbatch(self, *args: str, wrap: str) -> str:
+        done = self.cluster.run(
+            "sbatch", "--parsable", "-o", f"{self.base}/out/%j.out", "--chdir", "/tmp", *args,
+            "--wrap", wrap, user=self.user,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip().split(";")[0]
+
+
+@pytest.fixture(scope="module")
+def slurm_harness() -> Iterator[Harness]:
+    if (reason := slurm_cluster.skip_reason()) is not None:
+        pytest.skip(reason)
+    python = python_for_others()
+    base = Path(tempfile.mkdtemp(prefix="gss-", dir="/tmp"))
+    base.chmod(0o755)
+    (base / "out").mkdir(mode=0o777)
+    (base / "out").chmod(0o1777)
+    (base / "gpushare.toml").write_text(
+        f'[paths]\nruntime_dir = "{base}/run"\nsocket = "{base}/api.sock"\n'
+    )
+    # The gpushare command the scripts run: the checkout's, with the test's config.
+    launcher = base / "gpushare"
+    launcher.write_text(
+        f"#!/bin/sh\nexport GPUSHARE_CONFIG={base}/gpushare.toml PYTHONPATH={repo_root()}\n"
+        f"exec {python or sys.executable} -c 'from gpushare.cli.fast import main; main()' \"$@\"\n"
+    )
+    launcher.chmod(0o755)
+    scripts = {}
+    for name in ("prolog", "task-prolog", "epilog"):
+        text = (repo_root() / "deploy" / "slurm" / name).read_text()
+        assert "exec /usr/bin/gpushare slurm " in text
+        scripts[name] = base / name
+        scripts[name].write_text(text.replace("/usr/bin/gpushare", str(launcher)))
+        scripts[name].chmod(0o755)
+    recorder = _Recorder(base / "api.sock")
+    threading.Thread(target=recorder.serve_forever, daemon=True).start()
+    cluster = slurm_cluster.start(
+        prolog=scripts["prolog"], task_prolog=scripts["task-prolog"], epilog=scripts["epilog"]
+    )
+    # Jobs run as nobody where nobody can run a Python with gpushare; else as root.
+    user = "nobody" if python is not None and _has_nobody() else None
+    try:
+        yield Harness(cluster, recorder, base, user)
+    finally:
+        cluster.stop()
+        recorder.shutdown()
+        recorder.server_close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _has_nobody() -> bool:
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        return False
+    return True
+
+
+def _env_of(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def test_an_offline_batch_job_gets_its_mps_environment_and_is_registered_then_released(
+    slurm_harness,
+):
+    h = slurm_harness
+    job = h.sbatch("--comment", "gpushare=offline,sm=30,mem=2G", wrap="env")
+    h.cluster.wait_job(job, ("COMPLETED",))
+    env = _env_of(h.output(job))
+    assert env["GPUSHARE_CLASS"] == "offline"
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == f"{h.base}/run/mps/{GPU}"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{GPU}=2G"
+    assert env["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in env
+    uid = pwd.getpwnam(h.user).pw_uid if h.user else 0
+    params, peer_uid = h.recorder.wait("adopt", job)
+    assert peer_uid == 0  # the Prolog ran as root
+    assert params == {
+        "source": "slurm", "job": job, "uid": uid, "cls": "offline",
+        "match_env": {"SLURM_JOB_ID": job}, "pids": [], "slo_p99_ms": None, "sm_pct": 30.0,
+        "mem_bytes": 2 << 30, "gpu": None,
+    }  # fmt: skip
+    assert protocol.from_params(protocol.AdoptRequest, params).uid == uid
+    assert h.recorder.wait("release", job) == ({"source": "slurm", "job": job}, 0)
+    assert not h.job_file(job).exists()
+
+
+def test_an_online_step_gets_its_slo_and_the_whole_gpu(slurm_harness):
+    h = slurm_harness
+    done = h.cluster.run("srun", "--comment", "gpushare=online,slo-p99=40ms", "--chdir", "/tmp",
+                         "env", user=h.user)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    env = _env_of(done.stdout)
+    assert (env["GPUSHARE_CLASS"], env["GPUSHARE_SLO_P99"]) == ("online", "40ms")
+    assert (env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], env["CUDA_MPS_CLIENT_PRIORITY"]) == (
+        "100",
+        "0",
+    )
+    job = env["SLURM_JOB_ID"]
+    params, _uid = h.recorder.wait("adopt", job)
+    assert (params["cls"], params["slo_p99_ms"]) == ("online", 40.0)
+
+
+def test_a_job_with_an_unknown_class_fails_with_the_reason_and_disturbs_nothing(slurm_harness):
+    h = slurm_harness
+    job = h.sbatch("--comment", "gpushare=batch", wrap="echo THE TASK RAN")
+    info = h.cluster.wait_job(job, ("FAILED", "COMPLETED"))
+    out = h.output(job)
+    assert info["JobState"] == "FAILED"
+    assert (
+        f"gpushare: job {job} not started: 'batch' is not a gpushare class: use --comment gpushare=offline"
+        in out
+    )
+    assert "THE TASK RAN" not in out
+    assert h.cluster.node_state() == "idle"  # the node is not drained
+    time.sleep(0.5)
+    assert "adopt" not in h.recorder.for_job(job)
+
+
+def test_a_job_without_a_declaration_is_left_alone(slurm_harness):
+    h = slurm_harness
+    done = h.cluster.run("srun", "--chdir", "/tmp", "env", user=h.user)
+    assert done.returncode == 0, done.stderr
+    env = _env_of(done.stdout)
+    assert not any(k.startswith(("CUDA_MPS_", "GPUSHARE_")) for k in env)
+    assert h.recorder.for_job(env["SLURM_JOB_ID"]) == []
+
+
+def test_a_job_cancelled_by_slurm_is_released(slurm_harness):
+    h = slurm_harness
+    job = h.sbatch("--comment", "gpushare=offline", wrap="sleep 300")
+    h.cluster.wait_job(job, ("RUNNING",))
+    h.recorder.wait("adopt", job)
+    assert h.job_file(job).exists()
+    assert h.cluster.run("scancel", job).returncode == 0
+    h.cluster.wait_job(job, ("CANCELLED",))
+    h.recorder.wait("release", job)
+    deadline = time.monotonic() + 10
+    while h.job_file(job).exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_task_that_sees_two_gpus_is_refused(slurm_harness):
+    h = slurm_harness
+    # srun passes its environment on to the task (--export=ALL), as a job's GRES would set it.
+    done = h.cluster.run("srun", "--comment", "gpushare=offline", "--chdir", "/tmp", "echo",
+                         "THE TASK RAN", user=h.user, CUDA_VISIBLE_DEVICES="0,1")  # fmt: skip
+    assert done.returncode != 0
+    assert "the task sees GPUs 0,1; a gpushare client runs on one GPU" in done.stdout
+    assert "THE TASK RAN" not in done.stdout
