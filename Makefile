@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit mps engine demo bench clean
+.PHONY: test lint typecheck unit mps packages engine demo bench clean
 
 test: lint typecheck unit
 
@@ -19,6 +19,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 mps:
 	scripts/get-mps-control.sh
 
+# Debian packages the integration tests drive for real (zsh, fish); installed only as root.
+packages:
+	scripts/get-test-packages.sh
+
 # The simulator's GPU model compiled with mypyc (optional, ~2x faster, identical results).
 engine: $(STAMP)
 	scripts/build-sim-engine.sh $(BIN)/python
@@ -30,7 +34,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP) mps engine
+unit: $(STAMP) mps packages engine
 	$(BIN)/pytest -q
 
 # The real daemon on one simulated GPU, driven by the real CLI (scripts/demo.sh); ~90 s. With the

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from gpushare import __version__
-from gpushare.cli import clients_cmd, config_cmd, daemon_cmd, doctor_cmd, sim_cmd
+from gpushare.cli import clients_cmd, completion, config_cmd, daemon_cmd, doctor_cmd, sim_cmd
 
 app = typer.Typer(
     name="gpushare",
@@ -26,6 +26,7 @@ clients_cmd.register(app)
 daemon_cmd.register(app)
 doctor_cmd.register(app)
 app.command("sim")(sim_cmd.sim)
+completion.register(app)
 
 
 def _version(value: bool) -> None:
@@ -46,4 +47,5 @@ def _root(
 
 def main() -> None:
     """Console-script entry point."""
+    completion.init_if_completing()
     app()

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from gpushare import protocol
+from gpushare.cli import completion
 from gpushare.cli.render import mps_down, render_clients, render_status
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
 from gpushare.sim.simenv import workload_env as sim_workload_env
@@ -79,7 +80,12 @@ def submit(
     cmd: Annotated[list[str], typer.Argument(help="The command and its arguments, after --.")],
     online: Annotated[bool, typer.Option("--online", help="Latency-critical service.")] = False,
     offline: Annotated[bool, typer.Option("--offline", help="Best-effort job.")] = False,
-    gpu: Annotated[str, typer.Option("--gpu", help="GPU index, UUID or 'any'.")] = "any",
+    gpu: Annotated[
+        str,
+        typer.Option(
+            "--gpu", help="GPU index, UUID or 'any'.", autocompletion=completion.gpu_or_any
+        ),
+    ] = "any",
     sm: Annotated[
         float | None,
         typer.Option("--sm", help="SM percentage (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)."),
@@ -179,7 +185,12 @@ def status(
     watch: Annotated[
         float | None, typer.Option("--watch", help="Refresh every this many seconds.")
     ] = None,
-    gpu: Annotated[str | None, typer.Option("--gpu", help="Only this GPU (index or UUID).")] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu", help="Only this GPU (index or UUID).", autocompletion=completion.gpus
+        ),
+    ] = None,
     socket: SocketOpt = None,
 ) -> None:
     """Show GPUs and clients; exit 1 when a shared GPU's MPS is down."""
@@ -211,7 +222,9 @@ def list_clients(
 
 
 def cancel(
-    client_id: Annotated[str, typer.Argument(help="Client id, e.g. c3.")],
+    client_id: Annotated[
+        str, typer.Argument(help="Client id, e.g. c3.", autocompletion=completion.client_ids)
+    ],
     socket: SocketOpt = None,
 ) -> None:
     """Stop a client: SIGTERM now, SIGKILL after daemon.cancel_grace."""
@@ -223,7 +236,10 @@ def cancel(
 
 
 def pause(
-    client_id: Annotated[str, typer.Argument(help="Client id.")], socket: SocketOpt = None
+    client_id: Annotated[
+        str, typer.Argument(help="Client id.", autocompletion=completion.client_ids)
+    ],
+    socket: SocketOpt = None,
 ) -> None:
     """Hold a client frozen until `gpushare resume` (its owner, root or an admin)."""
     r = call_once(socket, protocol.PAUSE, {"client_id": client_id})
@@ -231,7 +247,10 @@ def pause(
 
 
 def resume(
-    client_id: Annotated[str, typer.Argument(help="Client id.")], socket: SocketOpt = None
+    client_id: Annotated[
+        str, typer.Argument(help="Client id.", autocompletion=completion.client_ids)
+    ],
+    socket: SocketOpt = None,
 ) -> None:
     """Release a pause."""
     r = call_once(socket, protocol.RESUME, {"client_id": client_id})
