@@ -183,7 +183,12 @@ def submit(
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="JSON (docs/status-schema.md).")] = False,
     watch: Annotated[
-        float | None, typer.Option("--watch", help="Refresh every this many seconds.")
+        float | None,
+        typer.Option(
+            "--watch",
+            help="Refresh every this many seconds: redrawn in place on a terminal; plain "
+            "snapshots (one JSON document per line with --json) when piped.",
+        ),
     ] = None,
     gpu: Annotated[
         str | None,
@@ -196,19 +201,32 @@ def status(
     """Show GPUs and clients; exit 1 when a shared GPU's MPS is down."""
     params = {"gpu": gpu} if gpu is not None else {}
     with _connect(socket) as api:
-        while True:
-            result = _call(api, protocol.STATUS, params)
-            text = json.dumps(result, indent=2) if as_json else render_status(result)
-            if watch is None:
-                typer.echo(text)
-                break
-            typer.echo("\x1b[H\x1b[2J" + text, nl=True)
+        if watch is not None:
             try:
-                time.sleep(max(0.1, watch))
-            except KeyboardInterrupt:
-                break
+                _watch(api, params, max(0.1, watch), as_json)
+            except (KeyboardInterrupt, BrokenPipeError):
+                pass  # the usual way out of --watch, not a failure
+            return
+        result = _call(api, protocol.STATUS, params)
+        typer.echo(json.dumps(result, indent=2) if as_json else render_status(result))
     if mps_down(result):
         raise typer.Exit(code=1)
+
+
+def _watch(api: ApiClient, params: dict[str, Any], every_s: float, as_json: bool) -> None:
+    tty = sys.stdout.isatty()
+    while True:
+        result = _call(api, protocol.STATUS, params)
+        if as_json:
+            # One document per line while watching: a script reads a stream of snapshots.
+            typer.echo(json.dumps(result, separators=(",", ":")))
+        elif tty:
+            typer.echo("\x1b[H\x1b[2J" + render_status(result))  # redraw in place
+        else:
+            stamp = datetime.now(timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+            typer.echo(f"--- {stamp}\n{render_status(result)}\n")
+        sys.stdout.flush()
+        time.sleep(every_s)
 
 
 def list_clients(
