@@ -7,6 +7,7 @@ a daemon that cannot be reached is one line and exit 3.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -202,10 +203,9 @@ def status(
     params = {"gpu": gpu} if gpu is not None else {}
     with _connect(socket) as api:
         if watch is not None:
-            try:
+            # Ctrl-C or a closed pipe is the usual way out of --watch, not a failure.
+            with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
                 _watch(api, params, max(0.1, watch), as_json)
-            except (KeyboardInterrupt, BrokenPipeError):
-                pass  # the usual way out of --watch, not a failure
             return
         result = _call(api, protocol.STATUS, params)
         typer.echo(json.dumps(result, indent=2) if as_json else render_status(result))
