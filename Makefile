@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit mps engine cluster-tools demo bench clean
+.PHONY: test lint typecheck unit mps packages slurm engine demo bench clean
 
 test: lint typecheck unit
 
@@ -19,11 +19,15 @@ $(STAMP): $(BIN)/python pyproject.toml
 mps:
 	scripts/get-mps-control.sh
 
-# A real single-node Slurm (slurmctld, slurmd, munge) and podman for the scheduler and container
-# tests, from the distribution's packages (root, apt-get). Without them those tests skip and say why.
-cluster-tools:
+# Debian packages the integration tests drive for real (zsh, fish, podman, runc, busybox-static);
+# installed only as root.
+packages:
+	scripts/get-test-packages.sh
+
+# A real single-node Slurm (slurmctld, slurmd, munge) for tests/test_slurm.py, from the
+# distribution's packages (root, apt-get). Without it those tests skip and say why.
+slurm:
 	@scripts/get-slurm.sh || echo "make: no Slurm: the Slurm tests will skip (see above)"
-	@scripts/get-podman.sh || echo "make: no podman: the container test will skip (see above)"
 
 # The simulator's GPU model compiled with mypyc (optional, ~2x faster, identical results).
 engine: $(STAMP)
@@ -36,7 +40,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP) mps engine cluster-tools
+unit: $(STAMP) mps packages slurm engine
 	$(BIN)/pytest -q
 
 # The real daemon on one simulated GPU, driven by the real CLI (scripts/demo.sh); ~90 s. With the

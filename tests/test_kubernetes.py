@@ -211,7 +211,7 @@ def test_hybrid_host_v1_lines_name_the_container_when_v2_is_the_root():
 
 PODMAN_SKIP = next(
     (
-        f"{tool} is not installed (scripts/get-podman.sh installs podman, runc, busybox-static)"
+        f"{tool} is not installed (scripts/get-test-packages.sh installs podman, runc, busybox-static)"
         for tool in ("podman", "runc", "busybox")
         if shutil.which(tool) is None
     ),

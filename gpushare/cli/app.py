@@ -14,6 +14,7 @@ import typer
 from gpushare import __version__
 from gpushare.cli import (
     clients_cmd,
+    completion,
     config_cmd,
     daemon_cmd,
     doctor_cmd,
@@ -36,6 +37,7 @@ doctor_cmd.register(app)
 env_cmd.register(app)
 install_cmd.register(app)
 app.command("sim")(sim_cmd.sim)
+completion.register(app)
 
 
 @app.command("slurm", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -64,4 +66,5 @@ def _root(
 
 def main() -> None:
     """Console-script entry point."""
+    completion.init_if_completing()
     app()

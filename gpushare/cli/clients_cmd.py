@@ -7,6 +7,7 @@ a daemon that cannot be reached is one line and exit 3.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from gpushare import protocol
+from gpushare.cli import completion
 from gpushare.cli.render import mps_down, render_clients, render_status
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
 from gpushare.sim.simenv import workload_env as sim_workload_env
@@ -79,7 +81,12 @@ def submit(
     cmd: Annotated[list[str], typer.Argument(help="The command and its arguments, after --.")],
     online: Annotated[bool, typer.Option("--online", help="Latency-critical service.")] = False,
     offline: Annotated[bool, typer.Option("--offline", help="Best-effort job.")] = False,
-    gpu: Annotated[str, typer.Option("--gpu", help="GPU index, UUID or 'any'.")] = "any",
+    gpu: Annotated[
+        str,
+        typer.Option(
+            "--gpu", help="GPU index, UUID or 'any'.", autocompletion=completion.gpu_or_any
+        ),
+    ] = "any",
     sm: Annotated[
         float | None,
         typer.Option("--sm", help="SM percentage (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)."),
@@ -177,27 +184,49 @@ def submit(
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="JSON (docs/status-schema.md).")] = False,
     watch: Annotated[
-        float | None, typer.Option("--watch", help="Refresh every this many seconds.")
+        float | None,
+        typer.Option(
+            "--watch",
+            help="Refresh every this many seconds: redrawn in place on a terminal; plain "
+            "snapshots (one JSON document per line with --json) when piped.",
+        ),
     ] = None,
-    gpu: Annotated[str | None, typer.Option("--gpu", help="Only this GPU (index or UUID).")] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu", help="Only this GPU (index or UUID).", autocompletion=completion.gpus
+        ),
+    ] = None,
     socket: SocketOpt = None,
 ) -> None:
     """Show GPUs and clients; exit 1 when a shared GPU's MPS is down."""
     params = {"gpu": gpu} if gpu is not None else {}
     with _connect(socket) as api:
-        while True:
-            result = _call(api, protocol.STATUS, params)
-            text = json.dumps(result, indent=2) if as_json else render_status(result)
-            if watch is None:
-                typer.echo(text)
-                break
-            typer.echo("\x1b[H\x1b[2J" + text, nl=True)
-            try:
-                time.sleep(max(0.1, watch))
-            except KeyboardInterrupt:
-                break
+        if watch is not None:
+            # Ctrl-C or a closed pipe is the usual way out of --watch, not a failure.
+            with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
+                _watch(api, params, max(0.1, watch), as_json)
+            return
+        result = _call(api, protocol.STATUS, params)
+        typer.echo(json.dumps(result, indent=2) if as_json else render_status(result))
     if mps_down(result):
         raise typer.Exit(code=1)
+
+
+def _watch(api: ApiClient, params: dict[str, Any], every_s: float, as_json: bool) -> None:
+    tty = sys.stdout.isatty()
+    while True:
+        result = _call(api, protocol.STATUS, params)
+        if as_json:
+            # One document per line while watching: a script reads a stream of snapshots.
+            typer.echo(json.dumps(result, separators=(",", ":")))
+        elif tty:
+            typer.echo("\x1b[H\x1b[2J" + render_status(result))  # redraw in place
+        else:
+            stamp = datetime.now(timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+            typer.echo(f"--- {stamp}\n{render_status(result)}\n")
+        sys.stdout.flush()
+        time.sleep(every_s)
 
 
 def list_clients(
@@ -211,7 +240,9 @@ def list_clients(
 
 
 def cancel(
-    client_id: Annotated[str, typer.Argument(help="Client id, e.g. c3.")],
+    client_id: Annotated[
+        str, typer.Argument(help="Client id, e.g. c3.", autocompletion=completion.client_ids)
+    ],
     socket: SocketOpt = None,
 ) -> None:
     """Stop a client: SIGTERM now, SIGKILL after daemon.cancel_grace."""
@@ -223,7 +254,10 @@ def cancel(
 
 
 def pause(
-    client_id: Annotated[str, typer.Argument(help="Client id.")], socket: SocketOpt = None
+    client_id: Annotated[
+        str, typer.Argument(help="Client id.", autocompletion=completion.client_ids)
+    ],
+    socket: SocketOpt = None,
 ) -> None:
     """Hold a client frozen until `gpushare resume` (its owner, root or an admin)."""
     r = call_once(socket, protocol.PAUSE, {"client_id": client_id})
@@ -231,7 +265,10 @@ def pause(
 
 
 def resume(
-    client_id: Annotated[str, typer.Argument(help="Client id.")], socket: SocketOpt = None
+    client_id: Annotated[
+        str, typer.Argument(help="Client id.", autocompletion=completion.client_ids)
+    ],
+    socket: SocketOpt = None,
 ) -> None:
     """Release a pause."""
     r = call_once(socket, protocol.RESUME, {"client_id": client_id})

@@ -22,6 +22,7 @@ from typing import Annotated, Any
 
 import typer
 
+from gpushare.cli import completion
 from gpushare.config import ControlConfig
 from gpushare.control.policy import Policy
 from gpushare.sim import ENGINE, data, engine, report, runner, scenario
@@ -203,11 +204,17 @@ def sim(
         typer.Argument(
             help="Scenario files, or names of shipped scenarios (`--list`), e.g. `demo`.",
             show_default=False,
+            autocompletion=completion.scenarios,
         ),
     ] = None,
     policy: Annotated[
         list[str] | None,
-        typer.Option("--policy", "-p", help="A policy to run (repeat; default: every policy)."),
+        typer.Option(
+            "--policy",
+            "-p",
+            help="A policy to run (repeat; default: every policy).",
+            autocompletion=completion.policies,
+        ),
     ] = None,
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Directory for the JSON results and PNG plots.")
