@@ -64,7 +64,7 @@ def parse_comment(comment: str | None) -> JobClass | None:
     Raises:
         ValueError: a declaration gpushare cannot use; the message names the fix.
     """
-    words = [w for w in (comment or "").split() if w.startswith(f"{COMMENT_KEY}=")]
+    words = _declarations(comment)
     if not words:
         return None
     if len(words) > 1:
@@ -93,6 +93,10 @@ def parse_comment(comment: str | None) -> JobClass | None:
     except ValueError as exc:
         raise ValueError(f"in the comment's {words[0]!r}: {exc}") from None
     return JobClass(cls, slo, sm, mem)
+
+
+def _declarations(comment: str | None) -> list[str]:
+    return [w for w in (comment or "").split() if w.startswith(f"{COMMENT_KEY}=")]
 
 
 def job_file(cfg: config.Config, job_id: str) -> Path:
@@ -254,10 +258,12 @@ def epilog(env: Mapping[str, str], cfg: config.Config, send: Send, log: TextIO) 
         print(f"gpushare epilog: {exc}", file=log)
         return 0
     target = job_file(cfg, job)
-    if not target.exists():
-        return 0
+    recorded = target.exists()
     with contextlib.suppress(FileNotFoundError):
         target.unlink()
+    # The comment too: the Prolog may have registered the job without managing to write its file.
+    if not recorded and not _declarations(env.get("SLURM_JOB_COMMENT")):
+        return 0
     failed = send(protocol.RELEASE, protocol.as_dict(protocol.ReleaseRequest(SOURCE, job)))
     if failed is not None:
         print(f"gpushare epilog: job {job}: not released: {failed}", file=log)

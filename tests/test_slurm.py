@@ -117,6 +117,16 @@ def test_prolog_never_fails_and_records_what_the_task_prolog_reports(tmp_path: P
     out = io.StringIO()
     assert slurm.task_prolog({"SLURM_JOB_ID": "12", "CUDA_VISIBLE_DEVICES": GPU}, cfg, out) == 0
     assert f"export CUDA_MPS_PIPE_DIRECTORY={tmp_path}/run/mps/{GPU}\n" in out.getvalue()
+    # The Epilog releases a job it has a file for, or whose comment declares gpushare.
+    sent.clear()
+    assert slurm.epilog({"SLURM_JOB_ID": "12"}, cfg, lambda m, p: sent.append((m, p)), log) == 0
+    assert sent == [("release", {"source": "slurm", "job": "12"})]
+    assert not slurm.job_file(cfg, "12").exists()
+    assert slurm.epilog({"SLURM_JOB_ID": "12"}, cfg, lambda m, p: sent.append((m, p)), log) == 0
+    assert len(sent) == 1
+    env13 = {"SLURM_JOB_ID": "13", "SLURM_JOB_COMMENT": "x gpushare=offline"}
+    assert slurm.epilog(env13, cfg, lambda m, p: sent.append((m, p)), log) == 0
+    assert sent[-1] == ("release", {"source": "slurm", "job": "13"})
     for bad in (
         {},
         {"SLURM_JOB_ID": "../x", "SLURM_JOB_UID": "0"},
