@@ -241,9 +241,11 @@ class AdoptRule:
     mem_bytes: int | None = field(default=None, metadata={"kind": "size", "min": 1 << 20})
 
 
-MARKER_RULE = AdoptRule(name="marker", marker=True, cls="marker")
-"""The default rule: a process started with ``gpushare env`` (or any ``GPUSHARE_CLASS``) is
-adopted in the class it declares. Its owner asked for it, so no further right is needed."""
+MARKER_RULE = AdoptRule(name="marker", marker=True, uses_gpu=True, cls="marker")
+"""The default rule: a GPU process started with ``gpushare env`` (or any ``GPUSHARE_CLASS``) is
+adopted in the class it declares. Its owner asked for it, so no further right is needed.
+``uses_gpu``: a shell that exported the marker to start its job is not itself a client (freezing
+it would freeze a terminal); the GPU processes it starts are."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ MPS_ENV = {
 
 def test_the_default_rule_adopts_a_process_in_the_class_it_declares():
     env = {"GPUSHARE_CLASS": "online", "GPUSHARE_SLO_P99": "40ms", **MPS_ENV}
-    d = decide([MARKER], facts(environ=env))
+    d = decide([MARKER], facts(environ=env, gpu_uuids=(GPU,)))
     assert d.adopt and d.rule == "marker"
     assert d.cls is ClientClass.ONLINE
     assert d.slo_p99_s == pytest.approx(0.04)
@@ -68,15 +68,23 @@ def test_the_default_rule_adopts_a_process_in_the_class_it_declares():
     ],
 )
 def test_a_marker_with_a_bad_value_is_not_adopted_and_says_why(env, message):
-    d = decide([MARKER], facts(environ=env))
+    d = decide([MARKER], facts(environ=env, gpu_uuids=(GPU,)))
     assert not d.adopt and d.rule == "marker"
     assert d.reason.startswith("pid 100 (python) of alice not adopted: ")
     assert message in d.reason
 
 
 def test_a_process_without_marker_matches_no_rule():
-    d = decide([MARKER], facts(environ={"PATH": "/usr/bin"}))
+    d = decide([MARKER], facts(environ={"PATH": "/usr/bin"}, gpu_uuids=(GPU,)))
     assert (d.adopt, d.rule, d.reason) == (False, None, "no rule matches")
+
+
+def test_the_default_rule_leaves_a_marked_process_alone_until_it_uses_a_gpu():
+    # A shell that exported the marker to start its job: freezing it would freeze a terminal.
+    shell = facts(environ={"GPUSHARE_CLASS": "offline"}, name="bash")
+    assert decide([MARKER], shell).rule is None
+    assert decide([MARKER], dataclasses.replace(shell, gpu_uuids=None)).rule is None
+    assert decide([MARKER], dataclasses.replace(shell, gpu_uuids=(GPU,))).adopt
 
 
 def test_a_root_rule_adopts_another_users_unit_and_says_mps_does_not_limit_it():
@@ -174,10 +182,11 @@ def test_every_condition_must_hold_and_the_first_matching_rule_decides():
 def test_scan_folds_descendants_and_names_rules_that_matched_nothing():
     marked = {"GPUSHARE_CLASS": "offline", **MPS_ENV}
     procs = [
-        facts(10, environ=marked),
+        facts(9, environ=marked, name="bash"),  # not a GPU process: not a client
+        facts(10, ppid=9, environ=marked, gpu_uuids=(GPU,)),
         facts(11, ppid=10, environ=marked, name="worker"),
         facts(12, ppid=11, environ={}, name="helper"),
-        facts(20, environ={"GPUSHARE_CLASS": "nonsense"}),
+        facts(20, environ={"GPUSHARE_CLASS": "nonsense"}, gpu_uuids=(GPU,)),
         facts(30),
     ]
     idle = rule(name="triton", unit="triton.service", cls="online")
@@ -185,8 +194,13 @@ def test_scan_folds_descendants_and_names_rules_that_matched_nothing():
     result = scan([MARKER, idle, gpu], procs)
     assert [(d.pid, d.adopt) for d in result.decisions] == [(10, True), (20, False)]
     assert result.members == {10: 10, 11: 10, 12: 10}
+    # 'gpus' would match pid 10 and 20, but the marker rule before it decided them.
     assert result.unmatched == (
         f"rule 'triton' ({ROOT_CFG}) matches no process: unit 'triton.service'",
+        f"rule 'gpus' ({ROOT_CFG}) matches no process: uses_gpu",
+    )
+    no_nvml = scan([gpu], [facts(40)])
+    assert no_nvml.unmatched == (
         f"rule 'gpus' ({ROOT_CFG}) matches no process: uses_gpu; NVML is not available here, "
         "so uses_gpu never holds",
     )

@@ -105,7 +105,7 @@ def _workload_problems(pod: dict[str, Any]) -> list[str]:
 def procs_facts(env: dict[str, str]) -> ProcessFacts:
     return ProcessFacts(
         pid=1, ppid=0, uid=1000, user="u", name="c", start_time=0.0, cgroup=None, unit=None,
-        environ={k: v for k, v in env.items() if k in FACT_ENV}, gpu_uuids=None,
+        environ={k: v for k, v in env.items() if k in FACT_ENV}, gpu_uuids=("GPU-0",),
     )  # fmt: skip
 
 
@@ -283,7 +283,8 @@ def test_a_podman_container_is_named_from_its_real_cgroup_and_frozen_through_it(
         assert got is not None
         assert (got.container_id, got.runtime, got.pod_uid) == (cid, "podman", None)
         # The same process, seen by adoption: its marker, and a cgroup of its own to freeze.
-        facts = procs.process_facts(pid, FACT_ENV)
+        # No GPU here: NVML's process list is stood in for, naming the container's process.
+        facts = procs.process_facts(pid, FACT_ENV, gpu_pids={pid: ("GPU-0",)})
         assert facts is not None and facts.environ == {"GPUSHARE_CLASS": "offline"}
         assert decide([Rule(config.MARKER_RULE, 0, "default")], facts).cls is ClientClass.OFFLINE
         route = cgroups.freeze_route(pid, [*procs.descendants(pid), pid])
