@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import example, given, settings
@@ -10,7 +11,9 @@ from hypothesis import strategies as st
 
 from gpushare.model import ClientState, Evict, Freeze, Thaw
 from gpushare.sim import data, runner, scenario
+from gpushare.sim.adapters import SimProcesses
 from gpushare.sim.gpu import EventLoop, Gpu
+from gpushare.sim.node import PolicyTraits, SimNode
 from gpushare.sim.workloads import OfflineTrainer, OnlineServer, cap_sms, poisson_arrivals
 from tests.fake_policy import FixedPolicy
 
@@ -51,7 +54,7 @@ def test_same_seed_gives_identical_runs_and_another_seed_differs() -> None:
     assert a.online[0].latencies_ms != c.online[0].latencies_ms
 
 
-def _in_flight(node: runner.SimNode) -> int:
+def _in_flight(node: SimNode) -> int:
     total = 0
     for c in node.clients:
         n = len(c.profile)
@@ -61,22 +64,20 @@ def _in_flight(node: runner.SimNode) -> int:
 
 @pytest.mark.parametrize("policy_duty", [1.0, 0.3, 0.0])
 def test_every_issued_kernel_completes_or_is_discarded(policy_duty: float) -> None:
-    sc = pair(duration="3s")
-    node = runner.SimNode(sc, traits=runner.PolicyTraits())
+    # The daemon SIGKILLs an evicted client after evict_grace; a restart takes [gpu] restart.
+    sc = pair(duration="3s", extra='[control]\nevict_grace = "200ms"\n[gpu]\nrestart = "300ms"')
+    node = SimNode(sc, traits=PolicyTraits())
     node.start()
     train = node.offline[0]
-    node.admit(train, train.gpu, 60.0)
-    period = sc.config.control.period_s
-    node.duty[train.gpu.uuid] = policy_duty
-    t = 0.0
-    while t < 3.0:
-        node.apply_duty(train.gpu, period)
-        if abs(t - 1.5) < 1e-9:  # evict mid-iteration, then readmit
-            node.apply(train.gpu, [Evict("train", requeue=True, reason="test")])
-            assert train.state is ClientState.QUEUED
-            node.admit(train, train.gpu, 60.0)
-        node.loop.run_until(t + period)
-        t = round(t + period, 9)
+    evict = (1.5, lambda obs: [Evict("train", requeue=True, reason="test")])  # mid-iteration
+    sim = runner.SimDaemon(node, FixedPolicy(duty=policy_duty, share_pct=60.0, script=[evict]))
+    sim.run(3.0)
+    # The daemon terminated it, killed it after the grace, requeued it and admitted it again.
+    rec = sim.state.registry.get("train")
+    assert rec.state.is_live
+    assert rec.started_at is not None
+    assert rec.started_at > 1.5
+    assert sim.loop.applied["Admit"] == 2
     issued = sum(c.counts.issued for c in node.clients)
     done = sum(c.counts.done for c in node.clients)
     discarded = sum(c.counts.discarded for c in node.clients)
@@ -191,12 +192,19 @@ def test_plain_mps_inflates_online_latency_and_priority_and_caps_help() -> None:
 
 def test_memory_over_pinned_limit_fails_that_client_only() -> None:
     extra = '\n[[offline]]\nname = "big"\nprofile = "' + MOBILE_TRAIN + '"\nmem = "6GiB"\n'
-    extra += 'pinned_mem = "4GiB"\nsubmit = "0.2s"\n'
+    extra += 'pinned_mem = "4GiB"\nsubmit = "0.2s"\nrestartable = false\n'
     res = runner.run_policy(pair(duration="2s", extra=extra), FixedPolicy())
     by_name = {o.name: o for o in res.offline}
     assert by_name["big"].final_state == "failed"
     assert "pinned" in (by_name["big"].failure or "")
     assert by_name["train"].iterations > 0
+    # A restartable job that fails goes back to the queue after a backoff (the runner contract).
+    retried = runner.run_policy(
+        pair(duration="2s", extra=extra.replace("false", "true")), FixedPolicy()
+    )
+    big = next(o for o in retried.offline if o.name == "big")
+    assert big.final_state == "queued"
+    assert "pinned" in (big.failure or "")
 
 
 def test_allocation_beyond_gpu_memory_fails_the_client() -> None:
@@ -210,11 +218,16 @@ def test_allocation_beyond_gpu_memory_fails_the_client() -> None:
     assert by_name["train"].iterations > 0
     assert res.mem_peak_bytes <= 12 << 30
     # Started anyway (a runner that ignores admission), the allocation fails that client only.
-    node = runner.SimNode(sc)
+    node = SimNode(sc)
     node.start()
     train, huge = node.offline
-    node.admit(train, train.gpu, 50.0)
-    node.admit(huge, huge.gpu, 50.0)
+    procs = SimProcesses(node)
+    env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_CLIENT_PRIORITY": "1"}
+    for job in (train, huge):
+        procs.spawn(
+            [job.cid], uid=1000, gid=1000, cwd="/", env=env, log_dir=Path("/nonexistent"),
+            client_id=job.cid,
+        )  # fmt: skip
     assert huge.state is ClientState.FAILED
     assert huge.fail_reason == "out of GPU memory"
     assert train.state is ClientState.STARTING

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpushare.model import ClientState, MpsState, PauseMechanism
-from gpushare.sim import node as simnode
-from gpushare.sim import runner, scenario
+from gpushare.sim import adapters as simnode
+from gpushare.sim import scenario
+from gpushare.sim.node import SimNode
 
 SCENARIO = """
 [scenario]
@@ -22,11 +23,16 @@ mem = "6GiB"
 """
 
 
-def started_node() -> runner.SimNode:
-    n = runner.SimNode(scenario.loads(SCENARIO))
+ENV = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_CLIENT_PRIORITY": "1"}
+
+
+def started_node() -> SimNode:
+    n = SimNode(scenario.loads(SCENARIO))
     n.start()
-    train = n.offline[0]
-    n.admit(train, train.gpu, 50.0)
+    simnode.SimProcesses(n).spawn(
+        ["train"], uid=1000, gid=1000, cwd="/", env=ENV, log_dir=Path("/nonexistent"),
+        client_id="train",
+    )  # fmt: skip
     n.loop.run_until(2.0)
     return n
 
@@ -60,8 +66,8 @@ def test_pauser_freezes_and_kills(tmp_path: Path) -> None:
     n = started_node()
     _, _, pauser, _ = simnode.protocols(n, tmp_path)
     train = n.offline[0]
-    pauser.attach("train", 4242)
-    assert pauser.pids("train") == [4242]
+    pauser.attach("train", train.pid)
+    assert pauser.pids("train") == [train.pid]
     pauser.freeze("train")
     n.loop.run_until(3.0)  # the issued iteration drains
     issued = train.counts.issued

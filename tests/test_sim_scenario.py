@@ -80,13 +80,13 @@ def test_bad_scenario_names_the_key(mutation: tuple[str, str], key: str, words: 
 
 
 def test_burst_parses_and_raises_the_rate() -> None:
-    from gpushare.sim import runner
+    from gpushare.sim.node import arrivals_for
 
     text = GOOD.replace('name = "inf"', 'name = "inf"\nrps = 10.0\nburst = ["2s", "1s", 5]')
     text = text.replace("[[offline]]", '[[offline]]\nsubmit = "60s"')
     sc = scenario.loads(text.replace('duration = "10s"', 'duration = "4s"'), "x.toml")
     assert sc.online[0].burst == (2.0, 1.0, 5.0)
-    arrivals = list(runner.arrivals_for(sc.online[0], 0.0065, 1, 4.0))
+    arrivals = list(arrivals_for(sc.online[0], 0.0065, 1, 4.0))
     in_burst = sum(1 for t in arrivals if 2.0 <= t < 3.0)
     before = sum(1 for t in arrivals if 0.0 <= t < 2.0) / 2
     assert in_burst > 2.5 * before

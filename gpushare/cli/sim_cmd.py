@@ -22,6 +22,7 @@ from typing import Annotated, Any
 
 import typer
 
+from gpushare import logs
 from gpushare.cli import completion
 from gpushare.config import ControlConfig
 from gpushare.control.policy import Policy
@@ -135,6 +136,8 @@ def run_files(
         ]
     names = list(policies) if policies else list(policy_names())
     make_policies(names, loaded[0].config.control)  # fail on a bad name before running anything
+    # The daemon's loop runs inside: its info log (duty changes, readiness) is not the report.
+    logs.configure_logging("warning")
     bar = _Progress(len(loaded) * (len(names) + 1)) if progress else None
     results = []
     for sc in loaded:

@@ -13,7 +13,6 @@ import grp
 import math
 import os
 import signal
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +50,7 @@ class Api:
         self.s = state
         self.life = lifecycle
         self.loop = loop
-        self._started_mono = time.monotonic()
+        self._started_mono = state.clock.monotonic()
 
     def methods(self) -> dict[str, Handler]:
         """The explicit dispatch table of the API (``hello`` is answered by the server)."""
@@ -106,7 +105,7 @@ class Api:
             recs = [r for r in s.registry.clients() if r.gpu_uuid in uuids or (
                 r.state is S.QUEUED and req.gpu is None)]  # fmt: skip
             by_uuid = {x.uuid: x for x in samples}
-            now = time.time()
+            now = s.clock.time()
             clients = [self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now) for r in recs]
             gpus = [self._gpu_dict(x, recs) for x in samples]
             return {
@@ -114,7 +113,7 @@ class Api:
                 "daemon": {
                     "version": __version__,
                     "pid": os.getpid(),
-                    "uptime_s": round(time.monotonic() - self._started_mono, 3),
+                    "uptime_s": round(s.clock.monotonic() - self._started_mono, 3),
                     "ready": self.loop.ready,
                     "policy": s.policy.name,
                     "pause_mechanism": s.pauser.mechanism.value,
@@ -204,7 +203,7 @@ class Api:
         req = protocol.from_params(protocol.ListRequest, params)
         with self.s.lock:
             by_uuid = {s.uuid: s for s in self.s.samples}
-            now = time.time()
+            now = self.s.clock.time()
             recs = self.s.registry.clients(include_final=req.all)
             return {
                 "clients": [self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now) for r in recs]
@@ -300,9 +299,8 @@ class Api:
             if not detach:
                 assert caller.pid > 0
                 start_time = procs.process_start_time(caller.pid)
-                self.life.adopt_pid(rec.id, caller.pid, start_time, owner_uid=caller.uid)
-                rec = self.s.registry.transition(
-                    rec.id, S.RUNNING, pid=caller.pid, start_time=start_time, started_at=time.time()
+                rec = self.life.adopt_foreground(
+                    rec.id, caller.pid, start_time, owner_uid=caller.uid
                 )
         if detach:
             # Spawned outside the lock: concurrent submits fork in parallel; the STARTING

@@ -32,6 +32,7 @@ from gpushare import config as config_mod
 from gpushare.config import Config
 from gpushare.control.policy import Policy
 from gpushare.control.registry import make_policy
+from gpushare.daemon import launcher
 from gpushare.daemon.api import Api
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
@@ -41,7 +42,8 @@ from gpushare.daemon.state import NodeState, NoopPolicy
 from gpushare.latency import AppLatency, LatencyReceiver, verified_identify
 from gpushare.metrics import Exporter
 from gpushare.node import notify as sd
-from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
+from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
+from gpushare.node.clock import SystemClock
 
 log = structlog.get_logger(__name__)
 
@@ -64,10 +66,13 @@ class Daemon:
         config_path: Path | None = None,
         notify: Callable[..., bool] = sd.notify,
         metrics: Exporter | None = None,
+        clock: Clock | None = None,
+        procs: ProcessHost | None = None,
     ) -> None:
         self.state = NodeState(
-            config, registry=registry, gpu=gpu, mps=mps, pauser=pauser, probe=probe, policy=policy
-        )
+            config, registry=registry, gpu=gpu, mps=mps, pauser=pauser, probe=probe,
+            policy=policy, clock=clock or SystemClock(), procs=procs or launcher.HostProcesses(),
+        )  # fmt: skip
         self.config_path = config_path
         self.metrics = metrics
         self._notify = notify

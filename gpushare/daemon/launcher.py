@@ -7,8 +7,9 @@ that user's groups (docs/design.md D9); argv is a list end to end, never a shell
 
 from __future__ import annotations
 
+import os
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,3 +110,57 @@ def spawn_detached(
         cgroup_procs_fd=cgroup_procs_fd,
     )
     return proc, procs.process_start_time(proc.pid), log_path
+
+
+class HostProcesses:
+    """:class:`gpushare.node.base.ProcessHost` on this host: real processes, pidfd exit watch."""
+
+    def __init__(self) -> None:
+        self._watcher: procs.ExitWatcher | None = None
+
+    def start(self, on_exit: Callable[[int, int | None], None]) -> None:
+        """Start the exit watcher thread."""
+        self._watcher = procs.ExitWatcher(on_exit).start()
+
+    def stop(self) -> None:
+        """Stop the exit watcher thread."""
+        if self._watcher is not None:
+            self._watcher.stop()
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        uid: int,
+        gid: int,
+        cwd: str,
+        env: Mapping[str, str],
+        log_dir: Path,
+        client_id: str,
+        cgroup_procs_fd: int | None = None,
+    ) -> tuple[subprocess.Popen[bytes], float | None, Path]:
+        """:func:`spawn_detached`."""
+        return spawn_detached(
+            argv, uid=uid, gid=gid, cwd=cwd, env=env, log_dir=log_dir, client_id=client_id,
+            cgroup_procs_fd=cgroup_procs_fd,
+        )  # fmt: skip
+
+    def watch(self, proc: subprocess.Popen[bytes] | int, start_time: float | None = None) -> None:
+        """Report the process's exit to the ``on_exit`` given to :meth:`start`."""
+        assert self._watcher is not None, "start() first"
+        self._watcher.watch(proc, start_time)
+
+    def signal(self, pid: int, sig: int, pids: Sequence[int]) -> None:
+        """Signal the process group ``pid`` leads, or each of ``pids`` (a gone process is fine)."""
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, sig)
+            else:
+                for each in pids or [pid]:
+                    os.kill(each, sig)
+        except ProcessLookupError:
+            pass
+
+    def alive(self, pid: int, start_time: float) -> bool:
+        """Whether ``pid`` still is the process that started at ``start_time``."""
+        return procs.is_same_process(pid, start_time)

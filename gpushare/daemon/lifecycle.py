@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -28,12 +26,13 @@ from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.model import ClientClass, ClientState, Evict, RecoverMps, RestartClient
 from gpushare.node import procs
+from gpushare.node.base import Process
 
 log = structlog.get_logger(__name__)
 
 S = ClientState
 
-Spawned = tuple[subprocess.Popen[bytes], float | None, Path] | str
+Spawned = tuple[Process, float | None, Path] | str
 """What :meth:`Lifecycle.spawn` gives: the process, its start time and log, or why it failed."""
 
 
@@ -59,18 +58,19 @@ class Lifecycle:
         self.kill_at: dict[str, float] = {}
         #: Monotonic time before which a requeued failed job is not admitted again.
         self.not_before: dict[str, float] = {}
-        self.watcher: procs.ExitWatcher | None = None
+        self._watching = False
 
     # ----------------------------------------------------------------------------- watching
 
     def start_watching(self) -> None:
-        """Start the exit watcher (before :meth:`readopt` and any launch)."""
-        self.watcher = procs.ExitWatcher(self.process_exited).start()
+        """Start the exit watch (before :meth:`readopt` and any launch)."""
+        self.s.procs.start(self.process_exited)
+        self._watching = True
 
     def stop_watching(self) -> None:
-        """Stop the exit watcher."""
-        if self.watcher is not None:
-            self.watcher.stop()
+        """Stop the exit watch."""
+        if self._watching:
+            self.s.procs.stop()
 
     def exiting(self, client_id: str) -> bool:
         """Whether the client was told to go (cancel, evict, restart, recovery)."""
@@ -96,14 +96,14 @@ class Lifecycle:
 
     def readopt(self) -> None:
         """Take back every recorded live client whose process still runs; mark the rest lost."""
-        assert self.watcher is not None
+        assert self._watching
         registry = self.s.registry
         with self.s.lock:
             for rec in registry.clients():
                 if rec.state is S.QUEUED:
                     continue
                 alive = rec.start_time is not None and rec.pid is not None
-                if alive and procs.is_same_process(rec.pid or 0, rec.start_time or 0.0):
+                if alive and self.s.procs.alive(rec.pid or 0, rec.start_time or 0.0):
                     self.adopt_pid(
                         rec.id, rec.pid or 0, start_time=rec.start_time, owner_uid=rec.uid
                     )
@@ -129,13 +129,13 @@ class Lifecycle:
     def adopt_pid(
         self,
         client_id: str,
-        proc: subprocess.Popen[bytes] | int,
+        proc: Process,
         start_time: float | None = None,
         *,
         owner_uid: int,
     ) -> None:
         """Put a client's process under the pauser and the exit watch."""
-        assert self.watcher is not None
+        assert self._watching
         pid = proc if isinstance(proc, int) else proc.pid
         self.by_pid[pid] = client_id
         try:
@@ -144,7 +144,16 @@ class Lifecycle:
             self.s.pauser.attach(client_id, pid, owner_uid=owner_uid)
         except PAUSE_ERRORS as exc:
             log.warning("pauser_attach_failed", client_id=client_id, pid=pid, error=str(exc))
-        self.watcher.watch(proc, start_time)
+        self.s.procs.watch(proc, start_time)
+
+    def adopt_foreground(
+        self, client_id: str, pid: int, start_time: float | None, *, owner_uid: int
+    ) -> ClientRecord:
+        """Adopt the process of a foreground submit (it execs the workload itself): RUNNING."""
+        self.adopt_pid(client_id, pid, start_time, owner_uid=owner_uid)
+        return self.s.registry.transition(
+            client_id, S.RUNNING, pid=pid, start_time=start_time, started_at=self.s.clock.time()
+        )
 
     # ----------------------------------------------------------------------------- pausing
 
@@ -219,7 +228,7 @@ class Lifecycle:
         if rec.held:
             self.thaw_quietly(rec.id)
         self.signal(rec, signal.SIGTERM)
-        self.kill_at[rec.id] = time.monotonic() + grace
+        self.kill_at[rec.id] = self.s.clock.monotonic() + grace
         self.s.registry.add_event(
             "client_cancel", f"{who} cancelled {rec.id}; SIGKILL in {grace:g}s if it stays",
             client_id=rec.id, gpu_uuid=rec.gpu_uuid,
@@ -283,16 +292,8 @@ class Lifecycle:
 
     def signal(self, rec: ClientRecord, sig: int) -> None:
         """Send a signal to the client's process group (or each of its processes)."""
-        if rec.pid is None:
-            return
-        try:
-            if os.getpgid(rec.pid) == rec.pid:
-                os.killpg(rec.pid, sig)
-            else:
-                for pid in self.s.pauser.pids(rec.id) or [rec.pid]:
-                    os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+        if rec.pid is not None:
+            self.s.procs.signal(rec.pid, sig, self.s.pauser.pids(rec.id))
 
     def kill_overdue(self, now: float) -> None:
         """SIGKILL the signalled clients whose grace is over."""
@@ -347,7 +348,7 @@ class Lifecycle:
                 if rec.restartable and rec.detach and failures < control.max_client_failures:
                     # A restartable job goes back to the queue, after a growing backoff.
                     backoff = failure_backoff_s(failures, control)
-                    self.not_before[client_id] = time.monotonic() + backoff
+                    self.not_before[client_id] = self.s.clock.monotonic() + backoff
                     transition(
                         client_id, S.QUEUED, reason=f"{why}; retry in {backoff:g}s",
                         exit_code=code, failures=failures, pid=None,
@@ -399,7 +400,7 @@ class Lifecycle:
         try:
             if callable(open_fd):
                 procs_fd = open_fd(rec.id)
-            return launcher.spawn_detached(
+            return self.s.procs.spawn(
                 rec.argv,
                 uid=rec.uid,
                 gid=rec.gid,
@@ -425,9 +426,10 @@ class Lifecycle:
         if isinstance(spawned, str):
             return self.s.transition(rec.id, S.FAILED, reason=spawned) or rec
         proc, start_time, log_path = spawned
+        pid = proc if isinstance(proc, int) else proc.pid
         # Recorded before the exit watch: a process that is already gone is still traceable.
         self.s.registry.update(
-            rec.id, pid=proc.pid, start_time=start_time, started_at=time.time(),
+            rec.id, pid=pid, start_time=start_time, started_at=self.s.clock.time(),
             log_path=str(log_path), pause_mechanism=self.s.pauser.mechanism.value,
             restarts=rec.restarts + (1 if restart else 0),
         )  # fmt: skip

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -88,13 +87,15 @@ class ControlLoop:
         self._last_watchdog = 0.0
         self._watchdog_s = sd.watchdog_period_s()
         self.ticks = 0
+        #: Actions applied so far, by kind (the simulator reports them).
+        self.applied: dict[str, int] = {}
 
     def run(self, max_ticks: int | None = None) -> int:
         """Tick every ``control.period`` until stopped (or ``max_ticks`` ticks); returns 0."""
-        deadline = time.monotonic()
+        clock = self.s.clock
+        deadline = clock.monotonic()
         ticks = 0
-        stop = self.stop_requested
-        while not stop.is_set():
+        while not self.stop_requested.is_set():
             if self.reload_requested.is_set():
                 self.reload_requested.clear()
                 self._reload_config()
@@ -102,27 +103,32 @@ class ControlLoop:
             ticks += 1
             if max_ticks is not None and ticks >= max_ticks:
                 break
-            period = self.s.config.control.period_s
-            deadline += period
-            now = time.monotonic()
+            deadline += self.s.config.control.period_s
+            now = clock.monotonic()
             if deadline < now:
                 deadline = now  # a slow tick: do not try to catch up with a burst
-            while True:
-                target = min([deadline, *self._edges.values()])
-                if stop.wait(max(0.0, target - time.monotonic())):
-                    break
-                if self._edges:
-                    self._duty_edges(time.monotonic())
-                if time.monotonic() >= deadline:
-                    break
+            if self.wait_until(deadline):
+                break
         return 0
+
+    def wait_until(self, deadline: float) -> bool:
+        """Sleep until ``deadline``, freezing offline clients at their duty edges; True if stopped."""
+        clock = self.s.clock
+        while True:
+            target = min([deadline, *self._edges.values()])
+            if clock.sleep_until(target, self.stop_requested):
+                return True
+            if self._edges:
+                self._duty_edges(clock.monotonic())
+            if clock.monotonic() >= deadline:
+                return False
 
     # ----------------------------------------------------------------------------- sense, decide
 
     def tick(self) -> None:
         """One control period: sense, decide per GPU, act, and report health to systemd."""
         s = self.s
-        now = time.monotonic()
+        now = s.clock.monotonic()
         samples = list(s.gpu.sample())
         gpu_events = list(s.gpu.drain_events())
         p99 = s.latency.p99s(now)
@@ -222,6 +228,7 @@ class ControlLoop:
     def _admit(self, observations: Mapping[str, Observation], now: float) -> None:
         """Start queued offline jobs where admission places them (SJF-BSBF, slots, D11)."""
         s = self.s
+        wall = s.clock.time()
         jobs = [
             QueuedJob(
                 client_id=r.id,
@@ -229,7 +236,7 @@ class ControlLoop:
                 mem_bytes=r.mem_bytes,
                 sm_pct=r.sm_ceiling,
                 gpu=None if r.gpu_request in (None, "any") else r.gpu_request,
-                submitted_at_s=now - max(0.0, time.time() - r.submitted_at),
+                submitted_at_s=now - max(0.0, wall - r.submitted_at),
                 restartable=r.restartable,
                 not_before_s=self.life.not_before.get(r.id, 0.0),
             )
@@ -255,7 +262,7 @@ class ControlLoop:
     def _view(self, rec: ClientRecord, now: float) -> ClientView:
         started = None
         if rec.started_at is not None:
-            started = now - max(0.0, time.time() - rec.started_at)
+            started = now - max(0.0, self.s.clock.time() - rec.started_at)
         return ClientView(
             client_id=rec.id,
             cls=rec.cls,
@@ -377,6 +384,8 @@ class ControlLoop:
     def apply(self, action: Action, now: float) -> None:
         """Carry out one controller action."""
         s, life = self.s, self.life
+        kind = type(action).__name__
+        self.applied[kind] = self.applied.get(kind, 0) + 1
         with s.lock:
             if isinstance(action, SetDuty):
                 self._set_duty(action, now)

@@ -211,6 +211,13 @@ class Registry:
             )
         return registry
 
+    @classmethod
+    def in_memory(cls) -> Registry:
+        """A registry that lives only as long as this object (the simulator's, and tests')."""
+        conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        _prepare(conn)
+        return cls(conn, Path(":memory:"))
+
     def close(self) -> None:
         """Close the database."""
         with self._lock:
@@ -252,8 +259,13 @@ class Registry:
         cwd: str | None = None,
         pause_mechanism: str | None = None,
         now: float | None = None,
+        client_id: str | None = None,
     ) -> ClientRecord:
-        """Record a new client and a ``client_submitted`` event; the id is ``c<number>``."""
+        """Record a new client and a ``client_submitted`` event.
+
+        The id is ``c<number>`` unless ``client_id`` names it (the simulator keeps its scenario's
+        names); a taken id raises :class:`RegistryError`.
+        """
         at = time.time() if now is None else now
         with self._tx() as conn:
             cur = conn.execute(
@@ -269,7 +281,10 @@ class Registry:
                 ),
             )  # fmt: skip
             seq = cur.lastrowid
-            client_id = f"c{seq}"
+            if client_id is None:
+                client_id = f"c{seq}"
+            elif conn.execute("SELECT 1 FROM clients WHERE id = ?", (client_id,)).fetchone():
+                raise RegistryError(f"client id {client_id!r} is taken")
             conn.execute("UPDATE clients SET id = ? WHERE seq = ?", (client_id, seq))
             self._event(
                 conn, at, "client_submitted", "info", client_id, gpu_uuid,

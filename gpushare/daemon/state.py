@@ -1,6 +1,7 @@
 """What the daemon knows right now, shared by its API, its client lifecycle and its control loop.
 
-One :class:`NodeState` holds the config, the registry, the node adapters, the policy, the last
+One :class:`NodeState` holds the config, the registry, the node adapters (clock and processes
+included, so the same code runs on a host and in the simulator's virtual time), the policy, the last
 readings (GPU samples, app p99s, MPS states) and the two levers every part reads (each GPU's
 offline duty and offline SM share), with the lookups derived from them. Every change of state goes
 through :attr:`NodeState.lock`, so the loop, the API handlers and the exit watcher never interleave
@@ -19,7 +20,7 @@ from gpushare.control.policy import Policy
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
 from gpushare.latency import AppLatency, LatencyP99
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
-from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
+from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
 from gpushare.node.cgroups import PauserError
 
 log = structlog.get_logger(__name__)
@@ -58,6 +59,8 @@ class NodeState:
         pauser: Pauser,
         probe: LatencyProbe | None,
         policy: Policy[Any] | None,
+        clock: Clock,
+        procs: ProcessHost,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -65,6 +68,9 @@ class NodeState:
         self.mps = mps
         self.pauser = pauser
         self.probe = probe
+        #: The time the loop runs on and the clients' processes: the host's, or simulated ones.
+        self.clock = clock
+        self.procs = procs
         self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()
         lat = config.latency
         self.latency = AppLatency(lat.window_s, lat.min_samples, lat.scrape_period_s)

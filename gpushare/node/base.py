@@ -4,12 +4,14 @@ The real adapters live in this package, the simulated node in :mod:`gpushare.sim
 in ``tests/``.
 
 The daemon's run loop talks to the node only through these, which is what lets the same loop and
-controller run on a real host, on the simulator and in tests.
+controller run on a real host, on the simulator (in virtual time: :class:`Clock`) and in tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -105,6 +107,69 @@ class MpsNode(Protocol):
         self, gpu_uuid: str, offline_pids: Sequence[int], online_pids: Sequence[int]
     ) -> None:
         """Recover a FAULTed server: offline clients terminated first, then the rest."""
+        ...
+
+
+Process = subprocess.Popen[bytes] | int
+"""A client's process as :class:`ProcessHost` hands it out: a child (``Popen``) or a pid."""
+
+
+class Clock(Protocol):
+    """The time the daemon's loop runs on: the host's clocks, or the simulator's virtual time."""
+
+    def monotonic(self) -> float:
+        """Seconds on a clock that never goes back: the ``now`` of ticks and deadlines."""
+        ...
+
+    def time(self) -> float:
+        """Seconds since the epoch: the registry's timestamps."""
+        ...
+
+    def sleep_until(self, deadline: float, stop: threading.Event) -> bool:
+        """Wait until :meth:`monotonic` reaches ``deadline`` or ``stop`` is set; True if stopped."""
+        ...
+
+
+class ProcessHost(Protocol):
+    """Starts, signals and watches clients' processes (:mod:`gpushare.daemon.launcher`)."""
+
+    def start(self, on_exit: Callable[[int, int | None], None]) -> None:
+        """Begin reporting exits of watched processes as ``on_exit(pid, exit_code)``."""
+        ...
+
+    def stop(self) -> None:
+        """Stop reporting exits."""
+        ...
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        uid: int,
+        gid: int,
+        cwd: str,
+        env: Mapping[str, str],
+        log_dir: Path,
+        client_id: str,
+        cgroup_procs_fd: int | None = None,
+    ) -> tuple[Process, float | None, Path]:
+        """Start a detached workload as ``uid``: (process, its start time, its log).
+
+        Raises:
+            OSError: the program, the working directory or the log cannot be used.
+        """
+        ...
+
+    def watch(self, proc: Process, start_time: float | None = None) -> None:
+        """Report when ``proc`` exits (at once when it is already gone or the pid was reused)."""
+        ...
+
+    def signal(self, pid: int, sig: int, pids: Sequence[int]) -> None:
+        """Signal a client: its process group when ``pid`` leads one, else each of ``pids``."""
+        ...
+
+    def alive(self, pid: int, start_time: float) -> bool:
+        """Whether ``pid`` is still the process that started at ``start_time``."""
         ...
 
 

@@ -1,186 +1,313 @@
-"""The node Protocols of :mod:`gpushare.node.base`, implemented on a simulated node.
+"""The simulated node of a scenario: its GPUs, its clients' workloads, and what sensors read there.
 
-These adapters let code written against the real node (the daemon's run loop, tests) drive a
-:class:`gpushare.sim.runner.SimNode`: NVML readings come from the GPU model, the probe from the
-simulated probe kernel, freezing from the simulated cgroup freezer, and MPS operations act on the
-simulated clients. Nothing here touches the host.
+:class:`SimNode` owns the GPU model (:mod:`gpushare.sim.gpu`) and the workloads
+(:mod:`gpushare.sim.workloads`) of a :class:`~gpushare.sim.scenario.Scenario`, allocates their GPU
+memory, keeps the table of their simulated processes (pid to client; an exit is reported through
+:attr:`SimNode.on_process_exit`), and computes what NVML and the probe would read. It decides
+nothing: the daemon's own control loop drives it through the node Protocols of
+:mod:`gpushare.sim.adapters`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import cast
 
-from gpushare.model import (
-    ClientClass,
-    ClientState,
-    GpuEvent,
-    GpuSample,
-    MpsEvent,
-    MpsState,
-    PauseMechanism,
-    ProbeReading,
+from gpushare.config import Config
+from gpushare.model import ClientClass, ClientState, GpuSample, ProbeReading, ProcessMemory
+from gpushare.sim import data
+from gpushare.sim.gpu import EventLoop, Gpu, GpuMode
+from gpushare.sim.scenario import OnlineSpec, Scenario
+from gpushare.sim.workloads import (
+    OfflineTrainer,
+    OnlineServer,
+    ProbeClient,
+    SimClient,
+    bursty_poisson_arrivals,
+    percentile,
+    poisson_arrivals,
+    rate_series_arrivals,
+    trace_arrivals,
 )
-from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
-from gpushare.sim.runner import SimNode
-from gpushare.sim.workloads import OfflineTrainer, OnlineServer, SimClient
+
+GPU_NAME = "Tesla V100-SXM2-16GB (simulated)"
+#: Quiet probe samples needed before a baseline is learned (as in gpushare.node.probe).
+PROBE_BASELINE_MIN_SAMPLES = 20
+
+#: Policies the simulator models by a GPU mode rather than by their actions.
+TIME_SLICE_POLICIES = frozenset({"time-slicing"})
 
 
-class SimGpuBackend:
-    """:class:`gpushare.node.base.GpuBackend` on the simulated GPUs.
+@dataclass(frozen=True, slots=True)
+class PolicyTraits:
+    """How a policy wants the node set up, beyond its actions.
 
-    Utilisation and SM activity are averaged since the previous :meth:`sample` call, as NVML's
-    sampling counters are.
+    ``offline_mps_priority`` (a policy attribute; 1 when absent) is the MPS priority offline clients
+    start with: plain MPS runs everyone at 0. A policy named in :data:`TIME_SLICE_POLICIES` (or with
+    ``gpu_mode = "time_slice"``) runs the GPU in the driver's time-sliced compute mode instead of
+    MPS, and its duty actions are not applied: the driver's slices (``[gpu] slice``, ms long) are
+    what time-slicing is, a duty cycle at the control period would be a different, coarser thing.
     """
 
-    def __init__(self, node: SimNode) -> None:
-        self.node = node
-        self._last = {g.uuid: (node.loop.now, *g.totals()) for g in node.gpus}
+    gpu_mode: GpuMode = "mps"
+    offline_priority: int = 1
 
-    def sample(self) -> Sequence[GpuSample]:
-        """One reading per simulated GPU."""
-        out = []
-        now = self.node.loop.now
-        for gpu in self.node.gpus:
-            busy, sm = gpu.totals()
-            t0, busy0, sm0 = self._last[gpu.uuid]
-            self._last[gpu.uuid] = (now, busy, sm)
-            obs = self.node.observe(gpu, (busy - busy0, sm - sm0, now - t0))
-            out.append(obs.sample)
-        return out
-
-    def drain_events(self) -> Sequence[GpuEvent]:
-        """The simulated GPUs raise no XID events."""
-        return ()
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-class SimLatencyProbe:
-    """:class:`gpushare.node.base.LatencyProbe` backed by the simulated probe kernel."""
-
-    def __init__(self, node: SimNode) -> None:
-        self.node = node
-
-    def reading(self, gpu_uuid: str) -> ProbeReading:
-        """The probe's window p99 and baseline on one simulated GPU."""
-        if gpu_uuid not in self.node.probes:
-            return ProbeReading(reason=f"unavailable: no simulated GPU {gpu_uuid}")
-        return self.node.probe_reading(gpu_uuid)
-
-    def set_offline_running(self, gpu_uuid: str, running: bool) -> None:
-        """Mark later probe samples as taken with or without offline work."""
-        probe = self.node.probes.get(gpu_uuid)
-        if probe is not None:
-            probe.offline_running = running
-
-    def close(self) -> None:
-        """Nothing to stop."""
-
-
-class SimPauser:
-    """:class:`gpushare.node.base.Pauser` on simulated clients (a cgroup freezer, simulated).
-
-    Freezing an offline client stops it issuing kernels; the ones it already issued still run.
-    Online clients are never frozen by the simulated node (the controller never asks for it).
-    """
-
-    mechanism = PauseMechanism.CGROUP
-
-    def __init__(self, node: SimNode) -> None:
-        self.node = node
-        self._attached: dict[str, SimClient] = {}
-
-    def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
-        """Track a simulated client under its id (``pid`` is recorded on it; no owner check)."""
-        client = self.node.client(client_id)
-        if client is None:
-            raise KeyError(f"no simulated client {client_id!r}")
-        client.pid = pid
-        self._attached[client_id] = client
-
-    def freeze(self, client_id: str) -> None:
-        """Stop the client issuing kernels."""
-        client = self._attached.get(client_id)
-        if isinstance(client, OfflineTrainer) and client.active:
-            client.held = True
-            client.set_frozen(True, self.node.loop.now)
-
-    def thaw(self, client_id: str) -> None:
-        """Let the client issue kernels again."""
-        client = self._attached.get(client_id)
-        if isinstance(client, OfflineTrainer) and client.active:
-            client.held = False
-            client.set_frozen(False, self.node.loop.now)
-
-    def kill(self, client_id: str) -> None:
-        """End the client's process; its outstanding kernels are discarded."""
-        client = self._attached.get(client_id)
-        if isinstance(client, OfflineTrainer) and client.state.is_live:
-            client.stop(ClientState.EXITED)
-        elif isinstance(client, OnlineServer) and client.state.is_live:
-            client.stop()
-
-    def pids(self, client_id: str) -> Sequence[int]:
-        """The client's pid while it is live."""
-        client = self._attached.get(client_id)
-        return [client.pid] if client is not None and client.state.is_live else []
-
-    def release(self, client_id: str) -> None:
-        """Forget the client."""
-        self._attached.pop(client_id, None)
-
-
-class SimMpsNode:
-    """:class:`gpushare.node.base.MpsNode` on the simulated GPUs: MPS is always up."""
-
-    def __init__(self, node: SimNode, runtime_dir: Path) -> None:
-        self.node = node
-        self.runtime_dir = runtime_dir
-
-    def pipe_dir(self, gpu_uuid: str) -> Path:
-        """A per-GPU pipe directory name (nothing listens there: the GPU is simulated)."""
-        return self.runtime_dir / "mps" / gpu_uuid
-
-    def state(self, gpu_uuid: str) -> MpsState:
-        """UP for a simulated GPU, UNKNOWN for anything else."""
-        return MpsState.UP if gpu_uuid in self.node.by_uuid else MpsState.UNKNOWN
-
-    def drain_events(self, gpu_uuid: str) -> Sequence[MpsEvent]:
-        """The simulated MPS reports no events."""
-        return ()
-
-    def terminate_client(self, gpu_uuid: str, client_pid: int) -> bool:
-        """Kill the outstanding GPU work of the client with this pid; True if one was found."""
-        for c in self.node.clients:
-            if c.gpu.uuid == gpu_uuid and c.pid == client_pid and c.state.is_live:
-                if isinstance(c, OfflineTrainer):
-                    c.stop(ClientState.EXITED)
-                elif isinstance(c, OnlineServer):
-                    c.stop()
-                return True
-        return False
-
-    def recover(
-        self, gpu_uuid: str, offline_pids: Sequence[int], online_pids: Sequence[int]
-    ) -> None:
-        """Terminate the offline clients first, then the online ones, as the real recovery does."""
-        ordered = sorted(
-            (c for c in self.node.clients if c.gpu.uuid == gpu_uuid),
-            key=lambda c: 0 if c.cls is ClientClass.OFFLINE else 1,
+    @classmethod
+    def of(cls, policy: object) -> PolicyTraits:
+        """Read the traits a policy declares, defaulting the rest."""
+        mode = getattr(policy, "gpu_mode", None)
+        if mode is None and getattr(policy, "name", None) in TIME_SLICE_POLICIES:
+            mode = "time_slice"
+        prio = getattr(policy, "offline_mps_priority", 1)
+        return cls(
+            gpu_mode="time_slice" if mode == "time_slice" else "mps",
+            offline_priority=int(prio) if prio in (0, 1) else 1,
         )
-        wanted = set(offline_pids) | set(online_pids)
-        for c in ordered:
-            if c.pid in wanted:
-                self.terminate_client(gpu_uuid, c.pid)
 
 
-def protocols(node: SimNode, runtime_dir: Path) -> tuple[GpuBackend, LatencyProbe, Pauser, MpsNode]:
-    """The four node adapters of a simulated node, typed as the Protocols they implement."""
-    return (
-        SimGpuBackend(node),
-        SimLatencyProbe(node),
-        SimPauser(node),
-        SimMpsNode(node, runtime_dir),
-    )
+class SimNode:
+    """The simulated node of a scenario: GPUs, clients, probes and their processes."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        *,
+        traits: PolicyTraits = PolicyTraits(),  # noqa: B008 - frozen value
+        with_offline: bool = True,
+        with_online: bool = True,
+    ) -> None:
+        self.scenario = scenario
+        self.traits = traits
+        self.cfg: Config = scenario.config
+        self.loop = EventLoop()
+        g = scenario.gpu
+        self.gpus = [
+            Gpu(
+                self.loop,
+                uuid=f"GPU-sim-{i:04d}",
+                index=i,
+                sm_count=g.sm_count,
+                mem_total_bytes=g.mem_total_bytes,
+                parallel_fraction=g.parallel_fraction,
+                bw_beta=g.bw_beta,
+                mode=traits.gpu_mode,
+                slice_s=g.slice_s,
+            )
+            for i in range(g.count)
+        ]
+        self.by_uuid = {gpu.uuid: gpu for gpu in self.gpus}
+        self.probes = {
+            gpu.uuid: ProbeClient(gpu, period_s=self.cfg.probe.period_s, kernel_s=g.probe_kernel_s)
+            for gpu in self.gpus
+        }
+        self.online: list[OnlineServer] = []
+        self.offline: list[OfflineTrainer] = []
+        #: When each offline job of the scenario reaches the queue.
+        self.submit_at: dict[str, float] = {}
+        self.mem_peak_bytes = {gpu.uuid: 0 for gpu in self.gpus}
+        #: The live simulated processes by pid, and who hears of their exits.
+        self.processes: dict[int, SimClient] = {}
+        self.on_process_exit: Callable[[int, int | None], None] | None = None
+        self._pid = 1000
+        seed = scenario.seed
+        if with_online:
+            for k, spec in enumerate(scenario.online):
+                gpu = self.gpus[spec.gpu]
+                prof = data.load_profile(spec.profile, g.merge_online_us, g.sm_count)
+                server = OnlineServer(
+                    spec.name,
+                    gpu,
+                    prof,
+                    arrivals_for(spec, prof.total_s, seed * 1000 + k, scenario.duration_s),
+                    sm_pct=spec.sm_pct,
+                    mem_bytes=spec.mem_bytes,
+                    slo_p99_ms=spec.slo_p99_ms,
+                    pid=self.next_pid(),
+                )
+                self.online.append(server)
+        if with_offline:
+            for spec_off in scenario.offline:
+                gpu = self.gpus[spec_off.gpu]
+                prof = data.load_profile(spec_off.profile, g.merge_offline_us, g.sm_count)
+                trainer = OfflineTrainer(
+                    spec_off.name,
+                    gpu,
+                    prof,
+                    sm_pct=self.cfg.control.offline_sm_pct_default,
+                    mem_bytes=spec_off.mem_bytes,
+                    pinned_mem_bytes=spec_off.pinned_mem_bytes,
+                    restartable=spec_off.restartable,
+                )
+                trainer.priority = traits.offline_priority
+                self.offline.append(trainer)
+                self.submit_at[spec_off.name] = spec_off.submit_s
+
+    def next_pid(self) -> int:
+        """A fresh pid for a simulated process."""
+        self._pid += 1
+        return self._pid
+
+    @property
+    def clients(self) -> list[SimClient]:
+        """Every online and offline client."""
+        return [*self.online, *self.offline]
+
+    def client(self, cid: str) -> SimClient | None:
+        """The client with this id, if any."""
+        return next((c for c in self.clients if c.cid == cid), None)
+
+    def start(self) -> None:
+        """Start probes and online services (online clients start at t = 0)."""
+        for probe in self.probes.values():
+            probe.start(self.loop)
+        for server in self.online:
+            if self.allocate(server):
+                self.processes[server.pid] = server
+                server.gpu.attach(server)
+                server.start(self.loop)
+
+    # --- memory --------------------------------------------------------------------------------
+
+    def mem_used(self, gpu: Gpu) -> int:
+        """Bytes allocated on a GPU by its live clients."""
+        return sum(c.mem_bytes for c in self.clients if c.gpu is gpu and c.state.is_live)
+
+    def allocate(self, c: SimClient) -> bool:
+        """Allocate a starting client's memory; a failure fails the client (as a CUDA OOM would)."""
+        if c.pinned_mem_bytes is not None and c.mem_bytes > c.pinned_mem_bytes:
+            self.fail(c, "allocation over the client's pinned memory limit")
+            return False
+        used = self.mem_used(c.gpu) - (c.mem_bytes if c.state.is_live else 0)
+        if used + c.mem_bytes > c.gpu.mem_total_bytes:
+            self.fail(c, "out of GPU memory")
+            return False
+        c.state = ClientState.STARTING if c.cls is ClientClass.OFFLINE else ClientState.RUNNING
+        peak = used + c.mem_bytes
+        self.mem_peak_bytes[c.gpu.uuid] = max(self.mem_peak_bytes[c.gpu.uuid], peak)
+        return True
+
+    def fail(self, c: SimClient, reason: str) -> None:
+        """The client failed (its process ends with an error)."""
+        c.state = ClientState.FAILED
+        c.failures += 1
+        c.fail_reason = reason
+
+    # --- processes -----------------------------------------------------------------------------
+
+    def end_process(self, pid: int, code: int | None, state: ClientState) -> None:
+        """A simulated process ends: its GPU work is discarded and its exit reported (at once)."""
+        c = self.processes.pop(pid, None)
+        if c is None:
+            return
+        stop_work(c, state)
+        if self.on_process_exit is not None:
+            # Reported from the event loop, as the exit watcher reports from its own thread.
+            self.loop.at(self.loop.now, self._report_exit, (pid, code))
+
+    def _report_exit(self, arg: object) -> None:
+        pid, code = cast(tuple[int, int | None], arg)
+        if self.on_process_exit is not None:
+            self.on_process_exit(pid, code)
+
+    # --- sensors -------------------------------------------------------------------------------
+
+    def sample(self, gpu: Gpu, busy_s: float, sm_s: float, dt: float) -> GpuSample:
+        """What NVML reads on a GPU: memory, its processes, utilisation over the last ``dt``."""
+        used = self.mem_used(gpu)
+        live = [c for c in self.clients if c.gpu is gpu and c.state.is_live]
+        return GpuSample(
+            index=gpu.index,
+            uuid=gpu.uuid,
+            name=GPU_NAME,
+            sm_count=gpu.sm_count,
+            mem_total_bytes=gpu.mem_total_bytes,
+            mem_used_bytes=used,
+            mem_free_bytes=gpu.mem_total_bytes - used,
+            gpu_util_pct=100.0 * busy_s / dt if dt > 0 else None,
+            sm_active_pct=100.0 * sm_s / (dt * gpu.sm_count) if dt > 0 else None,
+            processes=tuple(ProcessMemory(c.pid, c.mem_bytes) for c in live),
+        )
+
+    def probe_reading(self, gpu_uuid: str) -> ProbeReading:
+        """The probe's reading, by the rules of ``gpushare.node.probe.ProbeWindow``.
+
+        Latency is the p99 over the probe window (a launch not yet back counts as stalled);
+        the baseline is the p99 of the samples taken while no offline work ran, over the baseline
+        window ending at the last such sample, once there are at least
+        :data:`PROBE_BASELINE_MIN_SAMPLES`; when offline work runs throughout, the last learned
+        baseline is kept.
+        """
+        probe = self.probes[gpu_uuid]
+        now = self.loop.now
+        pc = self.cfg.probe
+        samples = probe.samples
+        window = [lat for t, lat, _ in _tail(samples, now - pc.window_s)]
+        if not window:
+            return ProbeReading(reason="no probe samples yet")
+        quiet_end = next((t for t, _, off in reversed(samples) if not off), None)
+        if quiet_end is not None and quiet_end != probe.baseline_at_s:
+            lo = quiet_end - pc.baseline_window_s
+            quiet = [lat for t, lat, off in _tail(samples, lo) if not off and t <= quiet_end]
+            if len(quiet) >= PROBE_BASELINE_MIN_SAMPLES:
+                probe.baseline_ms = percentile(quiet, 99.0) * 1e3
+                probe.baseline_at_s = quiet_end
+        lat_ms = percentile(window, 99.0) * 1e3
+        if probe.pending_since is not None:
+            stalled_ms = (now - samples[-1][0] - probe.period_s) * 1e3 if samples else 0.0
+            lat_ms = max(lat_ms, stalled_ms)
+        base = probe.baseline_ms
+        return ProbeReading(
+            latency_ms=lat_ms,
+            run_ms=probe.kernel_s * 1e3,
+            baseline_ms=base,
+            ratio=lat_ms / base if base else None,
+            samples=len(window),
+            reason=None if base else "no baseline yet: needs quiet samples",
+        )
+
+
+def stop_work(c: SimClient, state: ClientState = ClientState.EXITED) -> None:
+    """End a client's GPU work (its kernels are discarded); a stopped client stays stopped."""
+    if isinstance(c, OfflineTrainer) and c.state.is_live:
+        c.stop(state)
+    elif isinstance(c, OnlineServer) and c.state.is_live:
+        c.stop()
+
+
+def _tail(
+    samples: list[tuple[float, float, bool]], lo: float
+) -> Iterator[tuple[float, float, bool]]:
+    """Samples launched at or after ``lo`` (they are in launch order)."""
+    i = len(samples)
+    while i > 0 and samples[i - 1][0] >= lo:
+        i -= 1
+    return iter(samples[i:])
+
+
+def arrivals_for(spec: OnlineSpec, standalone_s: float, seed: int, end_s: float) -> Iterator[float]:
+    """The arrival process of an online service."""
+    if spec.arrivals == "poisson":
+        rps = spec.rps if spec.rps is not None else (spec.load or 0.5) / standalone_s
+        if spec.burst is not None:
+            return bursty_poisson_arrivals(rps, spec.burst, seed, 0.0, end_s)
+        return poisson_arrivals(rps, seed, end_s)
+    assert spec.trace is not None
+    if spec.arrivals == "azure":
+        times = data.load_azure_arrivals(spec.trace)
+        span = times[-1] - times[0] or 1.0
+        mean_rps = len(times) / span * spec.trace_speedup
+        want = spec.rps if spec.rps is not None else (spec.load or 0.5) / standalone_s
+        scale = min(1.0, want / mean_rps) if mean_rps > 0 else 1.0
+        return trace_arrivals(
+            times,
+            start_s=spec.trace_start_s,
+            speedup=spec.trace_speedup,
+            rate_scale=scale,
+            end_s=end_s,
+        )
+    series = data.load_genai_qps(spec.trace)
+    start_bin = int(spec.trace_start_s // 60)
+    series = series[start_bin:] or series
+    peak = spec.rps if spec.rps is not None else (spec.load or 0.5) / standalone_s
+    return rate_series_arrivals(series, bin_s=spec.bin_s, peak_rps=peak, seed=seed, end_s=end_s)

@@ -2,7 +2,7 @@
 
 This is the piece a daemon's simulated mode (docs/design.md D10: "the daemon's ``--simulate`` mode runs
 the same simulated node in real time") needs: :class:`RealTimeSimNode` owns a
-:class:`gpushare.sim.runner.SimNode` whose virtual clock follows a wall clock, lets clients be
+:class:`gpushare.sim.node.SimNode` whose virtual clock follows a wall clock, lets clients be
 added by a named simulated profile (``--sim-profile resnet50-train``, ``--sim-profile
 bert-inference --rps 40``) and removed, and hands out the four node Protocols of
 :mod:`gpushare.node.base`; every Protocol call first advances the simulation to the wall clock.
@@ -28,9 +28,9 @@ from gpushare.model import (
     PauseMechanism,
     ProbeReading,
 )
+from gpushare.sim import adapters as simnode
 from gpushare.sim import data
-from gpushare.sim import node as simnode
-from gpushare.sim.runner import SimNode
+from gpushare.sim.node import SimNode
 from gpushare.sim.scenario import GpuSpec, Scenario
 from gpushare.sim.simenv import ENV_BURST, ENV_PROFILE, ENV_RPS
 from gpushare.sim.workloads import OfflineTrainer, OnlineServer, bursty_poisson_arrivals
@@ -238,8 +238,9 @@ class RealTimeSimNode:
                 pid=pid,
             )
             node.online.append(server)
-            if not node._allocate(server):
+            if not node.allocate(server):
                 return False
+            node.processes[pid] = server
             gpu.attach(server)
             server.start(node.loop)
             return True
@@ -254,8 +255,9 @@ class RealTimeSimNode:
         )
         trainer.priority = node.traits.offline_priority
         node.offline.append(trainer)
-        if not node._allocate(trainer):
+        if not node.allocate(trainer):
             return False
+        node.processes[pid] = trainer
         trainer.start(node.loop.now)
         return True
 
@@ -269,6 +271,7 @@ class RealTimeSimNode:
             elif isinstance(c, OnlineServer) and c.state.is_live:
                 c.stop()
             if c is not None:
+                self.node.processes.pop(c.pid, None)
                 # Forget it: a relaunch under the same id is a new simulated client.
                 if isinstance(c, OfflineTrainer):
                     self.node.offline.remove(c)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gpushare.sim import engine
-from gpushare.sim.runner import RunResult, ScenarioResult
+from gpushare.sim.results import RunResult, ScenarioResult
 
 
 @dataclass(frozen=True, slots=True)
