@@ -70,7 +70,7 @@ EventCallback = Callable[[MpsEvent], None]
 
 
 class MpsSupervisor:
-    """Runs and keeps alive the MPS control daemon of one GPU (DESIGN D1).
+    """Runs and keeps alive the MPS control daemon of one GPU (docs/design.md D1).
 
     Life cycle: :meth:`start` prepares the directories, sets the compute mode, starts
     ``nvidia-cuda-mps-control -f`` (or adopts a daemon already answering on the pipe directory,
