@@ -89,6 +89,20 @@ class ControlLoop:
         self.ticks = 0
         #: Actions applied so far, by kind (the simulator reports them).
         self.applied: dict[str, int] = {}
+        self._records: list[ClientRecord] = []
+        self._records_version = -1
+        self._counts = (0, 0, 0)
+        self._counted_version = -1
+
+    def records(self) -> list[ClientRecord]:
+        """The live and queued clients, read again only when the registry changed them."""
+        registry = self.s.registry
+        with self.s.lock:
+            version = registry.clients_version
+            if version != self._records_version:
+                self._records = registry.clients()
+                self._records_version = version
+            return self._records
 
     def run(self, max_ticks: int | None = None) -> int:
         """Tick every ``control.period`` until stopped (or ``max_ticks`` ticks); returns 0."""
@@ -137,7 +151,7 @@ class ControlLoop:
             s.samples = samples
             for event in gpu_events:
                 self._record_gpu_event(event)
-            records = s.registry.clients()
+            records = self.records()
             observations: dict[str, Observation] = {}
             for sample in samples:
                 if not s.shared(sample):
@@ -240,7 +254,7 @@ class ControlLoop:
                 restartable=r.restartable,
                 not_before_s=self.life.not_before.get(r.id, 0.0),
             )
-            for r in s.registry.clients()
+            for r in self.records()
             if r.state is S.QUEUED
         ]
         max_clients = {x.uuid: s.max_clients(x) for x in s.samples}
@@ -317,10 +331,16 @@ class ControlLoop:
         s = self.s
         shared = [x for x in s.samples if s.shared(x)]
         up = sum(1 for x in shared if s.mps_states.get(x.uuid) is MpsState.UP)
-        recs = s.registry.clients()
-        online = sum(1 for r in recs if r.cls is ClientClass.ONLINE and r.state.is_live)
-        offline = sum(1 for r in recs if r.cls is ClientClass.OFFLINE and r.state.is_live)
-        queued = sum(1 for r in recs if r.state is S.QUEUED)
+        recs = self.records()
+        # Built every tick to see whether it changed: counted again only when the clients did.
+        if self._counted_version != self._records_version:
+            self._counts = (
+                sum(1 for r in recs if r.cls is ClientClass.ONLINE and r.state.is_live),
+                sum(1 for r in recs if r.cls is ClientClass.OFFLINE and r.state.is_live),
+                sum(1 for r in recs if r.state is S.QUEUED),
+            )
+            self._counted_version = self._records_version
+        online, offline, queued = self._counts
         return (
             f"{len(shared)} GPU(s), MPS up {up}/{len(shared)}, {online} online + {offline} "
             f"offline client(s), {queued} queued"
@@ -333,7 +353,7 @@ class ControlLoop:
         life = self.life
         period = self.s.config.control.period_s
         self._edges.clear()
-        for rec in self.s.registry.clients():
+        for rec in self.records():
             if rec.state not in RUNNING_STATES or rec.pid is None:
                 continue
             if life.exiting(rec.id):
@@ -368,7 +388,7 @@ class ControlLoop:
                 del self._edges[gpu]
             ids = [
                 rec.id
-                for rec in self.s.registry.clients()
+                for rec in self.records()
                 if rec.gpu_uuid in due
                 and rec.cls is ClientClass.OFFLINE
                 and rec.state is S.THROTTLED

@@ -176,6 +176,9 @@ class Registry:
         self._conn = conn
         self._lock = threading.RLock()
         self.path = path
+        #: Bumped by every write to a client row: a reader that kept :meth:`clients` may reuse it
+        #: while this is unchanged (the daemon's loop does, every tick).
+        self.clients_version = 0
 
     @classmethod
     def open(cls, path: Path) -> Registry:
@@ -268,6 +271,7 @@ class Registry:
         """
         at = time.time() if now is None else now
         with self._tx() as conn:
+            self.clients_version += 1
             cur = conn.execute(
                 "INSERT INTO clients (id, name, cls, argv, uid, gid, user, gpu_request, gpu_uuid,"
                 " gpu_index, sm_ceiling, sm_pct, mem_bytes, priority, slo_p99_ms, restartable,"
@@ -311,6 +315,7 @@ class Registry:
         """
         at = time.time() if now is None else now
         with self._tx() as conn:
+            self.clients_version += 1
             current = self._get(conn, client_id)
             if expect is not None and current.state is not expect:
                 raise TransitionError(
@@ -341,6 +346,7 @@ class Registry:
             RegistryError: no such client or an unknown field.
         """
         with self._tx() as conn:
+            self.clients_version += 1
             self._get(conn, client_id)
             self._update(conn, client_id, updates)
             return self._get(conn, client_id)
