@@ -18,6 +18,7 @@ Two sources feed the same answer, a :class:`LatencyP99` per online client:
 from __future__ import annotations
 
 import array
+import bisect
 import contextlib
 import http.client
 import itertools
@@ -75,6 +76,8 @@ class P99Tracker:
         self.max_samples = max_samples
         self._lock = threading.Lock()
         self._values: dict[str, deque[tuple[float, float]]] = {}
+        # The same values kept sorted, so a p99 every tick costs no sort of the whole window.
+        self._sorted: dict[str, list[float]] = {}
 
     def add(self, client_id: str, seconds: float, at_s: float) -> None:
         """Record one report."""
@@ -82,12 +85,18 @@ class P99Tracker:
             q = self._values.get(client_id)
             if q is None:
                 q = self._values[client_id] = deque(maxlen=self.max_samples)
+                self._sorted[client_id] = []
+            ordered = self._sorted[client_id]
+            if len(q) == q.maxlen:
+                del ordered[bisect.bisect_left(ordered, q[0][1])]  # append drops the oldest
             q.append((at_s, seconds))
+            bisect.insort(ordered, seconds)
 
     def forget(self, client_id: str) -> None:
         """Drop a client's reports (it exited)."""
         with self._lock:
             self._values.pop(client_id, None)
+            self._sorted.pop(client_id, None)
 
     def clients(self) -> list[str]:
         """Clients that reported at least once and were not forgotten."""
@@ -100,19 +109,18 @@ class P99Tracker:
             q = self._values.get(client_id)
             if q is None:
                 return LatencyP99(None, 0, "no latency reports")
+            ordered = self._sorted[client_id]
             while q and q[0][0] < now - self.window_s:
-                q.popleft()
-            values = [v for _, v in q]
-        if len(values) < self.min_samples:
-            return LatencyP99(
-                None,
-                len(values),
-                f"only {len(values)} reports in the last {self.window_s:g}s "
-                f"(needs {self.min_samples})",
-            )
-        values.sort()
-        rank = max(1, math.ceil(P99 * len(values)))
-        return LatencyP99(values[rank - 1] * 1000.0, len(values))
+                del ordered[bisect.bisect_left(ordered, q.popleft()[1])]
+            n = len(ordered)
+            if n < self.min_samples:
+                return LatencyP99(
+                    None,
+                    n,
+                    f"only {n} reports in the last {self.window_s:g}s (needs {self.min_samples})",
+                )
+            rank = max(1, math.ceil(P99 * n))
+            return LatencyP99(ordered[rank - 1] * 1000.0, n)
 
 
 @dataclass(frozen=True, slots=True)

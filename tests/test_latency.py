@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -469,3 +470,25 @@ def test_scrape_thread_runs_and_stops(metrics_server: MetricsServer) -> None:
         wait_for(lambda: app.p99s()["c"].p99_ms is not None)
     finally:
         app.close()
+
+
+def test_tracker_p99_matches_sorting_the_window_after_expiry_and_overflow() -> None:
+    """The tracker keeps its window sorted as it goes; the answer is the sort-the-window one."""
+    rng = random.Random(7)
+    tracker = P99Tracker(window_s=1.0, min_samples=3, max_samples=50)
+    kept: list[tuple[float, float]] = []
+    now = 0.0
+    for _ in range(400):
+        now += rng.uniform(0.0, 0.05)
+        seconds = rng.choice([rng.uniform(0.001, 0.1), 0.05])  # ties included
+        tracker.add("a", seconds, now)
+        kept = [*kept, (now, seconds)][-50:]
+        if rng.random() < 0.3:
+            window = sorted(v for at, v in kept if at >= now - 1.0)
+            got = tracker.p99("a", now)
+            if len(window) < 3:
+                assert got.p99_ms is None
+            else:
+                assert got.p99_ms == window[max(1, math.ceil(0.99 * len(window))) - 1] * 1000.0
+            assert got.samples == len(window)
+            kept = [(at, v) for at, v in kept if at >= now - 1.0]
