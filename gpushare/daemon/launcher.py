@@ -150,6 +150,16 @@ class HostProcesses:
         assert self._watcher is not None, "start() first"
         self._watcher.watch(proc, start_time)
 
+    def reap(self, proc: subprocess.Popen[bytes] | int, timeout_s: float) -> bool:
+        """Wait for a spawned child to exit (a bare pid is not ours to wait for)."""
+        if isinstance(proc, int):
+            return True
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def signal(self, pid: int, sig: int, pids: Sequence[int]) -> None:
         """Signal the process group ``pid`` leads, or each of ``pids`` (a gone process is fine)."""
         try:

@@ -164,6 +164,10 @@ class ProcessHost(Protocol):
         """Report when ``proc`` exits (at once when it is already gone or the pid was reused)."""
         ...
 
+    def reap(self, proc: Process, timeout_s: float) -> bool:
+        """Wait for a killed process the daemon spawned, unreported; False if it outlived that."""
+        ...
+
     def signal(self, pid: int, sig: int, pids: Sequence[int]) -> None:
         """Signal a client: its process group when ``pid`` leads one, else each of ``pids``."""
         ...

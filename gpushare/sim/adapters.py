@@ -267,6 +267,10 @@ class SimProcesses:
     def watch(self, proc: object, start_time: float | None = None) -> None:
         """Exits are reported for every simulated process; a gone one was reported already."""
 
+    def reap(self, proc: object, timeout_s: float) -> bool:
+        """A simulated process is gone as soon as it is killed."""
+        return True
+
     def signal(self, pid: int, sig: int, pids: Sequence[int]) -> None:
         """The workload exits on any signal (by it: status ``-sig``)."""
         if pid in self.node.processes:
