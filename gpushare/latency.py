@@ -81,16 +81,21 @@ class P99Tracker:
 
     def add(self, client_id: str, seconds: float, at_s: float) -> None:
         """Record one report."""
+        self.add_many(client_id, ((at_s, seconds),))
+
+    def add_many(self, client_id: str, reports: Iterable[tuple[float, float]]) -> None:
+        """Record ``(at_s, seconds)`` reports of one client, in the order they were made."""
         with self._lock:
             q = self._values.get(client_id)
             if q is None:
                 q = self._values[client_id] = deque(maxlen=self.max_samples)
                 self._sorted[client_id] = []
             ordered = self._sorted[client_id]
-            if len(q) == q.maxlen:
-                del ordered[bisect.bisect_left(ordered, q[0][1])]  # append drops the oldest
-            q.append((at_s, seconds))
-            bisect.insort(ordered, seconds)
+            for report in reports:
+                if len(q) == q.maxlen:
+                    del ordered[bisect.bisect_left(ordered, q[0][1])]  # append drops the oldest
+                q.append(report)
+                bisect.insort(ordered, report[1])
 
     def forget(self, client_id: str) -> None:
         """Drop a client's reports (it exited)."""

@@ -93,6 +93,7 @@ class ControlLoop:
         self._records_version = -1
         self._counts = (0, 0, 0)
         self._counted_version = -1
+        self._views: dict[str, tuple[ClientRecord, ClientView]] = {}
 
     def records(self) -> list[ClientRecord]:
         """The live and queued clients, read again only when the registry changed them."""
@@ -102,6 +103,9 @@ class ControlLoop:
             if version != self._records_version:
                 self._records = registry.clients()
                 self._records_version = version
+                if len(self._views) > len(self._records):
+                    live = {r.id for r in self._records}
+                    self._views = {k: v for k, v in self._views.items() if k in live}
             return self._records
 
     def run(self, max_ticks: int | None = None) -> int:
@@ -277,7 +281,12 @@ class ControlLoop:
         started = None
         if rec.started_at is not None:
             started = now - max(0.0, self.s.clock.time() - rec.started_at)
-        return ClientView(
+        # The same record gives the same view while the clocks keep their offset (always, in
+        # virtual time): kept per record, built again when either changed.
+        cached = self._views.get(rec.id)
+        if cached is not None and cached[0] is rec and cached[1].started_at_s == started:
+            return cached[1]
+        view = ClientView(
             client_id=rec.id,
             cls=rec.cls,
             state=rec.state,
@@ -295,6 +304,8 @@ class ControlLoop:
             started_at_s=started,
             held=rec.held,
         )
+        self._views[rec.id] = (rec, view)
+        return view
 
     def _record_gpu_event(self, event: GpuEvent) -> None:
         self.s.registry.add_event(

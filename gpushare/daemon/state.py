@@ -82,6 +82,8 @@ class NodeState:
         #: The levers the controller sets per GPU (absent: 1.0 and the configured default).
         self.duty: dict[str, float] = {}
         self.offline_share: dict[str, float] = {}
+        self._shared: dict[tuple[int, str], bool] = {}
+        self._shared_for: Config | None = None
 
     def transition(self, client_id: str, to: ClientState, **kw: Any) -> ClientRecord | None:
         """Move a client in the registry; a refused move is logged and gives None."""
@@ -113,7 +115,15 @@ class NodeState:
 
     def shared(self, sample: GpuSample) -> bool:
         """Whether gpushare shares this GPU (``[gpus]`` in the config)."""
-        return self.config.gpu_override(sample.index, sample.uuid).shared
+        # Asked several times per GPU per tick: kept until the config is replaced (a reload).
+        if self._shared_for is not self.config:
+            self._shared.clear()
+            self._shared_for = self.config
+        key = (sample.index, sample.uuid)
+        found = self._shared.get(key)
+        if found is None:
+            found = self._shared[key] = self.config.gpu_override(sample.index, sample.uuid).shared
+        return found
 
     def sample(self, gpu_uuid: str) -> GpuSample | None:
         """The last sample of a GPU."""

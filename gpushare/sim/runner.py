@@ -129,9 +129,10 @@ class SimDaemon:
         for server in self.node.online:
             done = server.completed
             start = self._reported.get(server.cid, 0)
-            for arrival, latency in done[start:]:
-                tracker.add(server.cid, latency, arrival + latency)
-            self._reported[server.cid] = len(done)
+            if start < len(done):
+                reports = [(arrival + latency, latency) for arrival, latency in done[start:]]
+                tracker.add_many(server.cid, reports)
+                self._reported[server.cid] = len(done)
 
     def run(self, end_s: float, before_tick: ProgressFn | None = None) -> None:
         """Tick the daemon's loop every control period from now until ``end_s`` (virtual)."""
@@ -185,7 +186,6 @@ def run_policy(
         if slo_ms and c.cid in slo_ms:
             c.slo_p99_ms = slo_ms[c.cid]
     node.start()
-    sim = SimDaemon(node, policy)
     busy_total = {g.uuid: 0.0 for g in node.gpus}
     sm_total = {g.uuid: 0.0 for g in node.gpus}
     warmup, end = scenario.warmup_s, scenario.duration_s
@@ -203,7 +203,19 @@ def run_policy(
         if progress is not None and t > 0:
             progress(t / end)
 
-    sim.run(end, account)
+    if policy is None and not node.offline:
+        # The reference run (online services alone) has nothing a daemon would act on: the
+        # model runs alone, period by period.
+        duty_series = _run_alone(node, end, account)
+        ended: dict[str, tuple[str, str | None]] = {}
+        actions: dict[str, int] = {}
+    else:
+        sim = SimDaemon(node, policy)
+        sim.run(end, account)
+        duty_series = sim.duty_series
+        ended = sim.ended()
+        actions = dict(sim.loop.applied)
+        sim.close()
     for gpu in node.gpus:
         stats = gpu.take_stats()
         if node.loop.now > warmup:
@@ -211,13 +223,29 @@ def run_policy(
             sm_total[gpu.uuid] += stats.sm_s
     if progress is not None:
         progress(1.0)
-    ended = sim.ended()
-    sim.close()
     wall = time.perf_counter() - wall0
-    actions = dict(sim.loop.applied)
     return collect(
-        node, scenario, policy, name, wall, sim.duty_series, busy_total, sm_total, actions, ended
+        node, scenario, policy, name, wall, duty_series, busy_total, sm_total, actions, ended
     )
+
+
+def _run_alone(
+    node: SimNode, end_s: float, before_tick: ProgressFn
+) -> dict[str, list[tuple[float, float]]]:
+    """Run the model without a daemon on the control-period grid; the duty is 1 throughout."""
+    period = node.cfg.control.period_s
+    series: dict[str, list[tuple[float, float]]] = {g.uuid: [] for g in node.gpus}
+    t = 0.0
+    ticks = 0
+    while t < end_s - 1e-12:
+        t_next = min(end_s, (ticks + 1) * period)
+        before_tick(t)
+        for gpu in node.gpus:
+            series[gpu.uuid].append((t, 1.0))
+        node.loop.run_until(t_next)
+        t = t_next
+        ticks += 1
+    return series
 
 
 def standalone(scenario: Scenario) -> tuple[RunResult | None, dict[str, float]]:
