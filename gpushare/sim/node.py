@@ -10,6 +10,8 @@ nothing: the daemon's own control loop drives it through the node Protocols of
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
@@ -26,6 +28,7 @@ from gpushare.sim.workloads import (
     SimClient,
     bursty_poisson_arrivals,
     percentile,
+    percentile_sorted,
     poisson_arrivals,
     rate_series_arrivals,
     trace_arrivals,
@@ -101,6 +104,7 @@ class SimNode:
             gpu.uuid: ProbeClient(gpu, period_s=self.cfg.probe.period_s, kernel_s=g.probe_kernel_s)
             for gpu in self.gpus
         }
+        self._quiet = {gpu.uuid: _QuietSamples() for gpu in self.gpus}
         self.online: list[OnlineServer] = []
         self.offline: list[OfflineTrainer] = []
         #: When each offline job of the scenario reaches the queue.
@@ -245,12 +249,13 @@ class SimNode:
         window = [lat for t, lat, _ in _tail(samples, now - pc.window_s)]
         if not window:
             return ProbeReading(reason="no probe samples yet")
-        quiet_end = next((t for t, _, off in reversed(samples) if not off), None)
+        quiet = self._quiet[gpu_uuid]
+        quiet.take(samples)
+        quiet_end = quiet.last_s
         if quiet_end is not None and quiet_end != probe.baseline_at_s:
-            lo = quiet_end - pc.baseline_window_s
-            quiet = [lat for t, lat, off in _tail(samples, lo) if not off and t <= quiet_end]
-            if len(quiet) >= PROBE_BASELINE_MIN_SAMPLES:
-                probe.baseline_ms = percentile(quiet, 99.0) * 1e3
+            ordered = quiet.since(quiet_end - pc.baseline_window_s)
+            if len(ordered) >= PROBE_BASELINE_MIN_SAMPLES:
+                probe.baseline_ms = percentile_sorted(ordered, 99.0) * 1e3
                 probe.baseline_at_s = quiet_end
         lat_ms = percentile(window, 99.0) * 1e3
         if probe.pending_since is not None:
@@ -265,6 +270,37 @@ class SimNode:
             samples=len(window),
             reason=None if base else "no baseline yet: needs quiet samples",
         )
+
+
+class _QuietSamples:
+    """A probe's samples taken without offline work, sorted by latency, trimmed by launch time.
+
+    What sorting the quiet samples launched since ``lo`` gives, kept incrementally: the probe
+    appends its samples in launch order, and ``lo`` never goes back.
+    """
+
+    def __init__(self) -> None:
+        self._seen = 0
+        self._by_time: deque[tuple[float, float]] = deque()
+        self._sorted: list[float] = []
+        self.last_s: float | None = None
+
+    def take(self, samples: list[tuple[float, float, bool]]) -> None:
+        """Add the quiet ones among the samples not seen yet."""
+        for k in range(self._seen, len(samples)):
+            t, lat, offline = samples[k]
+            if not offline:
+                self._by_time.append((t, lat))
+                bisect.insort(self._sorted, lat)
+                self.last_s = t
+        self._seen = len(samples)
+
+    def since(self, lo: float) -> list[float]:
+        """The sorted latencies of the quiet samples launched at or after ``lo``."""
+        by_time, ordered = self._by_time, self._sorted
+        while by_time and by_time[0][0] < lo:
+            del ordered[bisect.bisect_left(ordered, by_time.popleft()[1])]
+        return ordered
 
 
 def stop_work(c: SimClient, state: ClientState = ClientState.EXITED) -> None:
