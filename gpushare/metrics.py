@@ -116,6 +116,8 @@ class NodeMetrics:
     user_names: Mapping[int, str] = field(default_factory=dict)
     clients: Mapping[str, ClientStats] = field(default_factory=dict)
     admission: AdmissionStats = AdmissionStats()
+    #: Events of the daemon's log since it started, by (kind, severity, GPU UUID or "").
+    events: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
 
 
 _GPU_LABELS = ["gpu", "UUID"]
@@ -164,6 +166,7 @@ class Exporter(Collector):
         yield from _gpu_metrics(snap)
         yield from _client_metrics(snap)
         yield from _admission_metrics(snap.admission)
+        yield _event_metrics(snap)
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -335,3 +338,17 @@ def _admission_metrics(adm: AdmissionStats) -> Iterator[_Family]:
     if adm.wait_s is not None:
         _histogram(wait, [], adm.wait_s)
     yield from (queued, oldest, wait)
+
+
+def _event_metrics(snap: NodeMetrics) -> CounterMetricFamily:
+    # Event kinds are fixed strings of the daemon's code, so the label set stays bounded; the
+    # dashboard turns increases into annotations (the event text is in `gpushare events`).
+    events = CounterMetricFamily(
+        "gpushare_events",
+        "Entries of the daemon's event log (gpushare events) by kind and severity",
+        labels=["gpu", "UUID", "kind", "severity"],
+    )
+    index = {obs.gpu_uuid: str(obs.gpu_index) for obs in snap.observations}
+    for (kind, severity, uuid), n in sorted(snap.events.items()):
+        events.add_metric([index.get(uuid, ""), uuid, kind, severity], float(n))
+    return events

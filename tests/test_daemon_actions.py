@@ -342,6 +342,14 @@ listen = "127.0.0.1:{port}"
         assert m[("gpushare_evictions_total", None)].value == 0
         assert m[("gpushare_controller_step_seconds_count", None)].value == 2  # two ticks
         assert m[("gpushare_admission_queue_length", None)].value == 0
+        events = {
+            (s.labels["kind"], s.labels["gpu"]): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == "gpushare_events_total"
+        }
+        assert events[("offline_throttled", "0")] == 1  # the SetDuty above, on GPU 0
+        assert events[("daemon_started", "")] == 1
     finally:
         os.killpg(r["pid"], signal.SIGKILL)
         d.shutdown()

@@ -124,4 +124,4 @@ def test_dashboard_covers_the_issue(dashboard):
     # Every query filters on the GPU variable, except the node-level admission series.
     for where, expr in _queries(dashboard):
         if "admission" not in expr and not where.startswith("variable"):
-            assert '$UUID"' in expr, where
+            assert 'UUID=~"$UUID' in expr, where

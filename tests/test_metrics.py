@@ -301,3 +301,24 @@ def test_any_name_or_user_round_trips(name, user):
     ]
     assert labels
     assert all(lab["name"] == name and lab["user"] == user for lab in labels)
+
+
+def test_event_counts_by_kind_and_gpu(exporter):
+    snap = _full_snapshot()
+    exporter.update(
+        NodeMetrics(
+            observations=snap.observations,
+            events={
+                ("offline_throttled", "info", "GPU-aaaa"): 3,
+                ("daemon_started", "info", ""): 1,
+            },
+        )
+    )
+    m = _scrape(exporter)
+    gpu = (("UUID", "GPU-aaaa"), ("gpu", "0"))
+    assert (
+        m[("gpushare_events_total", (*gpu, ("kind", "offline_throttled"), ("severity", "info")))]
+        == 3
+    )
+    node = (("UUID", ""), ("gpu", ""), ("kind", "daemon_started"), ("severity", "info"))
+    assert m[("gpushare_events_total", node)] == 1

@@ -249,6 +249,7 @@ class ControlLoop:
             user_names=names,
             clients=clients,
             admission=ops.admission(queued, time.time()),
+            events=self.s.registry.event_counts(),
         )
 
     def _admit(self, observations: Mapping[str, Observation], now: float) -> None:
