@@ -540,3 +540,22 @@ def test_evictions_are_counted_per_client_and_survive_requeue(
     assert d.state.ops.gpu_evictions(GPU0) == 1
     # The submit started it at once; the requeued run went through admission.
     assert d.state.ops.admission(0, time.time()).wait_s.count == 1
+
+
+class _RatioProbe(_RecordingProbe):
+    def reading(self, gpu_uuid: str) -> ProbeReading:
+        return ProbeReading(latency_ms=2.7, baseline_ms=1.5, ratio=1.8)
+
+
+def test_online_client_without_reports_is_judged_by_the_probe(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    d, _, _ = env
+    d.state.probe = _RatioProbe()
+    web = _submit(d, ["sleep", "30"], cls="online", slo_p99_ms=40.0)
+    d.run(max_ticks=1)
+    st = d.api.status(ROOT, {"gpu": "0"})
+    lat = next(c for c in st["clients"] if c["id"] == web["client_id"])["latency"]
+    assert (lat["p99_ms"], lat["source"]) == (None, "probe")
+    assert lat["ratio"] == pytest.approx(1.8 / d.config.control.probe_slo_ratio)
+    assert st["gpus"][0]["online_slo"]["probe_ratio"] == 1.8

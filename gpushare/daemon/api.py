@@ -209,8 +209,8 @@ class Api:
     def _latency(self, r: ClientRecord) -> dict[str, Any]:
         s = self.s
         reading = None
-        if s.probe is not None and r.gpu_uuid is not None and s.config.probe.enabled:
-            reading = s.probe.reading(r.gpu_uuid)
+        if s.probe is not None and r.gpu_uuid is not None:
+            reading = s.probe.reading(r.gpu_uuid)  # as online_slo reads it
         out = latency_status(
             s.p99.get(r.id),
             r.slo_p99_ms,
