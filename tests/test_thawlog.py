@@ -101,3 +101,40 @@ def test_matches_a_full_history(start, steps, tail):
     if span > 0:
         assert got == pytest.approx(want / span, abs=1e-6)
     assert log.total_s("c", now) == pytest.approx(_reference(edges, start, now, start), abs=1e-6)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.floats(0.0, 5000.0),
+    st.lists(
+        st.tuples(st.floats(0.001, 90.0), st.booleans(), st.booleans()), min_size=1, max_size=80
+    ),
+)
+def test_queries_between_edges_match_a_full_history(start, steps):
+    """Asked at every edge (as status and metrics do each tick), the running sum stays exact."""
+    log = ThawLog()
+    edges = [(start, True)]
+    log.set("c", True, start)
+    t = start
+    for dt, state, ask in steps:
+        t += dt
+        if ask:
+            window_start = max(start, (math.floor(t) - 60) * 1.0)
+            want = _reference(edges, start, t, window_start) / (t - window_start)
+            assert log.fraction("c", t) == pytest.approx(want, abs=1e-6)
+        log.set("c", state, t)
+        edges.append((t, state))
+
+
+def test_hours_of_duty_cycling_stay_exact():
+    log = ThawLog()
+    t = 1e6  # a monotonic clock of a machine up for days
+    log.set("c", True, t)
+    for i in range(6 * 3600 * 10):  # six hours of a 100 ms period at duty 0.25
+        log.set("c", False, t + 0.025)
+        t += 0.1
+        log.set("c", True, t)
+        if i % 997 == 0:
+            assert log.fraction("c", t) == pytest.approx(0.25, abs=0.005)
+    assert log.fraction("c", t) == pytest.approx(0.25, abs=0.005)
+    assert log.total_s("c", t) == pytest.approx(6 * 3600 * 0.25, rel=1e-6)

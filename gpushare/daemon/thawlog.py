@@ -29,6 +29,10 @@ class _Track:
     # bins[i] holds the thawed seconds of bin number ids[i] (a bin number is floor(t / BIN_S)).
     bins: list[float] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
+    # The sum of the stored bins numbered win_first or later, kept as bins fill and expire so a
+    # query costs O(1) per tick rather than a pass over every bin.
+    win_sum: float = 0.0
+    win_first: int = 0
 
 
 class ThawLog:
@@ -52,7 +56,8 @@ class ThawLog:
                 thawed=thawed,
                 last_s=now,
                 bins=[0.0] * self._nbins,
-                ids=[-1] * self._nbins,
+                ids=[-(1 << 62)] * self._nbins,
+                win_first=self._bin(now) - self._nbins + 1,
             )
             return
         self._advance(track, now)
@@ -89,17 +94,33 @@ class ThawLog:
         if track is None:
             return None
         self._advance(track, now)
-        current = self._bin(now)
-        first = current - self._nbins + 1
+        first = self._bin(now) - self._nbins + 1
+        self._slide(track, first)
         start = max(track.since_s, first * self.bin_s)
         span = now - start
         if span <= 0:
             return 1.0 if track.thawed else 0.0
-        thawed = sum(v for v, i in zip(track.bins, track.ids, strict=True) if i >= first)
-        return min(1.0, max(0.0, thawed / span))
+        return min(1.0, max(0.0, track.win_sum / span))
 
     def _bin(self, t: float) -> int:
         return math.floor(t / self.bin_s)
+
+    def _slide(self, track: _Track, first: int) -> None:
+        """Move the window's start to bin ``first``, dropping the bins that fell out of it."""
+        if first <= track.win_first:
+            return
+        if first - track.win_first >= self._nbins or first // self._nbins != (
+            track.win_first // self._nbins
+        ):
+            # After a long gap, and once per window length anyway (so float error from the
+            # running additions and subtractions cannot build up), sum the bins afresh.
+            track.win_sum = sum(v for v, i in zip(track.bins, track.ids, strict=True) if i >= first)
+        else:
+            for b in range(track.win_first, first):
+                slot = b % self._nbins
+                if track.ids[slot] == b:
+                    track.win_sum -= track.bins[slot]
+        track.win_first = first
 
     def _advance(self, track: _Track, now: float) -> None:
         """Account ``[last_s, now)`` in the current state into the total and the bins."""
@@ -118,8 +139,12 @@ class ThawLog:
             end = min(now, (b + 1) * self.bin_s)
             slot = b % self._nbins
             if track.ids[slot] != b:
+                if track.ids[slot] >= track.win_first:
+                    track.win_sum -= track.bins[slot]  # an old bin leaves the ring
                 track.ids[slot] = b
                 track.bins[slot] = 0.0
             track.bins[slot] += end - t
+            if b >= track.win_first:
+                track.win_sum += end - t
             t = end
             b += 1
