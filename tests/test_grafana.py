@@ -59,6 +59,17 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
+def _balanced(expr: str) -> bool:
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    stack = []
+    for ch in expr:
+        if ch in "([{":
+            stack.append({"(": ")", "[": "]", "{": "}"}[ch])
+        elif ch in ")]}" and (not stack or stack.pop() != ch):
+            return False
+    return not stack
+
+
 def _queries(dash: dict) -> list[tuple[str, str]]:
     out = []
 
@@ -93,6 +104,8 @@ def test_metric_name_extraction():
             "[$__rate_interval]))) / on(UUID) group_left() (max by (UUID) (DCGM_X) * 1048576)")  # fmt: skip
     assert metric_names(expr) == {"a_bucket", "DCGM_X"}
     assert metric_names("x > bool y offset 5m") == {"x", "y"}
+    assert _balanced('sum(rate(a{x="(]"}[5m]))')
+    assert not _balanced("sum(rate(a[5m])")
 
 
 def test_every_query_names_an_exported_metric(dashboard):
@@ -102,6 +115,7 @@ def test_every_query_names_an_exported_metric(dashboard):
     queries = _queries(dashboard)
     assert len(queries) > 20
     for where, expr in queries:
+        assert _balanced(expr), f"{where}: unbalanced brackets in {expr!r}"
         names = metric_names(expr)
         assert names, f"{where}: no metric in {expr!r}"
         for name in names:
