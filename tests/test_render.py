@@ -113,6 +113,8 @@ def test_gpu_gate_and_why():
         "ratio 1.2" in lines
     )
     assert not any(line.startswith("GPU 1 offline") for line in lines)  # no action yet: no why
+    unshared = render_status(_status([_gpu(shared=False, duty=1.0, gate=None)], []))
+    assert unshared.splitlines()[3].split()[8] == "-"
 
 
 def test_schema_1_answers_render_with_na():

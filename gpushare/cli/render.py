@@ -105,6 +105,8 @@ def render_clients(clients: Sequence[dict[str, Any]]) -> str:
 
 
 def _gate(gpu: dict[str, Any]) -> str:
+    if not gpu.get("shared", True):
+        return "-"  # gpushare does not manage this GPU
     gate = gpu.get("gate")
     duty = gpu["duty"]
     state = gate["state"] if gate else ("open" if duty >= 1.0 else "closed" if duty <= 0 else "")

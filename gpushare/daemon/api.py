@@ -166,7 +166,9 @@ class Api:
             "duty": s.duty.get(x.uuid, 1.0),
             "gate": gate_status(
                 s.duty.get(x.uuid, 1.0), s.ops.last_action(x.uuid), time.monotonic()
-            ),
+            )
+            if shared
+            else None,
             "offline_sm_pct": s.default_sm(ClientClass.OFFLINE, x.uuid),
             "online_slo": slo,
             "probe": {
