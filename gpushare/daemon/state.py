@@ -17,6 +17,7 @@ import structlog
 
 from gpushare.config import Config
 from gpushare.control.policy import Policy
+from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
 from gpushare.latency import AppLatency, LatencyP99
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
@@ -84,6 +85,8 @@ class NodeState:
         self.offline_share: dict[str, float] = {}
         self._shared: dict[tuple[int, str], bool] = {}
         self._shared_for: Config | None = None
+        #: Thawed time, evictions, step timings and each GPU's last action, for status and metrics.
+        self.ops = OpStats()
 
     def transition(self, client_id: str, to: ClientState, **kw: Any) -> ClientRecord | None:
         """Move a client in the registry; a refused move is logged and gives None."""
