@@ -5,7 +5,9 @@ apps' own p99), builds one :class:`~gpushare.model.Observation` per shared GPU, 
 actions and applies them, admits queued jobs, and between ticks runs the offline duty cycle (see
 :mod:`gpushare.model`): at the start of a period every offline client of a throttled GPU is thawed,
 at ``duty x period`` it is frozen again. Launching, ending and freezing clients is the
-:class:`~gpushare.daemon.lifecycle.Lifecycle`'s; the loop decides when.
+:class:`~gpushare.daemon.lifecycle.Lifecycle`'s; the loop decides when. Time and the node come from
+the :class:`~gpushare.daemon.state.NodeState` (a :class:`~gpushare.node.base.Clock` and the node
+Protocols), so the simulator runs this same loop in virtual time (:mod:`gpushare.sim.runner`).
 """
 
 from __future__ import annotations
