@@ -61,3 +61,16 @@ def test_mps_down_only_for_shared_gpus():
     assert mps_down(_status([_gpu(mps_state="fault")], []))
     assert not mps_down(_status([_gpu(mps_state="down", shared=False)], []))
     assert not mps_down(_status([_gpu()], []))
+
+
+def test_an_adopted_client_says_who_adopted_it_and_how_it_is_paused():
+    adopted = _client(
+        id="c2", pause_mechanism="signal", adopted_by="slurm job 42",
+        pause_reason="SIGSTOP/SIGCONT: /sys/fs/cgroup/x also holds pid 7, which is not part of the client",
+    )  # fmt: skip
+    text = render_clients([_client(adopted_by=None), adopted])
+    assert text.splitlines()[-1] == (
+        "c2: adopted by slurm job 42; paused by SIGSTOP/SIGCONT: /sys/fs/cgroup/x also holds pid 7, "
+        "which is not part of the client"
+    )
+    assert "c1: adopted" not in text

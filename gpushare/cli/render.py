@@ -44,7 +44,17 @@ def render_clients(clients: Sequence[dict[str, Any]]) -> str:
             c["state"] + (" (held)" if c["held"] else ""), _dur(c["uptime_s"]),
             c["pause_mechanism"] or NA,
         ])  # fmt: skip
-    return _table(rows) if clients else "no clients"
+    if not clients:
+        return "no clients"
+    # Adopted clients (gpushare did not start them): who adopted them, and how they are paused
+    # where they are (their own cgroup, or signals) and why.
+    notes = [
+        f"{c['id']}: adopted by {c['adopted_by']}"
+        + (f"; paused by {c['pause_reason']}" if c.get("pause_reason") else "")
+        for c in clients
+        if c.get("adopted_by")
+    ]
+    return "\n".join([_table(rows), *notes])
 
 
 def _mps(gpu: dict[str, Any], simulated: bool) -> str:
