@@ -114,7 +114,7 @@ enabled = false
 def _submit(d: Daemon, argv: list[str], **kw: Any) -> dict[str, Any]:
     params = {"cls": "offline", "argv": argv, "detach": True, "cwd": "/", "gpu": "0",
               "env": {"PATH": os.environ["PATH"]}, **kw}  # fmt: skip
-    return d.api_submit(ROOT, params)
+    return d.api.submit(ROOT, params)
 
 
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -262,7 +262,7 @@ def test_share_recover_alert(env: tuple[Daemon, ScriptedPolicy, FakeMpsNode]) ->
         ("mps_recovery", "warning"),
         ("alert", "critical"),
     } <= kinds
-    assert d.api_status(ROOT, {})["gpus"][0]["offline_sm_pct"] == 35.0
+    assert d.api.status(ROOT, {})["gpus"][0]["offline_sm_pct"] == 35.0
 
 
 def test_slot_limit_counts_live_clients(env: tuple[Daemon, ScriptedPolicy, FakeMpsNode]) -> None:
@@ -373,7 +373,7 @@ def test_a_client_going_away_is_not_refrozen_by_the_duty_cycle(
     policy.pending = [SetDuty(GPU0, 0.0, "test")]
     d.run(max_ticks=2)
     assert d.registry.get(r["client_id"]).state is ClientState.THROTTLED
-    d.api_cancel(ROOT, {"client_id": r["client_id"]})
+    d.api.cancel(ROOT, {"client_id": r["client_id"]})
 
     def ended() -> bool:
         d.run(max_ticks=1)
@@ -412,7 +412,7 @@ def test_probe_is_told_offline_work_runs_under_a_partial_duty(
     """
     d, policy, _ = env
     probe = _RecordingProbe()
-    d.probe = probe
+    d.state.probe = probe
     _submit(d, BUSY)
     policy.pending = [SetDuty(GPU0, 0.5, "test")]
     d.run(max_ticks=4)
