@@ -60,28 +60,29 @@ def test_a_marked_process_is_adopted_in_its_class_once_it_is_old_enough(start):
         p.pid, ClientClass.OFFLINE, "rule 'm' (test.toml)",
     )  # fmt: skip
     # Started without gpushare env: MPS does not limit it, and the message says how to fix it.
-    assert any("started without CUDA_MPS_PIPE_DIRECTORY" in n for n in out.news)
+    assert any("started without CUDA_MPS_PIPE_DIRECTORY" in n for n in found.decision.notes)
+    assert out.refused == out.idle == ()
     # Once it is a client, it (and anything it starts) is not adopted again.
     again = adopter.scan(_rules(MARKER), clients=[p.pid], gpu_pids=None)
-    assert again.adopt == () and again.news == ()
+    assert again.adopt == () and again.refused == again.idle == ()
 
 
 def test_a_bad_marker_is_refused_once_with_the_fix(start):
     p = start({"GPUSHARE_CLASS": "batch"})
     adopter, out = _scan([p.pid], _rules(MARKER))
     assert out.adopt == ()
-    assert out.news == (
+    assert out.refused == (
         f"pid {p.pid} (sleep) of root not adopted: GPUSHARE_CLASS='batch' is not a class: use "
         "online or offline",
     )
-    assert adopter.scan(_rules(MARKER), clients=(), gpu_pids=None).news == ()
+    assert adopter.scan(_rules(MARKER), clients=(), gpu_pids=None).refused == ()
 
 
 def test_a_rule_that_matches_nothing_is_reported_once(start):
     rules = _rules('[[adopt]]\nname = "triton"\nunit = "triton.service"\nclass = "online"\n')
     adopter, out = _scan([start({}).pid], rules)
-    assert out.news == ("rule 'triton' (test.toml) matches no process: unit 'triton.service'",)
-    assert adopter.scan(rules, clients=(), gpu_pids=None).news == ()
+    assert out.idle == ("rule 'triton' (test.toml) matches no process: unit 'triton.service'",)
+    assert adopter.scan(rules, clients=(), gpu_pids=None).idle == ()
 
 
 def test_another_users_process_needs_its_owners_marker_or_roots_rule(start):
@@ -93,7 +94,7 @@ def test_another_users_process_needs_its_owners_marker_or_roots_rule(start):
         rf"rule 'u' \(test.toml, uid 4242\) would adopt pid {p.pid} \(sleep\) of root as offline, "
         r"which its owner did not ask for \(no GPUSHARE_CLASS in its environment\); only a rule in "
         r"root's config may do that",
-        refused.news[0],
+        refused.refused[0],
     )
     _, by_root = _scan([p.pid], _rules(toml, owner=0))
     assert [f.facts.pid for f in by_root.adopt] == [p.pid]

@@ -14,24 +14,35 @@ What it skips, and why:
 - the MPS control daemons and servers, which gpushare runs itself.
 
 Each refusal and each rule that matches nothing is reported once, when it first appears
-(:attr:`Outcome.news`), not at every scan.
+(:attr:`Outcome.refused`, :attr:`Outcome.idle`), not at every scan; the notes on an adopted
+process (started without the MPS environment, other limits than the rule's) go with it.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
+
+import structlog
 
 from gpushare import adoption, protocol
 from gpushare.adoption import Decision, Rule
 from gpushare.config import AdoptRule, Config
+from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.registry import Registration
-from gpushare.model import ClientClass, GpuSample, ProcessFacts
+from gpushare.daemon.state import PAUSE_ERRORS, NodeState
+from gpushare.model import ClientClass, ClientState, GpuSample, ProcessFacts
 from gpushare.mpsenv import check_limits
 from gpushare.node import procs
+
+log = structlog.get_logger(__name__)
+
+S = ClientState
 
 DEFAULT_MIN_AGE_S = 1.0
 """How old a process must be before a scan decides it (see the module docstring)."""
@@ -55,8 +66,11 @@ class Outcome:
 
     adopt: tuple[Found, ...]
     """Processes to make clients now (roots only: their descendants are part of them)."""
-    news: tuple[str, ...]
-    """Refusals and idle rules not reported before (each appears once while it lasts)."""
+    refused: tuple[str, ...]
+    """Processes a rule matched but may not or cannot adopt, not reported before (each appears
+    once while it lasts)."""
+    idle: tuple[str, ...]
+    """Config rules that match no process, not reported before."""
     young: int
     """Processes left for a later scan because they are younger than ``min_age_s``."""
 
@@ -169,7 +183,7 @@ class Adopter:
         self._facts_of = facts_of
         self._all_pids = all_pids
         self._clock = clock
-        self._told: set[str] = set()
+        self.told: set[str] = set()
 
     def scan(
         self,
@@ -195,7 +209,10 @@ class Adopter:
             if f is not None:  # gone (or a kernel thread) while it was read: nothing to adopt
                 facts.append(f)
         skip = _descendants_of(clients, facts) | {os.getpid()}
-        young = {f.pid for f in facts if now - f.start_time < self.min_age_s}
+        # Explicit pids (an adopt request's) are vouched for by the caller: no second look needed.
+        young = set() if only is not None else {
+            f.pid for f in facts if now - f.start_time < self.min_age_s
+        }  # fmt: skip
         candidates = [
             f for f in facts
             if f.pid not in skip and f.pid not in young and not f.name.startswith(_OWN_PROCESSES)
@@ -222,20 +239,26 @@ class Adopter:
             for d in decisions
             if d.adopt
         )
-        messages = [d.reason for d in decisions if not d.adopt]
-        messages += [n for d in adopt for n in d.decision.notes]
+        refused = [d.reason for d in decisions if not d.adopt]
+        idle_rules: list[str] = []
         if only is None:
             # A job whose processes have not started yet matches nothing: only config rules
-            # that match nothing are worth a message.
-            # A rule whose processes are clients already (or too young yet) is not idle.
+            # that match nothing are worth a message. A rule whose processes are clients already
+            # (or too young yet) is not idle.
             idle = {
                 r.spec.name for r in rules
                 if r.spec.name != r.source and not any(adoption.matches(r.spec, f) for f in facts)
             }  # fmt: skip
-            messages += [m for m in result.unmatched if any(f"rule {n!r} " in m for n in idle)]
-        news = tuple(m for m in messages if m not in self._told)
-        self._told = (self._told if only is not None else set()) | set(messages)
-        return Outcome(adopt, news, len(young - skip))
+            idle_rules = [m for m in result.unmatched if any(f"rule {n!r} " in m for n in idle)]
+        messages = refused + idle_rules
+        new = {m for m in messages if m not in self.told}
+        self.told = (self.told if only is not None else set()) | set(messages)
+        return Outcome(
+            adopt,
+            tuple(m for m in refused if m in new),
+            tuple(m for m in idle_rules if m in new),
+            len(young - skip),
+        )
 
 
 def _descendants_of(roots: Collection[int], facts: Sequence[ProcessFacts]) -> set[int]:
@@ -251,3 +274,202 @@ def _descendants_of(roots: Collection[int], facts: Sequence[ProcessFacts]) -> se
             seen.add(pid)
             pid = parent.get(pid)
     return out
+
+
+# ------------------------------------------------------------------------------ in the daemon
+
+
+class Adoptions:
+    """The daemon's adoption: a scan thread, the ``adopt``/``release`` requests, the registry.
+
+    The scan runs on its own thread every ``daemon.adopt_scan_period`` (reading ``/proc`` takes
+    tens of milliseconds on a busy host, which the control loop must not wait for) and takes the
+    state's lock only to make clients of what it found.
+    """
+
+    def __init__(self, state: NodeState, lifecycle: Lifecycle, config_path: Path | None) -> None:
+        self.s = state
+        self.life = lifecycle
+        self.config_path = config_path
+        self.adopter = Adopter(min_age_s=state.config.daemon.adopt_min_age_s)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._scan_lock = threading.Lock()
+        self._problems: set[str] = set()  # each reported once (the process is found again)
+
+    def start(self) -> None:
+        """Start scanning (after re-adoption, so that recorded clients are not adopted twice)."""
+        self._thread = threading.Thread(target=self._run, name="adoption", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop scanning; adopted clients stay what they are."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.s.config.daemon.adopt_scan_period_s):
+            try:
+                self.scan_once()
+            except Exception:  # the scan must not die with one odd process; say what happened
+                log.exception("adoption_scan_failed")
+
+    def rules(self) -> list[Rule]:
+        """Registered jobs first (the more specific), then the config's ``[[adopt]]`` rules."""
+        rules: list[Rule] = []
+        for reg in self.s.registry.registrations():
+            try:
+                rules += registration_rules(reg)
+            except (protocol.ProtocolError, ValueError) as exc:
+                log.warning("registration_unusable", source=reg.source, job=reg.job, error=str(exc))
+        return rules + config_rules(self.s.config, self.config_path)
+
+    def scan_once(self, only: Collection[int] | None = None) -> list[str]:
+        """One scan: make clients of what the rules adopt, record what they refuse; the new ids."""
+        s = self.s
+        with self._scan_lock:
+            rules = self.rules()
+            with s.lock:
+                live = [r for r in s.registry.clients() if r.state.is_live and r.pid is not None]
+                pids = {r.pid for r in live if r.pid is not None}
+                for r in live:
+                    pids.update(s.pauser.pids(r.id))
+                samples = list(s.samples)
+            self.adopter.min_age_s = s.config.daemon.adopt_min_age_s
+            out = self.adopter.scan(
+                rules, clients=pids, gpu_pids=gpu_processes(samples, nvml=True), only=only
+            )
+            for message in out.refused:
+                s.registry.add_event("adoption_refused", message, severity="warning")
+                log.warning("adoption_refused", message=message)
+            for message in out.idle:
+                s.registry.add_event("adopt_rule_idle", message)
+            adopted = []
+            with s.lock:
+                for found in out.adopt:
+                    client_id = self._adopt(found)
+                    if client_id is not None:
+                        adopted.append(client_id)
+            return adopted
+
+    def _adopt(self, found: Found) -> str | None:
+        """Make a client of one found process; its id, or ``None`` with an event saying why not."""
+        s, d, f = self.s, found.decision, found.facts
+        assert d.cls is not None
+        who = f"pid {f.pid} ({f.name}) of {f.user}"
+        shared = [x for x in s.samples if s.shared(x)]
+        gpu = d.gpu_uuid
+        if gpu is None and len(shared) == 1:
+            gpu = shared[0].uuid
+        sample = next((x for x in shared if x.uuid == gpu), None)
+        problem = None
+        if gpu is None:
+            problem = (
+                f"{who} not adopted by {found.source}: it does not say which of the "
+                f"{len(shared)} shared GPUs it uses; start it with the environment of "
+                "`gpushare env --gpu G` (GPUSHARE_GPU_UUID, CUDA_MPS_PIPE_DIRECTORY)"
+            )
+        elif sample is None:
+            problem = (
+                f"{who} not adopted by {found.source}: GPU {gpu} is not shared by gpushare here"
+            )
+        identity = procs.process_identity(f.pid)
+        if problem is None and (identity is None or not procs.is_same_process(f.pid, f.start_time)):
+            problem = f"{who} exited while it was being adopted by {found.source}; nothing recorded"
+        if problem is not None:
+            if problem not in self._problems:
+                if len(self._problems) > 10_000:
+                    self._problems.clear()  # bounded: a flood of short-lived processes
+                self._problems.add(problem)
+                s.registry.add_event("adoption_refused", problem, severity="warning")
+            return None
+        assert sample is not None
+        assert identity is not None
+        gid, argv = identity
+        rec = s.registry.add_client(
+            cls=d.cls, argv=argv or [f.name], uid=f.uid, gid=gid, user=f.user, state=S.RUNNING,
+            priority=s.priority(d.cls), gpu_uuid=sample.uuid, gpu_index=sample.index,
+            sm_pct=d.sm_pct, mem_bytes=d.mem_bytes,
+            slo_p99_ms=d.slo_p99_s * 1000 if d.slo_p99_s is not None else None, detach=True,
+            adopted_by=found.source,
+        )  # fmt: skip
+        s.registry.update(rec.id, pid=f.pid, start_time=f.start_time, started_at=time.time())
+        try:
+            route = self.life.adopt_in_place(rec.id, f.pid, f.start_time, owner_uid=f.uid)
+        except PAUSE_ERRORS as exc:
+            s.transition(rec.id, S.FAILED, reason=f"not adopted: it cannot be paused: {exc}")
+            return None
+        if route is None:
+            s.transition(rec.id, S.EXITED, reason="its process exited while it was being adopted")
+            return None
+        s.registry.update(rec.id, pause_mechanism=route.mechanism.value)
+        for note in d.notes:
+            s.registry.add_event(
+                "adoption_note", f"client {rec.id} (pid {f.pid}): {note}", severity="warning",
+                client_id=rec.id, gpu_uuid=rec.gpu_uuid,
+            )  # fmt: skip
+        log.info("client_adopted", client_id=rec.id, pid=f.pid, by=found.source, route=route.reason)
+        return rec.id
+
+    # ----------------------------------------------------------------------------- requests
+
+    def register(self, caller_uid: int, params: dict[str, Any]) -> dict[str, Any]:
+        """``adopt``: keep a job's registration and adopt its explicit pids at once.
+
+        Raises:
+            ProtocolError: bad parameters (``INVALID_PARAMS``) or a caller registering another
+                user's job without being root (``PERMISSION_DENIED``); nothing is changed.
+        """
+        req = protocol.from_params(protocol.AdoptRequest, params)
+        try:
+            _cls, denied = check_adopt(req, caller_uid)
+        except ValueError as exc:
+            raise protocol.ProtocolError(protocol.ErrorCode.INVALID_PARAMS, str(exc)) from None
+        if denied is not None:
+            raise protocol.ProtocolError(protocol.ErrorCode.PERMISSION_DENIED, denied)
+        if req.gpu is not None:
+            raise protocol.ProtocolError(
+                protocol.ErrorCode.INVALID_PARAMS,
+                "gpu: each process's GPU comes from its environment (GPUSHARE_GPU_UUID, which "
+                "`gpushare env` and the Slurm TaskProlog set); leave gpu out",
+            )
+        self.s.registry.register(req.source, req.job, caller_uid, protocol.as_dict(req))
+        self.s.registry.add_event(
+            "job_registered",
+            f"{req.source} job {req.job} registered by uid {caller_uid}: processes of uid "
+            f"{req.uid} with {req.match_env or req.pids} become {req.cls} clients",
+        )
+        adopted = self.scan_once(only=req.pids) if req.pids else []
+        return {"source": req.source, "job": req.job, "adopted": adopted}
+
+    def release(self, caller_uid: int, params: dict[str, Any]) -> dict[str, Any]:
+        """``release``: drop a job's registration and end its clients (thawed, not killed).
+
+        Raises:
+            ProtocolError: a caller that is neither root nor the one who registered the job.
+        """
+        req = protocol.from_params(protocol.ReleaseRequest, params)
+        s = self.s
+        name = f"{req.source} job {req.job}"
+        regs = [r for r in s.registry.registrations() if (r.source, r.job) == (req.source, req.job)]
+        owner = regs[0].owner_uid if regs else 0
+        if caller_uid not in (0, owner):
+            raise protocol.ProtocolError(
+                protocol.ErrorCode.PERMISSION_DENIED,
+                f"uid {caller_uid} may not release {name}: uid {owner} registered it",
+            )
+        s.registry.unregister(req.source, req.job)
+        released = []
+        with s.lock:
+            for rec in s.registry.clients():
+                if rec.adopted_by == name and rec.state.is_live:
+                    self.life.release_adopted(rec.id, f"released: {name} ended")
+                    released.append(rec.id)
+        if regs or released:
+            s.registry.add_event(
+                "job_released",
+                f"{name} released"
+                + (f": client(s) {', '.join(released)} ended" if released else ": no clients"),
+            )
+        return {"source": req.source, "job": req.job, "released": released}

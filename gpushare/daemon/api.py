@@ -21,6 +21,7 @@ import structlog
 
 from gpushare import __version__, protocol
 from gpushare.daemon import launcher
+from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.registry import ClientRecord
@@ -47,10 +48,17 @@ def _fail(code: protocol.ErrorCode, message: str) -> protocol.ProtocolError:
 class Api:
     """The request handlers; :meth:`methods` is the dispatch table the server is given."""
 
-    def __init__(self, state: NodeState, lifecycle: Lifecycle, loop: ControlLoop) -> None:
+    def __init__(
+        self,
+        state: NodeState,
+        lifecycle: Lifecycle,
+        loop: ControlLoop,
+        adoptions: Adoptions | None = None,
+    ) -> None:
         self.s = state
         self.life = lifecycle
         self.loop = loop
+        self.adoptions = adoptions
         self._started_mono = time.monotonic()
 
     def methods(self) -> dict[str, Handler]:
@@ -63,6 +71,8 @@ class Api:
             protocol.CANCEL: self.cancel,
             protocol.PAUSE: self.pause,
             protocol.RESUME: self.resume,
+            protocol.ADOPT: self.adopt,
+            protocol.RELEASE: self.release,
         }
 
     # ----------------------------------------------------------------------------- rights
@@ -197,7 +207,14 @@ class Api:
             "p99_ms": p99.p99_ms if p99 else None, "p99_samples": p99.samples if p99 else 0,
             "p99_reason": p99.reason if p99 else None,
             "started_at": r.started_at, "ended_at": r.ended_at,
+            "adopted_by": r.adopted_by, "pause_reason": self._pause_reason(r),
         }  # fmt: skip
+
+    def _pause_reason(self, r: ClientRecord) -> str | None:
+        # How an adopted client is paused where it is, and why that way (None: launched).
+        route = getattr(self.s.pauser, "route", None)
+        found = route(r.id) if r.adopted_by is not None and callable(route) else None
+        return found.reason if found is not None else None
 
     def list(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``list``: clients (live and queued, or all)."""
@@ -246,6 +263,19 @@ class Api:
                 raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; nothing to cancel")
             grace = self.life.cancel(rec, who)
             return {"client_id": rec.id, "state": rec.state.value, "grace_s": grace}
+
+    def adopt(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
+        """``adopt``: register a scheduler job whose processes become clients (see AdoptRequest)."""
+        return self._adoptions().register(caller.uid, params)
+
+    def release(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
+        """``release``: end a job's registration and its clients (thawed, not killed)."""
+        return self._adoptions().release(caller.uid, params)
+
+    def _adoptions(self) -> Adoptions:
+        if self.adoptions is None:
+            raise _fail(E.UNAVAILABLE, "this daemon does not adopt processes")
+        return self.adoptions
 
     def pause(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``pause``: hold a client frozen until ``resume``."""

@@ -333,6 +333,16 @@ def process_uid(pid: int) -> int | None:
         return None
 
 
+def process_identity(pid: int) -> tuple[int, list[str]] | None:
+    """The real gid and the command line of ``pid`` (for an adopted client's record); ``None`` if gone."""
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            return proc.gids().real, proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
 def descendants(pid: int) -> list[int]:
     """Live descendants of ``pid`` (children, grandchildren, …); empty when it is gone."""
     if pid <= 0:
