@@ -19,8 +19,7 @@ from typing import Any
 
 import structlog
 
-from gpushare import __version__, protocol
-from gpushare.daemon import launcher
+from gpushare import __version__, mpsenv, protocol
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
@@ -326,7 +325,7 @@ class Api:
             if req.latency_from is not None:
                 self.s.registry.update(rec.id, latency_from=req.latency_from)
                 self.s.latency.add_prometheus(rec.id, req.latency_from)
-            env = self.life.mps_env(rec.id, sample.uuid, sm, req.mem_bytes, cls)
+            env = self.life.mps_env(rec.id, sample.uuid, sm, req.mem_bytes, cls, req.slo_p99_ms)
             if not detach:
                 assert caller.pid > 0
                 start_time = procs.process_start_time(caller.pid)
@@ -347,7 +346,7 @@ class Api:
                      uid=caller.uid, detach=detach)  # fmt: skip
             result = protocol.SubmitResult(
                 client_id=rec.id, gpu_uuid=sample.uuid, state=rec.state.value, env=env,
-                log_path=rec.log_path, pid=rec.pid, unset_env=list(launcher.UNSET_ENV),
+                log_path=rec.log_path, pid=rec.pid, unset_env=list(mpsenv.UNSET_ENV),
             )  # fmt: skip
             return protocol.as_dict(result)
 

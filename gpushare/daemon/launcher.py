@@ -12,17 +12,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from gpushare import mpsenv
 from gpushare.node import procs
-
-# The environment is built by gpushare.mpsenv, the one module `gpushare env`, the Slurm TaskProlog
-# and the daemon share, so a workload started by hand gets exactly what a submitted one gets.
-LaunchLimits = mpsenv.MpsLimits
-UNSET_ENV = mpsenv.UNSET_ENV
-ENV_GPU_UUID = mpsenv.ENV_GPU_UUID
-format_pct = mpsenv.format_pct
-mps_env = mpsenv.mps_env
-workload_env = mpsenv.workload_env
 
 
 def spawn_detached(

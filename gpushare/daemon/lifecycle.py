@@ -22,6 +22,7 @@ from typing import Literal
 
 import structlog
 
+from gpushare import mpsenv
 from gpushare.control.controller import failure_backoff_s
 from gpushare.daemon import launcher
 from gpushare.daemon.registry import ClientRecord
@@ -448,7 +449,7 @@ class Lifecycle:
         """
         assert rec.gpu_uuid is not None
         sm = rec.sm_pct if rec.sm_pct is not None else 100.0
-        env = self.mps_env(rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls)
+        env = self.mps_env(rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls, rec.slo_p99_ms)
         # With the cgroup freezer the child joins its cgroup before it execs, so a workload that
         # forks at once cannot leave a process outside the freezer's reach.
         open_fd = getattr(self.s.pauser, "open_procs_fd", None)
@@ -461,7 +462,7 @@ class Lifecycle:
                 uid=rec.uid,
                 gid=rec.gid,
                 cwd=rec.cwd or "/",
-                env=launcher.workload_env(rec.env, env),
+                env=mpsenv.workload_env(rec.env, env),
                 log_dir=self.s.config.paths.resolved("client_log_dir"),
                 client_id=rec.id,
                 cgroup_procs_fd=procs_fd,
@@ -495,14 +496,26 @@ class Lifecycle:
         return current
 
     def mps_env(
-        self, client_id: str, gpu_uuid: str, sm: float, mem: int | None, cls: ClientClass
+        self,
+        client_id: str,
+        gpu_uuid: str,
+        sm: float,
+        mem: int | None,
+        cls: ClientClass,
+        slo_p99_ms: float | None = None,
     ) -> dict[str, str]:
-        """The MPS environment a client of this GPU starts with."""
-        return launcher.mps_env(
+        """The environment a client of this GPU starts with.
+
+        What ``gpushare env`` prints for the same class and limits (:mod:`gpushare.mpsenv`), plus
+        the client's id.
+        """
+        env = mpsenv.mps_env(
             client_id=client_id,
-            limits=launcher.LaunchLimits(
+            limits=mpsenv.MpsLimits(
                 gpu_uuid=gpu_uuid, sm_pct=sm, mem_bytes=mem, priority=self.s.priority(cls)
             ),
             pipe_dir=self.s.mps.pipe_dir(gpu_uuid),
             latency_socket=self.s.config.paths.resolved("latency_socket"),
         )
+        slo = slo_p99_ms / 1000 if slo_p99_ms is not None and cls is ClientClass.ONLINE else None
+        return {**mpsenv.marker_env(cls, slo), **env}
