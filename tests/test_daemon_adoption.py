@@ -24,6 +24,8 @@ FAST = 'adopt_scan_period = "100ms"\nadopt_min_age = "200ms"'
 # The scan sees the whole host: the rules match only this test's processes (a token of its own in
 # their environment), never another test's running beside it.
 TOKEN = {"GSTEST_ADOPT": uuid.uuid4().hex}
+POD_UID = "7a5c3b2e-1f4d-4c8a-9b6e-2d3f4a5b6c7d"
+CID = "3f1b5a0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a"
 RULE = f'[[adopt]]\nname = "svc"\nmarker = true\nenv = {{ GSTEST_ADOPT = "{TOKEN["GSTEST_ADOPT"]}" }}\n'
 
 
@@ -44,12 +46,18 @@ def leaf() -> Iterator[Path | None]:
     if cgroup_skip_reason() is not None:
         yield None
         return
-    path = unique_base("gs-adopt-leaf")
-    path.mkdir()
+    base = unique_base("gs-adopt-leaf")
+    # Named as the kubelet (systemd driver) and containerd name a pod's container.
+    path = (
+        base
+        / f"kubepods-besteffort-pod{POD_UID.replace('-', '_')}.slice"
+        / f"cri-containerd-{CID}.scope"
+    )
+    path.mkdir(parents=True)
     try:
         yield path
     finally:
-        remove_tree(path)
+        remove_tree(base)
 
 
 def _run(started, env: dict[str, str], cgroup: Path | None = None) -> subprocess.Popen[bytes]:
@@ -108,6 +116,10 @@ def test_processes_are_adopted_by_rule_paused_where_they_are_and_readopted_after
             o = wait_for(lambda: _adopted(d, own.pid), 10, "the process in its own cgroup")
             assert o["pause_mechanism"] == "cgroup", o["pause_reason"]
             assert o["pause_reason"] == f"cgroup freezer on its own cgroup: {leaf}"
+            # A pod's container, named in status from the process's real cgroup path.
+            assert o["container"] == {"id": CID, "runtime": "containerd", "pod_uid": POD_UID,
+                                      "qos": "besteffort"}  # fmt: skip
+            assert c["container"] is None
         # A job registered over the API survives the restart too.
         reg = d.call("adopt", {"source": "test", "job": "7", "uid": 0, "cls": "offline",
                                "match_env": {"JOB": "7", **TOKEN}})  # fmt: skip

@@ -74,3 +74,15 @@ def test_an_adopted_client_says_who_adopted_it_and_how_it_is_paused():
         "which is not part of the client"
     )
     assert "c1: adopted" not in text
+
+
+def test_an_adopted_pod_is_named():
+    c = _client(
+        adopted_by="rule 'marker' (/etc/gpushare/gpushare.toml)", pause_reason=None,
+        container={"id": "3f1b5a0c9d8e" + "0" * 52, "runtime": "containerd",
+                   "pod_uid": "7a5c3b2e-1f4d-4c8a-9b6e-2d3f4a5b6c7d", "qos": "burstable"},
+    )  # fmt: skip
+    assert render_clients([c]).splitlines()[-1] == (
+        "c1: adopted by rule 'marker' (/etc/gpushare/gpushare.toml) in pod "
+        "7a5c3b2e-1f4d-4c8a-9b6e-2d3f4a5b6c7d (container 3f1b5a0c9d8e, containerd)"
+    )

@@ -49,12 +49,23 @@ def render_clients(clients: Sequence[dict[str, Any]]) -> str:
     # Adopted clients (gpushare did not start them): who adopted them, and how they are paused
     # where they are (their own cgroup, or signals) and why.
     notes = [
-        f"{c['id']}: adopted by {c['adopted_by']}"
+        f"{c['id']}: adopted by {c['adopted_by']}{_container(c.get('container'))}"
         + (f"; paused by {c['pause_reason']}" if c.get("pause_reason") else "")
         for c in clients
         if c.get("adopted_by")
     ]
     return "\n".join([_table(rows), *notes])
+
+
+def _container(found: dict[str, Any] | None) -> str:
+    if not found:
+        return ""
+    where = f" in pod {found['pod_uid']}" if found.get("pod_uid") else ""
+    if found.get("id"):
+        where += f" (container {found['id'][:12]}" + (
+            f", {found['runtime']})" if found.get("runtime") else ")"
+        )
+    return where
 
 
 def _mps(gpu: dict[str, Any], simulated: bool) -> str:

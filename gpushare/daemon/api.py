@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from gpushare import __version__, mpsenv, protocol
+from gpushare import __version__, mpsenv, pods, protocol
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
@@ -207,7 +207,19 @@ class Api:
             "p99_reason": p99.reason if p99 else None,
             "started_at": r.started_at, "ended_at": r.ended_at,
             "adopted_by": r.adopted_by, "pause_reason": self._pause_reason(r),
+            "container": self._container(r),
         }  # fmt: skip
+
+    @staticmethod
+    def _container(r: ClientRecord) -> dict[str, Any] | None:
+        # An adopted process's container and Kubernetes pod, named by its cgroup path.
+        if r.adopted_by is None or r.pid is None or not r.state.is_live:
+            return None
+        found = pods.container_of_cgroup(procs.process_cgroup(r.pid) or "/")
+        if found is None:
+            return None
+        return {"id": found.container_id, "runtime": found.runtime or None,
+                "pod_uid": found.pod_uid, "qos": found.qos}  # fmt: skip
 
     def _pause_reason(self, r: ClientRecord) -> str | None:
         # How an adopted client is paused where it is, and why that way (None: launched).
