@@ -16,9 +16,18 @@ from typing import Any
 
 import pytest
 
+from gpushare import config
+from gpushare.adoption import FACT_ENV, Rule, decide
+from gpushare.daemon.adopter import Found
+from gpushare.daemon.core import Daemon
+from gpushare.daemon.registry import Registry
+from gpushare.node import procs
+from gpushare.node.adopted import AdoptingPauser
+from gpushare.node.cgroups import SignalPauser
 from tests.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from tests.daemon_helpers import DaemonProc, call_as, python_for_others, wait_for
-from tests.fake_gpu import fake_uuid
+from tests.fake_gpu import FakeGpuBackend, fake_uuid
+from tests.fake_mpsnode import FakeMpsNode
 
 FAST = 'adopt_scan_period = "100ms"\nadopt_min_age = "200ms"'
 # The scan sees the whole host: the rules match only this test's processes (a token of its own in
@@ -213,3 +222,42 @@ def test_bad_adopt_requests_are_refused_and_change_nothing():
         assert not [e for e in d.events() if e["kind"] == "job_released" and "404" in e["message"]]
     finally:
         d.cleanup()
+
+
+def test_a_process_that_exits_while_it_is_being_adopted_leaves_nothing_behind(tmp_path, started):
+    base = tmp_path
+    cfg = config.loads(f"""version = 1
+[paths]
+runtime_dir = "{base}/run"
+state_dir = "{base}/state"
+socket = "{base}/api.sock"
+[daemon]
+adopt_scan_period = "1h"
+[probe]
+enabled = false
+""")  # fmt: skip
+    d = Daemon(
+        cfg, registry=Registry.open(base / "db.sqlite"), gpu=FakeGpuBackend(gpus=1),
+        mps=FakeMpsNode(base / "mps"), pauser=AdoptingPauser(SignalPauser()),
+    )  # fmt: skip
+    d.start()
+    try:
+        p = _run(started, {"GPUSHARE_CLASS": "offline"})
+        facts = procs.process_facts(p.pid, FACT_ENV)
+        assert facts is not None
+        rule = Rule(config.AdoptRule(name="m", marker=True), 0, "test")
+        found = Found(decide([rule], facts), facts, "rule 'm' (test)")
+        assert found.decision.adopt
+        p.kill()
+        p.wait()
+        with d.state.lock:
+            assert d.adoptions._adopt(found) is None
+        assert d.registry.clients(include_final=True) == []
+        (event,) = [e for e in d.registry.events() if e.kind == "adoption_refused"]
+        assert event.message == (
+            f"pid {p.pid} (sleep) of root exited while it was being adopted by rule 'm' (test); "
+            "nothing recorded"
+        )
+    finally:
+        d.shutdown()
+        d.registry.close()
