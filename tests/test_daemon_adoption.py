@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,8 +226,9 @@ def test_bad_adopt_requests_are_refused_and_change_nothing():
         d.cleanup()
 
 
-def test_a_process_that_exits_while_it_is_being_adopted_leaves_nothing_behind(tmp_path, started):
-    base = tmp_path
+def test_a_process_that_exits_while_it_is_being_adopted_leaves_nothing_behind(started):
+    # Not tmp_path: other pytest sessions of this user may prune it while the daemon runs.
+    base = Path(tempfile.mkdtemp(prefix="gsad-", dir="/tmp"))
     cfg = config.loads(f"""version = 1
 [paths]
 runtime_dir = "{base}/run"
@@ -261,3 +264,4 @@ enabled = false
     finally:
         d.shutdown()
         d.registry.close()
+        shutil.rmtree(base, ignore_errors=True)
