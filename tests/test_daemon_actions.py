@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare import config
 from gpushare.daemon.core import Daemon
@@ -120,6 +123,83 @@ def _submit(d: Daemon, argv: list[str], **kw: Any) -> dict[str, Any]:
 BUSY = [sys.executable, "-c", "while True: pass"]
 
 
+@pytest.mark.parametrize("step", ["registry", "attach", "limits"])
+def test_a_launch_failing_after_its_spawn_leaves_nothing_behind(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+    step: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failure at each step between spawn and RUNNING: no process, no cgroup, a FAILED record."""
+    d, _, _ = env
+    spawned: list[int] = []
+    real_spawn = d.lifecycle.spawn
+
+    def spawn(rec: Any) -> Any:
+        out = real_spawn(rec)
+        if not isinstance(out, str):
+            spawned.append(out[0].pid)
+        return out
+
+    monkeypatch.setattr(d.lifecycle, "spawn", spawn)
+    pauser = d.state.pauser
+    if step == "registry":
+
+        def update(client_id: str, **fields: Any) -> Any:
+            raise sqlite3.OperationalError("disk I/O error")
+
+        monkeypatch.setattr(d.registry, "update", update)
+    else:
+        real_attach = pauser.attach
+
+        def attach(client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
+            if step == "limits":  # the process is under the pauser, then its limits are refused
+                real_attach(client_id, pid, owner_uid=owner_uid)
+                raise cgroups.PauserError("the node cannot hold its limits (injected)")
+            raise cgroups.PauserError("cannot attach (injected)")
+
+        monkeypatch.setattr(pauser, "attach", attach)
+    # A workload that forks at once: its child must go too.
+    argv = ["sh", "-c", "sleep 3917 & exec sleep 3916"]
+    with pytest.raises(ProtocolError) as err:
+        _submit(d, argv)
+    assert "cannot start" in str(err.value)
+    assert "injected" in str(err.value) or "disk I/O error" in str(err.value)
+    (pid,) = spawned
+    (rec,) = d.registry.clients(include_final=True)
+    assert rec.state is ClientState.FAILED
+    assert rec.pid is None
+    assert rec.reason is not None and "cannot start" in rec.reason
+    assert d.registry.clients() == []  # nothing live or STARTING
+    assert not _alive(pid)
+    if isinstance(pauser, cgroups.CgroupPauser):
+        assert not pauser.path(rec.id).exists()
+    # Nothing of the workload survives anywhere: neither the shell nor its forked child.
+    assert _processes_named("sleep 391") == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+
+
+def _processes_named(prefix: str) -> list[int]:
+    """Live processes whose command line starts with ``prefix``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if cmd.startswith(prefix) and _alive(int(entry)):
+            out.append(int(entry))
+    return out
+
+
 def test_observation_carries_clients_and_limits(
     env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
 ) -> None:
@@ -148,12 +228,18 @@ def test_duty_cycle_throttles_cpu_share(env: tuple[Daemon, ScriptedPolicy, FakeM
     d.run(max_ticks=5)
     assert cpu_ticks(pid) - t0 <= 1, "duty 0 must keep offline work frozen"
     policy.pending = [SetDuty(GPU0, 0.5, "test")]
-    t1 = time.monotonic()
-    c1 = cpu_ticks(pid)
-    d.run(max_ticks=10)
-    used = (cpu_ticks(pid) - c1) / os.sysconf("SC_CLK_TCK")
-    share = used / (time.monotonic() - t1)
-    assert 0.2 < share < 0.8, f"duty 0.5 gave a CPU share of {share:.2f}"
+    # The share is measured against an unthrottled busy process running meanwhile, not against
+    # wall time: on a loaded machine a busy process gets far less than a core even unthrottled.
+    reference = subprocess.Popen(BUSY)
+    try:
+        c1, r1 = cpu_ticks(pid), cpu_ticks(reference.pid)
+        d.run(max_ticks=10)
+        used, ref_used = cpu_ticks(pid) - c1, cpu_ticks(reference.pid) - r1
+    finally:
+        reference.kill()
+        reference.wait()
+    share = used / max(ref_used, 1)
+    assert 0.2 < share < 0.8, f"duty 0.5 gave {share:.2f} of an unthrottled process's CPU"
     policy.pending = [SetDuty(GPU0, 1.0, "test")]
     d.run(max_ticks=1)
     assert d.registry.get(r["client_id"]).state is ClientState.RUNNING
@@ -315,7 +401,7 @@ listen = "127.0.0.1:{port}"
     )  # fmt: skip
     d.start()
     try:
-        r = _submit(d, ["sleep", "30"], sm_pct=40.0)
+        r = _submit(d, ["sleep", "30"], sm_pct=40.0, name='say "hi" \\ 名前')
         policy.pending = [SetDuty(GPU0, 0.5, "test")]
         d.run(max_ticks=2)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
@@ -326,6 +412,29 @@ listen = "127.0.0.1:{port}"
         )  # fmt: skip
         assert client_line.endswith(" 0.4")
         assert f'gpushare_throttle_events_total{{UUID="{GPU0}",gpu="0"}} 1.0' in text
+        m = {
+            (s.name, s.labels.get("client")): s
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.labels.get("UUID") in (GPU0, None)
+        }
+        cid = r["client_id"]
+        assert m[("gpushare_client_thawed_seconds_total", cid)].value > 0
+        assert m[("gpushare_client_thawed_seconds_total", cid)].labels["name"] == 'say "hi" \\ 名前'
+        assert 0 < m[("gpushare_client_thawed_ratio", cid)].value <= 1
+        assert m[("gpushare_client_restarts_total", cid)].value == 0
+        assert m[("gpushare_client_evictions_total", cid)].value == 0
+        assert m[("gpushare_evictions_total", None)].value == 0
+        assert m[("gpushare_controller_step_seconds_count", None)].value == 2  # two ticks
+        assert m[("gpushare_admission_queue_length", None)].value == 0
+        events = {
+            (s.labels["kind"], s.labels["gpu"]): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == "gpushare_events_total"
+        }
+        assert events[("offline_throttled", "0")] == 1  # the SetDuty above, on GPU 0
+        assert events[("daemon_started", "")] == 1
     finally:
         os.killpg(r["pid"], signal.SIGKILL)
         d.shutdown()
@@ -458,3 +567,80 @@ def test_mps_recovery_removes_offline_clients_and_requeues_restartable_ones(
     stopped = d.registry.get(other["client_id"])
     assert stopped.state is ClientState.FAILED and "MPS" in (stopped.reason or "")
     assert d.registry.get(online["client_id"]).state is ClientState.RUNNING
+
+
+def test_status_shows_gate_why_and_thawed_fraction(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    d, policy, _ = env
+    r = _submit(d, BUSY)
+    web = _submit(d, ["sleep", "30"], cls="online", slo_p99_ms=40.0)
+    policy.pending = [SetDuty(GPU0, 0.5, "online burst: duty 0.5")]
+    d.run(max_ticks=12)
+    st = d.api.status(ROOT, {"gpu": "0"})
+    assert st["schema_version"] == 2
+    gate = st["gpus"][0]["gate"]
+    assert (gate["state"], gate["duty"]) == ("cycling", 0.5)
+    assert gate["last_action"]["kind"] == "set_duty"
+    assert gate["last_action"]["reason"] == "online burst: duty 0.5"
+    assert 0 <= gate["last_action"]["age_s"] < 5
+    by_id = {c["id"]: c for c in st["clients"]}
+    off = by_id[r["client_id"]]["offline"]
+    # Thawed for half of each period after the first (a loaded machine stretches the thawed part
+    # more often than the frozen one: the freeze at the edge is what runs late).
+    assert 0.3 < off["thawed_ratio_1m"] < 0.9
+    assert off["thawed_s"] > 0
+    assert off["evictions"] == 0
+    assert by_id[r["client_id"]]["latency"] is None
+    lat = by_id[web["client_id"]]["latency"]
+    assert by_id[web["client_id"]]["offline"] is None
+    # No reports and no probe on this node: unknown, and it says why.
+    assert (lat["p99_ms"], lat["ratio"], lat["source"]) == (None, None, None)
+    assert (lat["slo_p99_ms"], lat["reason"]) == (40.0, "no latency reports")
+    policy.pending = [SetDuty(GPU0, 0.0, "SLO violated")]
+    d.run(max_ticks=1)
+    gate = d.api.status(ROOT, {"gpu": "0"})["gpus"][0]["gate"]
+    assert (gate["state"], gate["last_action"]["reason"]) == ("closed", "SLO violated")
+
+
+def test_evictions_are_counted_per_client_and_survive_requeue(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    d, policy, _ = env
+    r = _submit(d, ["sleep", "60"], restartable=True)
+    policy.pending = [Evict(r["client_id"], True, "reserve")]
+    d.run(max_ticks=1)
+    gate = d.api.status(ROOT, {"gpu": "0"})["gpus"][0]["gate"]
+    assert gate["last_action"]["kind"] == "evict"
+    assert gate["last_action"]["client_id"] == r["client_id"]
+
+    def relaunched() -> bool:
+        d.run(max_ticks=1)
+        rec = d.registry.get(r["client_id"])
+        return rec.state is ClientState.RUNNING and rec.pid != r["pid"]
+
+    wait_for(relaunched, what="evicted job requeued and admitted again")
+    c = next(c for c in d.api.list(ROOT, {})["clients"] if c["id"] == r["client_id"])
+    assert c["offline"]["evictions"] == 1
+    assert d.state.ops.gpu_evictions(GPU0) == 1
+    # The submit started it at once; the requeued run went through admission.
+    assert d.state.ops.admission(0, time.time()).wait_s.count == 1
+
+
+class _RatioProbe(_RecordingProbe):
+    def reading(self, gpu_uuid: str) -> ProbeReading:
+        return ProbeReading(latency_ms=2.7, baseline_ms=1.5, ratio=1.8)
+
+
+def test_online_client_without_reports_is_judged_by_the_probe(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    d, _, _ = env
+    d.state.probe = _RatioProbe()
+    web = _submit(d, ["sleep", "30"], cls="online", slo_p99_ms=40.0)
+    d.run(max_ticks=1)
+    st = d.api.status(ROOT, {"gpu": "0"})
+    lat = next(c for c in st["clients"] if c["id"] == web["client_id"])["latency"]
+    assert (lat["p99_ms"], lat["source"]) == (None, "probe")
+    assert lat["ratio"] == pytest.approx(1.8 / d.config.control.probe_slo_ratio)
+    assert st["gpus"][0]["online_slo"]["probe_ratio"] == 1.8

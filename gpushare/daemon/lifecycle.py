@@ -12,8 +12,10 @@ it itself).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import time
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ import structlog
 from gpushare import mpsenv
 from gpushare.control.controller import failure_backoff_s
 from gpushare.daemon import launcher
-from gpushare.daemon.registry import ClientRecord
+from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.model import ClientClass, ClientState, Evict, RecoverMps, RestartClient
 from gpushare.node import procs
@@ -151,16 +153,25 @@ class Lifecycle:
         *,
         owner_uid: int,
     ) -> None:
-        """Put a client's process under the pauser and the exit watch."""
-        assert self.watcher is not None
+        """Put a client's process under the pauser and the exit watch (a pauser failure is logged).
+
+        For processes the daemon did not just spawn (the caller of a foreground submit, a
+        re-adopted one), which keep running whether or not the pauser takes them.
+        """
         pid = proc if isinstance(proc, int) else proc.pid
-        self.by_pid[pid] = client_id
         try:
             # owner_uid: a pid handed to the daemon must never let one user freeze or kill
             # another user's process.
             self.s.pauser.attach(client_id, pid, owner_uid=owner_uid)
         except PAUSE_ERRORS as exc:
             log.warning("pauser_attach_failed", client_id=client_id, pid=pid, error=str(exc))
+        self._watch(client_id, proc, start_time)
+
+    def _watch(
+        self, client_id: str, proc: subprocess.Popen[bytes] | int, start_time: float | None
+    ) -> None:
+        assert self.watcher is not None
+        self.by_pid[proc if isinstance(proc, int) else proc.pid] = client_id
         self.watcher.watch(proc, start_time)
 
     def adopt_in_place(
@@ -219,9 +230,11 @@ class Lifecycle:
             if paused and client_id not in self.paused:
                 self.s.pauser.freeze(client_id)
                 self.paused.add(client_id)
+                self.s.ops.paused(client_id, True, time.monotonic())
             elif not paused and client_id in self.paused:
                 self.s.pauser.thaw(client_id)
                 self.paused.discard(client_id)
+                self.s.ops.paused(client_id, False, time.monotonic())
         except PAUSE_ERRORS as exc:
             log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
 
@@ -236,6 +249,9 @@ class Lifecycle:
                 log.warning("freeze_many_failed", clients=ids, error=str(exc))
             else:
                 self.paused.update(ids)
+                now = time.monotonic()
+                for client_id in ids:
+                    self.s.ops.paused(client_id, True, now)
                 return
         for client_id in ids:
             self.set_paused(client_id, True)
@@ -302,6 +318,7 @@ class Lifecycle:
             return
         requeue = action.requeue and rec.restartable
         self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", action.reason)
+        self.s.ops.evicted(rec.id, rec.gpu_uuid)
         self.set_paused(rec.id, False)
         # MPS forbids killing a client with GPU work in flight: terminate_client first.
         ok = self.s.mps.terminate_client(rec.gpu_uuid, rec.pid)
@@ -335,6 +352,7 @@ class Lifecycle:
                 requeue = rec.restartable and rec.detach
                 why = f"MPS recovery: {action.reason}"
                 self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", why)
+                self.s.ops.evicted(rec.id, action.gpu_uuid)
                 self.set_paused(rec.id, False)
                 self.kill_at[rec.id] = now + grace
         self.s.mps.recover(action.gpu_uuid, pids[ClientClass.OFFLINE], pids[ClientClass.ONLINE])
@@ -479,21 +497,59 @@ class Lifecycle:
     def finish_launch(
         self, rec: ClientRecord, spawned: Spawned, *, restart: bool = False
     ) -> ClientRecord:
-        """Record a spawned process and adopt it (or fail the client with the spawn's error)."""
+        """Record a spawned process and adopt it (or fail the client with the spawn's error).
+
+        Any failure after the spawn (the registry write, the pauser's attach, the node refusing
+        the client's limits) stops the process, removes its cgroup and ends the client FAILED
+        with the reason and no pid: a failed launch leaves nothing running and nothing STARTING.
+        """
         if isinstance(spawned, str):
             return self.s.transition(rec.id, S.FAILED, reason=spawned) or rec
         proc, start_time, log_path = spawned
-        # Recorded before the exit watch: a process that is already gone is still traceable.
-        self.s.registry.update(
-            rec.id, pid=proc.pid, start_time=start_time, started_at=time.time(),
-            log_path=str(log_path), pause_mechanism=self.s.pauser.mechanism.value,
-            restarts=rec.restarts + (1 if restart else 0),
-        )  # fmt: skip
-        self.adopt_pid(rec.id, proc, owner_uid=rec.uid)
+        try:
+            # Recorded before the exit watch: a process that is already gone is still traceable.
+            self.s.registry.update(
+                rec.id, pid=proc.pid, start_time=start_time, started_at=time.time(),
+                log_path=str(log_path), pause_mechanism=self.s.pauser.mechanism.value,
+                restarts=rec.restarts + (1 if restart else 0),
+            )  # fmt: skip
+            # Strict, unlike re-adoption: a client the daemon cannot freeze, or whose limits the
+            # node refuses, must not run as if it were under control.
+            self.s.pauser.attach(rec.id, proc.pid, owner_uid=rec.uid)
+        except (*PAUSE_ERRORS, RegistryError, sqlite3.Error) as exc:
+            return self._abort_launch(rec, proc, f"cannot start: {exc}")
+        self._watch(rec.id, proc, start_time)
         current = self.s.registry.get(rec.id)
         if current.state is S.STARTING:  # not already ended by a prompt exit
             current = self.s.transition(rec.id, S.RUNNING) or current
         return current
+
+    def _abort_launch(
+        self, rec: ClientRecord, proc: subprocess.Popen[bytes], reason: str
+    ) -> ClientRecord:
+        """Undo a launch that failed after its spawn: kill, reap, remove the cgroup, FAILED."""
+        log.warning("launch_aborted", client_id=rec.id, pid=proc.pid, reason=reason)
+        try:
+            self.s.pauser.kill(rec.id)  # the whole cgroup, children included, when it has one
+        except PAUSE_ERRORS as exc:
+            log.warning("launch_abort_kill_failed", client_id=rec.id, error=str(exc))
+        # The pauser may not know the process (its attach is what failed): its own session.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=self.s.config.daemon.cancel_grace_s + 5.0)
+        except subprocess.TimeoutExpired:
+            log.warning("launch_abort_unreaped", client_id=rec.id, pid=proc.pid)
+        try:
+            self.s.pauser.release(rec.id)
+        except PAUSE_ERRORS as exc:
+            log.warning("launch_abort_release_failed", client_id=rec.id, error=str(exc))
+        self.s.registry.add_event(
+            "client_failed", f"{rec.id} could not start: {reason}",
+            client_id=rec.id, gpu_uuid=rec.gpu_uuid,
+        )  # fmt: skip
+        failed = self.s.transition(rec.id, S.FAILED, reason=reason, pid=None, start_time=None)
+        return failed or self.s.registry.get(rec.id)
 
     def mps_env(
         self,
