@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ from gpushare.adoption import Rule
 from gpushare.daemon.adopter import Adopter, check_adopt, config_rules, registration_rules
 from gpushare.daemon.registry import Registration
 from gpushare.model import ClientClass
+from gpushare.node import procs
 from tests.daemon_helpers import wait_for
 
 
@@ -185,3 +187,19 @@ def test_config_rules_stand_on_the_config_files_owner(tmp_path: Path):
         assert config_rules(cfg, f)[0].owner_uid == 1000
     assert config_rules(config.Config(), None)[0].source == "the built-in default"
     assert sys.platform.startswith("linux")
+
+
+def test_an_idle_rule_says_when_environments_cannot_be_read(start):
+    p = start({})
+    real = procs.process_facts
+
+    def unreadable(pid, names, gpu_pids=None):
+        f = real(pid, names, gpu_pids)
+        return None if f is None else dataclasses.replace(f, environ=None)
+
+    adopter = Adopter(min_age_s=0.0, all_pids=lambda: [p.pid], facts_of=unreadable)
+    out = adopter.scan(_rules(MARKER), clients=(), gpu_pids=None)
+    assert out.idle == (
+        "rule 'm' (test.toml) matches no process: marker; the environment of 1 process(es) of "
+        "other users cannot be read (run the daemon as root)",
+    )

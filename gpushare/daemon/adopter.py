@@ -250,6 +250,16 @@ class Adopter:
                 if r.spec.name != r.source and not any(adoption.matches(r.spec, f) for f in facts)
             }  # fmt: skip
             idle_rules = [m for m in result.unmatched if any(f"rule {n!r} " in m for n in idle)]
+            hidden = sum(1 for f in facts if f.environ is None)
+            if hidden:
+                # marker and env conditions never hold on an environment the daemon cannot read.
+                env_rules = {r.spec.name for r in rules if r.spec.marker or r.spec.env}
+                idle_rules = [
+                    m + f"; the environment of {hidden} process(es) of other users cannot be read "
+                    "(run the daemon as root)"
+                    if any(f"rule {n!r} " in m for n in env_rules) else m
+                    for m in idle_rules
+                ]  # fmt: skip
         messages = refused + idle_rules
         new = {m for m in messages if m not in self.told}
         self.told = (self.told if only is not None else set()) | set(messages)
