@@ -36,7 +36,7 @@ from gpushare.config import AdoptRule, Config
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.registry import Registration
 from gpushare.daemon.state import PAUSE_ERRORS, NodeState
-from gpushare.model import ClientClass, ClientState, GpuSample, ProcessFacts
+from gpushare.model import ClientClass, ClientState, GpuSample, PauseMechanism, ProcessFacts
 from gpushare.mpsenv import check_limits
 from gpushare.node import procs
 
@@ -343,8 +343,14 @@ class Adoptions:
             with s.lock:
                 live = [r for r in s.registry.clients() if r.state.is_live and r.pid is not None]
                 pids = {r.pid for r in live if r.pid is not None}
+                # A client's cgroup also holds what left its process tree (a daemonized child);
+                # cheap to list. A process group is not (a walk of /proc per client), and its
+                # members that matter are the main process's descendants, skipped anyway.
+                mechanism_of = getattr(s.pauser, "mechanism_of", None)
                 for r in live:
-                    pids.update(s.pauser.pids(r.id))
+                    how = mechanism_of(r.id) if callable(mechanism_of) else s.pauser.mechanism
+                    if how is PauseMechanism.CGROUP:
+                        pids.update(s.pauser.pids(r.id))
                 samples = list(s.samples)
             self.adopter.min_age_s = s.config.daemon.adopt_min_age_s
             out = self.adopter.scan(

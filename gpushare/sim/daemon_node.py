@@ -17,7 +17,7 @@ from pathlib import Path
 
 import structlog
 
-from gpushare.model import ClientClass
+from gpushare.model import ClientClass, PauseMechanism
 from gpushare.node.base import Pauser
 from gpushare.node.cgroups import FreezeRoute, PauserError
 from gpushare.sim.realtime import RealTimeSimNode, SimProfileError, workload_from_env
@@ -93,6 +93,11 @@ class SimulatedPauser:
         """How an adopted client is paused (``None`` for a launched one)."""
         route = getattr(self.real, "route", None)
         return route(client_id) if callable(route) else None
+
+    def mechanism_of(self, client_id: str) -> PauseMechanism:
+        """The mechanism that pauses this client (the real pauser's answer)."""
+        of = getattr(self.real, "mechanism_of", None)
+        return of(client_id) if callable(of) else self.real.mechanism
 
     def _twin(self, client_id: str, pid: int) -> None:
         info = self.lookup(client_id)
