@@ -267,7 +267,7 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
     if arrivals not in ("poisson", "azure", "genai"):
         raise ScenarioError(r.file, p + "arrivals", "expected 'poisson', 'azure' or 'genai'")
     rps = r.opt_number(t, p, "rps", 0.0, 100_000.0)
-    load = r.opt_number(t, p, "load", 0.0, 100.0)
+    load = r.load(t, p)
     if rps is not None and load is not None:
         raise ScenarioError(r.file, p + "rps", "give either rps or load, not both")
     if rps is None and load is None:
@@ -277,9 +277,21 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
         raise ScenarioError(r.file, p + "trace", f"arrivals = '{arrivals}' needs a trace file")
     if trace is not None:
         r.data_file(p + "trace", trace)
+    profile = r.profile(t, p, gpu.merge_online_us, gpu.sm_count)
+    if arrivals == "poisson" and rps is not None:
+        # A steady Poisson rate at or above one request per pass is a queue that never drains:
+        # every latency would grow with the run's length, whatever the policy.
+        pass_s = data.load_profile(profile, gpu.merge_online_us, gpu.sm_count).total_s
+        if rps * pass_s >= 1.0:
+            raise r.err(
+                p + "rps",
+                f"{rps:g} requests/s of {pass_s * 1e3:.2f} ms passes is a load of "
+                f"{rps * pass_s:.2f}: the server would fall behind even alone; "
+                f"give rps below {1.0 / pass_s:.1f} (or a load below 1)",
+            )
     spec = OnlineSpec(
         name=r.string(t, p, "name", required=True),
-        profile=r.profile(t, p, gpu.merge_online_us, gpu.sm_count),
+        profile=profile,
         gpu=r.gpu_index(t, p, gpu),
         arrivals=arrivals,  # type: ignore[arg-type]
         load=load,
@@ -397,6 +409,24 @@ class _Reader:
         if v <= low:
             raise self.err(p + key, f"must be above {low}", v)
         return v
+
+    def load(self, t: Mapping[str, Any], p: str) -> float | None:
+        """The offered load (arrival rate x pass time alone): a number in (0, 1)."""
+        if "load" not in t:
+            return None
+        v = t["load"]
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            raise self.err(p + "load", "expected a number above 0 and below 1", v)
+        if v <= 0:
+            raise self.err(p + "load", "must be above 0 (a fraction of one server's capacity)", v)
+        if v >= 1:
+            raise self.err(
+                p + "load",
+                "must be below 1: at a load of 1 or more the server falls behind even alone, "
+                "so every latency grows with the run's length; give e.g. 0.5",
+                v,
+            )
+        return float(v)
 
     def boolean(self, t: Mapping[str, Any], p: str, key: str, *, default: bool) -> bool:
         v = t.get(key, default)
