@@ -124,6 +124,8 @@ class SimNode:
                 bw_beta=g.bw_beta,
                 mode=traits.gpu_mode,
                 slice_s=g.slice_s,
+                switch_s=g.switch_s,
+                wave_scale=g.wave_scale,
             )
             for i in range(g.count)
         ]

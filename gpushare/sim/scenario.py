@@ -48,6 +48,8 @@ class GpuSpec:
     parallel_fraction: float = 0.95
     bw_beta: float = 0.6
     slice_s: float = 0.002
+    switch_s: float = 64e-6
+    wave_scale: float = 1.0
     merge_online_us: float = data.DEFAULT_MERGE_ONLINE_US
     merge_offline_us: float = data.DEFAULT_MERGE_OFFLINE_US
     start_s: float = 1.0
@@ -215,6 +217,8 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
             "parallel_fraction",
             "bw_beta",
             "slice",
+            "switch",
+            "wave_scale",
             "merge_online_us",
             "merge_offline_us",
             "start",
@@ -230,6 +234,8 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
         parallel_fraction=r.number(t, p, "parallel_fraction", d.parallel_fraction, 0.0, 1.0),
         bw_beta=r.number(t, p, "bw_beta", d.bw_beta, 0.0, 10.0),
         slice_s=r.duration(t, p, "slice", default=d.slice_s, above=0.0),
+        switch_s=r.duration(t, p, "switch", default=d.switch_s),
+        wave_scale=r.number(t, p, "wave_scale", d.wave_scale, 0.05, 20.0),
         merge_online_us=r.number(t, p, "merge_online_us", d.merge_online_us, 0.0, 10_000.0),
         merge_offline_us=r.number(t, p, "merge_offline_us", d.merge_offline_us, 0.0, 10_000.0),
         start_s=r.duration(t, p, "start", default=d.start_s),

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gpushare.model import ClientClass, ClientState
-from gpushare.sim.data import KernelProfile
-from gpushare.sim.gpu import EventLoop, Gpu, Run
+from gpushare.sim.data import KernelProfile, wave_s, wave_tail
+from gpushare.sim.gpu import EventLoop, Gpu, Kernel, Run
 
 
 def cap_sms(sm_pct: float, sm_count: int) -> int:
@@ -59,7 +59,7 @@ class SimClient:
     run: Run | None = None
     spare: Run | None = None
     #: The next issued kernel not yet started, kept by the subclasses (what ``head()`` returns).
-    nxt: tuple[float, int, float] | None = None
+    nxt: Kernel | None = None
     eligible_since: float = 0.0
     held_max: int = 0
     cap_sms: int = 1
@@ -82,7 +82,16 @@ class SimClient:
         self._width = profile.width
         self._mem = profile.mem
         self._n = len(profile)
-        self._kernels = tuple(zip(profile.dur_s, profile.width, profile.mem, strict=True))
+        scale = self.gpu.wave_scale
+        if profile.parts:
+            waves = tuple(wave_s(part, scale) for part in profile.parts)
+            tails = tuple(wave_tail(part, scale) for part in profile.parts)
+        else:  # no per-kernel data: every chunk is one full wave
+            waves = profile.dur_s
+            tails = (1.0,) * len(profile)
+        self._kernels: tuple[Kernel, ...] = tuple(
+            zip(profile.dur_s, profile.width, profile.mem, waves, tails, strict=True)
+        )
         self.pos = self._n  # no kernel sequence in progress
 
     def set_limits(self, sm_pct: float) -> None:
@@ -153,7 +162,7 @@ class OnlineServer(SimClient):
             self.eligible_since = now
             self.counts.issued += self._n
 
-    def head(self) -> tuple[float, int, float] | None:
+    def head(self) -> Kernel | None:
         """The next kernel of the request in progress."""
         return self.nxt
 
@@ -241,7 +250,7 @@ class OfflineTrainer(SimClient):
             self._maybe_issue(now)
             self.gpu.wake()
 
-    def head(self) -> tuple[float, int, float] | None:
+    def head(self) -> Kernel | None:
         """The next issued kernel of the current iteration."""
         return self.nxt
 
@@ -282,7 +291,7 @@ class ProbeClient:
         self.cap_sms = gpu.sm_count
         self.run: Run | None = None
         self.spare: Run | None = None
-        self.nxt: tuple[float, int, float] | None = None
+        self.nxt: Kernel | None = None
         self.eligible_since = 0.0
         self.held_max = 0
         self.period_s = period_s
@@ -311,13 +320,13 @@ class ProbeClient:
         loop = self._loop
         if not self._pending:
             self._pending = True
-            self.nxt = (self.kernel_s, self.width, 0.0)
+            self.nxt = (self.kernel_s, self.width, 0.0, self.kernel_s, 1.0)
             self._launched = loop.now
             self.eligible_since = loop.now
             self.gpu.wake()
         loop.at(loop.now + self.period_s, self._launch)
 
-    def head(self) -> tuple[float, int, float] | None:
+    def head(self) -> Kernel | None:
         """The probe kernel while one is launched and not yet started."""
         return self.nxt
 
