@@ -197,8 +197,11 @@ def wave_s(part: tuple[tuple[float, int], ...], wave_scale: float = 1.0) -> floa
 
 
 def wave_tail(part: tuple[tuple[float, int], ...], wave_scale: float = 1.0) -> float:
-    """The fraction of its slots a chunk's last wave fills: below 1 only for a single kernel of
-    several waves whose block count is not a whole number of waves (its tail frees slots)."""
+    """The fraction of its slots a chunk's last wave fills.
+
+    Below 1 only for a single kernel of several waves whose block count is not a whole number
+    of waves: its tail leaves slots to other clients' blocks (co-residency, G6).
+    """
     if len(part) != 1:
         return 1.0
     w = wave_scale * part[0][1] / PROFILE_SM_COUNT

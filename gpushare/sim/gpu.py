@@ -45,9 +45,11 @@ DEFAULT_PARALLEL_FRACTION = 0.95
 DEFAULT_BW_BETA = 0.6
 #: Time slice of the default (time-sliced) compute mode (docs/simulator.md G9).
 DEFAULT_SLICE_S = 0.002
-#: Cost of a context switch under time-slicing: saving and restoring a V100's register files and
-#: shared memory (80 x (256 + 96) KiB = 27.5 MiB) at ~900 GB/s is ~32 us each way (G9).
-DEFAULT_SWITCH_S = 64e-6
+#: Cost of a context switch under time-slicing (G9): calibrated on three published A100
+#: time-slicing points (3, 5 and 7 saturated clients take 1.109-1.110 x N their time alone, an
+#: 11 % overhead per 2 ms slice; gpushare/data/validation/). Saving and restoring a V100's
+#: register files and shared memory alone (27.5 MiB at ~900 GB/s) would take ~64 us.
+DEFAULT_SWITCH_S = 218e-6
 
 #: A kernel as a stream exposes it: ``(dur_s, width, memory_boundness, wave_s, tail)``; ``tail``
 #: is the fraction of its slots the last of several waves fills (1.0: full, or a single wave).
@@ -191,7 +193,13 @@ class Gpu:
         #: compute their kernels' wave lengths.
         self.wave_scale = wave_scale
         self.share: ShareRule = share
+        self._fair = share == "fair"
+        self._ts = mode == "time_slice"
         self._switch_until = 0.0
+        # Scratch lists of _dispatch, reused: it runs on almost every event.
+        self._held: list[int] = []
+        self._wants: list[int] = []
+        self._finals: list[int] = []
         self.streams: list[Stream] = []
         self.free = sm_count
         self.runs: list[Run] = []
@@ -333,9 +341,31 @@ class Gpu:
         if run.kseq != kseq or run.wave_at != at or run.g == 0 or run.stream.run is not run:
             return
         run.wave_at = -1.0
+        if not self._waiter_gains(run):
+            return  # whoever waited was served meanwhile: the blocks go on as they were
         self._release(run)
         self.stats.wave_yields += 1
         self._dispatch()
+
+    def _waiter_gains(self, run: Run) -> bool:
+        """Whether some other stream now waits for slots this kernel would give up (G5)."""
+        p = run.stream.priority
+        fair = self._fair
+        for s in self.streams:
+            if s is run.stream or s.priority > p:
+                continue
+            r = s.run
+            if r is None:
+                if s.nxt is None:
+                    continue
+                has = 0
+            elif r.g < r.want:
+                has = r.g
+            else:
+                continue
+            if s.priority < p or (fair and has + 1 < run.g):
+                return True
+        return False
 
     def _tail_start(self, arg: tuple[Run, int]) -> None:
         """A kernel's last, partial wave starts: the slots it leaves empty go to waiting work."""
@@ -365,11 +395,15 @@ class Gpu:
         (its pending blocks are dispatched first). To a waiter of its own priority it gives,
         under ``share = "fifo"``, only the slots its last, partial wave leaves empty (the
         earlier grid's blocks are all dispatched before a later grid's); under ``"fair"``, a
-        max-min fair share at its next wave end. Nothing is armed when no waiter would gain.
+        max-min fair share at its next wave end. Only the earliest useful wave end is armed (the
+        dispatch it triggers arms the next one if someone is still short); nothing is armed
+        when no waiter would gain.
         """
         now = self.loop.now
         heap = self.loop._heap
-        fair = self.share == "fair"
+        fair = self._fair
+        best: Run | None = None
+        best_t = 0.0
         for r in self.runs:
             p = r.stream.priority
             g = r.g
@@ -382,25 +416,39 @@ class Gpu:
                     higher = True
                 elif prio == p and (not fair or has + 1 < g):
                     equal = True
+            if not higher and not equal:
+                continue
             ws = r.wave_s
             multi = 0.0 < ws < r.dur_s
+            if not multi:
+                continue  # a single wave: its blocks hold their slots to the kernel's end
             left = r.remaining - (now - r.last_s) * r.rate
             end = now + left / r.rate
-            if multi and r.wave_at < 0.0 and (higher or (equal and fair)):
-                t_b = r.t0 + ws * (math.floor((now - r.t0) / ws) + 1.0)
-                if t_b < end:
-                    r.wave_at = t_b
-                    heapq.heappush(
-                        heap, (t_b, next(self.loop._seq), self._wave_end, (r, r.kseq, t_b))
-                    )
-            if equal and not fair and r.tail < 1.0 and not r.tail_armed and multi:
+            if higher or fair:
+                if r.wave_at >= 0.0:
+                    if best is None or r.wave_at < best_t:
+                        best, best_t = r, r.wave_at
+                else:
+                    t_b = r.t0 + ws * (math.floor((now - r.t0) / ws) + 1.0)
+                    if t_b < end and (best is None or t_b < best_t):
+                        best, best_t = r, t_b
+            if equal and not fair and r.tail < 1.0 and not r.tail_armed:
                 r.tail_armed = True
                 t_tail = end - ws
                 heapq.heappush(
                     heap,
-                    (t_tail if t_tail > now else now, next(self.loop._seq), self._tail_start,
-                     (r, r.kseq)),
+                    (
+                        t_tail if t_tail > now else now,
+                        next(self.loop._seq),
+                        self._tail_start,
+                        (r, r.kseq),
+                    ),
                 )
+        if best is not None and best.wave_at < 0.0:
+            best.wave_at = best_t
+            heapq.heappush(
+                heap, (best_t, next(self.loop._seq), self._wave_end, (best, best.kseq, best_t))
+            )
 
     def _complete(self, arg: tuple[Run, int]) -> None:
         run, version = arg
@@ -495,7 +543,7 @@ class Gpu:
         """
         loop = self.loop
         now = loop.now
-        if self.mode == "time_slice":
+        if self._ts:
             allowed = self._time_slice_owner(now)
             if allowed is None or self.free <= 0:
                 return
@@ -541,8 +589,13 @@ class Gpu:
             self._account()
         # What each candidate holds and wants, then what it gets.
         n = len(cands)
-        held = [0] * n
-        wants = [0] * n
+        held = self._held
+        wants = self._wants
+        finals = self._finals
+        while len(held) < n:
+            held.append(0)
+            wants.append(0)
+            finals.append(0)
         for k in range(n):
             _, _, _, s, head = cands[k]
             run = s.run
@@ -551,12 +604,17 @@ class Gpu:
                 wants[k] = run.want
             else:
                 assert head is not None
+                held[k] = 0
                 cap = full or s.cap_sms
                 width = head[1]
                 wants[k] = width if width < cap else cap
-        finals = list(held)
+            finals[k] = held[k]
         free = self.free
-        k = 0
+        if n == 1:
+            add = wants[0] - held[0]
+            finals[0] = held[0] + (add if add < free else free)
+            free = 0
+        k = 0 if n > 1 else 1
         while k < n and free > 0:
             prio = cands[k][0]
             e = k + 1
@@ -569,7 +627,7 @@ class Gpu:
                 for m in range(k, e):
                     finals[m] = wants[m]
                 free -= need
-            elif self.share == "fair":
+            elif self._fair:
                 self._share(held, wants, finals, k, e, free)
                 free = 0
             else:
@@ -648,7 +706,9 @@ class Gpu:
             self._arm_waves(short)
 
     @staticmethod
-    def _share(held: list[int], wants: list[int], finals: list[int], k: int, e: int, free: int) -> None:
+    def _share(
+        held: list[int], wants: list[int], finals: list[int], k: int, e: int, free: int
+    ) -> None:
         """Max-min fair shares of ``free`` slots among candidates ``k..e-1`` of one priority.
 
         Each ends with ``max(held, min(want, level))`` for the highest level the slots allow;
@@ -700,16 +760,23 @@ class Gpu:
             return None  # a switch is under way; its end is armed
         active = self._active
         streams = self.streams
-        others = [s for s in streams if s is not active and (s.run is not None or s.nxt is not None)]
-        if active is not None and active in streams:
-            if active.run is not None or active.nxt is not None:
-                if not others or now - self._active_since < self.slice_s - 1e-12:
-                    if others:
-                        self._arm_slice_timer(self._active_since + self.slice_s)
-                    return active
-                run = active.run
-                if run is not None and run.g > 0:
-                    self._release(run)  # compute preemption: the rest resumes on its next slice
+        others = [
+            s for s in streams if s is not active and (s.run is not None or s.nxt is not None)
+        ]
+        if (
+            active is not None
+            and active in streams
+            and (active.run is not None or active.nxt is not None)
+        ):
+            if not others or now - self._active_since < self.slice_s - 1e-12:
+                if others:
+                    self._arm_slice_timer(self._active_since + self.slice_s)
+                return active
+            run = active.run
+            if run is not None and run.g > 0:
+                if run.remaining - (now - run.last_s) * run.rate <= 1e-9:
+                    return active  # it ends now: its completion, due at this time, switches
+                self._release(run)  # compute preemption: the rest resumes on its next slice
         if not others:
             return None
         start = streams.index(active) + 1 if active in streams else 0

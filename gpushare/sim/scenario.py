@@ -48,8 +48,9 @@ class GpuSpec:
     parallel_fraction: float = 0.95
     bw_beta: float = 0.6
     slice_s: float = 0.002
-    switch_s: float = 64e-6
+    switch_s: float = 218e-6
     wave_scale: float = 1.0
+    launch_gap_s: float = 10e-6
     merge_online_us: float = data.DEFAULT_MERGE_ONLINE_US
     merge_offline_us: float = data.DEFAULT_MERGE_OFFLINE_US
     start_s: float = 1.0
@@ -77,6 +78,8 @@ class OnlineSpec:
     slo_factor: float = 1.1
     #: Poisson only: ``(at_s, for_s, factor)``, the rate times ``factor`` for a while.
     burst: tuple[float, float, float] | None = None
+    #: ``CUDA_LAUNCH_BLOCKING=1``: one kernel in flight, a launch gap per kernel (W3).
+    launch_blocking: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,7 @@ class OfflineSpec:
     pinned_mem_bytes: int | None = None
     restartable: bool = True
     submit_s: float = 1.0
+    launch_blocking: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +223,7 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
             "slice",
             "switch",
             "wave_scale",
+            "launch_gap",
             "merge_online_us",
             "merge_offline_us",
             "start",
@@ -236,6 +241,7 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
         slice_s=r.duration(t, p, "slice", default=d.slice_s, above=0.0),
         switch_s=r.duration(t, p, "switch", default=d.switch_s),
         wave_scale=r.number(t, p, "wave_scale", d.wave_scale, 0.05, 20.0),
+        launch_gap_s=r.duration(t, p, "launch_gap", default=d.launch_gap_s),
         merge_online_us=r.number(t, p, "merge_online_us", d.merge_online_us, 0.0, 10_000.0),
         merge_offline_us=r.number(t, p, "merge_offline_us", d.merge_offline_us, 0.0, 10_000.0),
         start_s=r.duration(t, p, "start", default=d.start_s),
@@ -267,6 +273,7 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
             "slo_p99_ms",
             "slo_factor",
             "burst",
+            "launch_blocking",
         },
     )
     arrivals = r.string(t, p, "arrivals", default="poisson")
@@ -311,6 +318,7 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
         slo_p99_ms=r.opt_number(t, p, "slo_p99_ms", 0.0, 1e9),
         slo_factor=r.number(t, p, "slo_factor", 1.1, 1.0, 1000.0),
         burst=r.burst(t, p) if arrivals == "poisson" else None,
+        launch_blocking=r.boolean(t, p, "launch_blocking", default=False),
     )
     if "burst" in t and arrivals != "poisson":
         raise ScenarioError(r.file, p + "burst", "a burst applies to poisson arrivals only")
@@ -318,7 +326,11 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
 
 
 def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineSpec:
-    r.keys(t, p, {"name", "profile", "gpu", "mem", "pinned_mem", "restartable", "submit"})
+    r.keys(
+        t,
+        p,
+        {"name", "profile", "gpu", "mem", "pinned_mem", "restartable", "submit", "launch_blocking"},
+    )
     pinned = r.size(t, p, "pinned_mem", default=None) if "pinned_mem" in t else None
     return OfflineSpec(
         name=r.string(t, p, "name", required=True),
@@ -328,6 +340,7 @@ def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineS
         pinned_mem_bytes=pinned,
         restartable=r.boolean(t, p, "restartable", default=True),
         submit_s=r.duration(t, p, "submit", default=1.0),
+        launch_blocking=r.boolean(t, p, "launch_blocking", default=False),
     )
 
 

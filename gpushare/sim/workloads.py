@@ -26,6 +26,16 @@ from gpushare.model import ClientClass, ClientState
 from gpushare.sim.data import KernelProfile, wave_s, wave_tail
 from gpushare.sim.gpu import EventLoop, Gpu, Kernel, Run
 
+#: How long a cgroup freeze of a busy process takes to stop it (median), and a thaw to restart
+#: it: ``bench/pauser_latency.py`` on this project's CI machine (``cgroup_freeze_busy`` p50
+#: 0.19 ms, p99 0.36 ms; ``cgroup_thaw_busy`` p50 0.12 ms; bench/results/pauser_latency.json).
+FREEZE_S = 0.19e-3
+THAW_S = 0.12e-3
+#: CPU time between two kernels of a client launched with ``CUDA_LAUNCH_BLOCKING=1``: the
+#: framework's per-operator cost plus the launch and the synchronisation, each a few
+#: microseconds; PyTorch's per-op CPU cost is of the order of 10 us (docs/simulator.md W3).
+DEFAULT_LAUNCH_GAP_S = 10e-6
+
 
 def cap_sms(sm_pct: float, sm_count: int) -> int:
     """SMs an MPS client with an active-thread percentage may hold (at least one)."""
@@ -69,6 +79,10 @@ class SimClient:
     counts: KernelCounts = field(default_factory=KernelCounts)
     #: MPS client priority: online 0, offline 1 (the runner may override it for a baseline).
     priority: int = -1
+    #: Launch-blocking mode (``CUDA_LAUNCH_BLOCKING=1``, issue 14's shallow queue): one kernel in
+    #: flight, each launched ``launch_gap_s`` per source kernel after the previous one ended.
+    launch_blocking: bool = False
+    launch_gap_s: float = DEFAULT_LAUNCH_GAP_S
 
     def __post_init__(self) -> None:
         if self.priority < 0:
@@ -92,7 +106,34 @@ class SimClient:
         self._kernels: tuple[Kernel, ...] = tuple(
             zip(profile.dur_s, profile.width, profile.mem, waves, tails, strict=True)
         )
+        #: Source kernels per chunk: what launch-blocking mode pays a gap for.
+        self._counts = tuple(len(part) for part in profile.parts) or (1,) * len(profile)
         self.pos = self._n  # no kernel sequence in progress
+        self._gate = 0  # bumped when a sequence is dropped: a pending launch must not fire
+
+    def _present(self, p: int, now: float) -> None:
+        """Make chunk ``p`` the next kernel: at once, or after its launch gaps when blocking."""
+        if not self.launch_blocking:
+            self.nxt = self._kernels[p]
+            self.eligible_since = now
+            return
+        self.nxt = None
+        self.gpu.loop.at(
+            now + self.launch_gap_s * self._counts[p], self._launched_one, (self._gate, p)
+        )
+
+    def _launched_one(self, arg: tuple[int, int]) -> None:
+        gate, p = arg
+        if gate != self._gate or p != self.pos:
+            return
+        self.nxt = self._kernels[p]
+        self.eligible_since = self.gpu.loop.now
+        self.gpu.wake()
+
+    def blocking_cost(self) -> float:
+        """Run time alone in launch-blocking mode over the asynchronous run time alone."""
+        total = self.profile.total_s
+        return (total + self.launch_gap_s * sum(self._counts)) / total if total > 0 else 1.0
 
     def set_limits(self, sm_pct: float) -> None:
         """Apply a new SM percentage (only at a (re)start: MPS fixes it for the client's life)."""
@@ -158,8 +199,7 @@ class OnlineServer(SimClient):
         if self.queue and self.state is ClientState.RUNNING:
             self.current_arrival = self.queue.popleft()
             self.pos = 0
-            self.nxt = self._kernels[0]
-            self.eligible_since = now
+            self._present(0, now)
             self.counts.issued += self._n
 
     def head(self) -> Kernel | None:
@@ -176,8 +216,7 @@ class OnlineServer(SimClient):
             self.completed.append((self.current_arrival, now - self.current_arrival))
             self._begin_next(now)
         else:
-            self.nxt = self._kernels[p]
-            self.eligible_since = now
+            self._present(p, now)
 
     def stop(self) -> None:
         """Stop serving: drop queued requests and the rest of the current one."""
@@ -186,6 +225,7 @@ class OnlineServer(SimClient):
         self.counts.discarded += self.gpu.detach(self)
         self.pos = self._n
         self.nxt = None
+        self._gate += 1
         self.queue.clear()
         self.state = ClientState.EXITED
 
@@ -217,6 +257,8 @@ class OfflineTrainer(SimClient):
         )
         self._load_profile(profile)
         self.frozen = False
+        #: A freeze stops the process only ``FREEZE_S`` after it is asked for (W4).
+        self._stops_at = 0.0
         self.held = False
         self.active = False
         #: Completion time of every training iteration.
@@ -233,22 +275,35 @@ class OfflineTrainer(SimClient):
         self.gpu.attach(self)
 
     def _maybe_issue(self, now: float) -> None:
-        if self.active and not self.frozen and self.pos >= self._n:
+        running = not self.frozen or now < self._stops_at
+        if self.active and running and self.pos >= self._n:
             self.pos = 0
-            self.nxt = self._kernels[0]
-            self.eligible_since = now
+            self._present(0, now)
             self.counts.issued += self._n
 
     def set_frozen(self, frozen: bool, now: float) -> None:
-        """Freeze or thaw the CPU side (cgroup freezer); queued kernels are unaffected."""
+        """Freeze or thaw the CPU side (cgroup freezer); kernels already issued still run.
+
+        A freeze stops the process ``FREEZE_S`` after it is asked for (an iteration ending
+        before that still issues the next one); a thawed process issues again ``THAW_S`` later.
+        """
         if frozen == self.frozen:
             return
         self.frozen = frozen
         if self.active and self.state in (ClientState.RUNNING, ClientState.FROZEN):
             self.state = ClientState.FROZEN if frozen else ClientState.RUNNING
-        if not frozen:
-            self._maybe_issue(now)
-            self.gpu.wake()
+        if frozen:
+            self._stops_at = now + FREEZE_S
+        else:
+            self._stops_at = 0.0
+            self.gpu.loop.at(now + THAW_S, self._thawed, self._gate)
+
+    def _thawed(self, arg: object) -> None:
+        if arg != self._gate or self.frozen:
+            return
+        now = self.gpu.loop.now
+        self._maybe_issue(now)
+        self.gpu.wake()
 
     def head(self) -> Kernel | None:
         """The next issued kernel of the current iteration."""
@@ -264,8 +319,7 @@ class OfflineTrainer(SimClient):
             self.iterations.append(now)
             self._maybe_issue(now)
         else:
-            self.nxt = self._kernels[p]
-            self.eligible_since = now
+            self._present(p, now)
 
     def stop(self, state: ClientState) -> None:
         """The process is gone (evicted, restarting, failed): its outstanding work is discarded."""
@@ -274,6 +328,7 @@ class OfflineTrainer(SimClient):
         self.counts.discarded += self.gpu.detach(self)
         self.pos = self._n
         self.nxt = None
+        self._gate += 1
         self.active = False
         self.state = state
 
