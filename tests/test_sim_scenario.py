@@ -114,3 +114,17 @@ def test_not_toml_and_missing_file() -> None:
         scenario.loads("[[online]]\nname='a'\n", "x.toml")
     with pytest.raises(scenario.ScenarioError, match="at least one"):
         scenario.loads("[scenario]\nname='a'\n", "x.toml")
+
+
+def test_physics_keys_parse() -> None:
+    text = GOOD.replace(
+        "[[online]]", '[gpu]\nswitch = "100us"\nwave_scale = 2.0\nlaunch_gap = "5us"\n[[online]]'
+    )
+    text = text.replace('name = "train"', 'name = "train"\nlaunch_blocking = true')
+    sc = scenario.loads(text, "x.toml")
+    assert sc.gpu.switch_s == pytest.approx(100e-6)
+    assert sc.gpu.wave_scale == 2.0
+    assert sc.gpu.launch_gap_s == pytest.approx(5e-6)
+    assert sc.offline[0].launch_blocking and not sc.online[0].launch_blocking
+    with pytest.raises(scenario.ScenarioError, match=r"gpu.wave_scale"):
+        scenario.loads(GOOD.replace("[[online]]", "[gpu]\nwave_scale = 0\n[[online]]", 1), "x.toml")
