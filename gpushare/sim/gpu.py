@@ -568,7 +568,22 @@ class Gpu:
                 self._arm_waves([(c[0], c[3].run.g if c[3].run else 0, c[3]) for c in cands])
             return
         if len(cands) > 1:
-            cands.sort()
+            # Insertion sort by (priority, since, index), compared field by field: the same order
+            # as sorting the tuples, without the generic comparison a tuple sort goes through.
+            for a in range(1, len(cands)):
+                c = cands[a]
+                pa = c[0]
+                sa = c[1]
+                ia = c[2]
+                b = a - 1
+                while b >= 0:
+                    d = cands[b]
+                    pb = d[0]
+                    if pb < pa or (pb == pa and (d[1] < sa or (d[1] == sa and d[2] < ia))):
+                        break
+                    cands[b + 1] = d
+                    b -= 1
+                cands[b + 1] = c
             if completing is not None and completing.run is None:
                 # The next kernel of the stream that just completed one is not dispatchable until
                 # the stream's dependency resolves (microseconds); the block scheduler fills the

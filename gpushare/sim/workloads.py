@@ -215,8 +215,11 @@ class OnlineServer(SimClient):
             self.nxt = None
             self.completed.append((self.current_arrival, now - self.current_arrival))
             self._begin_next(now)
-        else:
+        elif self.launch_blocking:
             self._present(p, now)
+        else:  # _present inlined: this runs for every kernel
+            self.nxt = self._kernels[p]
+            self.eligible_since = now
 
     def stop(self) -> None:
         """Stop serving: drop queued requests and the rest of the current one."""
@@ -318,8 +321,11 @@ class OfflineTrainer(SimClient):
             self.nxt = None
             self.iterations.append(now)
             self._maybe_issue(now)
-        else:
+        elif self.launch_blocking:
             self._present(p, now)
+        else:  # _present inlined: this runs for every kernel
+            self.nxt = self._kernels[p]
+            self.eligible_since = now
 
     def stop(self, state: ClientState) -> None:
         """The process is gone (evicted, restarting, failed): its outstanding work is discarded."""
