@@ -9,11 +9,15 @@ so at most one of its kernels runs at a time; under MPS a client also never hold
 cap (its active-thread percentage of the slots).
 
 A kernel runs as waves of blocks (``wave_s`` long each, from :func:`gpushare.sim.data.wave_s`).
-Slots are handed out at dispatch points: when a kernel starts, when one ends, and at the end of
-a wave of a kernel that someone is waiting for. There the slots go first to the waiting work of
-the highest MPS priority, and within one priority they are shared max-min fairly (each contender
-ends with ``min(want, level)``, never below what it holds). A running wave is never preempted; a
-kernel with a single wave keeps its slots until it ends.
+Slots are handed out at dispatch points: when a kernel starts, when one ends, at the end of a
+wave of a kernel that someone of higher priority waits for, and when the partial last wave of a
+kernel that someone of its own priority waits for starts. There the slots go first to the waiting
+work of the highest MPS priority; within one priority the earliest grid's blocks go first and
+later grids get what is left (``share = "fifo"``, the model), or the slots are shared max-min
+fairly (``share = "fair"``, the alternative kept for the sensitivity table). The next kernel of a
+stream whose kernel just ended is served after the others (its dependency resolves while the
+block scheduler refills the slots). A running wave is never preempted; a kernel with a single
+wave keeps its slots until it ends.
 
 A kernel of duration ``d`` (alone, at its full width ``w``) that holds ``g < w`` slots runs at the
 rate ``1 / ((1 - f) + f * w / g)``: an Amdahl-style law whose parallel fraction ``f`` is calibrated
@@ -534,8 +538,8 @@ class Gpu:
 
         One scan collects every stream that wants slots (an issued kernel not started, or a kernel
         holding fewer than it wants). Priorities are served in order; within one priority, when
-        the free slots do not cover every want, they are shared max-min fairly
-        (:meth:`_share`). Whoever is left short waits for the next wave end of a kernel it may
+        the free slots do not cover every want, the earliest grid goes first (or, with
+        ``share = "fair"``, they are shared max-min fairly, :meth:`_share`). Whoever is left short waits for the next wave end of a kernel it may
         take slots from (:meth:`_arm_waves`). When the only candidate is the stream whose kernel
         just completed, its uncontended stretch runs inline first (:meth:`_run_on`). This is the
         simulator's hot path: the start of a kernel (:meth:`_set_alloc` for a fresh run) is
@@ -728,9 +732,9 @@ class Gpu:
 
         Each ends with ``max(held, min(want, level))`` for the highest level the slots allow;
         what rounding leaves goes one slot each in candidate order (earliest eligible first).
-        Why fair and not first come, first served: the work distributor takes grids from every
-        client's hardware channel in turn, so the blocks dispatched into freed slots alternate
-        between the clients' grids instead of draining one client's kernel first.
+        The alternative to the left-over rule (``share = "fair"``): if the work distributor took
+        grids from every client's channel in turn, the blocks dispatched into freed slots would
+        alternate between clients' grids. Orion's V100 point fits it worse (docs/simulator.md).
         """
         budget = free
         for m in range(k, e):
