@@ -766,3 +766,79 @@ def test_signal_freeze_many(children: Children) -> None:
     assert all(_state(k.pid) == "T" for k in kids)
     pauser.thaw_many(["s0", "s1"])
     assert _wait_for(lambda: all(_state(k.pid) != "T" for k in kids))
+
+
+# Pids tracked on change (CgroupPauser.pids) ---------------------------------------------------
+
+# Forks one child on the first line of input, then waits for a second line (so it outlives the child).
+FORK_ON_LINE = ["sh", "-c", "read line; sleep 60 & read line"]
+
+
+@needs_cgroup
+def test_pids_are_read_once_until_the_cgroup_changes(
+    cg_base: Path, children: Children, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pauser = CgroupPauser(cg_base, pids_rescan_s=60.0)
+    proc = children.start(SLEEPER)
+    pauser.attach("idle", proc.pid)
+    walks: list[Path] = []
+    real_walk = cgroups._walk_pids
+
+    def counting(path: Path) -> Iterator[int]:
+        walks.append(path)
+        return real_walk(path)
+
+    monkeypatch.setattr(cgroups, "_walk_pids", counting)
+    for _ in range(100):
+        assert pauser.pids("idle") == [proc.pid]
+    # One read for a hundred looks: the control loop's every-tick question costs no cgroup walk.
+    assert len(walks) == 1
+
+
+@needs_cgroup
+def test_a_process_forked_inside_is_found(cg_base: Path, children: Children) -> None:
+    pauser = CgroupPauser(cg_base, pids_rescan_s=0.2)
+    shell = children.start(FORK_ON_LINE, stdin=subprocess.PIPE)
+    pauser.attach("forks", shell.pid)
+    assert pauser.pids("forks") == [shell.pid]
+    assert shell.stdin is not None
+    shell.stdin.write(b"go\n")
+    shell.stdin.flush()
+    # A fork changes no cgroup file: it shows at the next re-read, within 1.5 pids_rescan_s.
+    assert _wait_for(lambda: len(pauser.pids("forks")) == 2, timeout_s=3.0), pauser.pids("forks")
+    kid = next(p for p in pauser.pids("forks") if p != shell.pid)
+    assert psutil.Process(kid).ppid() == shell.pid
+
+
+@needs_cgroup
+def test_a_process_that_exits_is_dropped(cg_base: Path, children: Children) -> None:
+    pauser = CgroupPauser(cg_base, pids_rescan_s=0.2)
+    shell = children.start(FORK_ON_LINE, stdin=subprocess.PIPE)
+    pauser.attach("tree", shell.pid)
+    assert shell.stdin is not None
+    shell.stdin.write(b"go\n")
+    shell.stdin.flush()
+    assert _wait_for(lambda: len(pauser.pids("tree")) == 2, timeout_s=3.0)
+    kid = next(p for p in pauser.pids("tree") if p != shell.pid)
+    os.kill(kid, signal.SIGKILL)
+    # The shell reaps it; an exit beside a survivor is dropped at the next re-read.
+    assert _wait_for(lambda: pauser.pids("tree") == [shell.pid], timeout_s=3.0), pauser.pids("tree")
+
+
+@needs_cgroup
+def test_an_emptied_cgroup_reads_empty_at_once(cg_base: Path, children: Children) -> None:
+    # A re-read only every minute: what empties the list here is the kernel's cgroup.events.
+    pauser = CgroupPauser(cg_base, pids_rescan_s=60.0)
+    proc = children.start(SLEEPER)
+    pauser.attach("gone", proc.pid)
+    assert pauser.pids("gone") == [proc.pid]
+    proc.kill()
+    proc.wait(timeout=5)
+    assert _wait_for(lambda: pauser.pids("gone") == [], timeout_s=2.0), pauser.pids("gone")
+    # Attached again (a restart under the same id): the new process is seen at once too.
+    again = children.start(SLEEPER)
+    pauser.attach("gone", again.pid)
+    assert pauser.pids("gone") == [again.pid]
+    pauser.kill("gone")
+    pauser.release("gone")
+    assert pauser.pids("gone") == []

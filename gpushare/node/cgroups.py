@@ -15,6 +15,13 @@ Limit (docs/design.md §2): a frozen client issues no new GPU work, but kernels 
 
 Where no writable cgroup v2 exists, :class:`SignalPauser` stops and continues the client's process
 group; :func:`make_pauser` picks one of the two and says why.
+
+The control loop asks every tick for each client's processes (:meth:`CgroupPauser.pids`); walking
+every cgroup each time cost the daemon a third of its CPU. The pids are tracked on change
+instead: the kernel reports each change of a client's ``cgroup.events`` (its last process gone,
+its first one in) through one epoll set, which empties or refreshes that client's list at once;
+a fork or an exit that leaves others behind changes no cgroup file, so each list is also re-read
+every ``pids_rescan_s``. Killing and releasing always read the cgroup itself.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import contextlib
 import errno
 import math
 import os
+import random
 import re
 import select
 import signal
+import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
@@ -50,6 +59,10 @@ DEFAULT_SUBTREE = "gpushare"
 DEFAULT_FREEZE_TIMEOUT_S = 1.0
 DEFAULT_KILL_TIMEOUT_S = 2.0
 DEFAULT_SIGNAL_WAIT_S = 1.0
+# How stale a client's pid list may get when only a fork or a partial exit changed it. Those pids
+# attribute GPU memory to clients and find the client of a latency report; both look at seconds,
+# not ticks (the controller settles over control.quiet_settle = 1 s, shares move every 60 s).
+DEFAULT_PIDS_RESCAN_S = 2.0
 
 # Each round moves what the previous one missed; a workload forking faster than that is pathological.
 _SWEEP_ROUNDS = 5
@@ -267,6 +280,8 @@ class CgroupPauser:
         base: the daemon's subtree; created (one level) if missing.
         freeze_timeout_s: how long :meth:`freeze`/:meth:`thaw` wait for ``cgroup.events``.
         kill_timeout_s: how long :meth:`kill` waits for the cgroup to empty.
+        pids_rescan_s: how old a pid list :meth:`pids` may return when the kernel reported no
+            change of the cgroup (see the module doc).
 
     Raises:
         PauserError: ``base`` cannot be created or is not a cgroup v2 directory.
@@ -280,10 +295,13 @@ class CgroupPauser:
         *,
         freeze_timeout_s: float = DEFAULT_FREEZE_TIMEOUT_S,
         kill_timeout_s: float = DEFAULT_KILL_TIMEOUT_S,
+        pids_rescan_s: float = DEFAULT_PIDS_RESCAN_S,
     ) -> None:
         self.base = base
         self.freeze_timeout_s = freeze_timeout_s
         self.kill_timeout_s = kill_timeout_s
+        self.pids_rescan_s = pids_rescan_s
+        self._tracker = _PidTracker(pids_rescan_s)
         try:
             base.mkdir(exist_ok=True)
         except OSError as exc:
@@ -338,6 +356,7 @@ class CgroupPauser:
                 ) from exc
             raise PauserError(f"cannot attach pid {pid} to {path}: {exc.strerror or exc}") from exc
         moved = self._sweep_descendants(path, pid)
+        self._tracker.invalidate(client_id)
         log.debug("cgroup_attached", client_id=client_id, pid=pid, descendants_moved=moved)
 
     def open_procs_fd(self, client_id: str) -> int:
@@ -351,6 +370,7 @@ class CgroupPauser:
             PauserError: the cgroup cannot be created or opened.
         """
         path = self.path(client_id)
+        self._tracker.invalidate(client_id)  # the child joins after this returns
         try:
             path.mkdir(exist_ok=True)
             return os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
@@ -499,7 +519,7 @@ class CgroupPauser:
             raise PauserError(f"cannot kill {path}: {exc}") from exc
         if not emptied:
             raise PauserError(
-                f"{path} still has processes {self.pids(client_id)} after SIGKILL "
+                f"{path} still has processes {sorted(_walk_pids(path))} after SIGKILL "
                 f"and {self.kill_timeout_s} s (stuck in the kernel?)"
             )
         log.info("cgroup_killed", client_id=client_id)
@@ -518,8 +538,12 @@ class CgroupPauser:
             time.sleep(0.005)
 
     def pids(self, client_id: str) -> Sequence[int]:
-        """Live processes in the client's cgroup and any sub-cgroup it made (empty without one)."""
-        return sorted(_walk_pids(self.path(client_id)))
+        """Processes in the client's cgroup and any sub-cgroup it made (empty without one).
+
+        Tracked on change (module doc): empty as soon as the kernel reports the cgroup empty; a
+        process forked or exited beside others shows within ``pids_rescan_s``.
+        """
+        return self._tracker.pids(client_id, self.path(client_id))
 
     def release(self, client_id: str) -> None:
         """Remove the client's (empty) cgroup; nothing to do when it does not exist.
@@ -528,9 +552,10 @@ class CgroupPauser:
             PauserError: processes are still in it (kill them first).
         """
         path = self.path(client_id)
+        self._tracker.forget(client_id)
         if not path.is_dir():
             return
-        left = self.pids(client_id)
+        left = sorted(_walk_pids(path))
         if left:
             raise PauserError(f"cannot release {client_id}: processes {left} remain; kill first")
         # Depth first: a client may have created sub-cgroups of its own.
@@ -562,12 +587,111 @@ def _rmdir(path: Path) -> None:
 
 
 def _walk_pids(path: Path) -> Iterator[int]:
-    if not path.is_dir():
+    try:
+        with os.scandir(path) as entries:
+            # The directory entry's type (d_type) says which are sub-cgroups: no stat per file.
+            subs = [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
         return
     yield from _read_pids(path / "cgroup.procs")
-    for sub in path.iterdir():
-        if sub.is_dir():
-            yield from _walk_pids(sub)
+    for sub in subs:
+        yield from _walk_pids(Path(sub))
+
+
+class _PidTracker:
+    """Each client's pid list, re-read when its ``cgroup.events`` changes or it gets too old.
+
+    One epoll set holds an open ``cgroup.events`` per tracked client; the kernel marks it ready
+    (EPOLLPRI) when ``populated`` or ``frozen`` changes, and a read re-arms it. A look at the set
+    costs one ``epoll_wait`` however many clients there are. Every re-read is due again after a
+    random 0.5-1.5 ``rescan_s``, so the re-reads of clients attached together spread out.
+    """
+
+    def __init__(self, rescan_s: float) -> None:
+        self.rescan_s = rescan_s
+        self._lock = threading.Lock()
+        self._epoll: select.epoll | None = None
+        self._fds: dict[str, int] = {}
+        self._by_fd: dict[int, str] = {}
+        self._pids: dict[str, tuple[int, ...]] = {}
+        self._due: dict[str, float] = {}
+
+    def pids(self, client_id: str, path: Path) -> list[int]:
+        with self._lock:
+            self._drain()
+            now = time.monotonic()
+            known = self._pids.get(client_id)
+            if known is None or now >= self._due.get(client_id, 0.0):
+                self._watch(client_id, path)
+                known = tuple(sorted(_walk_pids(path)))
+                if not known and not path.is_dir():
+                    self._unwatch(client_id)  # removed under us: stop watching its old file
+                self._pids[client_id] = known
+                self._due[client_id] = now + self.rescan_s * (0.5 + random.random())
+            return list(known)
+
+    def invalidate(self, client_id: str) -> None:
+        with self._lock:
+            self._due.pop(client_id, None)
+
+    def forget(self, client_id: str) -> None:
+        with self._lock:
+            self._pids.pop(client_id, None)
+            self._due.pop(client_id, None)
+            self._unwatch(client_id)
+
+    def close(self) -> None:
+        """Close every watched file and the epoll set."""
+        with self._lock:
+            for client_id in list(self._fds):
+                self._unwatch(client_id)
+            if self._epoll is not None:
+                self._epoll.close()
+                self._epoll = None
+
+    def __del__(self) -> None:
+        # Raw descriptors are not closed by the garbage collector; a pauser dropped without
+        # close() (tests make many) must not leak them.
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _unwatch(self, client_id: str) -> None:
+        fd = self._fds.pop(client_id, None)
+        if fd is None:
+            return
+        self._by_fd.pop(fd, None)
+        if self._epoll is not None:
+            with contextlib.suppress(OSError):
+                self._epoll.unregister(fd)
+        os.close(fd)
+
+    def _watch(self, client_id: str, path: Path) -> None:
+        if client_id in self._fds:
+            return
+        try:
+            fd = os.open(path / "cgroup.events", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return  # no cgroup (yet): re-read at the next rescan, as before tracking
+        if self._epoll is None:
+            self._epoll = select.epoll()
+        # A file just opened reads as changed until its first read; read it before the walk
+        # that follows, so a change after this read is reported and none is lost.
+        with contextlib.suppress(OSError):
+            os.pread(fd, 4096, 0)
+        self._epoll.register(fd, select.EPOLLPRI | select.EPOLLERR)
+        self._fds[client_id] = fd
+        self._by_fd[fd] = client_id
+
+    def _drain(self) -> None:
+        if self._epoll is None or not self._fds:
+            return
+        for fd, _ in self._epoll.poll(0):
+            client_id = self._by_fd.get(fd)
+            if client_id is None:
+                continue
+            with contextlib.suppress(OSError):
+                os.pread(fd, 4096, 0)  # re-arms the notification
+            self._due.pop(client_id, None)
 
 
 def _wait_event(events: Path, key: str, want: str, timeout_s: float) -> bool:
