@@ -54,7 +54,9 @@ def cg_base() -> Iterator[Path]:
 
 @pytest.fixture
 def pauser(cg_base: Path) -> CgroupPauser:
-    return CgroupPauser(cg_base, freeze_timeout_s=2.0)
+    # pids() read afresh on every call: these tests look at what the cgroup holds at each moment
+    # (a transient subshell must be gone). Tracking pids on change has tests of its own below.
+    return CgroupPauser(cg_base, freeze_timeout_s=2.0, pids_rescan_s=0.0)
 
 
 class Children:
@@ -842,3 +844,30 @@ def test_an_emptied_cgroup_reads_empty_at_once(cg_base: Path, children: Children
     pauser.kill("gone")
     pauser.release("gone")
     assert pauser.pids("gone") == []
+
+
+def test_signal_pauser_reads_proc_once_for_every_client(
+    children: Children, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pauser = SignalPauser(pids_rescan_s=0.2)
+    shells = [children.start(FORK_ON_LINE, stdin=subprocess.PIPE) for _ in range(3)]
+    for i, shell in enumerate(shells):
+        pauser.attach(f"s{i}", shell.pid)
+    passes: list[object] = []
+    real = procs.groups_members
+
+    def counting(pgids: object) -> dict[int, list[int]]:
+        passes.append(pgids)
+        return real(pgids)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(procs, "groups_members", counting)
+    for i, shell in enumerate(shells):
+        assert pauser.pids(f"s{i}") == [shell.pid]
+    assert len(passes) == 1  # one pass over /proc answered all three
+    stdin = shells[0].stdin
+    assert stdin is not None
+    stdin.write(b"go\n")
+    stdin.flush()
+    # The fork shows at the next pass, within pids_rescan_s.
+    assert _wait_for(lambda: len(pauser.pids("s0")) == 2, timeout_s=3.0), pauser.pids("s0")
+    assert pauser.pids("s1") == [shells[1].pid]

@@ -21,7 +21,9 @@ every cgroup each time cost the daemon a third of its CPU. The pids are tracked 
 instead: the kernel reports each change of a client's ``cgroup.events`` (its last process gone,
 its first one in) through one epoll set, which empties or refreshes that client's list at once;
 a fork or an exit that leaves others behind changes no cgroup file, so each list is also re-read
-every ``pids_rescan_s``. Killing and releasing always read the cgroup itself.
+every ``pids_rescan_s``. Killing and releasing always read the cgroup itself. Without cgroups,
+:class:`SignalPauser` finds a group's members by reading every process's ``/proc/PID/stat``; one
+such pass serves every client, at most every ``pids_rescan_s``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -235,9 +237,10 @@ def _read_keyed(text: str) -> dict[str, str]:
     return out
 
 
-def _read_pids(path: Path) -> list[int]:
+def _read_pids(path: Path | str) -> list[int]:
     try:
-        return [int(line) for line in path.read_text().split()]
+        with open(path, "rb") as f:
+            return [int(line) for line in f.read().split()]
     except FileNotFoundError:
         return []
 
@@ -302,6 +305,7 @@ class CgroupPauser:
         self.kill_timeout_s = kill_timeout_s
         self.pids_rescan_s = pids_rescan_s
         self._tracker = _PidTracker(pids_rescan_s)
+        self._paths: dict[str, Path] = {}
         try:
             base.mkdir(exist_ok=True)
         except OSError as exc:
@@ -313,7 +317,12 @@ class CgroupPauser:
 
     def path(self, client_id: str) -> Path:
         """The client's cgroup directory (whether or not it exists yet)."""
-        return self.base / f"{CLIENT_PREFIX}{check_client_id(client_id)}"
+        # Asked for every client every tick: the checked id and its Path are kept until release.
+        path = self._paths.get(client_id)
+        if path is None:
+            path = self.base / f"{CLIENT_PREFIX}{check_client_id(client_id)}"
+            self._paths[client_id] = path
+        return path
 
     def _existing(self, client_id: str) -> Path:
         path = self.path(client_id)
@@ -517,6 +526,8 @@ class CgroupPauser:
             return  # released concurrently: nothing left to kill
         except OSError as exc:
             raise PauserError(f"cannot kill {path}: {exc}") from exc
+        finally:
+            self._tracker.invalidate(client_id)  # pids() right after a kill reads the cgroup
         if not emptied:
             raise PauserError(
                 f"{path} still has processes {sorted(_walk_pids(path))} after SIGKILL "
@@ -543,7 +554,11 @@ class CgroupPauser:
         Tracked on change (module doc): empty as soon as the kernel reports the cgroup empty; a
         process forked or exited beside others shows within ``pids_rescan_s``.
         """
-        return self._tracker.pids(client_id, self.path(client_id))
+        return self._tracker.pids(client_id, self.path)
+
+    def members(self, client_id: str) -> list[int]:
+        """The processes in the client's cgroup now, read from the cgroup (for signalling them)."""
+        return sorted(_walk_pids(self.path(client_id)))
 
     def release(self, client_id: str) -> None:
         """Remove the client's (empty) cgroup; nothing to do when it does not exist.
@@ -554,14 +569,16 @@ class CgroupPauser:
         path = self.path(client_id)
         self._tracker.forget(client_id)
         if not path.is_dir():
+            self._paths.pop(client_id, None)
             return
-        left = sorted(_walk_pids(path))
+        left = self.members(client_id)
         if left:
             raise PauserError(f"cannot release {client_id}: processes {left} remain; kill first")
         # Depth first: a client may have created sub-cgroups of its own.
         for sub in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
             _rmdir(sub)
         _rmdir(path)
+        self._paths.pop(client_id, None)
         log.debug("cgroup_released", client_id=client_id)
 
     def clients(self) -> dict[str, list[int]]:
@@ -586,16 +603,16 @@ def _rmdir(path: Path) -> None:
         raise PauserError(f"cannot remove {path}: {exc.strerror or exc}") from exc
 
 
-def _walk_pids(path: Path) -> Iterator[int]:
+def _walk_pids(path: Path | str) -> Iterator[int]:
     try:
         with os.scandir(path) as entries:
             # The directory entry's type (d_type) says which are sub-cgroups: no stat per file.
             subs = [e.path for e in entries if e.is_dir(follow_symlinks=False)]
     except (FileNotFoundError, NotADirectoryError):
         return
-    yield from _read_pids(path / "cgroup.procs")
+    yield from _read_pids(os.path.join(path, "cgroup.procs"))
     for sub in subs:
-        yield from _walk_pids(Path(sub))
+        yield from _walk_pids(sub)
 
 
 class _PidTracker:
@@ -615,13 +632,19 @@ class _PidTracker:
         self._by_fd: dict[int, str] = {}
         self._pids: dict[str, tuple[int, ...]] = {}
         self._due: dict[str, float] = {}
+        self._drain_at = 0.0
 
-    def pids(self, client_id: str, path: Path) -> list[int]:
+    def pids(self, client_id: str, path_of: Callable[[str], Path]) -> list[int]:
         with self._lock:
-            self._drain()
             now = time.monotonic()
+            if now >= self._drain_at:
+                # Once per millisecond is at once for a loop that ticks every 100 ms, and a tick
+                # asking for every client pays one epoll_wait instead of one per client.
+                self._drain_at = now + 0.001
+                self._drain()
             known = self._pids.get(client_id)
             if known is None or now >= self._due.get(client_id, 0.0):
+                path = path_of(client_id)
                 self._watch(client_id, path)
                 known = tuple(sorted(_walk_pids(path)))
                 if not known and not path.is_dir():
@@ -730,13 +753,21 @@ class SignalPauser:
 
     Args:
         wait_s: how long :meth:`freeze` waits for every member to show state ``T``.
+        pids_rescan_s: how old the member lists :meth:`pids` returns may be. Finding a group's
+            members reads every process's ``/proc/PID/stat``; one pass serves every client, and
+            it is repeated at most this often (the loop asks every tick; module doc).
     """
 
     mechanism: PauseMechanism = PauseMechanism.SIGNAL
 
-    def __init__(self, *, wait_s: float = DEFAULT_SIGNAL_WAIT_S) -> None:
+    def __init__(
+        self, *, wait_s: float = DEFAULT_SIGNAL_WAIT_S, pids_rescan_s: float = DEFAULT_PIDS_RESCAN_S
+    ) -> None:
         self.wait_s = wait_s
+        self.pids_rescan_s = pids_rescan_s
         self._groups: dict[str, int] = {}
+        self._members: dict[int, list[int]] = {}
+        self._members_due = 0.0
 
     def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
         """Remember ``pid``'s process group as the client's (also for re-adoption).
@@ -763,6 +794,7 @@ class SignalPauser:
                 "start clients in a new session (spawn(..., new_session=True))"
             )
         self._groups[client_id] = pgid
+        self._members_due = 0.0  # a new group: the next pids() reads /proc again
         log.debug("signal_attached", client_id=client_id, pid=pid, pgid=pgid)
 
     def open_procs_fd(self, client_id: str) -> None:
@@ -844,6 +876,7 @@ class SignalPauser:
             PauserError: the client is not attached.
         """
         self._signal(client_id, signal.SIGKILL)
+        self._members_due = 0.0
         log.info("signal_killed", client_id=client_id)
 
     def is_frozen(self, client_id: str) -> bool:
@@ -855,7 +888,21 @@ class SignalPauser:
         return bool(members) and all(procs.is_stopped(pid) for pid in members)
 
     def pids(self, client_id: str) -> Sequence[int]:
-        """Live members of the client's process group (empty when not attached)."""
+        """Live members of the client's process group (empty when not attached).
+
+        As of the last pass over /proc, at most ``pids_rescan_s`` old (one pass for every client).
+        """
+        pgid = self._groups.get(client_id)
+        if pgid is None:
+            return []
+        now = time.monotonic()
+        if now >= self._members_due or pgid not in self._members:
+            self._members = procs.groups_members(set(self._groups.values()))
+            self._members_due = now + self.pids_rescan_s
+        return list(self._members.get(pgid, ()))
+
+    def members(self, client_id: str) -> list[int]:
+        """Live members of the client's process group now, from /proc (for signalling them)."""
         pgid = self._groups.get(client_id)
         return [] if pgid is None else procs.group_members(pgid)
 
