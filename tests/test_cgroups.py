@@ -871,3 +871,23 @@ def test_signal_pauser_reads_proc_once_for_every_client(
     # The fork shows at the next pass, within pids_rescan_s.
     assert _wait_for(lambda: len(pauser.pids("s0")) == 2, timeout_s=3.0), pauser.pids("s0")
     assert pauser.pids("s1") == [shells[1].pid]
+
+
+@needs_cgroup
+def test_owner_of_names_the_client_of_a_just_forked_process(
+    cg_base: Path, children: Children
+) -> None:
+    pauser = CgroupPauser(cg_base, pids_rescan_s=60.0)
+    shell = children.start(FORK_ON_LINE, stdin=subprocess.PIPE)
+    pauser.attach("worker", shell.pid)
+    assert pauser.pids("worker") == [shell.pid]  # read now; the next re-read is a minute away
+    assert shell.stdin is not None
+    shell.stdin.write(b"go\n")
+    shell.stdin.flush()
+    assert _wait_for(lambda: len(psutil.Process(shell.pid).children()) == 1)
+    kid = psutil.Process(shell.pid).children()[0].pid
+    assert pauser.pids("worker") == [shell.pid]  # not re-read yet
+    assert pauser.owner_of(kid) == "worker"
+    assert pauser.owner_of(shell.pid) == "worker"
+    assert pauser.owner_of(os.getpid()) is None
+    assert pauser.owner_of(999_999_999) is None

@@ -306,6 +306,7 @@ class CgroupPauser:
         self.pids_rescan_s = pids_rescan_s
         self._tracker = _PidTracker(pids_rescan_s)
         self._paths: dict[str, Path] = {}
+        self._base_rel: str | None = None  # the base as /proc/PID/cgroup writes it
         try:
             base.mkdir(exist_ok=True)
         except OSError as exc:
@@ -559,6 +560,24 @@ class CgroupPauser:
     def members(self, client_id: str) -> list[int]:
         """The processes in the client's cgroup now, read from the cgroup (for signalling them)."""
         return sorted(_walk_pids(self.path(client_id)))
+
+    def owner_of(self, pid: int) -> str | None:
+        """The client whose cgroup (or a sub-cgroup of it) holds ``pid`` now, from /proc/PID/cgroup.
+
+        One read however many clients there are, and exact where :meth:`pids` may be
+        ``pids_rescan_s`` behind a fork (a latency report from a just-forked worker).
+        """
+        if self._base_rel is None:
+            mount = cgroup2_mount()
+            if mount is None or not _is_within(self.base, mount):
+                return None
+            self._base_rel = "/" + str(self.base.relative_to(mount)).strip("/.")
+        where = own_cgroup_path(Path(f"/proc/{pid}/cgroup"))
+        prefix = self._base_rel.rstrip("/") + "/" + CLIENT_PREFIX
+        if where is None or not where.startswith(prefix):
+            return None
+        client_id = where[len(prefix) :].split("/", 1)[0]
+        return client_id if _CLIENT_ID_RE.match(client_id) else None
 
     def release(self, client_id: str) -> None:
         """Remove the client's (empty) cgroup; nothing to do when it does not exist.
