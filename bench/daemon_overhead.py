@@ -288,8 +288,9 @@ def main() -> int:
     args = ap.parse_args()
     reason = cgroup_skip_reason()
     if reason is not None:
-        print(f"daemon_overhead: {reason}; the real cgroup pauser is what this measures")
-        return 2
+        # Skipped, not failed: `make bench` runs every bench, also where it cannot run this one.
+        print(f"daemon_overhead: skipped ({reason}; the real cgroup pauser is what it measures)")
+        return 0
     mps = "real" if shutil.which(args.mps_control) else "simulated"
     cells = []
     print(

@@ -200,7 +200,13 @@ class ControlLoop:
             mps_state=mps_state,
             mps_events=mps_events,
             gpu_events=gpu_events,
-            client_pids={v.client_id: s.pauser.pids(v.client_id) for v in views if v.pid},
+            # The pids only attribute the GPU memory of the processes NVML lists: none listed,
+            # nothing to attribute, and no pauser look-up per client.
+            client_pids=(
+                {v.client_id: s.pauser.pids(v.client_id) for v in views if v.pid}
+                if sample.processes
+                else {}
+            ),
             probe_mps_slots=1 if s.probe is not None and s.config.probe.enabled else 0,
         )
         state = self.policy_state.get(uuid)

@@ -239,10 +239,20 @@ def _read_keyed(text: str) -> dict[str, str]:
 
 def _read_pids(path: Path | str) -> list[int]:
     try:
-        with open(path, "rb") as f:
-            return [int(line) for line in f.read().split()]
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return []
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except OSError as exc:
+        if exc.errno == errno.ENODEV:  # the cgroup was removed while open
+            return []
+        raise
+    finally:
+        os.close(fd)
+    return [int(x) for x in b"".join(chunks).split()]
 
 
 def _check_pid(pid: int, owner_uid: int | None) -> None:
