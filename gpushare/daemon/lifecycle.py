@@ -179,9 +179,11 @@ class Lifecycle:
             if paused and client_id not in self.paused:
                 self.s.pauser.freeze(client_id)
                 self.paused.add(client_id)
+                self.s.ops.paused(client_id, True, time.monotonic())
             elif not paused and client_id in self.paused:
                 self.s.pauser.thaw(client_id)
                 self.paused.discard(client_id)
+                self.s.ops.paused(client_id, False, time.monotonic())
         except PAUSE_ERRORS as exc:
             log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
 
@@ -196,6 +198,9 @@ class Lifecycle:
                 log.warning("freeze_many_failed", clients=ids, error=str(exc))
             else:
                 self.paused.update(ids)
+                now = time.monotonic()
+                for client_id in ids:
+                    self.s.ops.paused(client_id, True, now)
                 return
         for client_id in ids:
             self.set_paused(client_id, True)
@@ -262,6 +267,7 @@ class Lifecycle:
             return
         requeue = action.requeue and rec.restartable
         self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", action.reason)
+        self.s.ops.evicted(rec.id, rec.gpu_uuid)
         self.set_paused(rec.id, False)
         # MPS forbids killing a client with GPU work in flight: terminate_client first.
         ok = self.s.mps.terminate_client(rec.gpu_uuid, rec.pid)
@@ -295,6 +301,7 @@ class Lifecycle:
                 requeue = rec.restartable and rec.detach
                 why = f"MPS recovery: {action.reason}"
                 self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", why)
+                self.s.ops.evicted(rec.id, action.gpu_uuid)
                 self.set_paused(rec.id, False)
                 self.kill_at[rec.id] = now + grace
         self.s.mps.recover(action.gpu_uuid, pids[ClientClass.OFFLINE], pids[ClientClass.ONLINE])
