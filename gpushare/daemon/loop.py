@@ -92,6 +92,7 @@ class ControlLoop:
         # Each client's view and the record it was made from: the registry hands out the same
         # record object until the client changes, so an unchanged client's view is reused.
         self._views: dict[str, tuple[ClientRecord, ClientView]] = {}
+        self._synced: Sequence[ClientRecord] = ()  # the records ops.sync last saw
 
     def run(self, max_ticks: int | None = None) -> int:
         """Tick every ``control.period`` until stopped (or ``max_ticks`` ticks); returns 0."""
@@ -136,7 +137,16 @@ class ControlLoop:
             for event in gpu_events:
                 self._record_gpu_event(event)
             records = s.registry.clients()
-            s.ops.sync(self._tracked(records), now)
+            # The registry hands out the same record objects until a client changes, and
+            # ops.sync only acts on clients appearing, ending or queueing (pauses reach ops
+            # from the lifecycle): with every record the one synced last tick, it has nothing
+            # to do.
+            synced = self._synced
+            if len(records) != len(synced) or any(
+                a is not b for a, b in zip(records, synced, strict=True)
+            ):
+                s.ops.sync(self._tracked(records), now)
+                self._synced = records
             by_gpu: dict[str | None, list[ClientRecord]] = {}
             for rec in records:
                 by_gpu.setdefault(rec.gpu_uuid, []).append(rec)
