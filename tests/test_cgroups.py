@@ -891,3 +891,24 @@ def test_owner_of_names_the_client_of_a_just_forked_process(
     assert pauser.owner_of(shell.pid) == "worker"
     assert pauser.owner_of(os.getpid()) is None
     assert pauser.owner_of(999_999_999) is None
+
+
+@needs_cgroup
+def test_the_daemons_pauser_stack_passes_members_and_owner_of_through(
+    cg_base: Path, children: Children
+) -> None:
+    # The daemon wraps the cgroup pauser in AdoptingPauser (and, simulated, SimulatedPauser);
+    # the lifecycle finds members()/owner_of() on the outermost one or falls back to pids().
+    from gpushare.node.adopted import AdoptingPauser
+
+    pauser = AdoptingPauser(CgroupPauser(cg_base, pids_rescan_s=60.0))
+    shell = children.start(FORK_ON_LINE, stdin=subprocess.PIPE)
+    pauser.attach("job", shell.pid)
+    assert pauser.pids("job") == [shell.pid]
+    assert shell.stdin is not None
+    shell.stdin.write(b"go\n")
+    shell.stdin.flush()
+    assert _wait_for(lambda: len(pauser.members("job")) == 2)
+    kid = next(p for p in pauser.members("job") if p != shell.pid)
+    assert pauser.owner_of(kid) == "job"
+    assert list(pauser.pids("job")) == [shell.pid]  # the tracked list catches up at its re-read
