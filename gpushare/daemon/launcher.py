@@ -8,6 +8,7 @@ prints from. The workload always runs as the submitting user with that user's gr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -102,7 +103,8 @@ class HostProcesses:
                 os.killpg(pid, sig)
             else:
                 for each in pids or [pid]:
-                    os.kill(each, sig)
+                    with contextlib.suppress(ProcessLookupError):  # one may have exited since
+                        os.kill(each, sig)
         except ProcessLookupError:
             pass
 

@@ -88,6 +88,13 @@ class Lifecycle:
             for client_id in set(self.by_pid.values()):
                 if pid in self.s.pauser.pids(client_id):
                     return client_id
+            # pids() may be a few seconds behind a fork (node/cgroups.py); the cgroup pauser can
+            # also name the owner of one pid from its /proc/PID/cgroup.
+            owner_of = getattr(self.s.pauser, "owner_of", None)
+            if callable(owner_of):
+                found = owner_of(pid)
+                if isinstance(found, str) and found in self.by_pid.values():
+                    return found
         return None
 
     def uid_of_client(self, client_id: str) -> int | None:
@@ -364,8 +371,12 @@ class Lifecycle:
 
     def signal(self, rec: ClientRecord, sig: int) -> None:
         """Send a signal to the client's process group (or each of its processes)."""
-        if rec.pid is not None:
-            self.s.procs.signal(rec.pid, sig, self.s.pauser.pids(rec.id))
+        if rec.pid is None:
+            return
+        # Every process now: pids() may list one that exited since its last re-read
+        # (node/cgroups.py), and a signal must reach a just-forked one too.
+        members = getattr(self.s.pauser, "members", self.s.pauser.pids)
+        self.s.procs.signal(rec.pid, sig, members(rec.id))
 
     def kill_overdue(self, now: float) -> None:
         """SIGKILL the signalled clients whose grace is over."""

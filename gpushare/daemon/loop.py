@@ -93,24 +93,10 @@ class ControlLoop:
         self.ticks = 0
         #: Actions applied so far, by kind (the simulator reports them).
         self.applied: dict[str, int] = {}
-        self._records: list[ClientRecord] = []
-        self._records_version = -1
-        self._counts = (0, 0, 0)
-        self._counted_version = -1
+        # Each client's view and the record it was made from: the registry hands out the same
+        # record object until the client changes, so an unchanged client's view is reused.
         self._views: dict[str, tuple[ClientRecord, ClientView]] = {}
-
-    def records(self) -> list[ClientRecord]:
-        """The live and queued clients, read again only when the registry changed them."""
-        registry = self.s.registry
-        with self.s.lock:
-            version = registry.clients_version
-            if version != self._records_version:
-                self._records = registry.clients()
-                self._records_version = version
-                if len(self._views) > len(self._records):
-                    live = {r.id for r in self._records}
-                    self._views = {k: v for k, v in self._views.items() if k in live}
-            return self._records
+        self._synced: Sequence[ClientRecord] = ()  # the records ops.sync last saw
 
     def run(self, max_ticks: int | None = None) -> int:
         """Tick every ``control.period`` until stopped (or ``max_ticks`` ticks); returns 0."""
@@ -150,7 +136,7 @@ class ControlLoop:
     def tick(self) -> None:
         """One control period: sense, decide per GPU, act, and report health to systemd."""
         s = self.s
-        now = s.clock.monotonic()
+        now = self.s.clock.monotonic()
         samples = list(s.gpu.sample())
         gpu_events = list(s.gpu.drain_events())
         p99 = s.latency.p99s(now)
@@ -159,13 +145,27 @@ class ControlLoop:
             s.samples = samples
             for event in gpu_events:
                 self._record_gpu_event(event)
-            records = self.records()
-            s.ops.sync(self._tracked(records), now)
+            records = s.registry.clients()
+            # The registry hands out the same record objects until a client changes, and
+            # ops.sync only acts on clients appearing, ending or queueing (pauses reach ops
+            # from the lifecycle): with every record the one synced last tick, it has nothing
+            # to do.
+            synced = self._synced
+            if len(records) != len(synced) or any(
+                a is not b for a, b in zip(records, synced, strict=True)
+            ):
+                s.ops.sync(self._tracked(records), now)
+                self._synced = records
+            by_gpu: dict[str | None, list[ClientRecord]] = {}
+            for rec in records:
+                by_gpu.setdefault(rec.gpu_uuid, []).append(rec)
+            views = self._views_of(records, now)
             observations: dict[str, Observation] = {}
             for sample in samples:
                 if not s.shared(sample):
                     continue
-                observations[sample.uuid] = self._tick_gpu(sample, records, gpu_events, now)
+                mine = tuple(views[r.id] for r in by_gpu.get(sample.uuid, ()))
+                observations[sample.uuid] = self._tick_gpu(sample, mine, gpu_events, now)
             if any(r.state is S.QUEUED for r in records):
                 self._admit(observations, now)
             if self.metrics is not None:
@@ -173,12 +173,28 @@ class ControlLoop:
             self._duty_phase(now)
             self.life.kill_overdue(now)
             self.ticks += 1
-        self._report(now)
+            # The STATUS= line counts this tick's clients (a change made by this tick's actions
+            # shows at the next tick, 100 ms on): no second read of the registry every tick.
+            line = self.summary(records)
+        self._report(now, line)
+
+    def _views_of(self, records: Sequence[ClientRecord], now: float) -> dict[str, ClientView]:
+        """Every client's view, made anew only for the records that changed since the last tick."""
+        old = self._views
+        fresh: dict[str, tuple[ClientRecord, ClientView]] = {}
+        for rec in records:
+            known = old.get(rec.id)
+            if known is not None and known[0] is rec:
+                fresh[rec.id] = known
+            else:
+                fresh[rec.id] = (rec, self._view(rec, now))
+        self._views = fresh  # finished clients drop out with their records
+        return {cid: view for cid, (_, view) in fresh.items()}
 
     def _tick_gpu(
         self,
         sample: GpuSample,
-        records: Sequence[ClientRecord],
+        views: tuple[ClientView, ...],
         gpu_events: Sequence[GpuEvent],
         now: float,
     ) -> Observation:
@@ -196,7 +212,6 @@ class ControlLoop:
                     f"mps_{ev.kind.value}", ev.text, severity=severity, gpu_uuid=uuid
                 )
         probe = s.probe.reading(uuid) if s.probe is not None else None
-        views = tuple(self._view(rec, now) for rec in records if rec.gpu_uuid == uuid)
         obs = build_observation(
             sample=sample,
             probe=probe if s.probe is not None else None,
@@ -206,7 +221,13 @@ class ControlLoop:
             mps_state=mps_state,
             mps_events=mps_events,
             gpu_events=gpu_events,
-            client_pids={v.client_id: s.pauser.pids(v.client_id) for v in views if v.pid},
+            # The pids only attribute the GPU memory of the processes NVML lists: none listed,
+            # nothing to attribute, and no pauser look-up per client.
+            client_pids=(
+                {v.client_id: s.pauser.pids(v.client_id) for v in views if v.pid}
+                if sample.processes
+                else {}
+            ),
             probe_mps_slots=1 if s.probe is not None and s.config.probe.enabled else 0,
         )
         state = self.policy_state.get(uuid)
@@ -282,7 +303,6 @@ class ControlLoop:
     def _admit(self, observations: Mapping[str, Observation], now: float) -> None:
         """Start queued offline jobs where admission places them (SJF-BSBF, slots, D11)."""
         s = self.s
-        wall = s.clock.time()
         jobs = [
             QueuedJob(
                 client_id=r.id,
@@ -290,11 +310,11 @@ class ControlLoop:
                 mem_bytes=r.mem_bytes,
                 sm_pct=r.sm_ceiling,
                 gpu=None if r.gpu_request in (None, "any") else r.gpu_request,
-                submitted_at_s=now - max(0.0, wall - r.submitted_at),
+                submitted_at_s=now - max(0.0, self.s.clock.time() - r.submitted_at),
                 restartable=r.restartable,
                 not_before_s=self.life.not_before.get(r.id, 0.0),
             )
-            for r in self.records()
+            for r in s.registry.clients()
             if r.state is S.QUEUED
         ]
         max_clients = {x.uuid: s.max_clients(x) for x in s.samples}
@@ -317,12 +337,7 @@ class ControlLoop:
         started = None
         if rec.started_at is not None:
             started = now - max(0.0, self.s.clock.time() - rec.started_at)
-        # The same record gives the same view while the clocks keep their offset (always, in
-        # virtual time): kept per record, built again when either changed.
-        cached = self._views.get(rec.id)
-        if cached is not None and cached[0] is rec and cached[1].started_at_s == started:
-            return cached[1]
-        view = ClientView(
+        return ClientView(
             client_id=rec.id,
             cls=rec.cls,
             state=rec.state,
@@ -340,8 +355,6 @@ class ControlLoop:
             started_at_s=started,
             held=rec.held,
         )
-        self._views[rec.id] = (rec, view)
-        return view
 
     def _record_gpu_event(self, event: GpuEvent) -> None:
         self.s.registry.add_event(
@@ -354,13 +367,12 @@ class ControlLoop:
 
     # ----------------------------------------------------------------------------- health
 
-    def _report(self, now: float) -> None:
+    def _report(self, now: float, line: str) -> None:
         if not self.ready and self._all_mps_up():
             self.ready = True
-            self._notify("READY=1", sd.status_field(self.summary()))
-            self.s.registry.add_event("daemon_ready", f"ready: {self.summary()}")
+            self._notify("READY=1", sd.status_field(line))
+            self.s.registry.add_event("daemon_ready", f"ready: {line}")
             log.info("daemon_ready")
-        line = self.summary()
         if line != self._status_line:
             self._status_line = line
             self._notify(sd.status_field(line))
@@ -373,21 +385,20 @@ class ControlLoop:
         shared = [x for x in self.s.samples if self.s.shared(x)]
         return all(self.s.mps_states.get(x.uuid) is MpsState.UP for x in shared)
 
-    def summary(self) -> str:
-        """The one-line STATUS= summary."""
+    def summary(self, records: Sequence[ClientRecord] | None = None) -> str:
+        """The one-line STATUS= summary (of ``records``, by default the registry's clients)."""
         s = self.s
         shared = [x for x in s.samples if s.shared(x)]
         up = sum(1 for x in shared if s.mps_states.get(x.uuid) is MpsState.UP)
-        recs = self.records()
-        # Built every tick to see whether it changed: counted again only when the clients did.
-        if self._counted_version != self._records_version:
-            self._counts = (
-                sum(1 for r in recs if r.cls is ClientClass.ONLINE and r.state.is_live),
-                sum(1 for r in recs if r.cls is ClientClass.OFFLINE and r.state.is_live),
-                sum(1 for r in recs if r.state is S.QUEUED),
-            )
-            self._counted_version = self._records_version
-        online, offline, queued = self._counts
+        online = offline = queued = 0
+        for r in s.registry.clients() if records is None else records:
+            if r.state is S.QUEUED:
+                queued += 1
+            elif r.state.is_live:
+                if r.cls is ClientClass.ONLINE:
+                    online += 1
+                else:
+                    offline += 1
         return (
             f"{len(shared)} GPU(s), MPS up {up}/{len(shared)}, {online} online + {offline} "
             f"offline client(s), {queued} queued"
@@ -400,7 +411,7 @@ class ControlLoop:
         life = self.life
         period = self.s.config.control.period_s
         self._edges.clear()
-        for rec in self.records():
+        for rec in self.s.registry.clients():
             if rec.state not in RUNNING_STATES or rec.pid is None:
                 continue
             if life.exiting(rec.id):
@@ -435,7 +446,7 @@ class ControlLoop:
                 del self._edges[gpu]
             ids = [
                 rec.id
-                for rec in self.records()
+                for rec in self.s.registry.clients()
                 if rec.gpu_uuid in due
                 and rec.cls is ClientClass.OFFLINE
                 and rec.state is S.THROTTLED

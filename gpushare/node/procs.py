@@ -25,7 +25,7 @@ import select
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -356,15 +356,26 @@ def descendants(pid: int) -> list[int]:
 
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
-    out: list[int] = []
+    return groups_members([pgid])[pgid]
+
+
+def groups_members(pgids: Iterable[int]) -> dict[int, list[int]]:
+    """Live (non-zombie) members of each process group in ``pgids``, in one pass over /proc."""
+    out: dict[int, list[int]] = {pgid: [] for pgid in pgids}
+    if not out:
+        return out
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         stat = _stat_fields(int(entry.name))
         # fields after "comm": [0] state, [1] ppid, [2] pgrp
-        if stat is not None and int(stat[2]) == pgid and stat[0] != "Z":
-            out.append(int(entry.name))
-    return sorted(out)
+        if stat is not None and stat[0] != "Z":
+            members = out.get(int(stat[2]))
+            if members is not None:
+                members.append(int(entry.name))
+    for members in out.values():
+        members.sort()
+    return out
 
 
 def is_stopped(pid: int) -> bool:
