@@ -169,3 +169,15 @@ def test_an_exec_moves_the_environment_so_the_stamp_changes(started):
     assert before.image[0] == after.image[0] and before.image != after.image
     (f,), changed = cache.read([p.pid], {"GPUSHARE_CLASS"}, None, now=time.time(), min_age_s=0.0)
     assert (f.environ, changed) == ({"GPUSHARE_CLASS": "offline"}, True)
+
+
+def test_a_changed_gpu_process_list_decides_again():
+    p = FakeProc()
+    p.facts = _facts(environ={"GPUSHARE_CLASS": "offline"})
+    adopter = Adopter(min_age_s=1.0, all_pids=lambda: [PID], clock=lambda: 200.0, cache=p.cache())
+    toml = '[[adopt]]\nname = "m"\nmarker = true\nuses_gpu = true\n'
+    rules = [Rule(s, 0, "t.toml") for s in config.loads(toml).adopt]
+    assert adopter.scan(rules, clients=(), gpu_pids={}).adopt == ()
+    assert adopter.scan(rules, clients=(), gpu_pids={}).adopt == ()
+    (found,) = adopter.scan(rules, clients=(), gpu_pids={PID: ("GPU-0",)}).adopt
+    assert (found.facts.pid, found.facts.gpu_uuids, p.full_reads) == (PID, ("GPU-0",), 1)

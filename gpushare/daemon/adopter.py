@@ -219,7 +219,8 @@ class Adopter:
             facts, changed = self.cache.read(
                 self._all_pids(), names, gpu_pids, now=now, min_age_s=self.min_age_s
             )
-            inputs = (list(rules), frozenset(clients), gpu_pids, self.min_age_s)
+            gpus = None if gpu_pids is None else dict(gpu_pids)  # a copy: the caller's may change
+            inputs = (list(rules), frozenset(clients), gpus, self.min_age_s)
             last = self._last
             if not changed and last is not None and last[0] == inputs:
                 # Nothing the decision depends on changed: the same outcome, nothing new to tell.
