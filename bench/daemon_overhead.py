@@ -25,7 +25,8 @@ beyond that; the bench sets it to 128, the most the config allows (the default i
 holds 127 idle clients and the rest of 200 are refused: the table says how many run.
 
 Usage: ``.venv/bin/python bench/daemon_overhead.py [--gpus 1,8] [--clients 6,48,200]
-[--window 20] [--settle 5] [--mps-control PATH] [--out bench/results/daemon_overhead.json]``.
+[--window 20] [--settle 5] [--mps-control PATH] [--adopt-scan-period S]
+[--out bench/results/daemon_overhead.json]``.
 Needs root and a writable cgroup v2 (the pauser is the point); every process and cgroup it made
 is removed at the end, also on Ctrl-C.
 """
@@ -107,8 +108,12 @@ def remove_cgroups(path: Path, timeout_s: float = 10.0) -> None:
                 time.sleep(0.02)
 
 
-def write_config(base: Path, cgroup_dir: Path, mps_control: str) -> Path:
+def write_config(
+    base: Path, cgroup_dir: Path, mps_control: str, scan_period_s: float | None = None
+) -> Path:
     path = base / "gpushare.toml"
+    # A scan period far beyond the window leaves the adoption scan out: what the rest costs.
+    scan = "" if scan_period_s is None else f'adopt_scan_period = "{scan_period_s}s"\n'
     path.write_text(
         f"""version = 1
 [paths]
@@ -117,7 +122,7 @@ state_dir = "{base}/state"
 cgroup_base = "{cgroup_dir}"
 [daemon]
 admin_group = ""
-[metrics]
+{scan}[metrics]
 enabled = false
 [mps]
 control_binary = "{mps_control}"
@@ -165,7 +170,7 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
     own = own_cgroup()
     assert own is not None
     cgroup_dir = own / f"gs-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    config = write_config(base, cgroup_dir, args.mps_control)
+    config = write_config(base, cgroup_dir, args.mps_control, args.adopt_scan_period)
     sock = base / "run" / "gpushare.sock"
     ticks = TickCounter(base / "notify.sock")
     # WATCHDOG_USEC=1: the daemon pings after every tick (it pings at half the period, at most
@@ -283,6 +288,11 @@ def main() -> int:
         "--mps-control",
         default="/nonexistent/gpushare-bench/nvidia-cuda-mps-control",
         help="the MPS control binary; the default names none, so MPS is simulated",
+    )
+    ap.add_argument(
+        "--adopt-scan-period",
+        type=float,
+        help="daemon.adopt_scan_period in seconds (default: the config's); 3600 leaves the scan out",
     )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     args = ap.parse_args()

@@ -15,8 +15,8 @@ neither; docs/simulator.md section 4 says why):
   ``max(kernel time, kernels x C)``, as a measured standalone latency would be.
 
 Prints the median and max of p99 over p99 alone per baseline, and the Orion plain-MPS point for
-each trainer gap, and writes ``bench/results/sim_cpu_side.json``. The Python engine is patched, so
-the compiled engine must not be built in this checkout (the script refuses if it is).
+each trainer gap, and writes ``bench/results/sim_cpu_side.json``. It forces the Python engine
+(``GPUSHARE_SIM_ENGINE=python``): the patches are written against the source.
 
     python bench/sim_cpu_side.py --jobs 2 --duration 10 --trainer-gap 0 0.1 0.25 0.5
     python bench/sim_cpu_side.py --jobs 2 --duration 10 --server-cpu 0 20e-6 40e-6 60e-6
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 from multiprocessing import Pool
@@ -34,10 +35,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Chosen when gpushare.sim is first imported, so before the imports below.
+os.environ["GPUSHARE_SIM_ENGINE"] = "python"
 
 import sim_validation as sv
 
-from gpushare.sim import data, runner, scenario, workloads
+from gpushare.sim import data, engine, runner, scenario, workloads
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sim_cpu_side.json"
 
@@ -136,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trainer-gap", type=float, nargs="*", default=[])
     ap.add_argument("--server-cpu", type=float, nargs="*", default=[], help="seconds per kernel")
     args = ap.parse_args(argv)
-    if any(Path(workloads.__file__).parent.glob("*.so")):
-        print("the compiled engine is built here; this what-if patches the Python engine")
+    if engine.loaded() != "python":
+        print(f"the {engine.loaded()} engine is loaded; this what-if patches the Python engine")
         return 2
     settings = [{"trainer_gap": g, "server_cpu_s": 0.0} for g in args.trainer_gap]
     settings += [{"trainer_gap": 0.0, "server_cpu_s": c} for c in args.server_cpu]

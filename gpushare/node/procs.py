@@ -521,6 +521,43 @@ def process_facts(
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+class Stamp(NamedTuple):
+    """What one read of ``/proc/<pid>/stat`` says about a process (:func:`process_stamp`)."""
+
+    name: str
+    ppid: int
+    state: str
+    kernel_thread: bool
+    image: tuple[int, int, int]
+    """Start time (clock ticks since boot) and the address range of the environment: a reused pid
+    has another start time, and an ``exec`` lays out a new environment at another address."""
+
+
+def process_stamp(pid: int) -> Stamp | None:
+    """One read of ``/proc/<pid>/stat``: enough to tell whether cached facts still hold.
+
+    The environment's addresses (fields 50 and 51) read as 0 where the reader may not trace the
+    process; its environment is then unreadable anyway, and the name still changes on ``exec``.
+    """
+    first = _comm_and_stat(pid)
+    if first is None:
+        return None
+    name, stat = first
+    env = (int(stat[47]), int(stat[48])) if len(stat) > 48 else (0, 0)
+    return Stamp(
+        name, int(stat[1]), stat[0], bool(int(stat[6]) & _PF_KTHREAD), (int(stat[19]), *env)
+    )
+
+
+def process_owner(pid: int) -> tuple[int, str | None] | None:
+    """The real uid and cgroup v2 path of ``pid`` (the facts that change without an ``exec``)."""
+    uid = _real_uid(pid)
+    cgroup_text = _read_proc(pid, "cgroup")
+    if uid is None or cgroup_text is None:
+        return None
+    return uid, cgroup_v2_path(cgroup_text.decode())
+
+
 @functools.cache
 def _boot_time() -> float:
     # The same clock psutil's create_time uses (btime of /proc/stat), so start times compare.
