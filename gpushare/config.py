@@ -192,6 +192,21 @@ class LatencyConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GateConfig:
+    """Request gating: online request boundaries freeze the GPU's gated offline clients.
+
+    ``docs/controller.md`` ("Request gating") justifies each default.
+    """
+
+    hold_s: float = _duration(0.002)
+    inflight_timeout_s: float = _duration(5.0, above=True)
+    busy_window_s: float = _duration(10.0, above=True)
+    max_busy: float = _num(0.9, minimum=0.0, maximum=1.0)
+    gauge_period_s: float = _duration(0.05, above=True)
+    max_datagrams_per_s: int = _num(20_000, minimum=1, maximum=10_000_000)
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsConfig:
     """The Prometheus exporter. 9402 avoids dcgm-exporter (9400) and HAMi (9394)."""
 
@@ -259,6 +274,7 @@ class Config:
     control: ControlConfig = field(default_factory=ControlConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     latency: LatencyConfig = field(default_factory=LatencyConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     gpus: Mapping[str, GpuOverride] = field(default_factory=dict)
     adopt: tuple[AdoptRule, ...] = (MARKER_RULE,)
@@ -330,6 +346,9 @@ def _check_cross_field(config: Config, file: Path | str | None) -> None:
         raise ConfigError(file, "control.comfort_ratio", "must not exceed control.violation_ratio")
     if control.hard_ratio < control.violation_ratio:
         raise ConfigError(file, "control.hard_ratio", "must be at least control.violation_ratio")
+    if config.gate.hold_s >= config.gate.inflight_timeout_s:
+        # A gate is never closed longer than the timeout after its last signal only so.
+        raise ConfigError(file, "gate.hold", "must be shorter than gate.inflight_timeout")
     for prefix, lo, hi in (
         ("mps.restart_backoff", config.mps.restart_backoff_min_s, config.mps.restart_backoff_max_s),
         ("probe.restart_backoff", config.probe.restart_backoff_min_s,
