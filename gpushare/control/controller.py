@@ -46,6 +46,7 @@ from gpushare.model import (
     RecoverMps,
     RestartClient,
     SetDuty,
+    SetGating,
     SetOfflineShare,
     Severity,
 )
@@ -93,6 +94,7 @@ class GpuState:
         lost: the GPU was reported lost last tick.
         unsignalled_alerted: an alert about online clients without any latency signal was sent.
         memory_alerted: an alert that the reserve cannot be restored was sent.
+        gating_emitted: request gating as last sent to the runner (``None``: never sent).
     """
 
     gpu_uuid: str
@@ -117,6 +119,7 @@ class GpuState:
     lost: bool = False
     unsignalled_alerted: bool = False
     memory_alerted: bool = False
+    gating_emitted: bool | None = None
 
 
 def failure_backoff_s(failures: int, config: ControlConfig) -> float:
@@ -195,6 +198,7 @@ class GpushareController:
         state = self._memory(state, observation, now, actions)
         signals = online_signals(observation, self.config.probe_slo_ratio)
         state = self._throttle(state, observation, self._duty_signals(state, signals), actions)
+        state = self._gating(state, observation, actions)
         state = self._share(state, observation, signals, now, actions)
         state = self._restarts(state, observation, signals, now, actions)
         return state, actions
@@ -440,6 +444,42 @@ class GpushareController:
             quiet_ticks=quiet,
             breach_duty=breach,
         )
+
+    # Request gating ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _gating(state: GpuState, obs: Observation, actions: list[Action]) -> GpuState:
+        """Gating on while online clients say when requests start and are not busy all the time.
+
+        Off when no live online client sends request boundaries (nothing to gate on), and when
+        requests were in flight more than ``max_busy`` of the gate's window: offline work would
+        get under ``1 - max_busy`` of the time, which the duty cycle can beat at any SLO with
+        room, and a client that claims a request in flight forever (lying, or one long request
+        after another) would freeze offline work for good. Back on once the busy share falls 0.1
+        under ``max_busy`` (hysteresis: no flapping at the threshold).
+        """
+        g = obs.gate
+        if g is None:
+            return state  # the runner does no gating (the simulator today)
+        busy = g.busy_fraction
+        if not obs.online() or g.signalled_clients == 0:
+            on, why = False, "no online client sends request boundaries"
+        elif busy is not None and busy > g.max_busy:
+            on = False
+            why = (
+                f"requests in flight {busy:.0%} of the time (over {g.max_busy:.0%}): gating "
+                "would leave offline work almost nothing; the duty cycle decides"
+            )
+        elif busy is not None and state.gating_emitted is False and busy > g.max_busy - 0.1:
+            on, why = False, f"requests in flight {busy:.0%} of the time: still too busy to gate"
+        else:
+            on = True
+            share = "" if busy is None else f", requests in flight {busy:.0%} of the time"
+            why = f"{g.signalled_clients} online client(s) send request boundaries{share}"
+        if on != state.gating_emitted:
+            actions.append(SetGating(obs.gpu_uuid, on, f"gating {'on' if on else 'off'}: {why}"))
+            state = replace(state, gating_emitted=on)
+        return state
 
     @staticmethod
     def _guarantee_floor(obs: Observation) -> tuple[float, str]:

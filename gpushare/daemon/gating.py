@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
 import structlog
@@ -34,6 +34,7 @@ from gpushare.config import GateConfig
 from gpushare.control import gate
 from gpushare.control.gate import GateState
 from gpushare.inflight import Rejections
+from gpushare.model import GateReading
 
 log = structlog.get_logger(__name__)
 
@@ -50,18 +51,6 @@ class RequestPauser(Protocol):
     def freeze(self, client_id: str) -> None:
         """Freeze and wait for the kernel's confirmation."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class GateView:
-    """One GPU's gate as ``status`` and the controller see it."""
-
-    enabled: bool
-    closed: bool
-    inflight: int
-    signalled_clients: int
-    busy_fraction: float | None
-    closes: int
 
 
 class Gatekeeper:
@@ -171,16 +160,17 @@ class Gatekeeper:
             self._set_gate(gpu_uuid, state, now)
             self._wake.notify()
 
-    def view(self, gpu_uuid: str, now: float) -> GateView:
+    def view(self, gpu_uuid: str, now: float) -> GateReading:
         """The gate of one GPU for status and the controller's observation."""
         with self._lock:
             state = self._gates.get(gpu_uuid, GateState())
-            return GateView(
+            return GateReading(
                 enabled=state.enabled,
                 closed=state.closed,
                 inflight=gate.inflight(state, now, self.config),
                 signalled_clients=len(self._signalled.get(gpu_uuid, ())),
                 busy_fraction=gate.busy_fraction(state, now, self.config),
+                max_busy=self.config.max_busy,
                 closes=self._closes.get(gpu_uuid, 0),
             )
 
