@@ -147,6 +147,7 @@ class ControlConfig:
     comfort_ratio: float = _num(0.8, minimum=0.0, maximum=1.0, above=True)
     violation_ratio: float = _num(1.0, minimum=0.0, maximum=10.0, above=True)
     hard_ratio: float = _num(2.0, minimum=1.0, maximum=100.0)
+    cut_ratio: float = _num(1.05, minimum=1.0, maximum=100.0)
     probe_slo_ratio: float = _num(1.5, minimum=1.0, maximum=100.0, above=True)
     duty_increase_step: float = _num(0.05, minimum=0.0, maximum=1.0, above=True)
     duty_decrease_factor: float = _num(0.5, minimum=0.0, maximum=1.0)
@@ -346,6 +347,12 @@ def _check_cross_field(config: Config, file: Path | str | None) -> None:
         raise ConfigError(file, "control.comfort_ratio", "must not exceed control.violation_ratio")
     if control.hard_ratio < control.violation_ratio:
         raise ConfigError(file, "control.hard_ratio", "must be at least control.violation_ratio")
+    if not control.violation_ratio <= control.cut_ratio <= control.hard_ratio:
+        raise ConfigError(
+            file,
+            "control.cut_ratio",
+            "must lie between control.violation_ratio and control.hard_ratio",
+        )
     if config.gate.hold_s >= config.gate.inflight_timeout_s:
         # A gate is never closed longer than the timeout after its last signal only so.
         raise ConfigError(file, "gate.hold", "must be shorter than gate.inflight_timeout")

@@ -394,6 +394,13 @@ class GpushareController:
                 breach = duty
             duty, comfortable, violating = 0.0, 0, violating + 1
             why = f"{signals.describe()} >= hard ratio {cfg.hard_ratio:g}: offline frozen"
+        elif signals.worst >= cfg.cut_ratio:
+            # A clear breach: the freeze lags by the offline queue, so cut now rather than halve
+            # over several ticks; the climb resumes where one decrease would have landed.
+            if violating == 0 and duty > 0:
+                breach = duty
+            duty, comfortable, violating = 0.0, 0, violating + 1
+            why = f"{signals.describe()} >= cut ratio {cfg.cut_ratio:g}: offline frozen"
         elif signals.worst > cfg.violation_ratio:
             if violating == 0 and duty > 0:
                 breach = duty
