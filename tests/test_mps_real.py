@@ -36,6 +36,7 @@ from gpushare.node.mps import (
     ServerNotFound,
     UnknownCommand,
 )
+from gpushare.node.mps import commands as mps_commands
 from tests.helpers import mps_server_dir
 
 pytestmark = pytest.mark.mps
@@ -235,7 +236,8 @@ def test_invalid_percentage_echo_detected(
     # The daemon answers an invalid value with the *unchanged* value; the echo check catches it.
     ctl = sup.control
     assert ctl.command("set_default_active_thread_percentage", "0").split() == ["40.0"]
-    monkeypatch.setattr(mps, "check_pct", float)
+    # MpsControl looks check_pct up in its own module.
+    monkeypatch.setattr(mps_commands, "check_pct", float)
     with pytest.raises(InvalidValue, match="holds 40.0"):
         ctl.set_default_active_thread_percentage(150.0)
     assert ctl.get_default_active_thread_percentage() == 40.0

@@ -8,6 +8,7 @@ is tested in ``tests/test_sim_hybrid_mps.py``.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,3 +67,41 @@ def test_sim_profile_errors(sim_daemon: SimDaemon) -> None:
     res = d.cli("submit", "--online", "--detach", "--rps", "3", "--", "true")
     assert res.returncode == 2
     assert "give --sim-profile too" in res.stderr
+
+
+def test_a_submit_whose_simulated_workload_cannot_run_leaves_nothing_behind(
+    sim_daemon: SimDaemon,
+) -> None:
+    d = sim_daemon
+    res = d.cli(
+        "submit", "--offline", "--detach", "--sim-profile", "no-such-profile",
+        "--", "sleep", "777",
+    )  # fmt: skip
+    assert res.returncode == 2, res.stdout
+    assert "unknown --sim-profile 'no-such-profile'" in res.stderr
+    assert "internal error" not in res.stderr
+    (client,) = json.loads(d.cli("list", "--all", "--json").stdout)["clients"]
+    assert client["state"] == "failed"
+    assert "unknown --sim-profile" in client["reason"]
+    assert client["pid"] is None
+    assert json.loads(d.cli("list", "--json").stdout)["clients"] == []
+    # The workload was spawned and then stopped: no `sleep 777` of this daemon is left.
+    # It did start (its log exists), so this is the path after the spawn.
+    assert (d.base / "state" / "clients" / f"{client['id']}.log").exists()
+    assert not _processes_with_argv(["sleep", "777"], under=d.base)
+
+
+def _processes_with_argv(argv: list[str], *, under: Path) -> list[int]:
+    """Live processes running exactly ``argv`` whose environment names ``under`` (this daemon's)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[:-1]
+            env = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if [c.decode() for c in cmd] == argv and str(under).encode() in env:
+            found.append(int(entry))
+    return found

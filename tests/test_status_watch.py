@@ -28,17 +28,33 @@ def daemon() -> Iterator[DaemonProc]:
         d.cleanup()
 
 
-def _watch_piped(d: DaemonProc, *extra: str, seconds: float = 1.5) -> str:
+def _watch_piped(d: DaemonProc, *extra: str, snapshots: int = 2) -> str:
+    """Run ``status --watch`` into a pipe until it has printed `snapshots` snapshots, then Ctrl-C.
+
+    Reads until the snapshots are there rather than for a fixed time: on a loaded machine the
+    CLI's start-up alone can take longer than any fixed sleep.
+    """
+    # With --json a snapshot is one line; otherwise each starts with a "--- <time>" line.
+    marker = "\n" if "--json" in extra else "--- "
     proc = subprocess.Popen(
         [*CLI, "status", "--watch", "0.2", "--socket", str(d.socket), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(seconds)
+    assert proc.stdout is not None
+    out = ""
+    deadline = time.monotonic() + 30
+    while out.count(marker) < snapshots and time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out += line
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=20)
-    return out
+    rest, _ = proc.communicate(timeout=20)
+    return out + rest
 
 
 def test_piped_watch_prints_plain_timestamped_snapshots(daemon: DaemonProc) -> None:

@@ -1,7 +1,7 @@
 """``gpushare doctor``, over the real :class:`~gpushare.cli.doctor.Host`.
 
 Each fact comes from the node module that owns the resource (NVML from ``node/nvml.py``, the MPS
-binary from ``node/mps.py``, ...); the checks themselves live in :mod:`gpushare.cli.doctor`.
+binary from ``node/mps/``, ...); the checks themselves live in :mod:`gpushare.cli.doctor`.
 """
 
 from __future__ import annotations

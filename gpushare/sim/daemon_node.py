@@ -19,6 +19,7 @@ import structlog
 
 from gpushare.model import ClientClass
 from gpushare.node.base import Pauser
+from gpushare.node.cgroups import PauserError
 from gpushare.sim.realtime import RealTimeSimNode, SimProfileError, workload_from_env
 from gpushare.sim.simenv import ENV_PROFILE
 
@@ -96,10 +97,14 @@ class SimulatedPauser:
                 restartable=info.restartable,
             )
         except (SimProfileError, KeyError) as exc:
-            log.warning("sim_client_refused", client_id=client_id, error=str(exc))
-            return
+            # Raised, not logged: the daemon then stops the process and fails the client, so a
+            # submit with a bad profile is an error its caller sees, not a twin-less client.
+            raise PauserError(f"its simulated workload cannot run: {exc}") from exc
         if not ok:
-            log.warning("sim_client_allocation_failed", client_id=client_id)
+            raise PauserError(
+                f"the simulated GPU {info.gpu_uuid} cannot hold its limits "
+                f"(SM {info.sm_pct:g} %, memory {info.mem_bytes or DEFAULT_MEM_BYTES[info.cls]} B)"
+            )
         self._sim.attach(client_id, pid)
 
     def freeze(self, client_id: str) -> None:

@@ -1,0 +1,500 @@
+"""The client lifecycle: launch, adopt, reap, restart, evict, recover, and the registry moves.
+
+:class:`Lifecycle` owns what the daemon knows of each client's process: the pid it watches, whether
+the daemon froze it, what to do when it exits (set by cancel, evict, restart and MPS recovery), when
+it is to be killed, and when a failed restartable job may run again. Launching is three steps so a
+failure between them stays visible: :meth:`Lifecycle.prepare_launch` (the STARTING record),
+:meth:`Lifecycle.spawn` (the process, outside the lock) and :meth:`Lifecycle.finish_launch` (the
+registry write, then adoption: pauser attach and exit watch). Every method that changes state is
+called under :attr:`NodeState.lock <gpushare.daemon.state.NodeState.lock>` (the exit watcher takes
+it itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import structlog
+
+from gpushare.control.controller import failure_backoff_s
+from gpushare.daemon import launcher
+from gpushare.daemon.registry import ClientRecord, RegistryError
+from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
+from gpushare.model import ClientClass, ClientState, Evict, RecoverMps, RestartClient
+from gpushare.node import procs
+
+log = structlog.get_logger(__name__)
+
+S = ClientState
+
+Spawned = tuple[subprocess.Popen[bytes], float | None, Path] | str
+"""What :meth:`Lifecycle.spawn` gives: the process, its start time and log, or why it failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class _OnExit:
+    """What to do when a client's process exits, set by cancel, evict and restart."""
+
+    kind: Literal["cancel", "evict", "requeue", "restart"]
+    reason: str
+    sm_pct: float | None = None
+
+
+class Lifecycle:
+    """Clients' processes from spawn or adoption to their exit; see the module docstring."""
+
+    def __init__(self, state: NodeState) -> None:
+        self.s = state
+        self.by_pid: dict[int, str] = {}
+        #: Clients the daemon has frozen (a duty-cycle freeze or a hold).
+        self.paused: set[str] = set()
+        self.on_exit: dict[str, _OnExit] = {}
+        #: Monotonic time at which a signalled client is SIGKILLed if it is still there.
+        self.kill_at: dict[str, float] = {}
+        #: Monotonic time before which a requeued failed job is not admitted again.
+        self.not_before: dict[str, float] = {}
+        self.watcher: procs.ExitWatcher | None = None
+
+    # ----------------------------------------------------------------------------- watching
+
+    def start_watching(self) -> None:
+        """Start the exit watcher (before :meth:`readopt` and any launch)."""
+        self.watcher = procs.ExitWatcher(self.process_exited).start()
+
+    def stop_watching(self) -> None:
+        """Stop the exit watcher."""
+        if self.watcher is not None:
+            self.watcher.stop()
+
+    def exiting(self, client_id: str) -> bool:
+        """Whether the client was told to go (cancel, evict, restart, recovery)."""
+        return client_id in self.on_exit
+
+    def client_of_pid(self, pid: int) -> str | None:
+        """The client a process belongs to (its main pid or any pid of its cgroup)."""
+        with self.s.lock:
+            owner = self.by_pid.get(pid)
+            if owner is not None:
+                return owner
+            for client_id in set(self.by_pid.values()):
+                if pid in self.s.pauser.pids(client_id):
+                    return client_id
+        return None
+
+    def uid_of_client(self, client_id: str) -> int | None:
+        """The owner of a live client."""
+        rec = self.s.registry.find(client_id)
+        return rec.uid if rec is not None and rec.state.is_live else None
+
+    # ----------------------------------------------------------------------------- adoption
+
+    def readopt(self) -> None:
+        """Take back every recorded live client whose process still runs; mark the rest lost."""
+        assert self.watcher is not None
+        registry = self.s.registry
+        with self.s.lock:
+            for rec in registry.clients():
+                if rec.state is S.QUEUED:
+                    continue
+                alive = rec.start_time is not None and rec.pid is not None
+                if alive and procs.is_same_process(rec.pid or 0, rec.start_time or 0.0):
+                    self.adopt_pid(
+                        rec.id, rec.pid or 0, start_time=rec.start_time, owner_uid=rec.uid
+                    )
+                    if rec.latency_from is not None:
+                        self.s.latency.add_prometheus(rec.id, rec.latency_from)
+                    if rec.held:
+                        self.set_paused(rec.id, True)
+                    else:
+                        # It may have been frozen by a duty cycle when the daemon died.
+                        self.thaw_quietly(rec.id)
+                    registry.add_event(
+                        "client_readopted",
+                        f"client {rec.id} (pid {rec.pid}) re-adopted after a daemon restart",
+                        client_id=rec.id,
+                        gpu_uuid=rec.gpu_uuid,
+                    )
+                    if rec.state is S.STARTING:
+                        registry.transition(rec.id, S.RUNNING)
+                else:
+                    why = "no process was recorded" if rec.pid is None else "its process is gone"
+                    registry.transition(rec.id, S.LOST, reason=f"{why} while the daemon was down")
+
+    def adopt_pid(
+        self,
+        client_id: str,
+        proc: subprocess.Popen[bytes] | int,
+        start_time: float | None = None,
+        *,
+        owner_uid: int,
+    ) -> None:
+        """Put a client's process under the pauser and the exit watch (a pauser failure is logged).
+
+        For processes the daemon did not just spawn (the caller of a foreground submit, a
+        re-adopted one), which keep running whether or not the pauser takes them.
+        """
+        pid = proc if isinstance(proc, int) else proc.pid
+        try:
+            # owner_uid: a pid handed to the daemon must never let one user freeze or kill
+            # another user's process.
+            self.s.pauser.attach(client_id, pid, owner_uid=owner_uid)
+        except PAUSE_ERRORS as exc:
+            log.warning("pauser_attach_failed", client_id=client_id, pid=pid, error=str(exc))
+        self._watch(client_id, proc, start_time)
+
+    def _watch(
+        self, client_id: str, proc: subprocess.Popen[bytes] | int, start_time: float | None
+    ) -> None:
+        assert self.watcher is not None
+        self.by_pid[proc if isinstance(proc, int) else proc.pid] = client_id
+        self.watcher.watch(proc, start_time)
+
+    # ----------------------------------------------------------------------------- pausing
+
+    def thaw_quietly(self, client_id: str) -> None:
+        """Thaw whatever the pauser holds of the client, whether or not the daemon froze it."""
+        try:
+            self.s.pauser.thaw(client_id)
+        except PAUSE_ERRORS as exc:
+            log.warning("thaw_failed", client_id=client_id, error=str(exc))
+
+    def set_paused(self, client_id: str, paused: bool) -> None:
+        """Freeze or thaw a client unless it already is; a pauser failure is logged."""
+        try:
+            if paused and client_id not in self.paused:
+                self.s.pauser.freeze(client_id)
+                self.paused.add(client_id)
+            elif not paused and client_id in self.paused:
+                self.s.pauser.thaw(client_id)
+                self.paused.discard(client_id)
+        except PAUSE_ERRORS as exc:
+            log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
+
+    def freeze_all(self, ids: list[str]) -> None:
+        """Freeze several clients, with the pauser's batched form when it has one."""
+        # All freeze requests first, one deadline: N clients cost about one freeze latency.
+        freeze_many = getattr(self.s.pauser, "freeze_many", None)
+        if callable(freeze_many) and len(ids) > 1:
+            try:
+                freeze_many(ids)
+            except PAUSE_ERRORS as exc:
+                log.warning("freeze_many_failed", clients=ids, error=str(exc))
+            else:
+                self.paused.update(ids)
+                return
+        for client_id in ids:
+            self.set_paused(client_id, True)
+
+    def release_duty_freezes(self) -> None:
+        """Thaw the clients frozen by the duty cycle; a user's or controller's hold stays."""
+        with self.s.lock:
+            for client_id in list(self.paused):
+                rec = self.s.registry.find(client_id)
+                if rec is not None and not rec.held:
+                    self.set_paused(client_id, False)
+
+    def hold(self, client_id: str, held: bool, reason: str) -> None:
+        """Hold a client frozen (a user's pause, a controller's Freeze) or release the hold."""
+        rec = self.s.registry.get(client_id)
+        if not rec.state.is_live or rec.held == held:
+            return
+        self.s.registry.update(client_id, held=held)
+        if held:
+            self.set_paused(client_id, True)
+            self.s.transition(client_id, S.FROZEN, reason=reason)
+        else:
+            duty = self.s.duty.get(rec.gpu_uuid or "", 1.0)
+            offline = rec.cls is ClientClass.OFFLINE
+            if not offline or duty > 0.0:
+                self.set_paused(client_id, False)
+            self.s.transition(
+                client_id, S.THROTTLED if offline and duty < 1.0 else S.RUNNING, reason=reason
+            )
+
+    # ----------------------------------------------------------------------------- ending
+
+    def cancel(self, rec: ClientRecord, who: str) -> float:
+        """SIGTERM a live client now and SIGKILL it after ``daemon.cancel_grace``; the grace."""
+        grace = self.s.config.daemon.cancel_grace_s
+        self.on_exit[rec.id] = _OnExit("cancel", f"cancelled by {who}")
+        # A frozen process cannot act on SIGTERM: thaw it so it can shut down cleanly.
+        self.set_paused(rec.id, False)
+        if rec.held:
+            self.thaw_quietly(rec.id)
+        self.signal(rec, signal.SIGTERM)
+        self.kill_at[rec.id] = time.monotonic() + grace
+        self.s.registry.add_event(
+            "client_cancel", f"{who} cancelled {rec.id}; SIGKILL in {grace:g}s if it stays",
+            client_id=rec.id, gpu_uuid=rec.gpu_uuid,
+        )  # fmt: skip
+        return grace
+
+    def restart(self, action: RestartClient, now: float) -> None:
+        """Checkpoint-signal a restartable client; it is launched again when it exits."""
+        rec = self.s.registry.get(action.client_id)
+        if rec.state not in RUNNING_STATES or not rec.restartable or rec.pid is None:
+            return
+        self.on_exit[rec.id] = _OnExit("restart", action.reason, action.sm_pct)
+        self.set_paused(rec.id, False)
+        self.signal(rec, rec.checkpoint_signal)
+        self.s.transition(rec.id, S.RESTARTING, reason=action.reason)
+        self.kill_at[rec.id] = now + self.s.config.daemon.cancel_grace_s
+
+    def evict(self, action: Evict, now: float) -> None:
+        """End a client's GPU work and its process (requeued when restartable and asked)."""
+        rec = self.s.registry.get(action.client_id)
+        if rec.state not in RUNNING_STATES or rec.pid is None or rec.gpu_uuid is None:
+            return
+        requeue = action.requeue and rec.restartable
+        self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", action.reason)
+        self.set_paused(rec.id, False)
+        # MPS forbids killing a client with GPU work in flight: terminate_client first.
+        ok = self.s.mps.terminate_client(rec.gpu_uuid, rec.pid)
+        self.s.registry.add_event(
+            "client_evicting",
+            f"evicting {rec.id}: {action.reason} (terminate_client {'ok' if ok else 'failed'})",
+            severity="warning", client_id=rec.id, gpu_uuid=rec.gpu_uuid,
+        )  # fmt: skip
+        self.kill_at[rec.id] = now + self.s.config.control.evict_grace_s
+
+    def recover(self, action: RecoverMps, now: float) -> None:
+        """Recover a GPU's faulted MPS server; its offline clients are made to go first."""
+        recs = [r for r in self.s.registry.clients() if r.gpu_uuid == action.gpu_uuid]
+        pids = {c: [r.pid for r in recs if r.cls is c and r.pid] for c in ClientClass}
+        self.s.registry.add_event(
+            "mps_recovery", f"MPS recovery: {action.reason}", severity="warning",
+            gpu_uuid=action.gpu_uuid,
+        )  # fmt: skip
+        # A faulted server takes no new client until every old one has exited, and
+        # terminate_client ends a client's GPU work, not its process: the offline processes are
+        # made to go (SIGKILL after evict_grace). The fault is not counted as their failure:
+        # restartable ones go back to the queue, the others end with the recovery as reason.
+        grace = self.s.config.control.evict_grace_s
+        for rec in recs:
+            if (
+                rec.cls is ClientClass.OFFLINE
+                and rec.state in RUNNING_STATES
+                and rec.pid is not None
+                and rec.id not in self.on_exit
+            ):
+                requeue = rec.restartable and rec.detach
+                why = f"MPS recovery: {action.reason}"
+                self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", why)
+                self.set_paused(rec.id, False)
+                self.kill_at[rec.id] = now + grace
+        self.s.mps.recover(action.gpu_uuid, pids[ClientClass.OFFLINE], pids[ClientClass.ONLINE])
+
+    def signal(self, rec: ClientRecord, sig: int) -> None:
+        """Send a signal to the client's process group (or each of its processes)."""
+        if rec.pid is None:
+            return
+        try:
+            if os.getpgid(rec.pid) == rec.pid:
+                os.killpg(rec.pid, sig)
+            else:
+                for pid in self.s.pauser.pids(rec.id) or [rec.pid]:
+                    os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill_overdue(self, now: float) -> None:
+        """SIGKILL the signalled clients whose grace is over."""
+        for client_id, at in list(self.kill_at.items()):
+            if now >= at:
+                del self.kill_at[client_id]
+                log.info("client_kill", client_id=client_id)
+                try:
+                    self.s.pauser.kill(client_id)
+                except PAUSE_ERRORS as exc:
+                    log.warning("kill_failed", client_id=client_id, error=str(exc))
+
+    def process_exited(self, pid: int, code: int | None) -> None:
+        """The exit watcher's callback: record how the client ended and what comes next."""
+        with self.s.lock:
+            client_id = self.by_pid.pop(pid, None)
+            if client_id is None:
+                return
+            self.paused.discard(client_id)
+            self.kill_at.pop(client_id, None)
+            self.s.latency.forget(client_id)
+            try:
+                self.s.pauser.release(client_id)
+            except PAUSE_ERRORS as exc:
+                log.warning("pauser_release_failed", client_id=client_id, error=str(exc))
+            then = self.on_exit.pop(client_id, None)
+            rec = self.s.registry.get(client_id)
+            log.info("client_process_exited", client_id=client_id, pid=pid, exit_code=code)
+            transition = self.s.transition
+            if then is not None and then.kind == "restart" and rec.gpu_uuid is not None:
+                sm = then.sm_pct if then.sm_pct is not None else rec.sm_pct
+                self.launch_detached(
+                    rec, rec.gpu_uuid, sm, f"restarted: {then.reason}", restart=True
+                )
+            elif then is not None and then.kind == "requeue":
+                transition(client_id, S.QUEUED, reason=then.reason, exit_code=code, pid=None)
+            elif then is not None and then.kind == "evict":
+                transition(client_id, S.FAILED, reason=f"evicted: {then.reason}", exit_code=code)
+            elif then is not None and then.kind == "cancel":
+                transition(client_id, S.EXITED, reason=then.reason, exit_code=code)
+            elif code is None:
+                transition(client_id, S.EXITED, reason="exit status not visible to the daemon")
+            elif code == 0:
+                transition(client_id, S.EXITED, exit_code=0)
+            else:
+                why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                hint = procs.launch_failure(code)
+                if hint:
+                    why += f" (probably: {hint}; see {rec.log_path or 'its log'})"
+                failures = rec.failures + 1
+                control = self.s.config.control
+                if rec.restartable and rec.detach and failures < control.max_client_failures:
+                    # A restartable job goes back to the queue, after a growing backoff.
+                    backoff = failure_backoff_s(failures, control)
+                    self.not_before[client_id] = time.monotonic() + backoff
+                    transition(
+                        client_id, S.QUEUED, reason=f"{why}; retry in {backoff:g}s",
+                        exit_code=code, failures=failures, pid=None,
+                    )  # fmt: skip
+                else:
+                    if rec.restartable and failures >= control.max_client_failures:
+                        why += f" ({failures} failures in a row: not retried)"
+                    transition(client_id, S.FAILED, reason=why, exit_code=code, failures=failures)
+
+    # ----------------------------------------------------------------------------- launching
+
+    def launch_detached(
+        self,
+        rec: ClientRecord,
+        gpu_uuid: str,
+        sm_pct: float | None,
+        reason: str,
+        *,
+        restart: bool = False,
+    ) -> ClientRecord:
+        """STARTING, spawn and adopt, all under the caller's lock (admission, relaunch)."""
+        rec = self.prepare_launch(rec, gpu_uuid, sm_pct, reason)
+        return self.finish_launch(rec, self.spawn(rec), restart=restart)
+
+    def prepare_launch(
+        self, rec: ClientRecord, gpu_uuid: str, sm_pct: float | None, reason: str
+    ) -> ClientRecord:
+        """Move a queued or restarting client to STARTING on its GPU with its SM share."""
+        sample = self.s.sample(gpu_uuid)
+        sm = sm_pct if sm_pct is not None else self.s.default_sm(rec.cls, gpu_uuid)
+        moved = self.s.transition(
+            rec.id, S.STARTING, reason=reason, gpu_uuid=gpu_uuid, sm_pct=sm,
+            gpu_index=sample.index if sample else rec.gpu_index,
+        )  # fmt: skip
+        return moved or self.s.registry.get(rec.id)
+
+    def spawn(self, rec: ClientRecord) -> Spawned:
+        """Start a STARTING client's process; the failure text instead when it cannot start.
+
+        Needs no lock: it reads only the record, so API threads spawn in parallel.
+        """
+        assert rec.gpu_uuid is not None
+        sm = rec.sm_pct if rec.sm_pct is not None else 100.0
+        env = self.mps_env(rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls)
+        # With the cgroup freezer the child joins its cgroup before it execs, so a workload that
+        # forks at once cannot leave a process outside the freezer's reach.
+        open_fd = getattr(self.s.pauser, "open_procs_fd", None)
+        procs_fd: int | None = None
+        try:
+            if callable(open_fd):
+                procs_fd = open_fd(rec.id)
+            return launcher.spawn_detached(
+                rec.argv,
+                uid=rec.uid,
+                gid=rec.gid,
+                cwd=rec.cwd or "/",
+                env=launcher.workload_env(rec.env, env),
+                log_dir=self.s.config.paths.resolved("client_log_dir"),
+                client_id=rec.id,
+                cgroup_procs_fd=procs_fd,
+            )
+        except (OSError, ValueError) as exc:
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            return f"cannot start: {detail}"
+        except PAUSE_ERRORS as exc:
+            return f"cannot start: the client's cgroup cannot be used: {exc}"
+        finally:
+            if procs_fd is not None:
+                os.close(procs_fd)
+
+    def finish_launch(
+        self, rec: ClientRecord, spawned: Spawned, *, restart: bool = False
+    ) -> ClientRecord:
+        """Record a spawned process and adopt it (or fail the client with the spawn's error).
+
+        Any failure after the spawn (the registry write, the pauser's attach, the node refusing
+        the client's limits) stops the process, removes its cgroup and ends the client FAILED
+        with the reason and no pid: a failed launch leaves nothing running and nothing STARTING.
+        """
+        if isinstance(spawned, str):
+            return self.s.transition(rec.id, S.FAILED, reason=spawned) or rec
+        proc, start_time, log_path = spawned
+        try:
+            # Recorded before the exit watch: a process that is already gone is still traceable.
+            self.s.registry.update(
+                rec.id, pid=proc.pid, start_time=start_time, started_at=time.time(),
+                log_path=str(log_path), pause_mechanism=self.s.pauser.mechanism.value,
+                restarts=rec.restarts + (1 if restart else 0),
+            )  # fmt: skip
+            # Strict, unlike re-adoption: a client the daemon cannot freeze, or whose limits the
+            # node refuses, must not run as if it were under control.
+            self.s.pauser.attach(rec.id, proc.pid, owner_uid=rec.uid)
+        except (*PAUSE_ERRORS, RegistryError, sqlite3.Error) as exc:
+            return self._abort_launch(rec, proc, f"cannot start: {exc}")
+        self._watch(rec.id, proc, start_time)
+        current = self.s.registry.get(rec.id)
+        if current.state is S.STARTING:  # not already ended by a prompt exit
+            current = self.s.transition(rec.id, S.RUNNING) or current
+        return current
+
+    def _abort_launch(
+        self, rec: ClientRecord, proc: subprocess.Popen[bytes], reason: str
+    ) -> ClientRecord:
+        """Undo a launch that failed after its spawn: kill, reap, remove the cgroup, FAILED."""
+        log.warning("launch_aborted", client_id=rec.id, pid=proc.pid, reason=reason)
+        try:
+            self.s.pauser.kill(rec.id)  # the whole cgroup, children included, when it has one
+        except PAUSE_ERRORS as exc:
+            log.warning("launch_abort_kill_failed", client_id=rec.id, error=str(exc))
+        # The pauser may not know the process (its attach is what failed): its own session.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=self.s.config.daemon.cancel_grace_s + 5.0)
+        except subprocess.TimeoutExpired:
+            log.warning("launch_abort_unreaped", client_id=rec.id, pid=proc.pid)
+        try:
+            self.s.pauser.release(rec.id)
+        except PAUSE_ERRORS as exc:
+            log.warning("launch_abort_release_failed", client_id=rec.id, error=str(exc))
+        self.s.registry.add_event(
+            "client_failed", f"{rec.id} could not start: {reason}",
+            client_id=rec.id, gpu_uuid=rec.gpu_uuid,
+        )  # fmt: skip
+        failed = self.s.transition(rec.id, S.FAILED, reason=reason, pid=None, start_time=None)
+        return failed or self.s.registry.get(rec.id)
+
+    def mps_env(
+        self, client_id: str, gpu_uuid: str, sm: float, mem: int | None, cls: ClientClass
+    ) -> dict[str, str]:
+        """The MPS environment a client of this GPU starts with."""
+        return launcher.mps_env(
+            client_id=client_id,
+            limits=launcher.LaunchLimits(
+                gpu_uuid=gpu_uuid, sm_pct=sm, mem_bytes=mem, priority=self.s.priority(cls)
+            ),
+            pipe_dir=self.s.mps.pipe_dir(gpu_uuid),
+            latency_socket=self.s.config.paths.resolved("latency_socket"),
+        )

@@ -1,0 +1,434 @@
+"""The control loop: sense, decide, act, every control period.
+
+:class:`ControlLoop` reads the node (GPU samples and events, MPS state and events, the probe, the
+apps' own p99), builds one :class:`~gpushare.model.Observation` per shared GPU, asks the policy for
+actions and applies them, admits queued jobs, and between ticks runs the offline duty cycle (see
+:mod:`gpushare.model`): at the start of a period every offline client of a throttled GPU is thawed,
+at ``duty x period`` it is frozen again. Launching, ending and freezing clients is the
+:class:`~gpushare.daemon.lifecycle.Lifecycle`'s; the loop decides when.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import structlog
+
+from gpushare.control import admission
+from gpushare.daemon import launcher
+from gpushare.daemon.lifecycle import Lifecycle
+from gpushare.daemon.registry import ClientRecord, RegistryError
+from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
+from gpushare.metrics import Exporter, GpuControl, NodeMetrics
+from gpushare.model import (
+    Action,
+    Admit,
+    Alert,
+    ClientClass,
+    ClientState,
+    ClientView,
+    Evict,
+    Freeze,
+    GpuEvent,
+    GpuSample,
+    Limits,
+    MpsEventKind,
+    MpsState,
+    Observation,
+    QueuedJob,
+    RecoverMps,
+    RestartClient,
+    SetDuty,
+    SetOfflineShare,
+    Thaw,
+)
+from gpushare.node import notify as sd
+from gpushare.observe import build_observation
+
+log = structlog.get_logger(__name__)
+
+S = ClientState
+_QUIET_MPS_EVENTS = frozenset({MpsEventKind.COMMAND, MpsEventKind.RAW})
+# Duty steps between leaving 1 and coming back are recorded as events at most this often per GPU.
+_DUTY_EVENT_INTERVAL_S = 5.0
+
+
+class ControlLoop:
+    """Ticks every ``control.period`` until stopped; see the module docstring."""
+
+    def __init__(
+        self,
+        state: NodeState,
+        lifecycle: Lifecycle,
+        *,
+        notify: Callable[..., bool],
+        metrics: Exporter | None,
+        reload: Callable[[], object],
+    ) -> None:
+        self.s = state
+        self.life = lifecycle
+        self._notify = notify
+        self.metrics = metrics
+        self._reload_config = reload
+        self.stop_requested = threading.Event()
+        self.reload_requested = threading.Event()
+        #: Each GPU's policy state (absent: the policy's initial state at the next tick).
+        self.policy_state: dict[str, Any] = {}
+        self._duty_event_at: dict[str, float] = {}
+        #: Per GPU, the monotonic time of the coming duty edge (the freeze within the period).
+        self._edges: dict[str, float] = {}
+        self._throttle_events: dict[str, int] = {}
+        self._mps_restarts: dict[str, int] = {}
+        self.ready = False
+        self._status_line = ""
+        self._last_watchdog = 0.0
+        self._watchdog_s = sd.watchdog_period_s()
+        self.ticks = 0
+
+    def run(self, max_ticks: int | None = None) -> int:
+        """Tick every ``control.period`` until stopped (or ``max_ticks`` ticks); returns 0."""
+        deadline = time.monotonic()
+        ticks = 0
+        stop = self.stop_requested
+        while not stop.is_set():
+            if self.reload_requested.is_set():
+                self.reload_requested.clear()
+                self._reload_config()
+            self.tick()
+            ticks += 1
+            if max_ticks is not None and ticks >= max_ticks:
+                break
+            period = self.s.config.control.period_s
+            deadline += period
+            now = time.monotonic()
+            if deadline < now:
+                deadline = now  # a slow tick: do not try to catch up with a burst
+            while True:
+                target = min([deadline, *self._edges.values()])
+                if stop.wait(max(0.0, target - time.monotonic())):
+                    break
+                if self._edges:
+                    self._duty_edges(time.monotonic())
+                if time.monotonic() >= deadline:
+                    break
+        return 0
+
+    # ----------------------------------------------------------------------------- sense, decide
+
+    def tick(self) -> None:
+        """One control period: sense, decide per GPU, act, and report health to systemd."""
+        s = self.s
+        now = time.monotonic()
+        samples = list(s.gpu.sample())
+        gpu_events = list(s.gpu.drain_events())
+        p99 = s.latency.p99s(now)
+        with s.lock:
+            s.p99 = p99
+            s.samples = samples
+            for event in gpu_events:
+                self._record_gpu_event(event)
+            records = s.registry.clients()
+            observations: dict[str, Observation] = {}
+            for sample in samples:
+                if not s.shared(sample):
+                    continue
+                observations[sample.uuid] = self._tick_gpu(sample, records, gpu_events, now)
+            if any(r.state is S.QUEUED for r in records):
+                self._admit(observations, now)
+            if self.metrics is not None:
+                self.metrics.update(self._metrics_snapshot(observations, records))
+            self._duty_phase(now)
+            self.life.kill_overdue(now)
+            self.ticks += 1
+        self._report(now)
+
+    def _tick_gpu(
+        self,
+        sample: GpuSample,
+        records: Sequence[ClientRecord],
+        gpu_events: Sequence[GpuEvent],
+        now: float,
+    ) -> Observation:
+        s = self.s
+        uuid = sample.uuid
+        mps_state = s.mps.state(uuid)
+        s.mps_states[uuid] = mps_state
+        mps_events = tuple(s.mps.drain_events(uuid))
+        for ev in mps_events:
+            if ev.kind is MpsEventKind.DAEMON_RESTARTED:
+                self._mps_restarts[uuid] = self._mps_restarts.get(uuid, 0) + 1
+            if ev.kind not in _QUIET_MPS_EVENTS:
+                severity = "error" if ev.kind is MpsEventKind.FATAL_EXCEPTION else "info"
+                s.registry.add_event(
+                    f"mps_{ev.kind.value}", ev.text, severity=severity, gpu_uuid=uuid
+                )
+        probe = s.probe.reading(uuid) if s.probe is not None else None
+        views = tuple(self._view(rec, now) for rec in records if rec.gpu_uuid == uuid)
+        obs = build_observation(
+            sample=sample,
+            probe=probe if s.probe is not None else None,
+            clients=views,
+            config=s.config,
+            app_p99=s.p99,
+            mps_state=mps_state,
+            mps_events=mps_events,
+            gpu_events=gpu_events,
+            client_pids={v.client_id: s.pauser.pids(v.client_id) for v in views if v.pid},
+            probe_mps_slots=1 if s.probe is not None and s.config.probe.enabled else 0,
+        )
+        state = self.policy_state.get(uuid)
+        if uuid not in self.policy_state:
+            state = s.policy.initial_state(uuid, now)
+        state, actions = s.policy.step(state, obs, now)
+        self.policy_state[uuid] = state
+        for action in actions:
+            try:
+                self.apply(action, now)
+            except (RegistryError, *PAUSE_ERRORS) as exc:
+                log.warning("action_failed", action=type(action).__name__, error=str(exc))
+        if s.probe is not None:
+            # Until the next tick. A client frozen at the last duty edge runs again in this
+            # period unless the duty is 0 or it is held: "frozen right now" is not "quiet".
+            duty = s.duty.get(uuid, 1.0)
+            running = any(
+                v.cls is ClientClass.OFFLINE
+                and v.state.is_live
+                and (v.client_id not in self.life.paused or (duty > 0.0 and not v.held))
+                for v in views
+            )
+            s.probe.set_offline_running(uuid, running)
+        return obs
+
+    def _metrics_snapshot(
+        self, observations: Mapping[str, Observation], records: Sequence[ClientRecord]
+    ) -> NodeMetrics:
+        control = {
+            uuid: GpuControl(
+                duty=self.s.duty.get(uuid, 1.0),
+                offline_sm_pct=self.s.default_sm(ClientClass.OFFLINE, uuid),
+                throttle_events=self._throttle_events.get(uuid, 0),
+                mps_restarts=self._mps_restarts.get(uuid, 0),
+            )
+            for uuid in observations
+        }
+        names = {r.uid: r.user for r in records}
+        return NodeMetrics(observations=tuple(observations.values()), control=control,
+                           user_names=names)  # fmt: skip
+
+    def _admit(self, observations: Mapping[str, Observation], now: float) -> None:
+        """Start queued offline jobs where admission places them (SJF-BSBF, slots, D11)."""
+        s = self.s
+        jobs = [
+            QueuedJob(
+                client_id=r.id,
+                uid=r.uid,
+                mem_bytes=r.mem_bytes,
+                sm_pct=r.sm_ceiling,
+                gpu=None if r.gpu_request in (None, "any") else r.gpu_request,
+                submitted_at_s=now - max(0.0, time.time() - r.submitted_at),
+                restartable=r.restartable,
+                not_before_s=self.life.not_before.get(r.id, 0.0),
+            )
+            for r in s.registry.clients()
+            if r.state is S.QUEUED
+        ]
+        max_clients = {x.uuid: s.max_clients(x) for x in s.samples}
+        admits = admission.admit(
+            jobs,
+            observations,
+            {u: s.default_sm(ClientClass.OFFLINE, u) for u in observations},
+            now,
+            max_clients=max_clients,
+            multiuser={u: s.multiuser(u) for u in observations},
+            probe_slots=1 if s.config.probe.enabled else 0,
+        )
+        for action in admits:
+            try:
+                self.apply(action, now)
+            except (RegistryError, *PAUSE_ERRORS) as exc:
+                log.warning("admit_failed", client_id=action.client_id, error=str(exc))
+
+    def _view(self, rec: ClientRecord, now: float) -> ClientView:
+        started = None
+        if rec.started_at is not None:
+            started = now - max(0.0, time.time() - rec.started_at)
+        return ClientView(
+            client_id=rec.id,
+            cls=rec.cls,
+            state=rec.state,
+            limits=Limits(
+                sm_pct=rec.sm_pct if rec.sm_pct is not None else 100.0,
+                pinned_mem_bytes=rec.mem_bytes,
+                priority=rec.priority,
+            ),
+            uid=rec.uid,
+            pid=rec.pid,
+            slo_p99_ms=rec.slo_p99_ms,
+            restartable=rec.restartable,
+            ceiling_sm_pct=rec.sm_ceiling,
+            failures=rec.failures,
+            started_at_s=started,
+            held=rec.held,
+        )
+
+    def _record_gpu_event(self, event: GpuEvent) -> None:
+        self.s.registry.add_event(
+            "gpu_xid",
+            f"XID {event.xid} on {event.gpu_uuid}" + (" (fatal)" if event.fatal else ""),
+            severity="error" if event.fatal else "warning",
+            gpu_uuid=event.gpu_uuid,
+            data={"xid": event.xid},
+        )
+
+    # ----------------------------------------------------------------------------- health
+
+    def _report(self, now: float) -> None:
+        if not self.ready and self._all_mps_up():
+            self.ready = True
+            self._notify("READY=1", sd.status_field(self.summary()))
+            self.s.registry.add_event("daemon_ready", f"ready: {self.summary()}")
+            log.info("daemon_ready")
+        line = self.summary()
+        if line != self._status_line:
+            self._status_line = line
+            self._notify(sd.status_field(line))
+        if self._watchdog_s is not None and now - self._last_watchdog >= self._watchdog_s:
+            # Pinged only after a completed tick: a stuck loop stops the pings and systemd acts.
+            self._last_watchdog = now
+            self._notify("WATCHDOG=1")
+
+    def _all_mps_up(self) -> bool:
+        shared = [x for x in self.s.samples if self.s.shared(x)]
+        return all(self.s.mps_states.get(x.uuid) is MpsState.UP for x in shared)
+
+    def summary(self) -> str:
+        """The one-line STATUS= summary."""
+        s = self.s
+        shared = [x for x in s.samples if s.shared(x)]
+        up = sum(1 for x in shared if s.mps_states.get(x.uuid) is MpsState.UP)
+        recs = s.registry.clients()
+        online = sum(1 for r in recs if r.cls is ClientClass.ONLINE and r.state.is_live)
+        offline = sum(1 for r in recs if r.cls is ClientClass.OFFLINE and r.state.is_live)
+        queued = sum(1 for r in recs if r.state is S.QUEUED)
+        return (
+            f"{len(shared)} GPU(s), MPS up {up}/{len(shared)}, {online} online + {offline} "
+            f"offline client(s), {queued} queued"
+        )
+
+    # ----------------------------------------------------------------------------- duty cycle
+
+    def _duty_phase(self, now: float) -> None:
+        """Start of a period: thaw or freeze offline clients as each GPU's duty says."""
+        life = self.life
+        period = self.s.config.control.period_s
+        self._edges.clear()
+        for rec in self.s.registry.clients():
+            if rec.state not in RUNNING_STATES or rec.pid is None:
+                continue
+            if life.exiting(rec.id):
+                # Cancelled or evicted: it was thawed to act on its signal; freezing it again
+                # would turn a clean exit into the SIGKILL at the end of the grace.
+                life.set_paused(rec.id, False)
+                continue
+            duty = self.s.duty.get(rec.gpu_uuid or "", 1.0)
+            if rec.held:
+                want = S.FROZEN
+                life.set_paused(rec.id, True)
+            elif rec.cls is ClientClass.ONLINE or duty >= 1.0:
+                want = S.RUNNING
+                life.set_paused(rec.id, False)
+            else:
+                want = S.THROTTLED
+                if duty <= 0.0:
+                    life.set_paused(rec.id, True)
+                else:
+                    life.set_paused(rec.id, False)
+                    self._edges[rec.gpu_uuid or ""] = now + duty * period
+            if rec.state is not want:
+                why = f"offline duty {duty:g} on its GPU" if want is S.THROTTLED else None
+                self.s.transition(rec.id, want, reason=rec.reason if want is S.FROZEN else why)
+
+    def _duty_edges(self, now: float) -> None:
+        with self.s.lock:
+            due = [gpu for gpu, at in self._edges.items() if at <= now]
+            if not due:
+                return
+            for gpu in due:
+                del self._edges[gpu]
+            ids = [
+                rec.id
+                for rec in self.s.registry.clients()
+                if rec.gpu_uuid in due
+                and rec.cls is ClientClass.OFFLINE
+                and rec.state is S.THROTTLED
+                and not self.life.exiting(rec.id)
+                and rec.id not in self.life.paused
+            ]
+            if not ids:
+                return
+            self.life.freeze_all(ids)
+
+    # ----------------------------------------------------------------------------- act
+
+    def apply(self, action: Action, now: float) -> None:
+        """Carry out one controller action."""
+        s, life = self.s, self.life
+        with s.lock:
+            if isinstance(action, SetDuty):
+                self._set_duty(action, now)
+            elif isinstance(action, Freeze):
+                life.hold(action.client_id, True, action.reason)
+            elif isinstance(action, Thaw):
+                life.hold(action.client_id, False, action.reason)
+            elif isinstance(action, SetOfflineShare):
+                if s.offline_share.get(action.gpu_uuid) != action.sm_pct:
+                    s.offline_share[action.gpu_uuid] = action.sm_pct
+                    s.registry.add_event(
+                        "offline_share_changed",
+                        f"offline SM share {launcher.format_pct(action.sm_pct)}%: {action.reason}",
+                        gpu_uuid=action.gpu_uuid,
+                    )
+            elif isinstance(action, RestartClient):
+                life.restart(action, now)
+            elif isinstance(action, Evict):
+                life.evict(action, now)
+            elif isinstance(action, Admit):
+                rec = s.registry.get(action.client_id)
+                if rec.state is S.QUEUED:
+                    life.launch_detached(rec, action.gpu_uuid, action.sm_pct, action.reason)
+            elif isinstance(action, RecoverMps):
+                life.recover(action, now)
+            elif isinstance(action, Alert):
+                s.registry.add_event(
+                    "alert", action.reason, severity=action.severity.value,
+                    gpu_uuid=action.gpu_uuid,
+                )  # fmt: skip
+
+    def _set_duty(self, action: SetDuty, now: float) -> None:
+        gpu = action.gpu_uuid
+        duty = min(1.0, max(0.0, action.duty))
+        old = self.s.duty.get(gpu, 1.0)
+        self.s.duty[gpu] = duty
+        log.info("offline_duty_set", gpu=gpu, duty=duty, previous=old, reason=action.reason)
+        if duty == old:
+            return
+        if duty < old:
+            self._throttle_events[gpu] = self._throttle_events.get(gpu, 0) + 1
+        # Leaving and reaching 1 are always recorded; the steps between (several a second
+        # while a burst lasts) at most once per interval, so the event log stays readable.
+        if old >= 1.0:
+            kind = "offline_throttled"
+        elif duty >= 1.0:
+            kind = "offline_released"
+        elif now - self._duty_event_at.get(gpu, -math.inf) >= _DUTY_EVENT_INTERVAL_S:
+            kind = "offline_duty"
+        else:
+            return
+        self._duty_event_at[gpu] = now
+        self.s.registry.add_event(
+            kind, action.reason, gpu_uuid=gpu, data={"duty": duty, "previous": old}
+        )

@@ -1,0 +1,126 @@
+"""What the daemon knows right now, shared by its API, its client lifecycle and its control loop.
+
+One :class:`NodeState` holds the config, the registry, the node adapters, the policy, the last
+readings (GPU samples, app p99s, MPS states) and the two levers every part reads (each GPU's
+offline duty and offline SM share), with the lookups derived from them. Every change of state goes
+through :attr:`NodeState.lock`, so the loop, the API handlers and the exit watcher never interleave
+inside a transition.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import structlog
+
+from gpushare.config import Config
+from gpushare.control.policy import Policy
+from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
+from gpushare.latency import AppLatency, LatencyP99
+from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
+from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
+from gpushare.node.cgroups import PauserError
+
+log = structlog.get_logger(__name__)
+
+S = ClientState
+RUNNING_STATES = frozenset({S.RUNNING, S.THROTTLED, S.FROZEN})
+"""States of a client whose process runs (possibly frozen)."""
+PAUSE_ERRORS = (OSError, PauserError)
+"""A pauser fails with OSError (cgroupfs, signals) or its own PauserError (timeouts, no cgroup)."""
+
+
+class NoopPolicy:
+    """A policy that never acts: offline work runs unthrottled. Used until a controller is wired."""
+
+    name = "none"
+
+    def initial_state(self, gpu_uuid: str, now: float) -> None:
+        """No state."""
+        return None
+
+    def step(self, state: None, observation: Observation, now: float) -> tuple[None, list[Action]]:
+        """No actions."""
+        return None, []
+
+
+class NodeState:
+    """The daemon's shared state: config, registry, adapters, policy, readings and levers."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        registry: Registry,
+        gpu: GpuBackend,
+        mps: MpsNode,
+        pauser: Pauser,
+        probe: LatencyProbe | None,
+        policy: Policy[Any] | None,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.gpu = gpu
+        self.mps = mps
+        self.pauser = pauser
+        self.probe = probe
+        self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()
+        lat = config.latency
+        self.latency = AppLatency(lat.window_s, lat.min_samples, lat.scrape_period_s)
+        self.lock = threading.RLock()
+        #: The last tick's readings.
+        self.samples: list[GpuSample] = []
+        self.p99: dict[str, LatencyP99] = {}
+        self.mps_states: dict[str, MpsState] = {}
+        #: The levers the controller sets per GPU (absent: 1.0 and the configured default).
+        self.duty: dict[str, float] = {}
+        self.offline_share: dict[str, float] = {}
+
+    def transition(self, client_id: str, to: ClientState, **kw: Any) -> ClientRecord | None:
+        """Move a client in the registry; a refused move is logged and gives None."""
+        try:
+            return self.registry.transition(client_id, to, **kw)
+        except TransitionError as exc:
+            log.warning("transition_refused", client_id=client_id, to=to.value, error=str(exc))
+            return None
+
+    def multiuser(self, gpu_uuid: str) -> bool:
+        """Whether the GPU's MPS serves several users at once (docs/design.md D11)."""
+        # Only the real MPS node knows whether its daemon runs -multiuser-server; without that
+        # knowledge assume the stricter legacy behaviour.
+        supervisor = getattr(self.mps, "supervisors", {}).get(gpu_uuid)
+        return bool(getattr(supervisor, "multiuser", False))
+
+    def priority(self, cls: ClientClass) -> int:
+        """The MPS priority a client of this class starts with."""
+        # The policy decides offline clients' MPS priority (baselines compare without it).
+        if cls is ClientClass.ONLINE:
+            return 0
+        return int(getattr(self.policy, "offline_mps_priority", cls.mps_priority))
+
+    def default_sm(self, cls: ClientClass, gpu_uuid: str) -> float:
+        """The SM share a client of this class gets on this GPU unless it asked for one."""
+        if cls is ClientClass.ONLINE:
+            return 100.0
+        return self.offline_share.get(gpu_uuid, self.config.control.offline_sm_pct_default)
+
+    def shared(self, sample: GpuSample) -> bool:
+        """Whether gpushare shares this GPU (``[gpus]`` in the config)."""
+        return self.config.gpu_override(sample.index, sample.uuid).shared
+
+    def sample(self, gpu_uuid: str) -> GpuSample | None:
+        """The last sample of a GPU."""
+        return next((s for s in self.samples if s.uuid == gpu_uuid), None)
+
+    def reserve(self, sample: GpuSample) -> int:
+        """The memory kept free for online clients on this GPU."""
+        override = self.config.gpu_override(sample.index, sample.uuid)
+        if override.online_memory_reserve_bytes is not None:
+            return override.online_memory_reserve_bytes
+        return self.config.control.online_memory_reserve_bytes
+
+    def max_clients(self, sample: GpuSample) -> int:
+        """The MPS client slots of this GPU."""
+        override = self.config.gpu_override(sample.index, sample.uuid)
+        return override.max_clients or self.config.mps.max_clients
