@@ -39,6 +39,20 @@ def test_gpu_row_rounds_readings():
     assert "15.9368" not in text
 
 
+def test_gate_columns_show_the_gate_and_requests_in_flight():
+    gate = {"enabled": True, "closed": True, "inflight": 3, "signalled_clients": 1,
+            "busy_fraction": 0.4, "closes": 12}  # fmt: skip
+    _, _, header, row = render_status(_status([_gpu(gate=gate)], [])).splitlines()[:4]
+    assert header.split()[-3:] == ["GATE", "IN", "FLIGHT"]
+    assert row.split()[-2:] == ["closed", "3"]
+    row = render_status(_status([_gpu(gate={**gate, "closed": False, "inflight": 0})], []))
+    assert row.splitlines()[3].split()[-2:] == ["open", "0"]
+    row = render_status(_status([_gpu(gate={**gate, "enabled": False, "closed": False})], []))
+    assert row.splitlines()[3].split()[-2:] == ["off", "3"]
+    row = render_status(_status([_gpu()], []))  # an older daemon: no gate in its status
+    assert row.splitlines()[3].split()[-2:] == ["N/A", "N/A"]
+
+
 def test_missing_readings_are_na_not_zero():
     text = render_status(_status([_gpu(gpu_util_pct=None, mps_state=None)], [_client()]))
     gpu_row = text.splitlines()[3]

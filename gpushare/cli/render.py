@@ -56,10 +56,18 @@ def _mps(gpu: dict[str, Any], simulated: bool) -> str:
     return f"{state} ({'real' if backend == 'real' else 'sim'})"
 
 
+def _gate(gate: dict[str, Any] | None) -> tuple[str, str]:
+    """Request gating of a GPU: off / open / closed, and the requests in flight."""
+    if gate is None:
+        return NA, NA  # a daemon without request gating
+    state = "closed" if gate["closed"] else "open" if gate["enabled"] else "off"
+    return state, str(gate["inflight"])
+
+
 def render_status(status: dict[str, Any]) -> str:
     """The human ``status`` view: one row per GPU, then one per client."""
     rows = [["GPU", "UUID", "MEMORY USED/TOTAL", "UTIL", "MPS", "ONLINE SLO", "PROBE",
-             "SLOTS", "DUTY", "OFFLINE SM"]]  # fmt: skip
+             "SLOTS", "DUTY", "OFFLINE SM", "GATE", "IN FLIGHT"]]  # fmt: skip
     simulated = bool(status["daemon"].get("simulated"))
     for g in status["gpus"]:
         probe = g["probe"]
@@ -72,10 +80,10 @@ def render_status(status: dict[str, Any]) -> str:
             str(g["index"]), g["uuid"], f"{_gib(g['mem_used_bytes'])}/{_gib(g['mem_total_bytes'])}",
             _pct(g["gpu_util_pct"]), _mps(g, simulated), g["online_slo"]["state"], probe_text,
             f"{g['client_slots_used']}/{g['client_slots_max']}", f"{g['duty']:.2f}",
-            _pct(g["offline_sm_pct"]),
+            _pct(g["offline_sm_pct"]), *_gate(g.get("gate")),
         ])  # fmt: skip
         if g["error"]:
-            rows.append(["", f"error: {g['error']}", "", "", "", "", "", "", "", ""])
+            rows.append(["", f"error: {g['error']}", "", "", "", "", "", "", "", "", "", ""])
     node = " (simulated GPUs)" if simulated else ""
     head = f"gpushare {status['daemon']['version']}{node}: {status['daemon']['summary']}"
     return "\n".join([head, "", _table(rows), "", render_clients(status["clients"])])

@@ -38,7 +38,8 @@ from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import ApiServer
 from gpushare.daemon.state import NodeState, NoopPolicy
-from gpushare.latency import AppLatency, LatencyReceiver, verified_identify
+from gpushare.inflight import SenderLimiter
+from gpushare.latency import AppLatency, LatencyReceiver, Sender, verified_identify
 from gpushare.metrics import Exporter
 from gpushare.node import notify as sd
 from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
@@ -151,12 +152,27 @@ class Daemon:
         log.info("daemon_started", pid=os.getpid(), gpus=len(state.samples))
 
     def _start_latency(self) -> None:
-        path = self.state.config.paths.resolved("latency_socket")
+        state = self.state
+        path = state.config.paths.resolved("latency_socket")
+        slow = verified_identify(self.lifecycle.client_of_pid, self.lifecycle.uid_of_client)
+        gate = state.gate
+
+        def identify(sender: Sender) -> str | None:
+            # An online client's process first, from the gates' lock-free map: a request start
+            # must not wait for a tick to release the daemon's lock.
+            fast = gate.client_of_pid(sender.pid) if sender.pid is not None else None
+            return fast if fast is not None else slow(sender)
+
         rx = LatencyReceiver(
             path,
-            self.state.latency.tracker,
-            identify=verified_identify(self.lifecycle.client_of_pid, self.lifecycle.uid_of_client),
+            state.latency.tracker,
+            identify=identify,
+            on_inflight=gate.on_inflight,
+            allow=SenderLimiter(state.config.gate.max_datagrams_per_s).allow,
+            reject=gate.rejections.reject,
         )
+        gate.start()
+        state.gauges.start()
         try:
             rx.start()
         except OSError as exc:
@@ -189,8 +205,10 @@ class Daemon:
         self._notify("STOPPING=1")
         if self.server is not None:
             self.server.close()
-        # Duty-cycle freezes end with the daemon; a user's or controller's hold stays.
+        # Duty-cycle and gate freezes end with the daemon; a user's or controller's hold stays.
         self.lifecycle.release_duty_freezes()
+        state.gauges.close()
+        state.gate.close()
         self.lifecycle.stop_watching()
         if self.metrics is not None:
             self.metrics.close()
@@ -246,6 +264,9 @@ class Daemon:
             new = replace(new, paths=state.config.paths)
         with state.lock:
             state.config = new
+            # The gates read their config at each event; the rate limit and the gauge period
+            # are set at start.
+            state.gate.config = new.gate
             if policy is not state.policy:
                 # A new policy starts from its own initial state; the duty it sends first applies.
                 state.policy = policy

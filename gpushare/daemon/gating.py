@@ -35,22 +35,45 @@ from gpushare.control import gate
 from gpushare.control.gate import GateState
 from gpushare.inflight import Rejections
 from gpushare.model import GateReading
+from gpushare.node.cgroups import PauserError
 
 log = structlog.get_logger(__name__)
 
 GATE = "gate"
 
 
-class RequestPauser(Protocol):
-    """What the arbiter needs of a pauser (``CgroupPauser`` and ``SignalPauser`` have it)."""
+DAEMON = "daemon"
+_PAUSE_ERRORS = (OSError, PauserError)
 
-    def request_frozen(self, client_ids: Sequence[str], frozen: bool) -> list[str]:
-        """Ask for each client to be frozen (or thawed) without waiting; returns the failures."""
-        ...
+
+class BasicPauser(Protocol):
+    """What the arbiter needs of any pauser: freeze and thaw (waiting)."""
 
     def freeze(self, client_id: str) -> None:
         """Freeze and wait for the kernel's confirmation."""
         ...
+
+    def thaw(self, client_id: str) -> None:
+        """Thaw."""
+        ...
+
+
+def _requester(pauser: BasicPauser) -> tuple[Callable[[Sequence[str], bool], list[str]], bool]:
+    """The pauser's non-waiting request, and whether it has one (else freeze/thaw, waiting)."""
+    request = getattr(pauser, "request_frozen", None)
+    if callable(request):
+        return request, True
+
+    def waiting(client_ids: Sequence[str], frozen: bool) -> list[str]:
+        failed: list[str] = []
+        for client_id in client_ids:
+            try:
+                (pauser.freeze if frozen else pauser.thaw)(client_id)
+            except _PAUSE_ERRORS:
+                failed.append(client_id)
+        return failed
+
+    return waiting, False
 
 
 class Gatekeeper:
@@ -66,13 +89,14 @@ class Gatekeeper:
     def __init__(
         self,
         config: GateConfig,
-        pauser: RequestPauser,
+        pauser: BasicPauser,
         *,
         rejections: Rejections | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.pauser = pauser
+        self._request, self._confirms = _requester(pauser)
         self.rejections = rejections if rejections is not None else Rejections(clock)
         self._clock = clock
         self._lock = threading.Lock()
@@ -85,6 +109,9 @@ class Gatekeeper:
         self._closes: dict[str, int] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
+        # Online processes -> client, refreshed every tick: the receiver identifies a sender
+        # without the daemon's lock (a tick holds it for milliseconds).
+        self._online_pids: dict[int, str] = {}
 
     # ------------------------------------------------------------------------- signals
 
@@ -116,11 +143,16 @@ class Gatekeeper:
             self._wake.notify()
         return None
 
+    def client_of_pid(self, pid: int) -> str | None:
+        """The online client a process belongs to, as of the last tick (lock-free read)."""
+        return self._online_pids.get(pid)
+
     def forget(self, client_id: str) -> None:
         """A client exited: its requests no longer hold any gate, its pause reasons go."""
         now = self._clock()
         with self._lock:
             self._reasons.pop(client_id, None)
+            self._online_pids = {p: c for p, c in self._online_pids.items() if c != client_id}
             gpu = self._online.pop(client_id, None)
             if gpu is not None:
                 self._signalled.get(gpu, set()).discard(client_id)
@@ -132,13 +164,20 @@ class Gatekeeper:
     # ------------------------------------------------------------------------- the daemon's tick
 
     def update_clients(
-        self, online: Mapping[str, str], gated: Mapping[str, Sequence[str]], now: float
+        self,
+        online: Mapping[str, str],
+        gated: Mapping[str, Sequence[str]],
+        now: float,
+        online_pids: Mapping[int, str] | None = None,
     ) -> None:
         """The daemon's view, once a tick: online client -> GPU, and GPU -> gated offline clients.
 
         An online client no longer listed is forgotten (its requests stop holding the gate); an
-        offline client that joins a closed gate is frozen at once.
+        offline client that joins a closed gate is frozen at once. ``online_pids`` maps the
+        online clients' processes to them (:meth:`client_of_pid`).
         """
+        if online_pids is not None:
+            self._online_pids = dict(online_pids)  # replaced whole: readers never see a half
         with self._lock:
             for client_id in set(self._online) - set(online):
                 gpu = self._online[client_id]
@@ -183,21 +222,32 @@ class Gatekeeper:
         then, with ``wait``, confirmed outside it (the kernel's wait never delays a gate).
 
         Raises:
-            Exception: whatever the pauser raises while confirming a freeze.
+            PauserError: the request failed (the reason is not recorded: call again to retry).
+            FreezeTimeoutError: the kernel did not confirm the freeze in time (it stays
+                requested, the reason recorded).
         """
         self.pause_many([client_id], reason, paused, wait=wait)
 
     def pause_many(
         self, client_ids: Sequence[str], reason: str, paused: bool, *, wait: bool = True
     ) -> None:
-        """:meth:`pause` for several clients, one request for all."""
+        """:meth:`pause` for several clients, one request for all.
+
+        Raises:
+            PauserError: see :meth:`pause`.
+            FreezeTimeoutError: see :meth:`pause`.
+        """
         with self._lock:
-            changed = self._set_reason(client_ids, reason, paused)
-        if paused and wait:
+            changed, failed = self._set_reason(client_ids, reason, paused, strict=True)
+        if paused and wait and self._confirms:
             for client_id in changed:
                 # Idempotent write plus the wait; no thaw can come between: only this caller
                 # removes this reason.
                 self.pauser.freeze(client_id)
+        if failed:
+            raise PauserError(
+                f"cannot {'freeze' if paused else 'thaw'} clients {failed} (no cgroup or gone)"
+            )
 
     def paused(self, client_id: str) -> bool:
         """Whether the client has any pause reason."""
@@ -209,8 +259,14 @@ class Gatekeeper:
         with self._lock:
             return frozenset(self._reasons.get(client_id, ()))
 
-    def _set_reason(self, client_ids: Iterable[str], reason: str, paused: bool) -> list[str]:
-        """Under the lock: returns the clients whose frozen state changed (requests sent)."""
+    def _set_reason(
+        self, client_ids: Iterable[str], reason: str, paused: bool, *, strict: bool = False
+    ) -> tuple[list[str], list[str]]:
+        """Under the lock: (clients whose frozen state changed and was requested, failures).
+
+        With ``strict`` a failed request takes the change back (the caller retries later);
+        otherwise it is logged and the reason kept (the gate's own bookkeeping).
+        """
         changed: list[str] = []
         for client_id in client_ids:
             reasons = self._reasons.setdefault(client_id, set())
@@ -223,11 +279,19 @@ class Gatekeeper:
                 changed.append(client_id)
             if not reasons:
                 del self._reasons[client_id]
-        if changed:
-            failed = self.pauser.request_frozen(changed, paused)
-            if failed:
-                log.warning("gate_pause_failed", clients=failed, paused=paused, reason=reason)
-        return changed
+        failed = self._request(changed, paused) if changed else []
+        if failed:
+            log.warning("pause_request_failed", clients=failed, paused=paused, reason=reason)
+            if strict:
+                for client_id in failed:
+                    reasons = self._reasons.setdefault(client_id, set())
+                    if paused:
+                        reasons.discard(reason)
+                    else:
+                        reasons.add(reason)
+                    if not reasons:
+                        del self._reasons[client_id]
+        return [c for c in changed if c not in failed], failed
 
     def _release(self, client_ids: Iterable[str]) -> None:
         self._set_reason(list(client_ids), GATE, False)

@@ -26,6 +26,7 @@ import structlog
 
 from gpushare.control.controller import failure_backoff_s
 from gpushare.daemon import launcher
+from gpushare.daemon.gating import DAEMON
 from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.model import ClientClass, ClientState, Evict, RecoverMps, RestartClient
@@ -111,6 +112,8 @@ class Lifecycle:
                     )
                     if rec.latency_from is not None:
                         self.s.latency.add_prometheus(rec.id, rec.latency_from)
+                    if rec.inflight_from is not None:
+                        self.s.gauges.add(rec.id, rec.inflight_from)
                     if rec.held:
                         self.set_paused(rec.id, True)
                     else:
@@ -167,31 +170,29 @@ class Lifecycle:
             log.warning("thaw_failed", client_id=client_id, error=str(exc))
 
     def set_paused(self, client_id: str, paused: bool) -> None:
-        """Freeze or thaw a client unless it already is; a pauser failure is logged."""
+        """Freeze or thaw a client unless it already is; a pauser failure is logged.
+
+        Through the gates' arbiter (:class:`~gpushare.daemon.gating.Gatekeeper`): a thaw here
+        leaves a client frozen while its GPU's request gate holds it.
+        """
         try:
             if paused and client_id not in self.paused:
-                self.s.pauser.freeze(client_id)
+                self.s.gate.pause(client_id, DAEMON, True)
                 self.paused.add(client_id)
             elif not paused and client_id in self.paused:
-                self.s.pauser.thaw(client_id)
+                self.s.gate.pause(client_id, DAEMON, False)
                 self.paused.discard(client_id)
         except PAUSE_ERRORS as exc:
             log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
 
     def freeze_all(self, ids: list[str]) -> None:
-        """Freeze several clients, with the pauser's batched form when it has one."""
-        # All freeze requests first, one deadline: N clients cost about one freeze latency.
-        freeze_many = getattr(self.s.pauser, "freeze_many", None)
-        if callable(freeze_many) and len(ids) > 1:
-            try:
-                freeze_many(ids)
-            except PAUSE_ERRORS as exc:
-                log.warning("freeze_many_failed", clients=ids, error=str(exc))
-            else:
-                self.paused.update(ids)
-                return
-        for client_id in ids:
-            self.set_paused(client_id, True)
+        """Freeze several clients: all requests first, then the waits (one freeze latency)."""
+        ids = [client_id for client_id in ids if client_id not in self.paused]
+        try:
+            self.s.gate.pause_many(ids, DAEMON, True)
+        except PAUSE_ERRORS as exc:
+            log.warning("freeze_many_failed", clients=ids, error=str(exc))
+        self.paused.update(c for c in ids if DAEMON in self.s.gate.reasons(c))
 
     def release_duty_freezes(self) -> None:
         """Thaw the clients frozen by the duty cycle; a user's or controller's hold stays."""
@@ -325,6 +326,8 @@ class Lifecycle:
             self.paused.discard(client_id)
             self.kill_at.pop(client_id, None)
             self.s.latency.forget(client_id)
+            self.s.gate.forget(client_id)
+            self.s.gauges.forget(client_id)
             try:
                 self.s.pauser.release(client_id)
             except PAUSE_ERRORS as exc:
@@ -402,7 +405,7 @@ class Lifecycle:
         """
         assert rec.gpu_uuid is not None
         sm = rec.sm_pct if rec.sm_pct is not None else 100.0
-        env = self.mps_env(rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls)
+        env = self.mps_env(rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls, rec.queue)
         # With the cgroup freezer the child joins its cgroup before it execs, so a workload that
         # forks at once cannot leave a process outside the freezer's reach.
         open_fd = getattr(self.s.pauser, "open_procs_fd", None)
@@ -487,10 +490,16 @@ class Lifecycle:
         return failed or self.s.registry.get(rec.id)
 
     def mps_env(
-        self, client_id: str, gpu_uuid: str, sm: float, mem: int | None, cls: ClientClass
+        self,
+        client_id: str,
+        gpu_uuid: str,
+        sm: float,
+        mem: int | None,
+        cls: ClientClass,
+        queue: str | None = None,
     ) -> dict[str, str]:
-        """The MPS environment a client of this GPU starts with."""
-        return launcher.mps_env(
+        """The MPS environment a client of this GPU starts with (and its offline queue mode)."""
+        env = launcher.mps_env(
             client_id=client_id,
             limits=launcher.LaunchLimits(
                 gpu_uuid=gpu_uuid, sm_pct=sm, mem_bytes=mem, priority=self.s.priority(cls)
@@ -498,3 +507,9 @@ class Lifecycle:
             pipe_dir=self.s.mps.pipe_dir(gpu_uuid),
             latency_socket=self.s.config.paths.resolved("latency_socket"),
         )
+        if cls is ClientClass.OFFLINE:
+            gating = self.s.gate.view(gpu_uuid, time.monotonic()).enabled
+            mode, why = launcher.choose_queue(queue, gating_on=gating)
+            env.update(launcher.queue_env(mode))
+            log.info("offline_queue", client_id=client_id, queue=mode, reason=why)
+        return env

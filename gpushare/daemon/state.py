@@ -2,7 +2,7 @@
 
 One :class:`NodeState` holds the config, the registry, the node adapters, the policy, the last
 readings (GPU samples, app p99s, MPS states) and the two levers every part reads (each GPU's
-offline duty and offline SM share), with the lookups derived from them. Every change of state goes
+offline duty and offline SM share) and the request gates, with the lookups derived from them. Every change of state goes
 through :attr:`NodeState.lock`, so the loop, the API handlers and the exit watcher never interleave
 inside a transition.
 """
@@ -16,7 +16,9 @@ import structlog
 
 from gpushare.config import Config
 from gpushare.control.policy import Policy
+from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
+from gpushare.inflight import GaugePoller
 from gpushare.latency import AppLatency, LatencyP99
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
 from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
@@ -68,6 +70,12 @@ class NodeState:
         self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()
         lat = config.latency
         self.latency = AppLatency(lat.window_s, lat.min_samples, lat.scrape_period_s)
+        #: Request gating: every freeze goes through its arbiter (duty, holds and gates).
+        self.gate = Gatekeeper(config.gate, pauser)
+        #: The --inflight-from gauges, polled into the gates.
+        self.gauges = GaugePoller(
+            config.gate.gauge_period_s, self.gate.on_gauge, self.gate.rejections
+        )
         self.lock = threading.RLock()
         #: The last tick's readings.
         self.samples: list[GpuSample] = []
