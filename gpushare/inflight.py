@@ -60,6 +60,11 @@ class Rejections:
             self._logged[reason] = (now, total)
         log.warning("inflight_rejected", reason=reason, since_last_log=total - seen, **context)
 
+    def snapshot(self) -> dict[str, int]:
+        """The counts by reason, copied."""
+        with self._lock:
+            return dict(self.counts)
+
     def total(self) -> int:
         """All rejections so far."""
         with self._lock:

@@ -122,6 +122,8 @@ class Api:
                     "summary": self.loop.summary(),
                     # Optional attributes of the adapters: only the simulated node sets them.
                     "simulated": bool(getattr(s.gpu, "simulated", False)),
+                    # Request-boundary datagrams and gauge polls refused, by reason.
+                    "inflight_rejections": s.gate.rejections.snapshot(),
                 },
                 "gpus": gpus,
                 "clients": clients,

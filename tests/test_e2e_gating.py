@@ -1,0 +1,124 @@
+"""Request gating end to end: a real daemon process (socket, SQLite, the gpushare controller, the
+real pauser: cgroup v2 where writable, else signals), an online client that says when its requests
+start and end through gpushare.client, and an offline client frozen exactly while they are in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpushare import client
+from tests.daemon_helpers import DaemonProc, wait_for
+
+# The online service: acts on command files the test drops into its directory.
+SERVICE = """
+import os, sys, time
+from gpushare import client
+d = sys.argv[1]
+while True:
+    for cmd in sorted(os.listdir(d)):
+        os.unlink(os.path.join(d, cmd))
+        if cmd.endswith("ping"):
+            client.request_started(); client.request_ended()
+        elif cmd.endswith("go"):
+            client.request_started()
+        elif cmd.endswith("stop"):
+            client.request_ended()
+        elif cmd.endswith("die"):
+            client.request_started(); os._exit(0)
+    time.sleep(0.005)
+"""
+IDLE = "import time\nwhile True: time.sleep(0.002)"
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProc]:
+    d = DaemonProc('[gate]\ninflight_timeout = "3s"\nhold = "2ms"\n', gpus=1)
+    try:
+        yield d.start()
+    finally:
+        d.cleanup()
+
+
+def _frozen(d: DaemonProc, client_id: str, pid: int) -> bool:
+    if d.cgroup_dir is not None:
+        events = (d.cgroup_dir / f"client-{client_id}" / "cgroup.events").read_text()
+        return "frozen 1" in events
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _gate(d: DaemonProc) -> dict[str, object]:
+    gate = d.call("status")["gpus"][0]["gate"]
+    assert isinstance(gate, dict)
+    return gate
+
+
+def test_requests_in_flight_freeze_offline_work_and_a_dead_client_frees_it(
+    daemon: DaemonProc, tmp_path: Path
+) -> None:
+    cmd = tmp_path / "cmd"
+    cmd.mkdir()
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    off = daemon.submit_detached([sys.executable, "-c", IDLE], env=env)
+    on = daemon.submit_detached([sys.executable, "-c", SERVICE, str(cmd)], cls="online", env=env)
+    n = iter(range(1000))
+
+    def send(what: str) -> None:
+        (cmd / f"{next(n):04d}-{what}").touch()
+
+    # Its first boundaries make it a signalled client: the controller turns gating on.
+    send("ping")
+    wait_for(lambda: _gate(daemon)["enabled"], 10.0, "gating on")
+    assert not _frozen(daemon, off["client_id"], off["pid"])
+    send("go")
+    wait_for(lambda: _frozen(daemon, off["client_id"], off["pid"]), 5.0, "offline frozen")
+    gate = _gate(daemon)
+    assert gate["closed"] and gate["inflight"] == 1
+    send("stop")
+    wait_for(lambda: not _frozen(daemon, off["client_id"], off["pid"]), 5.0, "offline thawed")
+    # The service dies with a request in flight: the gate must not stay closed.
+    send("die")
+    wait_for(lambda: daemon.client(on["client_id"])["state"] == "exited", 10.0, "online exit")
+    wait_for(lambda: not _frozen(daemon, off["client_id"], off["pid"]), 5.0, "thawed after death")
+    gate = _gate(daemon)
+    assert not gate["closed"] and gate["inflight"] == 0
+    # No online client left: the controller turns gating off at a coming tick.
+    wait_for(lambda: not _gate(daemon)["enabled"], 5.0, "gating off")
+    events = [e["kind"] for e in daemon.events()]
+    assert "gating_on" in events
+    assert "gating_off" in events
+
+
+def test_boundaries_from_a_process_that_is_no_client_are_rejected_and_counted(
+    daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUSHARE_LATENCY_SOCKET", str(daemon.base / "run" / "latency.sock"))
+    monkeypatch.setenv("GPUSHARE_CLIENT_ID", "c1")  # claims a client it is not
+    client.request_started()
+    client.request_ended()
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    raw.sendto(b'{"v":1,"n":"many"}', str(daemon.base / "run" / "latency.sock"))
+    raw.close()
+
+    def counts() -> dict[str, int]:
+        got = daemon.call("status")["daemon"]["inflight_rejections"]
+        assert isinstance(got, dict)
+        return got
+
+    wait_for(lambda: counts().get("malformed datagram") == 1, 5.0, "malformed counted")
+    assert counts().get("sender is not a client of gpushare") == 2
+    # The submit refuses a malformed gauge and a --queue on an online client, changing nothing.
+    for params, message in (
+        ({"cls": "online", "inflight_from": "prometheus:http://10.0.0.1/m#g"}, "on this host"),
+        ({"cls": "online", "queue": "shallow"}, "--queue applies to --offline"),
+        ({"queue": "sometimes"}, "--queue must be one of"),
+    ):
+        with pytest.raises(client.ApiError, match=message):
+            daemon.submit_detached(["true"], **params)
+    assert daemon.call("list", {"all": True})["clients"] == []
