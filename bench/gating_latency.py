@@ -12,9 +12,9 @@ calls ``gpushare.client.request_started()`` and measures, from just before the d
 * **confirmed**: until ``cgroup.events`` of all N cgroups says ``frozen 1`` (every task reached
   the freezer; a runnable task waiting for a CPU gets there only when it is scheduled).
 
-The daemon side runs at nice 0, and (busy rows) also at nice -10 (``Nice=-10`` in the systemd
-unit): with 50 spinning offline processes on 2 cores, a daemon at the same priority waits for a
-CPU before it can write anything. Offline processes of two kinds: ``sleeping`` (blocked in a system call most of the time, as a
+The daemon's receiver and gate-timer threads run at nice -10 as the daemon runs them
+(``core.GATE_THREAD_NICE``), and (busy rows) also at nice 0: with 50 spinning offline processes on
+2 cores, a thread at their priority waits for a CPU before it can write anything. Offline processes of two kinds: ``sleeping`` (blocked in a system call most of the time, as a
 trainer waiting for its GPU with blocking sync) and ``busy`` (spinning on a CPU, as with spin
 sync; on a 2-core machine 50 of them are 25 runnable tasks per core, a worst case for the
 confirmation). Then ``request_ended()``; the next request starts 5-15 ms after the gate reopened.
@@ -76,7 +76,7 @@ def daemon_side(
 ) -> None:
     """The daemon's half: receiver + Gatekeeper; reports when each freeze was written."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-    os.setpriority(os.PRIO_PROCESS, 0, nice)
+    thread_nice = nice if nice != 0 else None
     pauser = CgroupPauser(Path(base))
 
     class Timed:
@@ -93,7 +93,7 @@ def daemon_side(
     gk = Gatekeeper(config, Timed())
     gk.update_clients({"web": GPU}, {GPU: ids}, time.monotonic())
     gk.set_enabled(GPU, True, time.monotonic())
-    gk.start()
+    gk.start(thread_nice=thread_nice)
     rejections = Rejections()
 
     def identify(sender: Sender) -> str | None:
@@ -106,6 +106,7 @@ def daemon_side(
         on_inflight=gk.on_inflight,
         allow=SenderLimiter(config.max_datagrams_per_s).allow,
         reject=rejections.reject,
+        thread_nice=thread_nice,
     )
     rx.start()
     conn.send(("ready", 0))
@@ -187,7 +188,7 @@ def run_case(kind: str, n: int, nice: int, requests: int, rng: random.Random) ->
         return {
             "kind": kind,
             "offline_processes": n,
-            "daemon_nice": nice,
+            "gate_threads_nice": nice,
             "written": _ms(written),
             "confirmed": _ms(confirmed),
             "rejected_datagrams": rejected,
@@ -219,7 +220,7 @@ def main() -> None:
     load_before = os.getloadavg()
     cases = [
         run_case(kind, n, nice, args.requests, rng)
-        for kind, nice in (("sleeping", 0), ("busy", 0), ("busy", -10))
+        for kind, nice in (("sleeping", -10), ("busy", -10), ("busy", 0))
         for n in (1, 10, 50)
     ]
     results = {
@@ -242,7 +243,7 @@ def main() -> None:
         assert isinstance(w, dict)
         assert isinstance(k, dict)
         print(
-            f"{c['offline_processes']:>8} {c['kind']:>9} {c['daemon_nice']:>5} | "
+            f"{c['offline_processes']:>8} {c['kind']:>9} {c['gate_threads_nice']:>5} | "
             f"{w['p50_ms']:>11.3f} "
             f"{w['p99_ms']:>7.3f} {w['max_ms']:>7.3f} | {k['p50_ms']:>13.3f} "
             f"{k['p99_ms']:>7.3f} {k['max_ms']:>7.3f}"

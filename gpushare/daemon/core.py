@@ -46,6 +46,11 @@ from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
 
 log = structlog.get_logger(__name__)
 
+# The latency receiver and the gate timer run above the offline work they freeze (nice 0): a
+# request start must not wait for a CPU behind spinning offline processes. Only root may lower a
+# nice value; elsewhere the threads stay at 0 (bench/gating_latency.py).
+GATE_THREAD_NICE = -10
+
 __all__ = ["Daemon", "NoopPolicy"]
 
 
@@ -170,8 +175,9 @@ class Daemon:
             on_inflight=gate.on_inflight,
             allow=SenderLimiter(state.config.gate.max_datagrams_per_s).allow,
             reject=gate.rejections.reject,
+            thread_nice=GATE_THREAD_NICE,
         )
-        gate.start()
+        gate.start(thread_nice=GATE_THREAD_NICE)
         state.gauges.start()
         try:
             rx.start()

@@ -34,6 +34,7 @@ from gpushare.config import GateConfig
 from gpushare.control import gate
 from gpushare.control.gate import GateState
 from gpushare.inflight import Rejections
+from gpushare.latency import renice_thread
 from gpushare.model import GateReading
 from gpushare.node.cgroups import PauserError
 
@@ -112,6 +113,7 @@ class Gatekeeper:
         # Online processes -> client, refreshed every tick: the receiver identifies a sender
         # without the daemon's lock (a tick holds it for milliseconds).
         self._online_pids: dict[int, str] = {}
+        self._thread_nice: int | None = None
 
     # ------------------------------------------------------------------------- signals
 
@@ -310,12 +312,20 @@ class Gatekeeper:
 
     # ------------------------------------------------------------------------- the timer
 
-    def start(self) -> None:
-        """Start the thread that opens gates when their hold or a timeout runs out."""
+    def start(self, *, thread_nice: int | None = None) -> None:
+        """Start the thread that opens gates when their hold or a timeout runs out.
+
+        Args:
+            thread_nice: its nice value (``latency.renice_thread``): a hold of 2 ms ends on time
+                only if the thread gets a CPU when it wakes.
+        """
+        self._thread_nice = thread_nice
         self._thread = threading.Thread(target=self._run, name="gate-timer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        if self._thread_nice is not None:
+            renice_thread(self._thread_nice)
         with self._lock:
             while not self._stop:
                 now = self._clock()
