@@ -50,6 +50,8 @@ log = structlog.get_logger(__name__)
 # request start must not wait for a CPU behind spinning offline processes. Only root may lower a
 # nice value; elsewhere the threads stay at 0 (bench/gating_latency.py).
 GATE_THREAD_NICE = -10
+# A sender found to be no client is not looked up again for this long (see _start_latency).
+_STRANGER_S = 1.0
 
 __all__ = ["Daemon", "NoopPolicy"]
 
@@ -161,12 +163,25 @@ class Daemon:
         path = state.config.paths.resolved("latency_socket")
         slow = verified_identify(self.lifecycle.client_of_pid, self.lifecycle.uid_of_client)
         gate = state.gate
+        strangers: dict[int | None, float] = {}
 
         def identify(sender: Sender) -> str | None:
             # An online client's process first, from the gates' lock-free map: a request start
             # must not wait for a tick to release the daemon's lock.
             fast = gate.client_of_pid(sender.pid) if sender.pid is not None else None
-            return fast if fast is not None else slow(sender)
+            if fast is not None:
+                return fast
+            # The slow path takes the daemon's lock and lists every client's processes: a process
+            # found to be no client is not looked up again for a second (a flood stays cheap).
+            now = time.monotonic()
+            if strangers.get(sender.pid, -1.0) > now:
+                return None
+            found = slow(sender)
+            if found is None:
+                if len(strangers) > 4096:
+                    strangers.clear()
+                strangers[sender.pid] = now + _STRANGER_S
+            return found
 
         rx = LatencyReceiver(
             path,
