@@ -192,6 +192,8 @@ class ClientView:
     ``p99_ms`` is the app-reported p99 over the latency window, ``None`` with ``p99_reason`` when
     the client reports nothing. ``guarantee_sm_pct`` and ``ceiling_sm_pct`` are the shares a user
     declared: an offline guarantee is honoured as a duty-cycle floor while online SLOs hold.
+    ``queue`` is an offline client's ``submit --queue`` (``None``: deep) and ``shallow`` whether it
+    runs with a shallow queue now (``CUDA_LAUNCH_BLOCKING=1``, docs/controller.md).
     """
 
     client_id: str
@@ -210,6 +212,8 @@ class ClientView:
     failures: int = 0
     started_at_s: float | None = None
     held: bool = False
+    queue: str | None = None
+    shallow: bool = False
 
 
 @dataclass(frozen=True, slots=True)

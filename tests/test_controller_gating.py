@@ -130,3 +130,25 @@ def test_gating_stays_on_for_a_service_with_idle_time(busy_s: float, idle_s: flo
     if frac < GCFG.max_busy - 0.15:
         assert enabled, "gating still on at the end"
         assert longest <= busy_s + GCFG.hold_s + CTL.config.period_s + 1e-6
+
+
+def test_auto_queue_clients_are_relaunched_when_gating_has_settled() -> None:
+    cfg = ControlConfig(share_min_interval_s=60.0)
+    ctl = GpushareController(cfg)
+    trainer = replace(offline("t1", restartable=True), queue="auto", shallow=False)
+    fixed = replace(offline("t2", restartable=True), queue="deep", shallow=False)
+    obs = replace(observation((online(p99_ms=10.0), trainer, fixed)), gate=reading())
+    state = CTL.initial_state(GPU, 0.0)
+    restarts: list[tuple[float, str]] = []
+    for i in range(1300):  # 130 s
+        now = i * 0.1
+        state, actions = ctl.step(state, obs, now)
+        restarts += [(now, a.reason) for a in actions if type(a).__name__ == "RestartClient"]
+        if restarts and state.restart_pending is not None:
+            # The runner relaunched it shallow, under the same share.
+            obs = replace(obs, clients=(obs.clients[0], replace(trainer, shallow=True), fixed))
+    (at, why), *more = restarts
+    assert not more, "one relaunch, for the auto client only"
+    assert at >= cfg.share_min_interval_s
+    assert "--queue auto" in why
+    assert "shallow" in why

@@ -122,3 +122,30 @@ def test_boundaries_from_a_process_that_is_no_client_are_rejected_and_counted(
         with pytest.raises(client.ApiError, match=message):
             daemon.submit_detached(["true"], **params)
     assert daemon.call("list", {"all": True})["clients"] == []
+
+
+def test_an_auto_queue_client_is_relaunched_shallow_once_gating_is_on(tmp_path: Path) -> None:
+    d = DaemonProc('[control]\nshare_min_interval = "1s"\n', gpus=1)
+    try:
+        d.start()
+        cmd = tmp_path / "cmd"
+        cmd.mkdir()
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        off = d.submit_detached(
+            [sys.executable, "-c", IDLE], env=env, restartable=True, queue="auto"
+        )
+        blocking = b"CUDA_LAUNCH_BLOCKING=1"
+        assert blocking not in Path(f"/proc/{off['pid']}/environ").read_bytes()
+        d.submit_detached([sys.executable, "-c", SERVICE, str(cmd)], cls="online", env=env)
+        (cmd / "0000-ping").touch()
+        wait_for(lambda: _gate(d)["enabled"], 10.0, "gating on")
+
+        def relaunched_shallow() -> bool:
+            c = d.client(off["client_id"])
+            if c["state"] not in ("running", "throttled") or c["pid"] == off["pid"]:
+                return False
+            return blocking in Path(f"/proc/{c['pid']}/environ").read_bytes()
+
+        wait_for(relaunched_shallow, 20.0, "a relaunch with CUDA_LAUNCH_BLOCKING=1")
+    finally:
+        d.cleanup()

@@ -95,6 +95,7 @@ class GpuState:
         unsignalled_alerted: an alert about online clients without any latency signal was sent.
         memory_alerted: an alert that the reserve cannot be restored was sent.
         gating_emitted: request gating as last sent to the runner (``None``: never sent).
+        gating_changed_at_s: when ``gating_emitted`` last changed.
     """
 
     gpu_uuid: str
@@ -120,6 +121,7 @@ class GpuState:
     unsignalled_alerted: bool = False
     memory_alerted: bool = False
     gating_emitted: bool | None = None
+    gating_changed_at_s: float | None = None
 
 
 def failure_backoff_s(failures: int, config: ControlConfig) -> float:
@@ -198,7 +200,7 @@ class GpushareController:
         state = self._memory(state, observation, now, actions)
         signals = online_signals(observation, self.config.probe_slo_ratio)
         state = self._throttle(state, observation, self._duty_signals(state, signals), actions)
-        state = self._gating(state, observation, actions)
+        state = self._gating(state, observation, now, actions)
         state = self._share(state, observation, signals, now, actions)
         state = self._restarts(state, observation, signals, now, actions)
         return state, actions
@@ -455,7 +457,7 @@ class GpushareController:
     # Request gating ---------------------------------------------------------------------------
 
     @staticmethod
-    def _gating(state: GpuState, obs: Observation, actions: list[Action]) -> GpuState:
+    def _gating(state: GpuState, obs: Observation, now: float, actions: list[Action]) -> GpuState:
         """Gating on while online clients say when requests start and are not busy all the time.
 
         Off when no live online client sends request boundaries (nothing to gate on), and when
@@ -485,7 +487,7 @@ class GpushareController:
             why = f"{g.signalled_clients} online client(s) send request boundaries{share}"
         if on != state.gating_emitted:
             actions.append(SetGating(obs.gpu_uuid, on, f"gating {'on' if on else 'off'}: {why}"))
-            state = replace(state, gating_emitted=on)
+            state = replace(state, gating_emitted=on, gating_changed_at_s=now)
         return state
 
     @staticmethod
@@ -666,7 +668,7 @@ class GpushareController:
             and self._needs_restart(c, state.share_pct)
         ]
         if not candidates:
-            return state
+            return self._queue_restart(state, obs, going, now, actions)
         # Clients above the share first (they crowd online work), then the largest gap.
         chosen = max(
             candidates,
@@ -683,6 +685,50 @@ class GpushareController:
                 target,
                 f"restartable offline client runs at {chosen.limits.sm_pct:g}%, offline share is "
                 f"{target:g}%: checkpoint and relaunch",
+            )
+        )
+        return replace(state, restart_pending=(chosen.client_id, now))
+
+    def _queue_restart(
+        self,
+        state: GpuState,
+        obs: Observation,
+        going: set[str],
+        now: float,
+        actions: list[Action],
+    ) -> GpuState:
+        """Relaunch a ``--queue auto`` client whose queue no longer matches the GPU's gating.
+
+        Only once gating has kept its state for ``share_min_interval`` (gating that flips at the
+        busy threshold costs at most one checkpoint per client per interval), one client at a
+        time like the share's restarts, and never before any share restart.
+        """
+        on, since = state.gating_emitted, state.gating_changed_at_s
+        if on is None or since is None or now - since < self.config.share_min_interval_s:
+            return state
+        candidates = sorted(
+            (
+                c
+                for c in obs.offline()
+                if c.restartable
+                and c.queue == "auto"
+                and c.shallow != on
+                and c.state in _RESTARTABLE_STATES
+                and c.client_id not in going
+            ),
+            key=lambda c: c.client_id,
+        )
+        if not candidates:
+            return state
+        chosen = candidates[0]
+        queue = "shallow" if on else "deep"
+        actions.append(
+            RestartClient(
+                chosen.client_id,
+                chosen.limits.sm_pct,
+                f"--queue auto: request gating {'on' if on else 'off'} for "
+                f"{now - since:.0f}s, the client runs a {'deep' if on else 'shallow'} queue: "
+                f"checkpoint and relaunch with a {queue} one",
             )
         )
         return replace(state, restart_pending=(chosen.client_id, now))

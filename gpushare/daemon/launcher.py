@@ -89,8 +89,8 @@ def choose_queue(mode: str | None, *, gating_on: bool) -> tuple[str, str]:
     gating is on for the client's GPU (a freeze must bite within a kernel for gating to protect a
     request), deep otherwise (nothing freezes per request, so the launch gap would buy nothing).
     MPS and CUDA read the variable at start, so a running client changes mode only when it is
-    relaunched (a restart for a new share, a requeue); gpushare restarts no client for the mode
-    alone.
+    relaunched: a restart for a new share, a requeue, or the controller's restart of a restartable
+    auto client once gating has settled (``GpushareController._queue_restart``).
     """
     if mode == "shallow":
         return "shallow", "--queue shallow"

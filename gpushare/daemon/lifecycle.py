@@ -62,6 +62,8 @@ class Lifecycle:
         self.kill_at: dict[str, float] = {}
         #: Monotonic time before which a requeued failed job is not admitted again.
         self.not_before: dict[str, float] = {}
+        #: Offline clients launched with a shallow queue (CUDA_LAUNCH_BLOCKING=1).
+        self.shallow: set[str] = set()
         self.watcher: procs.ExitWatcher | None = None
 
     # ----------------------------------------------------------------------------- watching
@@ -114,6 +116,14 @@ class Lifecycle:
                         self.s.latency.add_prometheus(rec.id, rec.latency_from)
                     if rec.inflight_from is not None:
                         self.s.gauges.add(rec.id, rec.inflight_from)
+                    if rec.queue is not None and rec.pid is not None:
+                        # The queue it was launched with is in its environment.
+                        try:
+                            env = procs.read_environ(rec.pid, launcher.SHALLOW_ENV) or {}
+                        except PermissionError:
+                            env = {}  # not root: taken as deep (an auto client may restart once)
+                        if env.items() >= launcher.SHALLOW_ENV.items():
+                            self.shallow.add(rec.id)
                     if rec.held:
                         self.set_paused(rec.id, True)
                     else:
@@ -328,6 +338,7 @@ class Lifecycle:
             self.s.latency.forget(client_id)
             self.s.gate.forget(client_id)
             self.s.gauges.forget(client_id)
+            self.shallow.discard(client_id)  # a relaunch decides its queue anew
             try:
                 self.s.pauser.release(client_id)
             except PAUSE_ERRORS as exc:
@@ -511,5 +522,9 @@ class Lifecycle:
             gating = self.s.gate.view(gpu_uuid, time.monotonic()).enabled
             mode, why = launcher.choose_queue(queue, gating_on=gating)
             env.update(launcher.queue_env(mode))
+            if mode == "shallow":
+                self.shallow.add(client_id)
+            else:
+                self.shallow.discard(client_id)
             log.info("offline_queue", client_id=client_id, queue=mode, reason=why)
         return env

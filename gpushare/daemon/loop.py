@@ -297,6 +297,8 @@ class ControlLoop:
             failures=rec.failures,
             started_at_s=started,
             held=rec.held,
+            queue=rec.queue,
+            shallow=rec.id in self.life.shallow,
         )
 
     def _record_gpu_event(self, event: GpuEvent) -> None:
