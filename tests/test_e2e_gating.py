@@ -5,9 +5,11 @@ start and end through gpushare.client, and an offline client frozen exactly whil
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,3 +151,34 @@ def test_an_auto_queue_client_is_relaunched_shallow_once_gating_is_on(tmp_path: 
         wait_for(relaunched_shallow, 20.0, "a relaunch with CUDA_LAUNCH_BLOCKING=1")
     finally:
         d.cleanup()
+
+
+def test_a_flood_of_datagrams_neither_stops_the_daemon_nor_the_gate(
+    daemon: DaemonProc, tmp_path: Path
+) -> None:
+    cmd = tmp_path / "cmd"
+    cmd.mkdir()
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    off = daemon.submit_detached([sys.executable, "-c", IDLE], env=env)
+    daemon.submit_detached([sys.executable, "-c", SERVICE, str(cmd)], cls="online", env=env)
+    (cmd / "0000-ping").touch()
+    wait_for(lambda: _gate(daemon)["enabled"], 10.0, "gating on")
+    # 10^5 datagrams a second for half a second from a process that is no client.
+    tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    tx.setblocking(False)
+    path = str(daemon.base / "run" / "latency.sock")
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        for _ in range(100):
+            with contextlib.suppress(BlockingIOError):
+                tx.sendto(b'{"v":1,"n":1}', path)
+        time.sleep(0.001)
+    tx.close()
+    t0 = time.monotonic()
+    status = daemon.call("status")
+    assert time.monotonic() - t0 < 2.0, "the daemon still answers at once"
+    assert sum(status["daemon"]["inflight_rejections"].values()) > 0
+    (cmd / "0001-go").touch()
+    wait_for(lambda: _frozen(daemon, off["client_id"], off["pid"]), 5.0, "offline frozen")
+    (cmd / "0002-stop").touch()
+    wait_for(lambda: not _frozen(daemon, off["client_id"], off["pid"]), 5.0, "offline thawed")
