@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import dataclasses
 import http.client
 import itertools
 import json
@@ -51,11 +52,16 @@ MAX_INFLIGHT_COUNT = 1_000_000
 
 @dataclass(frozen=True, slots=True)
 class LatencyP99:
-    """One client's app-reported p99 over the window; ``None`` with ``reason`` when unknown."""
+    """One client's app-reported p99 over the window; ``None`` with ``reason`` when unknown.
+
+    ``source`` is where it came from: ``"app"`` (datagrams of ``report_latency``) or
+    ``"prometheus"`` (a ``--latency-from`` histogram); :meth:`AppLatency.p99s` sets it.
+    """
 
     p99_ms: float | None
     samples: int
     reason: str | None = None
+    source: str | None = None
 
 
 # ------------------------------------------------------------------------------- datagrams
@@ -690,9 +696,12 @@ class AppLatency:
     def p99s(self, now: float | None = None) -> dict[str, LatencyP99]:
         """Every known client's p99; a scraped client's histogram wins over its datagrams."""
         now = self._clock() if now is None else now
-        out = {cid: self.tracker.p99(cid, now) for cid in self.tracker.clients()}
+        out = {
+            cid: dataclasses.replace(self.tracker.p99(cid, now), source="app")
+            for cid in self.tracker.clients()
+        }
         with self._lock:
             scrapers = list(self._scrapers.items())
         for client_id, scraper in scrapers:
-            out[client_id] = scraper.p99(now)
+            out[client_id] = dataclasses.replace(scraper.p99(now), source="prometheus")
         return out

@@ -1,10 +1,16 @@
 """The Prometheus exporter: what gpushare is doing to each GPU and client, for dashboards and alerts.
 
 Names follow Prometheus style with units in the name (``_bytes``, ``_seconds``, ``_ratio``) and the
-labels ``gpu``/``UUID`` exactly as dcgm-exporter spells them, so series join with DCGM's device
-metrics. Device-level and client-level metrics are kept apart (dcgm-exporter#587: per-client series
-repeating device values mislead). Every scrape renders the latest :class:`NodeMetrics` snapshot, so a
-client that has gone away disappears from the output instead of lingering as a stale series.
+labels ``gpu``/``UUID`` exactly as dcgm-exporter spells them (its series carry ``gpu="0"`` and
+``UUID="GPU-…"`` beside ``device``, ``modelName`` and ``Hostname``), so ``on(UUID)`` joins gpushare's
+series with DCGM's device metrics. Client series add ``client`` (the id), ``name`` (``--name``, or
+empty), ``class`` and ``user``. Device-level and client-level metrics are kept apart
+(dcgm-exporter#587: per-client series repeating device values mislead).
+
+Cardinality is bounded: every scrape renders the latest :class:`NodeMetrics` snapshot, so a client
+that has gone away disappears from the output instead of lingering as a stale series, and the
+per-GPU and node series are a fixed set. Label values are written by prometheus_client, which
+escapes quotes, backslashes and newlines; a user-chosen ``--name`` cannot break the exposition.
 """
 
 from __future__ import annotations
@@ -15,20 +21,90 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from gpushare.model import ClientClass, MpsState, Observation
 
+# Controller steps take microseconds to milliseconds; admission waits seconds to hours.
+STEP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+WAIT_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 14400.0, 86400.0)
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSnapshot:
+    """A cumulative histogram: ``(upper bound, observations at or below it)`` per bucket."""
+
+    buckets: tuple[tuple[float, int], ...]
+    sum_s: float
+    count: int
+
+
+class DurationHistogram:
+    """Durations in seconds counted into fixed buckets (bounded memory; one owner, no lock)."""
+
+    def __init__(self, bounds_s: Sequence[float]) -> None:
+        self._bounds = tuple(sorted(bounds_s))
+        self._counts = [0] * len(self._bounds)
+        self._sum_s = 0.0
+        self._count = 0
+
+    def observe(self, seconds: float) -> None:
+        """Count one duration."""
+        self._sum_s += seconds
+        self._count += 1
+        for i, bound in enumerate(self._bounds):
+            if seconds <= bound:
+                self._counts[i] += 1
+                break
+
+    def snapshot(self) -> HistogramSnapshot:
+        """The cumulative counts so far (the ``+Inf`` bucket is ``count``)."""
+        cumulative, running = [], 0
+        for bound, n in zip(self._bounds, self._counts, strict=True):
+            running += n
+            cumulative.append((bound, running))
+        return HistogramSnapshot(tuple(cumulative), self._sum_s, self._count)
+
 
 @dataclass(frozen=True, slots=True)
 class GpuControl:
-    """Controller state of one GPU that the observation does not carry."""
+    """Controller state of one GPU that the observation does not carry.
+
+    ``evictions`` counts the GPU's evictions since the daemon started; ``step_s`` the durations of
+    the controller's ``step`` for the GPU (``None``: not measured).
+    """
 
     duty: float
     offline_sm_pct: float
     throttle_events: int = 0
     mps_restarts: int = 0
+    evictions: int = 0
+    step_s: HistogramSnapshot | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStats:
+    """What the daemon keeps about one live client beyond its observation.
+
+    ``thawed_s`` is the time it was thawed since the daemon began tracking it (a counter);
+    ``thawed_ratio`` the fraction of the last minute it was thawed (``None``: not tracked).
+    """
+
+    name: str | None = None
+    thawed_s: float | None = None
+    thawed_ratio: float | None = None
+    restarts: int = 0
+    evictions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionStats:
+    """The admission queue: its length, the oldest job's wait, and the waits of admitted jobs."""
+
+    queued: int = 0
+    oldest_wait_s: float | None = None
+    wait_s: HistogramSnapshot | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +114,15 @@ class NodeMetrics:
     observations: Sequence[Observation] = ()
     control: Mapping[str, GpuControl] = field(default_factory=dict)
     user_names: Mapping[int, str] = field(default_factory=dict)
+    clients: Mapping[str, ClientStats] = field(default_factory=dict)
+    admission: AdmissionStats = AdmissionStats()
+    #: Events of the daemon's log since it started, by (kind, severity, GPU UUID or "").
+    events: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
 
 
 _GPU_LABELS = ["gpu", "UUID"]
-_CLIENT_LABELS = ["gpu", "UUID", "client", "class", "uid"]
+_CLIENT_LABELS = ["gpu", "UUID", "client", "name", "class", "user"]
+_Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
 
 
 class Exporter(Collector):
@@ -78,19 +159,27 @@ class Exporter(Collector):
             self._server.server_close()
             self._server = None
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[_Family]:
         """Render the latest snapshot (prometheus_client calls this on every scrape)."""
         with self._lock:
             snap = self._snapshot
         yield from _gpu_metrics(snap)
         yield from _client_metrics(snap)
+        yield from _admission_metrics(snap.admission)
+        yield _event_metrics(snap)
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
 
-def _gpu_metrics(snap: NodeMetrics) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+def _histogram(family: HistogramMetricFamily, labels: list[str], h: HistogramSnapshot) -> None:
+    buckets = [(repr(float(b)), float(n)) for b, n in h.buckets]
+    buckets.append(("+Inf", float(h.count)))
+    family.add_metric(labels, buckets, h.sum_s)
+
+
+def _gpu_metrics(snap: NodeMetrics) -> Iterator[_Family]:
     up = _gauge(
         "gpushare_mps_daemon_up", "1 when the GPU's MPS control daemon answers", _GPU_LABELS
     )
@@ -122,6 +211,14 @@ def _gpu_metrics(snap: NodeMetrics) -> Iterator[GaugeMetricFamily | CounterMetri
         "Restarts of the GPU's MPS control daemon",
         labels=_GPU_LABELS,
     )
+    evictions = CounterMetricFamily(
+        "gpushare_evictions", "Clients evicted from the GPU", labels=_GPU_LABELS
+    )
+    step = HistogramMetricFamily(
+        "gpushare_controller_step_seconds",
+        "Time the controller's step took for the GPU",
+        labels=_GPU_LABELS,
+    )
     for obs in snap.observations:
         labels = [str(obs.gpu_index), obs.gpu_uuid]
         up.add_metric(labels, 1.0 if obs.mps_state in (MpsState.UP, MpsState.FAULT) else 0.0)
@@ -138,10 +235,14 @@ def _gpu_metrics(snap: NodeMetrics) -> Iterator[GaugeMetricFamily | CounterMetri
             share.add_metric(labels, ctl.offline_sm_pct / 100.0)
             throttles.add_metric(labels, float(ctl.throttle_events))
             restarts.add_metric(labels, float(ctl.mps_restarts))
-    yield from (up, fault, lost, duty, share, probe, probe_ratio, throttles, restarts)
+            evictions.add_metric(labels, float(ctl.evictions))
+            if ctl.step_s is not None:
+                _histogram(step, labels, ctl.step_s)
+    yield from (up, fault, lost, duty, share, probe, probe_ratio, throttles, restarts, evictions)
+    yield step
 
 
-def _client_metrics(snap: NodeMetrics) -> Iterator[GaugeMetricFamily]:
+def _client_metrics(snap: NodeMetrics) -> Iterator[_Family]:
     sm = _gauge("gpushare_client_sm_limit_ratio", "The client's MPS SM share", _CLIENT_LABELS)
     mem_limit = _gauge(
         "gpushare_client_pinned_memory_limit_bytes", "The client's MPS memory cap", _CLIENT_LABELS
@@ -153,7 +254,7 @@ def _client_metrics(snap: NodeMetrics) -> Iterator[GaugeMetricFamily]:
     )
     p99 = _gauge(
         "gpushare_client_latency_p99_seconds",
-        "App-reported p99 of an online client",
+        "App-reported p99 of an online client over the latency window",
         _CLIENT_LABELS,
     )
     slo = _gauge("gpushare_client_slo_p99_seconds", "Declared p99 SLO of a client", _CLIENT_LABELS)
@@ -162,14 +263,36 @@ def _client_metrics(snap: NodeMetrics) -> Iterator[GaugeMetricFamily]:
         "1 while the controller holds the client frozen",
         _CLIENT_LABELS,
     )
+    thawed = CounterMetricFamily(
+        "gpushare_client_thawed_seconds",
+        "Time an offline client was thawed (allowed to run)",
+        labels=_CLIENT_LABELS,
+    )
+    thawed_ratio = _gauge(
+        "gpushare_client_thawed_ratio",
+        "Fraction of the last minute an offline client was thawed",
+        _CLIENT_LABELS,
+    )
+    restarts = CounterMetricFamily(
+        "gpushare_client_restarts",
+        "Relaunches of the client (share changes, requeues)",
+        labels=_CLIENT_LABELS,
+    )
+    evictions = CounterMetricFamily(
+        "gpushare_client_evictions",
+        "Evictions of the client since the daemon started",
+        labels=_CLIENT_LABELS,
+    )
     for obs in snap.observations:
         for c in obs.clients:
             if not c.state.is_live:
                 continue
+            stats = snap.clients.get(c.client_id, _NO_STATS)
             labels = [
                 str(obs.gpu_index),
                 obs.gpu_uuid,
                 c.client_id,
+                stats.name or "",
                 c.cls.value,
                 snap.user_names.get(c.uid, str(c.uid)),
             ]
@@ -183,4 +306,49 @@ def _client_metrics(snap: NodeMetrics) -> Iterator[GaugeMetricFamily]:
                 p99.add_metric(labels, c.p99_ms / 1000.0)
             if c.slo_p99_ms is not None:
                 slo.add_metric(labels, c.slo_p99_ms / 1000.0)
-    yield from (sm, mem_limit, mem_used, p99, slo, frozen)
+            if c.cls is ClientClass.OFFLINE:
+                if stats.thawed_s is not None:
+                    thawed.add_metric(labels, stats.thawed_s)
+                if stats.thawed_ratio is not None:
+                    thawed_ratio.add_metric(labels, stats.thawed_ratio)
+            if c.client_id in snap.clients:
+                restarts.add_metric(labels, float(stats.restarts))
+                evictions.add_metric(labels, float(stats.evictions))
+    yield from (sm, mem_limit, mem_used, p99, slo, frozen, thawed, thawed_ratio, restarts)
+    yield evictions
+
+
+_NO_STATS = ClientStats()
+
+
+def _admission_metrics(adm: AdmissionStats) -> Iterator[_Family]:
+    queued = GaugeMetricFamily(
+        "gpushare_admission_queue_length", "Offline jobs waiting for admission"
+    )
+    queued.add_metric([], float(adm.queued))
+    oldest = GaugeMetricFamily(
+        "gpushare_admission_queue_oldest_wait_seconds",
+        "How long the longest-waiting queued job has waited (absent: queue empty)",
+    )
+    if adm.oldest_wait_s is not None:
+        oldest.add_metric([], adm.oldest_wait_s)
+    wait = HistogramMetricFamily(
+        "gpushare_admission_wait_seconds", "Time admitted jobs waited in the queue"
+    )
+    if adm.wait_s is not None:
+        _histogram(wait, [], adm.wait_s)
+    yield from (queued, oldest, wait)
+
+
+def _event_metrics(snap: NodeMetrics) -> CounterMetricFamily:
+    # Event kinds are fixed strings of the daemon's code, so the label set stays bounded; the
+    # dashboard turns increases into annotations (the event text is in `gpushare events`).
+    events = CounterMetricFamily(
+        "gpushare_events",
+        "Entries of the daemon's event log (gpushare events) by kind and severity",
+        labels=["gpu", "UUID", "kind", "severity"],
+    )
+    index = {obs.gpu_uuid: str(obs.gpu_index) for obs in snap.observations}
+    for (kind, severity, uuid), n in sorted(snap.events.items()):
+        events.add_metric([index.get(uuid, ""), uuid, kind, severity], float(n))
+    return events

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 API_VERSION = 1
 """Bumped on any incompatible change to a method, its parameters or its result."""
 
-STATUS_SCHEMA_VERSION = 1
+STATUS_SCHEMA_VERSION = 2
 """Version of the ``status`` result (``gpushare status --json``), documented in docs/status-schema.md."""
 
 # Method names. The daemon dispatches only names that appear in its explicit METHODS table.

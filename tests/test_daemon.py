@@ -419,7 +419,7 @@ def test_cli_status_list_events(daemon: DaemonProc) -> None:
     assert fake_uuid(0) in r.stdout
     assert "listed" in r.stdout
     js = json.loads(run_cli(daemon, "status", "--json", "--gpu", "1").stdout)
-    assert js["schema_version"] == 1
+    assert js["schema_version"] == 2
     assert [g["index"] for g in js["gpus"]] == [1]
     assert js["gpus"][0]["gpu_util_pct"] is None  # unknown is null, never 0
     assert "N/A" in r.stdout
@@ -497,9 +497,17 @@ def test_app_reported_latency_reaches_status(daemon: DaemonProc) -> None:
     def p99() -> float | None:
         st = daemon.call("status", {"gpu": "1"})
         c = next(c for c in st["clients"] if c["id"] == cid)
-        return c["p99_ms"]
+        return c["latency"]["p99_ms"]
 
     assert wait_for(p99, what="app p99 in status") == pytest.approx(50.0)
+    st = daemon.call("status", {"gpu": "1"})
+    lat = next(c for c in st["clients"] if c["id"] == cid)["latency"]
+    assert (lat["source"], lat["slo_p99_ms"]) == ("app", 40.0)
+    assert lat["ratio"] == pytest.approx(50.0 / 40.0)
+    assert lat["samples"] > 0
+    r = run_cli(daemon, "status", "--gpu", "1")
+    row = next(line for line in r.stdout.splitlines() if line.startswith(cid + " "))
+    assert "50ms" in row and "40ms" in row and "1.25" in row and "app" in row
     slo = daemon.call("status", {"gpu": "1"})["gpus"][0]["online_slo"]
     assert slo["state"] == "degraded"
     assert slo["violating_clients"] == [cid]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare import config
 from gpushare.daemon.core import Daemon
@@ -400,7 +401,7 @@ listen = "127.0.0.1:{port}"
     )  # fmt: skip
     d.start()
     try:
-        r = _submit(d, ["sleep", "30"], sm_pct=40.0)
+        r = _submit(d, ["sleep", "30"], sm_pct=40.0, name='say "hi" \\ 名前')
         policy.pending = [SetDuty(GPU0, 0.5, "test")]
         d.run(max_ticks=2)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
@@ -411,6 +412,29 @@ listen = "127.0.0.1:{port}"
         )  # fmt: skip
         assert client_line.endswith(" 0.4")
         assert f'gpushare_throttle_events_total{{UUID="{GPU0}",gpu="0"}} 1.0' in text
+        m = {
+            (s.name, s.labels.get("client")): s
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.labels.get("UUID") in (GPU0, None)
+        }
+        cid = r["client_id"]
+        assert m[("gpushare_client_thawed_seconds_total", cid)].value > 0
+        assert m[("gpushare_client_thawed_seconds_total", cid)].labels["name"] == 'say "hi" \\ 名前'
+        assert 0 < m[("gpushare_client_thawed_ratio", cid)].value <= 1
+        assert m[("gpushare_client_restarts_total", cid)].value == 0
+        assert m[("gpushare_client_evictions_total", cid)].value == 0
+        assert m[("gpushare_evictions_total", None)].value == 0
+        assert m[("gpushare_controller_step_seconds_count", None)].value == 2  # two ticks
+        assert m[("gpushare_admission_queue_length", None)].value == 0
+        events = {
+            (s.labels["kind"], s.labels["gpu"]): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == "gpushare_events_total"
+        }
+        assert events[("offline_throttled", "0")] == 1  # the SetDuty above, on GPU 0
+        assert events[("daemon_started", "")] == 1
     finally:
         os.killpg(r["pid"], signal.SIGKILL)
         d.shutdown()
@@ -543,3 +567,80 @@ def test_mps_recovery_removes_offline_clients_and_requeues_restartable_ones(
     stopped = d.registry.get(other["client_id"])
     assert stopped.state is ClientState.FAILED and "MPS" in (stopped.reason or "")
     assert d.registry.get(online["client_id"]).state is ClientState.RUNNING
+
+
+def test_status_shows_gate_why_and_thawed_fraction(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    d, policy, _ = env
+    r = _submit(d, BUSY)
+    web = _submit(d, ["sleep", "30"], cls="online", slo_p99_ms=40.0)
+    policy.pending = [SetDuty(GPU0, 0.5, "online burst: duty 0.5")]
+    d.run(max_ticks=12)
+    st = d.api.status(ROOT, {"gpu": "0"})
+    assert st["schema_version"] == 2
+    gate = st["gpus"][0]["gate"]
+    assert (gate["state"], gate["duty"]) == ("cycling", 0.5)
+    assert gate["last_action"]["kind"] == "set_duty"
+    assert gate["last_action"]["reason"] == "online burst: duty 0.5"
+    assert 0 <= gate["last_action"]["age_s"] < 5
+    by_id = {c["id"]: c for c in st["clients"]}
+    off = by_id[r["client_id"]]["offline"]
+    # Thawed for half of each period after the first (a loaded machine stretches the thawed part
+    # more often than the frozen one: the freeze at the edge is what runs late).
+    assert 0.3 < off["thawed_ratio_1m"] < 0.9
+    assert off["thawed_s"] > 0
+    assert off["evictions"] == 0
+    assert by_id[r["client_id"]]["latency"] is None
+    lat = by_id[web["client_id"]]["latency"]
+    assert by_id[web["client_id"]]["offline"] is None
+    # No reports and no probe on this node: unknown, and it says why.
+    assert (lat["p99_ms"], lat["ratio"], lat["source"]) == (None, None, None)
+    assert (lat["slo_p99_ms"], lat["reason"]) == (40.0, "no latency reports")
+    policy.pending = [SetDuty(GPU0, 0.0, "SLO violated")]
+    d.run(max_ticks=1)
+    gate = d.api.status(ROOT, {"gpu": "0"})["gpus"][0]["gate"]
+    assert (gate["state"], gate["last_action"]["reason"]) == ("closed", "SLO violated")
+
+
+def test_evictions_are_counted_per_client_and_survive_requeue(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    d, policy, _ = env
+    r = _submit(d, ["sleep", "60"], restartable=True)
+    policy.pending = [Evict(r["client_id"], True, "reserve")]
+    d.run(max_ticks=1)
+    gate = d.api.status(ROOT, {"gpu": "0"})["gpus"][0]["gate"]
+    assert gate["last_action"]["kind"] == "evict"
+    assert gate["last_action"]["client_id"] == r["client_id"]
+
+    def relaunched() -> bool:
+        d.run(max_ticks=1)
+        rec = d.registry.get(r["client_id"])
+        return rec.state is ClientState.RUNNING and rec.pid != r["pid"]
+
+    wait_for(relaunched, what="evicted job requeued and admitted again")
+    c = next(c for c in d.api.list(ROOT, {})["clients"] if c["id"] == r["client_id"])
+    assert c["offline"]["evictions"] == 1
+    assert d.state.ops.gpu_evictions(GPU0) == 1
+    # The submit started it at once; the requeued run went through admission.
+    assert d.state.ops.admission(0, time.time()).wait_s.count == 1
+
+
+class _RatioProbe(_RecordingProbe):
+    def reading(self, gpu_uuid: str) -> ProbeReading:
+        return ProbeReading(latency_ms=2.7, baseline_ms=1.5, ratio=1.8)
+
+
+def test_online_client_without_reports_is_judged_by_the_probe(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    d, _, _ = env
+    d.state.probe = _RatioProbe()
+    web = _submit(d, ["sleep", "30"], cls="online", slo_p99_ms=40.0)
+    d.run(max_ticks=1)
+    st = d.api.status(ROOT, {"gpu": "0"})
+    lat = next(c for c in st["clients"] if c["id"] == web["client_id"])["latency"]
+    assert (lat["p99_ms"], lat["source"]) == (None, "probe")
+    assert lat["ratio"] == pytest.approx(1.8 / d.config.control.probe_slo_ratio)
+    assert st["gpus"][0]["online_slo"]["probe_ratio"] == 1.8

@@ -39,6 +39,11 @@ def test_transitions_are_checked_and_logged(tmp_path: Path) -> None:
     assert reg.get(cid).state is ClientState.EXITED
     kinds = [e.kind for e in reg.events()]
     assert kinds == ["client_submitted", "client_running", "client_exited"]
+    reg.add_event("alert", "probe ratio 2.1", severity="warning", gpu_uuid="GPU-a")
+    counts = reg.event_counts()
+    assert counts[("client_running", "info", "")] == 1
+    assert counts[("alert", "warning", "GPU-a")] == 1
+    assert sum(counts.values()) == len(reg.events())
     with pytest.raises(RegistryError):
         reg.get("c999")
     with pytest.raises(RegistryError):

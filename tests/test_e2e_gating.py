@@ -56,7 +56,7 @@ def _frozen(d: DaemonProc, client_id: str, pid: int) -> bool:
 
 
 def _gate(d: DaemonProc) -> dict[str, object]:
-    gate = d.call("status")["gpus"][0]["gate"]
+    gate = d.call("status")["gpus"][0]["request_gate"]
     assert isinstance(gate, dict)
     return gate
 

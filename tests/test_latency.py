@@ -429,8 +429,10 @@ def test_app_latency_scrapes_a_live_endpoint(metrics_server: MetricsServer) -> N
     assert p.samples == 100
     # rank 99 of 100, all 99 in (0.025, 0.05]: 25 + 25 * 99/99 ms.
     assert p.p99_ms == pytest.approx(50.0)
+    assert p.source == "prometheus"
     app.tracker.add("reporter", 0.004, now[0])
     assert set(app.p99s()) == {"online-1", "reporter"}
+    assert app.p99s()["reporter"].source == "app"
     app.forget("online-1")
     assert set(app.p99s()) == {"reporter"}
 

@@ -3,9 +3,19 @@
 import urllib.request
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpushare.metrics import Exporter, GpuControl, NodeMetrics
+from gpushare.metrics import (
+    AdmissionStats,
+    ClientStats,
+    DurationHistogram,
+    Exporter,
+    GpuControl,
+    NodeMetrics,
+)
 from gpushare.model import (
     ClientClass,
     ClientState,
@@ -20,24 +30,24 @@ from gpushare.model import (
 PROBE = ProbeReading(latency_ms=2.5, baseline_ms=2.0, ratio=1.25)
 
 
-def _obs(clients, *, probe=PROBE, state=MpsState.UP):
+def _obs(clients, *, probe=PROBE, state=MpsState.UP, uuid="GPU-aaaa"):
     return Observation(
-        gpu_uuid="GPU-aaaa",
+        gpu_uuid=uuid,
         gpu_index=0,
-        sample=GpuSample(index=0, uuid="GPU-aaaa"),
+        sample=GpuSample(index=0, uuid=uuid),
         probe=probe,
         clients=tuple(clients),
         mps_state=state,
     )
 
 
-def _client(cid, cls, *, state=ClientState.RUNNING, p99=None, held=False):
+def _client(cid, cls, *, state=ClientState.RUNNING, p99=None, held=False, uid=1000):
     return ClientView(
         client_id=cid,
         cls=cls,
         state=state,
         limits=Limits(sm_pct=40.0, pinned_mem_bytes=8 << 30, priority=cls.mps_priority),
-        uid=1000,
+        uid=uid,
         mem_used_bytes=3 << 30,
         slo_p99_ms=40.0 if cls is ClientClass.ONLINE else None,
         p99_ms=p99,
@@ -80,6 +90,7 @@ def test_gpu_and_client_series(exporter):
     )
     m = _scrape(exporter)
     gpu = (("UUID", "GPU-aaaa"), ("gpu", "0"))
+    assert m[("gpushare_evictions_total", gpu)] == 0
     assert m[("gpushare_offline_duty_ratio", gpu)] == 0.35
     assert m[("gpushare_offline_sm_limit_ratio", gpu)] == 0.5
     assert m[("gpushare_probe_latency_p99_seconds", gpu)] == 0.0025
@@ -90,7 +101,8 @@ def test_gpu_and_client_series(exporter):
         ("class", "online"),
         ("client", "on1"),
         ("gpu", "0"),
-        ("uid", "alice"),
+        ("name", ""),
+        ("user", "alice"),
     )
     assert m[("gpushare_client_latency_p99_seconds", on)] == 0.031
     assert m[("gpushare_client_slo_p99_seconds", on)] == 0.04
@@ -100,7 +112,8 @@ def test_gpu_and_client_series(exporter):
         ("class", "offline"),
         ("client", "off1"),
         ("gpu", "0"),
-        ("uid", "alice"),
+        ("name", ""),
+        ("user", "alice"),
     )
     assert m[("gpushare_client_held_frozen", off)] == 1
     assert not any(dict(labels).get("client") == "gone" for _, labels in m)
@@ -135,3 +148,177 @@ def _client_series(families) -> int:
 def test_bind_failure_raises(exporter):
     with pytest.raises(OSError, match="assign"):
         exporter.serve("203.0.113.1:1")  # TEST-NET address: not local, cannot be bound
+
+
+def _full_snapshot(*, name="train", user="alice", uuid="GPU-aaaa"):
+    """A snapshot that fills every family: the controller, the queue and both client classes."""
+    step = DurationHistogram([0.001, 0.01])
+    for v in (0.0004, 0.002, 0.5):
+        step.observe(v)
+    wait = DurationHistogram([1.0, 60.0])
+    wait.observe(30.0)
+    return NodeMetrics(
+        observations=[
+            _obs(
+                [
+                    _client("on1", ClientClass.ONLINE, p99=31.0),
+                    _client("off1", ClientClass.OFFLINE),
+                ],
+                uuid=uuid,
+            )
+        ],
+        control={
+            uuid: GpuControl(duty=0.5, offline_sm_pct=50.0, evictions=2, step_s=step.snapshot())
+        },
+        user_names={1000: user},
+        clients={
+            "on1": ClientStats(name="web"),
+            "off1": ClientStats(
+                name=name, thawed_s=42.5, thawed_ratio=0.25, restarts=3, evictions=1
+            ),
+        },
+        admission=AdmissionStats(queued=4, oldest_wait_s=12.0, wait_s=wait.snapshot()),
+    )
+
+
+def test_controller_queue_and_offline_progress_series(exporter):
+    exporter.update(_full_snapshot())
+    m = _scrape(exporter)
+    gpu = (("UUID", "GPU-aaaa"), ("gpu", "0"))
+    assert m[("gpushare_evictions_total", gpu)] == 2
+    assert m[("gpushare_controller_step_seconds_bucket", (*gpu, ("le", "0.001")))] == 1
+    assert m[("gpushare_controller_step_seconds_bucket", (*gpu, ("le", "0.01")))] == 2
+    assert m[("gpushare_controller_step_seconds_bucket", (*gpu, ("le", "+Inf")))] == 3
+    assert m[("gpushare_controller_step_seconds_count", gpu)] == 3
+    assert m[("gpushare_controller_step_seconds_sum", gpu)] == pytest.approx(0.5024)
+    assert m[("gpushare_admission_queue_length", ())] == 4
+    assert m[("gpushare_admission_queue_oldest_wait_seconds", ())] == 12
+    assert m[("gpushare_admission_wait_seconds_bucket", (("le", "1.0"),))] == 0
+    assert m[("gpushare_admission_wait_seconds_bucket", (("le", "60.0"),))] == 1
+    off = (("UUID", "GPU-aaaa"), ("class", "offline"), ("client", "off1"), ("gpu", "0"),
+           ("name", "train"), ("user", "alice"))  # fmt: skip
+    assert m[("gpushare_client_thawed_seconds_total", off)] == 42.5
+    assert m[("gpushare_client_thawed_ratio", off)] == 0.25
+    assert m[("gpushare_client_restarts_total", off)] == 3
+    assert m[("gpushare_client_evictions_total", off)] == 1
+    on = (("UUID", "GPU-aaaa"), ("class", "online"), ("client", "on1"), ("gpu", "0"),
+          ("name", "web"), ("user", "alice"))  # fmt: skip
+    assert m[("gpushare_client_latency_p99_seconds", on)] == 0.031
+    # Thawed time is an offline notion: online clients are never duty-cycled.
+    assert ("gpushare_client_thawed_seconds_total", on) not in m
+
+
+def test_empty_queue_has_no_oldest_wait(exporter):
+    exporter.update(NodeMetrics(admission=AdmissionStats(queued=0)))
+    m = _scrape(exporter)
+    assert m[("gpushare_admission_queue_length", ())] == 0
+    assert not any(name == "gpushare_admission_queue_oldest_wait_seconds" for name, _ in m)
+
+
+def test_ended_clients_leave_no_series_in_any_family(exporter):
+    snap = _full_snapshot()
+    exporter.update(snap)
+    before = _client_ids(generate_latest(exporter.registry).decode())
+    assert before == {"on1", "off1"}
+    obs = snap.observations[0]
+    ended = [
+        _client(c.client_id, c.cls, state=ClientState.EXITED) if c.client_id == "off1" else c
+        for c in obs.clients
+    ]
+    exporter.update(
+        NodeMetrics(
+            observations=[_obs(ended)],
+            control=snap.control,
+            user_names=snap.user_names,
+            clients=snap.clients,  # stale stats must not resurrect the series
+        )
+    )
+    assert _client_ids(generate_latest(exporter.registry).decode()) == {"on1"}
+
+
+def _client_ids(text: str) -> set[str]:
+    return {
+        s.labels["client"]
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if "client" in s.labels
+    }
+
+
+HOSTILE = [
+    'say "hi"',
+    "back\\slash\\",
+    "new\nline\n",
+    "\\n literal",
+    'brace} {x="1"} 5\n# TYPE evil gauge',
+    "ünïcödé 名前 🚀",
+    "",
+]
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_hostile_label_values_round_trip(value):
+    exp = Exporter()
+    exp.update(_full_snapshot(name=value, user=value, uuid="GPU-" + value))
+    text = generate_latest(exp.registry).decode()
+    families = list(text_string_to_metric_families(text))
+    off = [
+        s
+        for fam in families
+        for s in fam.samples
+        if s.labels.get("client") == "off1" and s.name == "gpushare_client_thawed_ratio"
+    ]
+    assert len(off) == 1
+    assert off[0].labels["name"] == value
+    assert off[0].labels["user"] == value
+    assert off[0].labels["UUID"] == "GPU-" + value
+    # Nothing was injected: the same families and series as with tame values.
+    tame = generate_latest(_registry(_full_snapshot())).decode()
+    assert _shape(families) == _shape(text_string_to_metric_families(tame))
+
+
+def _registry(snap):
+    exp = Exporter()
+    exp.update(snap)
+    return exp.registry
+
+
+def _shape(families):
+    return sorted((f.name, f.type, len(f.samples)) for f in families)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=40), st.text(max_size=40))
+def test_any_name_or_user_round_trips(name, user):
+    exp = Exporter()
+    exp.update(_full_snapshot(name=name, user=user))
+    text = generate_latest(exp.registry).decode()
+    labels = [
+        s.labels
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.labels.get("client") == "off1"
+    ]
+    assert labels
+    assert all(lab["name"] == name and lab["user"] == user for lab in labels)
+
+
+def test_event_counts_by_kind_and_gpu(exporter):
+    snap = _full_snapshot()
+    exporter.update(
+        NodeMetrics(
+            observations=snap.observations,
+            events={
+                ("offline_throttled", "info", "GPU-aaaa"): 3,
+                ("daemon_started", "info", ""): 1,
+            },
+        )
+    )
+    m = _scrape(exporter)
+    gpu = (("UUID", "GPU-aaaa"), ("gpu", "0"))
+    assert (
+        m[("gpushare_events_total", (*gpu, ("kind", "offline_throttled"), ("severity", "info")))]
+        == 3
+    )
+    node = (("UUID", ""), ("gpu", ""), ("kind", "daemon_started"), ("severity", "info"))
+    assert m[("gpushare_events_total", node)] == 1

@@ -39,18 +39,22 @@ def test_gpu_row_rounds_readings():
     assert "15.9368" not in text
 
 
-def test_gate_columns_show_the_gate_and_requests_in_flight():
+def test_request_gate_columns_show_the_gate_and_requests_in_flight():
     gate = {"enabled": True, "closed": True, "inflight": 3, "signalled_clients": 1,
             "busy_fraction": 0.4, "closes": 12}  # fmt: skip
-    _, _, header, row = render_status(_status([_gpu(gate=gate)], [])).splitlines()[:4]
-    assert header.split()[-3:] == ["GATE", "IN", "FLIGHT"]
+    text = render_status(_status([_gpu(request_gate=gate)], []))
+    _, _, header, row = text.splitlines()[:4]
+    assert header.split()[-3:] == ["REQUESTS", "IN", "FLIGHT"]
     assert row.split()[-2:] == ["closed", "3"]
-    row = render_status(_status([_gpu(gate={**gate, "closed": False, "inflight": 0})], []))
-    assert row.splitlines()[3].split()[-2:] == ["open", "0"]
-    row = render_status(_status([_gpu(gate={**gate, "enabled": False, "closed": False})], []))
-    assert row.splitlines()[3].split()[-2:] == ["off", "3"]
-    row = render_status(_status([_gpu()], []))  # an older daemon: no gate in its status
-    assert row.splitlines()[3].split()[-2:] == ["N/A", "N/A"]
+    text = render_status(_status([_gpu(request_gate={**gate, "closed": False, "inflight": 0})], []))
+    assert text.splitlines()[3].split()[-2:] == ["open", "0"]
+    off = {**gate, "enabled": False, "closed": False}
+    text = render_status(_status([_gpu(request_gate=off)], []))
+    assert text.splitlines()[3].split()[-2:] == ["off", "3"]
+    text = render_status(_status([_gpu()], []))  # an older daemon: no request gate in its status
+    assert text.splitlines()[3].split()[-2:] == ["N/A", "N/A"]
+    text = render_status(_status([_gpu(shared=False, request_gate=None)], []))
+    assert text.splitlines()[3].split()[-2:] == ["-", "-"]
 
 
 def test_missing_readings_are_na_not_zero():
@@ -75,3 +79,77 @@ def test_mps_down_only_for_shared_gpus():
     assert mps_down(_status([_gpu(mps_state="fault")], []))
     assert not mps_down(_status([_gpu(mps_state="down", shared=False)], []))
     assert not mps_down(_status([_gpu()], []))
+
+
+def _v2_status():
+    gate = {"state": "cycling", "duty": 0.35, "last_action": {
+        "kind": "set_duty", "reason": "duty 0.35: probe ratio 1.40 over violation ratio 1.2",
+        "at": 1.7e9, "age_s": 12.4}}  # fmt: skip
+    gpus = [_gpu(duty=0.35, gate=gate), _gpu(index=1, uuid="GPU-bbbb", duty=1.0,
+                                             gate={"state": "open", "duty": 1.0, "last_action": None})]  # fmt: skip
+    web = _client(id="c1", name="web", **{"class": "online"}, state="running", held=False,
+                  slo_p99_ms=40.0, latency={"p99_ms": 31.24, "slo_p99_ms": 40.0, "ratio": 0.781,
+                                            "source": "app", "samples": 900, "reason": None})  # fmt: skip
+    api = _client(id="c2", name="api", **{"class": "online"}, state="running", held=False,
+                  gpu_index=1, slo_p99_ms=25.0, latency={"p99_ms": None, "slo_p99_ms": 25.0,
+                  "ratio": 1.4, "source": "probe", "samples": 0, "reason": "no latency reports"})  # fmt: skip
+    train = _client(id="c3", name="train", state="throttled", held=False, restarts=2,
+                    slo_p99_ms=None, offline={"thawed_ratio_1m": 0.3, "thawed_s": 512.0,
+                                              "evictions": 1})  # fmt: skip
+    return _status(gpus, [web, api, train])
+
+
+def _row(text, first):
+    return next(line for line in text.splitlines() if line.startswith(first + " "))
+
+
+def test_online_rows_show_p99_against_slo_and_source():
+    text = render_status(_v2_status())
+    web = _row(text, "c1").split()
+    assert web[6:10] == ["31.2ms", "40ms", "0.78", "app"]
+    api = _row(text, "c2").split()
+    # The client's own p99 is unknown: the probe's ratio speaks for it, and says so.
+    assert api[6:10] == ["N/A", "25ms", "1.40", "probe"]
+
+
+def test_offline_rows_show_thawed_fraction_restarts_evictions():
+    text = render_status(_v2_status())
+    head = next(line for line in text.splitlines() if "THAWED 1M" in line).split()
+    row = _row(text, "c3").split()
+    assert head[:3] == ["ID", "NAME", "USER"]
+    assert row[6:10] == ["30%", "2", "1", "throttled"]
+    assert text.index("online clients") < text.index("offline clients")
+
+
+def test_gpu_gate_and_why():
+    text = render_status(_v2_status())
+    lines = text.splitlines()
+    assert "duty 0.35" in lines[3]
+    assert lines[4].split()[8] == "open"
+    assert (
+        "GPU 0 offline duty 0.35: set_duty, 12s ago: duty 0.35: probe ratio 1.40 over violation "
+        "ratio 1.2" in lines
+    )
+    assert not any(line.startswith("GPU 1 offline") for line in lines)  # no action yet: no why
+    unshared = render_status(_status([_gpu(shared=False, duty=1.0, gate=None)], []))
+    assert unshared.splitlines()[3].split()[8] == "-"
+
+
+def test_schema_1_answers_render_with_na():
+    # A CLI upgraded before the daemon restarted gets answers without the new fields.
+    on = _client(id="c1", **{"class": "online"}, slo_p99_ms=40.0, held=False, state="running")
+    text = render_status(_status([_gpu()], [on, _client(id="c2")]))
+    assert _row(text, "c1").split()[6:10] == ["N/A", "40ms", "N/A", "N/A"]
+    assert _row(text, "c2").split()[6:9] == ["N/A", "N/A", "N/A"]
+    assert "offline 0.15" not in text
+    assert "duty 0.15" in text.splitlines()[3]
+
+
+def test_list_splits_classes():
+    st = _v2_status()
+    text = render_clients(st["clients"])
+    assert text.splitlines()[0] == "online clients"
+    assert "offline clients" in text
+    assert render_clients([c for c in st["clients"] if c["class"] == "offline"]).startswith(
+        "offline clients"
+    )

@@ -1,6 +1,8 @@
 """Rendering of ``status`` and ``list`` answers as tables (no Typer: the fast path uses it too).
 
-Values the daemon could not read are ``None`` in JSON and print as ``N/A``, never as 0.
+Values the daemon could not read are ``None`` in JSON and print as ``N/A``, never as 0. Fields a
+daemon of schema version 1 does not send (a CLI upgraded before the daemon was restarted) print as
+``N/A`` too, rather than failing.
 """
 
 from __future__ import annotations
@@ -26,25 +28,99 @@ def _dur(value: float | None) -> str:
     return NA if value is None else format_duration(round(value))
 
 
+def _ms(value: float | None) -> str:
+    # Latencies: three significant digits are what a p99 over a window can claim.
+    return NA if value is None else f"{value:.3g}ms"
+
+
+def _ratio(value: float | None) -> str:
+    return NA if value is None else f"{value:.2f}"
+
+
+def _count(value: int | None) -> str:
+    return NA if value is None else str(value)
+
+
+def _mem(c: dict[str, Any]) -> str:
+    limit = c["mem_limit_bytes"]
+    return f"{_gib(c['mem_used_bytes'])}/{'-' if limit is None else _gib(limit)}"
+
+
 def _table(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                      for r in rows)  # fmt: skip
 
 
-def render_clients(clients: Sequence[dict[str, Any]]) -> str:
-    """The client table of ``status`` and ``list``."""
-    rows = [["ID", "NAME", "USER", "CLASS", "GPU", "SM", "MEM LIMIT", "MEM USED", "STATE",
-             "UPTIME", "PAUSE"]]  # fmt: skip
+def _common(c: dict[str, Any]) -> list[str]:
+    return [c["id"], c["name"] or "-", c["user"],
+            NA if c["gpu_index"] is None else str(c["gpu_index"]), _pct(c["sm_pct"]), _mem(c)]  # fmt: skip
+
+
+def _state(c: dict[str, Any]) -> str:
+    return str(c["state"]) + (" (held)" if c["held"] else "")
+
+
+def _online_table(clients: Sequence[dict[str, Any]]) -> str:
+    rows = [["ID", "NAME", "USER", "GPU", "SM", "MEM USED/LIMIT", "P99", "SLO", "P99/SLO",
+             "SOURCE", "STATE", "UPTIME"]]  # fmt: skip
     for c in clients:
+        lat = c.get("latency") or {}
         rows.append([
-            c["id"], c["name"] or "-", c["user"], c["class"],
-            NA if c["gpu_index"] is None else str(c["gpu_index"]), _pct(c["sm_pct"]),
-            _gib(c["mem_limit_bytes"]), _gib(c["mem_used_bytes"]),
-            c["state"] + (" (held)" if c["held"] else ""), _dur(c["uptime_s"]),
-            c["pause_mechanism"] or NA,
+            *_common(c), _ms(lat.get("p99_ms")), _ms(c["slo_p99_ms"]), _ratio(lat.get("ratio")),
+            lat.get("source") or NA, _state(c), _dur(c["uptime_s"]),
         ])  # fmt: skip
-    return _table(rows) if clients else "no clients"
+    return _table(rows)
+
+
+def _offline_table(clients: Sequence[dict[str, Any]]) -> str:
+    rows = [["ID", "NAME", "USER", "GPU", "SM", "MEM USED/LIMIT", "THAWED 1M", "RESTARTS",
+             "EVICTIONS", "STATE", "UPTIME", "PAUSE"]]  # fmt: skip
+    for c in clients:
+        off = c.get("offline") or {}
+        ratio = off.get("thawed_ratio_1m")
+        rows.append([
+            *_common(c), _pct(None if ratio is None else ratio * 100.0),
+            _count(c.get("restarts")), _count(off.get("evictions")), _state(c),
+            _dur(c["uptime_s"]), c["pause_mechanism"] or NA,
+        ])  # fmt: skip
+    return _table(rows)
+
+
+def render_clients(clients: Sequence[dict[str, Any]]) -> str:
+    """The client tables of ``status`` and ``list``: online clients, then offline ones.
+
+    Online rows show the p99 over the latency window against the SLO, their ratio and where the
+    number came from; offline rows how much of the last minute the client was thawed, its restarts
+    and evictions.
+    """
+    online = [c for c in clients if c["class"] == "online"]
+    offline = [c for c in clients if c["class"] != "online"]
+    parts = []
+    if online:
+        parts.append("online clients\n" + _online_table(online))
+    if offline:
+        parts.append("offline clients\n" + _offline_table(offline))
+    return "\n\n".join(parts) if parts else "no clients"
+
+
+def _gate(gpu: dict[str, Any]) -> str:
+    if not gpu.get("shared", True):
+        return "-"  # gpushare does not manage this GPU
+    gate = gpu.get("gate")
+    duty = gpu["duty"]
+    state = gate["state"] if gate else ("open" if duty >= 1.0 else "closed" if duty <= 0 else "")
+    return f"duty {duty:.2f}" if state not in ("open", "closed") else state
+
+
+def _why(gpu: dict[str, Any]) -> str | None:
+    gate = gpu.get("gate") or {}
+    last = gate.get("last_action")
+    if not last:
+        return None
+    age = last.get("age_s")
+    when = "" if age is None else f", {format_duration(max(0, round(age)))} ago"
+    return f"GPU {gpu['index']} offline {_gate(gpu)}: {last['kind']}{when}: {last['reason']}"
 
 
 def _mps(gpu: dict[str, Any], simulated: bool) -> str:
@@ -56,10 +132,12 @@ def _mps(gpu: dict[str, Any], simulated: bool) -> str:
     return f"{state} ({'real' if backend == 'real' else 'sim'})"
 
 
-def _gate(gate: dict[str, Any] | None) -> tuple[str, str]:
+def _request_gate(gpu: dict[str, Any]) -> tuple[str, str]:
     """Request gating of a GPU: off / open / closed, and the requests in flight."""
+    gate = gpu.get("request_gate")
     if gate is None:
-        return NA, NA  # a daemon without request gating
+        # Not shared, or a daemon without request gating.
+        return ("-", "-") if not gpu.get("shared", True) else (NA, NA)
     state = "closed" if gate["closed"] else "open" if gate["enabled"] else "off"
     return state, str(gate["inflight"])
 
@@ -67,7 +145,7 @@ def _gate(gate: dict[str, Any] | None) -> tuple[str, str]:
 def render_status(status: dict[str, Any]) -> str:
     """The human ``status`` view: one row per GPU, then one per client."""
     rows = [["GPU", "UUID", "MEMORY USED/TOTAL", "UTIL", "MPS", "ONLINE SLO", "PROBE",
-             "SLOTS", "DUTY", "OFFLINE SM", "GATE", "IN FLIGHT"]]  # fmt: skip
+             "SLOTS", "OFFLINE", "OFFLINE SM", "REQUESTS", "IN FLIGHT"]]  # fmt: skip
     simulated = bool(status["daemon"].get("simulated"))
     for g in status["gpus"]:
         probe = g["probe"]
@@ -79,14 +157,16 @@ def render_status(status: dict[str, Any]) -> str:
         rows.append([
             str(g["index"]), g["uuid"], f"{_gib(g['mem_used_bytes'])}/{_gib(g['mem_total_bytes'])}",
             _pct(g["gpu_util_pct"]), _mps(g, simulated), g["online_slo"]["state"], probe_text,
-            f"{g['client_slots_used']}/{g['client_slots_max']}", f"{g['duty']:.2f}",
-            _pct(g["offline_sm_pct"]), *_gate(g.get("gate")),
+            f"{g['client_slots_used']}/{g['client_slots_max']}", _gate(g),
+            _pct(g["offline_sm_pct"]), *_request_gate(g),
         ])  # fmt: skip
         if g["error"]:
             rows.append(["", f"error: {g['error']}", "", "", "", "", "", "", "", "", "", ""])
     node = " (simulated GPUs)" if simulated else ""
     head = f"gpushare {status['daemon']['version']}{node}: {status['daemon']['summary']}"
-    return "\n".join([head, "", _table(rows), "", render_clients(status["clients"])])
+    whys = [w for w in (_why(g) for g in status["gpus"]) if w]
+    gpus = _table(rows) + ("\n" + "\n".join(whys) if whys else "")
+    return "\n".join([head, "", gpus, "", render_clients(status["clients"])])
 
 
 def mps_down(status: dict[str, Any]) -> bool:

@@ -23,6 +23,7 @@ from gpushare import __version__, protocol
 from gpushare.daemon import launcher
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
+from gpushare.daemon.opstats import gate_status, latency_status
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import RUNNING_STATES, NodeState
@@ -177,8 +178,13 @@ class Api:
             "mps_state": mps_state.value if mps_state is not None else None,
             "mps_backend": getattr(s.mps, "backend", None),
             "duty": s.duty.get(x.uuid, 1.0),
+            "gate": gate_status(
+                s.duty.get(x.uuid, 1.0), s.ops.last_action(x.uuid), time.monotonic()
+            )
+            if shared
+            else None,
             "offline_sm_pct": s.default_sm(ClientClass.OFFLINE, x.uuid),
-            "gate": self._gate_dict(x.uuid),
+            "request_gate": self._gate_dict(x.uuid) if shared else None,
             "online_slo": slo,
             "probe": {
                 "enabled": probe_on,
@@ -197,7 +203,11 @@ class Api:
         used = None
         if sample is not None and r.pid is not None:
             used = next((p.used_bytes for p in sample.processes if p.pid == r.pid), None)
-        p99 = self.s.p99.get(r.id) if r.cls is ClientClass.ONLINE and r.state.is_live else None
+        latency = offline = None
+        if r.cls is ClientClass.ONLINE and r.state.is_live:
+            latency = self._latency(r)
+        elif r.cls is ClientClass.OFFLINE:
+            offline = self.s.ops.offline_fields(r.id, r.state, time.monotonic())
         uptime = None
         if r.started_at is not None and r.state.is_live:
             uptime = round(now - r.started_at, 3)
@@ -209,10 +219,23 @@ class Api:
             "pause_mechanism": r.pause_mechanism, "held": r.held, "restartable": r.restartable,
             "detached": r.detach, "slo_p99_ms": r.slo_p99_ms, "argv": list(r.argv),
             "log_path": r.log_path, "restarts": r.restarts, "submitted_at": r.submitted_at,
-            "p99_ms": p99.p99_ms if p99 else None, "p99_samples": p99.samples if p99 else 0,
-            "p99_reason": p99.reason if p99 else None,
+            "latency": latency, "offline": offline,
             "started_at": r.started_at, "ended_at": r.ended_at,
         }  # fmt: skip
+
+    def _latency(self, r: ClientRecord) -> dict[str, Any]:
+        s = self.s
+        reading = None
+        if s.probe is not None and r.gpu_uuid is not None:
+            reading = s.probe.reading(r.gpu_uuid)  # as online_slo reads it
+        out = latency_status(
+            s.p99.get(r.id),
+            r.slo_p99_ms,
+            reading.ratio if reading is not None else None,
+            s.config.control.probe_slo_ratio,
+        )
+        out["window_s"] = s.config.latency.window_s
+        return out
 
     def list(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``list``: clients (live and queued, or all)."""

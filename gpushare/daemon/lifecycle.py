@@ -189,9 +189,11 @@ class Lifecycle:
             if paused and client_id not in self.paused:
                 self.s.gate.pause(client_id, DAEMON, True)
                 self.paused.add(client_id)
+                self.s.ops.paused(client_id, True, time.monotonic())
             elif not paused and client_id in self.paused:
                 self.s.gate.pause(client_id, DAEMON, False)
                 self.paused.discard(client_id)
+                self.s.ops.paused(client_id, False, time.monotonic())
         except PAUSE_ERRORS as exc:
             log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
 
@@ -202,7 +204,11 @@ class Lifecycle:
             self.s.gate.pause_many(ids, DAEMON, True)
         except PAUSE_ERRORS as exc:
             log.warning("freeze_many_failed", clients=ids, error=str(exc))
-        self.paused.update(c for c in ids if DAEMON in self.s.gate.reasons(c))
+        now = time.monotonic()
+        for client_id in ids:
+            if DAEMON in self.s.gate.reasons(client_id):
+                self.paused.add(client_id)
+                self.s.ops.paused(client_id, True, now)
 
     def release_duty_freezes(self) -> None:
         """Thaw the clients frozen by the duty cycle; a user's or controller's hold stays."""
@@ -266,6 +272,7 @@ class Lifecycle:
             return
         requeue = action.requeue and rec.restartable
         self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", action.reason)
+        self.s.ops.evicted(rec.id, rec.gpu_uuid)
         self.set_paused(rec.id, False)
         # MPS forbids killing a client with GPU work in flight: terminate_client first.
         ok = self.s.mps.terminate_client(rec.gpu_uuid, rec.pid)
@@ -299,6 +306,7 @@ class Lifecycle:
                 requeue = rec.restartable and rec.detach
                 why = f"MPS recovery: {action.reason}"
                 self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", why)
+                self.s.ops.evicted(rec.id, action.gpu_uuid)
                 self.set_paused(rec.id, False)
                 self.kill_at[rec.id] = now + grace
         self.s.mps.recover(action.gpu_uuid, pids[ClientClass.OFFLINE], pids[ClientClass.ONLINE])

@@ -22,6 +22,7 @@ import structlog
 from gpushare.control import admission
 from gpushare.daemon import launcher
 from gpushare.daemon.lifecycle import Lifecycle
+from gpushare.daemon.opstats import LastAction, Tracked
 from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.metrics import Exporter, GpuControl, NodeMetrics
@@ -134,6 +135,7 @@ class ControlLoop:
             for event in gpu_events:
                 self._record_gpu_event(event)
             records = s.registry.clients()
+            s.ops.sync(self._tracked(records), now)
             observations: dict[str, Observation] = {}
             self._update_gates(records, now)
             for sample in samples:
@@ -187,7 +189,9 @@ class ControlLoop:
         state = self.policy_state.get(uuid)
         if uuid not in self.policy_state:
             state = s.policy.initial_state(uuid, now)
+        t0 = time.perf_counter()
         state, actions = s.policy.step(state, obs, now)
+        s.ops.stepped(uuid, time.perf_counter() - t0)
         self.policy_state[uuid] = state
         for action in actions:
             try:
@@ -227,21 +231,50 @@ class ControlLoop:
                 continue  # the main pid is known; a pauser that cannot list keeps that
         s.gate.update_clients(online, gated, now, pids)
 
+    def _tracked(self, records: Sequence[ClientRecord]) -> list[Tracked]:
+        wall = time.time()
+        return [
+            Tracked(
+                client_id=r.id,
+                live=r.state.is_live and r.pid is not None,
+                thawed=r.id not in self.life.paused,
+                queued=r.state is S.QUEUED,
+                # Never started: queued since submission; requeued: since the daemon saw it so.
+                queued_since_wall_s=r.submitted_at if r.started_at is None else wall,
+            )
+            for r in records
+        ]
+
     def _metrics_snapshot(
         self, observations: Mapping[str, Observation], records: Sequence[ClientRecord]
     ) -> NodeMetrics:
+        ops, now = self.s.ops, time.monotonic()
         control = {
             uuid: GpuControl(
                 duty=self.s.duty.get(uuid, 1.0),
                 offline_sm_pct=self.s.default_sm(ClientClass.OFFLINE, uuid),
                 throttle_events=self._throttle_events.get(uuid, 0),
                 mps_restarts=self._mps_restarts.get(uuid, 0),
+                evictions=ops.gpu_evictions(uuid),
+                step_s=ops.step_histogram(uuid),
             )
             for uuid in observations
         }
         names = {r.uid: r.user for r in records}
-        return NodeMetrics(observations=tuple(observations.values()), control=control,
-                           user_names=names)  # fmt: skip
+        clients = {
+            r.id: ops.client_stats(r.id, r.name, r.restarts, now)
+            for r in records
+            if r.state.is_live
+        }
+        queued = sum(1 for r in records if r.state is S.QUEUED)
+        return NodeMetrics(
+            observations=tuple(observations.values()),
+            control=control,
+            user_names=names,
+            clients=clients,
+            admission=ops.admission(queued, time.time()),
+            events=self.s.registry.event_counts(),
+        )
 
     def _admit(self, observations: Mapping[str, Observation], now: float) -> None:
         """Start queued offline jobs where admission places them (SJF-BSBF, slots, D11)."""
@@ -411,16 +444,20 @@ class ControlLoop:
                 s.gate.set_enabled(action.gpu_uuid, action.on, now)
                 log.info("gating_set", gpu=action.gpu_uuid, on=action.on, reason=action.reason)
                 if was != action.on:
+                    self._acted(action.gpu_uuid, "set_gating", action.reason)
                     s.registry.add_event(
                         "gating_on" if action.on else "gating_off", action.reason,
                         gpu_uuid=action.gpu_uuid,
                     )  # fmt: skip
-            elif isinstance(action, Freeze):
-                life.hold(action.client_id, True, action.reason)
-            elif isinstance(action, Thaw):
-                life.hold(action.client_id, False, action.reason)
+            elif isinstance(action, Freeze | Thaw):
+                held = isinstance(action, Freeze)
+                rec = s.registry.find(action.client_id)
+                if rec is not None and rec.state.is_live and rec.held != held:
+                    self._acted_on(action.client_id, "freeze" if held else "thaw", action.reason)
+                life.hold(action.client_id, held, action.reason)
             elif isinstance(action, SetOfflineShare):
                 if s.offline_share.get(action.gpu_uuid) != action.sm_pct:
+                    self._acted(action.gpu_uuid, "set_offline_share", action.reason)
                     s.offline_share[action.gpu_uuid] = action.sm_pct
                     s.registry.add_event(
                         "offline_share_changed",
@@ -428,20 +465,35 @@ class ControlLoop:
                         gpu_uuid=action.gpu_uuid,
                     )
             elif isinstance(action, RestartClient):
+                self._acted_on(action.client_id, "restart_client", action.reason)
                 life.restart(action, now)
             elif isinstance(action, Evict):
+                self._acted_on(action.client_id, "evict", action.reason)
                 life.evict(action, now)
             elif isinstance(action, Admit):
                 rec = s.registry.get(action.client_id)
                 if rec.state is S.QUEUED:
+                    s.ops.admitted(rec.id, time.time())
                     life.launch_detached(rec, action.gpu_uuid, action.sm_pct, action.reason)
             elif isinstance(action, RecoverMps):
+                self._acted(action.gpu_uuid, "recover_mps", action.reason)
                 life.recover(action, now)
             elif isinstance(action, Alert):
                 s.registry.add_event(
                     "alert", action.reason, severity=action.severity.value,
                     gpu_uuid=action.gpu_uuid,
                 )  # fmt: skip
+
+    def _acted(self, gpu_uuid: str, kind: str, reason: str, client_id: str | None = None) -> None:
+        # What `gpushare status` gives as the GPU's "why": the last action that changed something.
+        self.s.ops.acted(
+            gpu_uuid, LastAction(kind, reason, time.time(), time.monotonic(), client_id)
+        )
+
+    def _acted_on(self, client_id: str, kind: str, reason: str) -> None:
+        rec = self.s.registry.find(client_id)
+        if rec is not None and rec.gpu_uuid is not None:
+            self._acted(rec.gpu_uuid, kind, reason, client_id)
 
     def _set_duty(self, action: SetDuty, now: float) -> None:
         gpu = action.gpu_uuid
@@ -451,6 +503,7 @@ class ControlLoop:
         log.info("offline_duty_set", gpu=gpu, duty=duty, previous=old, reason=action.reason)
         if duty == old:
             return
+        self._acted(gpu, "set_duty", action.reason)
         if duty < old:
             self._throttle_events[gpu] = self._throttle_events.get(gpu, 0) + 1
         # Leaving and reaching 1 are always recorded; the steps between (several a second

@@ -13,6 +13,7 @@ import json
 import sqlite3
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -182,6 +183,9 @@ class Registry:
         self._conn = conn
         self._lock = threading.RLock()
         self.path = path
+        # Events written since this process opened the registry, by (kind, severity, GPU):
+        # the exporter's gpushare_events_total. Kinds are fixed strings of the code: bounded.
+        self._event_counts: Counter[tuple[str, str, str]] = Counter()
 
     @classmethod
     def open(cls, path: Path) -> Registry:
@@ -435,8 +439,13 @@ class Registry:
                 (*values, client_id),
             )
 
-    @staticmethod
+    def event_counts(self) -> dict[tuple[str, str, str], int]:
+        """Events written since the registry was opened, by ``(kind, severity, gpu_uuid or "")``."""
+        with self._lock:
+            return dict(self._event_counts)
+
     def _event(
+        self,
         conn: sqlite3.Connection,
         at: float,
         kind: str,
@@ -451,6 +460,7 @@ class Registry:
             " VALUES (?, ?, ?, ?, ?, ?, ?)",
             (at, kind, severity, client_id, gpu_uuid, message, json.dumps(data) if data else None),
         )
+        self._event_counts[(kind, severity, gpu_uuid or "")] += 1
         return int(cur.lastrowid or 0)
 
 

@@ -17,6 +17,7 @@ import structlog
 from gpushare.config import Config
 from gpushare.control.policy import Policy
 from gpushare.daemon.gating import Gatekeeper
+from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
 from gpushare.inflight import GaugePoller
 from gpushare.latency import AppLatency, LatencyP99
@@ -84,6 +85,8 @@ class NodeState:
         #: The levers the controller sets per GPU (absent: 1.0 and the configured default).
         self.duty: dict[str, float] = {}
         self.offline_share: dict[str, float] = {}
+        #: Thawed time, evictions, step timings and each GPU's last action, for status and metrics.
+        self.ops = OpStats()
 
     def transition(self, client_id: str, to: ClientState, **kw: Any) -> ClientRecord | None:
         """Move a client in the registry; a refused move is logged and gives None."""

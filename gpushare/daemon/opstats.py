@@ -1,0 +1,210 @@
+"""What operators see beyond the registry: thawed time, evictions, the last action per GPU, timings.
+
+The control loop feeds an :class:`OpStats` as it acts (freeze/thaw, evictions, controller steps,
+admissions) and calls :meth:`OpStats.sync` once per tick with the clients the registry holds, which
+starts tracking new clients and drops ended ones, so memory is bounded by the live and queued
+clients plus a fixed amount per GPU. Everything here is in memory and starts afresh with the daemon
+(counters since the daemon started, as Prometheus counters are). :func:`latency_status` and
+:func:`gate_status` build the ``status`` fields of docs/status-schema.md from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpushare.daemon.thawlog import ThawLog
+from gpushare.latency import LatencyP99
+from gpushare.metrics import (
+    STEP_BUCKETS_S,
+    WAIT_BUCKETS_S,
+    AdmissionStats,
+    ClientStats,
+    DurationHistogram,
+    HistogramSnapshot,
+)
+from gpushare.model import ClientState
+
+
+@dataclass(frozen=True, slots=True)
+class LastAction:
+    """The last controller action that changed something on a GPU, and why."""
+
+    kind: str
+    reason: str
+    at_wall_s: float
+    at_mono_s: float
+    client_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tracked:
+    """A client as :meth:`OpStats.sync` needs it."""
+
+    client_id: str
+    live: bool
+    thawed: bool
+    queued: bool = False
+    queued_since_wall_s: float | None = None
+
+
+class OpStats:
+    """Per-client and per-GPU figures for ``status`` and ``/metrics`` (one owner: the loop's lock)."""
+
+    def __init__(self, thaw_window_s: float = 60.0) -> None:
+        self.thaw = ThawLog(window_s=thaw_window_s)
+        self._evictions: dict[str, int] = {}
+        self._gpu_evictions: dict[str, int] = {}
+        self._steps: dict[str, DurationHistogram] = {}
+        self._wait = DurationHistogram(WAIT_BUCKETS_S)
+        self._last: dict[str, LastAction] = {}
+        self._queued_since: dict[str, float] = {}
+
+    # ----------------------------------------------------------------------------- feeding
+
+    def paused(self, client_id: str, paused: bool, now: float) -> None:
+        """A client was frozen or thawed (``now``: monotonic seconds)."""
+        self.thaw.set(client_id, not paused, now)
+
+    def evicted(self, client_id: str, gpu_uuid: str) -> None:
+        """A client is being evicted from a GPU."""
+        self._evictions[client_id] = self._evictions.get(client_id, 0) + 1
+        self._gpu_evictions[gpu_uuid] = self._gpu_evictions.get(gpu_uuid, 0) + 1
+
+    def stepped(self, gpu_uuid: str, seconds: float) -> None:
+        """The controller's step for a GPU took ``seconds``."""
+        hist = self._steps.get(gpu_uuid)
+        if hist is None:
+            hist = self._steps[gpu_uuid] = DurationHistogram(STEP_BUCKETS_S)
+        hist.observe(seconds)
+
+    def acted(self, gpu_uuid: str, action: LastAction) -> None:
+        """Remember the GPU's last effective controller action."""
+        self._last[gpu_uuid] = action
+
+    def admitted(self, client_id: str, now_wall_s: float) -> None:
+        """A queued client was admitted: count how long it waited."""
+        since = self._queued_since.pop(client_id, None)
+        if since is not None:
+            self._wait.observe(max(0.0, now_wall_s - since))
+
+    def sync(self, clients: Iterable[Tracked], now: float) -> None:
+        """Once per tick: track new live clients, drop ended ones, note queued ones."""
+        live: set[str] = set()
+        known: set[str] = set()
+        for c in clients:
+            known.add(c.client_id)
+            if c.live:
+                live.add(c.client_id)
+                if self.thaw.thawed(c.client_id) is None:
+                    self.thaw.set(c.client_id, c.thawed, now)
+            if c.queued and c.client_id not in self._queued_since:
+                since = c.queued_since_wall_s
+                self._queued_since[c.client_id] = since if since is not None else now
+        for cid in self.thaw.clients():
+            if cid not in live:
+                self.thaw.forget(cid)
+        for table in (self._evictions, self._queued_since):
+            for cid in [k for k in table if k not in known]:
+                del table[cid]
+
+    # ----------------------------------------------------------------------------- reading
+
+    def evictions(self, client_id: str) -> int:
+        """The client's evictions since the daemon started."""
+        return self._evictions.get(client_id, 0)
+
+    def gpu_evictions(self, gpu_uuid: str) -> int:
+        """Evictions from a GPU since the daemon started."""
+        return self._gpu_evictions.get(gpu_uuid, 0)
+
+    def step_histogram(self, gpu_uuid: str) -> HistogramSnapshot | None:
+        """Controller step durations of a GPU; ``None`` before its first step."""
+        hist = self._steps.get(gpu_uuid)
+        return None if hist is None else hist.snapshot()
+
+    def last_action(self, gpu_uuid: str) -> LastAction | None:
+        """The GPU's last effective controller action."""
+        return self._last.get(gpu_uuid)
+
+    def admission(self, queued: int, now_wall_s: float) -> AdmissionStats:
+        """Queue length, the oldest queued job's wait, and the waits of admitted jobs."""
+        oldest = min(self._queued_since.values(), default=None)
+        return AdmissionStats(
+            queued=queued,
+            oldest_wait_s=None if oldest is None or not queued else max(0.0, now_wall_s - oldest),
+            wait_s=self._wait.snapshot(),
+        )
+
+    def offline_fields(self, client_id: str, state: ClientState, now: float) -> dict[str, Any]:
+        """The ``offline`` object of a client in ``status``/``list``.
+
+        Thawed figures exist for live clients only; an ended client's evictions are no longer
+        kept (``null``), a queued one keeps those of its earlier runs.
+        """
+        ratio = self.thaw.fraction(client_id, now) if state.is_live else None
+        total = self.thaw.total_s(client_id, now) if state.is_live else None
+        return {
+            "thawed_ratio_1m": None if ratio is None else round(ratio, 4),
+            "thawed_s": None if total is None else round(total, 3),
+            "evictions": None if state.is_final else self._evictions.get(client_id, 0),
+        }
+
+    def client_stats(
+        self, client_id: str, name: str | None, restarts: int, now: float
+    ) -> ClientStats:
+        """What ``/metrics`` shows of a live client beyond its observation."""
+        return ClientStats(
+            name=name,
+            thawed_s=self.thaw.total_s(client_id, now),
+            thawed_ratio=self.thaw.fraction(client_id, now),
+            restarts=restarts,
+            evictions=self._evictions.get(client_id, 0),
+        )
+
+
+def latency_status(
+    p99: LatencyP99 | None,
+    slo_p99_ms: float | None,
+    probe_ratio: float | None,
+    probe_slo_ratio: float,
+) -> dict[str, Any]:
+    """The ``latency`` object of an online client in ``status``.
+
+    ``ratio`` is how close the client is to its limit, 1 at the limit: its p99 over its SLO when it
+    reports latency; otherwise, with ``source`` ``"probe"``, the GPU's probe ratio over
+    ``control.probe_slo_ratio``, which is what the controller then protects it by.
+    """
+    value = p99.p99_ms if p99 is not None else None
+    out: dict[str, Any] = {
+        "p99_ms": p99.p99_ms if p99 is not None else None,
+        "samples": p99.samples if p99 is not None else 0,
+        "reason": p99.reason if p99 is not None else "no latency reports",
+        "slo_p99_ms": slo_p99_ms,
+        "ratio": None,
+        "source": None,
+    }
+    if p99 is not None and value is not None:
+        out["source"] = p99.source or "app"
+        if slo_p99_ms:
+            out["ratio"] = value / slo_p99_ms
+    elif probe_ratio is not None and probe_slo_ratio > 0:
+        out["source"] = "probe"
+        out["ratio"] = probe_ratio / probe_slo_ratio
+    return out
+
+
+def gate_status(duty: float, last: LastAction | None, now_mono_s: float) -> Mapping[str, Any]:
+    """The ``gate`` object of a GPU in ``status``: what offline work may do there, and why."""
+    state = "open" if duty >= 1.0 else "closed" if duty <= 0.0 else "cycling"
+    action = None
+    if last is not None:
+        action = {
+            "kind": last.kind,
+            "reason": last.reason,
+            "client_id": last.client_id,
+            "at": last.at_wall_s,
+            "age_s": round(max(0.0, now_mono_s - last.at_mono_s), 3),
+        }
+    return {"state": state, "duty": duty, "last_action": action}
