@@ -9,6 +9,8 @@ calls ``gpushare.client.request_started()`` and measures, from just before the d
   the daemon process with CLOCK_MONOTONIC, which every process shares). From then on no task of
   those cgroups runs user code again, so none issues new GPU work; this is the number the
   <= 2 ms target is about;
+* **in the daemon**: from the datagram's arrival in the gate (after the receiver read and
+  identified it) until the writes were done: the part the daemon's own code costs;
 * **confirmed**: until ``cgroup.events`` of all N cgroups says ``frozen 1`` (every task reached
   the freezer; a runnable task waiting for a CPU gets there only when it is scheduled). The bench
   process sleeps until the freezes are written and only then reads the events files, so this is
@@ -60,6 +62,8 @@ GPU = "GPU-bench"
 KINDS = {
     "sleeping": "import time\nwhile True: time.sleep(0.001)",
     "busy": "while True: pass",
+    # Spinning too, at nice 10: offline work best-effort on the CPU as well as on the GPU.
+    "busy-nice10": "import os\nos.nice(10)\nwhile True: pass",
 }
 
 
@@ -81,11 +85,14 @@ def daemon_side(
     thread_nice = nice if nice != 0 else None
     pauser = CgroupPauser(Path(base))
 
+    received = [0]
+
     class Timed:
         def request_frozen(self, client_ids: list[str], frozen: bool) -> list[str]:
             failed = pauser.request_frozen(client_ids, frozen)
             if frozen:
-                conn.send(("written", time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
+                at = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+                conn.send(("written", at, received[0]))
             return failed
 
         def freeze(self, client_id: str) -> None:
@@ -98,6 +105,10 @@ def daemon_side(
     gk.start(thread_nice=thread_nice)
     rejections = Rejections()
 
+    def on_inflight(client_id: str, pid: int | None, count: int, now: float) -> str | None:
+        received[0] = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        return gk.on_inflight(client_id, pid, count, now)
+
     def identify(sender: Sender) -> str | None:
         return "web" if sender.pid == online_pid else None
 
@@ -105,7 +116,7 @@ def daemon_side(
         sock,
         P99Tracker(2.0, 1),
         identify=identify,
-        on_inflight=gk.on_inflight,
+        on_inflight=on_inflight,
         allow=SenderLimiter(config.max_datagrams_per_s).allow,
         reject=rejections.reject,
         thread_nice=thread_nice,
@@ -169,7 +180,7 @@ def run_case(kind: str, n: int, nice: int, requests: int, rng: random.Random) ->
         os.environ[paths.ENV_LATENCY_SOCKET] = sock
         os.environ[paths.ENV_CLIENT_ID] = ""
         time.sleep(0.3)
-        written, confirmed = [], []
+        written, confirmed, inside = [], [], []
         for _ in range(requests):
             t0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
             client.request_started()
@@ -177,11 +188,12 @@ def run_case(kind: str, n: int, nice: int, requests: int, rng: random.Random) ->
             # files meanwhile would take the CPU the daemon side needs), then wait for the kernel.
             if not parent.poll(5.0):
                 raise RuntimeError("the daemon side reported no freeze")
-            what, at = parent.recv()
+            what, at, got = parent.recv()
             wait_all(fds, True)
             t1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
             assert what == "written"
             written.append(at - t0)
+            inside.append(at - got)
             confirmed.append(t1 - t0)
             client.request_ended()
             wait_all(fds, False)
@@ -194,6 +206,7 @@ def run_case(kind: str, n: int, nice: int, requests: int, rng: random.Random) ->
             "offline_processes": n,
             "gate_threads_nice": nice,
             "written": _ms(written),
+            "received_to_written": _ms(inside),
             "confirmed": _ms(confirmed),
             "rejected_datagrams": rejected,
         }
@@ -224,7 +237,7 @@ def main() -> None:
     load_before = os.getloadavg()
     cases = [
         run_case(kind, n, nice, args.requests, rng)
-        for kind, nice in (("sleeping", -10), ("busy", -10), ("busy", 0))
+        for kind, nice in (("sleeping", -10), ("busy", -10), ("busy", 0), ("busy-nice10", -10))
         for n in (1, 10, 50)
     ]
     results = {
@@ -240,17 +253,18 @@ def main() -> None:
         "cases": cases,
     }
     print(f"request start -> offline frozen ({args.requests} requests per row), ms")
-    print(f"{'offline':>8} {'kind':>9} {'nice':>5} | {'written p50':>11} {'p99':>7} {'max':>7} "
-          f"| {'confirmed p50':>13} {'p99':>7} {'max':>7}")  # fmt: skip
+    print(f"{'offline':>8} {'kind':>11} {'nice':>5} | {'written p50':>11} {'p99':>7} {'max':>7} "
+          f"| {'confirmed p50':>13} {'p99':>7} {'max':>7} | {'daemon p50':>10} {'p99':>7}")  # fmt: skip
     for c in cases:
-        w, k = c["written"], c["confirmed"]
+        w, k, d = c["written"], c["confirmed"], c["received_to_written"]
         assert isinstance(w, dict)
         assert isinstance(k, dict)
+        assert isinstance(d, dict)
         print(
-            f"{c['offline_processes']:>8} {c['kind']:>9} {c['gate_threads_nice']:>5} | "
+            f"{c['offline_processes']:>8} {c['kind']:>11} {c['gate_threads_nice']:>5} | "
             f"{w['p50_ms']:>11.3f} "
             f"{w['p99_ms']:>7.3f} {w['max_ms']:>7.3f} | {k['p50_ms']:>13.3f} "
-            f"{k['p99_ms']:>7.3f} {k['max_ms']:>7.3f}"
+            f"{k['p99_ms']:>7.3f} {k['max_ms']:>7.3f} | {d['p50_ms']:>10.3f} {d['p99_ms']:>7.3f}"
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
