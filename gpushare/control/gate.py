@@ -151,7 +151,7 @@ def evaluate(state: GateState, now: float, config: GateConfig) -> GateState:
     elif not busy and since is not None:
         # The spell ended when the last hold or timeout ran out, which may be before ``now``.
         end = now if spell_end is None else min(now, max(since, spell_end))
-        total += end - since
+        total += max(0.0, end - since)
         since = None
     busy_now = total + (now - since if since is not None else 0.0)
     checkpoints = state.checkpoints

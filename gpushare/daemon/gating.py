@@ -180,6 +180,8 @@ class Gatekeeper:
         """
         if online_pids is not None:
             self._online_pids = dict(online_pids)  # replaced whole: readers never see a half
+        # The caller's now was read before its lock: never evaluate a gate before a signal it had.
+        now = max(now, self._clock())
         with self._lock:
             for client_id in set(self._online) - set(online):
                 gpu = self._online[client_id]
@@ -196,6 +198,7 @@ class Gatekeeper:
 
     def set_enabled(self, gpu_uuid: str, enabled: bool, now: float) -> None:
         """The controller's lever: gating on or off for one GPU."""
+        now = max(now, self._clock())
         with self._lock:
             state = gate.set_enabled(self._gates.get(gpu_uuid, GateState()), enabled)
             self._set_gate(gpu_uuid, state, now)
