@@ -100,7 +100,10 @@ def test_requests_in_flight_freeze_offline_work_and_a_dead_client_frees_it(
 def test_boundaries_from_a_process_that_is_no_client_are_rejected_and_counted(
     daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("GPUSHARE_LATENCY_SOCKET", str(daemon.base / "run" / "latency.sock"))
+    sock = daemon.base / "run" / "latency.sock"
+    # The API answers before the latency socket is bound (daemon start order).
+    wait_for(sock.exists, 5.0, "the latency socket")
+    monkeypatch.setenv("GPUSHARE_LATENCY_SOCKET", str(sock))
     monkeypatch.setenv("GPUSHARE_CLIENT_ID", "c1")  # claims a client it is not
     client.request_started()
     client.request_ended()

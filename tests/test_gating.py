@@ -397,3 +397,18 @@ def test_the_fast_path_freezes_real_cgroups(cg_pauser: CgroupPauser) -> None:
             p.wait()
         for cid in ("off-0", "off-1"):
             cg_pauser.release(cid)
+
+
+def test_an_online_client_the_last_tick_did_not_list_is_asked_for() -> None:
+    pauser = FakePauser()
+    known = {"new-web": GPU}
+    gk = Gatekeeper(CFG, pauser, online_gpu=known.get)
+    try:
+        gk.update_clients({}, {GPU: ["train-1"]}, time.monotonic())
+        gk.set_enabled(GPU, True, time.monotonic())
+        # Started after the last tick: its first request is not refused.
+        assert gk.on_inflight("new-web", 5, 1, time.monotonic()) is None
+        assert pauser.frozen == {"train-1"}
+        assert gk.on_inflight("stranger", 6, 1, time.monotonic()) is not None
+    finally:
+        gk.close()

@@ -85,6 +85,9 @@ class Gatekeeper:
         pauser: the daemon's pauser.
         rejections: where rejected in-flight signals are counted.
         clock: monotonic clock (the receiver passes its own ``now`` too).
+        online_gpu: the GPU of a live online client, ``None`` for anything else: asked for a
+            client the last tick did not list yet (a service's first request right after its
+            start), so its first boundaries are not refused.
     """
 
     def __init__(
@@ -94,12 +97,14 @@ class Gatekeeper:
         *,
         rejections: Rejections | None = None,
         clock: Callable[[], float] = time.monotonic,
+        online_gpu: Callable[[str], str | None] | None = None,
     ) -> None:
         self.config = config
         self.pauser = pauser
         self._request, self._confirms = _requester(pauser)
         self.rejections = rejections if rejections is not None else Rejections(clock)
         self._clock = clock
+        self._online_gpu = online_gpu
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._gates: dict[str, GateState] = {}
@@ -133,8 +138,13 @@ class Gatekeeper:
     def _signal(
         self, client_id: str, key: str, count: int, now: float, *, gauge: bool = False
     ) -> str | None:
+        late = None
+        if client_id not in self._online and self._online_gpu is not None:
+            late = self._online_gpu(client_id)  # outside the lock: it reads the registry
         with self._lock:
             gpu = self._online.get(client_id)
+            if gpu is None and late is not None:
+                gpu = self._online[client_id] = late
             if gpu is None:
                 return "request boundary from a process that is not a live online client"
             state = self._gates.get(gpu, GateState())

@@ -72,7 +72,7 @@ class NodeState:
         lat = config.latency
         self.latency = AppLatency(lat.window_s, lat.min_samples, lat.scrape_period_s)
         #: Request gating: every freeze goes through its arbiter (duty, holds and gates).
-        self.gate = Gatekeeper(config.gate, pauser)
+        self.gate = Gatekeeper(config.gate, pauser, online_gpu=self._online_gpu)
         #: The --inflight-from gauges, polled into the gates.
         self.gauges = GaugePoller(
             config.gate.gauge_period_s, self.gate.on_gauge, self.gate.rejections
@@ -87,6 +87,13 @@ class NodeState:
         self.offline_share: dict[str, float] = {}
         #: Thawed time, evictions, step timings and each GPU's last action, for status and metrics.
         self.ops = OpStats()
+
+    def _online_gpu(self, client_id: str) -> str | None:
+        """The GPU of a live online client (the gates ask for one the last tick did not list)."""
+        rec = self.registry.find(client_id)
+        if rec is None or rec.cls is not ClientClass.ONLINE or not rec.state.is_live:
+            return None
+        return rec.gpu_uuid
 
     def transition(self, client_id: str, to: ClientState, **kw: Any) -> ClientRecord | None:
         """Move a client in the registry; a refused move is logged and gives None."""
