@@ -119,6 +119,7 @@ def submit(
             "--queue",
             help="Offline: shallow (CUDA_LAUNCH_BLOCKING=1: a freeze bites within one kernel), "
             "deep (the default) or auto (shallow while request gating is on for its GPU).",
+            autocompletion=completion.queue_modes,
         ),
     ] = None,
     restartable: Annotated[
