@@ -117,6 +117,10 @@ class DaemonConfig:
     max_request_bytes: int = _size(1 << 20, minimum=1024)
     stop_mps_on_exit: bool = False
     cancel_grace_s: float = _duration(10.0)
+    # Adoption ([[adopt]] rules, scheduler jobs): how often the host's processes are scanned, and
+    # how old a process must be before it is decided (bench/adopt_scan.py: ~40 us per process).
+    adopt_scan_period_s: float = _duration(2.0, above=True)
+    adopt_min_age_s: float = _duration(1.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -181,6 +181,8 @@ class AdoptRequest:
     ``job``. A second ``adopt`` for the same pair replaces the first. Root may register any uid's
     job in any class; any other caller only its own processes (``uid`` equal to its own), which is
     its owner asking. Sizes are bytes, durations milliseconds, as in :class:`SubmitRequest`.
+    ``pids`` are adopted at once, without the ``match_env`` condition. ``gpu`` must be left out
+    (``None``): each process's GPU comes from its environment (``GPUSHARE_GPU_UUID``).
     """
 
     source: str

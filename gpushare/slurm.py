@@ -11,7 +11,7 @@ is left to the site. The three scripts, run by Slurm (``deploy/slurm/``):
 - **Prolog** (slurmd, root, once per job and node, before its first task): validates the
   declaration, writes it to ``<runtime_dir>/slurm/job-<id>.json`` for the TaskProlog, and
   registers the job with the daemon (an ``adopt`` request: the job owner's processes whose
-  environment has ``SLURM_JOB_ID=<id>``). It never fails: a failing Prolog drains the node, and
+  environment has ``SLURM_JOB_ID=<id>`` and the class marker the TaskProlog exports). It never fails: a failing Prolog drains the node, and
   a user's typo must not do that. A bad declaration is recorded and fails the job's tasks instead.
 - **TaskProlog** (slurmstepd, as the job's user, before each task): prints the ``export`` and
   ``unset`` lines Slurm applies to the task (``gpushare env --format slurm``: MPS limits, the pipe
@@ -115,7 +115,9 @@ def adopt_request(job: str, uid: int, declared: JobClass) -> dict[str, Any]:
     """The ``adopt`` parameters that register a job's processes (:class:`protocol.AdoptRequest`)."""
     req = protocol.AdoptRequest(
         source=SOURCE, job=job, uid=uid, cls=declared.cls.value,
-        match_env={"SLURM_JOB_ID": job},
+        # The class marker too: only what the TaskProlog started is the job's workload, not the
+        # TaskProlog itself or slurmstepd's helpers, which carry SLURM_JOB_ID as well.
+        match_env={"SLURM_JOB_ID": job, mpsenv.ENV_CLASS: declared.cls.value},
         slo_p99_ms=declared.slo_p99_s * 1000 if declared.slo_p99_s is not None else None,
         sm_pct=declared.sm_pct, mem_bytes=declared.mem_bytes,
     )  # fmt: skip

@@ -45,7 +45,14 @@ def cpu_ticks(pid: int) -> int:
 class DaemonProc:
     """A daemon process with its own socket, database and client logs under a fresh /tmp dir."""
 
-    def __init__(self, extra_toml: str = "", *, gpus: int = 2, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        extra_toml: str = "",
+        *,
+        gpus: int = 2,
+        env: dict[str, str] | None = None,
+        daemon_toml: str = "",
+    ):
         # Unix socket paths are limited to 108 bytes: keep the base short.
         self.base = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
         self.base.chmod(0o755)
@@ -53,6 +60,7 @@ class DaemonProc:
         self.config_path = self.base / "gpushare.toml"
         self.db = self.base / "state" / "gpushare.db"
         self.extra_toml = extra_toml
+        self.daemon_toml = daemon_toml  # lines for the [daemon] table
         self.gpus = gpus
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -74,6 +82,7 @@ socket = "{self.socket}"
 [daemon]
 admin_group = ""
 cancel_grace = "2s"
+{self.daemon_toml}
 [probe]
 enabled = false
 [metrics]

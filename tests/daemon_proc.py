@@ -16,6 +16,7 @@ from gpushare.daemon.core import Daemon
 from gpushare.daemon.main import StartupError, make_pauser, serve
 from gpushare.daemon.registry import Registry
 from gpushare.logs import configure_logging
+from gpushare.node.adopted import AdoptingPauser
 from gpushare.node.cgroups import SignalPauser
 from tests.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fake_mpsnode import FakeMpsNode
@@ -46,10 +47,13 @@ def _gpu_and_probe(gpus: int) -> tuple[Any, Any]:
 
 
 def _pauser(cfg: config.Config) -> Any:
-    """The daemon's own choice, or with GPUSHARE_TEST_PAUSER=signal the signal fallback."""
+    """The daemon's own choice, or with GPUSHARE_TEST_PAUSER=signal the signal fallback.
+
+    Wrapped as the real daemon wraps it: adopted processes are paused where they are.
+    """
     if os.environ.get("GPUSHARE_TEST_PAUSER") == "signal":
-        return SignalPauser()
-    return make_pauser(cfg).pauser
+        return AdoptingPauser(SignalPauser())
+    return AdoptingPauser(make_pauser(cfg).pauser)
 
 
 def main() -> int:

@@ -4,13 +4,16 @@ Started once per test module; it needs root (Slurm's daemons switch to the job's
 binaries that ``scripts/get-slurm.sh`` installs. Everything runs in the foreground as this
 process's children, with its own munge socket, ports, state and spool directories, so it neither
 needs nor touches a system Slurm. :meth:`SlurmCluster.stop` ends every process that carries this
-cluster's ``SLURM_CONF`` (daemons, job step daemons, tasks) and removes the directory.
+cluster's ``SLURM_CONF`` (daemons, job step daemons, tasks) and removes the directory. Job ids
+start at a random number, so that a daemon adopting by ``SLURM_JOB_ID`` in one test never takes
+the job of another test cluster running beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -126,6 +129,7 @@ def start(*, prolog: Path, task_prolog: Path, epilog: Path, cpus: int = 8) -> Sl
     conf = base / "slurm.conf"
     conf.write_text(
         f"""ClusterName=gpushare-test
+FirstJobId={random.randrange(10_000, 60_000_000)}
 SlurmctldHost=localhost
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}

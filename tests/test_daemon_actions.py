@@ -5,6 +5,7 @@ Real registry, socket and child processes; a scripted policy stands in for the c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -102,16 +103,20 @@ enabled = false
         mps=mps, pauser=pauser, policy=policy, notify=lambda *f: True,
     )  # fmt: skip
     d.start()
-    yield d, policy, mps
-    for rec in d.registry.clients(include_final=True):
-        if rec.pid and rec.start_time and procs.is_same_process(rec.pid, rec.start_time):
-            os.killpg(rec.pid, signal.SIGKILL)
-            os.killpg(rec.pid, signal.SIGCONT)
-    d.shutdown()
-    d.registry.close()
-    if cg_base is not None:
-        remove_tree(cg_base)
-    shutil.rmtree(base, ignore_errors=True)
+    try:
+        yield d, policy, mps
+    finally:
+        # A client that dies between the check and the signal must not leak the cgroup and dir.
+        for rec in d.registry.clients(include_final=True):
+            if rec.pid and rec.start_time and procs.is_same_process(rec.pid, rec.start_time):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(rec.pid, signal.SIGKILL)
+                    os.killpg(rec.pid, signal.SIGCONT)
+        d.shutdown()
+        d.registry.close()
+        if cg_base is not None:
+            remove_tree(cg_base)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _submit(d: Daemon, argv: list[str], **kw: Any) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -76,4 +77,40 @@ def test_corrupted_database_is_moved_aside(tmp_path: Path) -> None:
     assert events[0].severity == "error"
     assert str(aside[0]) in events[0].message
     assert reg.clients() == []
+    reg.close()
+
+
+def test_adopted_clients_and_job_registrations_survive_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    reg = Registry.open(path)
+    cid = _add(reg, adopted_by="slurm job 42")
+    assert reg.events()[-1].message == f"offline client {cid} of alice adopted by slurm job 42"
+    assert reg.events()[-1].kind == "client_adopted"
+    reg.register("slurm", "42", 0, {"cls": "offline", "uid": 1000})
+    reg.register("slurm", "42", 0, {"cls": "online", "uid": 1000})  # a second adopt replaces
+    reg.register("slurm", "43", 1000, {"cls": "offline", "uid": 1000})
+    reg.close()
+    reg = Registry.open(path)
+    assert reg.get(cid).adopted_by == "slurm job 42"
+    assert [(r.job, r.owner_uid, r.params["cls"]) for r in reg.registrations()] == [
+        ("42", 0, "online"),
+        ("43", 1000, "offline"),
+    ]
+    assert reg.unregister("slurm", "42") and not reg.unregister("slurm", "42")
+    assert [r.job for r in reg.registrations()] == ["43"]
+    reg.close()
+
+
+def test_a_database_from_before_adoption_gains_the_column(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    Registry.open(path).close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("ALTER TABLE clients DROP COLUMN adopted_by")
+        conn.execute("INSERT INTO clients (id, cls, argv, uid, gid, user, priority, restartable,"
+                     " checkpoint_signal, detach, env, state, submitted_at) VALUES"
+                     " ('c1', 'online', '[]', 0, 0, 'root', 0, 0, 10, 1, '{}', 'running', 1.0)")  # fmt: skip
+    conn.close()
+    reg = Registry.open(path)
+    assert reg.get("c1").adopted_by is None
+    assert reg.events() == []  # not moved aside as corrupt
     reg.close()

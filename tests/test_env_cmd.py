@@ -194,6 +194,20 @@ def test_the_running_daemon_names_the_gpu_of_an_index():
         )
         assert several.exit_code == 2
         assert "2 GPUs here, give --gpu" in several.stderr
+        # What the daemon launches a submitted workload with is what `gpushare env` prints for
+        # the same request: both come from gpushare.mpsenv.
+        submitted = d.submit_detached(["sleep", "30"], gpu="1", sm_pct=30.0, mem_bytes=2 << 30)
+        d.call("cancel", {"client_id": submitted["client_id"]})
+        printed = runner.invoke(
+            app,
+            ["env", "--offline", "--gpu", "1", "--sm", "30", "--mem", "2G", "--json",
+             "--config", str(d.config_path), "--socket", str(d.socket)],
+        )  # fmt: skip
+        assert printed.exit_code == 0, printed.stderr
+        env = json.loads(printed.stdout)["env"]
+        assert {k: v for k, v in submitted["env"].items() if k != "GPUSHARE_CLIENT_ID"} == env
+        assert env["GPUSHARE_CLASS"] == "offline"
+        assert submitted["unset_env"] == list(mpsenv.UNSET_ENV)
     finally:
         d.cleanup()
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from gpushare.model import ClientClass, PauseMechanism, ProcessFacts
 from gpushare.mpsenv import ENV_CLASS, check_limits
 from gpushare.node import cgroups, procs
 from gpushare.paths import repo_root
+from tests.daemon_helpers import DaemonProc, wait_for
+from tests.fake_gpu import fake_uuid
 
 K8S = repo_root() / "deploy" / "kubernetes"
 # The oldest Kubernetes release still supported upstream when this was written; the manifests use
@@ -291,4 +294,41 @@ def test_a_podman_container_is_named_from_its_real_cgroup_and_frozen_through_it(
         assert route.mechanism is PauseMechanism.CGROUP, route.reason
         assert route.cgroup is not None and route.cgroup.name == f"libpod-{cid}"
     finally:
+        subprocess.run([*podman, "rm", "-f", "-t", "0", cid], capture_output=True, check=False)
+
+
+def test_a_daemon_adopts_a_podman_container_names_it_and_freezes_it_through_its_cgroup(podman):
+    token = uuid.uuid4().hex  # the scan sees the whole host: match only this test's container
+    d = DaemonProc(
+        f'[[adopt]]\nname = "pods"\nmarker = true\nenv = {{ GSTEST_POD = "{token}" }}\n',
+        daemon_toml='adopt_scan_period = "100ms"\nadopt_min_age = "200ms"',
+    )
+    run = subprocess.run(
+        [*podman, "run", "-d", "--network", "none", "--ulimit", "nofile=1024:1024",
+         "--ulimit", "nproc=1024:1024", "-e", "GPUSHARE_CLASS=offline", "-e", f"GSTEST_POD={token}",
+         "-e", f"GPUSHARE_GPU_UUID={fake_uuid(0)}", "localhost/gs-busybox:test", "/bin/sleep", "300"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if run.returncode != 0:
+        pytest.skip(f"podman cannot run a container here: {run.stderr.strip()[-400:]}")
+    cid = run.stdout.strip()
+    try:
+        d.start()
+        pid = int(subprocess.run([*podman, "inspect", "-f", "{{.State.Pid}}", cid],
+                                 capture_output=True, text=True, check=True).stdout)  # fmt: skip
+
+        def adopted() -> dict[str, Any] | None:
+            return next((c for c in d.call("status")["clients"] if c["pid"] == pid), None)
+
+        c = wait_for(adopted, 15, "the container's process adopted")
+        assert c["container"] == {"id": cid, "runtime": "podman", "pod_uid": None, "qos": None}
+        assert (c["class"], c["pause_mechanism"]) == ("offline", "cgroup"), c["pause_reason"]
+        assert c["pause_reason"].endswith(f"/libpod-{cid}")
+        events = Path(c["pause_reason"].split(": ", 1)[1]) / "cgroup.events"
+        d.call("pause", {"client_id": c["id"]})
+        assert "frozen 1" in events.read_text().splitlines()  # the container's own cgroup
+        d.call("resume", {"client_id": c["id"]})
+        assert "frozen 0" in events.read_text().splitlines()
+    finally:
+        d.cleanup()
         subprocess.run([*podman, "rm", "-f", "-t", "0", cid], capture_output=True, check=False)

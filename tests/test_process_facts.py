@@ -77,6 +77,8 @@ def test_facts_of_a_marked_process_keep_only_the_variables_asked_for(started):
     )
     assert facts.user == procs.user_name(os.getuid())
     assert procs.is_same_process(proc.pid, facts.start_time)
+    # /proc read directly, on psutil's clock: a registry's start time compares with it.
+    assert abs(facts.start_time - (procs.process_start_time(proc.pid) or 0)) < 1e-6
     assert facts.cgroup == procs.process_cgroup(os.getpid())
     assert facts.gpu_uuids == ("GPU-a",)
     assert procs.process_facts(proc.pid, FACT_ENV).gpu_uuids is None  # type: ignore[union-attr]

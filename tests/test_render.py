@@ -81,6 +81,31 @@ def test_mps_down_only_for_shared_gpus():
     assert not mps_down(_status([_gpu()], []))
 
 
+def test_an_adopted_client_says_who_adopted_it_and_how_it_is_paused():
+    adopted = _client(
+        id="c2", pause_mechanism="signal", adopted_by="slurm job 42",
+        pause_reason="SIGSTOP/SIGCONT: /sys/fs/cgroup/x also holds pid 7, which is not part of the client",
+    )  # fmt: skip
+    text = render_clients([_client(adopted_by=None), adopted])
+    assert text.splitlines()[-1] == (
+        "c2: adopted by slurm job 42; paused by SIGSTOP/SIGCONT: /sys/fs/cgroup/x also holds pid 7, "
+        "which is not part of the client"
+    )
+    assert "c1: adopted" not in text
+
+
+def test_an_adopted_pod_is_named():
+    c = _client(
+        adopted_by="rule 'marker' (/etc/gpushare/gpushare.toml)", pause_reason=None,
+        container={"id": "3f1b5a0c9d8e" + "0" * 52, "runtime": "containerd",
+                   "pod_uid": "7a5c3b2e-1f4d-4c8a-9b6e-2d3f4a5b6c7d", "qos": "burstable"},
+    )  # fmt: skip
+    assert render_clients([c]).splitlines()[-1] == (
+        "c1: adopted by rule 'marker' (/etc/gpushare/gpushare.toml) in pod "
+        "7a5c3b2e-1f4d-4c8a-9b6e-2d3f4a5b6c7d (container 3f1b5a0c9d8e, containerd)"
+    )
+
+
 def _v2_status():
     gate = {"state": "cycling", "duty": 0.35, "last_action": {
         "kind": "set_duty", "reason": "duty 0.35: probe ratio 1.40 over violation ratio 1.2",

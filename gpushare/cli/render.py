@@ -101,7 +101,28 @@ def render_clients(clients: Sequence[dict[str, Any]]) -> str:
         parts.append("online clients\n" + _online_table(online))
     if offline:
         parts.append("offline clients\n" + _offline_table(offline))
-    return "\n\n".join(parts) if parts else "no clients"
+    if not parts:
+        return "no clients"
+    # Adopted clients (gpushare did not start them): who adopted them, and how they are paused
+    # where they are (their own cgroup, or signals) and why.
+    notes = [
+        f"{c['id']}: adopted by {c['adopted_by']}{_container(c.get('container'))}"
+        + (f"; paused by {c['pause_reason']}" if c.get("pause_reason") else "")
+        for c in clients
+        if c.get("adopted_by")
+    ]
+    return "\n\n".join(parts) + "".join(f"\n{n}" for n in notes)
+
+
+def _container(found: dict[str, Any] | None) -> str:
+    if not found:
+        return ""
+    where = f" in pod {found['pod_uid']}" if found.get("pod_uid") else ""
+    if found.get("id"):
+        where += f" (container {found['id'][:12]}" + (
+            f", {found['runtime']})" if found.get("runtime") else ")"
+        )
+    return where
 
 
 def _gate(gpu: dict[str, Any]) -> str:

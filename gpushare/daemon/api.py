@@ -19,8 +19,8 @@ from typing import Any
 
 import structlog
 
-from gpushare import __version__, protocol
-from gpushare.daemon import launcher
+from gpushare import __version__, mpsenv, pods, protocol
+from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.opstats import gate_status, latency_status
@@ -49,10 +49,17 @@ def _fail(code: protocol.ErrorCode, message: str) -> protocol.ProtocolError:
 class Api:
     """The request handlers; :meth:`methods` is the dispatch table the server is given."""
 
-    def __init__(self, state: NodeState, lifecycle: Lifecycle, loop: ControlLoop) -> None:
+    def __init__(
+        self,
+        state: NodeState,
+        lifecycle: Lifecycle,
+        loop: ControlLoop,
+        adoptions: Adoptions | None = None,
+    ) -> None:
         self.s = state
         self.life = lifecycle
         self.loop = loop
+        self.adoptions = adoptions
         self._started_mono = time.monotonic()
 
     def methods(self) -> dict[str, Handler]:
@@ -65,6 +72,8 @@ class Api:
             protocol.CANCEL: self.cancel,
             protocol.PAUSE: self.pause,
             protocol.RESUME: self.resume,
+            protocol.ADOPT: self.adopt,
+            protocol.RELEASE: self.release,
         }
 
     # ----------------------------------------------------------------------------- rights
@@ -221,7 +230,26 @@ class Api:
             "log_path": r.log_path, "restarts": r.restarts, "submitted_at": r.submitted_at,
             "latency": latency, "offline": offline,
             "started_at": r.started_at, "ended_at": r.ended_at,
+            "adopted_by": r.adopted_by, "pause_reason": self._pause_reason(r),
+            "container": self._container(r),
         }  # fmt: skip
+
+    @staticmethod
+    def _container(r: ClientRecord) -> dict[str, Any] | None:
+        # An adopted process's container and Kubernetes pod, named by its cgroup path.
+        if r.adopted_by is None or r.pid is None or not r.state.is_live:
+            return None
+        found = pods.container_of_cgroup(procs.process_cgroup(r.pid) or "/")
+        if found is None:
+            return None
+        return {"id": found.container_id, "runtime": found.runtime or None,
+                "pod_uid": found.pod_uid, "qos": found.qos}  # fmt: skip
+
+    def _pause_reason(self, r: ClientRecord) -> str | None:
+        # How an adopted client is paused where it is, and why that way (None: launched).
+        route = getattr(self.s.pauser, "route", None)
+        found = route(r.id) if r.adopted_by is not None and callable(route) else None
+        return found.reason if found is not None else None
 
     def _latency(self, r: ClientRecord) -> dict[str, Any]:
         s = self.s
@@ -285,6 +313,19 @@ class Api:
             grace = self.life.cancel(rec, who)
             return {"client_id": rec.id, "state": rec.state.value, "grace_s": grace}
 
+    def adopt(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
+        """``adopt``: register a scheduler job whose processes become clients (see AdoptRequest)."""
+        return self._adoptions().register(caller.uid, params)
+
+    def release(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
+        """``release``: end a job's registration and its clients (thawed, not killed)."""
+        return self._adoptions().release(caller.uid, params)
+
+    def _adoptions(self) -> Adoptions:
+        if self.adoptions is None:
+            raise _fail(E.UNAVAILABLE, "this daemon does not adopt processes")
+        return self.adoptions
+
     def pause(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``pause``: hold a client frozen until ``resume``."""
         req = protocol.from_params(protocol.ClientRequest, params)
@@ -340,7 +381,9 @@ class Api:
                 )
             if req.inflight_from is not None:
                 self.s.gauges.add(rec.id, req.inflight_from)
-            env = self.life.mps_env(rec.id, sample.uuid, sm, req.mem_bytes, cls, req.queue)
+            env = self.life.mps_env(
+                rec.id, sample.uuid, sm, req.mem_bytes, cls, req.slo_p99_ms, queue=req.queue
+            )
             if not detach:
                 assert caller.pid > 0
                 start_time = procs.process_start_time(caller.pid)
@@ -361,7 +404,7 @@ class Api:
                      uid=caller.uid, detach=detach)  # fmt: skip
             result = protocol.SubmitResult(
                 client_id=rec.id, gpu_uuid=sample.uuid, state=rec.state.value, env=env,
-                log_path=rec.log_path, pid=rec.pid, unset_env=list(launcher.UNSET_ENV),
+                log_path=rec.log_path, pid=rec.pid, unset_env=list(mpsenv.UNSET_ENV),
             )  # fmt: skip
             return protocol.as_dict(result)
 

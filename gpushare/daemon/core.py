@@ -32,6 +32,7 @@ from gpushare import config as config_mod
 from gpushare.config import Config
 from gpushare.control.policy import Policy
 from gpushare.control.registry import make_policy
+from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.api import Api
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
@@ -83,7 +84,8 @@ class Daemon:
         self.loop = ControlLoop(
             self.state, self.lifecycle, notify=notify, metrics=metrics, reload=self.reload
         )
-        self.api = Api(self.state, self.lifecycle, self.loop)
+        self.adoptions = Adoptions(self.state, self.lifecycle, config_path)
+        self.api = Api(self.state, self.lifecycle, self.loop, self.adoptions)
         self._latency_rx: LatencyReceiver | None = None
         self.server: ApiServer | None = None
         self._shut_down = False
@@ -131,6 +133,7 @@ class Daemon:
         self.lifecycle.start_watching()
         state.samples = list(state.gpu.sample())
         self.lifecycle.readopt()
+        self.adoptions.start()
         cfg = state.config
         self.server = ApiServer(
             cfg.paths.resolved("socket"),
@@ -226,6 +229,7 @@ class Daemon:
         self._notify("STOPPING=1")
         if self.server is not None:
             self.server.close()
+        self.adoptions.stop()
         # Duty-cycle and gate freezes end with the daemon; a user's or controller's hold stays.
         self.lifecycle.release_duty_freezes()
         state.gauges.close()

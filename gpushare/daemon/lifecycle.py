@@ -24,6 +24,7 @@ from typing import Literal
 
 import structlog
 
+from gpushare import mpsenv
 from gpushare.control.controller import failure_backoff_s
 from gpushare.daemon import launcher
 from gpushare.daemon.gating import DAEMON
@@ -31,6 +32,7 @@ from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.model import ClientClass, ClientState, Evict, RecoverMps, RestartClient
 from gpushare.node import procs
+from gpushare.node.cgroups import FreezeRoute
 
 log = structlog.get_logger(__name__)
 
@@ -109,9 +111,24 @@ class Lifecycle:
                     continue
                 alive = rec.start_time is not None and rec.pid is not None
                 if alive and procs.is_same_process(rec.pid or 0, rec.start_time or 0.0):
-                    self.adopt_pid(
-                        rec.id, rec.pid or 0, start_time=rec.start_time, owner_uid=rec.uid
-                    )
+                    if rec.adopted_by is not None:
+                        # Paused where it is again: its own cgroup, or signals.
+                        try:
+                            route = self.adopt_in_place(
+                                rec.id, rec.pid or 0, rec.start_time, owner_uid=rec.uid
+                            )
+                        except PAUSE_ERRORS as exc:
+                            route, why = None, f"cannot be paused any more: {exc}"
+                        else:
+                            why = "its process is gone"
+                        if route is None:
+                            registry.transition(rec.id, S.LOST, reason=f"{why} (re-adoption)")
+                            continue
+                        registry.update(rec.id, pause_mechanism=route.mechanism.value)
+                    else:
+                        self.adopt_pid(
+                            rec.id, rec.pid or 0, start_time=rec.start_time, owner_uid=rec.uid
+                        )
                     if rec.latency_from is not None:
                         self.s.latency.add_prometheus(rec.id, rec.latency_from)
                     if rec.inflight_from is not None:
@@ -169,6 +186,47 @@ class Lifecycle:
         assert self.watcher is not None
         self.by_pid[proc if isinstance(proc, int) else proc.pid] = client_id
         self.watcher.watch(proc, start_time)
+
+    def adopt_in_place(
+        self, client_id: str, pid: int, start_time: float | None, *, owner_uid: int
+    ) -> FreezeRoute | None:
+        """Take a process gpushare did not start, where it is: pauser ``adopt`` and exit watch.
+
+        Returns:
+            How it is paused, or ``None`` when it exited before it could be adopted.
+        """
+        assert self.watcher is not None
+        adopt = getattr(self.s.pauser, "adopt", None)
+        try:
+            if callable(adopt):
+                route: FreezeRoute = adopt(client_id, pid, owner_uid=owner_uid)
+            else:  # a pauser without adopt (tests' fakes): attach as a launched client
+                self.s.pauser.attach(client_id, pid, owner_uid=owner_uid)
+                mechanism = self.s.pauser.mechanism
+                route = FreezeRoute(mechanism, None, f"{mechanism.value} (the daemon's pauser)")
+        except PAUSE_ERRORS as exc:
+            log.warning("adopt_failed", client_id=client_id, pid=pid, error=str(exc))
+            if not procs.is_same_process(pid, start_time):
+                return None
+            raise
+        self.by_pid[pid] = client_id
+        self.watcher.watch(pid, start_time)
+        return route
+
+    def release_adopted(self, client_id: str, reason: str) -> None:
+        """End an adopted client without touching its processes (thawed, no longer controlled)."""
+        rec = self.s.registry.get(client_id)
+        if rec.pid is not None:
+            self.by_pid.pop(rec.pid, None)
+        self.paused.discard(client_id)
+        self.kill_at.pop(client_id, None)
+        self.on_exit.pop(client_id, None)
+        self.s.latency.forget(client_id)
+        try:
+            self.s.pauser.release(client_id)
+        except PAUSE_ERRORS as exc:
+            log.warning("pauser_release_failed", client_id=client_id, error=str(exc))
+        self.s.transition(client_id, S.EXITED, reason=reason)
 
     # ----------------------------------------------------------------------------- pausing
 
@@ -424,7 +482,9 @@ class Lifecycle:
         """
         assert rec.gpu_uuid is not None
         sm = rec.sm_pct if rec.sm_pct is not None else 100.0
-        env = self.mps_env(rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls, rec.queue)
+        env = self.mps_env(
+            rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls, rec.slo_p99_ms, queue=rec.queue
+        )
         # With the cgroup freezer the child joins its cgroup before it execs, so a workload that
         # forks at once cannot leave a process outside the freezer's reach.
         open_fd = getattr(self.s.pauser, "open_procs_fd", None)
@@ -437,7 +497,7 @@ class Lifecycle:
                 uid=rec.uid,
                 gid=rec.gid,
                 cwd=rec.cwd or "/",
-                env=launcher.workload_env(rec.env, env),
+                env=mpsenv.workload_env(rec.env, env),
                 log_dir=self.s.config.paths.resolved("client_log_dir"),
                 client_id=rec.id,
                 cgroup_procs_fd=procs_fd,
@@ -515,17 +575,24 @@ class Lifecycle:
         sm: float,
         mem: int | None,
         cls: ClientClass,
+        slo_p99_ms: float | None = None,
+        *,
         queue: str | None = None,
     ) -> dict[str, str]:
-        """The MPS environment a client of this GPU starts with (and its offline queue mode)."""
-        env = launcher.mps_env(
+        """The environment a client of this GPU starts with.
+
+        What ``gpushare env`` prints for the same class and limits (:mod:`gpushare.mpsenv`), plus
+        the client's id, and for an offline client its queue mode (``launcher.choose_queue``).
+        """
+        env = mpsenv.mps_env(
             client_id=client_id,
-            limits=launcher.LaunchLimits(
+            limits=mpsenv.MpsLimits(
                 gpu_uuid=gpu_uuid, sm_pct=sm, mem_bytes=mem, priority=self.s.priority(cls)
             ),
             pipe_dir=self.s.mps.pipe_dir(gpu_uuid),
             latency_socket=self.s.config.paths.resolved("latency_socket"),
         )
+        slo = slo_p99_ms / 1000 if slo_p99_ms is not None and cls is ClientClass.ONLINE else None
         if cls is ClientClass.OFFLINE:
             gating = self.s.gate.view(gpu_uuid, time.monotonic()).enabled
             mode, why = launcher.choose_queue(queue, gating_on=gating)
@@ -535,4 +602,4 @@ class Lifecycle:
             else:
                 self.shallow.discard(client_id)
             log.info("offline_queue", client_id=client_id, queue=mode, reason=why)
-        return env
+        return {**mpsenv.marker_env(cls, slo), **env}

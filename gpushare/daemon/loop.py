@@ -19,8 +19,8 @@ from typing import Any
 
 import structlog
 
+from gpushare import mpsenv
 from gpushare.control import admission
-from gpushare.daemon import launcher
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.opstats import LastAction, Tracked
 from gpushare.daemon.registry import ClientRecord, RegistryError
@@ -461,7 +461,7 @@ class ControlLoop:
                     s.offline_share[action.gpu_uuid] = action.sm_pct
                     s.registry.add_event(
                         "offline_share_changed",
-                        f"offline SM share {launcher.format_pct(action.sm_pct)}%: {action.reason}",
+                        f"offline SM share {mpsenv.format_pct(action.sm_pct)}%: {action.reason}",
                         gpu_uuid=action.gpu_uuid,
                     )
             elif isinstance(action, RestartClient):

@@ -31,6 +31,7 @@ from gpushare.model import PauseMechanism
 from gpushare.node import cgroups
 from gpushare.node import mps as mps_mod
 from gpushare.node import notify as sd
+from gpushare.node.adopted import AdoptingPauser
 from gpushare.node.base import MpsNode
 from gpushare.node.nvml import NvmlBackend
 from gpushare.node.probe import ProbeManager
@@ -140,7 +141,8 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
         registry=registry,
         gpu=gpu,
         mps=mps,
-        pauser=pauser.pauser,
+        # Launched clients go to their own cgroup (or group); adopted ones are paused where they are.
+        pauser=AdoptingPauser(pauser.pauser),
         probe=probe,
         policy=policy,
         config_path=config_path,
@@ -269,7 +271,7 @@ def build_simulated(cfg: config_mod.Config, config_path: Path | None, gpus: int)
             registry=registry,
             gpu=rt.gpu_backend(),
             mps=mps,
-            pauser=SimulatedPauser(real.pauser, rt, lookup),
+            pauser=SimulatedPauser(AdoptingPauser(real.pauser), rt, lookup),
             probe=rt.latency_probe() if cfg.probe.enabled else None,
             policy=policy,
             config_path=config_path,

@@ -87,7 +87,16 @@ CREATE TABLE IF NOT EXISTS clients (
     failures INTEGER NOT NULL DEFAULT 0,
     submitted_at REAL NOT NULL,
     started_at REAL,
-    ended_at REAL
+    ended_at REAL,
+    adopted_by TEXT
+);
+CREATE TABLE IF NOT EXISTS registrations (
+    source TEXT NOT NULL,
+    job TEXT NOT NULL,
+    owner_uid INTEGER NOT NULL,
+    params TEXT NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (source, job)
 );
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -148,10 +157,26 @@ class ClientRecord:
     submitted_at: float
     started_at: float | None
     ended_at: float | None
+    adopted_by: str | None = None
+    """For a process gpushare adopted rather than launched: the rule that adopted it
+    (``rule 'marker' (/etc/gpushare/gpushare.toml)``, ``slurm job 42``); ``None`` for a launched one."""
     # Request gating (docs/controller.md): an online client's --inflight-from gauge, an offline
     # client's --queue mode (None: deep).
     inflight_from: str | None = None
     queue: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A scheduler job registered by an ``adopt`` request, kept until its ``release``."""
+
+    source: str
+    job: str
+    owner_uid: int
+    """Who registered it (the caller's uid): 0 may adopt anyone's processes in any class."""
+    params: Mapping[str, Any]
+    """The request's parameters (:class:`gpushare.protocol.AdoptRequest`)."""
+    at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,32 +286,71 @@ class Registry:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         pause_mechanism: str | None = None,
+        adopted_by: str | None = None,
         now: float | None = None,
     ) -> ClientRecord:
-        """Record a new client and a ``client_submitted`` event; the id is ``c<number>``."""
+        """Record a new client and a ``client_submitted`` (or ``client_adopted``) event; the id is ``c<number>``."""
         at = time.time() if now is None else now
         with self._tx() as conn:
             cur = conn.execute(
                 "INSERT INTO clients (id, name, cls, argv, uid, gid, user, gpu_request, gpu_uuid,"
                 " gpu_index, sm_ceiling, sm_pct, mem_bytes, priority, slo_p99_ms, restartable,"
-                " checkpoint_signal, detach, env, cwd, state, pause_mechanism, submitted_at)"
-                f" VALUES ('', {', '.join('?' * 22)})",
+                " checkpoint_signal, detach, env, cwd, state, pause_mechanism, submitted_at,"
+                f" adopted_by) VALUES ('', {', '.join('?' * 23)})",
                 (
                     name, cls.value, json.dumps(list(argv)), uid, gid, user, gpu_request, gpu_uuid,
                     gpu_index, sm_ceiling, sm_pct, mem_bytes, priority, slo_p99_ms,
                     int(restartable), checkpoint_signal, int(detach), json.dumps(dict(env or {})),
-                    cwd, state.value, pause_mechanism, at,
+                    cwd, state.value, pause_mechanism, at, adopted_by,
                 ),
             )  # fmt: skip
             seq = cur.lastrowid
             client_id = f"c{seq}"
             conn.execute("UPDATE clients SET id = ? WHERE seq = ?", (client_id, seq))
+            if adopted_by is None:
+                kind, text = "client_submitted", f"submitted by {user} in state {state.value}"
+            else:
+                kind, text = "client_adopted", f"of {user} adopted by {adopted_by}"
             self._event(
-                conn, at, "client_submitted", "info", client_id, gpu_uuid,
-                f"{cls.value} client {client_id} submitted by {user} in state {state.value}",
+                conn, at, kind, "info", client_id, gpu_uuid, f"{cls.value} client {client_id} {text}",
                 None,
             )  # fmt: skip
             return self._get(conn, client_id)
+
+    def register(
+        self,
+        source: str,
+        job: str,
+        owner_uid: int,
+        params: Mapping[str, Any],
+        now: float | None = None,
+    ) -> Registration:
+        """Keep (or replace) a job's ``adopt`` registration, so that it outlives a daemon restart."""
+        at = time.time() if now is None else now
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO registrations (source, job, owner_uid, params, at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (source, job, owner_uid, json.dumps(dict(params)), at),
+            )
+        return Registration(source, job, owner_uid, dict(params), at)
+
+    def unregister(self, source: str, job: str) -> bool:
+        """Drop a registration; False when there was none."""
+        with self._tx() as conn:
+            cur = conn.execute(
+                "DELETE FROM registrations WHERE source = ? AND job = ?", (source, job)
+            )
+        return cur.rowcount > 0
+
+    def registrations(self) -> list[Registration]:
+        """Every registration, oldest first."""
+        with self._lock:
+            rows = self._conn.execute("SELECT * FROM registrations ORDER BY at").fetchall()
+        return [
+            Registration(r["source"], r["job"], r["owner_uid"], json.loads(r["params"]), r["at"])
+            for r in rows
+        ]
 
     def transition(
         self,
@@ -483,9 +547,10 @@ def _prepare(conn: sqlite3.Connection) -> None:
     if row is None or row[0] != "ok":
         raise sqlite3.DatabaseError(f"quick_check failed: {row[0] if row else 'no answer'}")
     conn.executescript(_SCHEMA)
-    # Columns added after schema 1 shipped: a database of an older gpushare gets them (NULL).
-    have = {r[1] for r in conn.execute("PRAGMA table_info(clients)").fetchall()}
-    for column in _ADDED_COLUMNS:
+    # Columns added after schema 1 shipped: an older database gains them (NULL) and stays
+    # version 1 (adopted_by: launched; inflight_from, queue: none asked).
+    have = {row[1] for row in conn.execute("PRAGMA table_info(clients)")}
+    for column in ("adopted_by", *_ADDED_COLUMNS):
         if column not in have:
             conn.execute(f"ALTER TABLE clients ADD COLUMN {column} TEXT")
     conn.execute(
@@ -532,5 +597,5 @@ def _record(row: sqlite3.Row) -> ClientRecord:
         start_time=row["start_time"], exit_code=row["exit_code"],
         pause_mechanism=row["pause_mechanism"], log_path=row["log_path"], held=bool(row["held"]),
         restarts=row["restarts"], failures=row["failures"], submitted_at=row["submitted_at"],
-        started_at=row["started_at"], ended_at=row["ended_at"],
+        started_at=row["started_at"], ended_at=row["ended_at"], adopted_by=row["adopted_by"],
     )  # fmt: skip

@@ -333,6 +333,16 @@ def process_uid(pid: int) -> int | None:
         return None
 
 
+def process_identity(pid: int) -> tuple[int, list[str]] | None:
+    """The real gid and the command line of ``pid`` (for an adopted client's record); ``None`` if gone."""
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            return proc.gids().real, proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
 def descendants(pid: int) -> list[int]:
     """Live descendants of ``pid`` (children, grandchildren, …); empty when it is gone."""
     if pid <= 0:
@@ -430,17 +440,21 @@ def read_environ(pid: int, names: Collection[str]) -> dict[str, str] | None:
     Raises:
         PermissionError: another user's process, and we are not root.
     """
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
+    raw = _read_proc(pid, "environ")
+    if raw is None:
         return None
-    wanted = set(names)
+    # Look each wanted name up rather than split the whole environment: a scan reads every
+    # process's. The first occurrence wins, as getenv(3) finds it.
+    buf = b"\0" + raw
     out: dict[str, str] = {}
-    for item in raw.split(b"\0"):
-        name, eq, value = item.partition(b"=")
-        key = name.decode(errors="replace")
-        if eq and key in wanted:
-            out[key] = value.decode(errors="replace")
+    for name in names:
+        key = b"\0" + name.encode() + b"="
+        at = buf.find(key)
+        if at < 0:
+            continue
+        begin = at + len(key)
+        stop = buf.find(b"\0", begin)
+        out[name] = buf[begin : stop if stop >= 0 else len(buf)].decode(errors="replace")
     return out
 
 
@@ -454,8 +468,10 @@ def process_facts(
 ) -> ProcessFacts | None:
     """What adoption needs to know about ``pid``; ``None`` when it is gone or a kernel thread.
 
-    The start time is read first and checked again last, so facts of a process that exited (or a
-    pid reused) while they were read are never returned as one process's facts.
+    Read straight from ``/proc/<pid>/{stat,status,cgroup,environ}`` (the adoption scan reads every
+    process of the host, ``bench/adopt_scan.py``). The start time is read first and checked again
+    last, so facts of a process that exited (or a pid reused) while they were read are never
+    returned as one process's facts.
 
     Args:
         pid: the process.
@@ -463,18 +479,16 @@ def process_facts(
         gpu_pids: pid to GPU UUIDs from NVML's compute-process lists; ``None`` where NVML is not
             available (``uses_gpu`` is then unknown, not false).
     """
-    stat = _stat_fields(pid)
-    started = process_start_time(pid)
-    # Index 6 is field 9 (flags).
-    if stat is None or started is None or int(stat[6]) & _PF_KTHREAD:
+    first = _comm_and_stat(pid)
+    # Index 6 is field 9 (flags), index 19 field 22 (start time in clock ticks since boot).
+    if first is None or int(first[1][6]) & _PF_KTHREAD:
         return None
-    try:
-        proc = psutil.Process(pid)
-        with proc.oneshot():
-            uid, name = proc.uids().real, proc.name()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+    name, stat = first
+    uid = _real_uid(pid)
+    if uid is None:
         return None
-    cgroup = process_cgroup(pid)
+    cgroup_text = _read_proc(pid, "cgroup")
+    cgroup = cgroup_v2_path(cgroup_text.decode()) if cgroup_text is not None else None
     try:
         environ = read_environ(pid, env_names)
     except PermissionError:
@@ -482,13 +496,57 @@ def process_facts(
     else:
         if environ is None:
             return None
-    if not is_same_process(pid, started):
+    again = _comm_and_stat(pid)
+    if again is None or again[1][19] != stat[19] or again[1][0] in ("Z", "X"):
         return None
     return ProcessFacts(
-        pid=pid, ppid=int(stat[1]), uid=uid, user=user_name(uid), name=name, start_time=started,
+        pid=pid, ppid=int(stat[1]), uid=uid, user=user_name(uid), name=name,
+        start_time=_boot_time() + int(stat[19]) / _CLK_TCK,
         cgroup=cgroup, unit=unit_of_cgroup(cgroup), environ=environ,
         gpu_uuids=None if gpu_pids is None else gpu_pids.get(pid, ()),
     )  # fmt: skip
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@functools.cache
+def _boot_time() -> float:
+    # The same clock psutil's create_time uses (btime of /proc/stat), so start times compare.
+    return float(psutil.boot_time())
+
+
+def _read_proc(pid: int, name: str) -> bytes | None:
+    # One open/read/close, without pathlib's overhead: the scan does this for every process.
+    try:
+        fd = os.open(f"/proc/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except ProcessLookupError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _comm_and_stat(pid: int) -> tuple[str, list[str]] | None:
+    raw = _read_proc(pid, "stat")
+    if raw is None:
+        return None
+    start, end = raw.find(b"("), raw.rfind(b")")
+    if not 0 <= start < end:
+        return None
+    return raw[start + 1 : end].decode(errors="replace"), raw[end + 2 :].decode().split()
+
+
+def _real_uid(pid: int) -> int | None:
+    raw = _read_proc(pid, "status")
+    at = raw.find(b"\nUid:") if raw is not None else -1
+    return int(raw[at + 5 :].split(None, 1)[0]) if raw is not None and at >= 0 else None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import structlog
 
-from gpushare.model import ClientClass
+from gpushare.model import ClientClass, PauseMechanism
 from gpushare.node.base import Pauser
-from gpushare.node.cgroups import PauserError
+from gpushare.node.cgroups import FreezeRoute, PauserError
 from gpushare.sim.realtime import RealTimeSimNode, SimProfileError, workload_from_env
 from gpushare.sim.simenv import ENV_PROFILE
 
@@ -74,6 +74,32 @@ class SimulatedPauser:
     def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
         """Attach the process, and start its simulated twin if it names a profile."""
         self.real.attach(client_id, pid, owner_uid=owner_uid)
+        self._twin(client_id, pid)
+
+    def adopt(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> FreezeRoute:
+        """Adopt a process where it is (the real pauser's ``adopt``), and start its twin too.
+
+        Raises:
+            PauserError: the real pauser cannot adopt it (gone, another uid's, the daemon).
+        """
+        adopt = getattr(self.real, "adopt", None)
+        if not callable(adopt):
+            raise PauserError(f"{type(self.real).__name__} cannot adopt processes")
+        route: FreezeRoute = adopt(client_id, pid, owner_uid=owner_uid)
+        self._twin(client_id, pid)
+        return route
+
+    def route(self, client_id: str) -> FreezeRoute | None:
+        """How an adopted client is paused (``None`` for a launched one)."""
+        route = getattr(self.real, "route", None)
+        return route(client_id) if callable(route) else None
+
+    def mechanism_of(self, client_id: str) -> PauseMechanism:
+        """The mechanism that pauses this client (the real pauser's answer)."""
+        of = getattr(self.real, "mechanism_of", None)
+        return of(client_id) if callable(of) else self.real.mechanism
+
+    def _twin(self, client_id: str, pid: int) -> None:
         info = self.lookup(client_id)
         if info is None:
             return

@@ -1,0 +1,491 @@
+"""Adoption in the daemon: the rules in force, the periodic scan of the host's processes, the news.
+
+The matching is :mod:`gpushare.adoption` (pure); this module feeds it: the config's ``[[adopt]]``
+rules (with the config file's owner standing behind them: root's config may adopt anyone's
+processes), the scheduler jobs registered by ``adopt`` requests (their caller standing behind
+them), and the facts of every process on the host (:func:`gpushare.node.procs.process_facts`).
+What it skips, and why:
+
+- processes younger than ``min_age_s``: between ``fork`` and ``exec`` a process still shows its
+  parent's environment and cgroup, and a service manager or ``slurmstepd`` moves it into its cgroup
+  just after it starts; a second look a moment later sees what it really is;
+- the daemon itself, and processes that are already a client or descend from one (a launched
+  client's children are that client's, not new ones);
+- the MPS control daemons and servers, which gpushare runs itself.
+
+Each refusal and each rule that matches nothing is reported once, when it first appears
+(:attr:`Outcome.refused`, :attr:`Outcome.idle`), not at every scan; the notes on an adopted
+process (started without the MPS environment, other limits than the rule's) go with it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpushare import adoption, protocol
+from gpushare.adoption import Decision, Rule
+from gpushare.config import AdoptRule, Config
+from gpushare.daemon.lifecycle import Lifecycle
+from gpushare.daemon.registry import Registration
+from gpushare.daemon.state import PAUSE_ERRORS, NodeState
+from gpushare.model import ClientClass, ClientState, GpuSample, PauseMechanism, ProcessFacts
+from gpushare.mpsenv import check_limits
+from gpushare.node import procs
+
+log = structlog.get_logger(__name__)
+
+S = ClientState
+
+DEFAULT_MIN_AGE_S = 1.0
+"""How old a process must be before a scan decides it (see the module docstring)."""
+
+_OWN_PROCESSES = ("nvidia-cuda-mps",)  # the MPS control daemon and server: gpushare's own
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A process to make a client: the decision and the facts it was made on."""
+
+    decision: Decision
+    facts: ProcessFacts
+    source: str
+    """The rule's name and where it came from, as ``adopted_by`` records it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one scan found."""
+
+    adopt: tuple[Found, ...]
+    """Processes to make clients now (roots only: their descendants are part of them)."""
+    refused: tuple[str, ...]
+    """Processes a rule matched but may not or cannot adopt, not reported before (each appears
+    once while it lasts)."""
+    idle: tuple[str, ...]
+    """Config rules that match no process, not reported before."""
+    young: int
+    """Processes left for a later scan because they are younger than ``min_age_s``."""
+
+
+def config_rules(cfg: Config, config_path: Path | None) -> list[Rule]:
+    """The config's ``[[adopt]]`` rules and who stands behind them: the file's owner.
+
+    A config file owned by root is root's config: its rules may adopt any user's processes into
+    any class. Without a file (built-in defaults) the daemon's own uid stands behind them.
+    """
+    if config_path is not None:
+        try:
+            owner = os.stat(config_path).st_uid
+        except OSError:
+            owner = os.geteuid()
+        source = str(config_path)
+    else:
+        owner, source = os.geteuid(), "the built-in default"
+    return [Rule(spec, owner, source) for spec in cfg.adopt]
+
+
+def check_adopt(req: protocol.AdoptRequest, caller_uid: int) -> tuple[ClientClass, str | None]:
+    """Refuse an ``adopt`` request gpushare cannot honour; its class and a permission problem.
+
+    Returns:
+        The class, and ``None`` or the reason the caller may not register this job (a caller
+        other than root registers its own processes only: that is its owner asking).
+
+    Raises:
+        ValueError: a bad class, limit or job name, or a registration that would match every
+            process of the user; the message names the fix.
+    """
+    try:
+        cls = ClientClass(req.cls)
+    except ValueError:
+        raise ValueError(f"class {req.cls!r} is not a class: use online or offline") from None
+    if not req.source.strip() or not req.job.strip():
+        raise ValueError("source and job must name the scheduler and its job, e.g. slurm and 42")
+    if not req.match_env and not req.pids:
+        raise ValueError(
+            "give match_env (e.g. SLURM_JOB_ID=<job>) or pids: without either the registration "
+            f"would adopt every process of uid {req.uid}"
+        )
+    slo = req.slo_p99_ms / 1000 if req.slo_p99_ms is not None else None
+    check_limits(cls, req.sm_pct, req.mem_bytes, slo)
+    if caller_uid not in (0, req.uid):
+        return cls, (
+            f"uid {caller_uid} may register its own processes only (uid {caller_uid}), not uid "
+            f"{req.uid}'s; a prolog that registers other users' jobs runs as root"
+        )
+    return cls, None
+
+
+def registration_rules(reg: Registration) -> list[Rule]:
+    """The adoption rule of a registered job: its owner's processes whose environment matches.
+
+    Explicit ``pids`` get a rule of their own (the same class and limits, no environment
+    condition), so they are adopted even when they do not carry the job's variables.
+    """
+    req = protocol.from_params(protocol.AdoptRequest, dict(reg.params))
+    name = f"{reg.source} job {reg.job}"
+    spec = AdoptRule(
+        name=name, user=str(req.uid), env=dict(req.match_env), cls=ClientClass(req.cls).value,
+        slo_p99_s=req.slo_p99_ms / 1000 if req.slo_p99_ms is not None else None,
+        sm_pct=req.sm_pct, mem_bytes=req.mem_bytes,
+    )  # fmt: skip
+    rules = [Rule(spec, reg.owner_uid, name)] if req.match_env else []
+    if req.pids:
+        rules.append(_PidRule(replace(spec, env={}), reg.owner_uid, name, frozenset(req.pids)))
+    return rules
+
+
+@dataclass(frozen=True, slots=True)
+class _PidRule(Rule):
+    """A registration's explicit pids: matched by pid (and the owner's uid), nothing else."""
+
+    pids: frozenset[int] = frozenset()
+
+
+def gpu_processes(samples: Sequence[GpuSample], nvml: bool) -> dict[int, tuple[str, ...]] | None:
+    """Each pid NVML lists and its GPUs; ``None`` where no real NVML reports processes."""
+    if not nvml:
+        return None
+    found: dict[int, list[str]] = {}
+    for s in samples:
+        for p in s.processes:
+            found.setdefault(p.pid, []).append(s.uuid)
+    return {pid: tuple(uuids) for pid, uuids in found.items()}
+
+
+class Adopter:
+    """Scans the host's processes against the rules; remembers what it already reported.
+
+    Args:
+        min_age_s: processes younger than this are left for a later scan.
+        facts_of: :func:`gpushare.node.procs.process_facts` (tests pass their own).
+        all_pids: :func:`gpushare.node.procs.all_pids`.
+        clock: wall-clock seconds, the unit of :attr:`ProcessFacts.start_time`.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_age_s: float = DEFAULT_MIN_AGE_S,
+        facts_of: Callable[..., ProcessFacts | None] = procs.process_facts,
+        all_pids: Callable[[], list[int]] = procs.all_pids,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.min_age_s = min_age_s
+        self._facts_of = facts_of
+        self._all_pids = all_pids
+        self._clock = clock
+        self.told: set[str] = set()
+
+    def scan(
+        self,
+        rules: Sequence[Rule],
+        *,
+        clients: Collection[int],
+        gpu_pids: Mapping[int, tuple[str, ...]] | None,
+        only: Collection[int] | None = None,
+    ) -> Outcome:
+        """Decide every process of the host (or of ``only``) against ``rules``.
+
+        Args:
+            rules: job registrations first (they are the more specific), then the config's.
+            clients: pids that are already clients; they and their descendants are skipped.
+            gpu_pids: :func:`gpu_processes`.
+            only: decide these pids only (an ``adopt`` request's explicit pids, at once).
+        """
+        names = set(adoption.FACT_ENV) | {k for r in rules for k in r.spec.env}
+        now = self._clock()
+        facts: list[ProcessFacts] = []
+        for pid in self._all_pids() if only is None else sorted(only):
+            f = self._facts_of(pid, names, gpu_pids)
+            if f is not None:  # gone (or a kernel thread) while it was read: nothing to adopt
+                facts.append(f)
+        skip = _descendants_of(clients, facts) | {os.getpid()}
+        # Explicit pids (an adopt request's) are vouched for by the caller: no second look needed.
+        young = set() if only is not None else {
+            f.pid for f in facts if now - f.start_time < self.min_age_s
+        }  # fmt: skip
+        candidates = [
+            f for f in facts
+            if f.pid not in skip and f.pid not in young and not f.name.startswith(_OWN_PROCESSES)
+        ]  # fmt: skip
+        plain = [r for r in rules if not isinstance(r, _PidRule)]
+        by_pid_rules = [r for r in rules if isinstance(r, _PidRule)]
+        result = adoption.scan(plain, candidates)
+        decisions = list(result.decisions)
+        decided = {d.pid for d in decisions} | set(result.members)
+        for f in candidates:
+            if f.pid in decided:
+                continue
+            for pr in by_pid_rules:
+                if f.pid in pr.pids and str(f.uid) == pr.spec.user:
+                    decisions.append(adoption.decide([pr], f))
+                    break
+        by_pid = {f.pid: f for f in candidates}
+        rule_source = {r.spec.name: f"rule {r.spec.name!r} ({r.source})" for r in rules}
+        for r in rules:
+            if r.spec.name == r.source:
+                rule_source[r.spec.name] = r.source  # a job: "slurm job 42" says it all
+        adopt = tuple(
+            Found(d, by_pid[d.pid], rule_source.get(d.rule or "", d.rule or ""))
+            for d in decisions
+            if d.adopt
+        )
+        refused = [d.reason for d in decisions if not d.adopt]
+        idle_rules: list[str] = []
+        if only is None:
+            # A job whose processes have not started yet matches nothing: only config rules
+            # that match nothing are worth a message. A rule whose processes are clients already
+            # (or too young yet) is not idle.
+            idle = {
+                r.spec.name for r in rules
+                if r.spec.name != r.source and not any(adoption.matches(r.spec, f) for f in facts)
+            }  # fmt: skip
+            idle_rules = [m for m in result.unmatched if any(f"rule {n!r} " in m for n in idle)]
+            hidden = sum(1 for f in facts if f.environ is None)
+            if hidden:
+                # marker and env conditions never hold on an environment the daemon cannot read.
+                env_rules = {r.spec.name for r in rules if r.spec.marker or r.spec.env}
+                idle_rules = [
+                    m + f"; the environment of {hidden} process(es) of other users cannot be read "
+                    "(run the daemon as root)"
+                    if any(f"rule {n!r} " in m for n in env_rules) else m
+                    for m in idle_rules
+                ]  # fmt: skip
+        messages = refused + idle_rules
+        new = {m for m in messages if m not in self.told}
+        self.told = (self.told if only is not None else set()) | set(messages)
+        return Outcome(
+            adopt,
+            tuple(m for m in refused if m in new),
+            tuple(m for m in idle_rules if m in new),
+            len(young - skip),
+        )
+
+
+def _descendants_of(roots: Collection[int], facts: Sequence[ProcessFacts]) -> set[int]:
+    parent = {f.pid: f.ppid for f in facts}
+    out: set[int] = set()
+    for f in facts:
+        seen: set[int] = set()
+        pid: int | None = f.pid
+        while pid is not None and pid not in seen:
+            if pid in roots:
+                out.add(f.pid)
+                break
+            seen.add(pid)
+            pid = parent.get(pid)
+    return out
+
+
+# ------------------------------------------------------------------------------ in the daemon
+
+
+class Adoptions:
+    """The daemon's adoption: a scan thread, the ``adopt``/``release`` requests, the registry.
+
+    The scan runs on its own thread every ``daemon.adopt_scan_period`` (reading ``/proc`` takes
+    tens of milliseconds on a busy host, which the control loop must not wait for) and takes the
+    state's lock only to make clients of what it found.
+    """
+
+    def __init__(self, state: NodeState, lifecycle: Lifecycle, config_path: Path | None) -> None:
+        self.s = state
+        self.life = lifecycle
+        self.config_path = config_path
+        self.adopter = Adopter(min_age_s=state.config.daemon.adopt_min_age_s)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._scan_lock = threading.Lock()
+        self._problems: set[str] = set()  # each reported once (the process is found again)
+
+    def start(self) -> None:
+        """Start scanning (after re-adoption, so that recorded clients are not adopted twice)."""
+        self._thread = threading.Thread(target=self._run, name="adoption", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop scanning; adopted clients stay what they are."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.s.config.daemon.adopt_scan_period_s):
+            try:
+                self.scan_once()
+            except Exception:  # the scan must not die with one odd process; say what happened
+                log.exception("adoption_scan_failed")
+
+    def rules(self) -> list[Rule]:
+        """Registered jobs first (the more specific), then the config's ``[[adopt]]`` rules."""
+        rules: list[Rule] = []
+        for reg in self.s.registry.registrations():
+            try:
+                rules += registration_rules(reg)
+            except (protocol.ProtocolError, ValueError) as exc:
+                log.warning("registration_unusable", source=reg.source, job=reg.job, error=str(exc))
+        return rules + config_rules(self.s.config, self.config_path)
+
+    def scan_once(self, only: Collection[int] | None = None) -> list[str]:
+        """One scan: make clients of what the rules adopt, record what they refuse; the new ids."""
+        s = self.s
+        with self._scan_lock:
+            rules = self.rules()
+            with s.lock:
+                live = [r for r in s.registry.clients() if r.state.is_live and r.pid is not None]
+                pids = {r.pid for r in live if r.pid is not None}
+                # A client's cgroup also holds what left its process tree (a daemonized child);
+                # cheap to list. A process group is not (a walk of /proc per client), and its
+                # members that matter are the main process's descendants, skipped anyway.
+                mechanism_of = getattr(s.pauser, "mechanism_of", None)
+                for r in live:
+                    how = mechanism_of(r.id) if callable(mechanism_of) else s.pauser.mechanism
+                    if how is PauseMechanism.CGROUP:
+                        pids.update(s.pauser.pids(r.id))
+                samples = list(s.samples)
+            self.adopter.min_age_s = s.config.daemon.adopt_min_age_s
+            out = self.adopter.scan(
+                rules, clients=pids, gpu_pids=gpu_processes(samples, nvml=True), only=only
+            )
+            for message in out.refused:
+                s.registry.add_event("adoption_refused", message, severity="warning")
+                log.warning("adoption_refused", message=message)
+            for message in out.idle:
+                s.registry.add_event("adopt_rule_idle", message)
+            adopted = []
+            with s.lock:
+                for found in out.adopt:
+                    client_id = self._adopt(found)
+                    if client_id is not None:
+                        adopted.append(client_id)
+            return adopted
+
+    def _adopt(self, found: Found) -> str | None:
+        """Make a client of one found process; its id, or ``None`` with an event saying why not."""
+        s, d, f = self.s, found.decision, found.facts
+        assert d.cls is not None
+        who = f"pid {f.pid} ({f.name}) of {f.user}"
+        shared = [x for x in s.samples if s.shared(x)]
+        gpu = d.gpu_uuid
+        if gpu is None and len(shared) == 1:
+            gpu = shared[0].uuid
+        sample = next((x for x in shared if x.uuid == gpu), None)
+        problem = None
+        if gpu is None:
+            problem = (
+                f"{who} not adopted by {found.source}: it does not say which of the "
+                f"{len(shared)} shared GPUs it uses; start it with the environment of "
+                "`gpushare env --gpu G` (GPUSHARE_GPU_UUID, CUDA_MPS_PIPE_DIRECTORY)"
+            )
+        elif sample is None:
+            problem = (
+                f"{who} not adopted by {found.source}: GPU {gpu} is not shared by gpushare here"
+            )
+        identity = procs.process_identity(f.pid)
+        if problem is None and (identity is None or not procs.is_same_process(f.pid, f.start_time)):
+            problem = f"{who} exited while it was being adopted by {found.source}; nothing recorded"
+        if problem is not None:
+            if problem not in self._problems:
+                if len(self._problems) > 10_000:
+                    self._problems.clear()  # bounded: a flood of short-lived processes
+                self._problems.add(problem)
+                s.registry.add_event("adoption_refused", problem, severity="warning")
+            return None
+        assert sample is not None
+        assert identity is not None
+        gid, argv = identity
+        rec = s.registry.add_client(
+            cls=d.cls, argv=argv or [f.name], uid=f.uid, gid=gid, user=f.user, state=S.RUNNING,
+            priority=s.priority(d.cls), gpu_uuid=sample.uuid, gpu_index=sample.index,
+            sm_pct=d.sm_pct, mem_bytes=d.mem_bytes,
+            slo_p99_ms=d.slo_p99_s * 1000 if d.slo_p99_s is not None else None, detach=True,
+            adopted_by=found.source,
+        )  # fmt: skip
+        s.registry.update(rec.id, pid=f.pid, start_time=f.start_time, started_at=time.time())
+        try:
+            route = self.life.adopt_in_place(rec.id, f.pid, f.start_time, owner_uid=f.uid)
+        except PAUSE_ERRORS as exc:
+            s.transition(rec.id, S.FAILED, reason=f"not adopted: it cannot be paused: {exc}")
+            return None
+        if route is None:
+            s.transition(rec.id, S.EXITED, reason="its process exited while it was being adopted")
+            return None
+        s.registry.update(rec.id, pause_mechanism=route.mechanism.value)
+        for note in d.notes:
+            s.registry.add_event(
+                "adoption_note", f"client {rec.id} (pid {f.pid}): {note}", severity="warning",
+                client_id=rec.id, gpu_uuid=rec.gpu_uuid,
+            )  # fmt: skip
+        log.info("client_adopted", client_id=rec.id, pid=f.pid, by=found.source, route=route.reason)
+        return rec.id
+
+    # ----------------------------------------------------------------------------- requests
+
+    def register(self, caller_uid: int, params: dict[str, Any]) -> dict[str, Any]:
+        """``adopt``: keep a job's registration and adopt its explicit pids at once.
+
+        Raises:
+            ProtocolError: bad parameters (``INVALID_PARAMS``) or a caller registering another
+                user's job without being root (``PERMISSION_DENIED``); nothing is changed.
+        """
+        req = protocol.from_params(protocol.AdoptRequest, params)
+        try:
+            _cls, denied = check_adopt(req, caller_uid)
+        except ValueError as exc:
+            raise protocol.ProtocolError(protocol.ErrorCode.INVALID_PARAMS, str(exc)) from None
+        if denied is not None:
+            raise protocol.ProtocolError(protocol.ErrorCode.PERMISSION_DENIED, denied)
+        if req.gpu is not None:
+            raise protocol.ProtocolError(
+                protocol.ErrorCode.INVALID_PARAMS,
+                "gpu: each process's GPU comes from its environment (GPUSHARE_GPU_UUID, which "
+                "`gpushare env` and the Slurm TaskProlog set); leave gpu out",
+            )
+        self.s.registry.register(req.source, req.job, caller_uid, protocol.as_dict(req))
+        self.s.registry.add_event(
+            "job_registered",
+            f"{req.source} job {req.job} registered by uid {caller_uid}: processes of uid "
+            f"{req.uid} with {req.match_env or req.pids} become {req.cls} clients",
+        )
+        adopted = self.scan_once(only=req.pids) if req.pids else []
+        return {"source": req.source, "job": req.job, "adopted": adopted}
+
+    def release(self, caller_uid: int, params: dict[str, Any]) -> dict[str, Any]:
+        """``release``: drop a job's registration and end its clients (thawed, not killed).
+
+        Raises:
+            ProtocolError: a caller that is neither root nor the one who registered the job.
+        """
+        req = protocol.from_params(protocol.ReleaseRequest, params)
+        s = self.s
+        name = f"{req.source} job {req.job}"
+        regs = [r for r in s.registry.registrations() if (r.source, r.job) == (req.source, req.job)]
+        owner = regs[0].owner_uid if regs else 0
+        if caller_uid not in (0, owner):
+            raise protocol.ProtocolError(
+                protocol.ErrorCode.PERMISSION_DENIED,
+                f"uid {caller_uid} may not release {name}: uid {owner} registered it",
+            )
+        s.registry.unregister(req.source, req.job)
+        released = []
+        with s.lock:
+            for rec in s.registry.clients():
+                if rec.adopted_by == name and rec.state.is_live:
+                    self.life.release_adopted(rec.id, f"released: {name} ended")
+                    released.append(rec.id)
+        if regs or released:
+            s.registry.add_event(
+                "job_released",
+                f"{name} released"
+                + (f": client(s) {', '.join(released)} ended" if released else ": no clients"),
+            )
+        return {"source": req.source, "job": req.job, "released": released}

@@ -1,0 +1,305 @@
+"""Pausing adopted processes where they are: their own cgroup's freezer, or SIGSTOP/SIGCONT.
+
+A process gpushare launched sits in a cgroup (or process group) gpushare made for it. A process it
+adopted (a systemd service, a container, a Slurm task) does not, and moving it would take it out of
+its unit's or container's accounting and limits, so :class:`AdoptingPauser` leaves it where it is:
+
+- **cgroup**: where :func:`gpushare.node.cgroups.freeze_route` allows it (the process's own cgroup,
+  or a delegated subtree, holding nothing but the process and its descendants) the freezer of that
+  cgroup is written, as for a launched client;
+- **signal**: otherwise the process and its live descendants get SIGSTOP/SIGCONT (not its process
+  group: a Slurm task or a service shares its group with processes that are not the client).
+
+The route is decided when the client is adopted and says why in one line (``status`` shows it).
+Launched clients go on to the daemon's own pauser; both sit behind the one ``Pauser`` interface
+the daemon uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from gpushare.model import PauseMechanism
+from gpushare.node import procs
+from gpushare.node.base import Pauser
+from gpushare.node.cgroups import (
+    DEFAULT_FREEZE_TIMEOUT_S,
+    DEFAULT_SIGNAL_WAIT_S,
+    FreezeRoute,
+    FreezeTimeoutError,
+    PauserError,
+    check_client_id,
+    freeze_route,
+)
+
+# cgroups.py's own helpers: the same checks and cgroupfs writes as for launched clients.
+from gpushare.node.cgroups import _check_pid as check_pid
+from gpushare.node.cgroups import _wait_event as wait_event
+from gpushare.node.cgroups import _walk_pids as walk_pids
+from gpushare.node.cgroups import _write as write_value
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Adopted:
+    pid: int
+    start_time: float | None
+    route: FreezeRoute
+
+
+class AdoptingPauser:
+    """The daemon's pauser for launched clients (``inner``) and for adopted ones (implements ``Pauser``).
+
+    Args:
+        inner: the pauser launched clients use (:func:`gpushare.node.cgroups.make_pauser`).
+        mount: the cgroup2 mount (found in ``/proc/self/mounts`` when ``None``).
+        freeze_timeout_s: how long a cgroup freeze waits for ``frozen 1``.
+        signal_wait_s: how long a SIGSTOP waits for every process to show state ``T``.
+    """
+
+    def __init__(
+        self,
+        inner: Pauser,
+        *,
+        mount: Path | None = None,
+        freeze_timeout_s: float = DEFAULT_FREEZE_TIMEOUT_S,
+        signal_wait_s: float = DEFAULT_SIGNAL_WAIT_S,
+    ) -> None:
+        self.inner = inner
+        self.mechanism: PauseMechanism = inner.mechanism
+        self._mount = mount
+        self.freeze_timeout_s = freeze_timeout_s
+        self.signal_wait_s = signal_wait_s
+        self._adopted: dict[str, _Adopted] = {}
+
+    # ------------------------------------------------------------------------- adopted ones
+
+    def adopt(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> FreezeRoute:
+        """Take ``pid`` (and its descendants) as client ``client_id`` without moving it.
+
+        Also for re-adoption after a daemon restart: the route is decided again, since the
+        process's cgroup may have changed while the daemon was down.
+
+        Raises:
+            PauserError: the process is gone, is init or the daemon, or belongs to another uid
+                than ``owner_uid``.
+        """
+        check_client_id(client_id)
+        check_pid(pid, owner_uid)
+        started = procs.process_start_time(pid)
+        if started is None:
+            raise PauserError(f"cannot adopt pid {pid}: no such process")
+        route = freeze_route(pid, [pid, *procs.descendants(pid)], self._mount)
+        self._adopted[client_id] = _Adopted(pid, started, route)
+        log.info("pauser_adopted", client_id=client_id, pid=pid, route=route.reason)
+        return route
+
+    def route(self, client_id: str) -> FreezeRoute | None:
+        """How an adopted client is paused; ``None`` for a launched (or unknown) client."""
+        found = self._adopted.get(client_id)
+        return found.route if found is not None else None
+
+    def mechanism_of(self, client_id: str) -> PauseMechanism:
+        """The mechanism that pauses this client (the inner pauser's for a launched one)."""
+        found = self._adopted.get(client_id)
+        return found.route.mechanism if found is not None else self.inner.mechanism
+
+    def _members(self, a: _Adopted) -> list[int]:
+        if a.route.cgroup is not None:
+            return sorted(set(walk_pids(a.route.cgroup)))
+        if not procs.is_same_process(a.pid, a.start_time):
+            return []
+        return [a.pid, *procs.descendants(a.pid)]
+
+    def _freeze_adopted(self, client_id: str, a: _Adopted) -> None:
+        if a.route.cgroup is not None:
+            self._write_freeze(a.route.cgroup, frozen=True)
+            return
+        members = self._members(a)
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + self.signal_wait_s
+        while not all(procs.is_stopped(pid) for pid in members):
+            if time.monotonic() >= deadline:
+                raise FreezeTimeoutError(
+                    f"client {client_id}: pid {a.pid} and its children not stopped after "
+                    f"{self.signal_wait_s} s"
+                )
+            time.sleep(0.001)
+
+    def _thaw_adopted(self, a: _Adopted) -> None:
+        if a.route.cgroup is not None:
+            self._write_freeze(a.route.cgroup, frozen=False)
+            return
+        for pid in self._members(a):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def _write_freeze(self, path: Path, *, frozen: bool) -> None:
+        try:
+            write_value(path / "cgroup.freeze", "1" if frozen else "0")
+        except FileNotFoundError:
+            return  # the unit or container is gone with its processes
+        except OSError as exc:
+            raise PauserError(f"cannot write {path}/cgroup.freeze: {exc.strerror or exc}") from exc
+        want = "1" if frozen else "0"
+        try:
+            reached = wait_event(path / "cgroup.events", "frozen", want, self.freeze_timeout_s)
+        except FileNotFoundError:
+            return
+        if not reached:
+            raise FreezeTimeoutError(
+                f"{path} not {'frozen' if frozen else 'thawed'} after {self.freeze_timeout_s} s"
+            )
+
+    # ------------------------------------------------------------------------- Pauser
+
+    def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
+        """A launched client joins the inner pauser; an adopted one is taken again where it is."""
+        if client_id in self._adopted:
+            self.adopt(client_id, pid, owner_uid=owner_uid)
+        else:
+            self.inner.attach(client_id, pid, owner_uid=owner_uid)
+
+    def open_procs_fd(self, client_id: str) -> int | None:
+        """The inner pauser's pre-exec cgroup handle for a client about to be launched."""
+        opener = getattr(self.inner, "open_procs_fd", None)
+        return opener(client_id) if callable(opener) else None
+
+    def freeze(self, client_id: str) -> None:
+        """Stop the client's processes (its own cgroup's freezer or SIGSTOP for an adopted one)."""
+        found = self._adopted.get(client_id)
+        if found is None:
+            self.inner.freeze(client_id)
+        else:
+            self._freeze_adopted(client_id, found)
+
+    def thaw(self, client_id: str) -> None:
+        """Let the client's processes run again."""
+        found = self._adopted.get(client_id)
+        if found is None:
+            self.inner.thaw(client_id)
+        else:
+            self._thaw_adopted(found)
+
+    def freeze_many(self, client_ids: Sequence[str]) -> None:
+        """Freeze several clients: the launched ones together (the inner pauser's way), then each adopted one."""
+        launched = [c for c in client_ids if c not in self._adopted]
+        many = getattr(self.inner, "freeze_many", None)
+        if callable(many):
+            many(launched)
+        else:
+            for client_id in launched:
+                self.inner.freeze(client_id)
+        for client_id in client_ids:
+            if client_id in self._adopted:
+                self._freeze_adopted(client_id, self._adopted[client_id])
+
+    def thaw_many(self, client_ids: Sequence[str]) -> None:
+        """Thaw several clients."""
+        launched = [c for c in client_ids if c not in self._adopted]
+        many = getattr(self.inner, "thaw_many", None)
+        if callable(many):
+            many(launched)
+        else:
+            for client_id in launched:
+                self.inner.thaw(client_id)
+        for client_id in client_ids:
+            if client_id in self._adopted:
+                self._thaw_adopted(self._adopted[client_id])
+
+    def request_frozen(self, client_ids: Sequence[str], frozen: bool) -> list[str]:
+        """Ask for each client to be frozen (or thawed) without waiting (request gating's path).
+
+        Launched clients through the inner pauser's ``request_frozen`` (its waiting freeze or
+        thaw where it has none); an adopted one by a write of its cgroup's ``cgroup.freeze`` or a
+        SIGSTOP/SIGCONT of its processes, as :meth:`freeze` does but without the wait.
+
+        Returns:
+            The clients that could not be asked (gone, or never attached).
+        """
+        failed: list[str] = []
+        launched = [c for c in client_ids if c not in self._adopted]
+        request = getattr(self.inner, "request_frozen", None)
+        if callable(request):
+            failed += request(launched, frozen)
+        else:
+            for client_id in launched:
+                try:
+                    (self.inner.freeze if frozen else self.inner.thaw)(client_id)
+                except (OSError, PauserError):
+                    failed.append(client_id)
+        for client_id in client_ids:
+            found = self._adopted.get(client_id)
+            if found is None:
+                continue
+            if found.route.cgroup is not None:
+                try:
+                    write_value(found.route.cgroup / "cgroup.freeze", "1" if frozen else "0")
+                except OSError:
+                    failed.append(client_id)
+                continue
+            sig = signal.SIGSTOP if frozen else signal.SIGCONT
+            for pid in self._members(found):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        return failed
+
+    def is_frozen(self, client_id: str) -> bool:
+        """Whether every process of the client is stopped (``False`` when it has none)."""
+        found = self._adopted.get(client_id)
+        if found is None:
+            check = getattr(self.inner, "is_frozen", None)
+            return bool(check(client_id)) if callable(check) else False
+        if found.route.cgroup is not None:
+            try:
+                events = (found.route.cgroup / "cgroup.events").read_text()
+            except FileNotFoundError:
+                return False
+            return "frozen 1" in events.splitlines()
+        members = self._members(found)
+        return bool(members) and all(procs.is_stopped(pid) for pid in members)
+
+    def kill(self, client_id: str) -> None:
+        """SIGKILL every process of the client (an adopted one's cgroup is not removed: not ours)."""
+        found = self._adopted.get(client_id)
+        if found is None:
+            self.inner.kill(client_id)
+            return
+        for pid in self._members(found):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        # A frozen process dies only once it runs again.
+        self._thaw_adopted(found)
+        log.info("adopted_killed", client_id=client_id, pid=found.pid)
+
+    def pids(self, client_id: str) -> Sequence[int]:
+        """The client's live processes."""
+        found = self._adopted.get(client_id)
+        return self.inner.pids(client_id) if found is None else self._members(found)
+
+    def release(self, client_id: str) -> None:
+        """Forget the client; an adopted one is thawed first (released, never left frozen)."""
+        found = self._adopted.pop(client_id, None)
+        if found is None:
+            self.inner.release(client_id)
+            return
+        with contextlib.suppress(PauserError):
+            self._thaw_adopted(found)
+
+    def clients(self) -> dict[str, list[int]]:
+        """Every client (launched and adopted) and its live processes."""
+        listed = getattr(self.inner, "clients", None)
+        out: dict[str, list[int]] = dict(listed()) if callable(listed) else {}
+        out.update({cid: self._members(a) for cid, a in self._adopted.items()})
+        return dict(sorted(out.items()))
