@@ -16,9 +16,10 @@ calls ``gpushare.client.request_started()`` and measures, from just before the d
   process sleeps until the freezes are written and only then reads the events files, so this is
   an upper bound.
 
-The daemon's receiver and gate-timer threads run at nice -10 as the daemon runs them
-(``core.GATE_THREAD_NICE``), and (busy rows) also at nice 0: with 50 spinning offline processes on
-2 cores, a thread at their priority waits for a CPU before it can write anything. Offline processes of two kinds: ``sleeping`` (blocked in a system call most of the time, as a
+The daemon's receiver and gate-timer threads run ``SCHED_FIFO`` as the daemon runs them
+(``[gate] realtime_threads``), and (busy rows) also at nice -10 and 0: with 50 spinning offline
+processes on 2 cores, a thread under the fair scheduler waits for a CPU before it can write
+anything. Offline processes of two kinds: ``sleeping`` (blocked in a system call most of the time, as a
 trainer waiting for its GPU with blocking sync) and ``busy`` (spinning on a CPU, as with spin
 sync; on a 2-core machine 50 of them are 25 runnable tasks per core, a worst case for the
 confirmation). Then ``request_ended()``; the next request starts 5-15 ms after the gate reopened.
@@ -78,11 +79,14 @@ def _ms(ns: list[int]) -> dict[str, float]:
 
 
 def daemon_side(
-    sock: str, base: str, online_pid: int, ids: list[str], nice: int, conn: Connection
+    sock: str, base: str, online_pid: int, ids: list[str], threads: str, conn: Connection
 ) -> None:
     """The daemon's half: receiver + Gatekeeper; reports when each freeze was written."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-    thread_nice = nice if nice != 0 else None
+    # "fifo": SCHED_FIFO as the daemon runs them ([gate] realtime_threads); "-10": nice -10;
+    # "0": as they are.
+    realtime = threads == "fifo"
+    thread_nice = None if threads == "0" else -10
     pauser = CgroupPauser(Path(base))
 
     received = [0]
@@ -102,7 +106,7 @@ def daemon_side(
     gk = Gatekeeper(config, Timed())
     gk.update_clients({"web": GPU}, {GPU: ids}, time.monotonic())
     gk.set_enabled(GPU, True, time.monotonic())
-    gk.start(thread_nice=thread_nice)
+    gk.start(thread_nice=thread_nice, thread_realtime=realtime)
     rejections = Rejections()
 
     def on_inflight(client_id: str, pid: int | None, count: int, now: float) -> str | None:
@@ -120,6 +124,7 @@ def daemon_side(
         allow=SenderLimiter(config.max_datagrams_per_s).allow,
         reject=rejections.reject,
         thread_nice=thread_nice,
+        thread_realtime=realtime,
     )
     rx.start()
     conn.send(("ready", 0))
@@ -156,7 +161,9 @@ def wait_all(fds: list[int], want_frozen: bool, timeout_s: float = 5.0) -> None:
         ep.close()
 
 
-def run_case(kind: str, n: int, nice: int, requests: int, rng: random.Random) -> dict[str, object]:
+def run_case(
+    kind: str, n: int, threads: str, requests: int, rng: random.Random
+) -> dict[str, object]:
     own = own_cgroup()
     assert own is not None
     base = own / f"gpushare-gatebench-{os.getpid()}-{kind}-{n}"
@@ -167,7 +174,9 @@ def run_case(kind: str, n: int, nice: int, requests: int, rng: random.Random) ->
     sock = os.path.join(tmp, "latency.sock")
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe()
-    daemon = ctx.Process(target=daemon_side, args=(sock, str(base), os.getpid(), ids, nice, child))
+    daemon = ctx.Process(
+        target=daemon_side, args=(sock, str(base), os.getpid(), ids, threads, child)
+    )
     fds: list[int] = []
     try:
         for cid in ids:
@@ -204,7 +213,7 @@ def run_case(kind: str, n: int, nice: int, requests: int, rng: random.Random) ->
         return {
             "kind": kind,
             "offline_processes": n,
-            "gate_threads_nice": nice,
+            "gate_threads": threads,
             "written": _ms(written),
             "received_to_written": _ms(inside),
             "confirmed": _ms(confirmed),
@@ -246,8 +255,14 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     load_before = os.getloadavg()
     cases = [
-        run_case(kind, n, nice, args.requests, rng)
-        for kind, nice in (("sleeping", -10), ("busy", -10), ("busy", 0), ("busy-nice10", -10))
+        run_case(kind, n, threads, args.requests, rng)
+        for kind, threads in (
+            ("sleeping", "fifo"),
+            ("busy", "fifo"),
+            ("busy", "-10"),
+            ("busy", "0"),
+            ("busy-nice10", "-10"),
+        )
         for n in (1, 10, 50)
     ]
     results = {
@@ -264,7 +279,7 @@ def main() -> None:
         "cases": cases,
     }
     print(f"request start -> offline frozen ({args.requests} requests per row), ms")
-    print(f"{'offline':>8} {'kind':>11} {'nice':>5} | {'written p50':>11} {'p99':>7} {'max':>7} "
+    print(f"{'offline':>8} {'kind':>11} {'thr':>5} | {'written p50':>11} {'p99':>7} {'max':>7} "
           f"| {'confirmed p50':>13} {'p99':>7} {'max':>7} | {'daemon p50':>10} {'p99':>7}")  # fmt: skip
     for c in cases:
         w, k, d = c["written"], c["confirmed"], c["received_to_written"]
@@ -272,7 +287,7 @@ def main() -> None:
         assert isinstance(k, dict)
         assert isinstance(d, dict)
         print(
-            f"{c['offline_processes']:>8} {c['kind']:>11} {c['gate_threads_nice']:>5} | "
+            f"{c['offline_processes']:>8} {c['kind']:>11} {c['gate_threads']:>5} | "
             f"{w['p50_ms']:>11.3f} "
             f"{w['p99_ms']:>7.3f} {w['max_ms']:>7.3f} | {k['p50_ms']:>13.3f} "
             f"{k['p99_ms']:>7.3f} {k['max_ms']:>7.3f} | {d['p50_ms']:>10.3f} {d['p99_ms']:>7.3f}"

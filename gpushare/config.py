@@ -209,6 +209,7 @@ class GateConfig:
     max_busy: float = _num(0.9, minimum=0.0, maximum=1.0)
     gauge_period_s: float = _duration(0.05, above=True)
     max_datagrams_per_s: int = _num(20_000, minimum=1, maximum=10_000_000)
+    realtime_threads: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -245,6 +245,7 @@ class LatencyReceiver:
             ``inflight.Rejections``); the ``rejected`` counter counts them in any case.
         thread_nice: the receiving thread's nice value (:func:`renice_thread`), so a request
             start is read at once even when offline processes keep every CPU busy.
+        thread_realtime: ``SCHED_FIFO`` for it instead, where allowed (:func:`renice_thread`).
     """
 
     def __init__(
@@ -259,6 +260,7 @@ class LatencyReceiver:
         allow: Callable[[int | None, float], bool] | None = None,
         reject: Callable[..., None] | None = None,
         thread_nice: int | None = None,
+        thread_realtime: bool = False,
     ) -> None:
         self.path = Path(path)
         self.tracker = tracker
@@ -269,6 +271,7 @@ class LatencyReceiver:
         self._allow = allow
         self._reject = reject
         self._thread_nice = thread_nice
+        self._thread_realtime = thread_realtime
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -308,7 +311,8 @@ class LatencyReceiver:
         sock = self._sock
         assert sock is not None
         if self._thread_nice is not None:
-            renice_thread(self._thread_nice)
+            got = renice_thread(self._thread_nice, realtime=self._thread_realtime)
+            log.info("latency_receiver_priority", priority=got)
         cmsg_space = socket.CMSG_SPACE(_UCRED.itemsize * 3)
         while not self._stop.is_set():
             try:
@@ -371,19 +375,34 @@ class LatencyReceiver:
                 self.path.unlink()
 
 
-def renice_thread(nice: int) -> bool:
-    """Give the calling thread (not its process) this nice value; False where not allowed.
+def renice_thread(nice: int, *, realtime: bool = False) -> str:
+    """Raise the calling thread's (not its process's) CPU priority; says what it got.
 
-    Linux keeps a nice value per thread. A thread that mostly sleeps in a receive costs nothing
-    at a higher priority, and gets a CPU ahead of CPU-bound offline processes at nice 0 when it
-    wakes (``bench/gating_latency.py`` measures both).
+    With ``realtime``, ``SCHED_FIFO`` at the lowest real-time priority (1): the thread then runs
+    as soon as it wakes, ahead of every normal task. Otherwise, or where that is refused, the
+    nice value ``nice`` (Linux keeps one per thread). For threads that sleep in a receive or a
+    timer and do little when they wake: ``bench/gating_latency.py`` measured a request start to
+    the freeze written at p99 0.9 ms with 50 spinning offline processes on 2 CPUs under
+    ``SCHED_FIFO``, and 70-100 ms at nice -10 or 0 (the kernel's fair scheduler let the woken
+    thread wait behind them).
+
+    Returns:
+        ``"SCHED_FIFO 1"``, ``"nice N"`` or ``"unchanged"`` (not root).
     """
+    tid = threading.get_native_id()
+    if realtime:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(1))
+        except OSError as exc:
+            log.debug("realtime_thread_refused", error=str(exc))
+        else:
+            return "SCHED_FIFO 1"
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
     except OSError as exc:
         log.debug("renice_thread_refused", nice=nice, error=str(exc))
-        return False
-    return True
+        return "unchanged"
+    return f"nice {nice}"
 
 
 def _credentials(ancdata: Iterable[tuple[int, int, bytes]]) -> tuple[int, int, int] | None:

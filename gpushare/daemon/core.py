@@ -47,9 +47,10 @@ from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
 
 log = structlog.get_logger(__name__)
 
-# The latency receiver and the gate timer run above the offline work they freeze (nice 0): a
-# request start must not wait for a CPU behind spinning offline processes. Only root may lower a
-# nice value; elsewhere the threads stay at 0 (bench/gating_latency.py).
+# The latency receiver and the gate timer run above the offline work they freeze: SCHED_FIFO with
+# [gate] realtime_threads, else this nice value. A request start must not wait for a CPU behind
+# spinning offline processes. Only root may do either; elsewhere the threads stay as they are
+# (bench/gating_latency.py).
 GATE_THREAD_NICE = -10
 # A sender found to be no client is not looked up again for this long (see _start_latency).
 _STRANGER_S = 1.0
@@ -194,8 +195,9 @@ class Daemon:
             allow=SenderLimiter(state.config.gate.max_datagrams_per_s).allow,
             reject=gate.rejections.reject,
             thread_nice=GATE_THREAD_NICE,
+            thread_realtime=state.config.gate.realtime_threads,
         )
-        gate.start(thread_nice=GATE_THREAD_NICE)
+        gate.start(thread_nice=GATE_THREAD_NICE, thread_realtime=state.config.gate.realtime_threads)
         state.gauges.start()
         try:
             rx.start()

@@ -119,6 +119,7 @@ class Gatekeeper:
         # without the daemon's lock (a tick holds it for milliseconds).
         self._online_pids: dict[int, str] = {}
         self._thread_nice: int | None = None
+        self._thread_realtime = False
 
     # ------------------------------------------------------------------------- signals
 
@@ -325,20 +326,22 @@ class Gatekeeper:
 
     # ------------------------------------------------------------------------- the timer
 
-    def start(self, *, thread_nice: int | None = None) -> None:
+    def start(self, *, thread_nice: int | None = None, thread_realtime: bool = False) -> None:
         """Start the thread that opens gates when their hold or a timeout runs out.
 
         Args:
             thread_nice: its nice value (``latency.renice_thread``): a hold of 2 ms ends on time
                 only if the thread gets a CPU when it wakes.
+            thread_realtime: ``SCHED_FIFO`` for it instead, where allowed.
         """
         self._thread_nice = thread_nice
+        self._thread_realtime = thread_realtime
         self._thread = threading.Thread(target=self._run, name="gate-timer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         if self._thread_nice is not None:
-            renice_thread(self._thread_nice)
+            renice_thread(self._thread_nice, realtime=self._thread_realtime)
         with self._lock:
             while not self._stop:
                 now = self._clock()
