@@ -382,9 +382,9 @@ def renice_thread(nice: int, *, realtime: bool = False) -> str:
     as soon as it wakes, ahead of every normal task. Otherwise, or where that is refused, the
     nice value ``nice`` (Linux keeps one per thread). For threads that sleep in a receive or a
     timer and do little when they wake: ``bench/gating_latency.py`` measured a request start to
-    the freeze written at p99 0.9 ms with 50 spinning offline processes on 2 CPUs under
-    ``SCHED_FIFO``, and 70-100 ms at nice -10 or 0 (the kernel's fair scheduler let the woken
-    thread wait behind them).
+    the freeze written at a p99 of about 1 ms with 50 spinning offline processes on 2 CPUs under
+    ``SCHED_FIFO``, and tens of ms to over 100 ms at nice -10 or 0 (the kernel's fair scheduler
+    let the woken thread wait behind them).
 
     Returns:
         ``"SCHED_FIFO 1"``, ``"nice N"`` or ``"unchanged"`` (not root).
