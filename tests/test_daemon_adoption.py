@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +83,12 @@ def _run(started, env: dict[str, str], cgroup: Path | None = None) -> subprocess
         if fd is not None:
             os.close(fd)
     started.append(proc)
+    # Popen returns once the exec has begun; the new image's environment is readable only after
+    # the kernel has laid out its stack (its arguments appear at the same moment).
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{proc.pid}/cmdline").read_bytes() != b"sleep\x0060\x00":
+        assert time.monotonic() < deadline, "sleep did not start"
+        time.sleep(0.005)
     return proc
 
 

@@ -48,9 +48,11 @@ def cg() -> Iterator[Path]:
 def _sleep(started: list[subprocess.Popen[bytes]], **env: str) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(["sleep", "60"], env={"PATH": os.environ["PATH"], **env})
     started.append(proc)
-    # Until it execs, /proc/<pid>/environ is still the forking parent's.
+    # Until it execs, /proc/<pid>/environ is still the forking parent's; and the new image's
+    # environment (like its arguments) is readable only once the kernel has laid out its stack,
+    # after `comm` already says "sleep" and after Popen has returned: wait for the arguments.
     deadline = time.monotonic() + 5
-    while Path(f"/proc/{proc.pid}/comm").read_text().strip() != "sleep":
+    while Path(f"/proc/{proc.pid}/cmdline").read_bytes() != b"sleep\x0060\x00":
         assert time.monotonic() < deadline, "sleep did not start"
         time.sleep(0.005)
     return proc

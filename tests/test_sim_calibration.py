@@ -3,23 +3,21 @@
 * iGniter (``igniter-v100``): latency against the MPS active-thread percentage. The large-batch
   curve (ResNet-50 b32, VGG-19 b16, AlexNet b64) is reproduced within 6 % at every percentage by a
   wide-kernel profile; the small-batch ResNet-50 b4 curve is under-estimated, by at most 25 %.
-* Orion (``mps_example_*``): ResNet-50 b4 inference at Poisson 30 rps next to ResNet-50 b32
-  training under plain MPS: the model's p50 is within a factor 2 (it is lower: the model is
-  gentler on plain MPS than the measurement), its p99 within a factor 2, training throughput
-  within 15 %.
+
+The co-location points (Orion's plain-MPS run, time-slicing and MPS on A100 and T4) are in
+``tests/test_sim_validation.py``.
 """
 
 from __future__ import annotations
 
 import csv
-import json
 from collections import defaultdict
 
 import pytest
 
 from gpushare.sim import data
 from gpushare.sim.gpu import EventLoop, Gpu
-from gpushare.sim.workloads import OfflineTrainer, OnlineServer, percentile, poisson_arrivals
+from gpushare.sim.workloads import OfflineTrainer
 
 ORION = "orion-v100-kernels"
 
@@ -71,35 +69,3 @@ def test_small_batch_curve_underestimated_by_at_most_25_percent() -> None:
         worst = max(worst, 1 - model / real)
     assert worst <= 0.25
     assert worst > 0.05  # the documented gap is real: if the model improves, update the docs
-
-
-def test_orion_plain_mps_colocation_point() -> None:
-    point = json.loads(
-        data.resolve(f"{ORION}/mps_example_resnet50inf_resnet50train_V100.log.json").read_text()
-    )
-    loop = EventLoop()
-    gpu = Gpu(loop, uuid="GPU-cal", index=0)
-    fwd = data.load_profile(f"{ORION}/resnet50_4_fwd.csv")
-    end = 20.0
-    server = OnlineServer("inf", gpu, fwd, poisson_arrivals(30.0, 1, end), sm_pct=100, mem_bytes=0)
-    gpu.attach(server)
-    server.start(loop)
-    train = OfflineTrainer(
-        "train",
-        gpu,
-        data.load_profile(f"{ORION}/resnet50_32_fb1.csv", data.DEFAULT_MERGE_OFFLINE_US),
-        sm_pct=100,
-        mem_bytes=0,
-    )
-    train.priority = 0  # plain MPS: no client priority
-    train.start(0.0)
-    loop.run_until(end)
-    lats = [lat * 1e3 for arr, lat in server.completed if arr >= 1.0]
-    p50, p99 = percentile(lats, 50), percentile(lats, 99)
-    ips = len([t for t in train.iterations if t >= 1.0]) / (end - 1.0)
-    assert 1 / 2 <= p50 / point["p50-latency-0"] <= 2
-    assert 1 / 2 <= p99 / point["p99-latency-0"] <= 2
-    assert ips == pytest.approx(point["throughput-1"], rel=0.15)
-    # "Several times over": a 6.5 ms forward pass at p50 >= 4x, p99 >= 15x its standalone time.
-    assert p50 >= 4 * fwd.total_s * 1e3
-    assert p99 >= 15 * fwd.total_s * 1e3

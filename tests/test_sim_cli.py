@@ -78,6 +78,23 @@ def test_bad_inputs_exit_2_with_the_reason(tmp_path: Path) -> None:
     assert not (tmp_path / "cli-pair.json").exists()
 
 
+def test_a_bad_scenario_among_good_ones_runs_none_of_them(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text(SCENARIO)
+    overloaded = tmp_path / "overloaded.toml"
+    overloaded.write_text(SCENARIO.replace("load = 0.5", "load = 1.2"))
+    missing = tmp_path / "missing.toml"
+    out = tmp_path / "out"
+    runner = CliRunner()
+    for bad in (overloaded, missing):
+        res = runner.invoke(app, ["sim", str(good), str(bad), "--out", str(out)])
+        assert res.exit_code == 2, res.output
+        assert str(bad) in res.output
+        assert not out.exists()  # the good scenario, named first, did not run either
+    res = runner.invoke(app, ["sim", str(good), str(overloaded), "--out", str(out)])
+    assert "online[0].load: must be below 1" in res.output
+
+
 def test_slo_factor_overrides_the_scenarios_slo(tmp_path: Path) -> None:
     from gpushare.cli import sim_cmd
 

@@ -67,6 +67,19 @@ def test_good_scenario_has_defaults_and_config_overrides() -> None:
         (("[[online]]", "[control]\nnot_a_key = 1\n[[online]]"), "control.not_a_key", "unknown"),
         (('name = "inf"', 'name = "inf"\nburst = ["1s", "2s"]'), "online[0].burst", "expected"),
         (('name = "inf"', 'name = "inf"\nburst = ["1s", "0s", 3]'), "online[0].burst", "positive"),
+        (('name = "inf"', 'name = "inf"\nload = -0.5'), "online[0].load", "above 0"),
+        (('name = "inf"', 'name = "inf"\nload = 0'), "online[0].load", "above 0"),
+        (('name = "inf"', 'name = "inf"\nload = 1'), "online[0].load", "below 1"),
+        (('name = "inf"', 'name = "inf"\nload = 2.5'), "online[0].load", "below 1"),
+        (('name = "inf"', 'name = "inf"\nload = "half"'), "online[0].load", "number"),
+        (('name = "inf"', 'name = "inf"\nrps = 400.0'), "online[0].rps", "load of"),
+        (("resnet50_4_fwd.csv", "nope_fwd.csv"), "online[0].profile", "no such data file"),
+        (("orion-v100-kernels/resnet50_4", "nowhere/resnet50_4"), "online[0].profile", "no such"),
+        (
+            ('name = "inf"', 'name = "inf"\narrivals = "azure"\ntrace = "azure-llm-2023/x.csv"'),
+            "online[0].trace",
+            "no such data file",
+        ),
     ],
 )
 def test_bad_scenario_names_the_key(mutation: tuple[str, str], key: str, words: str) -> None:
@@ -101,3 +114,17 @@ def test_not_toml_and_missing_file() -> None:
         scenario.loads("[[online]]\nname='a'\n", "x.toml")
     with pytest.raises(scenario.ScenarioError, match="at least one"):
         scenario.loads("[scenario]\nname='a'\n", "x.toml")
+
+
+def test_physics_keys_parse() -> None:
+    text = GOOD.replace(
+        "[[online]]", '[gpu]\nswitch = "100us"\nwave_scale = 2.0\nlaunch_gap = "5us"\n[[online]]'
+    )
+    text = text.replace('name = "train"', 'name = "train"\nlaunch_blocking = true')
+    sc = scenario.loads(text, "x.toml")
+    assert sc.gpu.switch_s == pytest.approx(100e-6)
+    assert sc.gpu.wave_scale == 2.0
+    assert sc.gpu.launch_gap_s == pytest.approx(5e-6)
+    assert sc.offline[0].launch_blocking and not sc.online[0].launch_blocking
+    with pytest.raises(scenario.ScenarioError, match=r"gpu.wave_scale"):
+        scenario.loads(GOOD.replace("[[online]]", "[gpu]\nwave_scale = 0\n[[online]]", 1), "x.toml")

@@ -119,6 +119,10 @@ class KernelProfile:
     width: tuple[int, ...]
     mem: tuple[float, ...]
     source_kernels: int
+    #: Per chunk, its source kernels as ``(duration_us, sm_usage)``: ``sm_usage`` is Orion's
+    #: ``SM_usage`` uncapped, ``ceil(blocks / blocks_per_sm)`` at the kernel's theoretical
+    #: occupancy, in SMs of the profiled V100; what the wave rule (docs/simulator.md G6) reads.
+    parts: tuple[tuple[tuple[float, int], ...], ...] = ()
 
     @property
     def total_s(self) -> float:
@@ -130,7 +134,10 @@ class KernelProfile:
 
 
 def merge_kernels(
-    rows: list[tuple[float, int, float]], merge_us: float, name: str, sm_count: int
+    rows: list[tuple[float, int, float]] | list[tuple[float, int, float, int]],
+    merge_us: float,
+    name: str,
+    sm_count: int,
 ) -> KernelProfile:
     """Merge runs of consecutive kernels into chunks of at most ``merge_us`` microseconds.
 
@@ -145,21 +152,63 @@ def merge_kernels(
     dur: list[float] = []
     width: list[int] = []
     mem: list[float] = []
+    parts: list[tuple[tuple[float, int], ...]] = []
+    part: list[tuple[float, int]] = []
     acc_d = acc_w = acc_m = 0.0
-    for d_us, w, m in rows:
+    for row in rows:
+        d_us, w, m = row[0], row[1], row[2]
+        # Rows without a raw SM_usage (callers that build profiles by hand): the width in V100 SMs.
+        u = row[3] if len(row) > 3 else round(w * PROFILE_SM_COUNT / sm_count)
         if acc_d > 0.0 and acc_d + d_us > merge_us:
             dur.append(acc_d * 1e-6)
             width.append(max(1, min(sm_count, round(acc_w / acc_d))))
             mem.append(acc_m / acc_d)
+            parts.append(tuple(part))
+            part = []
             acc_d = acc_w = acc_m = 0.0
         acc_d += d_us
         acc_w += min(w, sm_count) * d_us
         acc_m += m * d_us
+        part.append((d_us, u))
     if acc_d > 0.0:
         dur.append(acc_d * 1e-6)
         width.append(max(1, min(sm_count, round(acc_w / acc_d))))
         mem.append(acc_m / acc_d)
-    return KernelProfile(name, tuple(dur), tuple(width), tuple(mem), len(rows))
+        parts.append(tuple(part))
+    return KernelProfile(name, tuple(dur), tuple(width), tuple(mem), len(rows), tuple(parts))
+
+
+def wave_s(part: tuple[tuple[float, int], ...], wave_scale: float = 1.0) -> float:
+    """How long one wave of a chunk's blocks lives, in seconds: the wave rule (G6).
+
+    A kernel of ``SM_usage`` u runs as ``max(1, ceil(wave_scale * u / 80))`` waves of equal length
+    (u is in full-occupancy SMs of the 80-SM V100 it was profiled on, so the count does not
+    depend on the simulated GPU's size). A chunk's wave length is the duration-weighted mean of
+    its kernels' (what a waiter arriving at a random time sees), so a long single-wave kernel
+    merged with short ones keeps most of its weight.
+    """
+    total = 0.0
+    weighted = 0.0
+    for d_us, u in part:
+        waves = max(1, math.ceil(wave_scale * u / PROFILE_SM_COUNT - 1e-9))
+        total += d_us
+        weighted += d_us * d_us / waves
+    return weighted / total * 1e-6 if total > 0.0 else 0.0
+
+
+def wave_tail(part: tuple[tuple[float, int], ...], wave_scale: float = 1.0) -> float:
+    """The fraction of its slots a chunk's last wave fills.
+
+    Below 1 only for a single kernel of several waves whose block count is not a whole number
+    of waves: its tail leaves slots to other clients' blocks (co-residency, G6).
+    """
+    if len(part) != 1:
+        return 1.0
+    w = wave_scale * part[0][1] / PROFILE_SM_COUNT
+    waves = max(1, math.ceil(w - 1e-9))
+    if waves < 2:
+        return 1.0
+    return w - (waves - 1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -177,7 +226,7 @@ def load_profile(
     try:
         with open_text(path) as fh:
             reader = csv.DictReader(fh)
-            rows: list[tuple[float, int, float]] = []
+            rows: list[tuple[float, int, float, int]] = []
             for lineno, row in enumerate(reader, start=2):
                 try:
                     d_us = int(row["Duration"]) / 1000.0
@@ -191,7 +240,7 @@ def load_profile(
                 mem = 1.0 if prof == 0 else 0.0 if prof == 1 else 0.5
                 width = max(1, round(min(blocks, PROFILE_SM_COUNT) * sm_count / PROFILE_SM_COUNT))
                 if d_us > 0:
-                    rows.append((d_us, width, mem))
+                    rows.append((d_us, width, mem, max(1, blocks)))
     except (OSError, UnicodeDecodeError, EOFError) as exc:
         raise DataError(f"cannot read kernel profile {path}: {_why(exc)}") from exc
     if not rows:

@@ -1,27 +1,42 @@
-"""The GPU model: a virtual clock, an event queue, and SMs shared by MPS clients.
+"""The GPU model: a virtual clock, an event queue, and SM slots shared by MPS clients.
 
-A GPU has ``sm_count`` SMs. Every client owns one stream (a PyTorch process issues its kernels in
-order on its default stream), so at most one of its kernels runs at a time. A kernel can use up to
-``width`` SMs; under MPS a client also never holds more than its cap (its active-thread percentage of
-the SMs). When SMs are free they go to the kernels that want them in order of (MPS priority, the time
-the kernel became eligible): a kernel that is running with fewer SMs than it wants grows into SMs as
-they free up (the hardware block scheduler dispatches remaining blocks to any SM with room), a
-kernel that started is never preempted, and it keeps its SMs until it ends.
+A GPU has ``sm_count`` SM slots: one slot is one SM's worth of the resource that limits a kernel's
+occupancy (threads, registers or shared memory). A kernel of width ``w`` (Orion's ``SM_usage``
+capped at the GPU) holds up to ``w`` slots; blocks are spread over every SM, so a narrow kernel
+leaves room on each SM for the blocks of other clients (co-residency), which cost each other
+bandwidth and issue slots (the contention factor below). Every client owns one in-order stream,
+so at most one of its kernels runs at a time; under MPS a client also never holds more than its
+cap (its active-thread percentage of the slots).
 
-A kernel of duration ``d`` (alone, at its full width ``w``) that holds ``g < w`` SMs runs at the rate
-``1 / ((1 - f) + f * w / g)``: an Amdahl-style law whose parallel fraction ``f`` is calibrated on the
-iGniter V100 curves. Co-running kernels of other clients slow it further by a memory-bandwidth
+A kernel runs as waves of blocks (``wave_s`` long each, from :func:`gpushare.sim.data.wave_s`).
+Slots are handed out at dispatch points: when a kernel starts, when one ends, at the end of a
+wave of a kernel that someone of higher priority waits for, and when the partial last wave of a
+kernel that someone of its own priority waits for starts. There the slots go first to the waiting
+work of the highest MPS priority; within one priority the earliest grid's blocks go first and
+later grids get what is left (``share = "fifo"``, the model), or the slots are shared max-min
+fairly (``share = "fair"``, the alternative kept for the sensitivity table). The next kernel of a
+stream whose kernel just ended is served after the others (its dependency resolves while the
+block scheduler refills the slots). A running wave is never preempted; a kernel with a single
+wave keeps its slots until it ends.
+
+A kernel of duration ``d`` (alone, at its full width ``w``) that holds ``g < w`` slots runs at the
+rate ``1 / ((1 - f) + f * w / g)``: an Amdahl-style law whose parallel fraction ``f`` is calibrated
+on the iGniter V100 curves. Co-running kernels of other clients slow it further by a contention
 factor ``1 + beta * e_self * sum_j(g_j / N * e_j)`` with ``e = 0.25 + 0.75 * memory_boundness``.
-Both are evaluated when a kernel starts or grows (see ``docs/simulator.md`` for sources and limits).
+Both are evaluated when a kernel starts or its slots change (``docs/simulator.md``: sources,
+limits).
 
 ``mode = "time_slice"`` models the default compute mode without MPS: one client (context) at a
-time owns the GPU, for ``slice_s`` at least, switching at a kernel boundary after its slice ends.
+time owns the GPU for ``slice_s``; when the slice ends and another context has work, the running
+kernel is preempted mid-flight (compute preemption, Pascal and later), the GPU idles ``switch_s``
+(context save and restore) and the next context resumes where it was stopped.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -32,8 +47,21 @@ GpuMode = Literal["mps", "time_slice"]
 DEFAULT_PARALLEL_FRACTION = 0.95
 #: Memory-bandwidth interference coefficient (docs/simulator.md).
 DEFAULT_BW_BETA = 0.6
-#: Time slice of the default (time-sliced) compute mode; NVIDIA does not document it.
+#: Time slice of the default (time-sliced) compute mode (docs/simulator.md G9).
 DEFAULT_SLICE_S = 0.002
+#: Cost of a context switch under time-slicing (G9): calibrated on three published A100
+#: time-slicing points (3, 5 and 7 saturated clients take 1.109-1.110 x N their time alone, an
+#: 11 % overhead per 2 ms slice; gpushare/data/validation/). Saving and restoring a V100's
+#: register files and shared memory alone (27.5 MiB at ~900 GB/s) would take ~64 us.
+DEFAULT_SWITCH_S = 218e-6
+
+#: A kernel as a stream exposes it: ``(dur_s, width, memory_boundness, wave_s, tail)``; ``tail``
+#: is the fraction of its slots the last of several waves fills (1.0: full, or a single wave).
+Kernel = tuple[float, int, float, float, float]
+#: Sort key of a kernel served after every other candidate at a dispatch point (see _dispatch).
+DEFERRED = 1 << 30
+#: How slots are shared among kernels of one MPS priority (docs/simulator.md G5).
+ShareRule = Literal["fifo", "fair"]
 
 
 class EventLoop:
@@ -75,12 +103,12 @@ class Stream(Protocol):
     #: The stream's :class:`Run` record, reused for each of its kernels (None before the first).
     spare: Run | None
     #: What :meth:`head` returns, as an attribute: the scheduler reads it on every event.
-    nxt: tuple[float, int, float] | None
+    nxt: Kernel | None
     eligible_since: float
     held_max: int
 
-    def head(self) -> tuple[float, int, float] | None:
-        """The next kernel ``(dur_s, width, memory_boundness)`` if one is issued, else None."""
+    def head(self) -> Kernel | None:
+        """The next kernel ``(dur_s, width, memory_boundness, wave_s)`` if issued, else None."""
         ...
 
     def on_kernel_done(self, now: float) -> None:
@@ -90,7 +118,11 @@ class Stream(Protocol):
 
 @dataclass(slots=True, eq=False)
 class Run:
-    """A kernel on the GPU: SMs held, remaining work (fraction of the kernel), progress rate."""
+    """A kernel on the GPU: slots held, remaining work (fraction of the kernel), progress rate.
+
+    ``g == 0`` while ``stream.run is self``: a kernel that gave its slots away between two waves
+    (or was preempted by a context switch) and waits to get some back; it is not in ``Gpu.runs``.
+    """
 
     stream: Stream
     dur_s: float
@@ -98,6 +130,17 @@ class Run:
     mem_e: float
     want: int
     since: float
+    wave_s: float = 0.0
+    #: Start of the kernel's current wave train (its waves end at t0 + k * wave_s).
+    t0: float = 0.0
+    #: Which kernel this record holds now (records are reused; a stale wave event must not match).
+    kseq: int = 0
+    #: Time of the wave-end event armed for this kernel, or -1.
+    wave_at: float = -1.0
+    #: Fraction of its slots the last wave fills (< 1: slots free up when it starts).
+    tail: float = 1.0
+    #: The tail event is armed (or done) for this kernel.
+    tail_armed: bool = False
     g: int = 0
     remaining: float = 1.0
     rate: float = 0.0
@@ -117,6 +160,8 @@ class GpuStats:
     kernels_started: int = 0
     kernels_done: int = 0
     kernels_killed: int = 0
+    wave_yields: int = 0
+    context_switches: int = 0
 
 
 class Gpu:
@@ -134,6 +179,9 @@ class Gpu:
         bw_beta: float = DEFAULT_BW_BETA,
         mode: GpuMode = "mps",
         slice_s: float = DEFAULT_SLICE_S,
+        switch_s: float = DEFAULT_SWITCH_S,
+        wave_scale: float = 1.0,
+        share: ShareRule = "fifo",
     ) -> None:
         self.loop = loop
         self.uuid = uuid
@@ -144,6 +192,18 @@ class Gpu:
         self.beta = bw_beta
         self.mode: GpuMode = mode
         self.slice_s = slice_s
+        self.switch_s = switch_s
+        #: The wave rule's one parameter (docs/simulator.md G6); the clients read it when they
+        #: compute their kernels' wave lengths.
+        self.wave_scale = wave_scale
+        self.share: ShareRule = share
+        self._fair = share == "fair"
+        self._ts = mode == "time_slice"
+        self._switch_until = 0.0
+        # Scratch lists of _dispatch, reused: it runs on almost every event.
+        self._held: list[int] = []
+        self._wants: list[int] = []
+        self._finals: list[int] = []
         self.streams: list[Stream] = []
         self.free = sm_count
         self.runs: list[Run] = []
@@ -185,8 +245,10 @@ class Gpu:
             return 0
         self._account()
         run.version += 1
-        self.free += run.g
-        self.runs.remove(run)
+        if run.g > 0:
+            self.free += run.g
+            self.runs.remove(run)
+            run.g = 0
         stream.run = None
         self.stats.kernels_killed += 1
         self.wake()
@@ -234,6 +296,10 @@ class Gpu:
     def _set_alloc(self, run: Run, g: int, now: float) -> None:
         if run.g:
             run.remaining -= (now - run.last_s) * run.rate
+        else:
+            # Slots again after none (a yielded or preempted kernel): a new train of waves.
+            self.runs.append(run)
+            run.t0 = now
         run.g = g
         run.bw = g * run.mem_e
         run.last_s = now
@@ -259,6 +325,134 @@ class Gpu:
             loop._heap,
             (now + remaining / rate, next(loop._seq), self._complete, (run, run.version)),
         )
+
+    def _release(self, run: Run) -> None:
+        """Take every slot from a running kernel, keeping its progress (it stays the stream's)."""
+        self._account()
+        now = self.loop.now
+        run.remaining -= (now - run.last_s) * run.rate
+        run.last_s = now
+        run.version += 1  # its completion event no longer matches
+        run.wave_at = -1.0  # nor its wave end
+        self.free += run.g
+        run.g = 0
+        run.bw = 0.0
+        self.runs.remove(run)
+
+    def _wave_end(self, arg: tuple[Run, int, float]) -> None:
+        """A wave of a kernel someone waits for ends: its slots are dispatched again (G5, G6)."""
+        run, kseq, at = arg
+        if run.kseq != kseq or run.wave_at != at or run.g == 0 or run.stream.run is not run:
+            return
+        run.wave_at = -1.0
+        if not self._waiter_gains(run):
+            return  # whoever waited was served meanwhile: the blocks go on as they were
+        self._release(run)
+        self.stats.wave_yields += 1
+        self._dispatch()
+
+    def _waiter_gains(self, run: Run) -> bool:
+        """Whether some other stream now waits for slots this kernel would give up (G5)."""
+        p = run.stream.priority
+        fair = self._fair
+        for s in self.streams:
+            if s is run.stream or s.priority > p:
+                continue
+            r = s.run
+            if r is None:
+                if s.nxt is None:
+                    continue
+                has = 0
+            elif r.g < r.want:
+                has = r.g
+            else:
+                continue
+            if s.priority < p or (fair and has + 1 < run.g):
+                return True
+        return False
+
+    def _tail_start(self, arg: tuple[Run, int]) -> None:
+        """A kernel's last, partial wave starts: the slots it leaves empty go to waiting work."""
+        run, kseq = arg
+        if run.kseq != kseq or run.g == 0 or run.stream.run is not run:
+            return
+        g = max(1, math.ceil(run.tail * run.g - 1e-9))
+        if g >= run.g:
+            return
+        self._account()
+        now = self.loop.now
+        # Progress continues at the same rate: the last wave's blocks run as the others did.
+        run.remaining -= (now - run.last_s) * run.rate
+        run.last_s = now
+        self.free += run.g - g
+        run.g = g
+        run.bw = g * run.mem_e
+        run.want = g
+        run.width = g
+        self._dispatch()
+
+    def _arm_waves(self, short: list[tuple[int, int, Stream]]) -> None:
+        """Arm the events at which a waiting kernel may get slots from a running one (G5, G6).
+
+        ``short`` lists ``(priority, slots held, stream)`` of the streams left short of their
+        want. A running kernel gives slots at its next wave end to a waiter of higher priority
+        (its pending blocks are dispatched first). To a waiter of its own priority it gives,
+        under ``share = "fifo"``, only the slots its last, partial wave leaves empty (the
+        earlier grid's blocks are all dispatched before a later grid's); under ``"fair"``, a
+        max-min fair share at its next wave end. Only the earliest useful wave end is armed (the
+        dispatch it triggers arms the next one if someone is still short); nothing is armed
+        when no waiter would gain.
+        """
+        now = self.loop.now
+        heap = self.loop._heap
+        fair = self._fair
+        best: Run | None = None
+        best_t = 0.0
+        for r in self.runs:
+            p = r.stream.priority
+            g = r.g
+            higher = False
+            equal = False
+            for prio, has, s in short:
+                if s is r.stream:
+                    continue
+                if prio < p:
+                    higher = True
+                elif prio == p and (not fair or has + 1 < g):
+                    equal = True
+            if not higher and not equal:
+                continue
+            ws = r.wave_s
+            multi = 0.0 < ws < r.dur_s
+            if not multi:
+                continue  # a single wave: its blocks hold their slots to the kernel's end
+            left = r.remaining - (now - r.last_s) * r.rate
+            end = now + left / r.rate
+            if higher or fair:
+                if r.wave_at >= 0.0:
+                    if best is None or r.wave_at < best_t:
+                        best, best_t = r, r.wave_at
+                else:
+                    t_b = r.t0 + ws * (math.floor((now - r.t0) / ws) + 1.0)
+                    if t_b < end and (best is None or t_b < best_t):
+                        best, best_t = r, t_b
+            if equal and not fair and r.tail < 1.0 and not r.tail_armed:
+                r.tail_armed = True
+                t_tail = end - ws
+                heapq.heappush(
+                    heap,
+                    (
+                        t_tail if t_tail > now else now,
+                        next(self.loop._seq),
+                        self._tail_start,
+                        (r, r.kseq),
+                    ),
+                )
+        if best is not None and best.wave_at < 0.0:
+            best.wave_at = best_t
+            heapq.heappush(
+                heap, (best_t, next(self.loop._seq), self._wave_end, (best, best.kseq, best_t))
+            )
 
     def _complete(self, arg: tuple[Run, int]) -> None:
         run, version = arg
@@ -311,11 +505,10 @@ class Gpu:
             head = stream.nxt
             if head is None:
                 break
-            dur, width, mem = head
+            dur, width, mem, _, _ = head
             g = width if width < cap else cap
             if g > free:
-                g = free
-            if g <= 0:
+                # Short of slots, it would wait on other kernels' waves: the event path's case.
                 break
             slow = 1.0 if g >= width else serial + f * width / g
             if other_bw:
@@ -341,28 +534,29 @@ class Gpu:
         self._dispatch()
 
     def _dispatch(self, completing: Stream | None = None) -> None:
-        """Give free SMs to the kernels that want them, most urgent first.
+        """Give free slots to the kernels that want them (G5).
 
-        One scan collects every stream that wants SMs (an issued kernel not started, or a kernel
-        running below its width); they are served in order of (MPS priority, eligible time).
-        When the only one is the stream whose kernel just completed, its uncontended stretch runs
-        inline first (:meth:`_run_on`). This is the simulator's hot path: the start of a kernel
-        (:meth:`_set_alloc` for a fresh run) is inlined with the same arithmetic, in the same order.
+        One scan collects every stream that wants slots (an issued kernel not started, or a kernel
+        holding fewer than it wants). Priorities are served in order; within one priority, when
+        the free slots do not cover every want, the earliest grid goes first (or, with
+        ``share = "fair"``, they are shared max-min fairly, :meth:`_share`). Whoever is left short waits for the next wave end of a kernel it may
+        take slots from (:meth:`_arm_waves`). When the only candidate is the stream whose kernel
+        just completed, its uncontended stretch runs inline first (:meth:`_run_on`). This is the
+        simulator's hot path: the start of a kernel (:meth:`_set_alloc` for a fresh run) is
+        inlined with the same arithmetic, in the same order.
         """
-        if self.free <= 0:
-            return
         loop = self.loop
         now = loop.now
-        if self.mode == "time_slice":
+        if self._ts:
             allowed = self._time_slice_owner(now)
-            if allowed is None:
+            if allowed is None or self.free <= 0:
                 return
             streams: list[Stream] = [allowed]
             full = self.sm_count
         else:
             streams = self.streams
             full = 0
-        cands: list[tuple[int, float, int, Stream, tuple[float, int, float] | None]] = []
+        cands: list[tuple[int, float, int, Stream, Kernel | None]] = []
         for i, s in enumerate(streams):
             run = s.run
             if run is None:
@@ -373,8 +567,36 @@ class Gpu:
                 cands.append((s.priority, run.since, i, s, None))
         if not cands:
             return
+        if self.free <= 0:
+            if not full:
+                self._arm_waves([(c[0], c[3].run.g if c[3].run else 0, c[3]) for c in cands])
+            return
         if len(cands) > 1:
-            cands.sort()
+            # Insertion sort by (priority, since, index), compared field by field: the same order
+            # as sorting the tuples, without the generic comparison a tuple sort goes through.
+            for a in range(1, len(cands)):
+                c = cands[a]
+                pa = c[0]
+                sa = c[1]
+                ia = c[2]
+                b = a - 1
+                while b >= 0:
+                    d = cands[b]
+                    pb = d[0]
+                    if pb < pa or (pb == pa and (d[1] < sa or (d[1] == sa and d[2] < ia))):
+                        break
+                    cands[b + 1] = d
+                    b -= 1
+                cands[b + 1] = c
+            if completing is not None and completing.run is None:
+                # The next kernel of the stream that just completed one is not dispatchable until
+                # the stream's dependency resolves (microseconds); the block scheduler fills the
+                # freed slots with other clients' pending blocks first, whatever the priorities.
+                for k in range(len(cands)):
+                    if cands[k][3] is completing:
+                        c = cands.pop(k)
+                        cands.append((DEFERRED, c[1], c[2], c[3], c[4]))
+                        break
         elif completing is not None and cands[0][3] is completing and self.fast_path and not full:
             self._run_on(completing)
             head = completing.nxt
@@ -384,31 +606,83 @@ class Gpu:
             now = loop.now
         if now != self._last_change:
             self._account()
+        # What each candidate holds and wants, then what it gets.
+        n = len(cands)
+        held = self._held
+        wants = self._wants
+        finals = self._finals
+        while len(held) < n:
+            held.append(0)
+            wants.append(0)
+            finals.append(0)
+        for k in range(n):
+            _, _, _, s, head = cands[k]
+            run = s.run
+            if run is not None:
+                held[k] = run.g
+                wants[k] = run.want
+            else:
+                assert head is not None
+                held[k] = 0
+                cap = full or s.cap_sms
+                width = head[1]
+                wants[k] = width if width < cap else cap
+            finals[k] = held[k]
+        free = self.free
+        if n == 1:
+            add = wants[0] - held[0]
+            finals[0] = held[0] + (add if add < free else free)
+            free = 0
+        k = 0 if n > 1 else 1
+        while k < n and free > 0:
+            prio = cands[k][0]
+            e = k + 1
+            while e < n and cands[e][0] == prio:
+                e += 1
+            need = 0
+            for m in range(k, e):
+                need += wants[m] - held[m]
+            if need <= free:
+                for m in range(k, e):
+                    finals[m] = wants[m]
+                free -= need
+            elif self._fair:
+                self._share(held, wants, finals, k, e, free)
+                free = 0
+            else:
+                # Left-over rule: the earliest grid's blocks first, later grids what is left.
+                for m in range(k, e):
+                    add = wants[m] - held[m]
+                    if add > free:
+                        add = free
+                    finals[m] = held[m] + add
+                    free -= add
+            k = e
+        short: list[tuple[int, int, Stream]] = []
         runs = self.runs
         stats = self.stats
         heap = loop._heap
         seq = loop._seq
         complete = self._complete
         beta_per_sm = self._beta_per_sm if self.beta > 0.0 else 0.0
-        for _, since, _, s, head in cands:
-            free = self.free
-            if free <= 0:
-                break
+        for k in range(n):
+            prio, since, _, s, head = cands[k]
+            g = finals[k]
+            if g < wants[k]:
+                short.append((s.priority, g, s))
             run = s.run
             if run is not None:
-                g = run.g + free
-                if g > run.want:
-                    g = run.want
-                self.free = free - (g - run.g)
-                self._set_alloc(run, g, now)
+                if g > run.g:
+                    self.free -= g - run.g
+                    self._set_alloc(run, g, now)
+                continue
+            if g <= 0:
                 continue
             assert head is not None
-            dur, width, mem = head
-            cap = full or s.cap_sms
-            want = width if width < cap else cap
+            dur, width, mem, wave, tail = head
+            want = wants[k]
             mem_e = 0.25 + 0.75 * mem
-            g = want if want < free else free
-            self.free = free - g
+            self.free -= g
             # A fresh run (g was 0, remaining 1): _set_alloc inlined, with the same arithmetic.
             # The stream's Run record is reused; its version keeps growing, so an event left
             # over from an earlier kernel never matches.
@@ -422,6 +696,12 @@ class Gpu:
                 run.want = want
                 run.since = since
                 run.remaining = 1.0
+            run.wave_s = wave
+            run.tail = tail
+            run.tail_armed = False
+            run.t0 = now
+            run.kseq += 1
+            run.wave_at = -1.0
             s.run = run
             stats.kernels_started += 1
             run.g = g
@@ -441,32 +721,100 @@ class Gpu:
             if g > s.held_max:
                 s.held_max = g
             heapq.heappush(heap, (now + 1.0 / rate, next(seq), complete, (run, version)))
+        if short and not full:
+            self._arm_waves(short)
+
+    @staticmethod
+    def _share(
+        held: list[int], wants: list[int], finals: list[int], k: int, e: int, free: int
+    ) -> None:
+        """Max-min fair shares of ``free`` slots among candidates ``k..e-1`` of one priority.
+
+        Each ends with ``max(held, min(want, level))`` for the highest level the slots allow;
+        what rounding leaves goes one slot each in candidate order (earliest eligible first).
+        The alternative to the left-over rule (``share = "fair"``): if the work distributor took
+        grids from every client's channel in turn, the blocks dispatched into freed slots would
+        alternate between clients' grids. Orion's V100 point fits it worse (docs/simulator.md).
+        """
+        budget = free
+        for m in range(k, e):
+            budget += held[m]
+        lo = 0
+        hi = 0
+        for m in range(k, e):
+            if wants[m] > hi:
+                hi = wants[m]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            total = 0
+            for m in range(k, e):
+                w = wants[m] if wants[m] < mid else mid
+                total += held[m] if held[m] > w else w
+            if total <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        used = 0
+        for m in range(k, e):
+            w = wants[m] if wants[m] < lo else lo
+            finals[m] = held[m] if held[m] > w else w
+            used += finals[m]
+        left = budget - used
+        for m in range(k, e):
+            if left <= 0:
+                break
+            if finals[m] < wants[m]:
+                finals[m] += 1
+                left -= 1
 
     def _time_slice_owner(self, now: float) -> Stream | None:
-        """The context that may issue to the GPU now under time-slicing (None: wait)."""
+        """The context that may use the GPU now under time-slicing (None: nobody, for now).
+
+        The active context keeps the GPU while it has work and its slice lasts, or while nobody
+        else has work. When its slice is over and another context waits, its running kernel is
+        preempted mid-flight (its progress kept), and the GPU switches round robin to the next
+        context with work, idle for ``switch_s`` while the contexts are saved and restored (G9).
+        """
+        if now < self._switch_until:
+            return None  # a switch is under way; its end is armed
         active = self._active
-        others = [s for s in self.streams if s is not active and s.head() is not None]
-        if active is not None and active in self.streams:
-            busy = active.run is not None or active.head() is not None
-            if busy and (not others or now - self._active_since < self.slice_s):
+        streams = self.streams
+        others = [
+            s for s in streams if s is not active and (s.run is not None or s.nxt is not None)
+        ]
+        if (
+            active is not None
+            and active in streams
+            and (active.run is not None or active.nxt is not None)
+        ):
+            if not others or now - self._active_since < self.slice_s - 1e-12:
                 if others:
                     self._arm_slice_timer(self._active_since + self.slice_s)
                 return active
-            if active.run is not None:
-                return None  # slice over: switch once the running kernel ends
+            run = active.run
+            if run is not None and run.g > 0:
+                if run.remaining - (now - run.last_s) * run.rate <= 1e-9:
+                    return active  # it ends now: its completion, due at this time, switches
+                self._release(run)  # compute preemption: the rest resumes on its next slice
         if not others:
-            return active if active is not None and active.head() is not None else None
-        # Round robin: the next context after the active one in attach order.
-        order = self.streams
-        start = order.index(active) + 1 if active in order else 0
-        for k in range(len(order)):
-            s = order[(start + k) % len(order)]
-            if s is not active and s.head() is not None:
-                self._active = s
-                self._active_since = now
-                self._arm_slice_timer(now + self.slice_s)
-                return s
-        return None  # pragma: no cover - others is non-empty
+            return None
+        start = streams.index(active) + 1 if active in streams else 0
+        nxt = others[0]
+        for k in range(len(streams)):
+            s = streams[(start + k) % len(streams)]
+            if s is not active and (s.run is not None or s.nxt is not None):
+                nxt = s
+                break
+        self._active = nxt
+        self.stats.context_switches += 1
+        cost = self.switch_s
+        self._switch_until = now + cost
+        self._active_since = now + cost
+        if cost > 0.0:
+            self.loop.at(now + cost, self._dispatch_event_slice)
+            return None
+        self._arm_slice_timer(now + self.slice_s)
+        return nxt
 
     def _arm_slice_timer(self, at_s: float) -> None:
         if at_s > self._slice_timer_for:

@@ -124,6 +124,8 @@ class SimNode:
                 bw_beta=g.bw_beta,
                 mode=traits.gpu_mode,
                 slice_s=g.slice_s,
+                switch_s=g.switch_s,
+                wave_scale=g.wave_scale,
             )
             for i in range(g.count)
         ]
@@ -161,6 +163,8 @@ class SimNode:
                     slo_p99_ms=spec.slo_p99_ms,
                     pid=self._next_pid(),
                 )
+                server.launch_blocking = spec.launch_blocking
+                server.launch_gap_s = g.launch_gap_s
                 self.online.append(server)
         if with_offline:
             for spec_off in scenario.offline:
@@ -176,6 +180,8 @@ class SimNode:
                     restartable=spec_off.restartable,
                 )
                 trainer.priority = traits.offline_priority
+                trainer.launch_blocking = spec_off.launch_blocking
+                trainer.launch_gap_s = g.launch_gap_s
                 self.offline.append(trainer)
                 self.submit_at[spec_off.name] = spec_off.submit_s
 

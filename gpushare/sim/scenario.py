@@ -48,6 +48,9 @@ class GpuSpec:
     parallel_fraction: float = 0.95
     bw_beta: float = 0.6
     slice_s: float = 0.002
+    switch_s: float = 218e-6
+    wave_scale: float = 1.0
+    launch_gap_s: float = 10e-6
     merge_online_us: float = data.DEFAULT_MERGE_ONLINE_US
     merge_offline_us: float = data.DEFAULT_MERGE_OFFLINE_US
     start_s: float = 1.0
@@ -75,6 +78,8 @@ class OnlineSpec:
     slo_factor: float = 1.1
     #: Poisson only: ``(at_s, for_s, factor)``, the rate times ``factor`` for a while.
     burst: tuple[float, float, float] | None = None
+    #: ``CUDA_LAUNCH_BLOCKING=1``: one kernel in flight, a launch gap per kernel (W3).
+    launch_blocking: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +93,7 @@ class OfflineSpec:
     pinned_mem_bytes: int | None = None
     restartable: bool = True
     submit_s: float = 1.0
+    launch_blocking: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +221,9 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
             "parallel_fraction",
             "bw_beta",
             "slice",
+            "switch",
+            "wave_scale",
+            "launch_gap",
             "merge_online_us",
             "merge_offline_us",
             "start",
@@ -230,6 +239,9 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
         parallel_fraction=r.number(t, p, "parallel_fraction", d.parallel_fraction, 0.0, 1.0),
         bw_beta=r.number(t, p, "bw_beta", d.bw_beta, 0.0, 10.0),
         slice_s=r.duration(t, p, "slice", default=d.slice_s, above=0.0),
+        switch_s=r.duration(t, p, "switch", default=d.switch_s),
+        wave_scale=r.number(t, p, "wave_scale", d.wave_scale, 0.05, 20.0),
+        launch_gap_s=r.duration(t, p, "launch_gap", default=d.launch_gap_s),
         merge_online_us=r.number(t, p, "merge_online_us", d.merge_online_us, 0.0, 10_000.0),
         merge_offline_us=r.number(t, p, "merge_offline_us", d.merge_offline_us, 0.0, 10_000.0),
         start_s=r.duration(t, p, "start", default=d.start_s),
@@ -261,13 +273,14 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
             "slo_p99_ms",
             "slo_factor",
             "burst",
+            "launch_blocking",
         },
     )
     arrivals = r.string(t, p, "arrivals", default="poisson")
     if arrivals not in ("poisson", "azure", "genai"):
         raise ScenarioError(r.file, p + "arrivals", "expected 'poisson', 'azure' or 'genai'")
     rps = r.opt_number(t, p, "rps", 0.0, 100_000.0)
-    load = r.opt_number(t, p, "load", 0.0, 100.0)
+    load = r.load(t, p)
     if rps is not None and load is not None:
         raise ScenarioError(r.file, p + "rps", "give either rps or load, not both")
     if rps is None and load is None:
@@ -277,9 +290,21 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
         raise ScenarioError(r.file, p + "trace", f"arrivals = '{arrivals}' needs a trace file")
     if trace is not None:
         r.data_file(p + "trace", trace)
+    profile = r.profile(t, p, gpu.merge_online_us, gpu.sm_count)
+    if arrivals == "poisson" and rps is not None:
+        # A steady Poisson rate at or above one request per pass is a queue that never drains:
+        # every latency would grow with the run's length, whatever the policy.
+        pass_s = data.load_profile(profile, gpu.merge_online_us, gpu.sm_count).total_s
+        if rps * pass_s >= 1.0:
+            raise r.err(
+                p + "rps",
+                f"{rps:g} requests/s of {pass_s * 1e3:.2f} ms passes is a load of "
+                f"{rps * pass_s:.2f}: the server would fall behind even alone; "
+                f"give rps below {1.0 / pass_s:.1f} (or a load below 1)",
+            )
     spec = OnlineSpec(
         name=r.string(t, p, "name", required=True),
-        profile=r.profile(t, p, gpu.merge_online_us, gpu.sm_count),
+        profile=profile,
         gpu=r.gpu_index(t, p, gpu),
         arrivals=arrivals,  # type: ignore[arg-type]
         load=load,
@@ -293,6 +318,7 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
         slo_p99_ms=r.opt_number(t, p, "slo_p99_ms", 0.0, 1e9),
         slo_factor=r.number(t, p, "slo_factor", 1.1, 1.0, 1000.0),
         burst=r.burst(t, p) if arrivals == "poisson" else None,
+        launch_blocking=r.boolean(t, p, "launch_blocking", default=False),
     )
     if "burst" in t and arrivals != "poisson":
         raise ScenarioError(r.file, p + "burst", "a burst applies to poisson arrivals only")
@@ -300,7 +326,11 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
 
 
 def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineSpec:
-    r.keys(t, p, {"name", "profile", "gpu", "mem", "pinned_mem", "restartable", "submit"})
+    r.keys(
+        t,
+        p,
+        {"name", "profile", "gpu", "mem", "pinned_mem", "restartable", "submit", "launch_blocking"},
+    )
     pinned = r.size(t, p, "pinned_mem", default=None) if "pinned_mem" in t else None
     return OfflineSpec(
         name=r.string(t, p, "name", required=True),
@@ -310,6 +340,7 @@ def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineS
         pinned_mem_bytes=pinned,
         restartable=r.boolean(t, p, "restartable", default=True),
         submit_s=r.duration(t, p, "submit", default=1.0),
+        launch_blocking=r.boolean(t, p, "launch_blocking", default=False),
     )
 
 
@@ -397,6 +428,24 @@ class _Reader:
         if v <= low:
             raise self.err(p + key, f"must be above {low}", v)
         return v
+
+    def load(self, t: Mapping[str, Any], p: str) -> float | None:
+        """The offered load (arrival rate x pass time alone): a number in (0, 1)."""
+        if "load" not in t:
+            return None
+        v = t["load"]
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            raise self.err(p + "load", "expected a number above 0 and below 1", v)
+        if v <= 0:
+            raise self.err(p + "load", "must be above 0 (a fraction of one server's capacity)", v)
+        if v >= 1:
+            raise self.err(
+                p + "load",
+                "must be below 1: at a load of 1 or more the server falls behind even alone, "
+                "so every latency grows with the run's length; give e.g. 0.5",
+                v,
+            )
+        return float(v)
 
     def boolean(self, t: Mapping[str, Any], p: str, key: str, *, default: bool) -> bool:
         v = t.get(key, default)

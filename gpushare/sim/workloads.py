@@ -23,8 +23,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gpushare.model import ClientClass, ClientState
-from gpushare.sim.data import KernelProfile
-from gpushare.sim.gpu import EventLoop, Gpu, Run
+from gpushare.sim.data import KernelProfile, wave_s, wave_tail
+from gpushare.sim.gpu import EventLoop, Gpu, Kernel, Run
+
+#: How long a cgroup freeze of a busy process takes to stop it (median), and a thaw to restart
+#: it: ``bench/pauser_latency.py`` on this project's CI machine (``cgroup_freeze_busy`` p50
+#: 0.19 ms, p99 0.36 ms; ``cgroup_thaw_busy`` p50 0.12 ms; bench/results/pauser_latency.json).
+FREEZE_S = 0.19e-3
+THAW_S = 0.12e-3
+#: CPU time between two kernels of a client launched with ``CUDA_LAUNCH_BLOCKING=1``: the
+#: framework's per-operator cost plus the launch and the synchronisation, each a few
+#: microseconds; PyTorch's per-op CPU cost is of the order of 10 us (docs/simulator.md W3).
+DEFAULT_LAUNCH_GAP_S = 10e-6
 
 
 def cap_sms(sm_pct: float, sm_count: int) -> int:
@@ -59,7 +69,7 @@ class SimClient:
     run: Run | None = None
     spare: Run | None = None
     #: The next issued kernel not yet started, kept by the subclasses (what ``head()`` returns).
-    nxt: tuple[float, int, float] | None = None
+    nxt: Kernel | None = None
     eligible_since: float = 0.0
     held_max: int = 0
     cap_sms: int = 1
@@ -69,6 +79,10 @@ class SimClient:
     counts: KernelCounts = field(default_factory=KernelCounts)
     #: MPS client priority: online 0, offline 1 (the runner may override it for a baseline).
     priority: int = -1
+    #: Launch-blocking mode (``CUDA_LAUNCH_BLOCKING=1``, issue 14's shallow queue): one kernel in
+    #: flight, each launched ``launch_gap_s`` per source kernel after the previous one ended.
+    launch_blocking: bool = False
+    launch_gap_s: float = DEFAULT_LAUNCH_GAP_S
 
     def __post_init__(self) -> None:
         if self.priority < 0:
@@ -82,8 +96,44 @@ class SimClient:
         self._width = profile.width
         self._mem = profile.mem
         self._n = len(profile)
-        self._kernels = tuple(zip(profile.dur_s, profile.width, profile.mem, strict=True))
+        scale = self.gpu.wave_scale
+        if profile.parts:
+            waves = tuple(wave_s(part, scale) for part in profile.parts)
+            tails = tuple(wave_tail(part, scale) for part in profile.parts)
+        else:  # no per-kernel data: every chunk is one full wave
+            waves = profile.dur_s
+            tails = (1.0,) * len(profile)
+        self._kernels: tuple[Kernel, ...] = tuple(
+            zip(profile.dur_s, profile.width, profile.mem, waves, tails, strict=True)
+        )
+        #: Source kernels per chunk: what launch-blocking mode pays a gap for.
+        self._counts = tuple(len(part) for part in profile.parts) or (1,) * len(profile)
         self.pos = self._n  # no kernel sequence in progress
+        self._gate = 0  # bumped when a sequence is dropped: a pending launch must not fire
+
+    def _present(self, p: int, now: float) -> None:
+        """Make chunk ``p`` the next kernel: at once, or after its launch gaps when blocking."""
+        if not self.launch_blocking:
+            self.nxt = self._kernels[p]
+            self.eligible_since = now
+            return
+        self.nxt = None
+        self.gpu.loop.at(
+            now + self.launch_gap_s * self._counts[p], self._launched_one, (self._gate, p)
+        )
+
+    def _launched_one(self, arg: tuple[int, int]) -> None:
+        gate, p = arg
+        if gate != self._gate or p != self.pos:
+            return
+        self.nxt = self._kernels[p]
+        self.eligible_since = self.gpu.loop.now
+        self.gpu.wake()
+
+    def blocking_cost(self) -> float:
+        """Run time alone in launch-blocking mode over the asynchronous run time alone."""
+        total = self.profile.total_s
+        return (total + self.launch_gap_s * sum(self._counts)) / total if total > 0 else 1.0
 
     def set_limits(self, sm_pct: float) -> None:
         """Apply a new SM percentage (only at a (re)start: MPS fixes it for the client's life)."""
@@ -149,11 +199,10 @@ class OnlineServer(SimClient):
         if self.queue and self.state is ClientState.RUNNING:
             self.current_arrival = self.queue.popleft()
             self.pos = 0
-            self.nxt = self._kernels[0]
-            self.eligible_since = now
+            self._present(0, now)
             self.counts.issued += self._n
 
-    def head(self) -> tuple[float, int, float] | None:
+    def head(self) -> Kernel | None:
         """The next kernel of the request in progress."""
         return self.nxt
 
@@ -166,7 +215,9 @@ class OnlineServer(SimClient):
             self.nxt = None
             self.completed.append((self.current_arrival, now - self.current_arrival))
             self._begin_next(now)
-        else:
+        elif self.launch_blocking:
+            self._present(p, now)
+        else:  # _present inlined: this runs for every kernel
             self.nxt = self._kernels[p]
             self.eligible_since = now
 
@@ -177,6 +228,7 @@ class OnlineServer(SimClient):
         self.counts.discarded += self.gpu.detach(self)
         self.pos = self._n
         self.nxt = None
+        self._gate += 1
         self.queue.clear()
         self.state = ClientState.EXITED
 
@@ -208,6 +260,8 @@ class OfflineTrainer(SimClient):
         )
         self._load_profile(profile)
         self.frozen = False
+        #: A freeze stops the process only ``FREEZE_S`` after it is asked for (W4).
+        self._stops_at = 0.0
         self.held = False
         self.active = False
         #: Completion time of every training iteration.
@@ -224,24 +278,37 @@ class OfflineTrainer(SimClient):
         self.gpu.attach(self)
 
     def _maybe_issue(self, now: float) -> None:
-        if self.active and not self.frozen and self.pos >= self._n:
+        running = not self.frozen or now < self._stops_at
+        if self.active and running and self.pos >= self._n:
             self.pos = 0
-            self.nxt = self._kernels[0]
-            self.eligible_since = now
+            self._present(0, now)
             self.counts.issued += self._n
 
     def set_frozen(self, frozen: bool, now: float) -> None:
-        """Freeze or thaw the CPU side (cgroup freezer); queued kernels are unaffected."""
+        """Freeze or thaw the CPU side (cgroup freezer); kernels already issued still run.
+
+        A freeze stops the process ``FREEZE_S`` after it is asked for (an iteration ending
+        before that still issues the next one); a thawed process issues again ``THAW_S`` later.
+        """
         if frozen == self.frozen:
             return
         self.frozen = frozen
         if self.active and self.state in (ClientState.RUNNING, ClientState.FROZEN):
             self.state = ClientState.FROZEN if frozen else ClientState.RUNNING
-        if not frozen:
-            self._maybe_issue(now)
-            self.gpu.wake()
+        if frozen:
+            self._stops_at = now + FREEZE_S
+        else:
+            self._stops_at = 0.0
+            self.gpu.loop.at(now + THAW_S, self._thawed, self._gate)
 
-    def head(self) -> tuple[float, int, float] | None:
+    def _thawed(self, arg: object) -> None:
+        if arg != self._gate or self.frozen:
+            return
+        now = self.gpu.loop.now
+        self._maybe_issue(now)
+        self.gpu.wake()
+
+    def head(self) -> Kernel | None:
         """The next issued kernel of the current iteration."""
         return self.nxt
 
@@ -254,7 +321,9 @@ class OfflineTrainer(SimClient):
             self.nxt = None
             self.iterations.append(now)
             self._maybe_issue(now)
-        else:
+        elif self.launch_blocking:
+            self._present(p, now)
+        else:  # _present inlined: this runs for every kernel
             self.nxt = self._kernels[p]
             self.eligible_since = now
 
@@ -265,6 +334,7 @@ class OfflineTrainer(SimClient):
         self.counts.discarded += self.gpu.detach(self)
         self.pos = self._n
         self.nxt = None
+        self._gate += 1
         self.active = False
         self.state = state
 
@@ -282,7 +352,7 @@ class ProbeClient:
         self.cap_sms = gpu.sm_count
         self.run: Run | None = None
         self.spare: Run | None = None
-        self.nxt: tuple[float, int, float] | None = None
+        self.nxt: Kernel | None = None
         self.eligible_since = 0.0
         self.held_max = 0
         self.period_s = period_s
@@ -311,13 +381,13 @@ class ProbeClient:
         loop = self._loop
         if not self._pending:
             self._pending = True
-            self.nxt = (self.kernel_s, self.width, 0.0)
+            self.nxt = (self.kernel_s, self.width, 0.0, self.kernel_s, 1.0)
             self._launched = loop.now
             self.eligible_since = loop.now
             self.gpu.wake()
         loop.at(loop.now + self.period_s, self._launch)
 
-    def head(self) -> tuple[float, int, float] | None:
+    def head(self) -> Kernel | None:
         """The probe kernel while one is launched and not yet started."""
         return self.nxt
 

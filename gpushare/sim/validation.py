@@ -1,0 +1,279 @@
+"""The GPU model against published measurements: the validation table of ``docs/simulator.md``.
+
+Each point is a measurement someone published (``gpushare/data/validation/``,
+``gpushare/data/igniter-v100/``, ``gpushare/data/orion-v100-kernels/``) and a small simulation
+of the same set-up. Points are either *calibration* points (a constant of the model was chosen
+from them) or *validation* points (nothing was fitted to them). ``bench/sim_validation.py``
+prints the table; ``tests/test_sim_validation.py`` holds each point to its stated tolerance.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+
+from gpushare.sim import data
+from gpushare.sim.gpu import DEFAULT_SLICE_S, EventLoop, Gpu, GpuMode, ShareRule
+from gpushare.sim.workloads import OfflineTrainer, OnlineServer, percentile, poisson_arrivals
+
+ORION = "orion-v100-kernels"
+POINTS = "validation/points.csv"
+IGNITER = "igniter-v100/latency_vs_mps_thread_pct.csv"
+#: The iGniter curves the run-time law's parallel fraction was fitted on (G7).
+IGNITER_CALIBRATION = (("resnet50", 32), ("vgg19", 16), ("alexnet", 64))
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One published measurement of several identical clients sharing a GPU."""
+
+    id: str
+    sharing: str
+    gpu: str
+    sms: int
+    workload: str
+    clients: int
+    measured_alone: float
+    measured_shared: float
+    unit: str
+    metric: str
+    source: str
+
+    @property
+    def ratio(self) -> float:
+        """Shared over alone, as measured."""
+        return self.measured_shared / self.measured_alone
+
+
+def load_points() -> dict[str, Point]:
+    """The published co-location points, by id."""
+    out: dict[str, Point] = {}
+    with data.resolve(POINTS).open(newline="") as fh:
+        for row in csv.DictReader(fh):
+            out[row["id"]] = Point(
+                id=row["id"],
+                sharing=row["sharing"],
+                gpu=row["gpu"],
+                sms=int(row["sms"]),
+                workload=row["workload"],
+                clients=int(row["clients"]),
+                measured_alone=float(row["measured_alone"]),
+                measured_shared=float(row["measured_shared"]),
+                unit=row["unit"],
+                metric=row["metric"],
+                source=row["source"],
+            )
+    return out
+
+
+def switch_cost_from(points: list[Point], slice_s: float = DEFAULT_SLICE_S) -> float:
+    """The context-switch cost that explains time-slicing points of N saturated clients.
+
+    Under time-slicing each of N clients that always have work gets one slice in N, and every
+    slice costs a switch, so its time shared is ``N x (1 + switch / slice)`` its time alone:
+    the switch cost is ``slice x mean(ratio / N - 1)`` over the points.
+    """
+    return slice_s * statistics.fmean(p.ratio / p.clients - 1.0 for p in points)
+
+
+def closed_loop_ratio(
+    profile: data.KernelProfile,
+    clients: int,
+    *,
+    mode: GpuMode,
+    sm_count: int,
+    iterations: int = 3,
+    **gpu: float,
+) -> float:
+    """Mean time of a pass when ``clients`` copies run back to back, over the time alone."""
+    loop = EventLoop()
+    g = Gpu(loop, uuid="GPU-val", index=0, sm_count=sm_count, mode=mode, **gpu)  # type: ignore[arg-type]
+    jobs = []
+    for k in range(clients):
+        job = OfflineTrainer(f"c{k}", g, profile, sm_pct=100, mem_bytes=0)
+        job.priority = 0
+        job.start(0.0)
+        jobs.append(job)
+    horizon = profile.total_s * clients * 4.0 * iterations
+    loop.run_until(horizon)
+    firsts = []
+    for job in jobs:
+        done = job.iterations[:iterations]
+        assert len(done) == iterations, "horizon too short for the requested iterations"
+        firsts.append(done[-1] / iterations)
+    return statistics.fmean(firsts) / profile.total_s
+
+
+def spin_kernel(seconds: float) -> data.KernelProfile:
+    """One kernel of one block (a single thread spinning), as in the T4 test program."""
+    return data.merge_kernels([(seconds * 1e6, 1, 0.0, 1)], 0.0, "spin", 40)
+
+
+@dataclass(frozen=True, slots=True)
+class OrionRun:
+    """The model's run of Orion's plain-MPS co-location point."""
+
+    p50_ms: float
+    p99_ms: float
+    train_it_s: float
+
+
+def orion_point(
+    seed: int = 1, *, end_s: float = 20.0, share: ShareRule = "fifo", wave_scale: float = 1.0
+) -> OrionRun:
+    """ResNet-50 b4 inference at Poisson 30 rps next to ResNet-50 b32 training, plain MPS, V100."""
+    loop = EventLoop()
+    gpu = Gpu(loop, uuid="GPU-val", index=0, share=share, wave_scale=wave_scale)
+    fwd = data.load_profile(f"{ORION}/resnet50_4_fwd.csv")
+    arrivals = poisson_arrivals(30.0, seed, end_s)
+    server = OnlineServer("inf", gpu, fwd, arrivals, sm_pct=100, mem_bytes=0)
+    gpu.attach(server)
+    server.start(loop)
+    fb = data.load_profile(f"{ORION}/resnet50_32_fb1.csv", data.DEFAULT_MERGE_OFFLINE_US)
+    train = OfflineTrainer("train", gpu, fb, sm_pct=100, mem_bytes=0)
+    train.priority = 0  # plain MPS: no client priority
+    train.start(0.0)
+    loop.run_until(end_s)
+    lats = [lat * 1e3 for arr, lat in server.completed if arr >= 1.0]
+    its = len([t for t in train.iterations if t >= 1.0]) / (end_s - 1.0)
+    return OrionRun(percentile(lats, 50), percentile(lats, 99), its)
+
+
+def orion_measured() -> OrionRun:
+    """Orion's measured point (``mps_example_*``)."""
+    path = data.resolve(f"{ORION}/mps_example_resnet50inf_resnet50train_V100.log.json")
+    point = json.loads(path.read_text())
+    return OrionRun(point["p50-latency-0"], point["p99-latency-0"], point["throughput-1"])
+
+
+def igniter_curves() -> dict[tuple[str, int], dict[int, float]]:
+    """IGniter's median compute time by (model, batch) and MPS thread percentage."""
+    curves: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    with data.resolve(IGNITER).open(newline="") as fh:
+        for row in csv.DictReader(fh):
+            curves[(row["model"], int(row["batch"]))][int(row["thread_pct"])] = float(
+                row["compute_ms_p50"]
+            )
+    return curves
+
+
+def capped_pass_s(profile: str, pct: float) -> float:
+    """One pass of a profile alone on the simulated V100 under an MPS thread percentage."""
+    loop = EventLoop()
+    gpu = Gpu(loop, uuid="GPU-val", index=0)
+    merge = data.DEFAULT_MERGE_OFFLINE_US if "_fb1" in profile else data.DEFAULT_MERGE_ONLINE_US
+    prof = data.load_profile(profile, merge)
+    job = OfflineTrainer("job", gpu, prof, sm_pct=pct, mem_bytes=0)
+    job.start(0.0)
+    loop.run_until(prof.total_s * 20)
+    return job.iterations[0]
+
+
+def igniter_worst_error(model: str, batch: int, profile: str) -> float:
+    """The model's slowdown under a cap against iGniter's, worst relative error over 10..90 %."""
+    curve = igniter_curves()[(model, batch)]
+    full = capped_pass_s(profile, 100)
+    worst = 0.0
+    for pct in range(10, 100, 10):
+        err = (capped_pass_s(profile, pct) / full) / (curve[pct] / curve[100]) - 1.0
+        if abs(err) > abs(worst):
+            worst = err
+    return worst
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One line of the validation table."""
+
+    id: str
+    role: str  # "calibration" or "validation"
+    what: str
+    measured: float
+    model: float
+    tolerance: str
+
+    @property
+    def error(self) -> float:
+        """Model over measured, minus one."""
+        return self.model / self.measured - 1.0
+
+
+def table(*, orion_seeds: tuple[int, ...] = (1, 2, 3)) -> list[Row]:
+    """Every point, measured against modelled (a few seconds of CPU per Orion seed)."""
+    pts = load_points()
+    rows: list[Row] = []
+    for model, batch in IGNITER_CALIBRATION:
+        err = igniter_worst_error(model, batch, f"{ORION}/resnet50_32_fb1.csv")
+        rows.append(
+            Row(
+                f"igniter-{model}-b{batch}",
+                "calibration",
+                f"iGniter V100 {model} b{batch}: time at 10-90 % threads over 100 % (worst point)",
+                1.0,
+                1.0 + err,
+                "6 %",
+            )
+        )
+    err = igniter_worst_error("resnet50", 4, f"{ORION}/resnet50_4_fwd.csv")
+    rows.append(
+        Row(
+            "igniter-resnet50-b4",
+            "validation",
+            "iGniter V100 resnet50 b4: time at 10-90 % threads over 100 % (worst point)",
+            1.0,
+            1.0 + err,
+            "-25 % .. +5 %",
+        )
+    )
+    runs = [orion_point(s) for s in orion_seeds]
+    real = orion_measured()
+    for attr, what, tol in (
+        ("p50_ms", "Orion V100 plain MPS, ResNet-50 b4 at 30 rps + b32 training: p50 ms", "x3.5"),
+        ("p99_ms", "same: inference p99 ms", "x2"),
+        ("train_it_s", "same: training it/s", "15 %"),
+    ):
+        rows.append(
+            Row(
+                f"orion-mps-{attr.split('_')[0]}",
+                "validation",
+                what,
+                getattr(real, attr),
+                statistics.fmean(getattr(r, attr) for r in runs),
+                tol,
+            )
+        )
+    ts = [pts[k] for k in ("nos-ts-3", "nos-ts-5", "nos-ts-7")]
+    proxy = data.load_profile(f"{ORION}/transformer_xl_4_fwd.csv")
+    for p in ts:
+        rows.append(
+            Row(
+                p.id,
+                "calibration",
+                f"{p.gpu}, {p.clients} x {p.workload}, time-slicing: time over alone",
+                p.ratio,
+                closed_loop_ratio(proxy, p.clients, mode="time_slice", sm_count=p.sms),
+                "3 %",
+            )
+        )
+    for key, mode in (("t4-ts-5", "time_slice"), ("t4-mps-5", "mps")):
+        p = pts[key]
+        rows.append(
+            Row(
+                p.id,
+                "validation",
+                f"{p.gpu}, {p.clients} x {p.workload}, {p.sharing}: time over alone",
+                p.ratio,
+                closed_loop_ratio(
+                    spin_kernel(p.measured_alone),
+                    p.clients,
+                    mode=mode,  # type: ignore[arg-type]
+                    sm_count=p.sms,
+                    iterations=1,
+                ),
+                "15 %",
+            )
+        )
+    return rows
