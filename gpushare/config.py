@@ -350,6 +350,13 @@ def _check_cross_field(config: Config, file: Path | str | None) -> None:
         )
     if control.comfort_ratio > control.violation_ratio:
         raise ConfigError(file, "control.comfort_ratio", "must not exceed control.violation_ratio")
+    if control.policy == "tally-like":
+        raise ConfigError(
+            file,
+            "control.policy",
+            '"tally-like" preempts offline kernels, which MPS cannot do: it exists for '
+            "gpushare sim to compare against; use gpushare (or another policy) on a node",
+        )
     if control.hard_ratio < control.violation_ratio:
         raise ConfigError(file, "control.hard_ratio", "must be at least control.violation_ratio")
     if not control.violation_ratio <= control.cut_ratio <= control.hard_ratio:
