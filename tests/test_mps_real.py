@@ -14,6 +14,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -439,14 +440,17 @@ def test_stale_pipe_dir_is_cleaned(
         "CUDA_MPS_LOG_DIRECTORY": str(s.log_dir),
     }
     stale = subprocess.Popen([str(mps_control), "-f"], env=env, stdout=subprocess.DEVNULL)
+    entries = {"control", "control_privileged", "control_lock", "log"}
     try:
-        _wait_until(lambda: (s.pipe_dir / "log").exists(), 2.0)
+        # The daemon makes the log FIFO before its sockets: wait for all of them (on a loaded
+        # machine the kill could otherwise come between the two).
+        _wait_until(lambda: entries <= {p.name for p in s.pipe_dir.iterdir()}, 5.0)
     finally:
         stale.kill()
         stale.wait()
     # What a SIGKILLed daemon leaves: sockets, the lock file and the log FIFO.
     left = {p.name for p in s.pipe_dir.iterdir()}
-    assert {"control", "control_privileged", "control_lock", "log"} <= left
+    assert entries <= left
     (s.pipe_dir / "nvidia-cuda-mps-control.pid").write_text(str(stale.pid))
     s.start()
     assert not (s.pipe_dir / "nvidia-cuda-mps-control.pid").exists()
@@ -478,7 +482,13 @@ def test_detach_keeps_daemon_for_next_start(make_supervisor: Callable[..., MpsSu
     s = make_supervisor()
     s.start()
     pid = s.child_pid
+    time.sleep(0.5)  # the start's command output is read: only the wake-up can end the select
+    t0 = time.monotonic()
     s.stop(quit_daemon=False)
+    # The output reader sleeps until output or its wake-up pipe; stop wakes it at once instead of
+    # waiting out its 5 s select() fallback.
+    assert time.monotonic() - t0 < 2.5
+    assert not any(t.name.startswith("mps-out-") and t.is_alive() for t in threading.enumerate())
     assert pid is not None
     assert psutil.pid_exists(pid)
     assert s.control.get_default_active_thread_percentage() == 40.0

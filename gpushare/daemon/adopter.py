@@ -33,6 +33,7 @@ import structlog
 from gpushare import adoption, protocol
 from gpushare.adoption import Decision, Rule
 from gpushare.config import AdoptRule, Config
+from gpushare.daemon.factcache import FactCache
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.registry import Registration
 from gpushare.daemon.state import PAUSE_ERRORS, NodeState
@@ -169,6 +170,12 @@ class Adopter:
         facts_of: :func:`gpushare.node.procs.process_facts` (tests pass their own).
         all_pids: :func:`gpushare.node.procs.all_pids`.
         clock: wall-clock seconds, the unit of :attr:`ProcessFacts.start_time`.
+        cache: what the full scan reads through (:mod:`gpushare.daemon.factcache`); by default
+            one reading with ``facts_of``.
+
+    A full scan reads each process in full once and then only checks its ``stat`` (the cache's
+    docstring says what is read again and when), and decides the rules again only when an input of
+    the decision changed: the facts, the rules, the clients, NVML's GPU processes or ``min_age_s``.
     """
 
     def __init__(
@@ -178,12 +185,16 @@ class Adopter:
         facts_of: Callable[..., ProcessFacts | None] = procs.process_facts,
         all_pids: Callable[[], list[int]] = procs.all_pids,
         clock: Callable[[], float] = time.time,
+        cache: FactCache | None = None,
     ) -> None:
         self.min_age_s = min_age_s
         self._facts_of = facts_of
         self._all_pids = all_pids
         self._clock = clock
         self.told: set[str] = set()
+        self.cache = cache if cache is not None else FactCache(facts_of=facts_of)
+        # The inputs, outcome and messages of the last full scan (see scan).
+        self._last: tuple[Any, Outcome, set[str]] | None = None
 
     def scan(
         self,
@@ -204,7 +215,18 @@ class Adopter:
         names = set(adoption.FACT_ENV) | {k for r in rules for k in r.spec.env}
         now = self._clock()
         facts: list[ProcessFacts] = []
-        for pid in self._all_pids() if only is None else sorted(only):
+        if only is None:
+            facts, changed = self.cache.read(
+                self._all_pids(), names, gpu_pids, now=now, min_age_s=self.min_age_s
+            )
+            gpus = None if gpu_pids is None else dict(gpu_pids)  # a copy: the caller's may change
+            inputs = (list(rules), frozenset(clients), gpus, self.min_age_s)
+            last = self._last
+            if not changed and last is not None and last[0] == inputs:
+                # Nothing the decision depends on changed: the same outcome, nothing new to tell.
+                self.told = set(last[2])
+                return replace(last[1], refused=(), idle=())
+        for pid in sorted(only) if only is not None else ():
             f = self._facts_of(pid, names, gpu_pids)
             if f is not None:  # gone (or a kernel thread) while it was read: nothing to adopt
                 facts.append(f)
@@ -263,12 +285,16 @@ class Adopter:
         messages = refused + idle_rules
         new = {m for m in messages if m not in self.told}
         self.told = (self.told if only is not None else set()) | set(messages)
-        return Outcome(
+        outcome = Outcome(
             adopt,
             tuple(m for m in refused if m in new),
             tuple(m for m in idle_rules if m in new),
             len(young - skip),
         )
+        if only is None:
+            # With young processes about, the next scan decides again (they come of age).
+            self._last = (inputs, outcome, set(messages)) if not young else None
+        return outcome
 
 
 def _descendants_of(roots: Collection[int], facts: Sequence[ProcessFacts]) -> set[int]:

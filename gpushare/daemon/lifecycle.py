@@ -92,6 +92,13 @@ class Lifecycle:
             for client_id in set(self.by_pid.values()):
                 if pid in self.s.pauser.pids(client_id):
                     return client_id
+            # pids() may be a few seconds behind a fork (node/cgroups.py); the cgroup pauser can
+            # also name the owner of one pid from its /proc/PID/cgroup.
+            owner_of = getattr(self.s.pauser, "owner_of", None)
+            if callable(owner_of):
+                found = owner_of(pid)
+                if isinstance(found, str) and found in self.by_pid.values():
+                    return found
         return None
 
     def uid_of_client(self, client_id: str) -> int | None:
@@ -377,8 +384,12 @@ class Lifecycle:
             if os.getpgid(rec.pid) == rec.pid:
                 os.killpg(rec.pid, sig)
             else:
-                for pid in self.s.pauser.pids(rec.id) or [rec.pid]:
-                    os.kill(pid, sig)
+                # Every process now: pids() may list one that exited since its last re-read
+                # (node/cgroups.py), and a signal must reach a just-forked one too.
+                members = getattr(self.s.pauser, "members", self.s.pauser.pids)
+                for pid in members(rec.id) or [rec.pid]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
         except ProcessLookupError:
             pass
 

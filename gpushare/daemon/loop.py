@@ -91,6 +91,10 @@ class ControlLoop:
         self._last_watchdog = 0.0
         self._watchdog_s = sd.watchdog_period_s()
         self.ticks = 0
+        # Each client's view and the record it was made from: the registry hands out the same
+        # record object until the client changes, so an unchanged client's view is reused.
+        self._views: dict[str, tuple[ClientRecord, ClientView]] = {}
+        self._synced: Sequence[ClientRecord] = ()  # the records ops.sync last saw
 
     def run(self, max_ticks: int | None = None) -> int:
         """Tick every ``control.period`` until stopped (or ``max_ticks`` ticks); returns 0."""
@@ -135,13 +139,27 @@ class ControlLoop:
             for event in gpu_events:
                 self._record_gpu_event(event)
             records = s.registry.clients()
-            s.ops.sync(self._tracked(records), now)
+            # The registry hands out the same record objects until a client changes, and
+            # ops.sync only acts on clients appearing, ending or queueing (pauses reach ops
+            # from the lifecycle): with every record the one synced last tick, it has nothing
+            # to do.
+            synced = self._synced
+            if len(records) != len(synced) or any(
+                a is not b for a, b in zip(records, synced, strict=True)
+            ):
+                s.ops.sync(self._tracked(records), now)
+                self._synced = records
+            by_gpu: dict[str | None, list[ClientRecord]] = {}
+            for rec in records:
+                by_gpu.setdefault(rec.gpu_uuid, []).append(rec)
+            views = self._views_of(records, now)
             observations: dict[str, Observation] = {}
             self._update_gates(records, now)
             for sample in samples:
                 if not s.shared(sample):
                     continue
-                observations[sample.uuid] = self._tick_gpu(sample, records, gpu_events, now)
+                mine = tuple(views[r.id] for r in by_gpu.get(sample.uuid, ()))
+                observations[sample.uuid] = self._tick_gpu(sample, mine, gpu_events, now)
             if any(r.state is S.QUEUED for r in records):
                 self._admit(observations, now)
             if self.metrics is not None:
@@ -149,12 +167,28 @@ class ControlLoop:
             self._duty_phase(now)
             self.life.kill_overdue(now)
             self.ticks += 1
-        self._report(now)
+            # The STATUS= line counts this tick's clients (a change made by this tick's actions
+            # shows at the next tick, 100 ms on): no second read of the registry every tick.
+            line = self.summary(records)
+        self._report(now, line)
+
+    def _views_of(self, records: Sequence[ClientRecord], now: float) -> dict[str, ClientView]:
+        """Every client's view, made anew only for the records that changed since the last tick."""
+        old = self._views
+        fresh: dict[str, tuple[ClientRecord, ClientView]] = {}
+        for rec in records:
+            known = old.get(rec.id)
+            if known is not None and known[0] is rec:
+                fresh[rec.id] = known
+            else:
+                fresh[rec.id] = (rec, self._view(rec, now))
+        self._views = fresh  # finished clients drop out with their records
+        return {cid: view for cid, (_, view) in fresh.items()}
 
     def _tick_gpu(
         self,
         sample: GpuSample,
-        records: Sequence[ClientRecord],
+        views: tuple[ClientView, ...],
         gpu_events: Sequence[GpuEvent],
         now: float,
     ) -> Observation:
@@ -172,7 +206,6 @@ class ControlLoop:
                     f"mps_{ev.kind.value}", ev.text, severity=severity, gpu_uuid=uuid
                 )
         probe = s.probe.reading(uuid) if s.probe is not None else None
-        views = tuple(self._view(rec, now) for rec in records if rec.gpu_uuid == uuid)
         obs = build_observation(
             sample=sample,
             probe=probe if s.probe is not None else None,
@@ -182,7 +215,13 @@ class ControlLoop:
             mps_state=mps_state,
             mps_events=mps_events,
             gpu_events=gpu_events,
-            client_pids={v.client_id: s.pauser.pids(v.client_id) for v in views if v.pid},
+            # The pids only attribute the GPU memory of the processes NVML lists: none listed,
+            # nothing to attribute, and no pauser look-up per client.
+            client_pids=(
+                {v.client_id: s.pauser.pids(v.client_id) for v in views if v.pid}
+                if sample.processes
+                else {}
+            ),
             probe_mps_slots=1 if s.probe is not None and s.config.probe.enabled else 0,
         )
         obs = replace(obs, gate=s.gate.view(uuid, now))
@@ -345,13 +384,12 @@ class ControlLoop:
 
     # ----------------------------------------------------------------------------- health
 
-    def _report(self, now: float) -> None:
+    def _report(self, now: float, line: str) -> None:
         if not self.ready and self._all_mps_up():
             self.ready = True
-            self._notify("READY=1", sd.status_field(self.summary()))
-            self.s.registry.add_event("daemon_ready", f"ready: {self.summary()}")
+            self._notify("READY=1", sd.status_field(line))
+            self.s.registry.add_event("daemon_ready", f"ready: {line}")
             log.info("daemon_ready")
-        line = self.summary()
         if line != self._status_line:
             self._status_line = line
             self._notify(sd.status_field(line))
@@ -364,15 +402,20 @@ class ControlLoop:
         shared = [x for x in self.s.samples if self.s.shared(x)]
         return all(self.s.mps_states.get(x.uuid) is MpsState.UP for x in shared)
 
-    def summary(self) -> str:
-        """The one-line STATUS= summary."""
+    def summary(self, records: Sequence[ClientRecord] | None = None) -> str:
+        """The one-line STATUS= summary (of ``records``, by default the registry's clients)."""
         s = self.s
         shared = [x for x in s.samples if s.shared(x)]
         up = sum(1 for x in shared if s.mps_states.get(x.uuid) is MpsState.UP)
-        recs = s.registry.clients()
-        online = sum(1 for r in recs if r.cls is ClientClass.ONLINE and r.state.is_live)
-        offline = sum(1 for r in recs if r.cls is ClientClass.OFFLINE and r.state.is_live)
-        queued = sum(1 for r in recs if r.state is S.QUEUED)
+        online = offline = queued = 0
+        for r in s.registry.clients() if records is None else records:
+            if r.state is S.QUEUED:
+                queued += 1
+            elif r.state.is_live:
+                if r.cls is ClientClass.ONLINE:
+                    online += 1
+                else:
+                    offline += 1
         return (
             f"{len(shared)} GPU(s), MPS up {up}/{len(shared)}, {online} online + {offline} "
             f"offline client(s), {queued} queued"

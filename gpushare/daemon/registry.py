@@ -4,6 +4,12 @@ Every change is one transaction; a state change is checked against :data:`ALLOWE
 transaction that writes it and the event that records it, so a crash never leaves a client half
 moved. A database that cannot be opened or fails SQLite's quick check is moved aside (never deleted)
 and a fresh one records an error event naming where the old one went (docs/design.md D6).
+
+The clients that are not in a final state are also held in memory, decoded, so the control loop
+reads them every tick without a query (:meth:`Registry.clients`). SQLite stays the truth: every
+write commits first and only then changes the memory copy, so a crash loses nothing a second
+:class:`Registry` on the same file would not see, and a failed write changes neither. A commit by
+another connection (``PRAGMA data_version`` moves) makes the next read reload the copy.
 """
 
 from __future__ import annotations
@@ -211,6 +217,10 @@ class Registry:
         # Events written since this process opened the registry, by (kind, severity, GPU):
         # the exporter's gpushare_events_total. Kinds are fixed strings of the code: bounded.
         self._event_counts: Counter[tuple[str, str, str]] = Counter()
+        # The live (not final) clients in submission order, as committed; see the module doc.
+        self._live: dict[str, ClientRecord] = {}
+        self._data_version = -1
+        self._sync()
 
     @classmethod
     def open(cls, path: Path) -> Registry:
@@ -291,7 +301,7 @@ class Registry:
     ) -> ClientRecord:
         """Record a new client and a ``client_submitted`` (or ``client_adopted``) event; the id is ``c<number>``."""
         at = time.time() if now is None else now
-        with self._tx() as conn:
+        with self._lock, self._tx() as conn:
             cur = conn.execute(
                 "INSERT INTO clients (id, name, cls, argv, uid, gid, user, gpu_request, gpu_uuid,"
                 " gpu_index, sm_ceiling, sm_pct, mem_bytes, priority, slo_p99_ms, restartable,"
@@ -315,7 +325,8 @@ class Registry:
                 conn, at, kind, "info", client_id, gpu_uuid, f"{cls.value} client {client_id} {text}",
                 None,
             )  # fmt: skip
-            return self._get(conn, client_id)
+            rec = self._get(conn, client_id)
+        return self._committed(rec)
 
     def register(
         self,
@@ -369,7 +380,7 @@ class Registry:
             TransitionError: the move is not in :data:`ALLOWED`, or ``expect`` does not match.
         """
         at = time.time() if now is None else now
-        with self._tx() as conn:
+        with self._lock, self._tx() as conn:
             current = self._get(conn, client_id)
             if expect is not None and current.state is not expect:
                 raise TransitionError(
@@ -391,7 +402,8 @@ class Registry:
                     msg + (f" ({reason})" if reason else ""),
                     {"from": current.state.value, "to": to.value, "reason": reason},
                 )  # fmt: skip
-            return self._get(conn, client_id)
+            rec = self._get(conn, client_id)
+        return self._committed(rec)
 
     def update(self, client_id: str, **updates: Any) -> ClientRecord:
         """Change fields other than the state, in one transaction.
@@ -399,10 +411,11 @@ class Registry:
         Raises:
             RegistryError: no such client or an unknown field.
         """
-        with self._tx() as conn:
+        with self._lock, self._tx() as conn:
             self._get(conn, client_id)
             self._update(conn, client_id, updates)
-            return self._get(conn, client_id)
+            rec = self._get(conn, client_id)
+        return self._committed(rec)
 
     def get(self, client_id: str) -> ClientRecord:
         """One client.
@@ -411,7 +424,9 @@ class Registry:
             RegistryError: no such client.
         """
         with self._lock:
-            return self._get(self._conn, client_id)
+            self._sync()
+            live = self._live.get(client_id)
+            return live if live is not None else self._get(self._conn, client_id)
 
     def find(self, client_id: str) -> ClientRecord | None:
         """One client, or None."""
@@ -421,13 +436,17 @@ class Registry:
             return None
 
     def clients(self, *, include_final: bool = False) -> list[ClientRecord]:
-        """Clients in submission order; by default only those not in a final state."""
-        query = "SELECT * FROM clients"
-        if not include_final:
-            query += " WHERE state NOT IN ('exited', 'failed', 'lost')"
+        """Clients in submission order; by default only those not in a final state.
+
+        The live ones come from memory (no query, nothing decoded); ``include_final`` reads the
+        whole table, as ``gpushare list --all`` does.
+        """
         with self._lock:
-            rows = self._conn.execute(query + " ORDER BY seq").fetchall()
-        return [_record(row) for row in rows]
+            if include_final:
+                rows = self._conn.execute("SELECT * FROM clients ORDER BY seq").fetchall()
+                return [_record(row) for row in rows]
+            self._sync()
+            return list(self._live.values())
 
     def add_event(
         self,
@@ -465,6 +484,31 @@ class Registry:
         with self._lock:
             row = self._conn.execute("SELECT MAX(id) AS m FROM events").fetchone()
         return int(row["m"] or 0)
+
+    def _committed(self, rec: ClientRecord) -> ClientRecord:
+        """Bring the memory copy in line with ``rec``, a row just committed by this connection."""
+        with self._lock:
+            if rec.state.is_final:
+                self._live.pop(rec.id, None)
+            else:
+                # A new client has the highest seq: appending keeps submission order.
+                self._live[rec.id] = rec
+            # Our own commit moved nothing for data_version (it counts other connections'
+            # commits); read it anyway so a commit of another connection just before ours is
+            # not mistaken as seen.
+            self._sync()
+        return rec
+
+    def _sync(self) -> None:
+        """Reload the live clients when another connection committed since the last look."""
+        version = self._conn.execute("PRAGMA data_version").fetchone()[0]
+        if version == self._data_version:
+            return
+        rows = self._conn.execute(
+            "SELECT * FROM clients WHERE state NOT IN ('exited', 'failed', 'lost') ORDER BY seq"
+        ).fetchall()
+        self._live = {row["id"]: _record(row) for row in rows}
+        self._data_version = version
 
     @staticmethod
     def _get(conn: sqlite3.Connection, client_id: str) -> ClientRecord:

@@ -288,6 +288,20 @@ class AdoptingPauser:
         found = self._adopted.get(client_id)
         return self.inner.pids(client_id) if found is None else self._members(found)
 
+    def members(self, client_id: str) -> Sequence[int]:
+        """The client's processes read now (``inner.pids`` may lag a fork; node/cgroups.py)."""
+        found = self._adopted.get(client_id)
+        if found is not None:
+            return self._members(found)
+        members = getattr(self.inner, "members", self.inner.pids)
+        return list(members(client_id))
+
+    def owner_of(self, pid: int) -> str | None:
+        """The launched client whose cgroup holds ``pid``, where the inner pauser can tell."""
+        owner_of = getattr(self.inner, "owner_of", None)
+        found = owner_of(pid) if callable(owner_of) else None
+        return found if isinstance(found, str) else None
+
     def release(self, client_id: str) -> None:
         """Forget the client; an adopted one is thawed first (released, never left frozen)."""
         found = self._adopted.pop(client_id, None)

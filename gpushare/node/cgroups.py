@@ -15,6 +15,15 @@ Limit (docs/design.md §2): a frozen client issues no new GPU work, but kernels 
 
 Where no writable cgroup v2 exists, :class:`SignalPauser` stops and continues the client's process
 group; :func:`make_pauser` picks one of the two and says why.
+
+The control loop asks every tick for each client's processes (:meth:`CgroupPauser.pids`); walking
+every cgroup each time cost the daemon a third of its CPU. The pids are tracked on change
+instead: the kernel reports each change of a client's ``cgroup.events`` (its last process gone,
+its first one in) through one epoll set, which empties or refreshes that client's list at once;
+a fork or an exit that leaves others behind changes no cgroup file, so each list is also re-read
+every ``pids_rescan_s``. Killing and releasing always read the cgroup itself. Without cgroups,
+:class:`SignalPauser` finds a group's members by reading every process's ``/proc/PID/stat``; one
+such pass serves every client, at most every ``pids_rescan_s``.
 """
 
 from __future__ import annotations
@@ -23,12 +32,13 @@ import contextlib
 import errno
 import math
 import os
+import random
 import re
 import select
 import signal
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -51,6 +61,10 @@ DEFAULT_SUBTREE = "gpushare"
 DEFAULT_FREEZE_TIMEOUT_S = 1.0
 DEFAULT_KILL_TIMEOUT_S = 2.0
 DEFAULT_SIGNAL_WAIT_S = 1.0
+# How stale a client's pid list may get when only a fork or a partial exit changed it. Those pids
+# attribute GPU memory to clients and find the client of a latency report; both look at seconds,
+# not ticks (the controller settles over control.quiet_settle = 1 s, shares move every 60 s).
+DEFAULT_PIDS_RESCAN_S = 2.0
 
 # Each round moves what the previous one missed; a workload forking faster than that is pathological.
 _SWEEP_ROUNDS = 5
@@ -223,11 +237,22 @@ def _read_keyed(text: str) -> dict[str, str]:
     return out
 
 
-def _read_pids(path: Path) -> list[int]:
+def _read_pids(path: Path | str) -> list[int]:
     try:
-        return [int(line) for line in path.read_text().split()]
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return []
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except OSError as exc:
+        if exc.errno == errno.ENODEV:  # the cgroup was removed while open
+            return []
+        raise
+    finally:
+        os.close(fd)
+    return [int(x) for x in b"".join(chunks).split()]
 
 
 def _check_pid(pid: int, owner_uid: int | None) -> None:
@@ -268,6 +293,8 @@ class CgroupPauser:
         base: the daemon's subtree; created (one level) if missing.
         freeze_timeout_s: how long :meth:`freeze`/:meth:`thaw` wait for ``cgroup.events``.
         kill_timeout_s: how long :meth:`kill` waits for the cgroup to empty.
+        pids_rescan_s: how old a pid list :meth:`pids` may return when the kernel reported no
+            change of the cgroup (see the module doc).
 
     Raises:
         PauserError: ``base`` cannot be created or is not a cgroup v2 directory.
@@ -281,12 +308,17 @@ class CgroupPauser:
         *,
         freeze_timeout_s: float = DEFAULT_FREEZE_TIMEOUT_S,
         kill_timeout_s: float = DEFAULT_KILL_TIMEOUT_S,
+        pids_rescan_s: float = DEFAULT_PIDS_RESCAN_S,
     ) -> None:
         self.base = base
         self.freeze_timeout_s = freeze_timeout_s
         self.kill_timeout_s = kill_timeout_s
         self._fd_lock = threading.Lock()
         self._freeze_fds: dict[str, int] = {}
+        self.pids_rescan_s = pids_rescan_s
+        self._tracker = _PidTracker(pids_rescan_s)
+        self._paths: dict[str, Path] = {}
+        self._base_rel: str | None = None  # the base as /proc/PID/cgroup writes it
         try:
             base.mkdir(exist_ok=True)
         except OSError as exc:
@@ -298,7 +330,12 @@ class CgroupPauser:
 
     def path(self, client_id: str) -> Path:
         """The client's cgroup directory (whether or not it exists yet)."""
-        return self.base / f"{CLIENT_PREFIX}{check_client_id(client_id)}"
+        # Asked for every client every tick: the checked id and its Path are kept until release.
+        path = self._paths.get(client_id)
+        if path is None:
+            path = self.base / f"{CLIENT_PREFIX}{check_client_id(client_id)}"
+            self._paths[client_id] = path
+        return path
 
     def _existing(self, client_id: str) -> Path:
         path = self.path(client_id)
@@ -341,6 +378,7 @@ class CgroupPauser:
                 ) from exc
             raise PauserError(f"cannot attach pid {pid} to {path}: {exc.strerror or exc}") from exc
         moved = self._sweep_descendants(path, pid)
+        self._tracker.invalidate(client_id)
         log.debug("cgroup_attached", client_id=client_id, pid=pid, descendants_moved=moved)
 
     def open_procs_fd(self, client_id: str) -> int:
@@ -354,6 +392,7 @@ class CgroupPauser:
             PauserError: the cgroup cannot be created or opened.
         """
         path = self.path(client_id)
+        self._tracker.invalidate(client_id)  # the child joins after this returns
         try:
             path.mkdir(exist_ok=True)
             return os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
@@ -537,9 +576,11 @@ class CgroupPauser:
             return  # released concurrently: nothing left to kill
         except OSError as exc:
             raise PauserError(f"cannot kill {path}: {exc}") from exc
+        finally:
+            self._tracker.invalidate(client_id)  # pids() right after a kill reads the cgroup
         if not emptied:
             raise PauserError(
-                f"{path} still has processes {self.pids(client_id)} after SIGKILL "
+                f"{path} still has processes {sorted(_walk_pids(path))} after SIGKILL "
                 f"and {self.kill_timeout_s} s (stuck in the kernel?)"
             )
         log.info("cgroup_killed", client_id=client_id)
@@ -558,8 +599,34 @@ class CgroupPauser:
             time.sleep(0.005)
 
     def pids(self, client_id: str) -> Sequence[int]:
-        """Live processes in the client's cgroup and any sub-cgroup it made (empty without one)."""
+        """Processes in the client's cgroup and any sub-cgroup it made (empty without one).
+
+        Tracked on change (module doc): empty as soon as the kernel reports the cgroup empty; a
+        process forked or exited beside others shows within ``pids_rescan_s``.
+        """
+        return self._tracker.pids(client_id, self.path)
+
+    def members(self, client_id: str) -> list[int]:
+        """The processes in the client's cgroup now, read from the cgroup (for signalling them)."""
         return sorted(_walk_pids(self.path(client_id)))
+
+    def owner_of(self, pid: int) -> str | None:
+        """The client whose cgroup (or a sub-cgroup of it) holds ``pid`` now, from /proc/PID/cgroup.
+
+        One read however many clients there are, and exact where :meth:`pids` may be
+        ``pids_rescan_s`` behind a fork (a latency report from a just-forked worker).
+        """
+        if self._base_rel is None:
+            mount = cgroup2_mount()
+            if mount is None or not _is_within(self.base, mount):
+                return None
+            self._base_rel = "/" + str(self.base.relative_to(mount)).strip("/.")
+        where = own_cgroup_path(Path(f"/proc/{pid}/cgroup"))
+        prefix = self._base_rel.rstrip("/") + "/" + CLIENT_PREFIX
+        if where is None or not where.startswith(prefix):
+            return None
+        client_id = where[len(prefix) :].split("/", 1)[0]
+        return client_id if _CLIENT_ID_RE.match(client_id) else None
 
     def release(self, client_id: str) -> None:
         """Remove the client's (empty) cgroup; nothing to do when it does not exist.
@@ -570,15 +637,18 @@ class CgroupPauser:
         with self._fd_lock:
             self._close_fd(client_id)
         path = self.path(client_id)
+        self._tracker.forget(client_id)
         if not path.is_dir():
+            self._paths.pop(client_id, None)
             return
-        left = self.pids(client_id)
+        left = self.members(client_id)
         if left:
             raise PauserError(f"cannot release {client_id}: processes {left} remain; kill first")
         # Depth first: a client may have created sub-cgroups of its own.
         for sub in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
             _rmdir(sub)
         _rmdir(path)
+        self._paths.pop(client_id, None)
         log.debug("cgroup_released", client_id=client_id)
 
     def clients(self) -> dict[str, list[int]]:
@@ -603,13 +673,118 @@ def _rmdir(path: Path) -> None:
         raise PauserError(f"cannot remove {path}: {exc.strerror or exc}") from exc
 
 
-def _walk_pids(path: Path) -> Iterator[int]:
-    if not path.is_dir():
+def _walk_pids(path: Path | str) -> Iterator[int]:
+    try:
+        with os.scandir(path) as entries:
+            # The directory entry's type (d_type) says which are sub-cgroups: no stat per file.
+            subs = [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
         return
-    yield from _read_pids(path / "cgroup.procs")
-    for sub in path.iterdir():
-        if sub.is_dir():
-            yield from _walk_pids(sub)
+    yield from _read_pids(os.path.join(path, "cgroup.procs"))
+    for sub in subs:
+        yield from _walk_pids(sub)
+
+
+class _PidTracker:
+    """Each client's pid list, re-read when its ``cgroup.events`` changes or it gets too old.
+
+    One epoll set holds an open ``cgroup.events`` per tracked client; the kernel marks it ready
+    (EPOLLPRI) when ``populated`` or ``frozen`` changes, and a read re-arms it. A look at the set
+    costs one ``epoll_wait`` however many clients there are. Every re-read is due again after a
+    random 0.5-1.5 ``rescan_s``, so the re-reads of clients attached together spread out.
+    """
+
+    def __init__(self, rescan_s: float) -> None:
+        self.rescan_s = rescan_s
+        self._lock = threading.Lock()
+        self._epoll: select.epoll | None = None
+        self._fds: dict[str, int] = {}
+        self._by_fd: dict[int, str] = {}
+        self._pids: dict[str, tuple[int, ...]] = {}
+        self._due: dict[str, float] = {}
+        self._drain_at = 0.0
+
+    def pids(self, client_id: str, path_of: Callable[[str], Path]) -> list[int]:
+        with self._lock:
+            now = time.monotonic()
+            if now >= self._drain_at:
+                # Once per millisecond is at once for a loop that ticks every 100 ms, and a tick
+                # asking for every client pays one epoll_wait instead of one per client.
+                self._drain_at = now + 0.001
+                self._drain()
+            known = self._pids.get(client_id)
+            if known is None or now >= self._due.get(client_id, 0.0):
+                path = path_of(client_id)
+                self._watch(client_id, path)
+                known = tuple(sorted(_walk_pids(path)))
+                if not known and not path.is_dir():
+                    self._unwatch(client_id)  # removed under us: stop watching its old file
+                self._pids[client_id] = known
+                self._due[client_id] = now + self.rescan_s * (0.5 + random.random())
+            return list(known)
+
+    def invalidate(self, client_id: str) -> None:
+        with self._lock:
+            self._due.pop(client_id, None)
+
+    def forget(self, client_id: str) -> None:
+        with self._lock:
+            self._pids.pop(client_id, None)
+            self._due.pop(client_id, None)
+            self._unwatch(client_id)
+
+    def close(self) -> None:
+        """Close every watched file and the epoll set."""
+        with self._lock:
+            for client_id in list(self._fds):
+                self._unwatch(client_id)
+            if self._epoll is not None:
+                self._epoll.close()
+                self._epoll = None
+
+    def __del__(self) -> None:
+        # Raw descriptors are not closed by the garbage collector; a pauser dropped without
+        # close() (tests make many) must not leak them.
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _unwatch(self, client_id: str) -> None:
+        fd = self._fds.pop(client_id, None)
+        if fd is None:
+            return
+        self._by_fd.pop(fd, None)
+        if self._epoll is not None:
+            with contextlib.suppress(OSError):
+                self._epoll.unregister(fd)
+        os.close(fd)
+
+    def _watch(self, client_id: str, path: Path) -> None:
+        if client_id in self._fds:
+            return
+        try:
+            fd = os.open(path / "cgroup.events", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return  # no cgroup (yet): re-read at the next rescan, as before tracking
+        if self._epoll is None:
+            self._epoll = select.epoll()
+        # A file just opened reads as changed until its first read; read it before the walk
+        # that follows, so a change after this read is reported and none is lost.
+        with contextlib.suppress(OSError):
+            os.pread(fd, 4096, 0)
+        self._epoll.register(fd, select.EPOLLPRI | select.EPOLLERR)
+        self._fds[client_id] = fd
+        self._by_fd[fd] = client_id
+
+    def _drain(self) -> None:
+        if self._epoll is None or not self._fds:
+            return
+        for fd, _ in self._epoll.poll(0):
+            client_id = self._by_fd.get(fd)
+            if client_id is None:
+                continue
+            with contextlib.suppress(OSError):
+                os.pread(fd, 4096, 0)  # re-arms the notification
+            self._due.pop(client_id, None)
 
 
 def _wait_event(events: Path, key: str, want: str, timeout_s: float) -> bool:
@@ -648,13 +823,21 @@ class SignalPauser:
 
     Args:
         wait_s: how long :meth:`freeze` waits for every member to show state ``T``.
+        pids_rescan_s: how old the member lists :meth:`pids` returns may be. Finding a group's
+            members reads every process's ``/proc/PID/stat``; one pass serves every client, and
+            it is repeated at most this often (the loop asks every tick; module doc).
     """
 
     mechanism: PauseMechanism = PauseMechanism.SIGNAL
 
-    def __init__(self, *, wait_s: float = DEFAULT_SIGNAL_WAIT_S) -> None:
+    def __init__(
+        self, *, wait_s: float = DEFAULT_SIGNAL_WAIT_S, pids_rescan_s: float = DEFAULT_PIDS_RESCAN_S
+    ) -> None:
         self.wait_s = wait_s
+        self.pids_rescan_s = pids_rescan_s
         self._groups: dict[str, int] = {}
+        self._members: dict[int, list[int]] = {}
+        self._members_due = 0.0
 
     def attach(self, client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
         """Remember ``pid``'s process group as the client's (also for re-adoption).
@@ -681,6 +864,7 @@ class SignalPauser:
                 "start clients in a new session (spawn(..., new_session=True))"
             )
         self._groups[client_id] = pgid
+        self._members_due = 0.0  # a new group: the next pids() reads /proc again
         log.debug("signal_attached", client_id=client_id, pid=pid, pgid=pgid)
 
     def open_procs_fd(self, client_id: str) -> None:
@@ -781,6 +965,7 @@ class SignalPauser:
             PauserError: the client is not attached.
         """
         self._signal(client_id, signal.SIGKILL)
+        self._members_due = 0.0
         log.info("signal_killed", client_id=client_id)
 
     def is_frozen(self, client_id: str) -> bool:
@@ -792,7 +977,21 @@ class SignalPauser:
         return bool(members) and all(procs.is_stopped(pid) for pid in members)
 
     def pids(self, client_id: str) -> Sequence[int]:
-        """Live members of the client's process group (empty when not attached)."""
+        """Live members of the client's process group (empty when not attached).
+
+        As of the last pass over /proc, at most ``pids_rescan_s`` old (one pass for every client).
+        """
+        pgid = self._groups.get(client_id)
+        if pgid is None:
+            return []
+        now = time.monotonic()
+        if now >= self._members_due or pgid not in self._members:
+            self._members = procs.groups_members(set(self._groups.values()))
+            self._members_due = now + self.pids_rescan_s
+        return list(self._members.get(pgid, ()))
+
+    def members(self, client_id: str) -> list[int]:
+        """Live members of the client's process group now, from /proc (for signalling them)."""
         pgid = self._groups.get(client_id)
         return [] if pgid is None else procs.group_members(pgid)
 

@@ -25,7 +25,7 @@ import select
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -356,15 +356,26 @@ def descendants(pid: int) -> list[int]:
 
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
-    out: list[int] = []
+    return groups_members([pgid])[pgid]
+
+
+def groups_members(pgids: Iterable[int]) -> dict[int, list[int]]:
+    """Live (non-zombie) members of each process group in ``pgids``, in one pass over /proc."""
+    out: dict[int, list[int]] = {pgid: [] for pgid in pgids}
+    if not out:
+        return out
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         stat = _stat_fields(int(entry.name))
         # fields after "comm": [0] state, [1] ppid, [2] pgrp
-        if stat is not None and int(stat[2]) == pgid and stat[0] != "Z":
-            out.append(int(entry.name))
-    return sorted(out)
+        if stat is not None and stat[0] != "Z":
+            members = out.get(int(stat[2]))
+            if members is not None:
+                members.append(int(entry.name))
+    for members in out.values():
+        members.sort()
+    return out
 
 
 def is_stopped(pid: int) -> bool:
@@ -508,6 +519,43 @@ def process_facts(
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class Stamp(NamedTuple):
+    """What one read of ``/proc/<pid>/stat`` says about a process (:func:`process_stamp`)."""
+
+    name: str
+    ppid: int
+    state: str
+    kernel_thread: bool
+    image: tuple[int, int, int]
+    """Start time (clock ticks since boot) and the address range of the environment: a reused pid
+    has another start time, and an ``exec`` lays out a new environment at another address."""
+
+
+def process_stamp(pid: int) -> Stamp | None:
+    """One read of ``/proc/<pid>/stat``: enough to tell whether cached facts still hold.
+
+    The environment's addresses (fields 50 and 51) read as 0 where the reader may not trace the
+    process; its environment is then unreadable anyway, and the name still changes on ``exec``.
+    """
+    first = _comm_and_stat(pid)
+    if first is None:
+        return None
+    name, stat = first
+    env = (int(stat[47]), int(stat[48])) if len(stat) > 48 else (0, 0)
+    return Stamp(
+        name, int(stat[1]), stat[0], bool(int(stat[6]) & _PF_KTHREAD), (int(stat[19]), *env)
+    )
+
+
+def process_owner(pid: int) -> tuple[int, str | None] | None:
+    """The real uid and cgroup v2 path of ``pid`` (the facts that change without an ``exec``)."""
+    uid = _real_uid(pid)
+    cgroup_text = _read_proc(pid, "cgroup")
+    if uid is None or cgroup_text is None:
+        return None
+    return uid, cgroup_v2_path(cgroup_text.decode())
 
 
 @functools.cache

@@ -178,6 +178,17 @@ class SimulatedPauser:
         """The real process's pids."""
         return self.real.pids(client_id)
 
+    def members(self, client_id: str) -> Sequence[int]:
+        """The real process's pids read now (``pids`` may lag a fork; node/cgroups.py)."""
+        members = getattr(self.real, "members", self.real.pids)
+        return list(members(client_id))
+
+    def owner_of(self, pid: int) -> str | None:
+        """The client whose cgroup holds ``pid``, where the real pauser can tell."""
+        owner_of = getattr(self.real, "owner_of", None)
+        found = owner_of(pid) if callable(owner_of) else None
+        return found if isinstance(found, str) else None
+
     def release(self, client_id: str) -> None:
         """Forget the client and its twin."""
         self.real.release(client_id)

@@ -138,6 +138,7 @@ class MpsSupervisor:
         self._wake = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
         self._reader: threading.Thread | None = None
+        self._reader_wake: int | None = None  # write end of the reader's wake-up pipe
         self._health: threading.Thread | None = None
         self._state = MpsState.DOWN
         self._adopted = False
@@ -424,10 +425,12 @@ class MpsSupervisor:
         self._adopted = False
         self._ui_reply = False
         self._reader_stop = threading.Event()
+        # The reader sleeps in select() until output or this pipe: no wake-up every 100 ms.
+        wake_r, self._reader_wake = os.pipe()
         assert proc.stdout is not None
         self._reader = threading.Thread(
             target=self._read_loop,
-            args=(proc, proc.stdout.fileno(), self._reader_stop),
+            args=(proc, proc.stdout.fileno(), self._reader_stop, wake_r),
             name=f"mps-out-{self.gpu_uuid[:12]}",
             daemon=True,
         )
@@ -486,6 +489,14 @@ class MpsSupervisor:
         if reader is not None and reader is not threading.current_thread():
             reader.join(timeout=5)
         self._reader = None
+        wake, self._reader_wake = self._reader_wake, None
+        if wake is not None:
+            os.close(wake)  # the reader closes its end
+
+    def _wake_reader(self) -> None:
+        if self._reader_wake is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._reader_wake, b"x")
 
     def _quit_daemon(self) -> None:
         timeout = self.config.mps.quit_timeout_s
@@ -515,6 +526,7 @@ class MpsSupervisor:
         self._proc = None
         # Stop the reader before closing its pipe: closing a file another thread reads blocks.
         self._reader_stop.set()
+        self._wake_reader()
         self._join_reader()
         if proc is not None and proc.stdout is not None:
             # The daemon survives a closed stdout (checked on R535) and goes on serving clients.
@@ -523,21 +535,31 @@ class MpsSupervisor:
 
     # Internals: output and events ------------------------------------------------------------
 
-    def _read_loop(self, proc: subprocess.Popen[bytes], fd: int, stop: threading.Event) -> None:
+    def _read_loop(
+        self, proc: subprocess.Popen[bytes], fd: int, stop: threading.Event, wake: int
+    ) -> None:
         pending = b""
-        while not stop.is_set():
-            try:
-                ready, _, _ = select.select([fd], [], [], 0.1)
-                if not ready:
-                    continue
-                chunk = os.read(fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            *lines, pending = (pending + chunk).split(b"\n")
-            for raw in lines:
-                self._handle_line(raw.decode("utf-8", errors="replace"))
+        try:
+            while not stop.is_set():
+                try:
+                    # The timeout only bounds a lost wake-up; stop comes through ``wake``.
+                    ready, _, _ = select.select([fd, wake], [], [], 5.0)
+                    if wake in ready:
+                        if not os.read(wake, 64):
+                            break  # the supervisor closed its end: it is done with this reader
+                        continue  # woken: the loop condition looks at stop
+                    if not ready:
+                        continue
+                    chunk = os.read(fd, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                *lines, pending = (pending + chunk).split(b"\n")
+                for raw in lines:
+                    self._handle_line(raw.decode("utf-8", errors="replace"))
+        finally:
+            os.close(wake)
         if pending and not stop.is_set():
             self._handle_line(pending.decode("utf-8", errors="replace"))
         # EOF: the daemon exited; let the health thread look now.
