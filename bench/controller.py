@@ -157,7 +157,7 @@ def main() -> None:
             "config": {k: v for k, v in asdict(config).items() if not k.startswith("online_mem")},
         },
         "step": step_times(GpushareController(config), per_gpu),
-        "reaction": [reaction(config, r) for r in (1.05, 1.5, 1.99, 2.0, 5.0)],
+        "reaction": [reaction(config, r) for r in (1.02, 1.05, 1.5, 1.99, 2.0, 5.0)],
         "admission": admission_time(rng, per_gpu),
     }
     out = ROOT / "bench" / "results" / "controller.json"

@@ -3,9 +3,12 @@
 Sections of this module:
 
 * the **API socket client** (:class:`ApiClient`): connect to the daemon's Unix socket, say
-  ``hello`` (refusing another API version), then one JSON request per line, and
-* **app-reported latency** (at the end): :func:`report_latency`, which a latency-critical service
-  calls once per request. Its daemon side is :mod:`gpushare.latency`.
+  ``hello`` (refusing another API version), then one JSON request per line,
+* **app-reported latency**: :func:`report_latency`, which a latency-critical service calls once
+  per request. Its daemon side is :mod:`gpushare.latency`, and
+* **request boundaries** (at the end): :func:`request_started`, :func:`request_ended` and the
+  context manager :func:`request`, for request gating (its daemon side is
+  :mod:`gpushare.inflight` and :mod:`gpushare.control.gate`).
 """
 
 from __future__ import annotations
@@ -276,3 +279,129 @@ atexit.register(flush_latency)
 def latency_reports_dropped() -> int:
     """How many reports this process dropped (daemon down, queue full, bad value)."""
     return _latency_dropped
+
+
+# =====================================================================================
+# Request boundaries: services call request_started() / request_ended() around each request
+# (or use ``with request():``), so the daemon can freeze offline work on the GPU exactly while
+# requests are in flight (request gating, docs/controller.md). Wire format, on the latency socket:
+#     {"v": 1, "id": "<GPUSHARE_CLIENT_ID or empty>", "n": <requests in flight in this process>}
+# A datagram goes out at once when the process's count leaves or reaches 0 (the edges gating acts
+# on); changes in between go out at most every FLUSH_INTERVAL_S (for the count `status` shows),
+# and while requests are in flight at least every INFLIGHT_REFRESH_S (a source silent for the
+# daemon's [gate] inflight_timeout stops holding the gate). The daemon credits the datagram to
+# the sending pid (SCM_CREDENTIALS), so each process is its own source.
+# =====================================================================================
+
+INFLIGHT_REFRESH_S = 1.0
+
+_inflight_lock = threading.Lock()
+_inflight_pid: int | None = None
+_inflight = 0
+_inflight_sent_s = -math.inf
+_inflight_sent_n = 0
+_boundaries_dropped = 0
+
+
+def encode_inflight(client_id: str, count: int) -> bytes:
+    """The datagram :func:`request_started` and :func:`request_ended` send."""
+    return json.dumps(
+        {"v": LATENCY_WIRE_VERSION, "id": client_id, "n": count}, separators=(",", ":")
+    ).encode()
+
+
+def _boundary(delta: int) -> None:
+    global _inflight, _inflight_pid, _inflight_sent_s, _inflight_sent_n, _boundaries_dropped
+    pid = os.getpid()
+    with _inflight_lock:
+        if _inflight_pid != pid:
+            # A forked child's requests are its own: it starts from none in flight.
+            _inflight_pid, _inflight, _inflight_sent_s, _inflight_sent_n = pid, 0, -math.inf, 0
+        if delta < 0 and _inflight == 0:
+            _boundaries_dropped += 1  # an end without a start: nothing to tell the daemon
+            return
+        _inflight += delta
+        now = time.monotonic()
+        edge = (_inflight == 0) != (_inflight_sent_n == 0)
+        due = now - _inflight_sent_s >= (
+            FLUSH_INTERVAL_S if _inflight != _inflight_sent_n else INFLIGHT_REFRESH_S
+        )
+        if not (edge or due):
+            return
+        # Sent under the lock: datagrams from one process then reach the daemon in count order.
+        try:
+            payload = encode_inflight(os.environ.get(paths.ENV_CLIENT_ID, ""), _inflight)
+            _socket().sendto(payload, latency_socket_path())
+        except OSError:
+            _boundaries_dropped += 1
+            return
+        _inflight_sent_s, _inflight_sent_n = now, _inflight
+
+
+def request_started() -> None:
+    """Tell the gpushare daemon a request started in this process. Never blocks, never raises.
+
+    While any request is in flight, the daemon may freeze the GPU's offline work (request gating,
+    when the controller has it on for the GPU). Pair every call with :func:`request_ended`, or use
+    :func:`request`. When the daemon is down or its queue is full, the boundary is dropped
+    silently (see :func:`request_boundaries_dropped`).
+    """
+    try:
+        _boundary(+1)
+    except Exception:  # noqa: BLE001 - a service must never fail because gpushare is absent
+        global _boundaries_dropped
+        _boundaries_dropped += 1
+
+
+def request_ended() -> None:
+    """Tell the gpushare daemon a request of this process ended. Never blocks, never raises.
+
+    An end without a start is ignored (counted in :func:`request_boundaries_dropped`).
+    """
+    try:
+        _boundary(-1)
+    except Exception:  # noqa: BLE001 - see request_started
+        global _boundaries_dropped
+        _boundaries_dropped += 1
+
+
+class request:  # noqa: N801 - used as ``with gpushare.client.request():``, like a function
+    """Context manager around one request.
+
+    Calls :func:`request_started` on entry and :func:`request_ended` on exit (also when the body
+    raises).
+
+    Args:
+        report: also :func:`report_latency` the time the body took.
+    """
+
+    __slots__ = ("_report", "_t0")
+
+    def __init__(self, *, report: bool = False) -> None:
+        self._report = report
+        self._t0 = 0.0
+
+    def __enter__(self) -> request:
+        self._t0 = time.monotonic()
+        request_started()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        request_ended()
+        if self._report:
+            report_latency(time.monotonic() - self._t0)
+
+
+def requests_in_flight() -> int:
+    """Requests this process has started and not yet ended."""
+    return _inflight if _inflight_pid == os.getpid() else 0
+
+
+def request_boundaries_dropped() -> int:
+    """How many boundaries this process dropped (daemon down, queue full, end without start)."""
+    return _boundaries_dropped

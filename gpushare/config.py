@@ -152,6 +152,7 @@ class ControlConfig:
     comfort_ratio: float = _num(0.8, minimum=0.0, maximum=1.0, above=True)
     violation_ratio: float = _num(1.0, minimum=0.0, maximum=10.0, above=True)
     hard_ratio: float = _num(2.0, minimum=1.0, maximum=100.0)
+    cut_ratio: float = _num(1.05, minimum=1.0, maximum=100.0)
     probe_slo_ratio: float = _num(1.5, minimum=1.0, maximum=100.0, above=True)
     duty_increase_step: float = _num(0.05, minimum=0.0, maximum=1.0, above=True)
     duty_decrease_factor: float = _num(0.5, minimum=0.0, maximum=1.0)
@@ -194,6 +195,22 @@ class LatencyConfig:
     window_s: float = _duration(2.0, above=True)
     min_samples: int = _num(20, minimum=1, maximum=1_000_000)
     scrape_period_s: float = _duration(1.0, above=True)
+
+
+@dataclass(frozen=True, slots=True)
+class GateConfig:
+    """Request gating: online request boundaries freeze the GPU's gated offline clients.
+
+    ``docs/controller.md`` ("Request gating") justifies each default.
+    """
+
+    hold_s: float = _duration(0.002)
+    inflight_timeout_s: float = _duration(5.0, above=True)
+    busy_window_s: float = _duration(10.0, above=True)
+    max_busy: float = _num(0.9, minimum=0.0, maximum=1.0)
+    gauge_period_s: float = _duration(0.05, above=True)
+    max_datagrams_per_s: int = _num(20_000, minimum=1, maximum=10_000_000)
+    realtime_threads: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +281,7 @@ class Config:
     control: ControlConfig = field(default_factory=ControlConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     latency: LatencyConfig = field(default_factory=LatencyConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     gpus: Mapping[str, GpuOverride] = field(default_factory=dict)
     adopt: tuple[AdoptRule, ...] = (MARKER_RULE,)
@@ -333,8 +351,24 @@ def _check_cross_field(config: Config, file: Path | str | None) -> None:
         )
     if control.comfort_ratio > control.violation_ratio:
         raise ConfigError(file, "control.comfort_ratio", "must not exceed control.violation_ratio")
+    if control.policy == "tally-like":
+        raise ConfigError(
+            file,
+            "control.policy",
+            '"tally-like" preempts offline kernels, which MPS cannot do: it exists for '
+            "gpushare sim to compare against; use gpushare (or another policy) on a node",
+        )
     if control.hard_ratio < control.violation_ratio:
         raise ConfigError(file, "control.hard_ratio", "must be at least control.violation_ratio")
+    if not control.violation_ratio <= control.cut_ratio <= control.hard_ratio:
+        raise ConfigError(
+            file,
+            "control.cut_ratio",
+            "must lie between control.violation_ratio and control.hard_ratio",
+        )
+    if config.gate.hold_s >= config.gate.inflight_timeout_s:
+        # A gate is never closed longer than the timeout after its last signal only so.
+        raise ConfigError(file, "gate.hold", "must be shorter than gate.inflight_timeout")
     for prefix, lo, hi in (
         ("mps.restart_backoff", config.mps.restart_backoff_min_s, config.mps.restart_backoff_max_s),
         ("probe.restart_backoff", config.probe.restart_backoff_min_s,

@@ -192,6 +192,8 @@ class ClientView:
     ``p99_ms`` is the app-reported p99 over the latency window, ``None`` with ``p99_reason`` when
     the client reports nothing. ``guarantee_sm_pct`` and ``ceiling_sm_pct`` are the shares a user
     declared: an offline guarantee is honoured as a duty-cycle floor while online SLOs hold.
+    ``queue`` is an offline client's ``submit --queue`` (``None``: deep) and ``shallow`` whether it
+    runs with a shallow queue now (``CUDA_LAUNCH_BLOCKING=1``, docs/controller.md).
     """
 
     client_id: str
@@ -210,6 +212,8 @@ class ClientView:
     failures: int = 0
     started_at_s: float | None = None
     held: bool = False
+    queue: str | None = None
+    shallow: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +232,31 @@ class QueuedJob:
 
 
 @dataclass(frozen=True, slots=True)
+class GateReading:
+    """A GPU's request gate (docs/controller.md, "Request gating") as the runner measures it.
+
+    Attributes:
+        enabled: gating is on (the last ``SetGating``).
+        closed: requests are in flight (or within the hold) and gating is on: gated offline
+            clients are frozen.
+        inflight: requests in flight now (sources silent for ``[gate] inflight_timeout`` count 0).
+        signalled_clients: live online clients that sent request boundaries or have a gauge.
+        busy_fraction: share of the last ``[gate] busy_window`` with requests in flight (or
+            held), measured whether gating is on or off; ``None`` before a second of history.
+        max_busy: ``[gate] max_busy``, filled in by the runner from the config.
+        closes: how many times the gate closed since the runner started.
+    """
+
+    enabled: bool
+    closed: bool
+    inflight: int
+    signalled_clients: int
+    busy_fraction: float | None
+    max_busy: float = 0.9
+    closes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     """Everything the controller sees of one GPU at one tick, and nothing it must not touch."""
 
@@ -242,6 +271,7 @@ class Observation:
     mem_reserve_bytes: int = 0
     offline_sm_pct_max: float = 100.0
     admissions_open: bool = True
+    gate: GateReading | None = None
 
     def online(self) -> tuple[ClientView, ...]:
         """The live online clients on this GPU."""
@@ -277,6 +307,15 @@ class SetDuty:
 
     gpu_uuid: str
     duty: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetGating:
+    """Turn request gating on or off for a GPU (docs/controller.md, "Request gating")."""
+
+    gpu_uuid: str
+    on: bool
     reason: str
 
 
@@ -343,7 +382,16 @@ class Alert:
 
 
 Action = (
-    Freeze | Thaw | SetDuty | SetOfflineShare | RestartClient | Evict | RecoverMps | Admit | Alert
+    Freeze
+    | Thaw
+    | SetDuty
+    | SetGating
+    | SetOfflineShare
+    | RestartClient
+    | Evict
+    | RecoverMps
+    | Admit
+    | Alert
 )
 
 

@@ -161,6 +161,13 @@ class SubmitRequest:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     latency_from: str | None = None
+    inflight_from: str | None = None
+    queue: str | None = None
+
+
+QUEUE_MODES = ("shallow", "deep", "auto")
+"""``submit --offline --queue``: how many kernels an offline client may have queued on its GPU
+(docs/controller.md, "Shallow offline queues"); ``None`` is ``deep``."""
 
 
 @dataclass(frozen=True, slots=True)

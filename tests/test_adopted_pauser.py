@@ -150,3 +150,17 @@ def test_launched_clients_go_on_to_the_inner_pauser(spawned):
     assert pauser.route("a4") is not None and "a4" not in inner.clients()
     pauser.release("l1")
     assert inner.clients() == {}
+
+
+def test_request_frozen_asks_without_waiting_for_both_routes(leaf, spawned):
+    """Request gating's path: the adopted client's own cgroup written, or its processes signalled."""
+    in_leaf = _start(spawned, ["sleep", "60"], leaf)
+    sharing = _start(spawned, ["sleep", "60"])
+    pauser = AdoptingPauser(SignalPauser())
+    pauser.adopt("a1", in_leaf.pid, owner_uid=os.getuid())
+    pauser.adopt("a2", sharing.pid, owner_uid=os.getuid())
+    assert pauser.request_frozen(["a1", "a2", "nobody"], True) == ["nobody"]
+    assert (leaf / "cgroup.freeze").read_text().strip() == "1"
+    wait_for(lambda: pauser.is_frozen("a1") and pauser.is_frozen("a2"), what="both frozen")
+    assert pauser.request_frozen(["a1", "a2"], False) == []
+    wait_for(lambda: not pauser.is_frozen("a1") and not pauser.is_frozen("a2"), what="thawed")

@@ -72,6 +72,8 @@ def test_bash_completes_commands_client_ids_and_gpus(daemon: DaemonProc) -> None
     want = {str(g["index"]) for g in gpus} | {g["uuid"] for g in gpus}
     assert set(complete("gpushare", "status", "--gpu", "")) == want
     assert "any" in complete("gpushare", "submit", "--gpu", "")
+    assert complete("gpushare", "submit", "--queue", "") == ["shallow", "deep", "auto"]
+    assert complete("gpushare", "submit", "--queue", "sh") == ["shallow"]
     assert "pairs/bert_2_fwd+bert_8_fb1" in complete("gpushare", "sim", "pairs/bert_2_fwd+b")
 
 

@@ -298,7 +298,9 @@ def _after_quiet(app_quiet: float, duty: float = 1.0) -> GpuState:
 
 def test_probe_yields_to_app_latency_when_the_app_slo_has_room() -> None:
     ctl = GpushareController(CFG)
-    probe_over = CFG.probe_slo_ratio * 1.2  # the probe at 1.2x its SLO: a violation on its own
+    # The probe at 1.03x its SLO: a violation on its own, under cut_ratio (1.05), so the duty
+    # halves (at 1.05x and over it would be cut to 0 at once, test_a_clear_breach_cuts_at_once).
+    probe_over = CFG.probe_slo_ratio * 1.03
     calm = observation((online(p99_ms=20.0), offline()), probe_ratio=probe_over)  # app at 0.5x
     # Online alone at 0.5x its SLO and at 0.5x now: the probe yields, the duty holds at 1 (the
     # app signal is comfortable, so after the usual wait it would even grow).
@@ -381,7 +383,7 @@ def test_hard_ratio_freezes_at_once_and_duty_is_sent_only_on_change() -> None:
 def test_multiplicative_decrease_then_additive_increase_with_hysteresis() -> None:
     ctl = GpushareController(CFG)
     base = observation((online(), offline()))
-    over = with_p99(base, 44.0)  # 1.1 x SLO: over violation, under hard
+    over = with_p99(base, 41.0)  # 1.025 x SLO: over violation, under cut_ratio (1.05)
     band = with_p99(base, 36.0)  # 0.9 x SLO: inside the comfort band
     calm = with_p99(base, 20.0)  # 0.5 x SLO
     state, ticks = run(ctl, [over, over, band, band, calm, calm, calm, calm, calm, calm])
@@ -389,9 +391,28 @@ def test_multiplicative_decrease_then_additive_increase_with_hysteresis() -> Non
     assert state.duty == 0.35
 
 
+def test_a_clear_breach_cuts_the_duty_at_once() -> None:
+    """At cut_ratio (1.05x) and over, the duty goes to 0 within the tick (issue 14: the freeze
+    lags by the offline queue, so halving over five ticks came too late), and the duty that broke
+    the SLO is remembered for slow probing, as after a halving."""
+    ctl = GpushareController(CFG)
+    base = observation((online(), offline()))
+    state, ticks = run(ctl, [base] * 3)
+    assert state.duty == 1.0
+    state, ticks = run(ctl, [with_p99(base, 40.0 * CFG.cut_ratio)], state)
+    (set_duty,) = [a for t in ticks for a in t if isinstance(a, SetDuty)]
+    assert set_duty.duty == 0.0
+    assert "cut ratio" in set_duty.reason
+    assert state.breach_duty == 1.0
+    # Just under it: the multiplicative decrease as before.
+    state, ticks = run(ctl, [with_p99(base, 40.0 * 1.04)])
+    assert duties(ticks)[-1] == 0.5
+
+
 def test_probe_is_a_signal_beside_app_latency() -> None:
     ctl = GpushareController(CFG)
-    obs = observation((online(slo_ms=None, p99_ms=None), offline()), probe_ratio=1.6)
+    # 1.53 / probe_slo_ratio 1.5 = 1.02x the probe's SLO: a violation under cut_ratio.
+    obs = observation((online(slo_ms=None, p99_ms=None), offline()), probe_ratio=1.53)
     _, actions = ctl.step(ctl.initial_state(GPU, 0.0), obs, 0.0)
     (set_duty,) = [a for a in actions if isinstance(a, SetDuty)]
     assert set_duty.duty == 0.5 and "probe" in set_duty.reason
@@ -602,7 +623,7 @@ def test_increases_are_cautious_above_half_the_duty_that_broke_the_slo() -> None
     cfg = ControlConfig(slow_increase_after_ticks=30)
     ctl = GpushareController(cfg)
     base = observation((online(), offline()))
-    over = with_p99(base, 44.0)  # 1.1 x SLO
+    over = with_p99(base, 41.0)  # 1.025 x SLO: halvings (under cut_ratio)
     calm = with_p99(base, 20.0)
     state, _ = run(ctl, [over] * cfg.freeze_after_ticks)  # broke at duty 1: frozen
     assert state.duty == 0.0 and state.breach_duty == 1.0
@@ -749,7 +770,7 @@ def test_lost_gpu_alerts_once_and_decides_nothing() -> None:
 @pytest.mark.parametrize("ticks", [1, 3, 8])
 def test_freeze_after_ticks_bounds_a_slow_decrease(ticks: int) -> None:
     ctl = GpushareController(ControlConfig(duty_decrease_factor=1.0, freeze_after_ticks=ticks))
-    over = observation((online(p99_ms=44.0), offline()))
+    over = observation((online(p99_ms=41.0), offline()))  # under cut_ratio: no cut at once
     state, out = run(ctl, [over] * ticks)
     assert state.duty == 0.0
     state, out = run(ctl, [over] * (ticks - 1))

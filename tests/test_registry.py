@@ -21,6 +21,7 @@ def test_names_are_the_documented_set() -> None:
         "mps-priority",
         "static-split",
         "tgs",
+        "tally-like",  # issue 14: the simulator's kernel-preemption reference (docs/controller.md)
     }
 
 

@@ -39,6 +39,24 @@ def test_gpu_row_rounds_readings():
     assert "15.9368" not in text
 
 
+def test_request_gate_columns_show_the_gate_and_requests_in_flight():
+    gate = {"enabled": True, "closed": True, "inflight": 3, "signalled_clients": 1,
+            "busy_fraction": 0.4, "closes": 12}  # fmt: skip
+    text = render_status(_status([_gpu(request_gate=gate)], []))
+    _, _, header, row = text.splitlines()[:4]
+    assert header.split()[-3:] == ["REQUESTS", "IN", "FLIGHT"]
+    assert row.split()[-2:] == ["closed", "3"]
+    text = render_status(_status([_gpu(request_gate={**gate, "closed": False, "inflight": 0})], []))
+    assert text.splitlines()[3].split()[-2:] == ["open", "0"]
+    off = {**gate, "enabled": False, "closed": False}
+    text = render_status(_status([_gpu(request_gate=off)], []))
+    assert text.splitlines()[3].split()[-2:] == ["off", "3"]
+    text = render_status(_status([_gpu()], []))  # an older daemon: no request gate in its status
+    assert text.splitlines()[3].split()[-2:] == ["N/A", "N/A"]
+    text = render_status(_status([_gpu(shared=False, request_gate=None)], []))
+    assert text.splitlines()[3].split()[-2:] == ["-", "-"]
+
+
 def test_missing_readings_are_na_not_zero():
     text = render_status(_status([_gpu(gpu_util_pct=None, mps_state=None)], [_client()]))
     gpu_row = text.splitlines()[3]

@@ -105,6 +105,23 @@ def submit(
             help="Online: scrape latency from prometheus:http://127.0.0.1:PORT/metrics#HISTOGRAM.",
         ),
     ] = None,
+    inflight_from: Annotated[
+        str | None,
+        typer.Option(
+            "--inflight-from",
+            help="Online: requests in flight from prometheus:http://127.0.0.1:PORT/metrics#GAUGE "
+            "(request gating for services that cannot call gpushare.client.request_started).",
+        ),
+    ] = None,
+    queue: Annotated[
+        str | None,
+        typer.Option(
+            "--queue",
+            help="Offline: shallow (CUDA_LAUNCH_BLOCKING=1: a freeze bites within one kernel), "
+            "deep (the default) or auto (shallow while request gating is on for its GPU).",
+            autocompletion=completion.queue_modes,
+        ),
+    ] = None,
     restartable: Annotated[
         bool,
         typer.Option("--restartable", help="Offline job that may be checkpointed and relaunched."),
@@ -136,6 +153,12 @@ def submit(
         raise _bad("give exactly one of --online or --offline")
     if not cmd:
         raise _bad("no command: gpushare submit --offline -- CMD ARGS...")
+    if queue is not None and queue not in protocol.QUEUE_MODES:
+        raise _bad(f"--queue must be one of {', '.join(protocol.QUEUE_MODES)}, got {queue!r}")
+    if queue is not None and not offline:
+        raise _bad("--queue applies to --offline jobs (online clients are never frozen)")
+    if inflight_from is not None and not online:
+        raise _bad("--inflight-from applies to --online clients (their requests gate offline work)")
     params: dict[str, Any] = {
         "cls": "online" if online else "offline",
         "argv": list(cmd),
@@ -148,6 +171,11 @@ def submit(
         "detach": detach or restartable,
         "cwd": os.getcwd(),
     }
+    # Sent only when given, so a daemon without request gating still takes other submits.
+    if inflight_from is not None:
+        params["inflight_from"] = inflight_from
+    if queue is not None:
+        params["queue"] = queue
     try:
         params["mem_bytes"] = parse_size(mem) if mem is not None else None
         params["slo_p99_ms"] = parse_duration(slo_p99) * 1e3 if slo_p99 is not None else None

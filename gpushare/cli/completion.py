@@ -85,6 +85,16 @@ def gpu_or_any(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
     return head + gpus(ctx, incomplete)
 
 
+def queue_modes(incomplete: str) -> list[tuple[str, str]]:
+    """``submit --queue`` values."""
+    helps = {
+        "shallow": "CUDA_LAUNCH_BLOCKING=1: a freeze bites within one kernel",
+        "deep": "as CUDA launches (the default)",
+        "auto": "shallow while request gating is on for its GPU",
+    }
+    return [(m, helps[m]) for m in protocol.QUEUE_MODES if m.startswith(incomplete)]
+
+
 def scenarios(incomplete: str) -> list[str]:
     """Shipped scenario names (file paths complete through the shell's own fallback)."""
     from gpushare.sim import scenario

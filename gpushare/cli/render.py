@@ -153,10 +153,20 @@ def _mps(gpu: dict[str, Any], simulated: bool) -> str:
     return f"{state} ({'real' if backend == 'real' else 'sim'})"
 
 
+def _request_gate(gpu: dict[str, Any]) -> tuple[str, str]:
+    """Request gating of a GPU: off / open / closed, and the requests in flight."""
+    gate = gpu.get("request_gate")
+    if gate is None:
+        # Not shared, or a daemon without request gating.
+        return ("-", "-") if not gpu.get("shared", True) else (NA, NA)
+    state = "closed" if gate["closed"] else "open" if gate["enabled"] else "off"
+    return state, str(gate["inflight"])
+
+
 def render_status(status: dict[str, Any]) -> str:
     """The human ``status`` view: one row per GPU, then one per client."""
     rows = [["GPU", "UUID", "MEMORY USED/TOTAL", "UTIL", "MPS", "ONLINE SLO", "PROBE",
-             "SLOTS", "OFFLINE", "OFFLINE SM"]]  # fmt: skip
+             "SLOTS", "OFFLINE", "OFFLINE SM", "REQUESTS", "IN FLIGHT"]]  # fmt: skip
     simulated = bool(status["daemon"].get("simulated"))
     for g in status["gpus"]:
         probe = g["probe"]
@@ -169,10 +179,10 @@ def render_status(status: dict[str, Any]) -> str:
             str(g["index"]), g["uuid"], f"{_gib(g['mem_used_bytes'])}/{_gib(g['mem_total_bytes'])}",
             _pct(g["gpu_util_pct"]), _mps(g, simulated), g["online_slo"]["state"], probe_text,
             f"{g['client_slots_used']}/{g['client_slots_max']}", _gate(g),
-            _pct(g["offline_sm_pct"]),
+            _pct(g["offline_sm_pct"]), *_request_gate(g),
         ])  # fmt: skip
         if g["error"]:
-            rows.append(["", f"error: {g['error']}", "", "", "", "", "", "", "", ""])
+            rows.append(["", f"error: {g['error']}", "", "", "", "", "", "", "", "", "", ""])
     node = " (simulated GPUs)" if simulated else ""
     head = f"gpushare {status['daemon']['version']}{node}: {status['daemon']['summary']}"
     whys = [w for w in (_why(g) for g in status["gpus"]) if w]

@@ -306,6 +306,28 @@ def static_split(config: ControlConfig) -> StaticSharePolicy:
     return StaticSharePolicy("static-split", config.offline_sm_pct_default)
 
 
+class TallyLikePolicy(StaticSharePolicy):
+    """Kernel-granularity preemption (Tally, docs/sources.md): the upper reference for gating.
+
+    Offline work runs only while the GPU's online clients have no request in flight, one kernel at
+    a time, so an online kernel waits at most for the offline kernel already running; offline
+    clients run at MPS priority 1 with no SM cap and no duty cycle. The policy's actions are those
+    of ``mps-priority``; the preemption is the simulator's (``preemption = "kernel"``, read by
+    ``gpushare.sim.runner.PolicyTraits``): MPS cannot preempt, so the daemon refuses this policy.
+    """
+
+    preemption = "kernel"
+    simulator_only = True
+
+    def __init__(self) -> None:
+        super().__init__("tally-like", FULL_SHARE_PCT, offline_mps_priority=1)
+
+
+def tally_like(config: ControlConfig) -> TallyLikePolicy:
+    """The Tally-like reference (simulator only)."""
+    return TallyLikePolicy()
+
+
 def tgs(config: ControlConfig) -> TgsPolicy:
     """The TGS-style rate controller."""
     return TgsPolicy()
@@ -315,6 +337,7 @@ __all__ = [
     "ExclusivePolicy",
     "FixedState",
     "StaticSharePolicy",
+    "TallyLikePolicy",
     "TgsPolicy",
     "TgsState",
     "TimeSlicingPolicy",

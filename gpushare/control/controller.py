@@ -46,6 +46,7 @@ from gpushare.model import (
     RecoverMps,
     RestartClient,
     SetDuty,
+    SetGating,
     SetOfflineShare,
     Severity,
 )
@@ -93,6 +94,8 @@ class GpuState:
         lost: the GPU was reported lost last tick.
         unsignalled_alerted: an alert about online clients without any latency signal was sent.
         memory_alerted: an alert that the reserve cannot be restored was sent.
+        gating_emitted: request gating as last sent to the runner (``None``: never sent).
+        gating_changed_at_s: when ``gating_emitted`` last changed.
     """
 
     gpu_uuid: str
@@ -117,6 +120,8 @@ class GpuState:
     lost: bool = False
     unsignalled_alerted: bool = False
     memory_alerted: bool = False
+    gating_emitted: bool | None = None
+    gating_changed_at_s: float | None = None
 
 
 def failure_backoff_s(failures: int, config: ControlConfig) -> float:
@@ -195,6 +200,7 @@ class GpushareController:
         state = self._memory(state, observation, now, actions)
         signals = online_signals(observation, self.config.probe_slo_ratio)
         state = self._throttle(state, observation, self._duty_signals(state, signals), actions)
+        state = self._gating(state, observation, now, actions)
         state = self._share(state, observation, signals, now, actions)
         state = self._restarts(state, observation, signals, now, actions)
         return state, actions
@@ -390,6 +396,13 @@ class GpushareController:
                 breach = duty
             duty, comfortable, violating = 0.0, 0, violating + 1
             why = f"{signals.describe()} >= hard ratio {cfg.hard_ratio:g}: offline frozen"
+        elif signals.worst >= cfg.cut_ratio:
+            # A clear breach: the freeze lags by the offline queue, so cut now rather than halve
+            # over several ticks; the climb resumes where one decrease would have landed.
+            if violating == 0 and duty > 0:
+                breach = duty
+            duty, comfortable, violating = 0.0, 0, violating + 1
+            why = f"{signals.describe()} >= cut ratio {cfg.cut_ratio:g}: offline frozen"
         elif signals.worst > cfg.violation_ratio:
             if violating == 0 and duty > 0:
                 breach = duty
@@ -440,6 +453,42 @@ class GpushareController:
             quiet_ticks=quiet,
             breach_duty=breach,
         )
+
+    # Request gating ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _gating(state: GpuState, obs: Observation, now: float, actions: list[Action]) -> GpuState:
+        """Gating on while online clients say when requests start and are not busy all the time.
+
+        Off when no live online client sends request boundaries (nothing to gate on), and when
+        requests were in flight more than ``max_busy`` of the gate's window: offline work would
+        get under ``1 - max_busy`` of the time, which the duty cycle can beat at any SLO with
+        room, and a client that claims a request in flight forever (lying, or one long request
+        after another) would freeze offline work for good. Back on once the busy share falls 0.1
+        under ``max_busy`` (hysteresis: no flapping at the threshold).
+        """
+        g = obs.gate
+        if g is None:
+            return state  # the runner does no gating (the simulator today)
+        busy = g.busy_fraction
+        if not obs.online() or g.signalled_clients == 0:
+            on, why = False, "no online client sends request boundaries"
+        elif busy is not None and busy > g.max_busy:
+            on = False
+            why = (
+                f"requests in flight {busy:.0%} of the time (over {g.max_busy:.0%}): gating "
+                "would leave offline work almost nothing; the duty cycle decides"
+            )
+        elif busy is not None and state.gating_emitted is False and busy > g.max_busy - 0.1:
+            on, why = False, f"requests in flight {busy:.0%} of the time: still too busy to gate"
+        else:
+            on = True
+            share = "" if busy is None else f", requests in flight {busy:.0%} of the time"
+            why = f"{g.signalled_clients} online client(s) send request boundaries{share}"
+        if on != state.gating_emitted:
+            actions.append(SetGating(obs.gpu_uuid, on, f"gating {'on' if on else 'off'}: {why}"))
+            state = replace(state, gating_emitted=on, gating_changed_at_s=now)
+        return state
 
     @staticmethod
     def _guarantee_floor(obs: Observation) -> tuple[float, str]:
@@ -619,7 +668,7 @@ class GpushareController:
             and self._needs_restart(c, state.share_pct)
         ]
         if not candidates:
-            return state
+            return self._queue_restart(state, obs, going, now, actions)
         # Clients above the share first (they crowd online work), then the largest gap.
         chosen = max(
             candidates,
@@ -636,6 +685,50 @@ class GpushareController:
                 target,
                 f"restartable offline client runs at {chosen.limits.sm_pct:g}%, offline share is "
                 f"{target:g}%: checkpoint and relaunch",
+            )
+        )
+        return replace(state, restart_pending=(chosen.client_id, now))
+
+    def _queue_restart(
+        self,
+        state: GpuState,
+        obs: Observation,
+        going: set[str],
+        now: float,
+        actions: list[Action],
+    ) -> GpuState:
+        """Relaunch a ``--queue auto`` client whose queue no longer matches the GPU's gating.
+
+        Only once gating has kept its state for ``share_min_interval`` (gating that flips at the
+        busy threshold costs at most one checkpoint per client per interval), one client at a
+        time like the share's restarts, and never before any share restart.
+        """
+        on, since = state.gating_emitted, state.gating_changed_at_s
+        if on is None or since is None or now - since < self.config.share_min_interval_s:
+            return state
+        candidates = sorted(
+            (
+                c
+                for c in obs.offline()
+                if c.restartable
+                and c.queue == "auto"
+                and c.shallow != on
+                and c.state in _RESTARTABLE_STATES
+                and c.client_id not in going
+            ),
+            key=lambda c: c.client_id,
+        )
+        if not candidates:
+            return state
+        chosen = candidates[0]
+        queue = "shallow" if on else "deep"
+        actions.append(
+            RestartClient(
+                chosen.client_id,
+                chosen.limits.sm_pct,
+                f"--queue auto: request gating {'on' if on else 'off'} for "
+                f"{now - since:.0f}s, the client runs a {'deep' if on else 'shallow'} queue: "
+                f"checkpoint and relaunch with a {queue} one",
             )
         )
         return replace(state, restart_pending=(chosen.client_id, now))

@@ -21,6 +21,7 @@ _FACTORIES: dict[str, Callable[[ControlConfig], Policy[Any]]] = {
     "mps-priority": baselines.mps_priority,
     "static-split": baselines.static_split,
     "tgs": baselines.tgs,
+    "tally-like": baselines.tally_like,
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)

@@ -26,6 +26,7 @@ from gpushare.daemon.opstats import gate_status, latency_status
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import RUNNING_STATES, NodeState
+from gpushare.inflight import parse_inflight_from
 from gpushare.latency import parse_latency_from
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
 from gpushare.node import procs
@@ -130,10 +131,23 @@ class Api:
                     "summary": self.loop.summary(),
                     # Optional attributes of the adapters: only the simulated node sets them.
                     "simulated": bool(getattr(s.gpu, "simulated", False)),
+                    # Request-boundary datagrams and gauge polls refused, by reason.
+                    "inflight_rejections": s.gate.rejections.snapshot(),
                 },
                 "gpus": gpus,
                 "clients": clients,
             }
+
+    def _gate_dict(self, gpu_uuid: str) -> dict[str, Any]:
+        g = self.s.gate.view(gpu_uuid, self.s.clock.monotonic())
+        return {
+            "enabled": g.enabled,
+            "closed": g.closed,
+            "inflight": g.inflight,
+            "signalled_clients": g.signalled_clients,
+            "busy_fraction": g.busy_fraction,
+            "closes": g.closes,
+        }
 
     def _gpu_dict(self, x: GpuSample, recs: Sequence[ClientRecord]) -> dict[str, Any]:
         s = self.s
@@ -178,6 +192,7 @@ class Api:
             if shared
             else None,
             "offline_sm_pct": s.default_sm(ClientClass.OFFLINE, x.uuid),
+            "request_gate": self._gate_dict(x.uuid) if shared else None,
             "online_slo": slo,
             "probe": {
                 "enabled": probe_on,
@@ -359,7 +374,15 @@ class Api:
             if req.latency_from is not None:
                 self.s.registry.update(rec.id, latency_from=req.latency_from)
                 self.s.latency.add_prometheus(rec.id, req.latency_from)
-            env = self.life.mps_env(rec.id, sample.uuid, sm, req.mem_bytes, cls, req.slo_p99_ms)
+            if req.inflight_from is not None or req.queue is not None:
+                rec = self.s.registry.update(
+                    rec.id, inflight_from=req.inflight_from, queue=req.queue
+                )
+            if req.inflight_from is not None:
+                self.s.gauges.add(rec.id, req.inflight_from)
+            env = self.life.mps_env(
+                rec.id, sample.uuid, sm, req.mem_bytes, cls, req.slo_p99_ms, queue=req.queue
+            )
             if not detach:
                 assert caller.pid > 0
                 start_time = procs.process_start_time(caller.pid)
@@ -408,6 +431,19 @@ class Api:
                 parse_latency_from(req.latency_from)
             except ValueError as exc:
                 raise _fail(E.INVALID_PARAMS, f"--latency-from: {exc}") from None
+        if req.inflight_from is not None:
+            if cls is not ClientClass.ONLINE:
+                raise _fail(E.INVALID_PARAMS, "--inflight-from applies to --online clients only")
+            try:
+                parse_inflight_from(req.inflight_from)
+            except ValueError as exc:
+                raise _fail(E.INVALID_PARAMS, f"--inflight-from: {exc}") from None
+        if req.queue is not None:
+            if cls is not ClientClass.OFFLINE:
+                raise _fail(E.INVALID_PARAMS, "--queue applies to --offline clients only")
+            if req.queue not in protocol.QUEUE_MODES:
+                modes = ", ".join(protocol.QUEUE_MODES)
+                raise _fail(E.INVALID_PARAMS, f"--queue must be one of {modes}, got {req.queue!r}")
         if req.restartable and cls is not ClientClass.OFFLINE:
             raise _fail(E.INVALID_PARAMS, "--restartable applies to --offline clients only")
         if not 1 <= req.checkpoint_signal < signal.NSIG:

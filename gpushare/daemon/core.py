@@ -40,13 +40,22 @@ from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import ApiServer
 from gpushare.daemon.state import NodeState, NoopPolicy
-from gpushare.latency import AppLatency, LatencyReceiver, verified_identify
+from gpushare.inflight import SenderLimiter
+from gpushare.latency import AppLatency, LatencyReceiver, Sender, verified_identify
 from gpushare.metrics import Exporter
 from gpushare.node import notify as sd
 from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
 from gpushare.node.clock import SystemClock
 
 log = structlog.get_logger(__name__)
+
+# The latency receiver and the gate timer run above the offline work they freeze: SCHED_FIFO with
+# [gate] realtime_threads, else this nice value. A request start must not wait for a CPU behind
+# spinning offline processes. Only root may do either; elsewhere the threads stay as they are
+# (bench/gating_latency.py).
+GATE_THREAD_NICE = -10
+# A sender found to be no client is not looked up again for this long (see _start_latency).
+_STRANGER_S = 1.0
 
 __all__ = ["Daemon", "NoopPolicy"]
 
@@ -159,12 +168,42 @@ class Daemon:
         log.info("daemon_started", pid=os.getpid(), gpus=len(state.samples))
 
     def _start_latency(self) -> None:
-        path = self.state.config.paths.resolved("latency_socket")
+        state = self.state
+        path = state.config.paths.resolved("latency_socket")
+        slow = verified_identify(self.lifecycle.client_of_pid, self.lifecycle.uid_of_client)
+        gate = state.gate
+        strangers: dict[int | None, float] = {}
+
+        def identify(sender: Sender) -> str | None:
+            # An online client's process first, from the gates' lock-free map: a request start
+            # must not wait for a tick to release the daemon's lock.
+            fast = gate.client_of_pid(sender.pid) if sender.pid is not None else None
+            if fast is not None:
+                return fast
+            # The slow path takes the daemon's lock and lists every client's processes: a process
+            # found to be no client is not looked up again for a second (a flood stays cheap).
+            now = time.monotonic()
+            if strangers.get(sender.pid, -1.0) > now:
+                return None
+            found = slow(sender)
+            if found is None:
+                if len(strangers) > 4096:
+                    strangers.clear()
+                strangers[sender.pid] = now + _STRANGER_S
+            return found
+
         rx = LatencyReceiver(
             path,
-            self.state.latency.tracker,
-            identify=verified_identify(self.lifecycle.client_of_pid, self.lifecycle.uid_of_client),
+            state.latency.tracker,
+            identify=identify,
+            on_inflight=gate.on_inflight,
+            allow=SenderLimiter(state.config.gate.max_datagrams_per_s).allow,
+            reject=gate.rejections.reject,
+            thread_nice=GATE_THREAD_NICE,
+            thread_realtime=state.config.gate.realtime_threads,
         )
+        gate.start(thread_nice=GATE_THREAD_NICE, thread_realtime=state.config.gate.realtime_threads)
+        state.gauges.start()
         try:
             rx.start()
         except OSError as exc:
@@ -198,8 +237,10 @@ class Daemon:
         if self.server is not None:
             self.server.close()
         self.adoptions.stop()
-        # Duty-cycle freezes end with the daemon; a user's or controller's hold stays.
+        # Duty-cycle and gate freezes end with the daemon; a user's or controller's hold stays.
         self.lifecycle.release_duty_freezes()
+        state.gauges.close()
+        state.gate.close()
         self.lifecycle.stop_watching()
         if self.metrics is not None:
             self.metrics.close()
@@ -255,6 +296,9 @@ class Daemon:
             new = replace(new, paths=state.config.paths)
         with state.lock:
             state.config = new
+            # The gates read their config at each event; the rate limit and the gauge period
+            # are set at start.
+            state.gate.config = new.gate
             if policy is not state.policy:
                 # A new policy starts from its own initial state; the duty it sends first applies.
                 state.policy = policy

@@ -111,3 +111,36 @@ class HostProcesses:
     def alive(self, pid: int, start_time: float) -> bool:
         """Whether ``pid`` still is the process that started at ``start_time``."""
         return procs.is_same_process(pid, start_time)
+
+
+SHALLOW_ENV = {"CUDA_LAUNCH_BLOCKING": "1"}
+"""What a shallow-queue offline client runs with: every kernel launch returns only when the kernel
+has finished (CUDA Programming Guide, "Asynchronous Concurrent Execution"), so the client has at
+most one kernel on the GPU, and a freeze bites within one kernel instead of after its queue has
+drained. The guide documents the variable as a debugging aid; its effect is exactly a one-kernel
+queue, at the price of a launch gap per kernel (docs/controller.md, "Shallow offline queues")."""
+
+
+def choose_queue(mode: str | None, *, gating_on: bool) -> tuple[str, str]:
+    """The queue an offline client is launched with: ``("shallow" | "deep", why)``.
+
+    ``shallow`` and ``deep`` are what the submitter asked; ``None`` is ``deep`` (the behaviour
+    before queues could be chosen). ``auto`` is decided at every (re)launch: shallow while request
+    gating is on for the client's GPU (a freeze must bite within a kernel for gating to protect a
+    request), deep otherwise (nothing freezes per request, so the launch gap would buy nothing).
+    MPS and CUDA read the variable at start, so a running client changes mode only when it is
+    relaunched: a restart for a new share, a requeue, or the controller's restart of a restartable
+    auto client once gating has settled (``GpushareController._queue_restart``).
+    """
+    if mode == "shallow":
+        return "shallow", "--queue shallow"
+    if mode == "auto":
+        if gating_on:
+            return "shallow", "--queue auto: request gating is on for this GPU"
+        return "deep", "--queue auto: request gating is off for this GPU"
+    return "deep", "--queue deep" if mode == "deep" else "default queue (deep)"
+
+
+def queue_env(queue: str) -> dict[str, str]:
+    """The variables of an effective queue mode (:func:`choose_queue`)."""
+    return dict(SHALLOW_ENV) if queue == "shallow" else {}

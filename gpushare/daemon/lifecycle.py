@@ -24,6 +24,8 @@ import structlog
 
 from gpushare import mpsenv
 from gpushare.control.controller import failure_backoff_s
+from gpushare.daemon import launcher
+from gpushare.daemon.gating import DAEMON
 from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.model import ClientClass, ClientState, Evict, RecoverMps, RestartClient
@@ -62,6 +64,8 @@ class Lifecycle:
         #: Monotonic time before which a requeued failed job is not admitted again.
         self.not_before: dict[str, float] = {}
         self._watching = False
+        #: Offline clients launched with a shallow queue (CUDA_LAUNCH_BLOCKING=1).
+        self.shallow: set[str] = set()
 
     # ----------------------------------------------------------------------------- watching
 
@@ -134,6 +138,16 @@ class Lifecycle:
                         )
                     if rec.latency_from is not None:
                         self.s.latency.add_prometheus(rec.id, rec.latency_from)
+                    if rec.inflight_from is not None:
+                        self.s.gauges.add(rec.id, rec.inflight_from)
+                    if rec.queue is not None and rec.pid is not None:
+                        # The queue it was launched with is in its environment.
+                        try:
+                            env = procs.read_environ(rec.pid, launcher.SHALLOW_ENV) or {}
+                        except PermissionError:
+                            env = {}  # not root: taken as deep (an auto client may restart once)
+                        if env.items() >= launcher.SHALLOW_ENV.items():
+                            self.shallow.add(rec.id)
                     if rec.held:
                         self.set_paused(rec.id, True)
                     else:
@@ -237,36 +251,35 @@ class Lifecycle:
             log.warning("thaw_failed", client_id=client_id, error=str(exc))
 
     def set_paused(self, client_id: str, paused: bool) -> None:
-        """Freeze or thaw a client unless it already is; a pauser failure is logged."""
+        """Freeze or thaw a client unless it already is; a pauser failure is logged.
+
+        Through the gates' arbiter (:class:`~gpushare.daemon.gating.Gatekeeper`): a thaw here
+        leaves a client frozen while its GPU's request gate holds it.
+        """
         try:
             if paused and client_id not in self.paused:
-                self.s.pauser.freeze(client_id)
+                self.s.gate.pause(client_id, DAEMON, True)
                 self.paused.add(client_id)
                 self.s.ops.paused(client_id, True, self.s.clock.monotonic())
             elif not paused and client_id in self.paused:
-                self.s.pauser.thaw(client_id)
+                self.s.gate.pause(client_id, DAEMON, False)
                 self.paused.discard(client_id)
                 self.s.ops.paused(client_id, False, self.s.clock.monotonic())
         except PAUSE_ERRORS as exc:
             log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
 
     def freeze_all(self, ids: list[str]) -> None:
-        """Freeze several clients, with the pauser's batched form when it has one."""
-        # All freeze requests first, one deadline: N clients cost about one freeze latency.
-        freeze_many = getattr(self.s.pauser, "freeze_many", None)
-        if callable(freeze_many) and len(ids) > 1:
-            try:
-                freeze_many(ids)
-            except PAUSE_ERRORS as exc:
-                log.warning("freeze_many_failed", clients=ids, error=str(exc))
-            else:
-                self.paused.update(ids)
-                now = self.s.clock.monotonic()
-                for client_id in ids:
-                    self.s.ops.paused(client_id, True, now)
-                return
+        """Freeze several clients: all requests first, then the waits (one freeze latency)."""
+        ids = [client_id for client_id in ids if client_id not in self.paused]
+        try:
+            self.s.gate.pause_many(ids, DAEMON, True)
+        except PAUSE_ERRORS as exc:
+            log.warning("freeze_many_failed", clients=ids, error=str(exc))
+        now = self.s.clock.monotonic()
         for client_id in ids:
-            self.set_paused(client_id, True)
+            if DAEMON in self.s.gate.reasons(client_id):
+                self.paused.add(client_id)
+                self.s.ops.paused(client_id, True, now)
 
     def release_duty_freezes(self) -> None:
         """Thaw the clients frozen by the duty cycle; a user's or controller's hold stays."""
@@ -398,6 +411,9 @@ class Lifecycle:
             self.paused.discard(client_id)
             self.kill_at.pop(client_id, None)
             self.s.latency.forget(client_id)
+            self.s.gate.forget(client_id)
+            self.s.gauges.forget(client_id)
+            self.shallow.discard(client_id)  # a relaunch decides its queue anew
             try:
                 self.s.pauser.release(client_id)
             except PAUSE_ERRORS as exc:
@@ -475,7 +491,9 @@ class Lifecycle:
         """
         assert rec.gpu_uuid is not None
         sm = rec.sm_pct if rec.sm_pct is not None else 100.0
-        env = self.mps_env(rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls, rec.slo_p99_ms)
+        env = self.mps_env(
+            rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls, rec.slo_p99_ms, queue=rec.queue
+        )
         # With the cgroup freezer the child joins its cgroup before it execs, so a workload that
         # forks at once cannot leave a process outside the freezer's reach.
         open_fd = getattr(self.s.pauser, "open_procs_fd", None)
@@ -565,11 +583,13 @@ class Lifecycle:
         mem: int | None,
         cls: ClientClass,
         slo_p99_ms: float | None = None,
+        *,
+        queue: str | None = None,
     ) -> dict[str, str]:
         """The environment a client of this GPU starts with.
 
         What ``gpushare env`` prints for the same class and limits (:mod:`gpushare.mpsenv`), plus
-        the client's id.
+        the client's id, and for an offline client its queue mode (``launcher.choose_queue``).
         """
         env = mpsenv.mps_env(
             client_id=client_id,
@@ -580,4 +600,13 @@ class Lifecycle:
             latency_socket=self.s.config.paths.resolved("latency_socket"),
         )
         slo = slo_p99_ms / 1000 if slo_p99_ms is not None and cls is ClientClass.ONLINE else None
+        if cls is ClientClass.OFFLINE:
+            gating = self.s.gate.view(gpu_uuid, self.s.clock.monotonic()).enabled
+            mode, why = launcher.choose_queue(queue, gating_on=gating)
+            env.update(launcher.queue_env(mode))
+            if mode == "shallow":
+                self.shallow.add(client_id)
+            else:
+                self.shallow.discard(client_id)
+            log.info("offline_queue", client_id=client_id, queue=mode, reason=why)
         return {**mpsenv.marker_env(cls, slo), **env}

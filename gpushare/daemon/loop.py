@@ -16,6 +16,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -46,6 +47,7 @@ from gpushare.model import (
     RecoverMps,
     RestartClient,
     SetDuty,
+    SetGating,
     SetOfflineShare,
     Thaw,
 )
@@ -161,6 +163,7 @@ class ControlLoop:
                 by_gpu.setdefault(rec.gpu_uuid, []).append(rec)
             views = self._views_of(records, now)
             observations: dict[str, Observation] = {}
+            self._update_gates(records, now)
             for sample in samples:
                 if not s.shared(sample):
                     continue
@@ -230,6 +233,7 @@ class ControlLoop:
             ),
             probe_mps_slots=1 if s.probe is not None and s.config.probe.enabled else 0,
         )
+        obs = replace(obs, gate=s.gate.view(uuid, now))
         state = self.policy_state.get(uuid)
         if uuid not in self.policy_state:
             state = s.policy.initial_state(uuid, now)
@@ -254,6 +258,26 @@ class ControlLoop:
             )
             s.probe.set_offline_running(uuid, running)
         return obs
+
+    def _update_gates(self, records: Sequence[ClientRecord], now: float) -> None:
+        """Tell the gates which online clients (and processes) and gated offline clients exist."""
+        s, life = self.s, self.life
+        online: dict[str, str] = {}
+        gated: dict[str, list[str]] = {}
+        for rec in records:
+            if rec.gpu_uuid is None or not rec.state.is_live:
+                continue
+            if rec.cls is ClientClass.ONLINE:
+                online[rec.id] = rec.gpu_uuid
+            elif rec.state in RUNNING_STATES and rec.pid is not None and not life.exiting(rec.id):
+                gated.setdefault(rec.gpu_uuid, []).append(rec.id)
+        pids = {pid: cid for pid, cid in life.by_pid.items() if cid in online}
+        for cid in online:
+            try:
+                pids.update(dict.fromkeys(s.pauser.pids(cid), cid))
+            except PAUSE_ERRORS:
+                continue  # the main pid is known; a pauser that cannot list keeps that
+        s.gate.update_clients(online, gated, now, pids)
 
     def _tracked(self, records: Sequence[ClientRecord]) -> list[Tracked]:
         wall = self.s.clock.time()
@@ -354,6 +378,8 @@ class ControlLoop:
             failures=rec.failures,
             started_at_s=started,
             held=rec.held,
+            queue=rec.queue,
+            shallow=rec.id in self.life.shallow,
         )
 
     def _record_gpu_event(self, event: GpuEvent) -> None:
@@ -467,6 +493,16 @@ class ControlLoop:
         with s.lock:
             if isinstance(action, SetDuty):
                 self._set_duty(action, now)
+            elif isinstance(action, SetGating):
+                was = s.gate.view(action.gpu_uuid, now).enabled
+                s.gate.set_enabled(action.gpu_uuid, action.on, now)
+                log.info("gating_set", gpu=action.gpu_uuid, on=action.on, reason=action.reason)
+                if was != action.on:
+                    self._acted(action.gpu_uuid, "set_gating", action.reason)
+                    s.registry.add_event(
+                        "gating_on" if action.on else "gating_off", action.reason,
+                        gpu_uuid=action.gpu_uuid,
+                    )  # fmt: skip
             elif isinstance(action, Freeze | Thaw):
                 held = isinstance(action, Freeze)
                 rec = s.registry.find(action.client_id)

@@ -74,6 +74,8 @@ CREATE TABLE IF NOT EXISTS clients (
     priority INTEGER NOT NULL,
     slo_p99_ms REAL,
     latency_from TEXT,
+    inflight_from TEXT,
+    queue TEXT,
     restartable INTEGER NOT NULL,
     checkpoint_signal INTEGER NOT NULL,
     detach INTEGER NOT NULL,
@@ -164,6 +166,10 @@ class ClientRecord:
     adopted_by: str | None = None
     """For a process gpushare adopted rather than launched: the rule that adopted it
     (``rule 'marker' (/etc/gpushare/gpushare.toml)``, ``slurm job 42``); ``None`` for a launched one."""
+    # Request gating (docs/controller.md): an online client's --inflight-from gauge, an offline
+    # client's --queue mode (None: deep).
+    inflight_from: str | None = None
+    queue: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -600,10 +606,12 @@ def _prepare(conn: sqlite3.Connection) -> None:
     if row is None or row[0] != "ok":
         raise sqlite3.DatabaseError(f"quick_check failed: {row[0] if row else 'no answer'}")
     conn.executescript(_SCHEMA)
-    columns = {row[1] for row in conn.execute("PRAGMA table_info(clients)")}
-    if "adopted_by" not in columns:
-        # Added with adoption; an older database gains it (NULL: launched) and stays version 1.
-        conn.execute("ALTER TABLE clients ADD COLUMN adopted_by TEXT")
+    # Columns added after schema 1 shipped: an older database gains them (NULL) and stays
+    # version 1 (adopted_by: launched; inflight_from, queue: none asked).
+    have = {row[1] for row in conn.execute("PRAGMA table_info(clients)")}
+    for column in ("adopted_by", *_ADDED_COLUMNS):
+        if column not in have:
+            conn.execute(f"ALTER TABLE clients ADD COLUMN {column} TEXT")
     conn.execute(
         "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
         (str(SCHEMA_VERSION),),
@@ -613,6 +621,9 @@ def _prepare(conn: sqlite3.Connection) -> None:
         raise sqlite3.DatabaseError(f"unsupported schema version {version[0]}")
     # A read of the columns the code uses: a foreign table layout counts as unreadable.
     conn.execute("SELECT id, state, pid, start_time, held FROM clients LIMIT 1").fetchall()
+
+
+_ADDED_COLUMNS = ("inflight_from", "queue")
 
 
 def _move_aside(path: Path) -> Path:
@@ -638,6 +649,7 @@ def _record(row: sqlite3.Row) -> ClientRecord:
         sm_ceiling=row["sm_ceiling"], sm_pct=row["sm_pct"],
         mem_bytes=row["mem_bytes"], priority=row["priority"], slo_p99_ms=row["slo_p99_ms"],
         latency_from=row["latency_from"],
+        inflight_from=row["inflight_from"], queue=row["queue"],
         restartable=bool(row["restartable"]), checkpoint_signal=row["checkpoint_signal"],
         detach=bool(row["detach"]), env=json.loads(row["env"]), cwd=row["cwd"],
         state=ClientState(row["state"]), reason=row["reason"], pid=row["pid"],

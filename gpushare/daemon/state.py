@@ -3,7 +3,7 @@
 One :class:`NodeState` holds the config, the registry, the node adapters (clock and processes
 included, so the same code runs on a host and in the simulator's virtual time), the policy, the last
 readings (GPU samples, app p99s, MPS states) and the two levers every part reads (each GPU's
-offline duty and offline SM share), with the lookups derived from them. Every change of state goes
+offline duty and offline SM share) and the request gates, with the lookups derived from them. Every change of state goes
 through :attr:`NodeState.lock`, so the loop, the API handlers and the exit watcher never interleave
 inside a transition.
 """
@@ -17,8 +17,10 @@ import structlog
 
 from gpushare.config import Config
 from gpushare.control.policy import Policy
+from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
+from gpushare.inflight import GaugePoller
 from gpushare.latency import AppLatency, LatencyP99
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
 from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
@@ -75,6 +77,14 @@ class NodeState:
         self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()
         lat = config.latency
         self.latency = AppLatency(lat.window_s, lat.min_samples, lat.scrape_period_s)
+        #: Request gating: every freeze goes through its arbiter (duty, holds and gates).
+        self.gate = Gatekeeper(
+            config.gate, pauser, online_gpu=self._online_gpu, clock=clock.monotonic
+        )
+        #: The --inflight-from gauges, polled into the gates.
+        self.gauges = GaugePoller(
+            config.gate.gauge_period_s, self.gate.on_gauge, self.gate.rejections
+        )
         self.lock = threading.RLock()
         #: The last tick's readings.
         self.samples: list[GpuSample] = []
@@ -87,6 +97,13 @@ class NodeState:
         self._shared_for: Config | None = None
         #: Thawed time, evictions, step timings and each GPU's last action, for status and metrics.
         self.ops = OpStats()
+
+    def _online_gpu(self, client_id: str) -> str | None:
+        """The GPU of a live online client (the gates ask for one the last tick did not list)."""
+        rec = self.registry.find(client_id)
+        if rec is None or rec.cls is not ClientClass.ONLINE or not rec.state.is_live:
+            return None
+        return rec.gpu_uuid
 
     def transition(self, client_id: str, to: ClientState, **kw: Any) -> ClientRecord | None:
         """Move a client in the registry; a refused move is logged and gives None."""

@@ -218,6 +218,43 @@ class AdoptingPauser:
             if client_id in self._adopted:
                 self._thaw_adopted(self._adopted[client_id])
 
+    def request_frozen(self, client_ids: Sequence[str], frozen: bool) -> list[str]:
+        """Ask for each client to be frozen (or thawed) without waiting (request gating's path).
+
+        Launched clients through the inner pauser's ``request_frozen`` (its waiting freeze or
+        thaw where it has none); an adopted one by a write of its cgroup's ``cgroup.freeze`` or a
+        SIGSTOP/SIGCONT of its processes, as :meth:`freeze` does but without the wait.
+
+        Returns:
+            The clients that could not be asked (gone, or never attached).
+        """
+        failed: list[str] = []
+        launched = [c for c in client_ids if c not in self._adopted]
+        request = getattr(self.inner, "request_frozen", None)
+        if callable(request):
+            failed += request(launched, frozen)
+        else:
+            for client_id in launched:
+                try:
+                    (self.inner.freeze if frozen else self.inner.thaw)(client_id)
+                except (OSError, PauserError):
+                    failed.append(client_id)
+        for client_id in client_ids:
+            found = self._adopted.get(client_id)
+            if found is None:
+                continue
+            if found.route.cgroup is not None:
+                try:
+                    write_value(found.route.cgroup / "cgroup.freeze", "1" if frozen else "0")
+                except OSError:
+                    failed.append(client_id)
+                continue
+            sig = signal.SIGSTOP if frozen else signal.SIGCONT
+            for pid in self._members(found):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        return failed
+
     def is_frozen(self, client_id: str) -> bool:
         """Whether every process of the client is stopped (``False`` when it has none)."""
         found = self._adopted.get(client_id)

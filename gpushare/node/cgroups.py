@@ -313,6 +313,8 @@ class CgroupPauser:
         self.base = base
         self.freeze_timeout_s = freeze_timeout_s
         self.kill_timeout_s = kill_timeout_s
+        self._fd_lock = threading.Lock()
+        self._freeze_fds: dict[str, int] = {}
         self.pids_rescan_s = pids_rescan_s
         self._tracker = _PidTracker(pids_rescan_s)
         self._paths: dict[str, Path] = {}
@@ -455,6 +457,43 @@ class CgroupPauser:
         """
         self._set_frozen_many(client_ids, False)
 
+    def request_frozen(self, client_ids: Sequence[str], frozen: bool) -> list[str]:
+        """Write ``cgroup.freeze`` of each client and return without waiting for the kernel.
+
+        Request gating's fast path: once the write returns, no task of the cgroup runs user code
+        again (the kernel stops each on its way back to user space; one running on another CPU is
+        interrupted), so it issues no new GPU work, although ``cgroup.events`` says ``frozen 1``
+        only when every task got there. The descriptor of each ``cgroup.freeze`` is kept open
+        (one write instead of a path lookup per client), and reopened once if the cgroup was
+        made anew.
+
+        Returns:
+            The clients whose cgroup could not be written (gone or never attached).
+        """
+        want = b"1" if frozen else b"0"
+        failed: list[str] = []
+        with self._fd_lock:
+            for client_id in client_ids:
+                for attempt in (0, 1):
+                    fd = self._freeze_fds.get(client_id)
+                    try:
+                        if fd is None:
+                            fd = os.open(self.path(client_id) / "cgroup.freeze", os.O_WRONLY)
+                            self._freeze_fds[client_id] = fd
+                        os.pwrite(fd, want, 0)
+                        break
+                    except (OSError, PauserError):
+                        self._close_fd(client_id)
+                        if attempt:
+                            failed.append(client_id)
+        return failed
+
+    def _close_fd(self, client_id: str) -> None:
+        fd = self._freeze_fds.pop(client_id, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def _set_frozen_many(self, client_ids: Sequence[str], frozen: bool) -> None:
         want = "1" if frozen else "0"
         missing: list[str] = []
@@ -595,6 +634,8 @@ class CgroupPauser:
         Raises:
             PauserError: processes are still in it (kill them first).
         """
+        with self._fd_lock:
+            self._close_fd(client_id)
         path = self.path(client_id)
         self._tracker.forget(client_id)
         if not path.is_dir():
@@ -879,6 +920,25 @@ class SignalPauser:
                         f"process group {pgid} not stopped after {self.wait_s} s"
                     )
                 time.sleep(0.001)
+
+    def request_frozen(self, client_ids: Sequence[str], frozen: bool) -> list[str]:
+        """SIGSTOP (or SIGCONT) each client's group without waiting (see the cgroup pauser's).
+
+        Returns:
+            The clients not attached or whose group is gone.
+        """
+        sig = signal.SIGSTOP if frozen else signal.SIGCONT
+        failed: list[str] = []
+        for client_id in client_ids:
+            pgid = self._groups.get(client_id)
+            if pgid is None:
+                failed.append(client_id)
+                continue
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                failed.append(client_id)
+        return failed
 
     def thaw_many(self, client_ids: Sequence[str]) -> None:
         """SIGCONT several clients' process groups.

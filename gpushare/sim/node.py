@@ -21,6 +21,7 @@ from gpushare.model import ClientClass, ClientState, GpuSample, ProbeReading, Pr
 from gpushare.sim import data
 from gpushare.sim.gpu import EventLoop, Gpu, GpuMode
 from gpushare.sim.scenario import OnlineSpec, Scenario
+from gpushare.sim.tally import TallyScheduler, TallyServer, TallyTrainer
 from gpushare.sim.workloads import (
     OfflineTrainer,
     OnlineServer,
@@ -55,6 +56,8 @@ class PolicyTraits:
 
     gpu_mode: GpuMode = "mps"
     offline_priority: int = 1
+    #: Kernel-granularity preemption of offline work (the ``tally-like`` reference, sim/tally.py).
+    kernel_preemption: bool = False
 
     @classmethod
     def of(cls, policy: object) -> PolicyTraits:
@@ -66,6 +69,7 @@ class PolicyTraits:
         return cls(
             gpu_mode="time_slice" if mode == "time_slice" else "mps",
             offline_priority=int(prio) if prio in (0, 1) else 1,
+            kernel_preemption=getattr(policy, "preemption", None) == "kernel",
         )
 
 
@@ -117,11 +121,16 @@ class SimNode:
         self.on_process_exit: Callable[[int, int | None], None] | None = None
         self._pid = 1000
         seed = scenario.seed
+        tally = (
+            {gpu.uuid: TallyScheduler() for gpu in self.gpus} if traits.kernel_preemption else {}
+        )
+        server_cls = TallyServer if tally else OnlineServer
+        trainer_cls = TallyTrainer if tally else OfflineTrainer
         if with_online:
             for k, spec in enumerate(scenario.online):
                 gpu = self.gpus[spec.gpu]
                 prof = data.load_profile(spec.profile, g.merge_online_us, g.sm_count)
-                server = OnlineServer(
+                server = server_cls(
                     spec.name,
                     gpu,
                     prof,
@@ -133,12 +142,15 @@ class SimNode:
                 )
                 server.launch_blocking = spec.launch_blocking
                 server.launch_gap_s = g.launch_gap_s
+                if isinstance(server, TallyServer):
+                    server.tally = tally[gpu.uuid]
+                    server.tally.servers.append(server)
                 self.online.append(server)
         if with_offline:
             for spec_off in scenario.offline:
                 gpu = self.gpus[spec_off.gpu]
                 prof = data.load_profile(spec_off.profile, g.merge_offline_us, g.sm_count)
-                trainer = OfflineTrainer(
+                trainer = trainer_cls(
                     spec_off.name,
                     gpu,
                     prof,
@@ -150,6 +162,11 @@ class SimNode:
                 trainer.priority = traits.offline_priority
                 trainer.launch_blocking = spec_off.launch_blocking
                 trainer.launch_gap_s = g.launch_gap_s
+                if isinstance(trainer, TallyTrainer):
+                    # One kernel at a time through its own gate, with no launch gap.
+                    trainer.launch_blocking, trainer.launch_gap_s = True, 0.0
+                    trainer.tally = tally[gpu.uuid]
+                    trainer.tally.trainers.append(trainer)
                 self.offline.append(trainer)
                 self.submit_at[spec_off.name] = spec_off.submit_s
 

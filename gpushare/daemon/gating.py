@@ -1,0 +1,379 @@
+"""Request gating in the daemon: one gate per GPU, the fast freeze path, and the pause arbiter.
+
+:class:`Gatekeeper` keeps a :class:`gpushare.control.gate.GateState` per GPU and applies it:
+
+* **The fast path**: :meth:`Gatekeeper.on_inflight` runs in the latency receiver's thread for
+  each request-boundary datagram. When it closes a gate, it writes ``cgroup.freeze`` of the GPU's
+  gated offline clients right there (``request_frozen``: no wait for the kernel's confirmation,
+  no control tick), so a request start reaches the freeze in a few hundred microseconds
+  (``bench/gating_latency.py``).
+* **The timer**: a thread of its own evaluates each gate when its hold or an in-flight timeout
+  runs out (:func:`gpushare.control.gate.reopens_at`), so offline work is thawed on time.
+* **The arbiter**: a client is frozen while it has any pause reason (``"duty"``, ``"hold"`` from
+  the daemon's duty cycle and user holds; ``"gate"`` from here) and thawed when it has none. All
+  writes happen under one lock, so the duty cycle's thaw never undoes a gate's freeze or the
+  other way round.
+
+The daemon tells it, every tick, which online clients exist on which GPU and which offline
+clients are gated (:meth:`Gatekeeper.update_clients`), and whether gating is on per GPU
+(:meth:`Gatekeeper.set_enabled`, from the controller's ``SetGating``). The receiver thread never
+reads the registry.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+import structlog
+
+from gpushare.config import GateConfig
+from gpushare.control import gate
+from gpushare.control.gate import GateState
+from gpushare.inflight import Rejections
+from gpushare.latency import renice_thread
+from gpushare.model import GateReading
+from gpushare.node.cgroups import PauserError
+
+log = structlog.get_logger(__name__)
+
+GATE = "gate"
+
+
+DAEMON = "daemon"
+_PAUSE_ERRORS = (OSError, PauserError)
+
+
+class BasicPauser(Protocol):
+    """What the arbiter needs of any pauser: freeze and thaw (waiting)."""
+
+    def freeze(self, client_id: str) -> None:
+        """Freeze and wait for the kernel's confirmation."""
+        ...
+
+    def thaw(self, client_id: str) -> None:
+        """Thaw."""
+        ...
+
+
+def _requester(pauser: BasicPauser) -> tuple[Callable[[Sequence[str], bool], list[str]], bool]:
+    """The pauser's non-waiting request, and whether it has one (else freeze/thaw, waiting)."""
+    request = getattr(pauser, "request_frozen", None)
+    if callable(request):
+        return request, True
+
+    def waiting(client_ids: Sequence[str], frozen: bool) -> list[str]:
+        failed: list[str] = []
+        for client_id in client_ids:
+            try:
+                (pauser.freeze if frozen else pauser.thaw)(client_id)
+            except _PAUSE_ERRORS:
+                failed.append(client_id)
+        return failed
+
+    return waiting, False
+
+
+class Gatekeeper:
+    """See the module docstring.
+
+    Args:
+        config: ``[gate]``.
+        pauser: the daemon's pauser.
+        rejections: where rejected in-flight signals are counted.
+        clock: monotonic clock (the receiver passes its own ``now`` too).
+        online_gpu: the GPU of a live online client, ``None`` for anything else: asked for a
+            client the last tick did not list yet (a service's first request right after its
+            start), so its first boundaries are not refused.
+    """
+
+    def __init__(
+        self,
+        config: GateConfig,
+        pauser: BasicPauser,
+        *,
+        rejections: Rejections | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        online_gpu: Callable[[str], str | None] | None = None,
+    ) -> None:
+        self.config = config
+        self.pauser = pauser
+        self._request, self._confirms = _requester(pauser)
+        self.rejections = rejections if rejections is not None else Rejections(clock)
+        self._clock = clock
+        self._online_gpu = online_gpu
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._gates: dict[str, GateState] = {}
+        self._online: dict[str, str] = {}  # online client -> its GPU
+        self._gated: dict[str, tuple[str, ...]] = {}  # GPU -> gated offline clients
+        self._signalled: dict[str, set[str]] = {}  # GPU -> online clients that sent boundaries
+        self._reasons: dict[str, set[str]] = {}
+        self._closes: dict[str, int] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        # Online processes -> client, refreshed every tick: the receiver identifies a sender
+        # without the daemon's lock (a tick holds it for milliseconds).
+        self._online_pids: dict[int, str] = {}
+        self._thread_nice: int | None = None
+        self._thread_realtime = False
+
+    # ------------------------------------------------------------------------- signals
+
+    def on_inflight(self, client_id: str, pid: int | None, count: int, now: float) -> str | None:
+        """A request-boundary datagram of ``client_id`` from ``pid``: ``None`` if accepted, else why not.
+
+        Closing a gate freezes the GPU's gated offline clients before this returns.
+        """
+        return self._signal(client_id, f"{client_id}/pid:{pid}", count, now)
+
+    def on_gauge(self, client_id: str, count: int, now: float) -> None:
+        """A good poll of a client's in-flight gauge (``--inflight-from``)."""
+        why = self._signal(client_id, f"{client_id}/gauge", count, now, gauge=True)
+        if why is not None:
+            self.rejections.reject(why, client_id=client_id)
+
+    def _signal(
+        self, client_id: str, key: str, count: int, now: float, *, gauge: bool = False
+    ) -> str | None:
+        late = None
+        if client_id not in self._online and self._online_gpu is not None:
+            late = self._online_gpu(client_id)  # outside the lock: it reads the registry
+        with self._lock:
+            gpu = self._online.get(client_id)
+            if gpu is None and late is not None:
+                gpu = self._online[client_id] = late
+            if gpu is None:
+                return "request boundary from a process that is not a live online client"
+            state = self._gates.get(gpu, GateState())
+            if count == 0 and not gauge and not gate.knows(state, key):
+                return "request end without a start"
+            self._signalled.setdefault(gpu, set()).add(client_id)
+            self._set_gate(gpu, gate.record(state, client_id, key, count, now), now)
+            self._wake.notify()
+        return None
+
+    def client_of_pid(self, pid: int) -> str | None:
+        """The online client a process belongs to, as of the last tick (lock-free read)."""
+        return self._online_pids.get(pid)
+
+    def forget(self, client_id: str) -> None:
+        """A client exited: its requests no longer hold any gate, its pause reasons go."""
+        now = self._clock()
+        with self._lock:
+            self._reasons.pop(client_id, None)
+            self._online_pids = {p: c for p, c in self._online_pids.items() if c != client_id}
+            gpu = self._online.pop(client_id, None)
+            if gpu is not None:
+                self._signalled.get(gpu, set()).discard(client_id)
+                self._set_gate(gpu, gate.forget(self._gates.get(gpu, GateState()), client_id), now)
+            for g, ids in self._gated.items():
+                if client_id in ids:
+                    self._gated[g] = tuple(i for i in ids if i != client_id)
+
+    # ------------------------------------------------------------------------- the daemon's tick
+
+    def update_clients(
+        self,
+        online: Mapping[str, str],
+        gated: Mapping[str, Sequence[str]],
+        now: float,
+        online_pids: Mapping[int, str] | None = None,
+    ) -> None:
+        """The daemon's view, once a tick: online client -> GPU, and GPU -> gated offline clients.
+
+        An online client no longer listed is forgotten (its requests stop holding the gate); an
+        offline client that joins a closed gate is frozen at once. ``online_pids`` maps the
+        online clients' processes to them (:meth:`client_of_pid`).
+        """
+        if online_pids is not None:
+            self._online_pids = dict(online_pids)  # replaced whole: readers never see a half
+        # The caller's now was read before its lock: never evaluate a gate before a signal it had.
+        now = max(now, self._clock())
+        with self._lock:
+            for client_id in set(self._online) - set(online):
+                gpu = self._online[client_id]
+                self._signalled.get(gpu, set()).discard(client_id)
+                self._gates[gpu] = gate.forget(self._gates.get(gpu, GateState()), client_id)
+            self._online = dict(online)
+            old = self._gated
+            self._gated = {g: tuple(ids) for g, ids in gated.items()}
+            for g in set(old) | set(self._gated) | set(self._gates):
+                left = set(old.get(g, ())) - set(self._gated.get(g, ()))
+                self._release(left)
+                self._set_gate(g, self._gates.get(g, GateState()), now, force=True)
+            self._wake.notify()
+
+    def set_enabled(self, gpu_uuid: str, enabled: bool, now: float) -> None:
+        """The controller's lever: gating on or off for one GPU."""
+        now = max(now, self._clock())
+        with self._lock:
+            state = gate.set_enabled(self._gates.get(gpu_uuid, GateState()), enabled)
+            self._set_gate(gpu_uuid, state, now)
+            self._wake.notify()
+
+    def view(self, gpu_uuid: str, now: float) -> GateReading:
+        """The gate of one GPU for status and the controller's observation."""
+        with self._lock:
+            state = self._gates.get(gpu_uuid, GateState())
+            return GateReading(
+                enabled=state.enabled,
+                closed=state.closed,
+                inflight=gate.inflight(state, now, self.config),
+                signalled_clients=len(self._signalled.get(gpu_uuid, ())),
+                busy_fraction=gate.busy_fraction(state, now, self.config),
+                max_busy=self.config.max_busy,
+                closes=self._closes.get(gpu_uuid, 0),
+            )
+
+    # ------------------------------------------------------------------------- the arbiter
+
+    def pause(self, client_id: str, reason: str, paused: bool, *, wait: bool = True) -> None:
+        """Add or remove one pause reason of a client (the daemon's duty cycle and holds).
+
+        The client is frozen while it has any reason. A freeze is requested under the lock and
+        then, with ``wait``, confirmed outside it (the kernel's wait never delays a gate).
+
+        Raises:
+            PauserError: the request failed (the reason is not recorded: call again to retry).
+            FreezeTimeoutError: the kernel did not confirm the freeze in time (it stays
+                requested, the reason recorded).
+        """
+        self.pause_many([client_id], reason, paused, wait=wait)
+
+    def pause_many(
+        self, client_ids: Sequence[str], reason: str, paused: bool, *, wait: bool = True
+    ) -> None:
+        """:meth:`pause` for several clients, one request for all.
+
+        Raises:
+            PauserError: see :meth:`pause`.
+            FreezeTimeoutError: see :meth:`pause`.
+        """
+        with self._lock:
+            changed, failed = self._set_reason(client_ids, reason, paused, strict=True)
+        if paused and wait and self._confirms:
+            for client_id in changed:
+                # Idempotent write plus the wait; no thaw can come between: only this caller
+                # removes this reason.
+                self.pauser.freeze(client_id)
+        if failed:
+            raise PauserError(
+                f"cannot {'freeze' if paused else 'thaw'} clients {failed} (no cgroup or gone)"
+            )
+
+    def paused(self, client_id: str) -> bool:
+        """Whether the client has any pause reason."""
+        with self._lock:
+            return bool(self._reasons.get(client_id))
+
+    def reasons(self, client_id: str) -> frozenset[str]:
+        """The client's pause reasons."""
+        with self._lock:
+            return frozenset(self._reasons.get(client_id, ()))
+
+    def _set_reason(
+        self, client_ids: Iterable[str], reason: str, paused: bool, *, strict: bool = False
+    ) -> tuple[list[str], list[str]]:
+        """Under the lock: (clients whose frozen state changed and was requested, failures).
+
+        With ``strict`` a failed request takes the change back (the caller retries later);
+        otherwise it is logged and the reason kept (the gate's own bookkeeping).
+        """
+        changed: list[str] = []
+        for client_id in client_ids:
+            reasons = self._reasons.setdefault(client_id, set())
+            before = bool(reasons)
+            if paused:
+                reasons.add(reason)
+            else:
+                reasons.discard(reason)
+            if bool(reasons) != before:
+                changed.append(client_id)
+            if not reasons:
+                del self._reasons[client_id]
+        failed = self._request(changed, paused) if changed else []
+        if failed:
+            log.warning("pause_request_failed", clients=failed, paused=paused, reason=reason)
+            if strict:
+                for client_id in failed:
+                    reasons = self._reasons.setdefault(client_id, set())
+                    if paused:
+                        reasons.discard(reason)
+                    else:
+                        reasons.add(reason)
+                    if not reasons:
+                        del self._reasons[client_id]
+        return [c for c in changed if c not in failed], failed
+
+    def _release(self, client_ids: Iterable[str]) -> None:
+        self._set_reason(list(client_ids), GATE, False)
+
+    def _set_gate(self, gpu: str, state: GateState, now: float, *, force: bool = False) -> None:
+        """Under the lock: evaluate the gate and freeze or thaw its clients as it says."""
+        before = self._gates.get(gpu, GateState()).closed
+        state = gate.evaluate(state, now, self.config)
+        self._gates[gpu] = state
+        if state.closed and not before:
+            self._closes[gpu] = self._closes.get(gpu, 0) + 1
+        if state.closed and (force or not before):
+            self._set_reason(self._gated.get(gpu, ()), GATE, True)
+        elif not state.closed and (force or before):
+            self._release(self._gated.get(gpu, ()))
+
+    # ------------------------------------------------------------------------- the timer
+
+    def start(self, *, thread_nice: int | None = None, thread_realtime: bool = False) -> None:
+        """Start the thread that opens gates when their hold or a timeout runs out.
+
+        Args:
+            thread_nice: its nice value (``latency.renice_thread``): a hold of 2 ms ends on time
+                only if the thread gets a CPU when it wakes.
+            thread_realtime: ``SCHED_FIFO`` for it instead, where allowed.
+        """
+        self._thread_nice = thread_nice
+        self._thread_realtime = thread_realtime
+        self._thread = threading.Thread(target=self._run, name="gate-timer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self._thread_nice is not None:
+            renice_thread(self._thread_nice, realtime=self._thread_realtime)
+        with self._lock:
+            while not self._stop:
+                now = self._clock()
+                due: float | None = None
+                for gpu, state in list(self._gates.items()):
+                    if not state.busy:
+                        continue
+                    opens = gate.reopens_at(state, self.config)
+                    if opens is not None and opens <= now:
+                        self._set_gate(gpu, state, now)
+                        state = self._gates[gpu]
+                        opens = gate.reopens_at(state, self.config) if state.busy else None
+                        if opens is not None and opens <= now:
+                            opens = None  # evaluated at now; a later signal brings a new time
+                    if opens is not None:
+                        due = opens if due is None else min(due, opens)
+                # A hold of a few ms is waited for exactly; a gate idle waits for a signal.
+                self._wake.wait(None if due is None else max(0.0, due - now) + 1e-4)
+
+    def poll(self, now: float) -> None:
+        """Evaluate every gate at ``now`` (what the timer thread does; for runners without it)."""
+        with self._lock:
+            for gpu, state in list(self._gates.items()):
+                self._set_gate(gpu, state, now)
+
+    def close(self) -> None:
+        """Stop the timer thread and thaw what the gates froze (the daemon is going away)."""
+        with self._lock:
+            self._stop = True
+            for gpu, state in list(self._gates.items()):
+                self._gates[gpu] = replace(state, enabled=False)
+                self._release(self._gated.get(gpu, ()))
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
