@@ -1,7 +1,7 @@
 """The environment a workload must start with so that MPS applies gpushare's limits to it.
 
 MPS reads a client's SM share, pinned-memory cap and priority from its environment once, when the
-client connects (``reference/mps.md`` §7-8), so a workload gpushare did not launch (a systemd
+client connects (NVIDIA's MPS documentation, docs/sources.md), so a workload gpushare did not launch (a systemd
 service, a container, a Slurm task) gets its limits only if it is started with these variables.
 ``gpushare env`` prints them (:func:`render`); the daemon computes the same ones when it launches a
 client. Everything here is pure: no I/O, no clock.

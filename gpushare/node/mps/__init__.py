@@ -1,6 +1,6 @@
 """NVIDIA MPS: the only package that runs ``nvidia-cuda-mps-control`` (design §3, one module per outside resource).
 
-``reference/mps.md`` (docs/sources.md) is the source of every format and message handled here.
+NVIDIA's MPS documentation (docs/sources.md) is the source of every format and message handled here.
 Read it in this order:
 
 * :mod:`~gpushare.node.mps.errors`: :class:`MpsError` and one subclass per kind of failure.

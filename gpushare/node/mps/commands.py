@@ -504,7 +504,7 @@ def binary_status(control_binary: str | Path) -> tuple[bool, str, str]:
     """Whether the control binary is found and runs: ``(ok, what was seen, hint)``.
 
     Runs the front end against an empty pipe directory: a working binary answers that it finds
-    no daemon there (reference/mps.md section 3), which proves it executes on this host.
+    no daemon there (NVIDIA's MPS documentation, docs/sources.md), which proves it executes on this host.
     """
     path = find_binary(control_binary)
     if path is None:

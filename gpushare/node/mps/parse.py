@@ -1,6 +1,6 @@
 """Parsers of MPS output: command replies and ``-f``/``control.log`` lines, as typed values.
 
-Pure functions over text (``reference/mps.md`` is the source of every format handled here); they
+Pure functions over text (NVIDIA's MPS documentation, listed in docs/sources.md, is the source of every format handled here); they
 raise nothing but :class:`~gpushare.node.mps.errors.MpsParseError`. :func:`parse_error` maps a
 reply that carries an error message to its :class:`~gpushare.node.mps.errors.MpsError` subclass.
 """
@@ -246,7 +246,7 @@ def _opt_int(value: str | None, text: str) -> int | None:
 
 
 def parse_lspart(text: str) -> tuple[LspartRow, ...]:
-    """The ``lspart`` table (R6xx), whose header wraps over two lines (reference/mps.md 4.1)."""
+    """The ``lspart`` table (R6xx), whose header wraps over two lines (NVIDIA's MPS tools reference, docs/sources.md)."""
     lines = [line for line in text.splitlines() if line.strip()]
     start = _header_line(lines, "GPU")
     if start is None:

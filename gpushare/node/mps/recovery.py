@@ -1,7 +1,7 @@
 """Recovery of a faulted MPS server: which servers faulted, and the steps that bring them back.
 
 A server that hits a fatal GPU exception stays in FAULT and refuses new clients until every client
-of it has gone (reference/mps.md). :class:`FaultRecord` keeps the servers the supervisor saw fault
+of it has gone (NVIDIA's MPS documentation, docs/sources.md). :class:`FaultRecord` keeps the servers the supervisor saw fault
 (``FATAL_EXCEPTION`` lines of the ``-f`` output), for daemons that cannot report the state
 themselves (R535 has no ``get_server_status``). :class:`ServerRecovery` runs the steps through the
 command adapter; :meth:`gpushare.node.mps.supervisor.MpsSupervisor.recover` runs it for one GPU and

@@ -49,7 +49,7 @@ log = structlog.get_logger(__name__)
 
 # Compute-mode names as node.base.ComputeModeControl spells them.
 EXCLUSIVE_PROCESS = "exclusive_process"
-# Entries the daemon leaves in its pipe directory (reference/mps.md section 1).
+# Entries the daemon leaves in its pipe directory (NVIDIA's MPS documentation, docs/sources.md).
 PIPE_ENTRIES = (
     "control",
     "control_privileged",
