@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ import pytest
 from gpushare import client, paths
 from gpushare.config import GateConfig
 from gpushare.daemon.gating import Gatekeeper
+from gpushare.daemon.opstats import OpStats
 from gpushare.inflight import (
     GaugePoller,
     Rejections,
@@ -412,3 +413,30 @@ def test_an_online_client_the_last_tick_did_not_list_is_asked_for() -> None:
         assert gk.on_inflight("stranger", 6, 1, time.monotonic()) is not None
     finally:
         gk.close()
+
+
+def test_the_thawed_time_operators_see_counts_request_gate_freezes_too() -> None:
+    """Every real freeze and thaw reaches the operators' thaw log: the gate's as the duty's."""
+    ops = OpStats()
+    clock = [100.0]
+
+    def edge(ids: Sequence[str], frozen: bool, now: float) -> None:
+        for client_id in ids:
+            ops.paused(client_id, frozen, now)
+
+    gk = Gatekeeper(CFG, FakePauser(), clock=lambda: clock[0], on_edge=edge)
+    gk.update_clients({"web": GPU}, {GPU: ["train-1"]}, clock[0])
+    gk.set_enabled(GPU, True, clock[0])
+    ops.paused("train-1", False, clock[0])  # tracked, thawed, from t=100
+    clock[0] = 110.0
+    assert gk.on_inflight("web", 100, 1, clock[0]) is None  # a request: the gate freezes train-1
+    clock[0] = 140.0
+    gk.pause("train-1", "duty", True)  # no edge: already frozen by the gate
+    gk.on_inflight("web", 100, 0, clock[0])  # the request ends; the duty still holds it
+    clock[0] = 150.0
+    gk.poll(clock[0])  # past the hold: the gate opens, the duty keeps it frozen
+    gk.pause("train-1", "duty", False)  # now it thaws, at t=150
+    clock[0] = 160.0
+    # Thawed 100-110 and 150-160 of the window: 20 s of 60.
+    assert ops.thaw.total_s("train-1", clock[0]) == pytest.approx(20.0, abs=1.0)
+    assert ops.thaw.thawed("train-1") is True

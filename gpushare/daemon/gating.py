@@ -88,6 +88,8 @@ class Gatekeeper:
         online_gpu: the GPU of a live online client, ``None`` for anything else: asked for a
             client the last tick did not list yet (a service's first request right after its
             start), so its first boundaries are not refused.
+        on_edge: told ``(clients, frozen, now)`` under the arbiter's lock whenever clients'
+            frozen state changes, whoever caused it (the receiver thread included).
     """
 
     def __init__(
@@ -98,8 +100,10 @@ class Gatekeeper:
         rejections: Rejections | None = None,
         clock: Callable[[], float] = time.monotonic,
         online_gpu: Callable[[str], str | None] | None = None,
+        on_edge: Callable[[Sequence[str], bool, float], None] | None = None,
     ) -> None:
         self.config = config
+        self._on_edge = on_edge
         self.pauser = pauser
         self._request, self._confirms = _requester(pauser)
         self.rejections = rejections if rejections is not None else Rejections(clock)
@@ -307,7 +311,12 @@ class Gatekeeper:
                         reasons.add(reason)
                     if not reasons:
                         del self._reasons[client_id]
-        return [c for c in changed if c not in failed], failed
+        done = [c for c in changed if c not in failed]
+        if done and self._on_edge is not None:
+            # The arbiter is the one place that knows when a client really is frozen or thawed
+            # (duty, holds and request gates together): operators' thawed time is counted here.
+            self._on_edge(done, paused, self._clock())
+        return done, failed
 
     def _release(self, client_ids: Iterable[str]) -> None:
         self._set_reason(list(client_ids), GATE, False)

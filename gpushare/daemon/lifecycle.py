@@ -260,11 +260,9 @@ class Lifecycle:
             if paused and client_id not in self.paused:
                 self.s.gate.pause(client_id, DAEMON, True)
                 self.paused.add(client_id)
-                self.s.ops.paused(client_id, True, self.s.clock.monotonic())
             elif not paused and client_id in self.paused:
                 self.s.gate.pause(client_id, DAEMON, False)
                 self.paused.discard(client_id)
-                self.s.ops.paused(client_id, False, self.s.clock.monotonic())
         except PAUSE_ERRORS as exc:
             log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
 
@@ -275,11 +273,9 @@ class Lifecycle:
             self.s.gate.pause_many(ids, DAEMON, True)
         except PAUSE_ERRORS as exc:
             log.warning("freeze_many_failed", clients=ids, error=str(exc))
-        now = self.s.clock.monotonic()
         for client_id in ids:
             if DAEMON in self.s.gate.reasons(client_id):
                 self.paused.add(client_id)
-                self.s.ops.paused(client_id, True, now)
 
     def release_duty_freezes(self) -> None:
         """Thaw the clients frozen by the duty cycle; a user's or controller's hold stays."""

@@ -10,6 +10,7 @@ clients plus a fixed amount per GPU. Everything here is in memory and starts afr
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +51,17 @@ class Tracked:
 
 
 class OpStats:
-    """Per-client and per-GPU figures for ``status`` and ``/metrics`` (one owner: the loop's lock)."""
+    """Per-client and per-GPU figures for ``status`` and ``/metrics``.
+
+    One owner (the loop's lock), except the thawed time: freezes and thaws are reported by the
+    gates' arbiter from whichever thread caused them (the request receiver's included), so the
+    thaw log has a lock of its own, and time never runs backwards in it.
+    """
 
     def __init__(self, thaw_window_s: float = 60.0) -> None:
         self.thaw = ThawLog(window_s=thaw_window_s)
+        self._thaw_lock = threading.Lock()
+        self._thaw_now = float("-inf")
         self._evictions: dict[str, int] = {}
         self._gpu_evictions: dict[str, int] = {}
         self._steps: dict[str, DurationHistogram] = {}
@@ -64,8 +72,14 @@ class OpStats:
     # ----------------------------------------------------------------------------- feeding
 
     def paused(self, client_id: str, paused: bool, now: float) -> None:
-        """A client was frozen or thawed (``now``: monotonic seconds)."""
-        self.thaw.set(client_id, not paused, now)
+        """A client was frozen or thawed (``now``: monotonic seconds); any thread."""
+        with self._thaw_lock:
+            self.thaw.set(client_id, not paused, self._clamp(now))
+
+    def _clamp(self, now: float) -> float:
+        # Callers read the clock before taking the lock: keep the log's time monotonic.
+        self._thaw_now = max(self._thaw_now, now)
+        return self._thaw_now
 
     def evicted(self, client_id: str, gpu_uuid: str) -> None:
         """A client is being evicted from a GPU."""
@@ -97,14 +111,16 @@ class OpStats:
             known.add(c.client_id)
             if c.live:
                 live.add(c.client_id)
-                if self.thaw.thawed(c.client_id) is None:
-                    self.thaw.set(c.client_id, c.thawed, now)
+                with self._thaw_lock:
+                    if self.thaw.thawed(c.client_id) is None:
+                        self.thaw.set(c.client_id, c.thawed, self._clamp(now))
             if c.queued and c.client_id not in self._queued_since:
                 since = c.queued_since_wall_s
                 self._queued_since[c.client_id] = since if since is not None else now
-        for cid in self.thaw.clients():
-            if cid not in live:
-                self.thaw.forget(cid)
+        with self._thaw_lock:
+            for cid in self.thaw.clients():
+                if cid not in live:
+                    self.thaw.forget(cid)
         for table in (self._evictions, self._queued_since):
             for cid in [k for k in table if k not in known]:
                 del table[cid]
@@ -143,8 +159,10 @@ class OpStats:
         Thawed figures exist for live clients only; an ended client's evictions are no longer
         kept (``null``), a queued one keeps those of its earlier runs.
         """
-        ratio = self.thaw.fraction(client_id, now) if state.is_live else None
-        total = self.thaw.total_s(client_id, now) if state.is_live else None
+        with self._thaw_lock:
+            now = self._clamp(now)
+            ratio = self.thaw.fraction(client_id, now) if state.is_live else None
+            total = self.thaw.total_s(client_id, now) if state.is_live else None
         return {
             "thawed_ratio_1m": None if ratio is None else round(ratio, 4),
             "thawed_s": None if total is None else round(total, 3),
@@ -155,10 +173,14 @@ class OpStats:
         self, client_id: str, name: str | None, restarts: int, now: float
     ) -> ClientStats:
         """What ``/metrics`` shows of a live client beyond its observation."""
+        with self._thaw_lock:
+            now = self._clamp(now)
+            thawed_s = self.thaw.total_s(client_id, now)
+            thawed_ratio = self.thaw.fraction(client_id, now)
         return ClientStats(
             name=name,
-            thawed_s=self.thaw.total_s(client_id, now),
-            thawed_ratio=self.thaw.fraction(client_id, now),
+            thawed_s=thawed_s,
+            thawed_ratio=thawed_ratio,
             restarts=restarts,
             evictions=self._evictions.get(client_id, 0),
         )

@@ -11,6 +11,7 @@ inside a transition.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -79,8 +80,9 @@ class NodeState:
         self.latency = AppLatency(lat.window_s, lat.min_samples, lat.scrape_period_s)
         #: Request gating: every freeze goes through its arbiter (duty, holds and gates).
         self.gate = Gatekeeper(
-            config.gate, pauser, online_gpu=self._online_gpu, clock=clock.monotonic
-        )
+            config.gate, pauser, online_gpu=self._online_gpu, clock=clock.monotonic,
+            on_edge=self._paused_edge,
+        )  # fmt: skip
         #: The --inflight-from gauges, polled into the gates.
         self.gauges = GaugePoller(
             config.gate.gauge_period_s, self.gate.on_gauge, self.gate.rejections
@@ -112,6 +114,10 @@ class NodeState:
         except TransitionError as exc:
             log.warning("transition_refused", client_id=client_id, to=to.value, error=str(exc))
             return None
+
+    def _paused_edge(self, client_ids: Sequence[str], frozen: bool, now: float) -> None:
+        for client_id in client_ids:
+            self.ops.paused(client_id, frozen, now)
 
     def multiuser(self, gpu_uuid: str) -> bool:
         """Whether the GPU's MPS serves several users at once (docs/design.md D11)."""
