@@ -23,7 +23,14 @@ from gpushare.config import ControlConfig  # noqa: E402
 from gpushare.control.admission import admit  # noqa: E402
 from gpushare.control.controller import GpushareController, GpuState  # noqa: E402
 from gpushare.model import ClientClass, Observation, SetDuty  # noqa: E402
-from tests.fake_observations import GIB, gpu_uuid, job, observation, offline, online  # noqa: E402
+from tests.fakes.fake_observations import (  # noqa: E402
+    GIB,
+    gpu_uuid,
+    job,
+    observation,
+    offline,
+    online,
+)
 
 GPUS = 8
 CLIENTS = 48

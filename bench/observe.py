@@ -23,9 +23,9 @@ from gpushare.latency import LatencyP99  # noqa: E402
 from gpushare.model import ClientClass, ClientState, ClientView, Limits, MpsState  # noqa: E402
 from gpushare.node.nvml import NvmlBackend  # noqa: E402
 from gpushare.observe import build_observations  # noqa: E402
-from tests import fake_nvml  # noqa: E402
-from tests.fake_nvml import FakeGpuBackend  # noqa: E402
-from tests.fake_probe import FakeProbe  # noqa: E402
+from tests.fakes import fake_nvml  # noqa: E402
+from tests.fakes.fake_nvml import FakeGpuBackend  # noqa: E402
+from tests.fakes.fake_probe import FakeProbe  # noqa: E402
 
 GPUS = 8
 CLIENTS = 48

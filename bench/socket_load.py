@@ -1,6 +1,6 @@
 """Socket API load: requests/s and latency of `status` and `submit --detach`, and CLI wall time.
 
-Starts a real daemon (tests/daemon_proc.py: fake GPU and MPS, everything else real) under /tmp,
+Starts a real daemon (tests/support/daemon_proc.py: fake GPU and MPS, everything else real) under /tmp,
 drives it with 1, 10 and 100 concurrent connections, and times `gpushare status` end to end.
 Prints a table and writes bench/results/socket_load.json.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpushare.client import ApiClient, ApiError
-from tests.daemon_helpers import REPO, DaemonProc
+from tests.support.daemon_helpers import REPO, DaemonProc
 
 OUT = REPO / "bench" / "results" / "socket_load.json"
 LEVELS = (1, 10, 100)

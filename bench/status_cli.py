@@ -1,7 +1,7 @@
 """Wall time of `gpushare status` (table and --json) on a daemon with clients, end to end.
 
 `gpushare status` is what operators and monitoring scripts run most, so it must stay quick (issue
-17: under 100 ms for the whole process). Starts a real daemon (tests/daemon_proc.py: fake GPUs and
+17: under 100 ms for the whole process). Starts a real daemon (tests/support/daemon_proc.py: fake GPUs and
 MPS, everything else real) under /tmp with two GPUs, one online client with an SLO and six offline
 clients, lets it tick, then runs the console script repeatedly. Wall time is what the user waits;
 the CLI process's CPU time (user + system, from getrusage) is reported beside it because on a
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.daemon_helpers import REPO, DaemonProc
+from tests.support.daemon_helpers import REPO, DaemonProc
 
 OUT = REPO / "bench" / "results" / "status_cli.json"
 RUNS = 20

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install a single-node Slurm's parts from the distribution's packages: slurmctld, slurmd, the
 # client commands (sbatch, srun, scontrol) and munge. The test suite starts its own cluster from
-# them under a temporary directory (tests/slurm_cluster.py); nothing here configures or starts a
+# them under a temporary directory (tests/support/slurm_cluster.py); nothing here configures or starts a
 # service, and the packages' own units are not started (policy-rc.d or no systemd).
 #
 # Usage: scripts/get-slurm.sh   (root, apt-get). Idempotent: exits 0 at once when all are there.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the Debian packages the integration tests drive for real, when they are missing:
 # zsh and fish (the shell-completion tests run the real shells); podman, runc and busybox-static
-# (tests/test_kubernetes.py names a real container from its cgroup: runc because crun refuses
+# (tests/cluster/test_kubernetes.py names a real container from its cgroup: runc because crun refuses
 # hybrid cgroup hosts whose v2 hierarchy lists controllers, busybox to build the image locally).
 #
 # Needs root and apt-get (CI has both); elsewhere it says what is missing and exits 0, and the

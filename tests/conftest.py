@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from tests.helpers import MPS_MISSING, find_mps_control
+from tests.support.helpers import MPS_MISSING, find_mps_control
 
 
 @pytest.fixture(autouse=True)

@@ -29,9 +29,9 @@ from gpushare.observe import (
     build_observations,
     offline_running,
 )
-from tests import fake_nvml
-from tests.fake_nvml import GIB, FakeGpuBackend, uuid_of
-from tests.fake_probe import FakeProbe
+from tests.fakes import fake_nvml
+from tests.fakes.fake_nvml import GIB, FakeGpuBackend, uuid_of
+from tests.fakes.fake_probe import FakeProbe
 
 U0, U1 = uuid_of(0), uuid_of(1)
 

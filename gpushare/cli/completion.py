@@ -36,7 +36,7 @@ def init_if_completing() -> None:
     """Register Typer's completion classes when the shell is asking for completions."""
     if os.environ.get(COMPLETE_VAR):
         # Typer re-exports these in typer.completion without declaring them (its own
-        # --install-completion uses them); tests/test_completion.py fails if an upgrade drops them.
+        # --install-completion uses them); tests/cli/test_completion.py fails if an upgrade drops them.
         typer.completion.completion_init()  # type: ignore[attr-defined]
 
 

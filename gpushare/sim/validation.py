@@ -4,7 +4,7 @@ Each point is a measurement someone published (``gpushare/data/validation/``,
 ``gpushare/data/igniter-v100/``, ``gpushare/data/orion-v100-kernels/``) and a small simulation
 of the same set-up. Points are either *calibration* points (a constant of the model was chosen
 from them) or *validation* points (nothing was fitted to them). ``bench/sim_validation.py``
-prints the table; ``tests/test_sim_validation.py`` holds each point to its stated tolerance.
+prints the table; ``tests/sim/test_sim_validation.py`` holds each point to its stated tolerance.
 """
 
 from __future__ import annotations

@@ -1,0 +1,134 @@
+"""Node-level admission: SJF order, skip-blocked, memory fit, best sharing benefit, D11."""
+
+from __future__ import annotations
+
+from gpushare.control.admission import admit, plan
+from gpushare.model import ClientState, MpsState, Observation
+from tests.fakes.fake_observations import GIB, gpu_uuid, job, observation, offline, online
+
+
+def gpus(*observations: Observation) -> dict[str, Observation]:
+    return {o.gpu_uuid: o for o in observations}
+
+
+def one_gpu(**kwargs: object) -> dict[str, Observation]:
+    clients = kwargs.pop("clients", (online(mem=10 * GIB),))
+    return gpus(observation(clients, gpu=gpu_uuid(0), index=0, **kwargs))  # type: ignore[arg-type]
+
+
+def test_shortest_expected_job_first_then_submission_order() -> None:
+    queue = [
+        job("long", duration=500.0, submitted=0.0),
+        job("unknown", duration=None, submitted=0.0),
+        job("short", duration=10.0, submitted=5.0),
+        job("mid-late", duration=100.0, submitted=9.0),
+        job("mid-early", duration=100.0, submitted=1.0),
+    ]
+    admits = admit(queue, one_gpu(), {}, now=10.0)
+    assert [a.client_id for a in admits] == ["short", "mid-early", "mid-late", "long", "unknown"]
+    assert all(a.reason for a in admits)
+
+
+def test_a_job_that_cannot_start_does_not_block_later_ones() -> None:
+    # 80 GiB GPU, online holds 10, reserve 2: 68 GiB left for offline work.
+    queue = [
+        job("huge-short", mem=70 * GIB, duration=1.0),
+        job("small-long", mem=4 * GIB, duration=1000.0),
+    ]
+    result = plan(queue, one_gpu(), {}, now=0.0)
+    assert [a.client_id for a in result.admits] == ["small-long"]
+    assert "needs 70.00GiB" in result.waiting["huge-short"]
+    assert "online reserve" in result.waiting["huge-short"]
+
+
+def test_memory_must_fit_beside_the_online_reserve_including_this_round() -> None:
+    # free = 80 - 10 = 70 GiB, reserve 2 GiB: exactly 68 GiB fits, one byte more does not.
+    assert [a.client_id for a in admit([job("a", mem=68 * GIB)], one_gpu(), {}, 0.0)] == ["a"]
+    assert admit([job("a", mem=68 * GIB + 1)], one_gpu(), {}, 0.0) == []
+    # Two jobs of 40 GiB: the second no longer fits once the first is placed.
+    admits = admit([job("x", mem=40 * GIB), job("y", mem=40 * GIB)], one_gpu(), {}, 0.0)
+    assert [a.client_id for a in admits] == ["x"]
+
+
+def test_best_sharing_benefit_prefers_headroom_and_idle_gpus() -> None:
+    busy = observation(
+        (online(mem=4 * GIB), offline("o1", mem=4 * GIB)), gpu=gpu_uuid(0), index=0, sm_active=90.0
+    )
+    idle = observation((online(mem=4 * GIB),), gpu=gpu_uuid(1), index=1, sm_active=20.0)
+    (a,) = admit([job("j")], gpus(busy, idle), {}, 0.0)
+    assert a.gpu_uuid == gpu_uuid(1)
+    assert "slowdown" in a.reason
+    # With equal headroom, the GPU without offline co-runners wins (SJF-BSBF: idle GPUs first).
+    busy2 = observation(
+        (online(mem=4 * GIB), offline("o1", mem=4 * GIB)), gpu=gpu_uuid(0), index=0, sm_active=20.0
+    )
+    (b,) = admit([job("j", sm_pct=50.0)], gpus(busy2, idle), {}, 0.0)
+    assert b.gpu_uuid == gpu_uuid(1)
+
+
+def test_admitted_share_is_the_gpu_share_capped_by_the_job_and_gpu_ceiling() -> None:
+    obs = one_gpu(offline_max=60.0)
+    (a,) = admit([job("a")], obs, {gpu_uuid(0): 40.0}, 0.0)
+    assert a.sm_pct == 40.0
+    (b,) = admit([job("b", sm_pct=25.0)], obs, {gpu_uuid(0): 40.0}, 0.0)
+    assert b.sm_pct == 25.0
+    (c,) = admit([job("c")], obs, {gpu_uuid(0): 90.0}, 0.0)
+    assert c.sm_pct == 60.0
+
+
+def test_backoff_lost_closed_fault_and_unknown_memory_keep_jobs_waiting() -> None:
+    result = plan([job("later", not_before=30.0)], one_gpu(), {}, now=10.0)
+    assert result.admits == () and "backing off" in result.waiting["later"]
+    for kwargs, words in (
+        ({"lost": True}, "GPU lost"),
+        ({"admissions_open": False}, "admissions closed"),
+        ({"mps_state": MpsState.FAULT}, "MPS is fault"),
+        ({"mem_total": None}, "free memory unknown"),
+    ):
+        result = plan([job("j")], one_gpu(**kwargs), {}, now=0.0)
+        assert result.admits == (), kwargs
+        assert words in result.waiting["j"], (kwargs, result.waiting)
+
+
+def test_mps_client_slots_count_the_probe_and_this_round() -> None:
+    clients = (online(mem=1 * GIB), offline("o", mem=1 * GIB))
+    # 4 slots: probe + 2 live clients leave one.
+    admits = admit([job("a"), job("b")], one_gpu(clients=clients), {}, 0.0, max_clients=4)
+    assert [a.client_id for a in admits] == ["a"]
+    result = plan([job("a")], one_gpu(clients=clients), {}, 0.0, max_clients=3)
+    assert "no MPS client slot" in result.waiting["a"]
+
+
+def test_foreign_uid_is_not_placed_without_multiuser_d11() -> None:
+    obs = one_gpu(clients=(online(uid=1000, mem=1 * GIB),))
+    result = plan([job("other", uid=2000)], obs, {}, 0.0)
+    assert result.admits == ()
+    assert "uid 1000" in result.waiting["other"] and "multiuser" in result.waiting["other"]
+    # Same uid is fine, and with -multiuser-server any uid is.
+    assert admit([job("same", uid=1000)], obs, {}, 0.0)
+    assert admit([job("other", uid=2000)], obs, {}, 0.0, multiuser=True)
+    # Two uids in one round: the second is kept off the GPU the first just took.
+    empty = one_gpu(clients=())
+    admits = admit([job("u1", uid=1, duration=1.0), job("u2", uid=2, duration=2.0)], empty, {}, 0)
+    assert [a.client_id for a in admits] == ["u1"]
+    # A finished client of another uid does not count.
+    gone = one_gpu(clients=(online(uid=1000, state=ClientState.EXITED),))
+    assert admit([job("other", uid=2000)], gone, {}, 0.0)
+
+
+def test_foreign_uid_goes_to_a_gpu_without_a_foreign_server() -> None:
+    mine = observation((online(uid=5, mem=1 * GIB),), gpu=gpu_uuid(0), index=0, sm_active=0.0)
+    free = observation((), gpu=gpu_uuid(1), index=1, sm_active=90.0)
+    (a,) = admit([job("j", uid=7)], gpus(mine, free), {}, 0.0)
+    assert a.gpu_uuid == gpu_uuid(1)
+
+
+def test_requested_gpu_is_respected_by_uuid_or_index() -> None:
+    g0 = observation((), gpu=gpu_uuid(0), index=0, sm_active=90.0)
+    g1 = observation((), gpu=gpu_uuid(1), index=1, sm_active=0.0)
+    (a,) = admit([job("j", gpu="0")], gpus(g0, g1), {}, 0.0)
+    assert a.gpu_uuid == gpu_uuid(0)
+    (b,) = admit([job("j", gpu=gpu_uuid(0))], gpus(g0, g1), {}, 0.0)
+    assert b.gpu_uuid == gpu_uuid(0)
+    result = plan([job("j", gpu="7")], gpus(g0, g1), {}, 0.0)
+    assert "no shared GPU matches --gpu 7" in result.waiting["j"]

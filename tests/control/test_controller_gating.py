@@ -1,0 +1,154 @@
+"""The controller's gating lever (SetGating), alone and in a closed loop with the pure gate."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpushare.config import ControlConfig, GateConfig
+from gpushare.control import gate
+from gpushare.control.controller import GpushareController
+from gpushare.control.gate import GateState
+from gpushare.model import GateReading, Observation, SetGating
+from tests.fakes.fake_observations import GPU, observation, offline, online
+
+CTL = GpushareController(ControlConfig())
+GCFG = GateConfig()
+
+
+def reading(signalled: int = 1, busy: float | None = 0.3, enabled: bool = False) -> GateReading:
+    return GateReading(
+        enabled=enabled, closed=False, inflight=0, signalled_clients=signalled, busy_fraction=busy
+    )
+
+
+def gating_actions(actions: object) -> list[SetGating]:
+    assert isinstance(actions, list | tuple)
+    return [a for a in actions if isinstance(a, SetGating)]
+
+
+def test_no_gate_reading_means_no_gating_action() -> None:
+    obs = observation((online(p99_ms=10.0), offline()))
+    state = CTL.initial_state(GPU, 0.0)
+    for i in range(5):
+        state, actions = CTL.step(state, obs, i * 0.1)
+        assert not gating_actions(actions)
+
+
+def test_gating_follows_request_boundaries_and_busy_share() -> None:
+    base = observation((online(p99_ms=10.0), offline()))
+    state = CTL.initial_state(GPU, 0.0)
+    state, actions = CTL.step(state, replace(base, gate=reading(signalled=0)), 0.0)
+    assert [a.on for a in gating_actions(actions)] == [False]
+    state, actions = CTL.step(state, replace(base, gate=reading()), 0.1)
+    (on,) = gating_actions(actions)
+    assert on.on
+    assert "1 online client(s) send request boundaries" in on.reason
+    state, actions = CTL.step(state, replace(base, gate=reading()), 0.2)
+    assert not gating_actions(actions), "sent only when it changes"
+    # Busy nearly all the time: off, and back on only 0.1 under max_busy.
+    state, actions = CTL.step(state, replace(base, gate=reading(busy=0.95)), 0.3)
+    (off,) = gating_actions(actions)
+    assert not off.on
+    assert "the duty cycle decides" in off.reason
+    state, actions = CTL.step(state, replace(base, gate=reading(busy=0.85)), 0.4)
+    assert not gating_actions(actions)
+    state, actions = CTL.step(state, replace(base, gate=reading(busy=0.75)), 0.5)
+    assert [a.on for a in gating_actions(actions)] == [True]
+    # No online client left: off.
+    gone = replace(observation((offline(),)), gate=reading())
+    state, actions = CTL.step(state, gone, 0.6)
+    assert [a.on for a in gating_actions(actions)] == [False]
+
+
+def _closed_loop(pattern: list[tuple[float, int]], seconds: float) -> tuple[float, float, bool]:
+    """Run controller and pure gate together.
+
+    Returns:
+        The longest closed spell seen at the ticks, the last tick it was closed, and whether
+        gating was on at the end.
+
+    ``pattern`` is a cycle of (duration, count) a single source reports, one datagram each.
+    """
+    obs0 = observation((online(p99_ms=10.0), offline()))
+    ctl_state = CTL.initial_state(GPU, 0.0)
+    g = GateState()
+    period = CTL.config.period_s
+    now, tick, i = 0.0, 0.0, 0
+    closed_since: float | None = None
+    longest, last_closed = 0.0, -1.0
+    while now < seconds:
+        dur, count = pattern[i % len(pattern)]
+        i += 1
+        g = gate.evaluate(gate.record(g, "web", "web/pid:1", count, now), now, GCFG)
+        end = now + dur
+        while tick <= end and tick < seconds:
+            g = gate.evaluate(g, tick, GCFG)
+            view = GateReading(
+                enabled=g.enabled,
+                closed=g.closed,
+                inflight=gate.inflight(g, tick, GCFG),
+                signalled_clients=1,
+                busy_fraction=gate.busy_fraction(g, tick, GCFG),
+                max_busy=GCFG.max_busy,
+            )
+            obs: Observation = replace(obs0, gate=view)
+            ctl_state, actions = CTL.step(ctl_state, obs, tick)
+            for a in gating_actions(actions):
+                g = gate.evaluate(gate.set_enabled(g, a.on), tick, GCFG)
+            if g.closed:
+                closed_since = tick if closed_since is None else closed_since
+                longest = max(longest, tick - closed_since)
+                last_closed = tick
+            else:
+                closed_since = None
+            tick = round(tick + period, 9)
+        now = end
+    return longest, last_closed, g.enabled
+
+
+def test_a_client_that_claims_a_request_forever_cannot_freeze_offline_work_for_good() -> None:
+    # One datagram "1 in flight" every second, never an end.
+    longest, last_closed, _ = _closed_loop([(1.0, 1)], 60.0)
+    # Off once the busy share passes max_busy over the window: within the window, never again.
+    assert longest <= GCFG.busy_window_s + 0.2
+    assert last_closed <= GCFG.busy_window_s + 0.2
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.floats(min_value=0.005, max_value=0.2),
+    # Idle spells longer than two ticks: the loop looks at the gate once a tick.
+    st.floats(min_value=0.25, max_value=0.5),
+)
+def test_gating_stays_on_for_a_service_with_idle_time(busy_s: float, idle_s: float) -> None:
+    """A service busy under max_busy of the time keeps gating on: closed spells follow requests."""
+    frac = (busy_s + GCFG.hold_s) / (busy_s + idle_s)
+    longest, _, enabled = _closed_loop([(busy_s, 1), (idle_s, 0)], 20.0)
+    if frac < GCFG.max_busy - 0.15:
+        assert enabled, "gating still on at the end"
+        assert longest <= busy_s + GCFG.hold_s + CTL.config.period_s + 1e-6
+
+
+def test_auto_queue_clients_are_relaunched_when_gating_has_settled() -> None:
+    cfg = ControlConfig(share_min_interval_s=60.0)
+    ctl = GpushareController(cfg)
+    trainer = replace(offline("t1", restartable=True), queue="auto", shallow=False)
+    fixed = replace(offline("t2", restartable=True), queue="deep", shallow=False)
+    obs = replace(observation((online(p99_ms=10.0), trainer, fixed)), gate=reading())
+    state = CTL.initial_state(GPU, 0.0)
+    restarts: list[tuple[float, str]] = []
+    for i in range(1300):  # 130 s
+        now = i * 0.1
+        state, actions = ctl.step(state, obs, now)
+        restarts += [(now, a.reason) for a in actions if type(a).__name__ == "RestartClient"]
+        if restarts and state.restart_pending is not None:
+            # The runner relaunched it shallow, under the same share.
+            obs = replace(obs, clients=(obs.clients[0], replace(trainer, shallow=True), fixed))
+    (at, why), *more = restarts
+    assert not more, "one relaunch, for the auto client only"
+    assert at >= cfg.share_min_interval_s
+    assert "--queue auto" in why
+    assert "shallow" in why

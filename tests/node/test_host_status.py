@@ -1,0 +1,36 @@
+"""The doctor's host probes of NVML and the CUDA driver, on this GPU-less machine and faked."""
+
+import ctypes.util
+
+from gpushare.node import nvml, probe
+from tests.fakes import fake_nvml
+
+
+def test_nvml_host_status_without_a_driver_carries_the_hint(monkeypatch):
+    lib = fake_nvml.healthy(0)
+    lib.init_error = fake_nvml.LIBRARY_NOT_FOUND
+    monkeypatch.setattr(nvml, "_load_pynvml", lambda: lib)
+    ok, detail, hint = nvml.host_status()
+    assert not ok
+    assert "nvmlInit" in detail
+    assert "install the driver" in hint
+
+
+def test_nvml_host_status_with_gpus(monkeypatch):
+    monkeypatch.setattr(nvml, "_load_pynvml", lambda: fake_nvml.healthy(2))
+    ok, detail, hint = nvml.host_status()
+    assert ok
+    assert detail == "driver 550.54.15, 2 GPU(s)"
+    assert hint == ""
+
+
+def test_cuda_driver_status_matches_this_host():
+    ok, detail, hint = probe.driver_status()
+    if ctypes.util.find_library("cuda") is None:
+        # No NVIDIA driver here (CI): the line names the missing library and the fix.
+        assert not ok
+        assert "libcuda" in detail
+        assert "driver" in hint
+    else:
+        assert ok, detail
+        assert "CUDA" in detail

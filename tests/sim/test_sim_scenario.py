@@ -1,0 +1,130 @@
+"""Scenario files: every shipped one parses; bad ones fail with errors naming file, key and fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpushare.sim import scenario
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "gpushare" / "scenarios").rglob("*.toml"))
+
+GOOD = """
+[scenario]
+name = "ok"
+duration = "10s"
+[[online]]
+name = "inf"
+profile = "orion-v100-kernels/resnet50_4_fwd.csv"
+[[offline]]
+name = "train"
+profile = "orion-v100-kernels/resnet50_32_fb1.csv"
+"""
+
+
+def test_the_shipped_set_is_complete() -> None:
+    names = {p.name for p in SHIPPED}
+    assert len([p for p in SHIPPED if p.parent.name == "pairs"]) == 35  # 5 fwd x 7 fb1
+    assert {"azure-bursty.toml", "genai-idle.toml", "alibaba-node-mix.toml"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_scenario_parses(path: Path) -> None:
+    sc = scenario.load(path)
+    assert sc.duration_s > sc.warmup_s
+    assert sc.online or sc.offline
+    assert all(0 <= s.gpu < sc.gpu.count for s in (*sc.online, *sc.offline))
+
+
+def test_good_scenario_has_defaults_and_config_overrides() -> None:
+    sc = scenario.loads(GOOD + '\n[control]\nperiod = "50ms"\n', "x.toml")
+    assert sc.online[0].load == 0.5
+    assert sc.config.control.period_s == pytest.approx(0.05)
+    assert sc.gpu.sm_count == 80
+
+
+@pytest.mark.parametrize(
+    ("mutation", "key", "words"),
+    [
+        (("[scenario]", "[scenario]\nbogus = 1"), "scenario.bogus", "unknown key"),
+        (('duration = "10s"', 'duration = "ten"'), "scenario.duration", "duration"),
+        (('duration = "10s"', 'duration = "10s"\nwarmup = "20s"'), "scenario.warmup", "shorter"),
+        (('name = "inf"', 'name = "inf"\nload = 0.5\nrps = 3.0'), "online[0].rps", "either"),
+        (('name = "inf"', 'name = "inf"\narrivals = "azure"'), "online[0].trace", "trace"),
+        (('name = "inf"', 'name = "inf"\narrivals = "gamma"'), "online[0].arrivals", "poisson"),
+        (('name = "inf"', 'name = "inf"\ngpu = 3'), "online[0].gpu", "integer in [0, 0]"),
+        (('name = "train"', 'name = "train"\nmem = "lots"'), "offline[0].mem", "size"),
+        (
+            ("resnet50_32_fb1.csv", "nope_fb1.csv"),
+            "offline[0].profile",
+            "no such data file",
+        ),
+        (('name = "train"', 'name = "inf"'), "name", "unique"),
+        (("[[online]]", "[gpu]\ncount = 0\n[[online]]"), "gpu.count", "integer in [1, 64]"),
+        (("[[online]]", '[control]\nperiod = "fast"\n[[online]]'), "control.period", ""),
+        (("[[online]]", "[control]\nnot_a_key = 1\n[[online]]"), "control.not_a_key", "unknown"),
+        (('name = "inf"', 'name = "inf"\nburst = ["1s", "2s"]'), "online[0].burst", "expected"),
+        (('name = "inf"', 'name = "inf"\nburst = ["1s", "0s", 3]'), "online[0].burst", "positive"),
+        (('name = "inf"', 'name = "inf"\nload = -0.5'), "online[0].load", "above 0"),
+        (('name = "inf"', 'name = "inf"\nload = 0'), "online[0].load", "above 0"),
+        (('name = "inf"', 'name = "inf"\nload = 1'), "online[0].load", "below 1"),
+        (('name = "inf"', 'name = "inf"\nload = 2.5'), "online[0].load", "below 1"),
+        (('name = "inf"', 'name = "inf"\nload = "half"'), "online[0].load", "number"),
+        (('name = "inf"', 'name = "inf"\nrps = 400.0'), "online[0].rps", "load of"),
+        (("resnet50_4_fwd.csv", "nope_fwd.csv"), "online[0].profile", "no such data file"),
+        (("orion-v100-kernels/resnet50_4", "nowhere/resnet50_4"), "online[0].profile", "no such"),
+        (
+            ('name = "inf"', 'name = "inf"\narrivals = "azure"\ntrace = "azure-llm-2023/x.csv"'),
+            "online[0].trace",
+            "no such data file",
+        ),
+    ],
+)
+def test_bad_scenario_names_the_key(mutation: tuple[str, str], key: str, words: str) -> None:
+    text = GOOD.replace(mutation[0], mutation[1], 1)
+    with pytest.raises(scenario.ScenarioError) as info:
+        scenario.loads(text, "bad.toml")
+    err = info.value
+    assert err.key == key
+    assert str(err).startswith(f"bad.toml: {key}: ")
+    assert words in err.reason
+
+
+def test_burst_parses_and_raises_the_rate() -> None:
+    from gpushare.sim.node import arrivals_for
+
+    text = GOOD.replace('name = "inf"', 'name = "inf"\nrps = 10.0\nburst = ["2s", "1s", 5]')
+    text = text.replace("[[offline]]", '[[offline]]\nsubmit = "60s"')
+    sc = scenario.loads(text.replace('duration = "10s"', 'duration = "4s"'), "x.toml")
+    assert sc.online[0].burst == (2.0, 1.0, 5.0)
+    arrivals = list(arrivals_for(sc.online[0], 0.0065, 1, 4.0))
+    in_burst = sum(1 for t in arrivals if 2.0 <= t < 3.0)
+    before = sum(1 for t in arrivals if 0.0 <= t < 2.0) / 2
+    assert in_burst > 2.5 * before
+
+
+def test_not_toml_and_missing_file() -> None:
+    with pytest.raises(scenario.ScenarioError, match="not valid TOML"):
+        scenario.loads("[scenario\n", "x.toml")
+    with pytest.raises(scenario.ScenarioError, match="no such file, and no shipped scenario"):
+        scenario.load("/nonexistent/x.toml")
+    with pytest.raises(scenario.ScenarioError, match=r"missing table \[scenario\]"):
+        scenario.loads("[[online]]\nname='a'\n", "x.toml")
+    with pytest.raises(scenario.ScenarioError, match="at least one"):
+        scenario.loads("[scenario]\nname='a'\n", "x.toml")
+
+
+def test_physics_keys_parse() -> None:
+    text = GOOD.replace(
+        "[[online]]", '[gpu]\nswitch = "100us"\nwave_scale = 2.0\nlaunch_gap = "5us"\n[[online]]'
+    )
+    text = text.replace('name = "train"', 'name = "train"\nlaunch_blocking = true')
+    sc = scenario.loads(text, "x.toml")
+    assert sc.gpu.switch_s == pytest.approx(100e-6)
+    assert sc.gpu.wave_scale == 2.0
+    assert sc.gpu.launch_gap_s == pytest.approx(5e-6)
+    assert sc.offline[0].launch_blocking and not sc.online[0].launch_blocking
+    with pytest.raises(scenario.ScenarioError, match=r"gpu.wave_scale"):
+        scenario.loads(GOOD.replace("[[online]]", "[gpu]\nwave_scale = 0\n[[online]]", 1), "x.toml")
