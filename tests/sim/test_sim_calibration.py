@@ -10,60 +10,30 @@ The co-location points (Orion's plain-MPS run, time-slicing and MPS on A100 and 
 
 from __future__ import annotations
 
-import csv
-from collections import defaultdict
-
 import pytest
 
-from gpushare.sim import data
-from gpushare.sim.gpu import EventLoop, Gpu
-from gpushare.sim.workloads import OfflineTrainer
+from gpushare.sim.validation import capped_pass_s, igniter_curves
 
 ORION = "orion-v100-kernels"
-
-
-def igniter_curves() -> dict[tuple[str, int], dict[int, float]]:
-    curves: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
-    path = data.resolve("igniter-v100/latency_vs_mps_thread_pct.csv")
-    with path.open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            curves[(row["model"], int(row["batch"]))][int(row["thread_pct"])] = float(
-                row["compute_ms_p50"]
-            )
-    return curves
-
-
-def sequence_time_s(profile: str, pct: float) -> float:
-    """Run one pass of a profile alone on the simulated GPU under an MPS cap."""
-    loop = EventLoop()
-    gpu = Gpu(loop, uuid="GPU-cal", index=0)
-    merge = data.DEFAULT_MERGE_OFFLINE_US if "_fb1" in profile else data.DEFAULT_MERGE_ONLINE_US
-    prof = data.load_profile(profile, merge)
-    job = OfflineTrainer("job", gpu, prof, sm_pct=pct, mem_bytes=0)
-    job.start(0.0)
-    loop.run_until(prof.total_s * 20)
-    return job.iterations[0]
-
-
 PCTS = range(10, 101, 10)
 
 
 @pytest.mark.parametrize("measured", [("resnet50", 32), ("vgg19", 16), ("alexnet", 64)])
 def test_large_batch_curve_within_6_percent(measured: tuple[str, int]) -> None:
     curve = igniter_curves()[measured]
-    full = sequence_time_s(f"{ORION}/resnet50_32_fb1.csv", 100)
+    full = capped_pass_s(f"{ORION}/resnet50_32_fb1.csv", 100)
     for pct in PCTS:
-        model = sequence_time_s(f"{ORION}/resnet50_32_fb1.csv", pct) / full
+        model = capped_pass_s(f"{ORION}/resnet50_32_fb1.csv", pct) / full
         real = curve[pct] / curve[100]
         assert model == pytest.approx(real, rel=0.06), f"{measured} at {pct}%"
 
 
 def test_small_batch_curve_underestimated_by_at_most_25_percent() -> None:
     curve = igniter_curves()[("resnet50", 4)]
-    full = sequence_time_s(f"{ORION}/resnet50_4_fwd.csv", 100)
+    full = capped_pass_s(f"{ORION}/resnet50_4_fwd.csv", 100)
     worst = 0.0
     for pct in PCTS:
-        model = sequence_time_s(f"{ORION}/resnet50_4_fwd.csv", pct) / full
+        model = capped_pass_s(f"{ORION}/resnet50_4_fwd.csv", pct) / full
         real = curve[pct] / curve[100]
         assert model <= real * 1.05, f"model slower than measured at {pct}%"
         worst = max(worst, 1 - model / real)
