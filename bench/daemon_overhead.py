@@ -34,7 +34,6 @@ is removed at the end, also on Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -55,7 +54,8 @@ sys.path.insert(0, str(REPO))
 
 from gpushare import protocol  # noqa: E402
 from gpushare.client import ApiClient, ApiError  # noqa: E402
-from gpushare.node.cgroups import cgroup2_mount, own_cgroup  # noqa: E402
+from gpushare.node.cgroups import own_cgroup  # noqa: E402
+from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree  # noqa: E402
 
 GPUSHARE = [sys.executable, "-c", "from gpushare.cli.app import main; main()"]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -70,42 +70,6 @@ def cpu_ticks(pid: int) -> tuple[int, int]:
     fields = text[text.rindex(")") + 2 :].split()
     utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
     return utime + stime, cutime + cstime
-
-
-def cgroup_skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create cgroups"
-    mount = cgroup2_mount()
-    if mount is None:
-        return "no cgroup2 filesystem is mounted"
-    own = own_cgroup(mount)
-    if own is None or not os.access(own, os.W_OK):
-        return f"this process's cgroup {own} is not writable"
-    return None
-
-
-def remove_cgroups(path: Path, timeout_s: float = 10.0) -> None:
-    """SIGKILL every process under ``path`` and remove its cgroups, depth first."""
-    if not path.exists():
-        return
-    tree = [*sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True), path]
-    for sub in tree:
-        with contextlib.suppress(OSError):
-            (sub / "cgroup.freeze").write_text("0")
-        with contextlib.suppress(OSError):
-            (sub / "cgroup.kill").write_text("1")
-    deadline = time.monotonic() + timeout_s
-    for sub in tree:
-        while True:
-            try:
-                sub.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
 
 
 def write_config(
@@ -258,7 +222,7 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
         log.close()
         ticks.close()
         # The daemon leaves its workloads running when it stops (they are not its to kill).
-        remove_cgroups(cgroup_dir)
+        remove_tree(cgroup_dir, timeout_s=10.0)
         shutil.rmtree(base, ignore_errors=True)
     cpu_pct = 100.0 * (own1 - own0) / CLK_TCK / wall
     children_pct = 100.0 * (kids1 - kids0) / CLK_TCK / wall
