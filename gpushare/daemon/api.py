@@ -327,24 +327,21 @@ class Api:
 
     def pause(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``pause``: hold a client frozen until ``resume``."""
-        req = protocol.from_params(protocol.ClientRequest, params)
-        with self.s.lock:
-            rec = self._get(req.client_id)
-            self._authorize(caller, rec, "pause")
-            if rec.state not in RUNNING_STATES:
-                raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; cannot pause it")
-            self.life.hold(rec.id, True, f"paused by {procs.user_name(caller.uid)}")
-            return {"client_id": rec.id, "state": self.s.registry.get(rec.id).state.value}
+        return self._hold(caller, params, held=True)
 
     def resume(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``resume``: release a ``pause``."""
+        return self._hold(caller, params, held=False)
+
+    def _hold(self, caller: Caller, params: dict[str, Any], *, held: bool) -> dict[str, Any]:
+        what = "pause" if held else "resume"
         req = protocol.from_params(protocol.ClientRequest, params)
         with self.s.lock:
             rec = self._get(req.client_id)
-            self._authorize(caller, rec, "resume")
+            self._authorize(caller, rec, what)
             if rec.state not in RUNNING_STATES:
-                raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; cannot resume it")
-            self.life.hold(rec.id, False, f"resumed by {procs.user_name(caller.uid)}")
+                raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; cannot {what} it")
+            self.life.hold(rec.id, held, f"{what}d by {procs.user_name(caller.uid)}")
             return {"client_id": rec.id, "state": self.s.registry.get(rec.id).state.value}
 
     def _resolve_gpu(self, key: str) -> GpuSample:
