@@ -32,19 +32,18 @@ from gpushare.node import procs
 from gpushare.node.base import Pauser
 from gpushare.node.cgroups import (
     DEFAULT_FREEZE_TIMEOUT_S,
-    DEFAULT_SIGNAL_WAIT_S,
     FreezeRoute,
     FreezeTimeoutError,
     PauserError,
     check_client_id,
     freeze_route,
 )
-
-# cgroups.py's own helpers: the same checks and cgroupfs writes as for launched clients.
-from gpushare.node.cgroups import _check_pid as check_pid
 from gpushare.node.cgroups import _wait_event as wait_event
 from gpushare.node.cgroups import _walk_pids as walk_pids
 from gpushare.node.cgroups import _write as write_value
+
+# cgroups.py's own helpers: the same checks and cgroupfs writes as for launched clients.
+from gpushare.node.pauser_base import DEFAULT_SIGNAL_WAIT_S, check_pid
 
 log = structlog.get_logger(__name__)
 
