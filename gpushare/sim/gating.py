@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 #: threads at SCHED_FIFO (0.20 ms; bench/results/gating_latency.json). The process then stops
 #: :data:`~gpushare.sim.workloads.FREEZE_S` later (the simulated pauser's part).
 DELIVERY_S = 0.20e-3
+#: The gate's timer wakes this long after a hold or timeout runs out, as the daemon's timer
+#: thread does (``Gatekeeper._run`` waits ``due - now + 1e-4``): evaluated exactly at the end of
+#: the hold, float rounding can leave the gate a hair short of it.
+TIMER_SLACK_S = 1e-4
 
 
 class GateDriver:
@@ -55,11 +59,14 @@ class GateDriver:
         self._arm(self.gate.next_due(now))
 
     def _arm(self, due: float | None) -> None:
-        """Poll the gate at ``due`` unless a poll at or before it is already scheduled."""
-        if due is None or (self._due is not None and self.loop.now <= self._due <= due):
+        """Poll the gate just after ``due`` unless a poll at or before then is scheduled already."""
+        if due is None:
             return
-        self._due = due
-        self.loop.at(due, self._poll, due)
+        at = due + TIMER_SLACK_S
+        if self._due is not None and self.loop.now <= self._due <= at:
+            return
+        self._due = at
+        self.loop.at(at, self._poll, at)
 
     def _poll(self, arg: object) -> None:
         if arg != self._due:
