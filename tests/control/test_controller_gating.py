@@ -152,3 +152,37 @@ def test_auto_queue_clients_are_relaunched_when_gating_has_settled() -> None:
     assert at >= cfg.share_min_interval_s
     assert "--queue auto" in why
     assert "shallow" in why
+
+
+def _duty_after_breach(gating: bool, p99_ms: float) -> float | None:
+    """The duty the controller sets when the online p99 jumps to ``p99_ms`` (SLO 40 ms)."""
+    calm = observation((online(p99_ms=20.0), offline()))
+    state = CTL.initial_state(GPU, 0.0)
+    g = reading(signalled=1 if gating else 0, enabled=gating)
+    for i in range(3):
+        state, _ = CTL.step(state, replace(calm, gate=g), i * 0.1)
+    assert state.gating_emitted is gating
+    hot = replace(observation((online(p99_ms=p99_ms), offline())), gate=g)
+    state, actions = CTL.step(state, hot, 0.3)
+    return state.duty
+
+
+def test_gated_a_breach_under_the_hard_ratio_leaves_the_duty_to_the_gate() -> None:
+    # 1.25x the SLO: the cut ratio's breach. Without gating the duty goes to 0 at once.
+    assert _duty_after_breach(False, 50.0) == 0.0
+    # Gated, offline work is frozen while requests are in flight already: the duty stays.
+    assert _duty_after_breach(True, 50.0) == 1.0
+    # Past the hard ratio (2x) gating has evidently not contained it: cut.
+    assert _duty_after_breach(True, 81.0) == 0.0
+
+
+def test_gated_the_offline_share_is_the_gpus_ceiling() -> None:
+    obs = observation((online(p99_ms=20.0), offline()))
+    g = reading(signalled=1, enabled=True)
+    state = replace(CTL.initial_state(GPU, 0.0), share_pct=30.0, share_emitted=True)
+    shares = []
+    for i in range(5):
+        state, actions = CTL.step(state, replace(obs, gate=g), i * 0.1)
+        shares += [a for a in actions if type(a).__name__ == "SetOfflineShare"]
+    assert shares and shares[-1].sm_pct == ControlConfig().offline_sm_pct_max
+    assert "request gating on" in shares[-1].reason
