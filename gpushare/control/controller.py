@@ -378,8 +378,9 @@ class GpushareController:
         # queue) and the freeze's latency, which a duty cycle does not remove (it only takes the
         # idle time gating hands to offline work). Under a tight SLO, windows of online work alone
         # breach it (docs/benchmarks.md: exclusive use attains 99.3 % at 1.1x); only a breach of
-        # the hard ratio, which gating has evidently not contained, cuts the duty then.
-        gated = state.gating_emitted is True
+        # the hard ratio, which gating has evidently not contained, cuts the duty then. A client
+        # with a deep queue runs up to an iteration past a freeze: the duty cycle works as before.
+        gated = _gated_shallow(state, obs)
         comfortable, violating = state.comfortable_ticks, state.violation_ticks
         quiet = state.quiet_ticks + 1 if state.duty_emitted == 0.0 or not obs.offline() else 0
         if signals.online == 0:
@@ -557,7 +558,7 @@ class GpushareController:
             return replace(state, share_pct=top, share_changed_at_s=now)
         if signals.online == 0:
             target, basis = top, "no online client"
-        elif state.gating_emitted:
+        elif _gated_shallow(state, obs):
             # The share bounds what offline work takes from online requests running beside it;
             # gated, it runs only between requests (up to one kernel overlapping a request start).
             target, basis = top, "request gating on: offline work runs between online requests"
@@ -749,6 +750,18 @@ class GpushareController:
         current = client.limits.sm_pct
         # Above target: always (it crowds online work). Below: only when worth a restart.
         return current > target + 0.5 or current < target - self.config.share_hysteresis_pct
+
+
+def _gated_shallow(state: GpuState, obs: Observation) -> bool:
+    """Request gating is on and no running offline client has a deep queue.
+
+    Then a freeze stops offline work within one kernel of a request's start, and offline work
+    runs only between requests: the duty cycle and the SM share have little left to protect.
+    """
+    # A client starting or restarting is launched with the queue its mode gives under gating
+    # (--queue auto: shallow); only one running a deep queue now keeps the duty cycle in charge.
+    deep = any(c.state in _RESTARTABLE_STATES and not c.shallow for c in obs.offline())
+    return state.gating_emitted is True and not deep
 
 
 def _quiet_level(state: GpuState) -> float | None:

@@ -14,6 +14,7 @@ thaw latencies (:data:`gpushare.sim.workloads.FREEZE_S`, ``THAW_S``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from gpushare.client import FLUSH_INTERVAL_S, INFLIGHT_REFRESH_S
@@ -80,11 +81,12 @@ class BoundarySender:
 
     A datagram with the process's count goes out at once when the count leaves or reaches 0,
     else at most every ``FLUSH_INTERVAL_S`` when it changed and every ``INFLIGHT_REFRESH_S``
-    while requests stay in flight (on the next boundary, as in the client).
+    while requests stay in flight (on the next boundary, as in the client). ``send(client_id,
+    pid, count)`` carries the datagram (:meth:`GateDriver.send` in virtual time).
     """
 
-    def __init__(self, driver: GateDriver, server: OnlineServer) -> None:
-        self.driver = driver
+    def __init__(self, send: Callable[[str, int, int], None], server: OnlineServer) -> None:
+        self.send = send
         self.server = server
         self.count = 0
         self._sent_n = 0
@@ -99,5 +101,5 @@ class BoundarySender:
         wait = FLUSH_INTERVAL_S if self.count != self._sent_n else INFLIGHT_REFRESH_S
         if not (edge or now - self._sent_s >= wait):
             return
-        self.driver.send(self.server.cid, self.server.pid, self.count)
+        self.send(self.server.cid, self.server.pid, self.count)
         self._sent_s, self._sent_n = now, self.count

@@ -98,7 +98,7 @@ class SimDaemon:
         for server in node.online:
             self.add_online(server)
             if server.cid in boundaries:
-                server.on_boundary = BoundarySender(self.gates, server).boundary
+                server.on_boundary = BoundarySender(self.gates.send, server).boundary
 
     def add_online(self, server: OnlineServer) -> None:
         """Register a running online service as a foreground client (it started at t = 0)."""

@@ -154,15 +154,16 @@ def test_auto_queue_clients_are_relaunched_when_gating_has_settled() -> None:
     assert "shallow" in why
 
 
-def _duty_after_breach(gating: bool, p99_ms: float) -> float | None:
+def _duty_after_breach(gating: bool, p99_ms: float, *, shallow: bool = True) -> float | None:
     """The duty the controller sets when the online p99 jumps to ``p99_ms`` (SLO 40 ms)."""
-    calm = observation((online(p99_ms=20.0), offline()))
+    job = replace(offline(), shallow=shallow)
+    calm = observation((online(p99_ms=20.0), job))
     state = CTL.initial_state(GPU, 0.0)
     g = reading(signalled=1 if gating else 0, enabled=gating)
     for i in range(3):
         state, _ = CTL.step(state, replace(calm, gate=g), i * 0.1)
     assert state.gating_emitted is gating
-    hot = replace(observation((online(p99_ms=p99_ms), offline())), gate=g)
+    hot = replace(observation((online(p99_ms=p99_ms), job)), gate=g)
     state, actions = CTL.step(state, hot, 0.3)
     return state.duty
 
@@ -170,14 +171,17 @@ def _duty_after_breach(gating: bool, p99_ms: float) -> float | None:
 def test_gated_a_breach_under_the_hard_ratio_leaves_the_duty_to_the_gate() -> None:
     # 1.25x the SLO: the cut ratio's breach. Without gating the duty goes to 0 at once.
     assert _duty_after_breach(False, 50.0) == 0.0
-    # Gated, offline work is frozen while requests are in flight already: the duty stays.
+    # Gated with a shallow queue, offline work is frozen while requests are in flight already:
+    # the duty stays.
     assert _duty_after_breach(True, 50.0) == 1.0
+    # A deep queue runs on past a freeze: the duty cycle cuts as without gating.
+    assert _duty_after_breach(True, 50.0, shallow=False) == 0.0
     # Past the hard ratio (2x) gating has evidently not contained it: cut.
     assert _duty_after_breach(True, 81.0) == 0.0
 
 
 def test_gated_the_offline_share_is_the_gpus_ceiling() -> None:
-    obs = observation((online(p99_ms=20.0), offline()))
+    obs = observation((online(p99_ms=20.0), replace(offline(), shallow=True)))
     g = reading(signalled=1, enabled=True)
     state = replace(CTL.initial_state(GPU, 0.0), share_pct=30.0, share_emitted=True)
     shares = []
