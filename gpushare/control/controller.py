@@ -199,7 +199,8 @@ class GpushareController:
         state = self._failing_clients(state, observation, now, actions)
         state = self._memory(state, observation, now, actions)
         signals = online_signals(observation, self.config.probe_slo_ratio)
-        state = self._throttle(state, observation, self._duty_signals(state, signals), actions)
+        duty_signals = self._duty_signals(state, observation, signals)
+        state = self._throttle(state, observation, duty_signals, actions)
         state = self._gating(state, observation, now, actions)
         state = self._share(state, observation, signals, now, actions)
         state = self._restarts(state, observation, signals, now, actions)
@@ -336,7 +337,7 @@ class GpushareController:
 
     # Duty-cycle throttle -----------------------------------------------------------------------
 
-    def _duty_signals(self, state: GpuState, signals: Signals) -> Signals:
+    def _duty_signals(self, state: GpuState, obs: Observation, signals: Signals) -> Signals:
         """The signals the duty cycle follows: the probe yields to app latency while SLOs have room.
 
         The probe's SLO (``probe_slo_ratio`` x its baseline) is the same whatever the app SLOs
@@ -347,6 +348,14 @@ class GpushareController:
         client without a report, a tight SLO, app latency near its SLO) it counts as before.
         """
         cfg = self.config
+        if signals.app_complete and signals.app_worst is not None and _gated_shallow(state, obs):
+            # Gated with shallow queues, offline work runs between requests by design: the probe,
+            # which is not a request, meets it there and says nothing of what requests see.
+            return replace(
+                signals,
+                worst=signals.app_worst,
+                worst_source=f"{signals.app_source} (request gating on: the probe is not followed)",
+            )
         quiet_app = max((v for _, v in state.app_quiet_signals), default=None)
         if (
             signals.app_complete

@@ -190,3 +190,18 @@ def test_gated_the_offline_share_is_the_gpus_ceiling() -> None:
         shares += [a for a in actions if type(a).__name__ == "SetOfflineShare"]
     assert shares and shares[-1].sm_pct == ControlConfig().offline_sm_pct_max
     assert "request gating on" in shares[-1].reason
+
+
+def test_gated_the_duty_follows_the_app_latency_not_the_probe() -> None:
+    # The probe meets offline work between requests, where gating puts it on purpose: at 3x its
+    # SLO it cuts the duty without gating (hard ratio), not with it while the app latency is fine.
+    job = replace(offline(), shallow=True)
+    for gating, expect in ((False, 0.0), (True, 1.0)):
+        g = reading(signalled=1 if gating else 0, enabled=gating)
+        state = CTL.initial_state(GPU, 0.0)
+        calm = replace(observation((online(p99_ms=20.0), job)), gate=g)
+        for i in range(3):
+            state, _ = CTL.step(state, calm, i * 0.1)
+        hot = replace(observation((online(p99_ms=20.0), job), probe_ratio=3.0), gate=g)
+        state, _ = CTL.step(state, hot, 0.3)
+        assert state.duty == expect, gating
