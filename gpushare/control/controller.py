@@ -386,7 +386,7 @@ class GpushareController:
         # remains of its effect on them is the kernel in flight when a request starts (shallow
         # queue) and the freeze's latency, which a duty cycle does not remove (it only takes the
         # idle time gating hands to offline work). Under a tight SLO, windows of online work alone
-        # breach it (docs/benchmarks.md: exclusive use attains 99.3 % at 1.1x); only a breach of
+        # breach it (docs/benchmarks.md: exclusive use attains 99.4 % at 1.1x); only a breach of
         # the hard ratio, which gating has evidently not contained, cuts the duty then. A client
         # with a deep queue runs up to an iteration past a freeze: the duty cycle works as before.
         gated = _gated_shallow(state, obs)
@@ -599,9 +599,10 @@ class GpushareController:
                 )
         else:
             return state  # online present, demand or quiet latency not measured: keep the share
-        if signals.online:
+        if signals.online and not _gated_shallow(state, obs):
             # MPS caps each client, not offline work as a whole: n offline clients at s % each can
             # hold n x s % of the SMs. The share is what the online clients leave, split evenly.
+            # (Gated, offline clients share the time between requests only among themselves.)
             sharing = sum(
                 1
                 for c in obs.clients

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -180,8 +181,11 @@ def test_gated_a_breach_under_the_hard_ratio_leaves_the_duty_to_the_gate() -> No
     assert _duty_after_breach(True, 81.0) == 0.0
 
 
-def test_gated_the_offline_share_is_the_gpus_ceiling() -> None:
-    obs = observation((online(p99_ms=20.0), replace(offline(), shallow=True)))
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_gated_the_offline_share_is_the_gpus_ceiling(jobs: int) -> None:
+    # Not split between offline clients either: they share the time between requests only.
+    offs = tuple(replace(offline(f"train{i}"), shallow=True) for i in range(jobs))
+    obs = observation((online(p99_ms=20.0), *offs))
     g = reading(signalled=1, enabled=True)
     state = replace(CTL.initial_state(GPU, 0.0), share_pct=30.0, share_emitted=True)
     shares = []
