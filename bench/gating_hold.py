@@ -100,7 +100,7 @@ def main() -> None:
     doc = {"command": command.strip(), "wall_s": time.perf_counter() - t0, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out.relative_to(REPO)}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
