@@ -20,10 +20,14 @@ Pure bookkeeping (times are passed in), so it is tested without a GPU.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import structlog
+
 from gpushare.model import SmPeriod
+
+log = structlog.get_logger(__name__)
 
 #: A shallow queue holds one kernel: drained within one control period (a training kernel runs
 #: well under 100 ms even at a small share).
@@ -32,6 +36,9 @@ SHALLOW_DRAIN_S = 0.1
 #: share next to online work (the simulator's pairs). 1 s also recovered the probe baseline of the
 #: bursty Azure trace in the simulator when it was the only drain rule (docs/controller.md).
 DEEP_DRAIN_S = 1.0
+
+
+_EPSILON_S = 1e-9
 
 
 @dataclass(slots=True)
@@ -68,7 +75,7 @@ class DrainTracker:
             del self._frozen[cid]
 
     def observe(
-        self, gpu_uuid: str, periods: Sequence[SmPeriod] | None, pids: dict[str, Sequence[int]]
+        self, gpu_uuid: str, periods: Sequence[SmPeriod] | None, pids: Mapping[str, Sequence[int]]
     ) -> None:
         """Read one GPU's new sampling periods; ``pids`` are its offline clients' processes."""
         if not periods:
@@ -81,7 +88,10 @@ class DrainTracker:
             for pid in period.pids:
                 cid = owner.get(pid)
                 if cid is not None:
-                    self._attributed.add(cid)
+                    if cid not in self._attributed:
+                        # Once per client: on this host NVML attributes SM use to MPS clients.
+                        log.info("drain_signal_attributed", client_id=cid, pid=pid)
+                        self._attributed.add(cid)
                     self._busy_wall[cid] = max(
                         self._busy_wall.get(cid, -math.inf), period.at_wall_s
                     )
@@ -95,7 +105,9 @@ class DrainTracker:
         if client_id in self._attributed and newest > frozen.frozen_at_wall_s:
             # A period ended after the freeze: the client is drained once one did not list it.
             return newest > self._busy_wall.get(client_id, -math.inf)
-        return now - frozen.frozen_at_s >= (self.shallow_s if shallow else self.deep_s)
+        bound = self.shallow_s if shallow else self.deep_s
+        # A tick's times are sums of periods: 10.1 - 10.0 must count as the 0.1 s it is.
+        return now - frozen.frozen_at_s >= bound - _EPSILON_S
 
     def forget(self, live: Iterable[str]) -> None:
         """Drop what is known of clients that are gone."""
