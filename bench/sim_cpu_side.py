@@ -40,7 +40,8 @@ os.environ["GPUSHARE_SIM_ENGINE"] = "python"
 
 import sim_validation as sv
 
-from gpushare.sim import data, engine, runner, scenario, workloads
+from gpushare.sim import data, engine, scenario, workloads
+from gpushare.sim import node as simnode
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sim_cpu_side.json"
 
@@ -52,7 +53,7 @@ FACTOR: dict[str, float] = {}
 _trainer_done = workloads.OfflineTrainer.on_kernel_done
 _server_begin = workloads.OnlineServer._begin_next
 _server_done = workloads.OnlineServer.on_kernel_done
-_arrivals_for = runner.arrivals_for
+_arrivals_for = simnode.arrivals_for
 
 
 def _trainer_on_kernel_done(self: workloads.OfflineTrainer, now: float) -> None:
@@ -105,7 +106,7 @@ def _patch() -> None:
     workloads.OfflineTrainer.on_kernel_done = _trainer_on_kernel_done  # type: ignore[method-assign]
     workloads.OnlineServer._begin_next = _server_begin_next  # type: ignore[method-assign]
     workloads.OnlineServer.on_kernel_done = _server_on_kernel_done  # type: ignore[method-assign]
-    runner.arrivals_for = _arrivals
+    simnode.arrivals_for = _arrivals
 
 
 def _set(setting: dict[str, float], sc: scenario.Scenario) -> None:

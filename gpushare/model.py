@@ -101,11 +101,29 @@ class ProcessMemory:
 
 
 @dataclass(frozen=True, slots=True)
+class SmPeriod:
+    """One sampling period of the driver's per-process SM utilisation.
+
+    ``pids`` are the processes that used the SMs in the period that ended at ``at_wall_s`` (NVML's
+    CPU timestamp, seconds since the epoch): NVML lists only processes with non-zero utilisation,
+    so a process absent from a period it could have appeared in did no GPU work in it.
+    """
+
+    at_wall_s: float
+    pids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class GpuSample:
     """One GPU's NVML readings for one tick. ``None`` means "could not be read", never zero.
 
     ``error`` says why readings are missing; ``lost`` is set when NVML reported the GPU lost or a
     call hung, and the controller then stops admissions there.
+
+    ``sm_periods`` are the driver's per-process SM sampling periods that ended since the previous
+    sample, oldest first (``()``: none ended, or no process used the SMs; ``None``: the driver
+    gives no per-process utilisation). ``compute_mode`` is NVML's (``"default"``,
+    ``"exclusive_process"``, ``"prohibited"``; ``None``: unreadable).
     """
 
     index: int
@@ -123,6 +141,8 @@ class GpuSample:
     sm_clock_mhz: int | None = None
     throttle_reasons: int | None = None
     processes: tuple[ProcessMemory, ...] = ()
+    sm_periods: tuple[SmPeriod, ...] | None = None
+    compute_mode: str | None = None
     error: str | None = None
     lost: bool = False
 
@@ -272,6 +292,9 @@ class Observation:
     offline_sm_pct_max: float = 100.0
     admissions_open: bool = True
     gate: GateReading | None = None
+    #: The driver time-slices the GPU's clients (each has a context of its own, no MPS server
+    #: shares the GPU between them): the GPU already alternates them in hardware.
+    time_sliced: bool = False
 
     def online(self) -> tuple[ClientView, ...]:
         """The live online clients on this GPU."""

@@ -82,10 +82,13 @@ class TimeSlicingPolicy:
     """Online and offline alternate in fixed slices of ``slice_ticks`` control periods.
 
     The driver's time-slicing gives each context the whole GPU for a slice in turn (docs/sources.md:
-    "nothing special is done to isolate workloads"). Expressed with the runner's levers: while an
-    online client is live the offline duty alternates 0 (online's slice) and 1 (offline's slice);
-    online clients keep running in both, as a context switch would only delay them by the slice.
-    With no online client offline runs free.
+    "nothing special is done to isolate workloads"). On a GPU the driver already time-slices
+    (``Observation.time_sliced``: no MPS server shares it) that is the hardware's doing, so the
+    policy sends no duty at all: a duty cycle at the control period on top of the driver's
+    millisecond slices would be a different, coarser thing. On an MPS GPU it is expressed with
+    the runner's levers: while an online client is live the offline duty alternates 0 (online's
+    slice) and 1 (offline's slice); online clients keep running in both, as a context switch
+    would only delay them by the slice. With no online client offline runs free.
     """
 
     name = "time-slicing"
@@ -103,7 +106,9 @@ class TimeSlicingPolicy:
     def step(
         self, state: FixedState, observation: Observation, now: float
     ) -> tuple[FixedState, Sequence[Action]]:
-        """Alternate duty 0 and 1 per slice while an online client is live."""
+        """Alternate duty 0 and 1 per slice while an online client is live (MPS GPUs only)."""
+        if observation.time_sliced:
+            return self._hardware_slices(state, observation.gpu_uuid)
         if not observation.online():
             state = replace(state, ticks_with_online=0)
             why = "time-slicing: no online client, offline runs alone"
@@ -113,6 +118,21 @@ class TimeSlicingPolicy:
         state = replace(state, ticks_with_online=state.ticks_with_online + 1)
         why = f"time-slicing: {'online' if phase == 0 else 'offline'} slice"
         return _emit(state, observation.gpu_uuid, duty, FULL_SHARE_PCT, why)
+
+    @staticmethod
+    def _hardware_slices(state: FixedState, gpu_uuid: str) -> tuple[FixedState, list[Action]]:
+        """The driver slices the GPU: the share uncapped, and no duty beyond releasing one sent."""
+        why = "time-slicing: the driver time-slices this GPU"
+        actions: list[Action] = []
+        if state.share_emitted_pct != FULL_SHARE_PCT:
+            actions.append(SetOfflineShare(gpu_uuid, FULL_SHARE_PCT, why))
+        if state.duty_emitted is not None and state.duty_emitted != 1.0:
+            # Sliced by the policy before the GPU was: a duty left below 1 would starve offline.
+            actions.append(SetDuty(gpu_uuid, 1.0, f"{why}: offline duty released"))
+        state = replace(
+            state, share_emitted_pct=FULL_SHARE_PCT, duty_emitted=None, ticks_with_online=0
+        )
+        return state, actions
 
 
 class StaticSharePolicy:

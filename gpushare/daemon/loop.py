@@ -23,6 +23,7 @@ import structlog
 
 from gpushare import mpsenv
 from gpushare.control import admission
+from gpushare.daemon.drain import DrainTracker
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.opstats import LastAction, Tracked
 from gpushare.daemon.registry import ClientRecord, RegistryError
@@ -99,6 +100,8 @@ class ControlLoop:
         # record object until the client changes, so an unchanged client's view is reused.
         self._views: dict[str, tuple[ClientRecord, ClientView]] = {}
         self._synced: Sequence[ClientRecord] = ()  # the records ops.sync last saw
+        #: When frozen offline clients have drained their queued kernels (probe "quiet").
+        self.drain = DrainTracker()
 
     def run(self, max_ticks: int | None = None) -> int:
         """Tick every ``control.period`` until stopped (or ``max_ticks`` ticks); returns 0."""
@@ -147,6 +150,8 @@ class ControlLoop:
             s.samples = samples
             for event in gpu_events:
                 self._record_gpu_event(event)
+            # A user's pause since the last tick froze a client in between: seen now.
+            self._note_paused(now)
             records = s.registry.clients()
             # The registry hands out the same record objects until a client changes, and
             # ops.sync only acts on clients appearing, ending or queueing (pauses reach ops
@@ -174,6 +179,8 @@ class ControlLoop:
             if self.metrics is not None:
                 self.metrics.update(self._metrics_snapshot(observations, records))
             self._duty_phase(now)
+            self._note_paused(now)
+            self.drain.forget(r.id for r in records if r.state.is_live)
             self.life.kill_overdue(now)
             self.ticks += 1
             # The STATUS= line counts this tick's clients (a change made by this tick's actions
@@ -233,7 +240,7 @@ class ControlLoop:
             ),
             probe_mps_slots=1 if s.probe is not None and s.config.probe.enabled else 0,
         )
-        obs = replace(obs, gate=s.gate.view(uuid, now))
+        obs = replace(obs, gate=s.gate.view(uuid, now), time_sliced=self._time_sliced(sample))
         state = self.policy_state.get(uuid)
         if uuid not in self.policy_state:
             state = s.policy.initial_state(uuid, now)
@@ -247,17 +254,53 @@ class ControlLoop:
             except (RegistryError, *PAUSE_ERRORS) as exc:
                 log.warning("action_failed", action=type(action).__name__, error=str(exc))
         if s.probe is not None:
-            # Until the next tick. A client frozen at the last duty edge runs again in this
-            # period unless the duty is 0 or it is held: "frozen right now" is not "quiet".
-            duty = s.duty.get(uuid, 1.0)
-            running = any(
-                v.cls is ClientClass.OFFLINE
-                and v.state.is_live
-                and (v.client_id not in self.life.paused or (duty > 0.0 and not v.held))
-                for v in views
-            )
-            s.probe.set_offline_running(uuid, running)
+            s.probe.set_offline_running(uuid, self._offline_running(sample, views, now))
         return obs
+
+    def _offline_running(
+        self, sample: GpuSample, views: tuple[ClientView, ...], now: float
+    ) -> bool:
+        """Whether offline work may run on the GPU until the next tick (the probe's "not quiet").
+
+        A client frozen at the last duty edge runs again in this period unless the duty is 0 or it
+        is held: "frozen right now" is not "quiet". A client frozen for good is quiet only once
+        its queued kernels have drained (:mod:`gpushare.daemon.drain`).
+        """
+        offline = [v for v in views if v.cls is ClientClass.OFFLINE and v.state.is_live]
+        if not offline:
+            return False
+        uuid = sample.uuid
+        if sample.sm_periods:
+            pids: dict[str, Sequence[int]] = {}
+            for v in offline:
+                try:
+                    mine = list(self.s.pauser.pids(v.client_id))
+                except PAUSE_ERRORS:
+                    mine = []
+                pids[v.client_id] = [*mine, v.pid] if v.pid is not None else mine
+            self.drain.observe(uuid, sample.sm_periods, pids)
+        duty = self.s.duty.get(uuid, 1.0)
+        paused = self.life.paused
+        for v in offline:
+            if v.client_id not in paused or (duty > 0.0 and not v.held):
+                return True
+            if not self.drain.drained(v.client_id, uuid, now, shallow=v.shallow):
+                return True
+        return False
+
+    def _time_sliced(self, sample: GpuSample) -> bool:
+        """Whether the driver time-slices the GPU's clients instead of MPS sharing it.
+
+        In the default compute mode every process may open a context of its own, which the driver
+        time-slices; the MPS supervisor puts a GPU it serves in exclusive-process mode (``[mps]
+        compute_mode``), so "default" there means MPS does not hold the GPU. With ``compute_mode =
+        "leave"`` the mode says nothing about MPS: time-sliced only while MPS is not up.
+        """
+        if sample.compute_mode != "default":
+            return False
+        if self.s.config.mps.compute_mode == "exclusive_process":
+            return True
+        return self.s.mps_states.get(sample.uuid) is not MpsState.UP
 
     def _update_gates(self, records: Sequence[ClientRecord], now: float) -> None:
         """Tell the gates which online clients (and processes) and gated offline clients exist."""
@@ -482,6 +525,10 @@ class ControlLoop:
             if not ids:
                 return
             self.life.freeze_all(ids)
+            self._note_paused(now)
+
+    def _note_paused(self, now: float) -> None:
+        self.drain.note_paused(self.life.paused, now, self.s.clock.time())
 
     # ----------------------------------------------------------------------------- act
 

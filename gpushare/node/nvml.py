@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from gpushare.logs import configure_logging
-from gpushare.model import GpuEvent, GpuSample, ProcessMemory
+from gpushare.model import GpuEvent, GpuSample, ProcessMemory, SmPeriod
 
 if TYPE_CHECKING:
     from gpushare.node.base import ComputeModeControl, GpuBackend
@@ -54,6 +54,7 @@ log = structlog.get_logger(__name__)
 # NVML return codes the policy depends on (nvml.md §3).
 NVML_ERROR_NO_PERMISSION = 4
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
@@ -82,6 +83,11 @@ NVML_GPM_METRICS_GET_VERSION = 1
 XID_CRITICAL_ERROR_EVENT = 0x8
 # GPM samples closer than this give no metrics (nvml.md §7).
 GPM_MIN_INTERVAL_S = 0.1
+# The first per-process utilisation read looks back this far (nvitop reads the last second).
+PROCESS_UTIL_LOOKBACK_S = 1.0
+# "No samples since lastSeenTimeStamp": NOT_FOUND, or pynvml's bare NVMLError(0) when the size
+# query itself succeeds (nvmlDeviceGetProcessUtilization's documented return codes; pynvml).
+_NO_SAMPLES_CODES = frozenset({NVML_ERROR_NOT_FOUND, 0})
 # Bounded memory for "logged once" bookkeeping, as nvitop does (UNKNOWN_FUNCTIONS_CACHE_SIZE).
 _LOGGED_ONCE_MAX = 1024
 
@@ -198,6 +204,10 @@ class _Gpu:
     gpm_supported: bool | None = None
     gpm_prev: tuple[Any, float] | None = None
     sm_active_pct: float | None = None
+    #: False once per-process utilisation answered NotSupported (it never will on this GPU).
+    process_util: bool = True
+    #: NVML timestamp (us since the epoch) of the newest per-process sample read.
+    process_util_seen_us: int | None = None
     discovery_error: str | None = None
     errors: list[str] = field(default_factory=list)
 
@@ -562,6 +572,9 @@ class NvmlBackend:
                 self._read_versioned(gpu, "clock_reasons", h)
             )
             readings["processes"] = self._processes(gpu)
+            readings["sm_periods"] = self._sm_periods(gpu)
+            mode = self._read(gpu, "nvmlDeviceGetComputeMode", h)
+            readings["compute_mode"] = COMPUTE_MODES.get(int(mode)) if mode is not None else None
         except _GpuLostError as exc:
             log.warning("gpu_lost", gpu=gpu.uuid, error=str(exc))
             return GpuSample(
@@ -607,6 +620,45 @@ class NvmlBackend:
                 if pid not in found or found[pid].used_bytes is None:
                     found[pid] = mem
         return tuple(found[pid] for pid in sorted(found))
+
+    def _sm_periods(self, gpu: _Gpu) -> tuple[SmPeriod, ...] | None:
+        """The driver's per-process SM sampling periods newer than the last one read.
+
+        ``nvmlDeviceGetProcessUtilization(handle, lastSeenTimeStamp)`` returns one record per
+        process with non-zero utilisation per sampling period since ``lastSeenTimeStamp`` (CPU
+        time in us), stamped with the period's end; records with one stamp are one period.
+        ``None`` where the driver has no per-process utilisation (NotSupported, e.g. MIG).
+        """
+        if not gpu.process_util:
+            return None
+        since = gpu.process_util_seen_us
+        if since is None:
+            since = int((self._wall_clock() - PROCESS_UTIL_LOOKBACK_S) * 1e6)
+        try:
+            records = self._call(gpu, "nvmlDeviceGetProcessUtilization", gpu.handle, since)
+        except NvmlError as exc:
+            if exc.code in _NO_SAMPLES_CODES:
+                gpu.process_util_seen_us = since
+                return ()
+            gpu.errors.append(str(exc))
+            return None
+        if records is None:
+            gpu.process_util = False
+            return None
+        periods: dict[int, set[int]] = {}
+        for r in records:
+            busy = periods.setdefault(int(r.timeStamp), set())
+            if int(r.smUtil) > 0:
+                busy.add(int(r.pid))
+        if periods:
+            gpu.process_util_seen_us = max(since, *periods)
+        else:
+            gpu.process_util_seen_us = since
+        return tuple(
+            SmPeriod(at_wall_s=stamp / 1e6, pids=tuple(sorted(periods[stamp])))
+            for stamp in sorted(periods)
+            if stamp > since
+        )
 
     def _gpm_sm_active(self, gpu: _Gpu) -> float | None:
         """Device SM activity from GPM (Hopper+); ``None`` where GPM does not exist."""

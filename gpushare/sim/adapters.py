@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from gpushare.model import (
@@ -23,6 +24,7 @@ from gpushare.model import (
     MpsState,
     PauseMechanism,
     ProbeReading,
+    SmPeriod,
 )
 from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
 from gpushare.sim.gpu import EventLoop
@@ -55,12 +57,18 @@ class SimGpuBackend:
     """:class:`gpushare.node.base.GpuBackend` on the simulated GPUs.
 
     Utilisation and SM activity are averaged since the previous :meth:`sample` call, as NVML's
-    sampling counters are.
+    sampling counters are. The per-process SM reading (``sm_periods``) is one sampling period per
+    call, from the previous call to now, listing the client processes that ran a kernel in it (one
+    completed, or one on the GPU now), as NVML lists the processes with non-zero SM utilisation;
+    a kernel issued but not yet given SMs is not listed, as it is not on a GPU. The compute mode
+    is the simulated GPU's: ``"default"`` when the driver time-slices it, else the
+    ``"exclusive_process"`` the MPS supervisor sets.
     """
 
     def __init__(self, node: SimNode) -> None:
         self.node = node
         self._last = {g.uuid: (node.loop.now, *g.totals()) for g in node.gpus}
+        self._done: dict[int, int] = {}
 
     def sample(self) -> Sequence[GpuSample]:
         """One reading per simulated GPU."""
@@ -70,8 +78,25 @@ class SimGpuBackend:
             busy, sm = gpu.totals()
             t0, busy0, sm0 = self._last[gpu.uuid]
             self._last[gpu.uuid] = (now, busy, sm)
-            out.append(self.node.sample(gpu, busy - busy0, sm - sm0, now - t0))
+            sample = self.node.sample(gpu, busy - busy0, sm - sm0, now - t0)
+            periods = (SmPeriod(now, self._ran(gpu.uuid)),) if now > t0 else ()
+            mode = "default" if gpu.mode == "time_slice" else "exclusive_process"
+            out.append(replace(sample, sm_periods=periods, compute_mode=mode))
         return out
+
+    def _ran(self, gpu_uuid: str) -> tuple[int, ...]:
+        """The pids of the GPU's processes that ran a kernel since the last call."""
+        ran = []
+        for pid, c in self.node.processes.items():
+            if c.gpu.uuid != gpu_uuid:
+                continue
+            done = c.counts.done
+            # A pid seen for the first time: the counter may hold an earlier process of the same
+            # client (a relaunch), so only a kernel on the GPU now counts.
+            if done != self._done.get(pid, done) or c.run is not None:
+                ran.append(pid)
+            self._done[pid] = done
+        return tuple(sorted(ran))
 
     def drain_events(self) -> Sequence[GpuEvent]:
         """The simulated GPUs raise no XID events."""

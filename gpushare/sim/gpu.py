@@ -47,13 +47,17 @@ GpuMode = Literal["mps", "time_slice"]
 DEFAULT_PARALLEL_FRACTION = 0.95
 #: Memory-bandwidth interference coefficient (docs/simulator.md).
 DEFAULT_BW_BETA = 0.6
-#: Time slice of the default (time-sliced) compute mode (docs/simulator.md G9).
-DEFAULT_SLICE_S = 0.002
+#: Time slice of the default (time-sliced) compute mode (docs/simulator.md G9): the driver's
+#: default TSG timeslice, 1024 us (NVIDIA open-gpu-kernel-modules,
+#: ``kfifoChannelGroupGetDefaultTimeslice_GV100``: ``TIMEOUT_128 << SCALE_3``; nvgpu's
+#: ``NVGPU_TSG_TIMESLICE_DEFAULT_US`` is the same ``128 << 3``).
+DEFAULT_SLICE_S = 1.024e-3
 #: Cost of a context switch under time-slicing (G9): calibrated on three published A100
-#: time-slicing points (3, 5 and 7 saturated clients take 1.109-1.110 x N their time alone, an
-#: 11 % overhead per 2 ms slice; gpushare/data/validation/). Saving and restoring a V100's
-#: register files and shared memory alone (27.5 MiB at ~900 GB/s) would take ~64 us.
-DEFAULT_SWITCH_S = 218e-6
+#: time-slicing points (3, 5 and 7 saturated clients take 1.108-1.110 x N their time alone, an
+#: 11 % overhead per slice whatever N; gpushare/data/validation/): ``slice x mean(ratio/N - 1)``.
+#: Saving and restoring a V100's register files and shared memory alone (27.5 MiB at ~900 GB/s)
+#: would take ~64 us.
+DEFAULT_SWITCH_S = 112e-6
 
 #: A kernel as a stream exposes it: ``(dur_s, width, memory_boundness, wave_s, tail)``; ``tail``
 #: is the fraction of its slots the last of several waves fills (1.0: full, or a single wave).

@@ -50,8 +50,8 @@ class PolicyTraits:
     ``offline_mps_priority`` (a policy attribute; 1 when absent) is the MPS priority offline clients
     start with: plain MPS runs everyone at 0. A policy named in :data:`TIME_SLICE_POLICIES` (or with
     ``gpu_mode = "time_slice"``) runs the GPU in the driver's time-sliced compute mode instead of
-    MPS, and its duty actions are not applied: the driver's slices (``[gpu] slice``, ms long) are
-    what time-slicing is, a duty cycle at the control period would be a different, coarser thing.
+    MPS (``[gpu] slice``, ms long); the simulated NVML reads it as compute mode ``"default"``, and
+    the time-slicing policy, seeing ``Observation.time_sliced``, then sends no duty.
     """
 
     gpu_mode: GpuMode = "mps"

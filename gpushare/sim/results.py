@@ -31,6 +31,9 @@ class OnlineResult:
     slo_p99_ms: float | None
     slo_attainment: float | None
     latencies_ms: list[float] = field(repr=False, default_factory=list)
+    #: p99 of the service time (from the moment the server took the request off its queue to its
+    #: completion: queueing excluded), the latency tally-bench records (docs/simulator.md, section 4)
+    service_p99_ms: float = math.nan
 
 
 @dataclass
@@ -115,6 +118,9 @@ def collect(
                 slo_p99_ms=slo,
                 slo_attainment=att,
                 latencies_ms=lats,
+                service_p99_ms=percentile(
+                    [svc * 1e3 for arr, svc in c.served if arr >= warmup], 99.0
+                ),
             )
         )
         bins: list[list[float]] = [[] for _ in range(nbins)]

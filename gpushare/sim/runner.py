@@ -24,7 +24,7 @@ from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.state import NodeState
-from gpushare.model import Action, ClientClass, ClientState, Observation, SetDuty
+from gpushare.model import ClientClass, ClientState
 from gpushare.sim import adapters
 from gpushare.sim.node import PolicyTraits, SimNode
 from gpushare.sim.results import RunResult, ScenarioResult, collect
@@ -42,35 +42,11 @@ SIM_RUNTIME_DIR = Path("/nonexistent/gpushare-sim")
 GC_YOUNG_THRESHOLD = 20_000
 
 
-class _WithoutDuty:
-    """A time-slicing policy's actions minus its duty: the GPU's time-sliced mode is the slicing.
-
-    See :class:`~gpushare.sim.node.PolicyTraits`: a duty cycle at the control period on top of the
-    driver's millisecond slices would model a different, coarser thing.
-    """
-
-    def __init__(self, policy: Policy[Any]) -> None:
-        self.policy = policy
-        self.name = policy.name
-        self.offline_mps_priority = getattr(policy, "offline_mps_priority", 1)
-
-    def initial_state(self, gpu_uuid: str, now: float) -> Any:
-        """The wrapped policy's."""
-        return self.policy.initial_state(gpu_uuid, now)
-
-    def step(self, state: Any, observation: Observation, now: float) -> tuple[Any, list[Action]]:
-        """The wrapped policy's step, without SetDuty."""
-        state, actions = self.policy.step(state, observation, now)
-        return state, [a for a in actions if not isinstance(a, SetDuty)]
-
-
 class SimDaemon:
     """The daemon's state, lifecycle and control loop on a simulated node, in virtual time."""
 
     def __init__(self, node: SimNode, policy: Policy[Any] | None) -> None:
         self.node = node
-        if policy is not None and node.traits.gpu_mode == "time_slice":
-            policy = _WithoutDuty(policy)
         self.state = NodeState(
             node.cfg,
             registry=Registry.in_memory(),

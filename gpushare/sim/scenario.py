@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from gpushare import config as gconfig
 from gpushare.sim import data
+from gpushare.sim.gpu import DEFAULT_SLICE_S, DEFAULT_SWITCH_S
 from gpushare.units import parse_duration, parse_size
 
 if sys.version_info >= (3, 11):
@@ -47,8 +48,8 @@ class GpuSpec:
     mem_total_bytes: int = 16 << 30
     parallel_fraction: float = 0.95
     bw_beta: float = 0.6
-    slice_s: float = 0.002
-    switch_s: float = 218e-6
+    slice_s: float = DEFAULT_SLICE_S
+    switch_s: float = DEFAULT_SWITCH_S
     wave_scale: float = 1.0
     launch_gap_s: float = 10e-6
     merge_online_us: float = data.DEFAULT_MERGE_ONLINE_US

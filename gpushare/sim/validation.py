@@ -142,6 +142,53 @@ def orion_point(
     return OrionRun(percentile(lats, 50), percentile(lats, 99), its)
 
 
+@dataclass(frozen=True, slots=True)
+class PairRun:
+    """An inference server next to a training job: p99 on two latency metrics, in ms.
+
+    ``latency`` is completion - arrival (the simulator's metric, W1: queueing included);
+    ``service`` is completion - the moment the server took the request off its queue, queueing
+    excluded (the latency ``tally-bench``'s ``ServerInferMonitor`` records).
+    """
+
+    latency_p99_ms: float
+    service_p99_ms: float
+    requests: int
+
+
+def tally_pair(
+    fwd: str,
+    train: str | None,
+    *,
+    mode: GpuMode,
+    load: float = 0.5,
+    seed: int = 1,
+    end_s: float = 10.0,
+    warmup_s: float = 1.0,
+) -> PairRun:
+    """A Tally-shaped pair on the simulated V100: Poisson arrivals at ``load`` / pass time.
+
+    ``train`` None runs the server alone (the reference). Under ``mode = "mps"`` the two share
+    the GPU with no client priority (plain MPS).
+    """
+    loop = EventLoop()
+    gpu = Gpu(loop, uuid="GPU-val", index=0, mode=mode)
+    prof = data.load_profile(f"{ORION}/{fwd}.csv")
+    arrivals = poisson_arrivals(load / prof.total_s, seed, end_s)
+    server = OnlineServer("inf", gpu, prof, arrivals, sm_pct=100, mem_bytes=0)
+    gpu.attach(server)
+    server.start(loop)
+    if train is not None:
+        fb = data.load_profile(f"{ORION}/{train}.csv", data.DEFAULT_MERGE_OFFLINE_US)
+        job = OfflineTrainer("train", gpu, fb, sm_pct=100, mem_bytes=0)
+        job.priority = 0
+        job.start(0.0)
+    loop.run_until(end_s)
+    lats = [lat * 1e3 for arr, lat in server.completed if arr >= warmup_s]
+    served = [s * 1e3 for arr, s in server.served if arr >= warmup_s]
+    return PairRun(percentile(lats, 99), percentile(served, 99), len(lats))
+
+
 def orion_measured() -> OrionRun:
     """Orion's measured point (``mps_example_*``)."""
     path = data.resolve(f"{ORION}/mps_example_resnet50inf_resnet50train_V100.log.json")

@@ -173,6 +173,11 @@ class OnlineServer(SimClient):
         self.current_arrival = 0.0
         #: (arrival_s, latency_s) of every completed request.
         self.completed: list[tuple[float, float]] = []
+        #: (arrival_s, service_s) of every completed request: from the moment the server took it
+        #: off its queue to its completion, queueing excluded. This is the latency Tally's
+        #: benchmark records (docs/simulator.md section 4, "What Tally measures").
+        self.served: list[tuple[float, float]] = []
+        self.current_start = 0.0
         self.arrived = 0
 
     def start(self, loop: EventLoop) -> None:
@@ -198,6 +203,7 @@ class OnlineServer(SimClient):
     def _begin_next(self, now: float) -> None:
         if self.queue and self.state is ClientState.RUNNING:
             self.current_arrival = self.queue.popleft()
+            self.current_start = now
             self.pos = 0
             self._present(0, now)
             self.counts.issued += self._n
@@ -214,6 +220,7 @@ class OnlineServer(SimClient):
         if p >= self._n:
             self.nxt = None
             self.completed.append((self.current_arrival, now - self.current_arrival))
+            self.served.append((self.current_arrival, now - self.current_start))
             self._begin_next(now)
         elif self.launch_blocking:
             self._present(p, now)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gpushare.config import ControlConfig
@@ -53,6 +55,34 @@ def test_time_slicing_alternates_per_slice() -> None:
     assert duty_trace(TimeSlicingPolicy(slice_ticks=2), seq[:6]) == [0, 0, 1, 1, 0, 0]
     with pytest.raises(ValueError, match="slice_ticks"):
         TimeSlicingPolicy(slice_ticks=0)
+
+
+def test_time_slicing_on_a_time_sliced_gpu_leaves_the_slicing_to_the_driver() -> None:
+    sliced = replace(WITH_ONLINE, time_sliced=True)
+    policy = TimeSlicingPolicy()
+    state = policy.initial_state(GPU, 0.0)
+    sent: list[Action] = []
+    for i in range(6):
+        state, actions = policy.step(state, sliced, i * 0.1)
+        sent += actions
+    # The offline share once, and never a duty: the hardware alternates the contexts.
+    assert [type(a) for a in sent] == [SetOfflineShare]
+    assert sent[0].sm_pct == 100.0  # type: ignore[attr-defined]
+    assert "driver time-slices" in sent[0].reason
+
+
+def test_time_slicing_releases_its_duty_when_the_gpu_becomes_time_sliced() -> None:
+    policy = TimeSlicingPolicy()
+    state = policy.initial_state(GPU, 0.0)
+    state, first = policy.step(state, WITH_ONLINE, 0.0)  # MPS: the online slice, duty 0
+    assert [a.duty for a in first if isinstance(a, SetDuty)] == [0.0]
+    sliced = replace(WITH_ONLINE, time_sliced=True)
+    state, actions = policy.step(state, sliced, 0.1)
+    assert [(type(a), getattr(a, "duty", None)) for a in actions] == [(SetDuty, 1.0)]
+    state, actions = policy.step(state, sliced, 0.2)
+    assert actions == []
+    # Back on MPS: its own slices again, from the online one.
+    assert duty_trace(policy, [WITH_ONLINE, WITH_ONLINE]) == [0.0, 1.0]
 
 
 def test_mps_variants_never_throttle_and_differ_in_share_and_priority() -> None:

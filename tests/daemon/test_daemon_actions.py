@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare import config
 from gpushare.daemon.core import Daemon
+from gpushare.daemon.drain import DEEP_DRAIN_S
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
 from gpushare.model import (
@@ -524,7 +525,9 @@ def test_probe_is_told_offline_work_runs_under_a_partial_duty(
     """Frozen at the tick's start is not idle: under duty 0.5 offline work runs every period.
 
     The probe learns its baseline only while told offline work is quiet, so a wrong "quiet"
-    would teach it contended latencies as the baseline.
+    would teach it contended latencies as the baseline. Frozen for good, a deep-queue client is
+    quiet once its queued kernels can have drained: with no per-process reading (this fake GPU),
+    the bound of gpushare.daemon.drain after the freeze.
     """
     d, policy, _ = env
     probe = _RecordingProbe()
@@ -534,11 +537,58 @@ def test_probe_is_told_offline_work_runs_under_a_partial_duty(
     d.run(max_ticks=4)
     assert probe.running[-3:] == [True, True, True]
     policy.pending = [SetDuty(GPU0, 0.0, "test")]
+    frozen_at = time.monotonic()
     d.run(max_ticks=3)
+    assert probe.running[-1] is True  # draining: 0.3 s < DEEP_DRAIN_S
+    d.run(max_ticks=round(DEEP_DRAIN_S / 0.1))
+    assert time.monotonic() - frozen_at >= DEEP_DRAIN_S
     assert probe.running[-1] is False
     policy.pending = [SetDuty(GPU0, 1.0, "test")]
     d.run(max_ticks=2)
     assert probe.running[-1] is True
+
+
+def test_probe_quiet_waits_for_the_frozen_clients_sm_use_to_end(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    """Issue 15, difference 1: a frozen client's queued kernels still run; NVML shows when not.
+
+    Once the driver has listed the client's pid using the SMs, the samples are quiet from the
+    first period after the freeze that no longer lists it, well before the bound.
+    """
+    d, policy, _ = env
+    gpu = d.state.gpu
+    assert isinstance(gpu, FakeGpuBackend)
+    probe = _RecordingProbe()
+    d.state.probe = probe
+    r = _submit(d, BUSY)
+    pid = d.registry.get(r["client_id"]).pid
+    assert pid is not None
+    online_pid = 4242  # someone else keeps using the SMs, so the driver's periods go on
+    gpu.sm_busy = {pid, online_pid}
+    d.run(max_ticks=2)
+    policy.pending = [SetDuty(GPU0, 0.0, "test")]
+    frozen_at = time.monotonic()
+    d.run(max_ticks=4)
+    assert probe.running[-3:] == [True, True, True]  # frozen, but the driver still sees it busy
+    gpu.sm_busy = {online_pid}
+    d.run(max_ticks=2)
+    assert probe.running[-1] is False
+    assert time.monotonic() - frozen_at < DEEP_DRAIN_S  # the evidence, not the bound
+
+
+def test_observation_says_whether_the_driver_time_slices_the_gpu(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    """Default compute mode on a GPU the MPS supervisor puts in exclusive-process: no MPS there."""
+    d, policy, _ = env
+    gpu = d.state.gpu
+    assert isinstance(gpu, FakeGpuBackend)
+    for mode, sliced in (("default", True), ("exclusive_process", False), (None, False)):
+        gpu.compute_mode = mode
+        policy.seen.clear()
+        d.run(max_ticks=1)
+        assert {o.time_sliced for o in policy.seen} == {sliced}, mode
 
 
 def test_mps_recovery_removes_offline_clients_and_requeues_restartable_ones(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
-from gpushare.model import GpuEvent, GpuSample
+from gpushare.model import GpuEvent, GpuSample, SmPeriod
 
 GIB = 1 << 30
 
@@ -14,7 +15,12 @@ def fake_uuid(index: int) -> str:
 
 
 class FakeGpuBackend:
-    """``gpus`` identical GPUs of ``mem_total_bytes`` with ``mem_used_bytes`` in use."""
+    """``gpus`` identical GPUs of ``mem_total_bytes`` with ``mem_used_bytes`` in use.
+
+    ``sm_busy``: ``None``, the driver has no per-process utilisation; else the pids it lists as
+    using the SMs in one sampling period per :meth:`sample`, ending then (as NVML does, no period
+    when it lists nobody). ``compute_mode`` is what NVML reads for every GPU.
+    """
 
     def __init__(
         self, gpus: int = 2, mem_total_bytes: int = 16 * GIB, mem_used_bytes: int = 1 * GIB
@@ -24,8 +30,14 @@ class FakeGpuBackend:
         self.mem_used_bytes = mem_used_bytes
         self.events: list[GpuEvent] = []
         self.closed = False
+        self.sm_busy: set[int] | None = None
+        self.compute_mode: str | None = None
 
     def sample(self) -> Sequence[GpuSample]:
+        busy = self.sm_busy
+        periods = None
+        if busy is not None:
+            periods = (SmPeriod(time.time(), tuple(sorted(busy))),) if busy else ()
         return [
             GpuSample(
                 index=i,
@@ -36,6 +48,8 @@ class FakeGpuBackend:
                 mem_used_bytes=self.mem_used_bytes,
                 mem_free_bytes=self.mem_total_bytes - self.mem_used_bytes,
                 gpu_util_pct=None,
+                sm_periods=periods,
+                compute_mode=self.compute_mode,
             )
             for i in range(self.gpus)
         ]

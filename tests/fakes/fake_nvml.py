@@ -21,6 +21,7 @@ from typing import Any
 from gpushare.model import GpuEvent, GpuSample, ProcessMemory
 
 NOT_SUPPORTED = 3
+NOT_FOUND = 6
 NO_PERMISSION = 4
 LIBRARY_NOT_FOUND = 12
 FUNCTION_NOT_FOUND = 13
@@ -70,6 +71,8 @@ class FakeGpu:
     mps_procs: list[tuple[int, int | None]] = field(
         default_factory=lambda: [(201, 2 * GIB), (202, 3 * GIB)]
     )
+    #: The driver's per-process utilisation buffer: ``(timeStamp_us, pid, smUtil, memUtil)``.
+    proc_util: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class FakeHandle:
@@ -271,6 +274,23 @@ class FakeNvmlLib:
             m.value = g.sm_active_pct if m.metricId == 2 else 0.0
         return req
 
+    def nvmlDeviceGetProcessUtilization(
+        self, h: FakeHandle, last_seen_us: int
+    ) -> list[SimpleNamespace]:
+        """Records newer than ``last_seen_us`` of processes with non-zero utilisation.
+
+        As documented: NOT_FOUND when there is none (pynvml raises NVMLError_NotFound).
+        """
+        self._enter("nvmlDeviceGetProcessUtilization", h.index)
+        out = [
+            SimpleNamespace(pid=pid, timeStamp=ts, smUtil=sm, memUtil=mem, encUtil=0, decUtil=0)
+            for ts, pid, sm, mem in self._gpu(h).proc_util
+            if ts > last_seen_us and (sm > 0 or mem > 0)
+        ]
+        if not out:
+            raise NVMLError(NOT_FOUND)
+        return out
+
     # --- compute mode
     def nvmlDeviceGetComputeMode(self, h: FakeHandle) -> int:
         self._enter("nvmlDeviceGetComputeMode", h.index)
@@ -337,6 +357,7 @@ def not_supported_everywhere(n: int = 1) -> FakeNvmlLib:
         "nvmlDeviceGetMPSComputeRunningProcesses_v3",
         "nvmlGpmQueryDeviceSupport",
         "nvmlDeviceGetComputeMode",
+        "nvmlDeviceGetProcessUtilization",
     ):
         lib.fail[(fname, None)] = NOT_SUPPORTED
     return lib

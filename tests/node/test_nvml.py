@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from structlog.testing import capture_logs
 
-from gpushare.model import GpuEvent
+from gpushare.model import GpuEvent, SmPeriod
 from gpushare.node.nvml import NvmlBackend, NvmlError, NvmlInitError
 from tests.fakes import fake_nvml
 from tests.fakes.fake_nvml import GIB, MIB, FakeNvmlLib, uuid_of
@@ -304,3 +304,51 @@ def test_close_is_idempotent_and_final(backends: list[NvmlBackend]) -> None:
     b.close()
     assert lib.shutdown_calls == 1
     assert b.sample() == ()
+
+
+def test_process_utilisation_is_read_as_sampling_periods(backends: list[NvmlBackend]) -> None:
+    """nvmlDeviceGetProcessUtilization: records newer than the last seen, grouped by timestamp."""
+    wall = 5000.0
+    lib = fake_nvml.healthy(1)
+    g = lib.gpus[0]
+    us = 1_000_000
+    g.proc_util = [
+        (int(3000.0 * us), 201, 50, 5),  # older than the first look-back (1 s): never read
+        (int(4999.5 * us), 201, 40, 5),
+        (int(4999.5 * us), 202, 10, 5),
+        (int(4999.7 * us), 202, 0, 3),  # memory only: a period in which nobody used the SMs
+    ]
+    b = make(backends, lib, wall_clock=lambda: wall)
+    (s,) = b.sample()
+    assert s.sm_periods == (SmPeriod(4999.5, (201, 202)), SmPeriod(4999.7, ()))
+    # Only what is newer than the newest record read; nothing newer is NOT_FOUND: no period.
+    (s,) = b.sample()
+    assert s.sm_periods == ()
+    g.proc_util.append((int(5000.1 * us), 202, 30, 1))
+    (s,) = b.sample()
+    assert s.sm_periods == (SmPeriod(5000.1, (202,)),)
+    assert s.error is None
+
+
+def test_process_utilisation_quirks_and_unsupported(backends: list[NvmlBackend]) -> None:
+    lib = fake_nvml.healthy(2)
+    # pynvml raises a bare NVMLError(0) when the size query succeeds: no samples either.
+    lib.fail[("nvmlDeviceGetProcessUtilization", 0)] = 0
+    lib.fail[("nvmlDeviceGetProcessUtilization", 1)] = fake_nvml.NOT_SUPPORTED  # e.g. MIG
+    b = make(backends, lib)
+    for _ in range(3):
+        s0, s1 = b.sample()
+        assert (s0.sm_periods, s0.error) == ((), None)
+        assert (s1.sm_periods, s1.error) == (None, None)
+    # Unsupported is asked once (it never will be), the other GPU every tick.
+    assert lib.count("nvmlDeviceGetProcessUtilization") == 3 + 1
+
+
+def test_sample_carries_the_compute_mode(backends: list[NvmlBackend]) -> None:
+    lib = fake_nvml.healthy(1)
+    b = make(backends, lib)
+    assert b.sample()[0].compute_mode == "default"
+    lib.gpus[0].compute_mode = 3
+    assert b.sample()[0].compute_mode == "exclusive_process"
+    lib.fail[("nvmlDeviceGetComputeMode", 0)] = fake_nvml.NOT_SUPPORTED
+    assert b.sample()[0].compute_mode is None

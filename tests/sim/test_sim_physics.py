@@ -120,6 +120,25 @@ def test_time_slicing_preempts_a_long_kernel_and_pays_the_switch() -> None:
     assert gpu.stats.context_switches >= 10
 
 
+def test_time_slicing_a_newly_runnable_context_waits_for_the_running_slice() -> None:
+    # NVIDIA's host manual (docs/simulator.md section 4, "The slice rule"): the scheduler stays on
+    # a TSG until its timeslice expires or it runs out of work; a TSG that gets work meanwhile
+    # waits, and one that runs out of work is switched off at once.
+    loop, gpu = gpu_with_beta0(mode="time_slice", slice_s=1e-3, switch_s=100 * US)
+    t = trainer(gpu, profile((10_000.0, 80)))
+    t.start(0.0)
+    server = one_request_at(gpu, loop, profile((100.0, 80)), 300 * US)
+    loop.run_until(20e-3)
+    ((arrival, latency),) = server.completed
+    # The trainer's slice runs 0.1-1.1 ms (after the first switch); the server's kernel runs
+    # 1.2-1.3 ms, after the trainer's slice and a switch, not at its arrival.
+    assert arrival + latency == pytest.approx(1.3e-3, abs=1 * US)
+    # The server, out of work, hands the GPU back at once: the trainer resumes at 1.4 ms and,
+    # alone, keeps the GPU for its last 9 ms.
+    assert t.iterations[0] == pytest.approx(10.4e-3, abs=1 * US)
+    assert gpu.stats.context_switches == 3
+
+
 def test_a_freeze_bites_only_after_the_measured_freeze_latency() -> None:
     loop, gpu = gpu_with_beta0()
     iteration = profile((1000.0, 80))  # 1 ms per iteration

@@ -69,3 +69,18 @@ def test_tally_like_beats_mps_priority_on_the_p99() -> None:
     assert tally.p99_overhead is not None
     assert mps.p99_overhead is not None
     assert tally.p99_overhead < mps.p99_overhead
+
+
+def test_the_report_gives_the_service_overhead_beside_the_latency_overhead() -> None:
+    # Under time-slicing the server falls behind (queueing grows), so its p99 with queueing
+    # rises far above its service-time p99 (queueing excluded, tally-bench's metric); alone both
+    # references are taken the same way, so the two overheads differ only by the queue.
+    (result,) = sim_cmd.run_files([PAIR], ["time-slicing"], duration_s=5.0, progress=False)
+    (row,) = report.summarise(result)
+    (online,) = result.runs[0].online
+    assert result.alone is not None
+    (ref,) = result.alone.online
+    assert row.service_overhead == pytest.approx(online.service_p99_ms / ref.service_p99_ms - 1)
+    assert row.p99_overhead is not None and row.service_overhead is not None
+    assert 0.5 < row.service_overhead < row.p99_overhead
+    assert "svc ovh" in report.text_table([row])

@@ -13,6 +13,7 @@ import pytest
 
 from gpushare.sim import data, validation
 from gpushare.sim.gpu import DEFAULT_SLICE_S, DEFAULT_SWITCH_S
+from gpushare.sim.scenario import GpuSpec
 
 POINTS = validation.load_points()
 TS_CALIBRATION = [POINTS[k] for k in ("nos-ts-3", "nos-ts-5", "nos-ts-7")]
@@ -70,5 +71,39 @@ def test_orion_plain_mps_point() -> None:
 
 def test_the_switch_cost_is_a_multiple_of_the_state_save_and_restore() -> None:
     # Sanity of the calibrated constant: above the pure save/restore arithmetic (~64 us on a
-    # V100), below a tenth of the slice.
+    # V100), below a fifth of the slice.
     assert 64e-6 < DEFAULT_SWITCH_S < DEFAULT_SLICE_S / 5
+
+
+def test_the_default_slice_is_the_drivers_default_tsg_timeslice() -> None:
+    # NVIDIA's open kernel modules give every new channel group TIMEOUT_128 << SCALE_3 us
+    # (kfifoChannelGroupGetDefaultTimeslice_GV100/_GM107); docs/simulator.md G9.
+    assert pytest.approx((128 << 3) * 1e-6) == DEFAULT_SLICE_S
+    assert GpuSpec().slice_s == DEFAULT_SLICE_S and GpuSpec().switch_s == DEFAULT_SWITCH_S
+
+
+def test_service_time_excludes_the_queue() -> None:
+    # Alone on the GPU every request runs in its pass time once it is taken off the queue; its
+    # latency adds the wait behind earlier requests (Poisson at load 0.5).
+    alone = validation.tally_pair("bert_2_fwd", None, mode="time_slice", end_s=6.0)
+    pass_ms = data.load_profile(f"{validation.ORION}/bert_2_fwd.csv").total_s * 1e3
+    assert alone.service_p99_ms == pytest.approx(pass_ms, rel=1e-9)
+    assert alone.latency_p99_ms > 2 * alone.service_p99_ms
+
+
+@pytest.mark.parametrize(
+    ("fwd", "train"),
+    [("bert_2_fwd", "resnet50_32_fb1"), ("transformer_xl_4_fwd", "bert_8_fb1")],
+)
+def test_time_slicing_halves_a_server_next_to_a_busy_trainer(fwd: str, train: str) -> None:
+    # Equal round-robin slices with an always-busy trainer: a request runs in its own slices,
+    # so its service time is ~2 (slice + switch) / slice = 2.22x alone (Tally's metric, which
+    # excludes queueing) ...
+    alone = validation.tally_pair(fwd, None, mode="time_slice", end_s=12.0)
+    short = validation.tally_pair(fwd, train, mode="time_slice", end_s=6.0)
+    long = validation.tally_pair(fwd, train, mode="time_slice", end_s=12.0)
+    share = 2 * (DEFAULT_SLICE_S + DEFAULT_SWITCH_S) / DEFAULT_SLICE_S
+    assert long.service_p99_ms / alone.service_p99_ms == pytest.approx(share, rel=0.05)
+    # ... while at load 0.5 the server needs more than the share it gets, so its queue, and the
+    # latency with queueing, grow with the run (docs/simulator.md section 4: not stable).
+    assert long.latency_p99_ms > 1.1 * short.latency_p99_ms > 6 * alone.latency_p99_ms
