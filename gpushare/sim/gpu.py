@@ -361,11 +361,14 @@ class Gpu:
 
     def _waiter_gains(self, run: Run) -> bool:
         """Whether some other stream now waits for slots this kernel would give up (G5)."""
-        p = run.stream.priority
+        own = run.stream
+        p = own.priority
         fair = self._fair
         for s in self.streams:
-            if s is run.stream or s.priority > p:
+            if s is own:
                 continue
+            # Whether it waits first (mostly the Run's own fields), its priority only then, once:
+            # a stream's attributes are a generic look-up each in the compiled engine.
             r = s.run
             if r is None:
                 if s.nxt is None:
@@ -375,7 +378,8 @@ class Gpu:
                 has = r.g
             else:
                 continue
-            if s.priority < p or (fair and has + 1 < run.g):
+            sp = s.priority
+            if sp < p or (sp == p and fair and has + 1 < run.g):
                 return True
         return False
 
@@ -678,7 +682,7 @@ class Gpu:
             prio, since, _, s, head, run = cands[k]
             g = finals[k]
             if g < wants[k]:
-                short.append((s.priority, g, s))
+                short.append((prio if prio != DEFERRED else s.priority, g, s))
             if run is not None:
                 if g > run.g:
                     self.free -= g - run.g
