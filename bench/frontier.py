@@ -1,14 +1,17 @@
 """The SLO frontier (issue 14): SLO attainment and offline throughput per policy at 1.05x-2x.
 
-Runs ``bench/sharing.py`` on every shipped scenario at each SLO factor (or reads the JSON files
-such runs wrote, ``--from``), and prints one table: per policy, mean SLO attainment and mean
-offline throughput (of running alone) at each factor. Writes bench/results/frontier.json.
+Runs ``bench/sharing.py`` at each SLO factor twice: every policy with the online services sending
+request boundaries (gpushare then gates offline work on them, docs/simulator.md "Request
+gating"), and gpushare alone without them (``--no-gating``: its row "gpushare (no gating)").
+The baselines never gate, so boundaries change nothing for them. Prints one table, per policy
+mean SLO attainment and mean offline throughput (of running alone) at each factor, and writes
+bench/results/frontier.json (``--pairs``: the Tally-shaped pairs only, frontier_pairs.json).
 
-    .venv/bin/python bench/frontier.py                      # 4 full runs, tens of minutes
-    .venv/bin/python bench/frontier.py --from 1.05=a.json --from 1.1=b.json ...
+    .venv/bin/python bench/frontier.py                      # every shipped scenario
+    .venv/bin/python bench/frontier.py --pairs              # the Tally-shaped pairs
+    .venv/bin/python bench/frontier.py --from 1.1=a.json --from 1.1:nogating=b.json ...
 
-Numbers are the simulator's (docs/simulator.md): they rank policies on one model. gpushare runs
-without request gating here: the simulated node does not model it yet (docs/controller.md).
+Numbers are the simulator's (docs/simulator.md): they rank policies on one model.
 """
 
 from __future__ import annotations
@@ -23,14 +26,24 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 FACTORS = (1.05, 1.1, 1.5, 2.0)
-RESULTS = ROOT / "bench" / "results" / "frontier.json"
+RESULTS = ROOT / "bench" / "results"
+#: The Tally-shaped pairs: BERT b2 or Transformer-XL b4 inference at load 0.5 next to one
+#: training job (as bench/sim_validation.py selects them).
+PAIR_PREFIXES = ("bert_2_fwd+", "transformer_xl_4_fwd+")
+NO_GATING = "gpushare (no gating)"
 
 
-def run(factor: float, out: Path, jobs: int) -> None:
+def pair_files() -> list[str]:
+    """The Tally-shaped pair scenarios."""
+    pairs = sorted((ROOT / "gpushare" / "scenarios" / "pairs").glob("*.toml"))
+    return [str(p) for p in pairs if p.name.startswith(PAIR_PREFIXES)]
+
+
+def run(factor: float, out: Path, jobs: int, extra: list[str]) -> None:
     """One bench/sharing.py run at ``factor``."""
     subprocess.run(
         [sys.executable, str(ROOT / "bench" / "sharing.py"), "--jobs", str(jobs),
-         "--slo-factor", str(factor), "--out", str(out)],
+         "--slo-factor", str(factor), "--out", str(out), *extra],
         check=True,
     )  # fmt: skip
 
@@ -42,38 +55,54 @@ def main() -> None:
         dest="inputs",
         action="append",
         default=[],
-        metavar="FACTOR=FILE",
+        metavar="FACTOR[:nogating]=FILE",
         help="use a sharing.py JSON already written at that SLO factor (repeat)",
     )
     parser.add_argument("--jobs", type=int, default=1, help="passed to bench/sharing.py")
+    parser.add_argument("--pairs", action="store_true", help="the Tally-shaped pairs only")
     args = parser.parse_args()
-    files: dict[float, Path] = {}
+    files: dict[tuple[float, bool], Path] = {}
     for item in args.inputs:
-        factor, _, path = item.partition("=")
-        files[float(factor)] = Path(path)
+        key, _, path = item.partition("=")
+        factor, _, kind = key.partition(":")
+        files[(float(factor), kind == "nogating")] = Path(path)
+    scenarios = pair_files() if args.pairs else []
     tmp = Path(tempfile.mkdtemp(prefix="gpushare-frontier-"))
     for factor in FACTORS:
-        if factor not in files:
-            files[factor] = tmp / f"sharing-{factor}.json"
-            run(factor, files[factor], args.jobs)
+        for nogating in (False, True):
+            if (factor, nogating) in files:
+                continue
+            out = tmp / f"sharing-{factor}{'-nogating' if nogating else ''}.json"
+            extra = ["--policy", "gpushare", "--no-gating"] if nogating else []
+            run(factor, out, args.jobs, extra + scenarios)
+            files[(factor, nogating)] = out
     table: dict[str, dict[str, Any]] = {}
-    scenarios: dict[str, int] = {}
-    for factor in sorted(files):
-        data = json.loads(files[factor].read_text())
+    counts: dict[str, int] = {}
+    for (factor, nogating), path in sorted(files.items()):
+        data = json.loads(path.read_text())
         for row in data["summary"]:
-            cell = table.setdefault(row["policy"], {})
+            policy = row["policy"]
+            if nogating:
+                if policy != "gpushare":
+                    continue
+                policy = NO_GATING
+            cell = table.setdefault(policy, {})
             cell[f"{factor:g}"] = {
                 "slo_attainment_mean": row["slo_attainment_mean"],
                 "offline_norm_mean": row["offline_norm_mean"],
+                "p99_overhead_mean": row["p99_overhead_mean"],
                 "p99_overhead_worst": row["p99_overhead_worst"],
             }
-            scenarios[f"{factor:g}"] = row["scenarios"]
-    factors = [f"{f:g}" for f in sorted(files)]
-    print("| policy | " + " | ".join(f"{f}x: SLO attained, offline" for f in factors) + " |")
-    print("|---|" + "---|" * len(factors))
-    for policy, cells in table.items():
+            counts[f"{factor:g}"] = row["scenarios"]
+    order = [NO_GATING, *(p for p in table if p != NO_GATING)]
+    factors = sorted({f for f, _ in files})
+    names = [f"{f:g}" for f in factors]
+    print("| policy | " + " | ".join(f"{f}x: SLO attained, offline" for f in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for policy in order:
+        cells = table.get(policy, {})
         parts = []
-        for f in factors:
+        for f in names:
             c = cells.get(f)
             if c is None or c["slo_attainment_mean"] is None:
                 parts.append("-")
@@ -82,11 +111,12 @@ def main() -> None:
             off = "-" if offline is None else f"{offline:.2f}"
             parts.append(f"{c['slo_attainment_mean'] * 100:.2f} %, {off}")
         print(f"| {policy} | " + " | ".join(parts) + " |")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps({"scenarios": scenarios, "policies": table}, indent=2) + "\n", encoding="utf-8"
-    )
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    out = RESULTS / ("frontier_pairs.json" if args.pairs else "frontier.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python bench/frontier.py " + " ".join(sys.argv[1:])
+    doc = {"command": command.strip(), "scenarios": counts, "policies": table}
+    out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {out.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -33,11 +33,18 @@ from gpushare.sim import engine, report  # noqa: E402
 RESULTS = REPO / "bench" / "results"
 
 
-def _run(args: tuple[str, list[str] | None, float | None, float | None]) -> dict[str, Any]:
-    path, policies, duration, slo_factor = args
+def _run(
+    args: tuple[str, list[str] | None, float | None, float | None, bool | None],
+) -> dict[str, Any]:
+    path, policies, duration, slo_factor, boundaries = args
     t0 = time.perf_counter()
     (result,) = sim_cmd.run_files(
-        [Path(path)], policies, duration_s=duration, progress=False, slo_factor=slo_factor
+        [Path(path)],
+        policies,
+        duration_s=duration,
+        progress=False,
+        slo_factor=slo_factor,
+        request_boundaries=boundaries,
     )
     rows = report.summarise(result)
     return {
@@ -119,6 +126,11 @@ def main() -> None:
     )
     ap.add_argument("--jobs", type=int, default=1, help="scenarios run in parallel")
     ap.add_argument(
+        "--no-gating",
+        action="store_true",
+        help="online services send no request boundaries (no request gating anywhere)",
+    )
+    ap.add_argument(
         "--quick",
         action="store_true",
         help="the 3 trace scenarios + the 5 pairs with ResNet-50 training, 10 s each (~1 min)",
@@ -143,7 +155,8 @@ def main() -> None:
     t0 = time.perf_counter()
     if args.slo_factor is not None and args.slo_factor < 1.0:
         ap.error(f"--slo-factor {args.slo_factor:g}: must be >= 1 (an SLO under the p99 alone)")
-    work = [(f, args.policy, args.duration, args.slo_factor) for f in files]
+    boundaries = False if args.no_gating else None
+    work = [(f, args.policy, args.duration, args.slo_factor, boundaries) for f in files]
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
             scenarios = list(pool.map(_run, work))
@@ -166,6 +179,7 @@ def main() -> None:
         "virtual_s": virtual,
         "speed_overall": virtual / wall,
         "engine": engine.loaded(),
+        "gating": not args.no_gating,
         "summary": summ,
         "scenarios": scenarios,
     }

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # make demo: the real daemon on one simulated GPU (no GPU, no root needed), driven by the real CLI.
 # An online service and two training jobs are submitted; status is shown while an online burst
-# arrives and the controller throttles, then releases, the offline jobs; everything is stopped and
+# arrives and the controller throttles, then releases, the offline jobs; the simulated service
+# tells the daemon when each request starts and ends (as gpushare.client.request_started/ended
+# would), so status shows the GPU's request gate (REQUESTS: open/closed/off) and the requests IN
+# FLIGHT, and the jobs, launched with --queue auto, run shallow queues while gating is on;
+# everything is stopped and
 # the simulator's summary table for the same scenario (the shipped scenario `demo`, gpushare/scenarios/demo.toml) is printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,8 +79,11 @@ submit() { "$BIN/gpushare" submit "$@" | tee -a "$OUT/submits.log"; }
 echo "== submitting one online service (30 req/s, 3x burst at 20-35 s, SLO p99 40 ms) and two training jobs"
 submit --online --detach --name web --slo-p99 40ms \
     --sim-profile resnet50-inference --rps 30 --sim-burst 20:15:3 -- sleep 600
-submit --offline --restartable --name train-a --sim-profile resnet50-train -- sleep 600
-submit --offline --restartable --name train-b --sim-profile mobilenetv2-train -- sleep 600
+# Gating turns on at the tick after the service's first request boundary: the jobs' --queue auto
+# then launches them with shallow queues (CUDA_LAUNCH_BLOCKING=1).
+sleep 1
+submit --offline --restartable --queue auto --name train-a --sim-profile resnet50-train -- sleep 600
+submit --offline --restartable --queue auto --name train-b --sim-profile mobilenetv2-train -- sleep 600
 mapfile -t IDS < <(awk '{print $1}' "$OUT/submits.log")
 
 START=$(date +%s)
@@ -86,6 +93,18 @@ for t in 5 15 25 30 40 50 60; do
     echo "== t=${t}s$( ((t >= 20 && t < 35)) && echo '  (online burst: 90 req/s)')"
     "$BIN/gpushare" status
 done
+echo
+echo "== request gating in the daemon's log"
+"$BIN/python" - "$OUT/daemon.log" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        e = json.loads(line)
+    except ValueError:
+        continue
+    if e.get("event") in ("gating_set", "offline_queue"):
+        print(f"  {e['event']} {e.get('client_id') or e.get('gpu')}: {e.get('reason')}")
+PY
 
 echo
 echo "== stopping"

@@ -109,11 +109,14 @@ def run_files(
     duration_s: float | None = None,
     progress: bool = True,
     slo_factor: float | None = None,
+    request_boundaries: bool | None = None,
 ) -> list[runner.ScenarioResult]:
     """Load the scenarios and run every policy on each (the reference run first).
 
     ``slo_factor`` overrides every online service's ``slo_factor`` (its SLO as a multiple of its
-    p99 alone); a service with an explicit ``slo_p99_ms`` keeps it.
+    p99 alone); a service with an explicit ``slo_p99_ms`` keeps it. ``request_boundaries``
+    overrides whether every online service sends request boundaries (``False``: no request
+    gating anywhere).
 
     Raises:
         scenario.ScenarioError: a bad scenario file.
@@ -131,6 +134,16 @@ def run_files(
             dataclasses.replace(
                 s,
                 online=tuple(dataclasses.replace(o, slo_factor=slo_factor) for o in s.online),
+            )
+            for s in loaded
+        ]
+    if request_boundaries is not None:
+        loaded = [
+            dataclasses.replace(
+                s,
+                online=tuple(
+                    dataclasses.replace(o, request_boundaries=request_boundaries) for o in s.online
+                ),
             )
             for s in loaded
         ]

@@ -201,7 +201,8 @@ class GpushareController:
         state = self._failing_clients(state, observation, now, actions)
         state = self._memory(state, observation, now, actions)
         signals = online_signals(observation, self.config.probe_slo_ratio)
-        state = self._throttle(state, observation, self._duty_signals(state, signals), actions)
+        duty_signals = self._duty_signals(state, observation, signals)
+        state = self._throttle(state, observation, duty_signals, actions)
         state = self._gating(state, observation, now, actions)
         state = self._share(state, observation, signals, now, actions)
         state = self._restarts(state, observation, signals, now, actions)
@@ -340,7 +341,7 @@ class GpushareController:
 
     # Duty-cycle throttle -----------------------------------------------------------------------
 
-    def _duty_signals(self, state: GpuState, signals: Signals) -> Signals:
+    def _duty_signals(self, state: GpuState, obs: Observation, signals: Signals) -> Signals:
         """The signals the duty cycle follows: the probe yields to app latency while SLOs have room.
 
         The probe's SLO (``probe_slo_ratio`` x its baseline) is the same whatever the app SLOs
@@ -351,6 +352,14 @@ class GpushareController:
         client without a report, a tight SLO, app latency near its SLO) it counts as before.
         """
         cfg = self.config
+        if signals.app_complete and signals.app_worst is not None and _gated_shallow(state, obs):
+            # Gated with shallow queues, offline work runs between requests by design: the probe,
+            # which is not a request, meets it there and says nothing of what requests see.
+            return replace(
+                signals,
+                worst=signals.app_worst,
+                worst_source=f"{signals.app_source} (request gating on: the probe is not followed)",
+            )
         quiet_app = max((v for _, v in state.app_quiet_signals), default=None)
         if (
             signals.app_complete
@@ -377,6 +386,14 @@ class GpushareController:
         cfg = self.config
         duty = state.duty
         breach = state.breach_duty
+        # Request gating on: offline work is frozen while online requests are in flight, so what
+        # remains of its effect on them is the kernel in flight when a request starts (shallow
+        # queue) and the freeze's latency, which a duty cycle does not remove (it only takes the
+        # idle time gating hands to offline work). Under a tight SLO, windows of online work alone
+        # breach it (docs/benchmarks.md: exclusive use attains 99.4 % at 1.1x); only a breach of
+        # the hard ratio, which gating has evidently not contained, cuts the duty then. A client
+        # with a deep queue runs up to an iteration past a freeze: the duty cycle works as before.
+        gated = _gated_shallow(state, obs)
         comfortable, violating = state.comfortable_ticks, state.violation_ticks
         quiet = state.quiet_ticks + 1 if state.duty_emitted == 0.0 or not obs.offline() else 0
         if signals.online == 0:
@@ -400,14 +417,14 @@ class GpushareController:
                 breach = duty
             duty, comfortable, violating = 0.0, 0, violating + 1
             why = f"{signals.describe()} >= hard ratio {cfg.hard_ratio:g}: offline frozen"
-        elif signals.worst >= cfg.cut_ratio:
+        elif signals.worst >= cfg.cut_ratio and not gated:
             # A clear breach: the freeze lags by the offline queue, so cut now rather than halve
             # over several ticks; the climb resumes where one decrease would have landed.
             if violating == 0 and duty > 0:
                 breach = duty
             duty, comfortable, violating = 0.0, 0, violating + 1
             why = f"{signals.describe()} >= cut ratio {cfg.cut_ratio:g}: offline frozen"
-        elif signals.worst > cfg.violation_ratio:
+        elif signals.worst > cfg.violation_ratio and not gated:
             if violating == 0 and duty > 0:
                 breach = duty
             comfortable, violating = 0, violating + 1
@@ -571,6 +588,10 @@ class GpushareController:
             return replace(state, share_pct=top, share_changed_at_s=now)
         if signals.online == 0:
             target, basis = top, "no online client"
+        elif _gated_shallow(state, obs):
+            # The share bounds what offline work takes from online requests running beside it;
+            # gated, it runs only between requests (up to one kernel overlapping a request start).
+            target, basis = top, "request gating on: offline work runs between online requests"
         elif samples and quiet_signals:
             # Both the SM demand and the latency online work has alone are needed as evidence
             # (a share set from SM activity alone overshot before any latency was known).
@@ -599,9 +620,10 @@ class GpushareController:
                 )
         else:
             return state  # online present, demand or quiet latency not measured: keep the share
-        if signals.online:
+        if signals.online and not _gated_shallow(state, obs):
             # MPS caps each client, not offline work as a whole: n offline clients at s % each can
             # hold n x s % of the SMs. The share is what the online clients leave, split evenly.
+            # (Gated, offline clients share the time between requests only among themselves.)
             sharing = sum(
                 1
                 for c in obs.clients
@@ -759,6 +781,18 @@ class GpushareController:
         current = client.limits.sm_pct
         # Above target: always (it crowds online work). Below: only when worth a restart.
         return current > target + 0.5 or current < target - self.config.share_hysteresis_pct
+
+
+def _gated_shallow(state: GpuState, obs: Observation) -> bool:
+    """Request gating is on and no running offline client has a deep queue.
+
+    Then a freeze stops offline work within one kernel of a request's start, and offline work
+    runs only between requests: the duty cycle and the SM share have little left to protect.
+    """
+    # A client starting or restarting is launched with the queue its mode gives under gating
+    # (--queue auto: shallow); only one running a deep queue now keeps the duty cycle in charge.
+    deep = any(c.state in _RESTARTABLE_STATES and not c.shallow for c in obs.offline())
+    return state.gating_emitted is True and not deep
 
 
 def _quiet_level(state: GpuState) -> float | None:

@@ -370,11 +370,31 @@ class Gatekeeper:
                 # A hold of a few ms is waited for exactly; a gate idle waits for a signal.
                 self._wake.wait(None if due is None else max(0.0, due - now) + 1e-4)
 
-    def poll(self, now: float) -> None:
-        """Evaluate every gate at ``now`` (what the timer thread does; for runners without it)."""
+    def poll(self, now: float) -> float | None:
+        """Evaluate every gate at ``now`` (what the timer thread does; for runners without it).
+
+        Returns when a gate is next due (its hold or a timeout runs out), ``None`` when none is
+        busy: a runner without the thread (the simulator, in virtual time) polls again then.
+        """
         with self._lock:
             for gpu, state in list(self._gates.items()):
                 self._set_gate(gpu, state, now)
+            return self._next_due(now)
+
+    def next_due(self, now: float) -> float | None:
+        """When a gate is next due after ``now`` without a further signal (see :meth:`poll`)."""
+        with self._lock:
+            return self._next_due(now)
+
+    def _next_due(self, now: float) -> float | None:
+        due: float | None = None
+        for state in self._gates.values():
+            if not (state.busy or state.sources):
+                continue
+            opens = gate.reopens_at(state, self.config)
+            if opens is not None and opens > now:
+                due = opens if due is None else min(due, opens)
+        return due
 
     def close(self) -> None:
         """Stop the timer thread and thaw what the gates froze (the daemon is going away)."""

@@ -283,6 +283,15 @@ def build_simulated(cfg: config_mod.Config, config_path: Path | None, gpus: int)
         raise
     # Simulated services report their request latencies as real ones would (report_latency).
     rt.on_latency = daemon.latency.tracker.add
+    # ... and their request boundaries, as request_started/request_ended would (request gating).
+    gate = daemon.state.gate
+
+    def boundary(client_id: str, pid: int, count: int, at_s: float) -> None:
+        why = gate.on_inflight(client_id, pid, count, at_s)
+        if why is not None:
+            gate.rejections.reject(why, client_id=client_id, pid=pid)
+
+    rt.start_boundaries(boundary)
     return daemon
 
 

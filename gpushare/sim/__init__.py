@@ -12,6 +12,7 @@ Modules:
     workloads: online (open-loop requests) and offline (closed-loop training) clients.
     scenario: TOML scenario files, validated with errors that name the file and key.
     runner: runs one policy on one scenario and collects the metrics.
+    gating: online services' request boundaries to the daemon's request gate, in virtual time.
     node: the node Protocols of :mod:`gpushare.node.base` implemented on the simulated node.
     report: tables, JSON and plots.
 """

@@ -104,8 +104,9 @@ class SimulatedPauser:
         if info is None:
             return
         env = info.env
+        launched = _process_env(pid)
         if ENV_PROFILE not in env:
-            env = _process_env(pid)  # a foreground submit: the profile is in its environment
+            env = launched  # a foreground submit: the profile is in its environment
         try:
             workload = workload_from_env(env)
             if workload is None:
@@ -121,6 +122,8 @@ class SimulatedPauser:
                 pid=pid,
                 slo_p99_ms=info.slo_p99_ms,
                 restartable=info.restartable,
+                # The daemon's --queue shallow launches it with CUDA_LAUNCH_BLOCKING=1.
+                launch_blocking=launched.get("CUDA_LAUNCH_BLOCKING") == "1",
             )
         except (SimProfileError, KeyError) as exc:
             # Raised, not logged: the daemon then stops the process and fails the client, so a

@@ -113,8 +113,11 @@ class SimNode:
         self._quiet = {gpu.uuid: _QuietSamples() for gpu in self.gpus}
         self.online: list[OnlineServer] = []
         self.offline: list[OfflineTrainer] = []
-        #: When each offline job of the scenario reaches the queue.
+        #: When each offline job of the scenario reaches the queue, and its ``--queue``.
         self.submit_at: dict[str, float] = {}
+        self.queue_mode: dict[str, str] = {}
+        #: Offline jobs the scenario runs launch-blocking whatever their queue mode.
+        self.always_blocking: set[str] = set()
         self.mem_peak_bytes = {gpu.uuid: 0 for gpu in self.gpus}
         #: The live simulated processes by pid, and who hears of their exits.
         self.processes: dict[int, SimClient] = {}
@@ -169,6 +172,9 @@ class SimNode:
                     trainer.tally.trainers.append(trainer)
                 self.offline.append(trainer)
                 self.submit_at[spec_off.name] = spec_off.submit_s
+                self.queue_mode[spec_off.name] = spec_off.queue
+                if spec_off.launch_blocking:
+                    self.always_blocking.add(spec_off.name)
 
     def next_pid(self) -> int:
         """A fresh pid for a simulated process."""

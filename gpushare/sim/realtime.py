@@ -11,6 +11,7 @@ bert-inference --rps 40``) and removed, and hands out the four node Protocols of
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from gpushare.model import (
 )
 from gpushare.sim import adapters as simnode
 from gpushare.sim import data
+from gpushare.sim.gating import BoundarySender
 from gpushare.sim.node import SimNode
 from gpushare.sim.scenario import GpuSpec, Scenario
 from gpushare.sim.simenv import ENV_BURST, ENV_PROFILE, ENV_RPS
@@ -158,6 +160,42 @@ class RealTimeSimNode:
         #: ``gpushare.client.report_latency`` (the daemon's simulated mode records it directly).
         self.on_latency: Callable[[str, float, float], None] | None = None
         self._reported: dict[str, int] = {}
+        #: Request boundaries of the simulated online clients on their way to the daemon
+        #: (:meth:`start_boundaries`): ``(client_id, pid, requests in flight, at_s on clock)``.
+        self._boundaries: queue.SimpleQueue[tuple[str, int, int, float] | None] | None = None
+        self._boundary_thread: threading.Thread | None = None
+
+    def start_boundaries(self, deliver: Callable[[str, int, int, float], None]) -> None:
+        """Send the simulated online clients' request boundaries to ``deliver``, from a thread.
+
+        What ``gpushare.client.request_started``/``request_ended`` do for a real service: the
+        daemon's request gate hears of them on its own thread (its latency receiver's), so a
+        freeze it asks for never runs inside the simulation's event loop (``deliver`` may take
+        the gate's lock and then this node's, the order every other caller takes them in).
+        """
+        self._boundaries = queue.SimpleQueue()
+        self._boundary_thread = threading.Thread(
+            target=self._deliver_boundaries, args=(deliver,), name="sim-boundaries", daemon=True
+        )
+        self._boundary_thread.start()
+
+    def stop_boundaries(self) -> None:
+        """Stop the delivery thread (queued boundaries are delivered first)."""
+        if self._boundaries is not None and self._boundary_thread is not None:
+            self._boundaries.put(None)
+            self._boundary_thread.join(timeout=2.0)
+        self._boundaries = None
+        self._boundary_thread = None
+
+    def _deliver_boundaries(self, deliver: Callable[[str, int, int, float], None]) -> None:
+        boundaries = self._boundaries
+        assert boundaries is not None
+        while (item := boundaries.get()) is not None:
+            deliver(*item)
+
+    def _send_boundary(self, client_id: str, pid: int, count: int) -> None:
+        if self._boundaries is not None:
+            self._boundaries.put((client_id, pid, count, self._t0 + self.node.loop.now))
 
     @property
     def gpu_uuids(self) -> list[str]:
@@ -188,8 +226,12 @@ class RealTimeSimNode:
         pid: int,
         slo_p99_ms: float | None = None,
         restartable: bool = False,
+        launch_blocking: bool = False,
     ) -> bool:
         """Start a client on a simulated GPU; False when its memory allocation failed.
+
+        ``launch_blocking``: an offline client launched with a shallow queue
+        (``CUDA_LAUNCH_BLOCKING=1``): one kernel in flight, a launch gap per kernel.
 
         Raises:
             SimProfileError: a bad profile for the class, or no rate for an online client.
@@ -200,9 +242,13 @@ class RealTimeSimNode:
             self.advance()
             if self.node.client(client_id) is not None:
                 return True  # re-attached (e.g. the daemon re-adopted it): already simulated
-            return self._add(
+            added = self._add(
                 client_id, cls, workload, gpu_uuid, sm_pct, mem_bytes, pid, slo_p99_ms, restartable
             )
+            c = self.node.client(client_id)
+            if added and launch_blocking and isinstance(c, OfflineTrainer):
+                c.launch_blocking = True
+            return added
 
     def _add(
         self,
@@ -237,6 +283,7 @@ class RealTimeSimNode:
                 slo_p99_ms=slo_p99_ms,
                 pid=pid,
             )
+            server.on_boundary = BoundarySender(self._send_boundary, server).boundary
             node.online.append(server)
             if not node.allocate(server):
                 return False

@@ -26,6 +26,7 @@ from gpushare.daemon.registry import Registry
 from gpushare.daemon.state import NodeState
 from gpushare.model import ClientClass, ClientState
 from gpushare.sim import adapters
+from gpushare.sim.gating import BoundarySender, GateDriver
 from gpushare.sim.node import PolicyTraits, SimNode
 from gpushare.sim.results import RunResult, ScenarioResult, collect
 from gpushare.sim.scenario import Scenario
@@ -67,8 +68,13 @@ class SimDaemon:
         self._submitted: set[str] = set()
         #: Each GPU's offline duty after every tick.
         self.duty_series: dict[str, list[tuple[float, float]]] = {g.uuid: [] for g in node.gpus}
+        #: Request gating: the services' boundaries reach the daemon's own Gatekeeper.
+        self.gates = GateDriver(self.state.gate, node.loop)
+        boundaries = {o.name for o in node.scenario.online if o.request_boundaries}
         for server in node.online:
             self.add_online(server)
+            if server.cid in boundaries:
+                server.on_boundary = BoundarySender(self.gates.send, server).boundary
 
     def add_online(self, server: OnlineServer) -> None:
         """Register a running online service as a foreground client (it started at t = 0)."""
@@ -102,6 +108,7 @@ class SimDaemon:
                 mem_bytes=mem, restartable=job.restartable, detach=True, cwd="/",
                 pause_mechanism=s.pauser.mechanism.value, now=s.clock.time(),
             )  # fmt: skip
+            s.registry.update(job.cid, queue=self.node.queue_mode.get(job.cid, "auto"))
 
     def report_latencies(self) -> None:
         """Hand the services' completed requests to the daemon, as ``report_latency`` would."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpushare import config as gconfig
+from gpushare.protocol import QUEUE_MODES
 from gpushare.sim import data
 from gpushare.sim.gpu import DEFAULT_SLICE_S, DEFAULT_SWITCH_S
 from gpushare.units import parse_duration, parse_size
@@ -81,6 +82,9 @@ class OnlineSpec:
     burst: tuple[float, float, float] | None = None
     #: ``CUDA_LAUNCH_BLOCKING=1``: one kernel in flight, a launch gap per kernel (W3).
     launch_blocking: bool = False
+    #: The service tells the daemon when requests start and end (``gpushare.client``), so the
+    #: daemon can gate offline work on them (docs/simulator.md, "Request gating").
+    request_boundaries: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,9 @@ class OfflineSpec:
     restartable: bool = True
     submit_s: float = 1.0
     launch_blocking: bool = False
+    #: ``gpushare submit --queue``: ``auto`` (shallow while the GPU's request gating is on),
+    #: ``shallow`` (``CUDA_LAUNCH_BLOCKING=1``) or ``deep``.
+    queue: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +282,7 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
             "slo_factor",
             "burst",
             "launch_blocking",
+            "request_boundaries",
         },
     )
     arrivals = r.string(t, p, "arrivals", default="poisson")
@@ -320,6 +328,7 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
         slo_factor=r.number(t, p, "slo_factor", 1.1, 1.0, 1000.0),
         burst=r.burst(t, p) if arrivals == "poisson" else None,
         launch_blocking=r.boolean(t, p, "launch_blocking", default=False),
+        request_boundaries=r.boolean(t, p, "request_boundaries", default=True),
     )
     if "burst" in t and arrivals != "poisson":
         raise ScenarioError(r.file, p + "burst", "a burst applies to poisson arrivals only")
@@ -330,8 +339,16 @@ def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineS
     r.keys(
         t,
         p,
-        {"name", "profile", "gpu", "mem", "pinned_mem", "restartable", "submit", "launch_blocking"},
-    )
+        {
+            "name", "profile", "gpu", "mem", "pinned_mem", "restartable", "submit",
+            "launch_blocking", "queue",
+        },
+    )  # fmt: skip
+    queue = r.string(t, p, "queue", default="auto")
+    if queue not in QUEUE_MODES:
+        raise ScenarioError(
+            r.file, p + "queue", f"expected one of {', '.join(QUEUE_MODES)}, got {queue!r}"
+        )
     pinned = r.size(t, p, "pinned_mem", default=None) if "pinned_mem" in t else None
     return OfflineSpec(
         name=r.string(t, p, "name", required=True),
@@ -342,6 +359,7 @@ def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineS
         restartable=r.boolean(t, p, "restartable", default=True),
         submit_s=r.duration(t, p, "submit", default=1.0),
         launch_blocking=r.boolean(t, p, "launch_blocking", default=False),
+        queue=queue,
     )
 
 

@@ -19,7 +19,7 @@ import bisect
 import math
 import random
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from gpushare.model import ClientClass, ClientState
@@ -179,6 +179,10 @@ class OnlineServer(SimClient):
         self.served: list[tuple[float, float]] = []
         self.current_start = 0.0
         self.arrived = 0
+        #: Told ``(+1 | -1, now)`` when a request starts (arrives) and ends, as a service using
+        #: ``gpushare.client.request_started``/``request_ended`` tells the daemon
+        #: (:class:`gpushare.sim.gating.BoundarySender`); ``None``: the service says nothing.
+        self.on_boundary: Callable[[int, float], None] | None = None
 
     def start(self, loop: EventLoop) -> None:
         """Begin accepting requests (schedules the first arrival)."""
@@ -194,6 +198,8 @@ class OnlineServer(SimClient):
 
     def _arrive(self, arg: object) -> None:
         self.arrived += 1
+        if self.on_boundary is not None:
+            self.on_boundary(1, self._loop.now)
         self.queue.append(float(arg))  # type: ignore[arg-type]
         self._next_arrival()
         if self.pos >= self._n and self.run is None:
@@ -221,6 +227,8 @@ class OnlineServer(SimClient):
             self.nxt = None
             self.completed.append((self.current_arrival, now - self.current_arrival))
             self.served.append((self.current_arrival, now - self.current_start))
+            if self.on_boundary is not None:
+                self.on_boundary(-1, now)
             self._begin_next(now)
         elif self.launch_blocking:
             self._present(p, now)
@@ -271,6 +279,8 @@ class OfflineTrainer(SimClient):
         self._stops_at = 0.0
         self.held = False
         self.active = False
+        #: In launch-blocking mode, the chunk whose launch a freeze stopped (resumed by the thaw).
+        self._parked_launch: int | None = None
         #: Completion time of every training iteration.
         self.iterations: list[float] = []
 
@@ -280,6 +290,7 @@ class OfflineTrainer(SimClient):
         self.state = ClientState.RUNNING
         self.started_at_s = now
         self.pos = self._n
+        self._parked_launch = None
         self.nxt = None
         self._maybe_issue(now)
         self.gpu.attach(self)
@@ -308,10 +319,28 @@ class OfflineTrainer(SimClient):
             self._stops_at = 0.0
             self.gpu.loop.at(now + THAW_S, self._thawed, self._gate)
 
+    def _launched_one(self, arg: tuple[int, int]) -> None:
+        # Launch-blocking mode: the CPU side launches each kernel itself, so a freeze that has
+        # taken hold stops it before the next launch (the shallow queue's point, issue 14).
+        gate, p = arg
+        if (
+            gate == self._gate
+            and p == self.pos
+            and self.frozen
+            and self.gpu.loop.now >= self._stops_at
+        ):
+            self._parked_launch = p
+            return
+        super()._launched_one(arg)
+
     def _thawed(self, arg: object) -> None:
         if arg != self._gate or self.frozen:
             return
         now = self.gpu.loop.now
+        parked, self._parked_launch = self._parked_launch, None
+        if parked is not None and parked == self.pos and self.active:
+            super()._launched_one((self._gate, parked))
+            return
         self._maybe_issue(now)
         self.gpu.wake()
 
@@ -342,6 +371,7 @@ class OfflineTrainer(SimClient):
         self.pos = self._n
         self.nxt = None
         self._gate += 1
+        self._parked_launch = None
         self.active = False
         self.state = state
 

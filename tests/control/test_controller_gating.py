@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,3 +153,59 @@ def test_auto_queue_clients_are_relaunched_when_gating_has_settled() -> None:
     assert at >= cfg.share_min_interval_s
     assert "--queue auto" in why
     assert "shallow" in why
+
+
+def _duty_after_breach(gating: bool, p99_ms: float, *, shallow: bool = True) -> float | None:
+    """The duty the controller sets when the online p99 jumps to ``p99_ms`` (SLO 40 ms)."""
+    job = replace(offline(), shallow=shallow)
+    calm = observation((online(p99_ms=20.0), job))
+    state = CTL.initial_state(GPU, 0.0)
+    g = reading(signalled=1 if gating else 0, enabled=gating)
+    for i in range(3):
+        state, _ = CTL.step(state, replace(calm, gate=g), i * 0.1)
+    assert state.gating_emitted is gating
+    hot = replace(observation((online(p99_ms=p99_ms), job)), gate=g)
+    state, actions = CTL.step(state, hot, 0.3)
+    return state.duty
+
+
+def test_gated_a_breach_under_the_hard_ratio_leaves_the_duty_to_the_gate() -> None:
+    # 1.25x the SLO: the cut ratio's breach. Without gating the duty goes to 0 at once.
+    assert _duty_after_breach(False, 50.0) == 0.0
+    # Gated with a shallow queue, offline work is frozen while requests are in flight already:
+    # the duty stays.
+    assert _duty_after_breach(True, 50.0) == 1.0
+    # A deep queue runs on past a freeze: the duty cycle cuts as without gating.
+    assert _duty_after_breach(True, 50.0, shallow=False) == 0.0
+    # Past the hard ratio (2x) gating has evidently not contained it: cut.
+    assert _duty_after_breach(True, 81.0) == 0.0
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_gated_the_offline_share_is_the_gpus_ceiling(jobs: int) -> None:
+    # Not split between offline clients either: they share the time between requests only.
+    offs = tuple(replace(offline(f"train{i}"), shallow=True) for i in range(jobs))
+    obs = observation((online(p99_ms=20.0), *offs))
+    g = reading(signalled=1, enabled=True)
+    state = replace(CTL.initial_state(GPU, 0.0), share_pct=30.0, share_emitted=True)
+    shares = []
+    for i in range(5):
+        state, actions = CTL.step(state, replace(obs, gate=g), i * 0.1)
+        shares += [a for a in actions if type(a).__name__ == "SetOfflineShare"]
+    assert shares and shares[-1].sm_pct == ControlConfig().offline_sm_pct_max
+    assert "request gating on" in shares[-1].reason
+
+
+def test_gated_the_duty_follows_the_app_latency_not_the_probe() -> None:
+    # The probe meets offline work between requests, where gating puts it on purpose: at 3x its
+    # SLO it cuts the duty without gating (hard ratio), not with it while the app latency is fine.
+    job = replace(offline(), shallow=True)
+    for gating, expect in ((False, 0.0), (True, 1.0)):
+        g = reading(signalled=1 if gating else 0, enabled=gating)
+        state = CTL.initial_state(GPU, 0.0)
+        calm = replace(observation((online(p99_ms=20.0), job)), gate=g)
+        for i in range(3):
+            state, _ = CTL.step(state, calm, i * 0.1)
+        hot = replace(observation((online(p99_ms=20.0), job), probe_ratio=3.0), gate=g)
+        state, _ = CTL.step(state, hot, 0.3)
+        assert state.duty == expect, gating

@@ -87,3 +87,53 @@ def test_bad_profiles_are_refused_with_the_fix(tmp_path: Path) -> None:
     assert not rt.add_client(
         "big", ClientClass.OFFLINE, SimWorkload("bert-train"), **{**kw, "mem_bytes": 64 << 30}
     )
+
+
+def test_simulated_services_send_request_boundaries_to_the_daemons_gate(tmp_path: Path) -> None:
+    import time
+
+    from gpushare.daemon.gating import GATE, Gatekeeper
+
+    clock = FakeClock()
+    rt = RealTimeSimNode(1, Config(), runtime_dir=tmp_path, clock=clock)
+    (uuid,) = rt.gpu_uuids
+    pauser = rt.pauser()
+    gate = Gatekeeper(Config().gate, pauser, clock=clock)
+    seen: list[int] = []
+
+    def deliver(client_id: str, pid: int, count: int, at_s: float) -> None:
+        seen.append(count)
+        assert gate.on_inflight(client_id, pid, count, at_s) is None
+
+    rt.start_boundaries(deliver)
+    try:
+        for cid, cls, work, pid in (
+            ("inf", ClientClass.ONLINE, SimWorkload("resnet50-inference", rps=40.0), 11),
+            ("train", ClientClass.OFFLINE, SimWorkload("resnet50-train"), 12),
+        ):
+            assert rt.add_client(
+                cid, cls, work, gpu_uuid=uuid, sm_pct=50, mem_bytes=2 << 30, pid=pid,
+                launch_blocking=cls is ClientClass.OFFLINE,
+            )  # fmt: skip
+            pauser.attach(cid, pid)
+        gate.update_clients({"inf": uuid}, {uuid: ["train"]}, clock())
+        gate.set_enabled(uuid, True, clock())
+        train = rt.node.client("train")
+        assert train is not None and train.launch_blocking
+        frozen_seen = False
+        for _ in range(40):
+            clock.t += 0.05
+            rt.advance()
+            time.sleep(0.005)  # the delivery thread's turn
+            gate.poll(clock())
+            frozen_seen |= GATE in gate.reasons("train")
+        deadline = time.monotonic() + 5.0
+        while gate.view(uuid, clock()).closes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        view = gate.view(uuid, clock())
+        assert view.signalled_clients == 1 and view.closes > 0
+        assert frozen_seen
+        assert 1 in seen and 0 in seen  # starts and ends reached the gate
+    finally:
+        rt.stop_boundaries()
+        gate.close()

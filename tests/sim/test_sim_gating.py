@@ -1,0 +1,159 @@
+"""Request gating in the simulated node: the daemon's Gatekeeper, driven in virtual time."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from gpushare.control.registry import make_policy
+from gpushare.daemon.gating import GATE
+from gpushare.sim import scenario as sc_mod
+from gpushare.sim.gating import DELIVERY_S, TIMER_SLACK_S
+from gpushare.sim.node import PolicyTraits, SimNode
+from gpushare.sim.runner import SimDaemon
+from gpushare.sim.workloads import FREEZE_S, THAW_S, OfflineTrainer
+
+PAIR = (
+    Path(__file__).resolve().parents[2]
+    / "gpushare"
+    / "scenarios"
+    / "pairs"
+    / "bert_2_fwd+resnet50_32_fb1.toml"
+)
+
+
+def _scenario(duration_s: float = 6.0, **online: object) -> sc_mod.Scenario:
+    sc = sc_mod.load(PAIR)
+    return dataclasses.replace(
+        sc,
+        duration_s=duration_s,
+        warmup_s=0.5,
+        online=tuple(dataclasses.replace(o, slo_p99_ms=1e6, **online) for o in sc.online),  # type: ignore[arg-type]
+    )
+
+
+def test_gating_freezes_offline_while_a_request_is_in_flight_and_thaws_after_the_hold() -> None:
+    sc = _scenario()
+    hold = sc.config.gate.hold_s
+    policy = make_policy("gpushare", sc.config.control)
+    node = SimNode(sc, traits=PolicyTraits.of(policy))
+    node.start()
+    sim = SimDaemon(node, policy)
+    (server,) = node.online
+    (trainer,) = node.offline
+    send = server.on_boundary
+    assert send is not None, "the simulated service sends no request boundaries"
+    loop = node.loop
+    in_flight = {"n": 0, "last_change": 0.0}
+    starts: list[tuple[bool, bool]] = []  # (gate reason held, trainer frozen) just after a start
+    ends: list[tuple[bool, bool]] = []  # (gate reason held just before the hold ends, just after)
+
+    def gated() -> bool:
+        return GATE in sim.state.gate.reasons(trainer.cid)
+
+    def check_start(_: object) -> None:
+        if trainer.active and sim.state.gate.view(trainer.gpu.uuid, loop.now).enabled:
+            starts.append((gated(), trainer.frozen))
+
+    def check_end(at: object) -> None:
+        # Only where no request started since the last one ended.
+        if in_flight["n"] == 0 and in_flight["last_change"] == at and trainer.active:
+            before = gated()
+            loop.at(loop.now + TIMER_SLACK_S + 2e-5, lambda _: ends.append((before, gated())))
+
+    def boundary(delta: int, now: float) -> None:
+        send(delta, now)
+        in_flight["n"] += delta
+        in_flight["last_change"] = now
+        if delta > 0:
+            loop.at(now + DELIVERY_S + 1e-5, check_start)
+        elif in_flight["n"] == 0:
+            loop.at(now + DELIVERY_S + hold - 1e-5, check_end, now)
+
+    server.on_boundary = boundary
+    sim.run(sc.duration_s)
+    sim.close()
+    assert sim.gates.refused == []
+    assert len(starts) > 20 and len(ends) > 10
+    # Every request start froze the offline client through the gate...
+    assert all(g and f for g, f in starts), starts
+    # ...and the gate held it until the hold after the last request's end, then let go.
+    assert all(before and not after for before, after in ends), ends
+    assert trainer.iterations, "offline work never ran between requests"
+
+
+def test_without_request_boundaries_the_gate_never_closes() -> None:
+    sc = _scenario(request_boundaries=False)
+    policy = make_policy("gpushare", sc.config.control)
+    node = SimNode(sc, traits=PolicyTraits.of(policy))
+    node.start()
+    sim = SimDaemon(node, policy)
+    sim.run(sc.duration_s)
+    sim.close()
+    (server,) = node.online
+    (trainer,) = node.offline
+    assert server.on_boundary is None
+    view = sim.state.gate.view(node.gpus[0].uuid, node.loop.now)
+    assert not view.enabled and view.closes == 0
+    assert not trainer.launch_blocking  # --queue auto with gating off: a deep queue
+
+
+def test_gating_launches_auto_queue_clients_shallow() -> None:
+    sc = _scenario(duration_s=3.0)
+    policy = make_policy("gpushare", sc.config.control)
+    node = SimNode(sc, traits=PolicyTraits.of(policy))
+    node.start()
+    sim = SimDaemon(node, policy)
+    sim.run(sc.duration_s)
+    sim.close()
+    (trainer,) = node.offline
+    assert trainer.started_at_s is not None
+    assert trainer.launch_blocking  # gating was on when it was launched: CUDA_LAUNCH_BLOCKING=1
+
+
+def _trainer(blocking: bool) -> tuple[SimNode, OfflineTrainer]:
+    node = SimNode(_scenario(), with_online=False)
+    (trainer,) = node.offline
+    trainer.launch_blocking = blocking
+    node.start()
+    trainer.start(node.loop.now)
+    node.loop.run_until(0.5)
+    return node, trainer
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_freeze_bites_within_one_kernel_only_with_a_shallow_queue(blocking: bool) -> None:
+    node, trainer = _trainer(blocking)
+    loop = node.loop
+    # Freeze in the middle of an iteration.
+    while trainer.pos >= trainer._n - 50 or trainer.pos < 5:
+        loop.run_until(loop.now + 1e-4)
+    done = trainer.counts.done
+    pos = trainer.pos
+    trainer.set_frozen(True, loop.now)
+    loop.run_until(loop.now + 0.3)  # longer than an iteration alone (95 ms)
+    ran = trainer.counts.done - done
+    if blocking:
+        # The kernel in flight finishes, and at most one more is launched before the freeze
+        # stops the process (FREEZE_S); nothing after that.
+        assert ran <= 2, ran
+        assert trainer.pos <= pos + 2
+    else:
+        # A deep queue: the rest of the iteration was issued already and runs to its end.
+        assert trainer.pos == trainer._n
+        assert ran >= trainer._n - pos - 1
+    # Thawed, it carries on where it stopped.
+    before = trainer.counts.done
+    trainer.set_frozen(False, loop.now)
+    loop.run_until(loop.now + THAW_S + FREEZE_S + 0.05)
+    assert trainer.counts.done > before
+
+
+def test_a_bad_queue_mode_in_a_scenario_is_an_error_naming_the_key(tmp_path: Path) -> None:
+    text = PAIR.read_text().replace("restartable = true", 'restartable = true\nqueue = "fast"')
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    with pytest.raises(sc_mod.ScenarioError, match=r"queue.*shallow, deep, auto"):
+        sc_mod.load(bad)
