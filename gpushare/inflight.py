@@ -181,8 +181,13 @@ class GaugePoller:
         self._lock = threading.Lock()
         self._sources: dict[str, PrometheusSource] = {}
         self._stop = threading.Event()
+        # Set when a source is added or the poller closes: with nothing to poll the thread sleeps
+        # on it instead of waking every period (an idle daemon's most frequent wake-up).
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: dict[str, str] = {}
+        #: Times the polling thread woke up (tests check an idle poller stays asleep).
+        self.wakeups = 0
 
     def add(self, client_id: str, spec: str) -> PrometheusSource:
         """Poll a client's gauge from now on.
@@ -193,6 +198,7 @@ class GaugePoller:
         source = parse_inflight_from(spec)
         with self._lock:
             self._sources[client_id] = source
+        self._wake.set()
         return source
 
     def forget(self, client_id: str) -> None:
@@ -222,12 +228,27 @@ class GaugePoller:
 
     def _run(self) -> None:
         deadline = time.monotonic()
-        while not self._stop.wait(max(0.0, deadline - time.monotonic())):
+        while True:
+            # Cleared before looking, so an add between the look and the wait still wakes it.
+            self._wake.clear()
+            with self._lock:
+                idle = not self._sources
+            if idle:
+                self._wake.wait()
+                if self._stop.is_set():
+                    return
+                self.wakeups += 1
+                deadline = max(deadline, time.monotonic())  # the first poll at once
+                continue
+            if self._stop.wait(max(0.0, deadline - time.monotonic())):
+                return
+            self.wakeups += 1
             self.poll_all()
             deadline = max(deadline + self.period_s, time.monotonic())
 
     def close(self) -> None:
         """Stop the polling thread."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)

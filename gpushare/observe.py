@@ -22,6 +22,7 @@ from gpushare.model import (
     ClientClass,
     ClientState,
     ClientView,
+    GateReading,
     GpuEvent,
     GpuSample,
     MpsEvent,
@@ -52,6 +53,8 @@ def build_observation(
     gpu_events: Sequence[GpuEvent] = (),
     client_pids: Mapping[str, Sequence[int]] | None = None,
     probe_mps_slots: int = 0,
+    gate: GateReading | None = None,
+    time_sliced: bool = False,
 ) -> Observation:
     """One GPU's observation for one tick; never raises.
 
@@ -66,6 +69,8 @@ def build_observation(
         gpu_events: GPU (XID) events since the last tick; other GPUs' events are ignored.
         client_pids: every pid of each client (its cgroup); default: the view's ``pid``.
         probe_mps_slots: MPS client slots the probe holds here (counted against the limit).
+        gate: the GPU's request gate (``None``: the runner does no gating).
+        time_sliced: the GPU time-slices its contexts (NVML's default compute mode).
     """
     try:
         return _build(
@@ -79,6 +84,8 @@ def build_observation(
             gpu_events,
             client_pids or {},
             probe_mps_slots,
+            gate,
+            time_sliced,
         )
     except Exception as exc:
         log.exception("observation_failed", gpu=sample.uuid)
@@ -92,6 +99,8 @@ def build_observation(
             clients=tuple(clients),
             mps_state=mps_state,
             admissions_open=False,
+            gate=gate,
+            time_sliced=time_sliced,
         )
 
 
@@ -106,6 +115,8 @@ def _build(
     gpu_events: Sequence[GpuEvent],
     client_pids: Mapping[str, Sequence[int]],
     probe_mps_slots: int,
+    gate: GateReading | None,
+    time_sliced: bool,
 ) -> Observation:
     override = config.gpu_override(sample.index, sample.uuid)
     reserve = override.online_memory_reserve_bytes
@@ -142,6 +153,8 @@ def _build(
         mem_reserve_bytes=reserve,
         offline_sm_pct_max=sm_max,
         admissions_open=admissions_open,
+        gate=gate,
+        time_sliced=time_sliced,
     )
 
 

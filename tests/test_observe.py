@@ -12,6 +12,7 @@ from gpushare.model import (
     ClientClass,
     ClientState,
     ClientView,
+    GateReading,
     GpuEvent,
     GpuSample,
     Limits,
@@ -205,6 +206,25 @@ def test_building_never_raises() -> None:
     )  # fmt: skip
     assert not bad.admissions_open
     assert (bad.sample.error or "").startswith("observation failed: ")
+
+
+def test_the_gate_and_the_compute_mode_go_into_the_observation_also_a_failed_one() -> None:
+    gate = GateReading(
+        enabled=True, closed=False, inflight=1, signalled_clients=1, busy_fraction=0.2
+    )
+    obs = build_observation(
+        sample=sample(), probe=None, clients=[view("web", ClientClass.ONLINE, 201)],
+        config=Config(), mps_state=MpsState.UP, gate=gate, time_sliced=True,
+    )  # fmt: skip
+    assert obs.gate is gate and obs.time_sliced
+    assert obs.admissions_open and obs.clients[0].mem_used_bytes == 2 * GIB
+    plain = build_observation(sample=sample(), probe=None, clients=[], config=Config())
+    assert plain.gate is None and not plain.time_sliced
+    bad = build_observation(
+        sample=sample(), probe=None, clients=[object()], config=Config(),  # type: ignore[list-item]
+        gate=gate, time_sliced=True,
+    )  # fmt: skip
+    assert not bad.admissions_open and bad.gate is gate and bad.time_sliced
 
 
 def test_fake_backend_feeds_observations() -> None:

@@ -175,13 +175,15 @@ class GpushareController:
         """Decide this tick's actions for one GPU (see the module docstring for the order)."""
         gpu = observation.gpu_uuid
         actions: list[Action] = []
-        present = {c.client_id for c in observation.clients}
-        live = {c.client_id for c in observation.clients if c.state.is_live}
-        state = replace(
-            state,
-            evicting=tuple(e for e in state.evicting if e[0] in live),
-            stopped=frozenset(c for c in state.stopped if c in present),
-        )
+        # A new state only where something changed: the step runs every tick for every GPU,
+        # and a replace of this many fields costs more than the rest of an idle GPU's step.
+        if state.evicting or state.stopped:
+            present = {c.client_id for c in observation.clients}
+            live = {c.client_id for c in observation.clients if c.state.is_live}
+            evicting = tuple(e for e in state.evicting if e[0] in live)
+            stopped = frozenset(c for c in state.stopped if c in present)
+            if len(evicting) != len(state.evicting) or len(stopped) != len(state.stopped):
+                state = replace(state, evicting=evicting, stopped=stopped)
 
         if observation.sample.lost:
             if not state.lost:
@@ -281,6 +283,8 @@ class GpushareController:
             actions.append(Alert(obs.gpu_uuid, Severity.WARNING, why))
             stopped.add(client.client_id)
             evicting.append((client.client_id, now))
+        if len(evicting) == len(state.evicting):
+            return state  # nobody newly stopped
         return replace(state, stopped=frozenset(stopped), evicting=tuple(evicting))
 
     # Memory protection -------------------------------------------------------------------------
@@ -291,7 +295,7 @@ class GpushareController:
         reserve = obs.mem_reserve_bytes
         free = free_memory_bytes(obs)
         if reserve <= 0 or free is None or free >= reserve:
-            return replace(state, memory_alerted=False)
+            return replace(state, memory_alerted=False) if state.memory_alerted else state
         by_id = {c.client_id: c for c in obs.clients}
         going = {cid for cid, _ in state.evicting}
         pending = 0
@@ -468,18 +472,31 @@ class GpushareController:
                 why += f"; raised to {who}'s guarantee floor"
         duty = round(min(1.0, max(0.0, duty)), _DUTY_DIGITS)
         why += entered
-        if signals.count:
-            state = replace(state, unsignalled_alerted=False)
-        if duty != state.duty_emitted:
+        unsignalled_alerted = state.unsignalled_alerted and not signals.count
+        emitted = state.duty_emitted
+        if duty != emitted:
             actions.append(SetDuty(obs.gpu_uuid, duty, f"duty {duty:g}: {why}"))
-            state = replace(state, duty_emitted=duty)
+            emitted = duty
+        if (
+            duty == state.duty
+            and comfortable == state.comfortable_ticks
+            and violating == state.violation_ticks
+            and quiet == state.quiet_ticks
+            and breach == state.breach_duty
+            and emitted == state.duty_emitted
+            and unsignalled_alerted == state.unsignalled_alerted
+            and gated == state.gated_shallow
+        ):
+            return state  # a steady tick (the usual one): no new state
         return replace(
             state,
             duty=duty,
+            duty_emitted=emitted,
             comfortable_ticks=comfortable,
             violation_ticks=violating,
             quiet_ticks=quiet,
             breach_duty=breach,
+            unsignalled_alerted=unsignalled_alerted,
             gated_shallow=gated,
         )
 
@@ -560,12 +577,17 @@ class GpushareController:
                 quiet_signals = (*quiet_signals, (now, signals.worst))[-_MAX_DEMAND_SAMPLES:]
             if signals.app_worst is not None:
                 app_quiet = (*app_quiet, (now, signals.app_worst))[-_MAX_DEMAND_SAMPLES:]
-        state = replace(
-            state,
-            demand_samples=samples,
-            quiet_signals=quiet_signals,
-            app_quiet_signals=app_quiet,
-        )
+        if (
+            samples != state.demand_samples
+            or quiet_signals != state.quiet_signals
+            or app_quiet != state.app_quiet_signals
+        ):
+            state = replace(
+                state,
+                demand_samples=samples,
+                quiet_signals=quiet_signals,
+                app_quiet_signals=app_quiet,
+            )
         if not state.share_emitted:
             share = min(top, max(low, state.share_pct))
             actions.append(

@@ -16,7 +16,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -239,8 +238,10 @@ class ControlLoop:
                 else {}
             ),
             probe_mps_slots=1 if s.probe is not None and s.config.probe.enabled else 0,
+            # Built in, not a replace() of the observation afterwards: every GPU, every tick.
+            gate=s.gate.view(uuid, now),
+            time_sliced=self._time_sliced(sample),
         )
-        obs = replace(obs, gate=s.gate.view(uuid, now), time_sliced=self._time_sliced(sample))
         state = self.policy_state.get(uuid)
         if uuid not in self.policy_state:
             state = s.policy.initial_state(uuid, now)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Mapping
 
 import structlog
@@ -19,6 +20,31 @@ import structlog
 log = structlog.get_logger(__name__)
 
 NOTIFY_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+
+# One unbound datagram socket per process, reused by every call (the address goes with each
+# datagram): a socket made and closed per call was most of a watchdog ping's cost. A forked child
+# makes its own (the kernel stamps the sender's pid on each datagram anyway).
+_lock = threading.Lock()
+_sock: socket.socket | None = None
+_sock_pid = 0
+
+
+def _socket() -> socket.socket:
+    global _sock, _sock_pid
+    with _lock:
+        if _sock is None or _sock_pid != os.getpid():
+            _sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            _sock_pid = os.getpid()
+        return _sock
+
+
+def _drop(sock: socket.socket) -> None:
+    """Forget a socket a send failed on: the next call makes a fresh one."""
+    global _sock
+    with _lock:
+        if _sock is sock:
+            _sock = None
+    sock.close()
 
 
 def notify(*fields: str, env: Mapping[str, str] | None = None) -> bool:
@@ -51,9 +77,14 @@ def notify(*fields: str, env: Mapping[str, str] | None = None) -> bool:
     else:
         return False
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.sendto("\n".join(fields).encode(), address)
+        sock = _socket()
     except OSError as exc:
+        log.warning("sd_notify_failed", socket=target, error=str(exc))
+        return False
+    try:
+        sock.sendto("\n".join(fields).encode(), address)
+    except OSError as exc:
+        _drop(sock)
         log.warning("sd_notify_failed", socket=target, error=str(exc))
         return False
     return True

@@ -39,9 +39,13 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 GpuMode = Literal["mps", "time_slice"]
+
+# The heap functions bound once: compiled, ``heapq.heappush`` is a module attribute look-up per call.
+_heappush: Final = heapq.heappush
+_heappop: Final = heapq.heappop
 
 #: Parallel fraction of the run-time law; iGniter V100 large-batch curves (docs/simulator.md).
 DEFAULT_PARALLEL_FRACTION = 0.95
@@ -80,12 +84,12 @@ class EventLoop:
 
     def at(self, time_s: float, callback: Callable[[Any], None], arg: object = None) -> None:
         """Run ``callback(arg)`` at virtual time ``time_s`` (never earlier than now)."""
-        heapq.heappush(self._heap, (max(time_s, self.now), next(self._seq), callback, arg))
+        _heappush(self._heap, (max(time_s, self.now), next(self._seq), callback, arg))
 
     def run_until(self, end_s: float) -> None:
         """Process every event up to ``end_s``, then set the clock to ``end_s``."""
         heap = self._heap
-        pop = heapq.heappop
+        pop = _heappop
         n = 0
         self.end_s = end_s
         while heap and heap[0][0] <= end_s:
@@ -325,7 +329,7 @@ class Gpu:
             stream.held_max = g
         remaining = run.remaining if run.remaining > 0.0 else 0.0
         loop = self.loop
-        heapq.heappush(
+        _heappush(
             loop._heap,
             (now + remaining / rate, next(loop._seq), self._complete, (run, run.version)),
         )
@@ -357,11 +361,14 @@ class Gpu:
 
     def _waiter_gains(self, run: Run) -> bool:
         """Whether some other stream now waits for slots this kernel would give up (G5)."""
-        p = run.stream.priority
+        own = run.stream
+        p = own.priority
         fair = self._fair
         for s in self.streams:
-            if s is run.stream or s.priority > p:
+            if s is own:
                 continue
+            # Whether it waits first (mostly the Run's own fields), its priority only then, once:
+            # a stream's attributes are a generic look-up each in the compiled engine.
             r = s.run
             if r is None:
                 if s.nxt is None:
@@ -371,7 +378,8 @@ class Gpu:
                 has = r.g
             else:
                 continue
-            if s.priority < p or (fair and has + 1 < run.g):
+            sp = s.priority
+            if sp < p or (sp == p and fair and has + 1 < run.g):
                 return True
         return False
 
@@ -443,7 +451,7 @@ class Gpu:
             if equal and not fair and r.tail < 1.0 and not r.tail_armed:
                 r.tail_armed = True
                 t_tail = end - ws
-                heapq.heappush(
+                _heappush(
                     heap,
                     (
                         t_tail if t_tail > now else now,
@@ -454,7 +462,7 @@ class Gpu:
                 )
         if best is not None and best.wave_at < 0.0:
             best.wave_at = best_t
-            heapq.heappush(
+            _heappush(
                 heap, (best_t, next(self.loop._seq), self._wave_end, (best, best.kseq, best_t))
             )
 
@@ -560,20 +568,22 @@ class Gpu:
         else:
             streams = self.streams
             full = 0
-        cands: list[tuple[int, float, int, Stream, Kernel | None]] = []
+        # Each candidate: (priority, since, index, stream, its next kernel or None, its run or
+        # None). The run is kept from this scan: a stream's attributes are a generic look-up each.
+        cands: list[tuple[int, float, int, Stream, Kernel | None, Run | None]] = []
         for i, s in enumerate(streams):
             run = s.run
             if run is None:
                 head = s.nxt
                 if head is not None:
-                    cands.append((s.priority, s.eligible_since, i, s, head))
+                    cands.append((s.priority, s.eligible_since, i, s, head, None))
             elif run.g < run.want:
-                cands.append((s.priority, run.since, i, s, None))
+                cands.append((s.priority, run.since, i, s, None, run))
         if not cands:
             return
         if self.free <= 0:
             if not full:
-                self._arm_waves([(c[0], c[3].run.g if c[3].run else 0, c[3]) for c in cands])
+                self._arm_waves([(c[0], c[5].g if c[5] is not None else 0, c[3]) for c in cands])
             return
         if len(cands) > 1:
             # Insertion sort by (priority, since, index), compared field by field: the same order
@@ -599,14 +609,14 @@ class Gpu:
                 for k in range(len(cands)):
                     if cands[k][3] is completing:
                         c = cands.pop(k)
-                        cands.append((DEFERRED, c[1], c[2], c[3], c[4]))
+                        cands.append((DEFERRED, c[1], c[2], c[3], c[4], c[5]))
                         break
         elif completing is not None and cands[0][3] is completing and self.fast_path and not full:
             self._run_on(completing)
             head = completing.nxt
             if head is None:
                 return
-            cands = [(completing.priority, completing.eligible_since, 0, completing, head)]
+            cands = [(completing.priority, completing.eligible_since, 0, completing, head, None)]
             now = loop.now
         if now != self._last_change:
             self._account()
@@ -620,8 +630,7 @@ class Gpu:
             wants.append(0)
             finals.append(0)
         for k in range(n):
-            _, _, _, s, head = cands[k]
-            run = s.run
+            _, _, _, s, head, run = cands[k]
             if run is not None:
                 held[k] = run.g
                 wants[k] = run.want
@@ -670,11 +679,10 @@ class Gpu:
         complete = self._complete
         beta_per_sm = self._beta_per_sm if self.beta > 0.0 else 0.0
         for k in range(n):
-            prio, since, _, s, head = cands[k]
+            prio, since, _, s, head, run = cands[k]
             g = finals[k]
             if g < wants[k]:
-                short.append((s.priority, g, s))
-            run = s.run
+                short.append((prio if prio != DEFERRED else s.priority, g, s))
             if run is not None:
                 if g > run.g:
                     self.free -= g - run.g
@@ -724,7 +732,7 @@ class Gpu:
             run.version = version
             if g > s.held_max:
                 s.held_max = g
-            heapq.heappush(heap, (now + 1.0 / rate, next(seq), complete, (run, version)))
+            _heappush(heap, (now + 1.0 / rate, next(seq), complete, (run, version)))
         if short and not full:
             self._arm_waves(short)
 

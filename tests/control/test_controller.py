@@ -287,6 +287,20 @@ def test_no_online_client_runs_offline_free() -> None:
     assert [a.duty for a in actions if isinstance(a, SetDuty)] == [1.0]
 
 
+def test_a_steady_tick_keeps_the_state_object() -> None:
+    # The step runs every tick for every GPU: when nothing changed it hands back the state it got
+    # (no copy of every field), and the first change after that is still recorded.
+    ctl = GpushareController(CFG)
+    obs = observation((offline("a"), offline("b")), probe_ratio=None)
+    state, _ = ctl.step(ctl.initial_state(GPU, 0.0), obs, 0.0)  # initial duty and share
+    state, _ = ctl.step(state, obs, 0.1)  # the counters of a GPU without online work settle
+    steady, actions = ctl.step(state, obs, 0.2)
+    assert actions == [] and steady is state
+    evicting = replace(state, evicting=(("gone", 0.1),))
+    after, _ = ctl.step(evicting, obs, 0.3)
+    assert after.evicting == () and after == state
+
+
 # Scenarios and properties: the probe yields to app latency while the app SLOs have room -------
 
 

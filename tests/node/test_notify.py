@@ -123,3 +123,40 @@ def test_status_field_is_one_line(abstract_socket: tuple[socket.socket, str]) ->
     assert field == "STATUS=2 GPUs MPS up clients: 3"
     assert notify("READY=1", field, env={"NOTIFY_SOCKET": address})
     assert sock.recv(4096).decode().split("\n") == ["READY=1", field]
+
+
+def test_notify_reuses_one_socket_and_a_child_makes_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+    path_socket: tuple[socket.socket, str],
+    abstract_socket: tuple[socket.socket, str],
+) -> None:
+    from gpushare.node import notify as sd
+
+    made: list[int] = []
+    real = socket.socket
+
+    def counting(*args: object, **kwargs: object) -> socket.socket:
+        made.append(os.getpid())
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    psock, paddress = path_socket
+    asock, aaddress = abstract_socket
+    monkeypatch.setattr(sd, "_sock", None)  # whatever an earlier test left
+    monkeypatch.setattr(socket, "socket", counting)
+    for _ in range(3):
+        assert notify("WATCHDOG=1", env={"NOTIFY_SOCKET": paddress})
+        assert psock.recv(4096) == b"WATCHDOG=1"
+    assert notify("WATCHDOG=1", env={"NOTIFY_SOCKET": aaddress})
+    assert asock.recv(4096) == b"WATCHDOG=1"
+    assert made == [os.getpid()], "one socket for every call and address"
+    pid = os.fork()
+    if pid == 0:  # the child: its datagram, from a socket of its own
+        ok = notify("STATUS=child", env={"NOTIFY_SOCKET": paddress})
+        ok = ok and sd._sock_pid == os.getpid()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    data, ancdata, _flags, _addr = psock.recvmsg(4096, socket.CMSG_SPACE(12))
+    assert data == b"STATUS=child"
+    creds = [d for _level, kind, d in ancdata if kind == socket.SCM_CREDENTIALS]
+    assert struct.unpack("iII", creds[0])[0] == pid
