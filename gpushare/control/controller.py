@@ -96,6 +96,7 @@ class GpuState:
         memory_alerted: an alert that the reserve cannot be restored was sent.
         gating_emitted: request gating as last sent to the runner (``None``: never sent).
         gating_changed_at_s: when ``gating_emitted`` last changed.
+        gated_shallow: last tick, gating was on with no running deep-queue offline client.
     """
 
     gpu_uuid: str
@@ -122,6 +123,7 @@ class GpuState:
     memory_alerted: bool = False
     gating_emitted: bool | None = None
     gating_changed_at_s: float | None = None
+    gated_shallow: bool = False
 
 
 def failure_backoff_s(failures: int, config: ControlConfig) -> float:
@@ -352,14 +354,11 @@ class GpushareController:
         client without a report, a tight SLO, app latency near its SLO) it counts as before.
         """
         cfg = self.config
-        if signals.app_complete and signals.app_worst is not None and _gated_shallow(state, obs):
+        if _gated_shallow(state, obs):
             # Gated with shallow queues, offline work runs between requests by design: the probe,
-            # which is not a request, meets it there and says nothing of what requests see.
-            return replace(
-                signals,
-                worst=signals.app_worst,
-                worst_source=f"{signals.app_source} (request gating on: the probe is not followed)",
-            )
+            # which is not a request, meets it there and says nothing of what requests see (it
+            # would breach whenever offline work runs). Only app latency counts, when there is any.
+            return _app_only(signals)
         quiet_app = max((v for _, v in state.app_quiet_signals), default=None)
         if (
             signals.app_complete
@@ -395,10 +394,21 @@ class GpushareController:
         # with a deep queue runs up to an iteration past a freeze: the duty cycle works as before.
         gated = _gated_shallow(state, obs)
         comfortable, violating = state.comfortable_ticks, state.violation_ticks
+        entered = ""
+        if gated and not state.gated_shallow:
+            # The duty and its breach memory were set without gating (a deep queue, or before
+            # gating was on): they say nothing about offline work that runs between requests.
+            duty, breach, comfortable, violating = 1.0, None, 0, 0
+            entered = "; request gating on with shallow queues: duty reset to 1"
         quiet = state.quiet_ticks + 1 if state.duty_emitted == 0.0 or not obs.offline() else 0
         if signals.online == 0:
             duty, comfortable, violating, breach = 1.0, 0, 0, None
             why = "no online client: offline runs free"
+        elif signals.worst is None and gated:
+            comfortable, violating = 0, 0
+            why = (
+                "request gating on with shallow queues and no app latency in the window: duty held"
+            )
         elif signals.worst is None:
             comfortable, violating = 0, 0
             why = f"{signals.online} online client(s) but {signals.describe()}: duty held"
@@ -461,6 +471,7 @@ class GpushareController:
                 duty = floor
                 why += f"; raised to {who}'s guarantee floor"
         duty = round(min(1.0, max(0.0, duty)), _DUTY_DIGITS)
+        why += entered
         unsignalled_alerted = state.unsignalled_alerted and not signals.count
         emitted = state.duty_emitted
         if duty != emitted:
@@ -474,6 +485,7 @@ class GpushareController:
             and breach == state.breach_duty
             and emitted == state.duty_emitted
             and unsignalled_alerted == state.unsignalled_alerted
+            and gated == state.gated_shallow
         ):
             return state  # a steady tick (the usual one): no new state
         return replace(
@@ -485,6 +497,7 @@ class GpushareController:
             quiet_ticks=quiet,
             breach_duty=breach,
             unsignalled_alerted=unsignalled_alerted,
+            gated_shallow=gated,
         )
 
     # Request gating ---------------------------------------------------------------------------
@@ -502,7 +515,7 @@ class GpushareController:
         """
         g = obs.gate
         if g is None:
-            return state  # the runner does no gating (the simulator today)
+            return state  # a runner without request gating
         busy = g.busy_fraction
         if not obs.online() or g.signalled_clients == 0:
             on, why = False, "no online client sends request boundaries"
@@ -636,13 +649,17 @@ class GpushareController:
                 basis += f", split over {sharing} offline clients"
         target = float(math.floor(min(top, max(low, target))))
         target = max(low, target)
-        violating = signals.worst is not None and signals.worst > cfg.violation_ratio
+        gated = _gated_shallow(state, obs)
+        worst = _app_only(signals).worst if gated else signals.worst
+        violating = worst is not None and worst > cfg.violation_ratio
         # Fast down, slow up: a lower share protects the online SLO and never waits; a higher one
         # is opportunistic and waits out the interval (each change restarts restartable clients).
         interval_ok = (
             target < state.share_pct
             or state.share_changed_at_s is None
             or now - state.share_changed_at_s >= cfg.share_min_interval_s
+            # Gated, the one move to the ceiling is not opportunistic: no interval to wait out.
+            or (gated and target >= top)
         )
         if (
             abs(target - state.share_pct) > cfg.share_hysteresis_pct
@@ -696,7 +713,8 @@ class GpushareController:
                 state = replace(state, restart_pending=None)
             else:
                 return state
-        violating = signals.worst is not None and signals.worst > cfg.violation_ratio
+        worst = _app_only(signals).worst if _gated_shallow(state, obs) else signals.worst
+        violating = worst is not None and worst > cfg.violation_ratio
         if violating or obs.mps_state is not MpsState.UP:
             return state
         if any(c.state is ClientState.RESTARTING for c in obs.offline()):
@@ -793,6 +811,19 @@ def _gated_shallow(state: GpuState, obs: Observation) -> bool:
     # (--queue auto: shallow); only one running a deep queue now keeps the duty cycle in charge.
     deep = any(c.state in _RESTARTABLE_STATES and not c.shallow for c in obs.offline())
     return state.gating_emitted is True and not deep
+
+
+def _app_only(signals: Signals) -> Signals:
+    """The signals with the probe left out: the worst is the app latency's (``None`` without)."""
+    return replace(
+        signals,
+        worst=signals.app_worst,
+        worst_source=(
+            f"{signals.app_source} (request gating on: the probe is not followed)"
+            if signals.app_worst is not None
+            else "no app latency (request gating on: the probe is not followed)"
+        ),
+    )
 
 
 def _quiet_level(state: GpuState) -> float | None:

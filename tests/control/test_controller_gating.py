@@ -209,3 +209,32 @@ def test_gated_the_duty_follows_the_app_latency_not_the_probe() -> None:
         hot = replace(observation((online(p99_ms=20.0), job), probe_ratio=3.0), gate=g)
         state, _ = CTL.step(state, hot, 0.3)
         assert state.duty == expect, gating
+
+
+def test_entering_gating_with_shallow_queues_resets_a_duty_set_without_it() -> None:
+    # A breach while the offline client ran a deep queue cut the duty; relaunched shallow under
+    # gating, the duty starts again at 1 instead of climbing back from 0 for half a minute.
+    g = reading(signalled=1, enabled=True)
+    deep = replace(offline(), shallow=False)
+    state = CTL.initial_state(GPU, 0.0)
+    for i in range(3):
+        calm = replace(observation((online(p99_ms=20.0), deep)), gate=g)
+        state, _ = CTL.step(state, calm, i * 0.1)
+    hot = replace(observation((online(p99_ms=50.0), deep)), gate=g)
+    state, _ = CTL.step(state, hot, 0.3)
+    assert state.duty == 0.0 and not state.gated_shallow
+    shallow = replace(observation((online(p99_ms=20.0), replace(deep, shallow=True))), gate=g)
+    state, actions = CTL.step(state, shallow, 0.4)
+    assert state.duty == 1.0 and state.gated_shallow
+    assert any("duty reset to 1" in getattr(a, "reason", "") for a in actions)
+
+
+def test_gated_without_app_latency_the_probe_does_not_cut_the_duty() -> None:
+    g = reading(signalled=1, enabled=True)
+    job = replace(offline(), shallow=True)
+    state = CTL.initial_state(GPU, 0.0)
+    for i in range(3):
+        obs = replace(observation((online(p99_ms=None), job), probe_ratio=5.0), gate=g)
+        state, actions = CTL.step(state, obs, i * 0.1)
+        assert not any(type(a).__name__ == "Alert" and "no latency" in a.reason for a in actions)
+    assert state.duty == 1.0
