@@ -377,9 +377,11 @@ class Api:
                 )
             if req.inflight_from is not None:
                 self.s.gauges.add(rec.id, req.inflight_from)
+            # Detached, spawn() computes the environment again for the launch and logs the queue.
             env = self.life.mps_env(
-                rec.id, sample.uuid, sm, req.mem_bytes, cls, req.slo_p99_ms, queue=req.queue
-            )
+                rec.id, sample.uuid, sm, req.mem_bytes, cls, req.slo_p99_ms,
+                queue=req.queue, announce=not detach,
+            )  # fmt: skip
             if not detach:
                 assert caller.pid > 0
                 start_time = procs.process_start_time(caller.pid)
