@@ -82,6 +82,18 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     patch("nvmlDeviceGetMPSComputeRunningProcesses_v3", lambda h: [])
     patch("nvmlDeviceGetMPSComputeRunningProcesses_v2", lambda h: [])
 
+    patch("nvmlDeviceGetComputeMode", lambda h: pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+
+    def process_util(h: Any, since_us: int) -> Any:
+        # pynvml's own return: a slice of a ctypes array, one record per busy process and period
+        stamp = int(time.time() * 1e6) + 1_000
+        samples = (pynvml.c_nvmlProcessUtilizationSample_t * 2)()
+        samples[0].pid, samples[0].timeStamp, samples[0].smUtil = 300 + index_of(h), stamp, 40
+        samples[1].pid, samples[1].timeStamp, samples[1].smUtil = 900, stamp, 0
+        return samples[0:2]
+
+    patch("nvmlDeviceGetProcessUtilization", process_util)
+
     def gpm_support(h: Any) -> Any:
         s = pynvml.c_nvmlGpmSupport_t()
         s.isSupportedDevice = 1
@@ -173,6 +185,8 @@ def test_error_mapping_with_pynvml_exceptions(fake_driver: dict[str, Any]) -> No
     assert s0.temperature_c == 50
     assert [(p.pid, p.used_bytes) for p in s0.processes] == [(300, None)]  # _v3 missing -> _v2
     assert s0.sm_active_pct == 61.5  # real c_nvmlGpmMetricsGet_t round trip
+    assert s0.compute_mode == "exclusive_process"
+    assert s0.sm_periods is not None and [p.pids for p in s0.sm_periods] == [(300,)]
     assert s0.error is None
     assert not s0.lost
     assert s1.lost
