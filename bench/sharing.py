@@ -48,7 +48,7 @@ def _run(
     )
     rows = report.summarise(result)
     return {
-        "file": str(Path(path).relative_to(REPO)),
+        "file": str(Path(path).resolve().relative_to(REPO)),
         "scenario": result.scenario.name,
         "wall_s": time.perf_counter() - t0,
         "virtual_s": result.scenario.duration_s,

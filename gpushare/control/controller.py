@@ -58,6 +58,11 @@ _MAX_DEMAND_SAMPLES = 600
 # A restart request still unfinished after this long is given up and may be retried: a
 # checkpoint of a large training job can take minutes, so never less than this.
 _MIN_RESTART_PATIENCE_S = 300.0
+# Request gating on for this long (and a busy share measured) before a deep --queue auto client
+# is relaunched shallow: a second of history is what the gate needs to say whether requests keep
+# it busier than max_busy (which turns gating off again); past that, every tick with the deep
+# queue is a tick gating cannot protect requests.
+_SHALLOW_RESTART_AFTER_S = 1.0
 # Client states in which a restart under a new share may be requested.
 _RESTARTABLE_STATES = frozenset({ClientState.RUNNING, ClientState.THROTTLED, ClientState.FROZEN})
 
@@ -700,11 +705,17 @@ class GpushareController:
         if pending is not None:
             client = by_id.get(pending[0])
             patience = max(cfg.share_min_interval_s, _MIN_RESTART_PATIENCE_S)
+            settled = client is not None and client.state is not ClientState.RESTARTING
             done = (
                 client is None
                 or not client.state.is_live
+                # Relaunched since the request (the runner's start time, on this clock): whatever
+                # the share or gating did meanwhile, the restart asked for has happened.
                 or (
-                    client.state is not ClientState.RESTARTING
+                    settled and client.started_at_s is not None and client.started_at_s > pending[1]
+                )
+                or (
+                    settled
                     and now > pending[1]
                     and not self._needs_restart(client, state.share_pct)
                 )
@@ -720,6 +731,10 @@ class GpushareController:
         if any(c.state is ClientState.RESTARTING for c in obs.offline()):
             return state
         going = {cid for cid, _ in state.evicting} | state.stopped
+        if state.gating_emitted is True:
+            state, asked = self._shallow_restart(state, obs, going, now, actions)
+            if asked:
+                return state
         candidates = [
             c
             for c in obs.offline()
@@ -750,6 +765,55 @@ class GpushareController:
         )
         return replace(state, restart_pending=(chosen.client_id, now))
 
+    def _shallow_restart(
+        self,
+        state: GpuState,
+        obs: Observation,
+        going: set[str],
+        now: float,
+        actions: list[Action],
+    ) -> tuple[GpuState, bool]:
+        """Gating on: relaunch a deep-queue ``--queue auto`` client shallow, before share restarts.
+
+        A deep queue runs on past a freeze, so while one runs gating cannot protect requests and
+        the duty cycle and the share stay in charge (``_gated_shallow``): this restart is what lets
+        gating work, so it waits only ``_SHALLOW_RESTART_AFTER_S`` of gating on with a busy share
+        measured (the one reading that can turn gating back off), not ``share_min_interval``. It
+        goes straight to the share the GPU takes once gated with shallow queues (its offline
+        ceiling) when no deep client would be left after such restarts: one checkpoint, not a
+        restart to the current share and another to the ceiling. Churn stays bounded because the
+        way back is slow: a relaunch deep waits out ``share_min_interval`` of gating off
+        (:meth:`_queue_restart`), so a client makes at most one shallow-deep round trip per
+        interval, one client at a time.
+        """
+        since = state.gating_changed_at_s
+        settle = max(_SHALLOW_RESTART_AFTER_S, 2 * self.config.period_s)
+        gate = obs.gate
+        if since is None or now - since < settle or gate is None or gate.busy_fraction is None:
+            return state, False
+        deep = [c for c in obs.offline() if c.state in _RESTARTABLE_STATES and not c.shallow]
+        movable = [
+            c for c in deep if c.restartable and c.queue == "auto" and c.client_id not in going
+        ]
+        if not movable:
+            return state, False
+        chosen = min(movable, key=lambda c: c.client_id)
+        if len(movable) == len(deep):
+            top = min(self.config.offline_sm_pct_max, obs.offline_sm_pct_max)
+            target, where = client_share_pct(top, chosen), "at the offline ceiling gating allows"
+        else:
+            target, where = client_share_pct(state.share_pct, chosen), "under the offline share"
+        actions.append(
+            RestartClient(
+                chosen.client_id,
+                target,
+                f"--queue auto: request gating on for {now - since:.1f}s, the client runs a deep "
+                f"queue a freeze does not stop: checkpoint and relaunch with a shallow one, "
+                f"{where} ({target:g}%)",
+            )
+        )
+        return replace(state, restart_pending=(chosen.client_id, now)), True
+
     def _queue_restart(
         self,
         state: GpuState,
@@ -758,14 +822,15 @@ class GpushareController:
         now: float,
         actions: list[Action],
     ) -> GpuState:
-        """Relaunch a ``--queue auto`` client whose queue no longer matches the GPU's gating.
+        """Gating off: relaunch a shallow ``--queue auto`` client deep, once it has settled.
 
-        Only once gating has kept its state for ``share_min_interval`` (gating that flips at the
-        busy threshold costs at most one checkpoint per client per interval), one client at a
-        time like the share's restarts, and never before any share restart.
+        Only once gating has been off for ``share_min_interval``: a deep queue only saves the
+        launch gap, which can wait, and the wait bounds churn when gating flips at the busy
+        threshold. One client at a time like the share's restarts, and never before any share
+        restart. (Gating on, :meth:`_shallow_restart` goes first and does not wait as long.)
         """
         on, since = state.gating_emitted, state.gating_changed_at_s
-        if on is None or since is None or now - since < self.config.share_min_interval_s:
+        if on is not False or since is None or now - since < self.config.share_min_interval_s:
             return state
         candidates = sorted(
             (
@@ -773,7 +838,7 @@ class GpushareController:
                 for c in obs.offline()
                 if c.restartable
                 and c.queue == "auto"
-                and c.shallow != on
+                and c.shallow
                 and c.state in _RESTARTABLE_STATES
                 and c.client_id not in going
             ),
@@ -782,14 +847,12 @@ class GpushareController:
         if not candidates:
             return state
         chosen = candidates[0]
-        queue = "shallow" if on else "deep"
         actions.append(
             RestartClient(
                 chosen.client_id,
                 chosen.limits.sm_pct,
-                f"--queue auto: request gating {'on' if on else 'off'} for "
-                f"{now - since:.0f}s, the client runs a {'deep' if on else 'shallow'} queue: "
-                f"checkpoint and relaunch with a {queue} one",
+                f"--queue auto: request gating off for {now - since:.0f}s, the client runs a "
+                "shallow queue: checkpoint and relaunch with a deep one",
             )
         )
         return replace(state, restart_pending=(chosen.client_id, now))

@@ -581,11 +581,14 @@ class Lifecycle:
         slo_p99_ms: float | None = None,
         *,
         queue: str | None = None,
+        announce: bool = True,
     ) -> dict[str, str]:
         """The environment a client of this GPU starts with.
 
         What ``gpushare env`` prints for the same class and limits (:mod:`gpushare.mpsenv`), plus
-        the client's id, and for an offline client its queue mode (``launcher.choose_queue``).
+        the client's id, and for an offline client its queue mode (``launcher.choose_queue``),
+        logged as ``offline_queue`` unless ``announce`` is false (a caller that only shows the
+        environment while :meth:`spawn` computes it again for the launch, which logs it).
         """
         env = mpsenv.mps_env(
             client_id=client_id,
@@ -604,5 +607,6 @@ class Lifecycle:
                 self.shallow.add(client_id)
             else:
                 self.shallow.discard(client_id)
-            log.info("offline_queue", client_id=client_id, queue=mode, reason=why)
+            if announce:
+                log.info("offline_queue", client_id=client_id, queue=mode, reason=why)
         return {**mpsenv.marker_env(cls, slo), **env}

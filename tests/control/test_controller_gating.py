@@ -12,7 +12,7 @@ from gpushare.config import ControlConfig, GateConfig
 from gpushare.control import gate
 from gpushare.control.controller import GpushareController
 from gpushare.control.gate import GateState
-from gpushare.model import GateReading, Observation, SetGating
+from gpushare.model import GateReading, Observation, RestartClient, SetGating
 from tests.fakes.fake_observations import GPU, observation, offline, online
 
 CTL = GpushareController(ControlConfig())
@@ -133,26 +133,98 @@ def test_gating_stays_on_for_a_service_with_idle_time(busy_s: float, idle_s: flo
         assert longest <= busy_s + GCFG.hold_s + CTL.config.period_s + 1e-6
 
 
-def test_auto_queue_clients_are_relaunched_when_gating_has_settled() -> None:
+def _restarts(actions: object) -> list[RestartClient]:
+    assert isinstance(actions, list | tuple)
+    return [a for a in actions if isinstance(a, RestartClient)]
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_deep_auto_client_is_relaunched_shallow_soon_after_gating_turns_on(alone: bool) -> None:
+    # The job was admitted before the service's first request: --queue auto launched it deep.
     cfg = ControlConfig(share_min_interval_s=60.0)
     ctl = GpushareController(cfg)
     trainer = replace(offline("t1", restartable=True), queue="auto", shallow=False)
     fixed = replace(offline("t2", restartable=True), queue="deep", shallow=False)
-    obs = replace(observation((online(p99_ms=10.0), trainer, fixed)), gate=reading())
-    state = CTL.initial_state(GPU, 0.0)
-    restarts: list[tuple[float, str]] = []
-    for i in range(1300):  # 130 s
+    jobs = (trainer,) if alone else (trainer, fixed)
+    obs = replace(observation((online(p99_ms=10.0), *jobs)), gate=reading())
+    state = ctl.initial_state(GPU, 0.0)
+    seen: list[tuple[float, RestartClient]] = []
+    for i in range(100):  # 10 s
         now = i * 0.1
         state, actions = ctl.step(state, obs, now)
-        restarts += [(now, a.reason) for a in actions if type(a).__name__ == "RestartClient"]
-        if restarts and state.restart_pending is not None:
-            # The runner relaunched it shallow, under the same share.
-            obs = replace(obs, clients=(obs.clients[0], replace(trainer, shallow=True), fixed))
-    (at, why), *more = restarts
+        seen += [(now, a) for a in _restarts(actions)]
+        if seen and state.restart_pending is not None:
+            # The runner relaunched it shallow, under the share asked for.
+            again = replace(
+                trainer,
+                shallow=True,
+                started_at_s=now,
+                limits=replace(trainer.limits, sm_pct=seen[0][1].sm_pct),
+            )
+            obs = replace(obs, clients=(obs.clients[0], again, *jobs[1:]))
+    (at, restart), *more = seen
     assert not more, "one relaunch, for the auto client only"
-    assert at >= cfg.share_min_interval_s
-    assert "--queue auto" in why
-    assert "shallow" in why
+    # Not share_min_interval: a second of gating on (and a busy share) is the whole wait.
+    assert 1.0 <= at <= 1.2
+    assert restart.client_id == "t1"
+    assert "shallow" in restart.reason
+    if alone:
+        # Gated with no deep queue left: the share goes straight to the ceiling, one checkpoint.
+        assert restart.sm_pct == cfg.offline_sm_pct_max
+        assert state.share_pct == cfg.offline_sm_pct_max
+    else:
+        # t2 keeps its deep queue: the duty cycle and the share stay in charge; its share stays.
+        assert restart.sm_pct == trainer.limits.sm_pct
+    assert state.restart_pending is None, "the relaunch ended the pending record"
+
+
+def test_gating_off_relaunches_auto_clients_deep_only_after_the_interval() -> None:
+    # The way back only saves the launch gap: it waits share_min_interval, which bounds churn.
+    cfg = ControlConfig(share_min_interval_s=60.0)
+    ctl = GpushareController(cfg)
+    trainer = replace(offline("t1", restartable=True), queue="auto", shallow=True)
+    obs = replace(observation((online(p99_ms=10.0), trainer)), gate=reading(signalled=0))
+    state = ctl.initial_state(GPU, 0.0)
+    seen: list[float] = []
+    for i in range(700):  # 70 s
+        now = i * 0.1
+        state, actions = ctl.step(state, obs, now)
+        seen += [now for a in _restarts(actions)]
+        if seen and state.restart_pending is not None:
+            obs = replace(
+                obs, clients=(obs.clients[0], replace(trainer, shallow=False, started_at_s=now))
+            )
+    assert len(seen) == 1
+    assert seen[0] >= cfg.share_min_interval_s
+
+
+def test_a_relaunch_ends_the_pending_restart_whatever_the_share_did_meanwhile() -> None:
+    # Relaunched shallow at 10 % while gating moved the share to the ceiling: the restart asked
+    # for has happened; waiting for the client to match the new share held the next restart
+    # (to the ceiling) for the 300 s restart patience.
+    job = replace(offline("t1", restartable=True, sm_pct=10.0), queue="auto", shallow=True)
+    obs = replace(
+        observation((online(p99_ms=10.0), replace(job, started_at_s=5.5))),
+        gate=reading(enabled=True),
+    )
+    state = replace(
+        CTL.initial_state(GPU, 0.0),
+        share_pct=10.0,
+        share_emitted=True,
+        gating_emitted=True,
+        gating_changed_at_s=1.0,
+        restart_pending=("t1", 5.0),
+    )
+    state, actions = CTL.step(state, obs, 6.0)
+    assert state.share_pct == CTL.config.offline_sm_pct_max
+    (restart,) = _restarts(actions)
+    assert restart.sm_pct == CTL.config.offline_sm_pct_max
+    # Not yet relaunched (started before the request): still pending, nothing more asked.
+    state = replace(state, restart_pending=("t1", 5.0))
+    stale = replace(obs, clients=(obs.clients[0], replace(job, started_at_s=4.0)))
+    state, actions = CTL.step(state, stale, 6.1)
+    assert state.restart_pending == ("t1", 5.0)
+    assert not _restarts(actions)
 
 
 def _duty_after_breach(gating: bool, p99_ms: float, *, shallow: bool = True) -> float | None:

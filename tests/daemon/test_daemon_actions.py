@@ -26,6 +26,7 @@ from gpushare.daemon.core import Daemon
 from gpushare.daemon.drain import DEEP_DRAIN_S
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
+from gpushare.latency import LatencyP99
 from gpushare.model import (
     Action,
     Alert,
@@ -701,3 +702,24 @@ def test_online_client_without_reports_is_judged_by_the_probe(
     assert (lat["p99_ms"], lat["source"]) == (None, "probe")
     assert lat["ratio"] == pytest.approx(1.8 / d.config.control.probe_slo_ratio)
     assert st["gpus"][0]["online_slo"]["probe_ratio"] == 1.8
+    assert st["gpus"][0]["online_slo"]["state"] == "degraded"  # the probe over its SLO
+
+
+def test_online_slo_follows_the_app_p99_over_the_probe_where_there_is_one(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    # The demo showed "degraded" at p99/SLO 0.49: the probe (2.5x its baseline with gated
+    # offline work between requests) overrode the service's own p99.
+    d, _, _ = env
+    d.state.probe = _RatioProbe()
+    web = _submit(d, ["sleep", "30"], cls="online", slo_p99_ms=40.0)
+    d.run(max_ticks=1)
+    d.state.p99 = {web["client_id"]: LatencyP99(p99_ms=19.6, samples=100, source="app")}
+    slo = d.api.status(ROOT, {"gpu": "0"})["gpus"][0]["online_slo"]
+    assert (slo["state"], slo["violating_clients"]) == ("ok", [])
+    # A second online client without a p99 of its own: the probe speaks for it.
+    _submit(d, ["sleep", "30"], cls="online", slo_p99_ms=40.0)
+    d.run(max_ticks=1)
+    d.state.p99 = {web["client_id"]: LatencyP99(p99_ms=19.6, samples=100, source="app")}
+    slo = d.api.status(ROOT, {"gpu": "0"})["gpus"][0]["online_slo"]
+    assert slo["state"] == "degraded"

@@ -130,7 +130,10 @@ def test_boundaries_from_a_process_that_is_no_client_are_rejected_and_counted(
 
 
 def test_an_auto_queue_client_is_relaunched_shallow_once_gating_is_on(tmp_path: Path) -> None:
-    d = DaemonProc('[control]\nshare_min_interval = "1s"\n', gpus=1)
+    # Debug logs: the offline_queue lines are checked below.
+    d = DaemonProc(
+        '[control]\nshare_min_interval = "1s"\n', gpus=1, env={"GPUSHARE_TEST_DEBUG": "1"}
+    )
     try:
         d.start()
         cmd = tmp_path / "cmd"
@@ -152,6 +155,14 @@ def test_an_auto_queue_client_is_relaunched_shallow_once_gating_is_on(tmp_path: 
             return blocking in Path(f"/proc/{c['pid']}/environ").read_bytes()
 
         wait_for(relaunched_shallow, 20.0, "a relaunch with CUDA_LAUNCH_BLOCKING=1")
+        # One offline_queue line per launch: deep at submit, shallow at the relaunch.
+        lines = d.stderr_path.read_text().splitlines()
+        queues = [
+            ln
+            for ln in lines
+            if "offline_queue" in ln and f"\"client_id\": \"{off['client_id']}\"" in ln
+        ]
+        assert len(queues) == 2, queues
     finally:
         d.cleanup()
 

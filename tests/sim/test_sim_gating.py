@@ -157,3 +157,25 @@ def test_a_bad_queue_mode_in_a_scenario_is_an_error_naming_the_key(tmp_path: Pat
     bad.write_text(text)
     with pytest.raises(sc_mod.ScenarioError, match=r"queue.*shallow, deep, auto"):
         sc_mod.load(bad)
+
+
+def test_a_job_admitted_before_gating_is_relaunched_shallow_at_the_ceiling() -> None:
+    # genai-idle admits its --queue auto job (t = 1 s) before the service's first request turns
+    # gating on, so it starts deep. It used to be cut by the duty cycle, restarted to the 10 %
+    # floor, and held there past the scenario's end by a stale pending restart (0.09 of solo).
+    sc = sc_mod.load(PAIR.parents[1] / "genai-idle.toml")
+    # 1.1x the service's p99 alone (23 ms, docs/benchmarks.md): the duty cycle cuts the deep job.
+    sc = dataclasses.replace(
+        sc,
+        duration_s=12.0,  # the trace is spread over the duration: this keeps its first seconds
+        online=tuple(dataclasses.replace(o, slo_p99_ms=25.0) for o in sc.online),
+    )
+    policy = make_policy("gpushare", sc.config.control)
+    node = SimNode(sc, traits=PolicyTraits.of(policy))
+    node.start()
+    sim = SimDaemon(node, policy)
+    sim.run(4.0)
+    sim.close()
+    (trainer,) = node.offline
+    assert trainer.launch_blocking, "relaunched with CUDA_LAUNCH_BLOCKING=1"
+    assert trainer.sm_pct == sc.config.control.offline_sm_pct_max, "at the ceiling, in 4 s"
