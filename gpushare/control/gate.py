@@ -170,6 +170,23 @@ def evaluate(state: GateState, now: float, config: GateConfig) -> GateState:
     )
 
 
+def settled(state: GateState, now: float, config: GateConfig) -> bool:
+    """Whether :func:`evaluate` at ``now`` would return ``state`` unchanged.
+
+    True for an open gate with no source, no hold left and no busy-time checkpoint due: the
+    daemon's tick then has nothing to evaluate (the common case, every GPU, every tick).
+    """
+    return (
+        not state.sources
+        and not state.busy
+        and not state.closed
+        and state.busy_since_s is None
+        and (state.last_busy_s is None or now - state.last_busy_s >= config.hold_s)
+        and bool(state.checkpoints)
+        and now - state.checkpoints[-1][0] < _CHECKPOINT_S
+    )
+
+
 def busy_fraction(state: GateState, now: float, config: GateConfig) -> float | None:
     """The share of the last ``busy_window`` with requests in flight (or held).
 

@@ -198,6 +198,10 @@ class Gatekeeper:
         # The caller's now was read before its lock: never evaluate a gate before a signal it had.
         now = max(now, self._clock())
         with self._lock:
+            if self._settled(online, gated, now):
+                # Nothing to forget, release, evaluate or freeze: no gate changes, and the timer
+                # thread's next due time stands (it is not woken).
+                return
             for client_id in set(self._online) - set(online):
                 gpu = self._online[client_id]
                 self._signalled.get(gpu, set()).discard(client_id)
@@ -210,6 +214,31 @@ class Gatekeeper:
                 self._release(left)
                 self._set_gate(g, self._gates.get(g, GateState()), now, force=True)
             self._wake.notify()
+
+    def _settled(
+        self, online: Mapping[str, str], gated: Mapping[str, Sequence[str]], now: float
+    ) -> bool:
+        """Under the lock: whether :meth:`update_clients` would change nothing.
+
+        The same online and gated clients as kept now (compared with what is kept, not with the
+        last call's arguments: :meth:`forget` and a late online client change it in between),
+        and every gate settled (:func:`gpushare.control.gate.settled`: open, idle, no
+        checkpoint due) with none of its gated clients frozen by it, so the forced evaluation
+        and release would return every state and reason as it is.
+        """
+        if online != self._online or len(gated) != len(self._gated):
+            return False
+        for g, ids in gated.items():
+            if self._gated.get(g) != tuple(ids):
+                return False
+        for g in self._gated.keys() | self._gates.keys():
+            state = self._gates.get(g)
+            if state is None or not gate.settled(state, now, self.config):
+                return False
+            for client_id in self._gated.get(g, ()):
+                if GATE in self._reasons.get(client_id, ()):
+                    return False
+        return True
 
     def set_enabled(self, gpu_uuid: str, enabled: bool, now: float) -> None:
         """The controller's lever: gating on or off for one GPU."""

@@ -273,7 +273,10 @@ class ControlLoop:
         uuid = sample.uuid
         if sample.sm_periods:
             pids: dict[str, Sequence[int]] = {}
-            for v in offline:
+            # Only a period that lists a process is attributed to a client: a GPU on which
+            # nothing ran costs no look-up of every offline client's processes.
+            listed = any(p.pids for p in sample.sm_periods)
+            for v in offline if listed else ():
                 try:
                     mine = list(self.s.pauser.pids(v.client_id))
                 except PAUSE_ERRORS:

@@ -103,6 +103,22 @@ configs = st.builds(
 )
 
 
+def test_an_idle_gate_is_settled_only_until_its_next_checkpoint_or_while_held() -> None:
+    s = gate.evaluate(on(), 0.0, CFG)
+    assert gate.settled(s, 0.5, CFG)
+    assert gate.evaluate(s, 0.5, CFG) == s
+    # A checkpoint is due: evaluating changes the state, so it is not settled.
+    assert not gate.settled(s, 1.0, CFG)
+    assert gate.evaluate(s, 1.0, CFG) != s
+    assert not gate.settled(GateState(), 0.0, CFG), "never evaluated: no checkpoint yet"
+    s = gate.evaluate(gate.record(s, "web", "web/pid:1", 1, 0.1), 0.1, CFG)
+    assert not gate.settled(s, 0.2, CFG), "a request in flight"
+    s = gate.evaluate(gate.record(s, "web", "web/pid:1", 0, 0.2), 0.2, CFG)
+    assert not gate.settled(s, 0.2 + CFG.hold_s / 2, CFG), "closed for the hold"
+    s = gate.evaluate(s, 0.3, CFG)
+    assert not s.closed and gate.settled(s, 0.3, CFG)
+
+
 @settings(max_examples=300, deadline=None)
 @given(events, configs)
 def test_gate_properties(evs: list[tuple[float, str | None, int, bool]], cfg: GateConfig) -> None:
@@ -120,6 +136,9 @@ def test_gate_properties(evs: list[tuple[float, str | None, int, bool]], cfg: Ga
             last_signal = now
             if was and not gate.inflight(s, now, cfg):
                 last_end = now
+        if gate.settled(s, now, cfg):
+            # The daemon's tick skips evaluating a settled gate: it must be a no-op.
+            assert gate.evaluate(s, now, cfg) == s
         s = gate.evaluate(s, now, cfg)
         if s.closed:
             assert s.enabled, "a disabled gate never closes"

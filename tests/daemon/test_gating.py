@@ -440,3 +440,36 @@ def test_the_thawed_time_operators_see_counts_request_gate_freezes_too() -> None
     # Thawed 100-110 and 150-160 of the window: 20 s of 60.
     assert ops.thaw.total_s("train-1", clock[0]) == pytest.approx(20.0, abs=1.0)
     assert ops.thaw.thawed("train-1") is True
+
+
+def test_a_tick_with_nothing_changed_still_keeps_an_idle_gates_busy_history() -> None:
+    # The tick skips a settled gate (daemon/gating.py): the skip must end when a busy-time
+    # checkpoint is due, or the busy fraction would lose its history after busy_window.
+    t = [0.0]
+    cfg = GateConfig(hold_s=0.002, inflight_timeout_s=0.5, busy_window_s=3.0)
+    gk = Gatekeeper(cfg, FakePauser(), clock=lambda: t[0])
+    try:
+        while t[0] < cfg.busy_window_s + 2.0:
+            gk.update_clients({"web": GPU}, {GPU: ["train-1"]}, t[0])
+            t[0] += 0.1
+        assert gk.view(GPU, t[0]).busy_fraction == 0.0
+    finally:
+        gk.close()
+
+
+def test_a_tick_after_forget_lists_the_client_again_as_the_registry_does() -> None:
+    # forget() changes the kept client sets between ticks: the next tick with the registry's
+    # unchanged lists must restore them (compared with what is kept, not with the last call).
+    pauser = FakePauser()
+    gk = Gatekeeper(CFG, pauser)
+    try:
+        now = time.monotonic()
+        gk.update_clients({"web": GPU}, {GPU: ["train-1", "train-2"]}, now)
+        gk.set_enabled(GPU, True, now)
+        gk.forget("train-1")
+        gk.forget("web")
+        gk.update_clients({"web": GPU}, {GPU: ["train-1", "train-2"]}, time.monotonic())
+        assert gk.on_inflight("web", 100, 1, time.monotonic()) is None
+        assert pauser.frozen == {"train-1", "train-2"}
+    finally:
+        gk.close()
