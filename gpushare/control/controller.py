@@ -1,7 +1,9 @@
 """gpushare's own sharing policy: SLO-driven duty cycle, offline share, memory and fault handling.
 
-One :class:`GpushareController` serves every GPU; each GPU has its own frozen :class:`GpuState`.
-A step runs, in this order (``docs/controller.md`` gives the law and justifies every constant):
+One :class:`GpushareController` serves every GPU; each GPU has its own frozen :class:`GpuState`
+(defined, with the helpers several sections share, in :mod:`gpushare.control.gpu_state`, and
+re-exported here). A step runs, in this order (``docs/controller.md`` gives the law and justifies
+every constant):
 
 1. **GPU lost** (``sample.lost``): alert once and do nothing else on that GPU (admission skips it).
 2. **MPS fault** (``MpsState.FAULT`` or a fatal XID): :class:`RecoverMps` (the daemon removes offline
@@ -21,7 +23,7 @@ A step runs, in this order (``docs/controller.md`` gives the law and justifies e
    has been quiet for ``quiet_settle`` (the SMs its SLO leaves; the SMs online work leaves idle
    when online work alone breaks its SLO), split over the GPU's offline clients, with hysteresis
    and a minimum interval; then restartable offline clients running under a different share are
-   restarted one at a time, never during an SLO violation.
+   restarted one at a time, never during an SLO violation (:mod:`gpushare.control.restarts`).
 
 Pure: no I/O, no clock; ``now`` is an argument.
 """
@@ -30,135 +32,39 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from gpushare.config import ControlConfig
+from gpushare.control.gpu_state import (
+    GpuState,
+    app_only,
+    client_share_pct,
+    failure_backoff_s,
+    gated_shallow,
+)
+from gpushare.control.restarts import restarts
 from gpushare.control.signals import Signals, free_memory_bytes, online_signals
 from gpushare.model import (
     Action,
     Alert,
     ClientClass,
-    ClientState,
-    ClientView,
     Evict,
     MpsState,
     Observation,
     RecoverMps,
-    RestartClient,
     SetDuty,
     SetGating,
     SetOfflineShare,
     Severity,
 )
 
+# GpuState and the helpers live in gpu_state.py; callers keep importing them from here.
+__all__ = ["GpuState", "GpushareController", "client_share_pct", "failure_backoff_s"]
+
 # Rounding keeps repeated additive steps from drifting (0.05 * 20 must be exactly 1.0).
 _DUTY_DIGITS = 6
 # Demand samples kept per GPU: one per quiet tick, bounded so a long quiet spell costs no memory.
 _MAX_DEMAND_SAMPLES = 600
-# A restart request still unfinished after this long is given up and may be retried: a
-# checkpoint of a large training job can take minutes, so never less than this.
-_MIN_RESTART_PATIENCE_S = 300.0
-# Request gating on for this long (and a busy share measured) before a deep --queue auto client
-# is relaunched shallow: a second of history is what the gate needs to say whether requests keep
-# it busier than max_busy (which turns gating off again); past that, every tick with the deep
-# queue is a tick gating cannot protect requests.
-_SHALLOW_RESTART_AFTER_S = 1.0
-# Client states in which a restart under a new share may be requested.
-_RESTARTABLE_STATES = frozenset({ClientState.RUNNING, ClientState.THROTTLED, ClientState.FROZEN})
-
-
-@dataclass(frozen=True, slots=True)
-class GpuState:
-    """Everything the controller remembers about one GPU between ticks.
-
-    Attributes:
-        gpu_uuid: the GPU.
-        duty: the offline duty fraction decided last tick, in [0, 1].
-        duty_emitted: the duty last sent to the runner (``None``: nothing sent yet).
-        comfortable_ticks: consecutive ticks with every online signal under the comfort ratio.
-        breach_duty: the duty when the last SLO violation began (``None``: none since, or the duty
-            has since grown past it, or online work left); increases above
-            ``duty_decrease_factor`` x this wait ``slow_increase_after_ticks``.
-        violation_ticks: consecutive ticks with an online signal over the violation ratio.
-        quiet_ticks: consecutive ticks during which offline work was frozen or absent.
-        share_pct: the SM percentage offline (re)launches get.
-        share_emitted: whether ``share_pct`` has been sent.
-        share_changed_at_s: when the share last changed (``None``: never).
-        demand_samples: ``(at_s, online SM demand pct)`` measured while offline work was quiet.
-        quiet_signals: ``(at_s, worst normalised online signal)`` measured while offline work was
-            quiet: what the SLO leaves when online work runs alone.
-        app_quiet_signals: ``(at_s, worst app-reported signal)`` measured on the same ticks: how
-            much room the app SLOs leave online work alone (the probe yields to app latency
-            only while it is under ``comfort_ratio``).
-        evicting: ``(client_id, since_s)`` of clients asked to go away that are still live.
-        stopped: clients stopped for repeated failures (never evicted twice).
-        restart_pending: ``(client_id, since_s)`` of the restart in flight, if any.
-        recovering_since_s: start of the MPS fault episode being recovered, if any.
-        last_recover_s: when :class:`RecoverMps` was last sent.
-        recover_attempts: recoveries sent in this episode (sets the backoff).
-        lost: the GPU was reported lost last tick.
-        unsignalled_alerted: an alert about online clients without any latency signal was sent.
-        memory_alerted: an alert that the reserve cannot be restored was sent.
-        gating_emitted: request gating as last sent to the runner (``None``: never sent).
-        gating_changed_at_s: when ``gating_emitted`` last changed.
-        gated_shallow: last tick, gating was on with no running deep-queue offline client.
-    """
-
-    gpu_uuid: str
-    duty: float = 1.0
-    duty_emitted: float | None = None
-    comfortable_ticks: int = 0
-    violation_ticks: int = 0
-    quiet_ticks: int = 0
-    share_pct: float = 50.0
-    share_emitted: bool = False
-    share_changed_at_s: float | None = None
-    demand_samples: tuple[tuple[float, float], ...] = ()
-    quiet_signals: tuple[tuple[float, float], ...] = ()
-    app_quiet_signals: tuple[tuple[float, float], ...] = ()
-    breach_duty: float | None = None
-    evicting: tuple[tuple[str, float], ...] = ()
-    stopped: frozenset[str] = frozenset()
-    restart_pending: tuple[str, float] | None = None
-    recovering_since_s: float | None = None
-    last_recover_s: float | None = None
-    recover_attempts: int = 0
-    lost: bool = False
-    unsignalled_alerted: bool = False
-    memory_alerted: bool = False
-    gating_emitted: bool | None = None
-    gating_changed_at_s: float | None = None
-    gated_shallow: bool = False
-
-
-def failure_backoff_s(failures: int, config: ControlConfig) -> float:
-    """Delay before a failed offline client is started again: doubles from min to max.
-
-    The daemon sets ``QueuedJob.not_before_s = now + failure_backoff_s(...)`` when it requeues a
-    failed client; admission then skips the job until that time.
-
-    Args:
-        failures: consecutive failures so far (1 after the first).
-        config: the control section (``failure_backoff_min_s``/``failure_backoff_max_s``).
-    """
-    if failures <= 0:
-        return 0.0
-    exponent = min(failures - 1, 62)
-    return float(min(config.failure_backoff_max_s, config.failure_backoff_min_s * 2.0**exponent))
-
-
-def client_share_pct(share_pct: float, client: ClientView) -> float:
-    """The SM percentage one offline client should run under, given the GPU's offline share.
-
-    A declared guarantee raises it (a guarantee larger than the cap could never be honoured), a
-    declared ceiling caps it; the ceiling wins when they conflict.
-    """
-    target = share_pct
-    if client.guarantee_sm_pct is not None:
-        target = max(target, client.guarantee_sm_pct)
-    if client.ceiling_sm_pct is not None:
-        target = min(target, client.ceiling_sm_pct)
-    return target
 
 
 class GpushareController:
@@ -212,7 +118,7 @@ class GpushareController:
         state = self._throttle(state, observation, duty_signals, actions)
         state = self._gating(state, observation, now, actions)
         state = self._share(state, observation, signals, now, actions)
-        state = self._restarts(state, observation, signals, now, actions)
+        state = restarts(self.config, state, observation, signals, now, actions)
         return state, actions
 
     # Faults and recovery -----------------------------------------------------------------------
@@ -359,11 +265,11 @@ class GpushareController:
         client without a report, a tight SLO, app latency near its SLO) it counts as before.
         """
         cfg = self.config
-        if _gated_shallow(state, obs):
+        if gated_shallow(state, obs):
             # Gated with shallow queues, offline work runs between requests by design: the probe,
             # which is not a request, meets it there and says nothing of what requests see (it
             # would breach whenever offline work runs). Only app latency counts, when there is any.
-            return _app_only(signals)
+            return app_only(signals)
         quiet_app = max((v for _, v in state.app_quiet_signals), default=None)
         if (
             signals.app_complete
@@ -397,7 +303,7 @@ class GpushareController:
         # breach it (docs/benchmarks.md: exclusive use attains 99.4 % at 1.1x); only a breach of
         # the hard ratio, which gating has evidently not contained, cuts the duty then. A client
         # with a deep queue runs up to an iteration past a freeze: the duty cycle works as before.
-        gated = _gated_shallow(state, obs)
+        gated = gated_shallow(state, obs)
         comfortable, violating = state.comfortable_ticks, state.violation_ticks
         entered = ""
         if gated and not state.gated_shallow:
@@ -606,7 +512,7 @@ class GpushareController:
             return replace(state, share_pct=top, share_changed_at_s=now)
         if signals.online == 0:
             target, basis = top, "no online client"
-        elif _gated_shallow(state, obs):
+        elif gated_shallow(state, obs):
             # The share bounds what offline work takes from online requests running beside it;
             # gated, it runs only between requests (up to one kernel overlapping a request start).
             target, basis = top, "request gating on: offline work runs between online requests"
@@ -638,7 +544,7 @@ class GpushareController:
                 )
         else:
             return state  # online present, demand or quiet latency not measured: keep the share
-        if signals.online and not _gated_shallow(state, obs):
+        if signals.online and not gated_shallow(state, obs):
             # MPS caps each client, not offline work as a whole: n offline clients at s % each can
             # hold n x s % of the SMs. The share is what the online clients leave, split evenly.
             # (Gated, offline clients share the time between requests only among themselves.)
@@ -654,8 +560,8 @@ class GpushareController:
                 basis += f", split over {sharing} offline clients"
         target = float(math.floor(min(top, max(low, target))))
         target = max(low, target)
-        gated = _gated_shallow(state, obs)
-        worst = _app_only(signals).worst if gated else signals.worst
+        gated = gated_shallow(state, obs)
+        worst = app_only(signals).worst if gated else signals.worst
         violating = worst is not None and worst > cfg.violation_ratio
         # Fast down, slow up: a lower share protects the online SLO and never waits; a higher one
         # is opportunistic and waits out the interval (each change restarts restartable clients).
@@ -688,205 +594,6 @@ class GpushareController:
             # Utilisation counts any running kernel, so it overstates demand: errs safe.
             return min(100.0, max(0.0, sample.gpu_util_pct))
         return None
-
-    # Restarts under a new share ----------------------------------------------------------------
-
-    def _restarts(
-        self,
-        state: GpuState,
-        obs: Observation,
-        signals: Signals,
-        now: float,
-        actions: list[Action],
-    ) -> GpuState:
-        cfg = self.config
-        by_id = {c.client_id: c for c in obs.clients}
-        pending = state.restart_pending
-        if pending is not None:
-            client = by_id.get(pending[0])
-            patience = max(cfg.share_min_interval_s, _MIN_RESTART_PATIENCE_S)
-            settled = client is not None and client.state is not ClientState.RESTARTING
-            done = (
-                client is None
-                or not client.state.is_live
-                # Relaunched since the request (the runner's start time, on this clock): whatever
-                # the share or gating did meanwhile, the restart asked for has happened.
-                or (
-                    settled and client.started_at_s is not None and client.started_at_s > pending[1]
-                )
-                or (
-                    settled
-                    and now > pending[1]
-                    and not self._needs_restart(client, state.share_pct)
-                )
-            )
-            if done or now - pending[1] > patience:
-                state = replace(state, restart_pending=None)
-            else:
-                return state
-        worst = _app_only(signals).worst if _gated_shallow(state, obs) else signals.worst
-        violating = worst is not None and worst > cfg.violation_ratio
-        if violating or obs.mps_state is not MpsState.UP:
-            return state
-        if any(c.state is ClientState.RESTARTING for c in obs.offline()):
-            return state
-        going = {cid for cid, _ in state.evicting} | state.stopped
-        if state.gating_emitted is True:
-            state, asked = self._shallow_restart(state, obs, going, now, actions)
-            if asked:
-                return state
-        candidates = [
-            c
-            for c in obs.offline()
-            if c.restartable
-            and c.state in _RESTARTABLE_STATES
-            and c.client_id not in going
-            and self._needs_restart(c, state.share_pct)
-        ]
-        if not candidates:
-            return self._queue_restart(state, obs, going, now, actions)
-        # Clients above the share first (they crowd online work), then the largest gap.
-        chosen = max(
-            candidates,
-            key=lambda c: (
-                c.limits.sm_pct > client_share_pct(state.share_pct, c),
-                abs(c.limits.sm_pct - client_share_pct(state.share_pct, c)),
-                c.client_id,
-            ),
-        )
-        target = client_share_pct(state.share_pct, chosen)
-        actions.append(
-            RestartClient(
-                chosen.client_id,
-                target,
-                f"restartable offline client runs at {chosen.limits.sm_pct:g}%, offline share is "
-                f"{target:g}%: checkpoint and relaunch",
-            )
-        )
-        return replace(state, restart_pending=(chosen.client_id, now))
-
-    def _shallow_restart(
-        self,
-        state: GpuState,
-        obs: Observation,
-        going: set[str],
-        now: float,
-        actions: list[Action],
-    ) -> tuple[GpuState, bool]:
-        """Gating on: relaunch a deep-queue ``--queue auto`` client shallow, before share restarts.
-
-        A deep queue runs on past a freeze, so while one runs gating cannot protect requests and
-        the duty cycle and the share stay in charge (``_gated_shallow``): this restart is what lets
-        gating work, so it waits only ``_SHALLOW_RESTART_AFTER_S`` of gating on with a busy share
-        measured (the one reading that can turn gating back off), not ``share_min_interval``. It
-        goes straight to the share the GPU takes once gated with shallow queues (its offline
-        ceiling) when no deep client would be left after such restarts: one checkpoint, not a
-        restart to the current share and another to the ceiling. Churn stays bounded because the
-        way back is slow: a relaunch deep waits out ``share_min_interval`` of gating off
-        (:meth:`_queue_restart`), so a client makes at most one shallow-deep round trip per
-        interval, one client at a time.
-        """
-        since = state.gating_changed_at_s
-        settle = max(_SHALLOW_RESTART_AFTER_S, 2 * self.config.period_s)
-        gate = obs.gate
-        if since is None or now - since < settle or gate is None or gate.busy_fraction is None:
-            return state, False
-        deep = [c for c in obs.offline() if c.state in _RESTARTABLE_STATES and not c.shallow]
-        movable = [
-            c for c in deep if c.restartable and c.queue == "auto" and c.client_id not in going
-        ]
-        if not movable:
-            return state, False
-        chosen = min(movable, key=lambda c: c.client_id)
-        if len(movable) == len(deep):
-            top = min(self.config.offline_sm_pct_max, obs.offline_sm_pct_max)
-            target, where = client_share_pct(top, chosen), "at the offline ceiling gating allows"
-        else:
-            target, where = client_share_pct(state.share_pct, chosen), "under the offline share"
-        actions.append(
-            RestartClient(
-                chosen.client_id,
-                target,
-                f"--queue auto: request gating on for {now - since:.1f}s, the client runs a deep "
-                f"queue a freeze does not stop: checkpoint and relaunch with a shallow one, "
-                f"{where} ({target:g}%)",
-            )
-        )
-        return replace(state, restart_pending=(chosen.client_id, now)), True
-
-    def _queue_restart(
-        self,
-        state: GpuState,
-        obs: Observation,
-        going: set[str],
-        now: float,
-        actions: list[Action],
-    ) -> GpuState:
-        """Gating off: relaunch a shallow ``--queue auto`` client deep, once it has settled.
-
-        Only once gating has been off for ``share_min_interval``: a deep queue only saves the
-        launch gap, which can wait, and the wait bounds churn when gating flips at the busy
-        threshold. One client at a time like the share's restarts, and never before any share
-        restart. (Gating on, :meth:`_shallow_restart` goes first and does not wait as long.)
-        """
-        on, since = state.gating_emitted, state.gating_changed_at_s
-        if on is not False or since is None or now - since < self.config.share_min_interval_s:
-            return state
-        candidates = sorted(
-            (
-                c
-                for c in obs.offline()
-                if c.restartable
-                and c.queue == "auto"
-                and c.shallow
-                and c.state in _RESTARTABLE_STATES
-                and c.client_id not in going
-            ),
-            key=lambda c: c.client_id,
-        )
-        if not candidates:
-            return state
-        chosen = candidates[0]
-        actions.append(
-            RestartClient(
-                chosen.client_id,
-                chosen.limits.sm_pct,
-                f"--queue auto: request gating off for {now - since:.0f}s, the client runs a "
-                "shallow queue: checkpoint and relaunch with a deep one",
-            )
-        )
-        return replace(state, restart_pending=(chosen.client_id, now))
-
-    def _needs_restart(self, client: ClientView, share_pct: float) -> bool:
-        target = client_share_pct(share_pct, client)
-        current = client.limits.sm_pct
-        # Above target: always (it crowds online work). Below: only when worth a restart.
-        return current > target + 0.5 or current < target - self.config.share_hysteresis_pct
-
-
-def _gated_shallow(state: GpuState, obs: Observation) -> bool:
-    """Request gating is on and no running offline client has a deep queue.
-
-    Then a freeze stops offline work within one kernel of a request's start, and offline work
-    runs only between requests: the duty cycle and the SM share have little left to protect.
-    """
-    # A client starting or restarting is launched with the queue its mode gives under gating
-    # (--queue auto: shallow); only one running a deep queue now keeps the duty cycle in charge.
-    deep = any(c.state in _RESTARTABLE_STATES and not c.shallow for c in obs.offline())
-    return state.gating_emitted is True and not deep
-
-
-def _app_only(signals: Signals) -> Signals:
-    """The signals with the probe left out: the worst is the app latency's (``None`` without)."""
-    return replace(
-        signals,
-        worst=signals.app_worst,
-        worst_source=(
-            f"{signals.app_source} (request gating on: the probe is not followed)"
-            if signals.app_worst is not None
-            else "no app latency (request gating on: the probe is not followed)"
-        ),
-    )
 
 
 def _quiet_level(state: GpuState) -> float | None:

@@ -130,8 +130,8 @@ def choose_queue(mode: str | None, *, gating_on: bool) -> tuple[str, str]:
     request), deep otherwise (nothing freezes per request, so the launch gap would buy nothing).
     MPS and CUDA read the variable at start, so a running client changes mode only when it is
     relaunched: a restart for a new share, a requeue, or the controller's restart of a restartable
-    auto client whose queue does not match gating (``GpushareController._shallow_restart`` 1 s
-    after gating turns on, ``_queue_restart`` a ``share_min_interval`` after it turns off).
+    auto client whose queue does not match gating (``gpushare.control.restarts.shallow_restart``
+    1 s after gating turns on, ``queue_restart`` a ``share_min_interval`` after it turns off).
     """
     if mode == "shallow":
         return "shallow", "--queue shallow"
