@@ -19,11 +19,17 @@ every constant):
    broke the SLO, and offline guarantees as duty floors while SLOs hold. The probe yields to app
    latency (counts only at the hard threshold) while every online client reports it and the app
    SLOs have room. Online clients are never the target of any throttle action.
-6. **Offline SM share** (slow lever): recomputed from online latency measured while offline work
+6. **Request gating** (:class:`SetGating`): on while a live online client sends request
+   boundaries and requests are not in flight over ``max_busy`` of the gate's window (the gate
+   itself, :mod:`gpushare.control.gate`, freezes offline work during requests in the daemon's fast
+   path). With gating on and only shallow offline queues, the duty cycle follows app latency only
+   and cuts only at the hard ratio, and the share goes to the GPU's offline ceiling.
+7. **Offline SM share** (slow lever): recomputed from online latency measured while offline work
    has been quiet for ``quiet_settle`` (the SMs its SLO leaves; the SMs online work leaves idle
    when online work alone breaks its SLO), split over the GPU's offline clients, with hysteresis
    and a minimum interval; then restartable offline clients running under a different share are
-   restarted one at a time, never during an SLO violation (:mod:`gpushare.control.restarts`).
+   restarted one at a time, never during an SLO violation, and with gating on a deep ``--queue
+   auto`` client is relaunched shallow first (:mod:`gpushare.control.restarts`).
 
 Pure: no I/O, no clock; ``now`` is an argument.
 """
