@@ -26,8 +26,10 @@ if TYPE_CHECKING:
 
 #: From a request's start in the service to the gate's freeze request written: the median
 #: "written" time of ``bench/gating_latency.py`` with one busy offline process and the gate's
-#: threads at SCHED_FIFO (0.20 ms; bench/results/gating_latency.json). The process then stops
-#: :data:`~gpushare.sim.workloads.FREEZE_S` later (the simulated pauser's part).
+#: threads at SCHED_FIFO in the run this was set from (0.20 ms; the medians of one offline
+#: process in later runs, bench/results/gating_latency.json, lie between 0.14 and 0.35 ms).
+#: The process then stops :data:`~gpushare.sim.workloads.FREEZE_S` later (the simulated
+#: pauser's part).
 DELIVERY_S = 0.20e-3
 #: The gate's timer wakes this long after a hold or timeout runs out, as the daemon's timer
 #: thread does (``Gatekeeper._run`` waits ``due - now + 1e-4``): evaluated exactly at the end of
