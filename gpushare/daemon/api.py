@@ -45,6 +45,20 @@ def _fail(code: protocol.ErrorCode, message: str) -> protocol.ProtocolError:
     return protocol.ProtocolError(code, message)
 
 
+def _check_online_source(
+    flag: str, value: str | None, cls: ClientClass, parse: Callable[[str], object]
+) -> None:
+    """A ``--*-from`` source of an online client's signal: only for --online, and well formed."""
+    if value is None:
+        return
+    if cls is not ClientClass.ONLINE:
+        raise _fail(protocol.ErrorCode.INVALID_PARAMS, f"{flag} applies to --online clients only")
+    try:
+        parse(value)
+    except ValueError as exc:
+        raise _fail(protocol.ErrorCode.INVALID_PARAMS, f"{flag}: {exc}") from None
+
+
 class Api:
     """The request handlers; :meth:`methods` is the dispatch table the server is given."""
 
@@ -431,20 +445,8 @@ class Api:
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 applies to --online clients only")
             if not (req.slo_p99_ms > 0 and math.isfinite(req.slo_p99_ms)):
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 must be a positive duration")
-        if req.latency_from is not None:
-            if cls is not ClientClass.ONLINE:
-                raise _fail(E.INVALID_PARAMS, "--latency-from applies to --online clients only")
-            try:
-                parse_latency_from(req.latency_from)
-            except ValueError as exc:
-                raise _fail(E.INVALID_PARAMS, f"--latency-from: {exc}") from None
-        if req.inflight_from is not None:
-            if cls is not ClientClass.ONLINE:
-                raise _fail(E.INVALID_PARAMS, "--inflight-from applies to --online clients only")
-            try:
-                parse_inflight_from(req.inflight_from)
-            except ValueError as exc:
-                raise _fail(E.INVALID_PARAMS, f"--inflight-from: {exc}") from None
+        _check_online_source("--latency-from", req.latency_from, cls, parse_latency_from)
+        _check_online_source("--inflight-from", req.inflight_from, cls, parse_inflight_from)
         if req.queue is not None:
             if cls is not ClientClass.OFFLINE:
                 raise _fail(E.INVALID_PARAMS, "--queue applies to --offline clients only")
