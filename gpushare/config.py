@@ -171,6 +171,9 @@ class ControlConfig:
     max_client_failures: int = _num(5, minimum=1, maximum=1000)
     failure_backoff_min_s: float = _duration(5.0)
     failure_backoff_max_s: float = _duration(300.0)
+    gate_delay_max_s: float = _duration(0.3)
+    gate_delay_min_s: float = _duration(0.002, above=True)
+    gate_delay_raise_after_ticks: int = _num(5, minimum=1, maximum=100_000)
     # The sharing policy the daemon runs (gpushare.control.registry.POLICY_NAMES).
     policy: str = "gpushare"
 
@@ -365,6 +368,12 @@ def _check_cross_field(config: Config, file: Path | str | None) -> None:
             file,
             "control.cut_ratio",
             "must lie between control.violation_ratio and control.hard_ratio",
+        )
+    if 0 < control.gate_delay_max_s < control.gate_delay_min_s:
+        raise ConfigError(
+            file,
+            "control.gate_delay_min",
+            "must not exceed control.gate_delay_max (gate_delay_max = 0 turns the delay off)",
         )
     if config.gate.hold_s >= config.gate.inflight_timeout_s:
         # A gate is never closed longer than the timeout after its last signal only so.

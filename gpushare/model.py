@@ -265,6 +265,8 @@ class GateReading:
             held), measured whether gating is on or off; ``None`` before a second of history.
         max_busy: ``[gate] max_busy``, filled in by the runner from the config.
         closes: how many times the gate closed since the runner started.
+        delay_s: the gate closes once requests have been in flight this long (the last
+            ``SetGating``'s delay).
     """
 
     enabled: bool
@@ -274,6 +276,7 @@ class GateReading:
     busy_fraction: float | None
     max_busy: float = 0.9
     closes: int = 0
+    delay_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,11 +338,16 @@ class SetDuty:
 
 @dataclass(frozen=True, slots=True)
 class SetGating:
-    """Turn request gating on or off for a GPU (docs/controller.md, "Request gating")."""
+    """Turn request gating on or off for a GPU (docs/controller.md, "Request gating").
+
+    ``delay_s``: the gate closes only once requests have been in flight that long without a gap
+    (docs/controller.md, "Gate delay"); 0 closes it at the first request.
+    """
 
     gpu_uuid: str
     on: bool
     reason: str
+    delay_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,23 @@ __all__ = ["GpuState", "GpushareController", "client_share_pct", "failure_backof
 
 # Rounding keeps repeated additive steps from drifting (0.05 * 20 must be exactly 1.0).
 _DUTY_DIGITS = 6
+# The gate delay doubles on a raise and halves on a breach (docs/controller.md, "Gate delay"):
+# the useful delay spans two decades (2 ms to 300 ms), which steps of a fixed size would cross
+# either too slowly at the bottom or too coarsely at the top.
+_DELAY_GROWTH = 2.0
+_DELAY_CUT = 0.5
+# After a cut the delay is not cut again for this long: the app latency window ([latency] window,
+# 2 s by default) keeps the breach in its p99 for up to one window after the cut, and each cut of
+# a breach already answered would halve the delay again for nothing (four halvings in a row on
+# Transformer-XL next to ResNet-50 training at 1.5x with a 0.5 s cooldown).
+_DELAY_CUT_COOLDOWN_S = 2.0
+# A delay is held this long without app latency from every online client, then dropped: BERT
+# inference at load 0.5 (10 requests/s) fills the latency window's 20 samples only every few
+# seconds on the Tally-shaped pairs (gaps of up to 5 s seen in a 20 s run); a service that stops
+# reporting keeps a delay no longer than this.
+_DELAY_BLIND_S = 10.0
+# Delays are rounded to a microsecond: repeated doubling and halving must not drift.
+_DELAY_DIGITS = 6
 # Demand samples kept per GPU: one per quiet tick, bounded so a long quiet spell costs no memory.
 _MAX_DEMAND_SAMPLES = 600
 
@@ -122,7 +139,7 @@ class GpushareController:
         signals = online_signals(observation, self.config.probe_slo_ratio)
         duty_signals = self._duty_signals(state, observation, signals)
         state = self._throttle(state, observation, duty_signals, actions)
-        state = self._gating(state, observation, now, actions)
+        state = self._gating(state, observation, signals, now, actions)
         state = self._share(state, observation, signals, now, actions)
         state = restarts(self.config, state, observation, signals, now, actions)
         return state, actions
@@ -419,8 +436,14 @@ class GpushareController:
 
     # Request gating ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _gating(state: GpuState, obs: Observation, now: float, actions: list[Action]) -> GpuState:
+    def _gating(
+        self,
+        state: GpuState,
+        obs: Observation,
+        signals: Signals,
+        now: float,
+        actions: list[Action],
+    ) -> GpuState:
         """Gating on while online clients say when requests start and are not busy all the time.
 
         Off when no live online client sends request boundaries (nothing to gate on), and when
@@ -428,7 +451,8 @@ class GpushareController:
         get under ``1 - max_busy`` of the time, which the duty cycle can beat at any SLO with
         room, and a client that claims a request in flight forever (lying, or one long request
         after another) would freeze offline work for good. Back on once the busy share falls 0.1
-        under ``max_busy`` (hysteresis: no flapping at the threshold).
+        under ``max_busy`` (hysteresis: no flapping at the threshold). The gate's delay is sent
+        with it (:meth:`_gate_delay`).
         """
         g = obs.gate
         if g is None:
@@ -448,10 +472,105 @@ class GpushareController:
             on = True
             share = "" if busy is None else f", requests in flight {busy:.0%} of the time"
             why = f"{g.signalled_clients} online client(s) send request boundaries{share}"
-        if on != state.gating_emitted:
-            actions.append(SetGating(obs.gpu_uuid, on, f"gating {'on' if on else 'off'}: {why}"))
-            state = replace(state, gating_emitted=on, gating_changed_at_s=now)
+        state, delay_why = self._gate_delay(state, obs, signals, on, now)
+        delay = state.gate_delay_s if on else 0.0
+        if on != state.gating_emitted or delay != state.gate_delay_emitted_s:
+            if on and on == state.gating_emitted:
+                why = f"gate delay {state.gate_delay_emitted_s * 1e3:g} ms -> {delay * 1e3:g} ms"
+            text = f"gating {'on' if on else 'off'}: {why}"
+            if on and delay_why:
+                text += f" ({delay_why})"
+            actions.append(SetGating(obs.gpu_uuid, on, text, delay_s=delay))
+            changed = now if on != state.gating_emitted else state.gating_changed_at_s
+            state = replace(
+                state, gating_emitted=on, gating_changed_at_s=changed, gate_delay_emitted_s=delay
+            )
         return state
+
+    def _gate_delay(
+        self, state: GpuState, obs: Observation, signals: Signals, on: bool, now: float
+    ) -> tuple[GpuState, str]:
+        """The gate's delay this tick (in the returned state), and why it moved ("" if not).
+
+        The room a looser SLO leaves, given to offline work (docs/controller.md, "Gate delay").
+        While gating is on with shallow queues and every online client reports app latency, the
+        delay grows from ``gate_delay_min`` (doubling) after ``gate_delay_raise_after_ticks``
+        ticks with the worst app p99 under ``comfort_ratio`` of its SLO, up to
+        ``gate_delay_max``; it halves (0 under ``gate_delay_min``) over ``violation_ratio``, at
+        most once per ``_DELAY_CUT_COOLDOWN_S`` (the window still holds the breach for a while
+        after a cut), and drops to 0 at ``hard_ratio``. Raises past half the delay that
+        last breached wait ``slow_increase_after_ticks``. Anywhere else it is 0: the gate closes
+        at the first request.
+        """
+        cfg = self.config
+        delay, comfortable = state.gate_delay_s, state.gate_delay_comfortable
+        breach, cut_at = state.gate_delay_breach_s, state.gate_delay_cut_at_s
+        seen = state.gate_delay_seen_s
+        app = signals.app_worst
+        why = ""
+        if not on or cfg.gate_delay_max_s <= 0 or not gated_shallow(state, obs):
+            # With a deep queue a freeze lags by an iteration anyway: no delay on top of it.
+            delay, comfortable, breach, cut_at = 0.0, 0, None, None
+        elif not signals.app_complete or app is None:
+            # No app latency from every online client this tick: the window is thin (a service
+            # at 10 requests/s fills 20 samples in 2 s only now and then) or a client does not
+            # report. The delay is held, not raised, for a while; then it goes: without app
+            # latency there is no measure of what it costs requests (the probe is no request).
+            if delay > 0 and (seen is None or now - seen > _DELAY_BLIND_S):
+                delay, comfortable = 0.0, 0
+                why = f"no app latency from every online client for {_DELAY_BLIND_S:g} s: delay 0"
+        else:
+            seen = now
+            cooling = cut_at is not None and now - cut_at < _DELAY_CUT_COOLDOWN_S - 1e-9
+            if app >= cfg.hard_ratio:
+                if delay > 0:
+                    breach, cut_at = max(breach or 0.0, delay), now
+                    why = f"app p99 at {app:.2f}x its SLO >= hard ratio {cfg.hard_ratio:g}: delay 0"
+                delay, comfortable = 0.0, 0
+            elif app > cfg.violation_ratio:
+                comfortable = 0
+                if delay > 0 and not cooling:
+                    breach, cut_at = delay, now
+                    half = delay * _DELAY_CUT
+                    delay = 0.0 if half < cfg.gate_delay_min_s else round(half, _DELAY_DIGITS)
+                    why = f"app p99 at {app:.2f}x its SLO: delay halved"
+            elif app >= cfg.comfort_ratio:
+                comfortable = 0  # inside the comfort band: held
+            elif delay < cfg.gate_delay_max_s:
+                comfortable += 1
+                raised = cfg.gate_delay_min_s if delay <= 0 else delay * _DELAY_GROWTH
+                raised = round(min(cfg.gate_delay_max_s, raised), _DELAY_DIGITS)
+                wait = cfg.gate_delay_raise_after_ticks
+                if breach is not None and raised > breach * _DELAY_CUT:
+                    # Above where the last cut landed, each raise probes toward the delay that
+                    # broke the SLO: probe slowly, as the duty cycle does.
+                    wait = max(wait, cfg.slow_increase_after_ticks)
+                if comfortable >= wait:
+                    why = (
+                        f"app p99 at {app:.2f}x its SLO, under comfort ratio "
+                        f"{cfg.comfort_ratio:g} for {comfortable} ticks: delay raised"
+                    )
+                    delay, comfortable = raised, 0
+                    if breach is not None and delay > breach:
+                        breach = None  # past the delay that broke the SLO, unharmed
+        new = (delay, comfortable, breach, cut_at, seen)
+        old = (
+            state.gate_delay_s,
+            state.gate_delay_comfortable,
+            state.gate_delay_breach_s,
+            state.gate_delay_cut_at_s,
+            state.gate_delay_seen_s,
+        )
+        if new != old:
+            state = replace(
+                state,
+                gate_delay_s=delay,
+                gate_delay_comfortable=comfortable,
+                gate_delay_breach_s=breach,
+                gate_delay_cut_at_s=cut_at,
+                gate_delay_seen_s=seen,
+            )
+        return state, why
 
     @staticmethod
     def _guarantee_floor(obs: Observation) -> tuple[float, str]:

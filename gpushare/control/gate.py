@@ -17,6 +17,14 @@ shorter). The controller decides per GPU whether gating is on (:func:`set_enable
 ``SetGating`` action); the gate keeps measuring how busy the online work is while it is off, so
 the controller can decide on evidence (:func:`busy_fraction`).
 
+**Delay.** The controller also sets a **delay** per GPU (``SetGating.delay_s``): the gate closes
+only once the busy spell (requests in flight, or within the hold, without a gap) has lasted that
+long. Offline work then runs beside the first ``delay`` of every spell; the spells that last
+longer, where requests queue and the tail latency is made, still run alone after it. A spell's
+online work is slowed for at most ``delay``, so the tail grows by less than ``delay``: the room a
+looser SLO leaves goes to offline work (docs/controller.md, "Gate delay"). Delay 0 is the gate
+without it: closed from the first request.
+
 Pure: frozen dataclasses, no I/O, no clock; ``now`` is an argument. The daemon calls
 :func:`record` for each datagram (in the receiver thread: that path freezes without waiting for a
 control tick) and :func:`evaluate` at :func:`reopens_at`.
@@ -64,8 +72,10 @@ class GateState:
         busy_since_s: start of the current busy spell (``None`` when not busy).
         busy_total_s: busy time accumulated over finished spells.
         checkpoints: ``(at_s, busy time up to at_s)``, one per second over the busy window.
-        closed: the gate was closed at the last :func:`evaluate` (``enabled and busy``).
+        closed: the gate was closed at the last :func:`evaluate` (``enabled and busy`` for
+            ``delay_s`` at least).
         changed_at_s: when ``closed`` last changed.
+        delay_s: how long a busy spell runs before the gate closes (the controller's lever).
     """
 
     enabled: bool = False
@@ -77,6 +87,7 @@ class GateState:
     checkpoints: tuple[tuple[float, float], ...] = ()
     closed: bool = False
     changed_at_s: float = 0.0
+    delay_s: float = 0.0
 
 
 def live(source: Source, now: float, config: GateConfig) -> bool:
@@ -114,15 +125,41 @@ def forget(state: GateState, client_id: str) -> GateState:
     return replace(state, sources=tuple(s for s in state.sources if s.client_id != client_id))
 
 
-def set_enabled(state: GateState, enabled: bool) -> GateState:
-    """Turn gating on or off (call :func:`evaluate` after it)."""
-    return replace(state, enabled=enabled)
+def set_enabled(state: GateState, enabled: bool, delay_s: float | None = None) -> GateState:
+    """Turn gating on or off, and set its delay unless ``None`` (call :func:`evaluate` after it).
+
+    A negative delay counts as 0. A shorter delay closes a gate whose spell has lasted it at the
+    next :func:`evaluate`; a longer one does not reopen a closed gate (the spell it closed on
+    already lasted the old delay, and thawing into a queue of requests is what the gate avoids).
+    """
+    delay = state.delay_s if delay_s is None else max(0.0, delay_s)
+    return replace(state, enabled=enabled, delay_s=delay)
 
 
 def _busy_at(state: GateState, now: float, config: GateConfig) -> bool:
     if any(live(s, now, config) for s in state.sources):
         return True
     return state.last_busy_s is not None and now - state.last_busy_s < config.hold_s
+
+
+def closes_at(state: GateState) -> float | None:
+    """When an open gate closes if the busy spell goes on (``None``: closed, or nothing to close).
+
+    Only a delay makes this later than the request that started the spell; the daemon's gate
+    timer evaluates the gate at this time, so the gate closes on time without another signal.
+    """
+    if not state.enabled or state.closed or state.busy_since_s is None:
+        return None
+    return state.busy_since_s + state.delay_s
+
+
+def due_at(state: GateState, config: GateConfig) -> float | None:
+    """When :func:`evaluate` next changes the gate without a signal: it closes, or opens."""
+    closes = closes_at(state)
+    opens = reopens_at(state, config)
+    if closes is None:
+        return opens
+    return closes if opens is None else min(closes, opens)
 
 
 def reopens_at(state: GateState, config: GateConfig) -> float | None:
@@ -158,7 +195,13 @@ def evaluate(state: GateState, now: float, config: GateConfig) -> GateState:
     if not checkpoints or now - checkpoints[-1][0] >= _CHECKPOINT_S:
         keep = now - config.busy_window_s - _CHECKPOINT_S
         checkpoints = (*(c for c in checkpoints if c[0] >= keep), (now, busy_now))
-    closed = state.enabled and busy
+    # Once closed, the gate stays closed to the end of the spell (a longer delay set meanwhile
+    # does not reopen it). Float slack: the timer evaluates at ``since + delay`` computed alike.
+    closed = (
+        state.enabled
+        and since is not None
+        and (state.closed or now - since >= state.delay_s - 1e-9)
+    )
     return replace(
         state,
         busy=busy,

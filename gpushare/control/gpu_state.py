@@ -54,6 +54,16 @@ class GpuState:
         gating_emitted: request gating as last sent to the runner (``None``: never sent).
         gating_changed_at_s: when ``gating_emitted`` last changed.
         gated_shallow: last tick, gating was on with no running deep-queue offline client.
+        gate_delay_s: the gate's delay decided last tick (docs/controller.md, "Gate delay").
+        gate_delay_emitted_s: the delay last sent with ``SetGating``.
+        gate_delay_comfortable: consecutive ticks with app latency under ``comfort_ratio`` since
+            the delay last changed (a raise waits ``gate_delay_raise_after_ticks`` of them).
+        gate_delay_seen_s: the last tick with app latency from every online client (a delay is
+            held without it for a while, then dropped).
+        gate_delay_breach_s: the delay when app latency last broke its SLO (``None``: none
+            since, or the delay has grown past it unharmed); raises past half of it are slow.
+        gate_delay_cut_at_s: when the delay was last cut for a breach (one cut per
+            ``gate_delay_raise_after_ticks``: the latency window holds the breach a while).
     """
 
     gpu_uuid: str
@@ -81,6 +91,12 @@ class GpuState:
     gating_emitted: bool | None = None
     gating_changed_at_s: float | None = None
     gated_shallow: bool = False
+    gate_delay_s: float = 0.0
+    gate_delay_emitted_s: float = 0.0
+    gate_delay_comfortable: int = 0
+    gate_delay_seen_s: float | None = None
+    gate_delay_breach_s: float | None = None
+    gate_delay_cut_at_s: float | None = None
 
 
 def failure_backoff_s(failures: int, config: ControlConfig) -> float:

@@ -7,8 +7,9 @@
   gated offline clients right there (``request_frozen``: no wait for the kernel's confirmation,
   no control tick), so a request start reaches the freeze in a few hundred microseconds
   (``bench/gating_latency.py``).
-* **The timer**: a thread of its own evaluates each gate when its hold or an in-flight timeout
-  runs out (:func:`gpushare.control.gate.reopens_at`), so offline work is thawed on time.
+* **The timer**: a thread of its own evaluates each gate when its delay, its hold or an in-flight
+  timeout runs out (:func:`gpushare.control.gate.due_at`), so offline work is frozen and thawed
+  on time.
 * **The arbiter**: a client is frozen while it has any pause reason (``"duty"``, ``"hold"`` from
   the daemon's duty cycle and user holds; ``"gate"`` from here) and thawed when it has none. All
   writes happen under one lock, so the duty cycle's thaw never undoes a gate's freeze or the
@@ -124,6 +125,10 @@ class Gatekeeper:
         self._online_pids: dict[int, str] = {}
         self._thread_nice: int | None = None
         self._thread_realtime = False
+        #: Told when a gate is next due after :meth:`set_enabled` changed it (a new delay can
+        #: make a gate due sooner): a runner without the timer thread (the simulator) arms its
+        #: poll from it; the thread itself is woken instead.
+        self.on_rearm: Callable[[float | None], None] | None = None
 
     # ------------------------------------------------------------------------- signals
 
@@ -240,13 +245,21 @@ class Gatekeeper:
                     return False
         return True
 
-    def set_enabled(self, gpu_uuid: str, enabled: bool, now: float) -> None:
-        """The controller's lever: gating on or off for one GPU."""
+    def set_enabled(
+        self, gpu_uuid: str, enabled: bool, now: float, delay_s: float | None = None
+    ) -> None:
+        """The controller's lever: gating on or off for one GPU, and its delay (``None``: kept).
+
+        The timer thread is woken: a delay that now runs out sooner closes the gate on time.
+        """
         now = max(now, self._clock())
         with self._lock:
-            state = gate.set_enabled(self._gates.get(gpu_uuid, GateState()), enabled)
+            state = gate.set_enabled(self._gates.get(gpu_uuid, GateState()), enabled, delay_s)
             self._set_gate(gpu_uuid, state, now)
             self._wake.notify()
+            due = self._next_due(now)
+        if self.on_rearm is not None:
+            self.on_rearm(due)
 
     def view(self, gpu_uuid: str, now: float) -> GateReading:
         """The gate of one GPU for status and the controller's observation."""
@@ -260,6 +273,7 @@ class Gatekeeper:
                 busy_fraction=gate.busy_fraction(state, now, self.config),
                 max_busy=self.config.max_busy,
                 closes=self._closes.get(gpu_uuid, 0),
+                delay_s=state.delay_s,
             )
 
     # ------------------------------------------------------------------------- the arbiter
@@ -387,16 +401,18 @@ class Gatekeeper:
                 for gpu, state in list(self._gates.items()):
                     if not state.busy:
                         continue
-                    opens = gate.reopens_at(state, self.config)
-                    if opens is not None and opens <= now:
+                    # The gate's next change: it closes (a delay ran out) or opens (a hold or
+                    # an in-flight timeout ran out).
+                    at = gate.due_at(state, self.config)
+                    if at is not None and at <= now:
                         self._set_gate(gpu, state, now)
                         state = self._gates[gpu]
-                        opens = gate.reopens_at(state, self.config) if state.busy else None
-                        if opens is not None and opens <= now:
-                            opens = None  # evaluated at now; a later signal brings a new time
-                    if opens is not None:
-                        due = opens if due is None else min(due, opens)
-                # A hold of a few ms is waited for exactly; a gate idle waits for a signal.
+                        at = gate.due_at(state, self.config) if state.busy else None
+                        if at is not None and at <= now:
+                            at = None  # evaluated at now; a later signal brings a new time
+                    if at is not None:
+                        due = at if due is None else min(due, at)
+                # A hold or delay of a few ms is waited for exactly; a gate idle waits for a signal.
                 self._wake.wait(None if due is None else max(0.0, due - now) + 1e-4)
 
     def poll(self, now: float) -> float | None:
@@ -420,9 +436,9 @@ class Gatekeeper:
         for state in self._gates.values():
             if not (state.busy or state.sources):
                 continue
-            opens = gate.reopens_at(state, self.config)
-            if opens is not None and opens > now:
-                due = opens if due is None else min(due, opens)
+            at = gate.due_at(state, self.config)
+            if at is not None and at > now:
+                due = at if due is None else min(due, at)
         return due
 
     def close(self) -> None:

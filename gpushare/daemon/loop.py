@@ -546,8 +546,11 @@ class ControlLoop:
                 self._set_duty(action, now)
             elif isinstance(action, SetGating):
                 was = s.gate.view(action.gpu_uuid, now).enabled
-                s.gate.set_enabled(action.gpu_uuid, action.on, now)
-                log.info("gating_set", gpu=action.gpu_uuid, on=action.on, reason=action.reason)
+                s.gate.set_enabled(action.gpu_uuid, action.on, now, action.delay_s)
+                log.info(
+                    "gating_set", gpu=action.gpu_uuid, on=action.on, delay_s=action.delay_s,
+                    reason=action.reason,
+                )  # fmt: skip
                 if was != action.on:
                     self._acted(action.gpu_uuid, "set_gating", action.reason)
                     s.registry.add_event(

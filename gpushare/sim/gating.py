@@ -47,6 +47,8 @@ class GateDriver:
         #: Boundaries delivered to the gate and the ones it refused (with why), for tests.
         self.delivered = 0
         self.refused: list[str] = []
+        # The controller's SetGating can change a gate's delay between datagrams: poll then too.
+        gate.on_rearm = self._arm
 
     def send(self, client_id: str, pid: int, count: int) -> None:
         """A datagram leaves the service now: it reaches the gate :data:`DELIVERY_S` later."""

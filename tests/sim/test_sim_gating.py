@@ -24,10 +24,17 @@ PAIR = (
 )
 
 
-def _scenario(duration_s: float = 6.0, **online: object) -> sc_mod.Scenario:
+def _scenario(
+    duration_s: float = 6.0, gate_delay_max_s: float | None = None, **online: object
+) -> sc_mod.Scenario:
     sc = sc_mod.load(PAIR)
+    config = sc.config
+    if gate_delay_max_s is not None:
+        control = dataclasses.replace(config.control, gate_delay_max_s=gate_delay_max_s)
+        config = dataclasses.replace(config, control=control)
     return dataclasses.replace(
         sc,
+        config=config,
         duration_s=duration_s,
         warmup_s=0.5,
         online=tuple(dataclasses.replace(o, slo_p99_ms=1e6, **online) for o in sc.online),  # type: ignore[arg-type]
@@ -35,7 +42,8 @@ def _scenario(duration_s: float = 6.0, **online: object) -> sc_mod.Scenario:
 
 
 def test_gating_freezes_offline_while_a_request_is_in_flight_and_thaws_after_the_hold() -> None:
-    sc = _scenario()
+    # The gate without a delay (an SLO of 1e6 ms leaves room for any: it is turned off here).
+    sc = _scenario(gate_delay_max_s=0.0)
     hold = sc.config.gate.hold_s
     policy = make_policy("gpushare", sc.config.control)
     node = SimNode(sc, traits=PolicyTraits.of(policy))
@@ -82,6 +90,56 @@ def test_gating_freezes_offline_while_a_request_is_in_flight_and_thaws_after_the
     # ...and the gate held it until the hold after the last request's end, then let go.
     assert all(before and not after for before, after in ends), ends
     assert trainer.iterations, "offline work never ran between requests"
+
+
+def test_with_a_delay_the_gate_closes_only_once_a_spell_of_requests_lasted_it() -> None:
+    """The controller raises the delay (the SLO leaves room); the gate then closes at it.
+
+    A request that starts a spell leaves offline work running; a spell still going ``delay``
+    later has it frozen through the gate (the gate timer's close, in virtual time).
+    """
+    delay = 0.016
+    sc = _scenario(duration_s=12.0, gate_delay_max_s=delay)
+    policy = make_policy("gpushare", sc.config.control)
+    node = SimNode(sc, traits=PolicyTraits.of(policy))
+    node.start()
+    sim = SimDaemon(node, policy)
+    (server,) = node.online
+    (trainer,) = node.offline
+    send = server.on_boundary
+    assert send is not None
+    loop = node.loop
+    uuid = trainer.gpu.uuid
+    spell = {"n": 0, "since": -1.0}
+    open_at_start: list[bool] = []  # gate reason absent just after a spell's first request
+    closed_at_delay: list[bool] = []  # gate reason held just after the delay, spell still going
+
+    def full_delay() -> bool:
+        return sim.state.gate.view(uuid, loop.now).delay_s == delay
+
+    def check_start(since: object) -> None:
+        if trainer.active and full_delay() and spell["since"] == since:
+            open_at_start.append(GATE not in sim.state.gate.reasons(trainer.cid))
+
+    def check_delay(since: object) -> None:
+        if trainer.active and full_delay() and spell["since"] == since and spell["n"] > 0:
+            closed_at_delay.append(GATE in sim.state.gate.reasons(trainer.cid))
+
+    def boundary(delta: int, now: float) -> None:
+        send(delta, now)
+        spell["n"] += delta
+        if delta > 0 and spell["n"] == 1 and now - spell["since"] > 0:
+            # A new spell (the hold of 2 ms is left out: requests 2 ms apart join one spell).
+            spell["since"] = now
+            loop.at(now + DELIVERY_S + 1e-5, check_start, now)
+            loop.at(now + DELIVERY_S + delay + TIMER_SLACK_S + 1e-5, check_delay, now)
+
+    server.on_boundary = boundary
+    sim.run(sc.duration_s)
+    sim.close()
+    assert len(open_at_start) > 20 and len(closed_at_delay) > 5, (open_at_start, closed_at_delay)
+    assert all(open_at_start), open_at_start
+    assert all(closed_at_delay), closed_at_delay
 
 
 def test_without_request_boundaries_the_gate_never_closes() -> None:
