@@ -140,6 +140,18 @@ def test_gpu_override_lookup_prefers_uuid():
         ("[control]\noffline_sm_pct_default = 5", "control.offline_sm_pct_default", "between"),
         ("[control]\nhard_ratio = 1.0\nviolation_ratio = 1.2", "control.hard_ratio", "at least"),
         (
+            "[control]\ngate_delay_min = '50ms'\ngate_delay_max = '10ms'",
+            "control.gate_delay_min",
+            "must not exceed control.gate_delay_max",
+        ),
+        ("[control]\ngate_delay_min = 0", "control.gate_delay_min", "out of range"),
+        ("[control]\ngate_delay_max = '-1s'", "control.gate_delay_max", "duration such as"),
+        (
+            "[control]\ngate_delay_raise_after_ticks = 0",
+            "control.gate_delay_raise_after_ticks",
+            "out of range",
+        ),
+        (
             "[mps]\nrestart_backoff_min = '1m'\nrestart_backoff_max = '1s'",
             "mps.restart_backoff_min",
             "must not exceed",

@@ -64,6 +64,8 @@ class GpuState:
             since, or the delay has grown past it unharmed); raises past half of it are slow.
         gate_delay_cut_at_s: when the delay was last cut for a breach (one cut per
             ``gate_delay_raise_after_ticks``: the latency window holds the breach a while).
+        gate_delay_recent: ``(at_s, worst app signal)`` of the last few seconds, gated (a raise
+            needs their tail, not one window's, to leave room).
     """
 
     gpu_uuid: str
@@ -97,6 +99,7 @@ class GpuState:
     gate_delay_seen_s: float | None = None
     gate_delay_breach_s: float | None = None
     gate_delay_cut_at_s: float | None = None
+    gate_delay_recent: tuple[tuple[float, float], ...] = ()
 
 
 def failure_backoff_s(failures: int, config: ControlConfig) -> float:

@@ -310,3 +310,101 @@ def test_gated_without_app_latency_the_probe_does_not_cut_the_duty() -> None:
         state, actions = CTL.step(state, obs, i * 0.1)
         assert not any(type(a).__name__ == "Alert" and "no latency" in a.reason for a in actions)
     assert state.duty == 1.0
+
+
+# --------------------------------------------------------------------------- the gate's delay
+
+DCFG = ControlConfig()  # gate_delay_min 2 ms, max 300 ms, raise after 5 ticks
+
+
+def _delay_run(
+    p99s: list[float | None],
+    *,
+    slo_ms: float = 2000.0,
+    shallow: bool = True,
+    state: object = None,
+    t0: float = 0.0,
+    ctl: GpushareController = CTL,
+) -> tuple[object, list[tuple[float, float]]]:
+    """Step gated with the app p99 of each tick; the (time, delay) sent, in order."""
+    job = replace(offline(), shallow=shallow)
+    g = reading(signalled=1, enabled=True)
+    st_ = ctl.initial_state(GPU, 0.0) if state is None else state
+    sent: list[tuple[float, float]] = []
+    for i, p99 in enumerate(p99s):
+        now = round(t0 + i * 0.1, 6)
+        obs = replace(observation((online(p99_ms=p99, slo_ms=slo_ms), job)), gate=g)
+        st_, actions = ctl.step(st_, obs, now)  # type: ignore[arg-type]
+        sent += [(now, a.delay_s) for a in gating_actions(actions) if a.on]
+    return st_, sent
+
+
+def _delays(sent: list[tuple[float, float]]) -> list[float]:
+    return [d for _, d in sent]
+
+
+def test_the_delay_rises_while_app_latency_has_room_doubling_to_the_max() -> None:
+    # App p99 at a fifth of a 2 s SLO (a loose SLO: the room, 1.6 s, is past the max).
+    state, sent = _delay_run([400.0] * 150)
+    assert sent[0] == (0.0, 0.0), "gating comes on closing at the first request"
+    raises = sent[1:]
+    # Not before 5 s of app latency: one window says little of the tail.
+    assert raises[0] == (5.0, 0.002)
+    assert _delays(raises)[:4] == [0.002, 0.004, 0.008, 0.016]
+    assert _delays(raises)[-1] == DCFG.gate_delay_max_s == max(_delays(raises))
+    assert state.gate_delay_s == DCFG.gate_delay_max_s  # type: ignore[attr-defined]
+
+
+def test_the_delay_stays_within_the_room_the_slo_leaves_over_the_tail() -> None:
+    # SLO 40 ms, p99 20 ms: the SLO leaves 20 ms over the tail; the delay stops there.
+    state, sent = _delay_run([20.0] * 150, slo_ms=40.0)
+    assert _delays(sent)[-1] == 0.02 and state.gate_delay_s == 0.02  # type: ignore[attr-defined]
+    # One window at 0.9 of the SLO in the last 30 s leaves 4 ms, whatever the windows since.
+    state, sent = _delay_run([20.0, 20.0, 36.0] + [20.0] * 150, slo_ms=40.0)
+    assert max(_delays(sent)) == 0.004
+
+
+def test_no_delay_while_app_latency_is_inside_the_comfort_band() -> None:
+    # A tight SLO (online alone at 0.9 of it, as at 1.1x): the gate keeps closing at once.
+    state, sent = _delay_run([1800.0] * 100)
+    assert _delays(sent) == [0.0] and state.gate_delay_s == 0.0  # type: ignore[attr-defined]
+
+
+def test_a_breach_halves_the_delay_once_per_cooldown_and_the_hard_ratio_drops_it() -> None:
+    state, _ = _delay_run([400.0] * 100)
+    before = state.gate_delay_s  # type: ignore[attr-defined]
+    assert before == DCFG.gate_delay_max_s
+    # 1.2x the SLO for 3 s: halved at once, again only after the 2 s cooldown.
+    state, sent = _delay_run([2400.0] * 30, state=state, t0=10.0)
+    assert sent == [(10.0, before / 2), (12.0, before / 4)]
+    # The delay the breach last persisted at (the second cut found it still breaching).
+    assert state.gate_delay_breach_s == before / 2  # type: ignore[attr-defined]
+    # The breach stays in the tail's memory for 30 s: no raise until it has left it...
+    state, sent = _delay_run([400.0] * 400, state=state, t0=13.0)
+    assert sent and sent[0][0] > 12.0 + 30.0 - 1.0, sent
+    # ...and raises past half the breaching delay wait slow_increase_after_ticks, not 5.
+    assert _delays(sent)[:2] == [before / 2, before]
+    assert sent[1][0] - sent[0][0] >= DCFG.slow_increase_after_ticks * DCFG.period_s - 1e-6
+    # Past 2x the SLO: no delay at all.
+    state, sent = _delay_run([4100.0], state=state, t0=55.0)
+    assert _delays(sent) == [0.0] and state.gate_delay_s == 0.0  # type: ignore[attr-defined]
+
+
+def test_no_delay_with_a_deep_queue_or_without_app_latency_for_long() -> None:
+    # A deep queue runs past a freeze by an iteration: the gate closes at once.
+    state, sent = _delay_run([400.0] * 100, shallow=False)
+    assert state.gate_delay_s == 0.0 and set(_delays(sent)) <= {0.0}  # type: ignore[attr-defined]
+    # Without app latency (a thin window) the delay is held for 10 s, then dropped.
+    state, _ = _delay_run([400.0] * 100)
+    held = state.gate_delay_s  # type: ignore[attr-defined]
+    assert held > 0
+    state, sent = _delay_run([None] * 100, state=state, t0=10.0)
+    assert sent == [] and state.gate_delay_s == held  # type: ignore[attr-defined]
+    state, sent = _delay_run([None] * 10, state=state, t0=20.0)
+    assert _delays(sent) == [0.0]
+
+
+def test_gate_delay_max_0_turns_the_delay_off() -> None:
+    ctl = GpushareController(replace(DCFG, gate_delay_max_s=0.0))
+    state, sent = _delay_run([200.0] * 100, ctl=ctl)
+    assert _delays(sent) == [0.0] and state.gate_delay_s == 0.0  # type: ignore[attr-defined]

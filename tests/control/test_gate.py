@@ -84,6 +84,31 @@ def test_busy_fraction_needs_a_second_of_history() -> None:
     assert gate.busy_fraction(s, 0.5, CFG) is None
 
 
+def test_with_a_delay_the_gate_closes_only_once_the_spell_lasted_it() -> None:
+    s = gate.set_enabled(GateState(), True, delay_s=0.05)
+    s = gate.evaluate(gate.record(s, "web", "web/pid:7", 1, 10.0), 10.0, CFG)
+    assert not s.closed and s.busy, "a request starts a spell; offline work runs beside it"
+    assert gate.closes_at(s) == 10.05
+    assert gate.due_at(s, CFG) == 10.05, "the timer wakes to close it, before any reopening"
+    assert not gate.evaluate(s, 10.04, CFG).closed
+    s = gate.evaluate(s, 10.05, CFG)
+    assert s.closed and gate.closes_at(s) is None
+    # A longer delay set now does not reopen it: the spell already lasted the old one.
+    s = gate.evaluate(gate.set_enabled(s, True, delay_s=1.0), 10.06, CFG)
+    assert s.closed
+    s = gate.evaluate(gate.record(s, "web", "web/pid:7", 0, 10.1), 10.1, CFG)
+    s = gate.evaluate(s, 10.1 + CFG.hold_s, CFG)
+    assert not s.closed and not s.busy
+    # A spell shorter than the delay never closes the gate.
+    s = gate.evaluate(gate.record(s, "web", "web/pid:7", 1, 11.0), 11.0, CFG)
+    s = gate.evaluate(gate.record(s, "web", "web/pid:7", 0, 11.5), 11.5, CFG)
+    s = gate.evaluate(s, 12.0, CFG)
+    assert not s.closed and gate.closes_at(s) is None
+    # set_enabled without a delay keeps it; a negative one counts as 0.
+    assert gate.set_enabled(s, False).delay_s == 1.0
+    assert gate.set_enabled(s, True, delay_s=-3.0).delay_s == 0.0
+
+
 # --------------------------------------------------------------------------- properties
 
 events = st.lists(
@@ -179,3 +204,56 @@ def test_a_lying_source_holds_the_gate_only_while_it_keeps_talking(
         s = gate.evaluate(gate.record(s, "liar", "liar/pid:9", 1, now), now, cfg)
         assert s.closed
     assert not gate.evaluate(s, now + cfg.inflight_timeout_s + 1e-6, cfg).closed
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(min_value=0.0, max_value=1.0),  # time since the previous event
+            st.sampled_from(["web/pid:1", "web/pid:2", "api/gauge", None]),
+            st.integers(min_value=-1, max_value=3),
+            st.booleans(),  # gating on
+            st.sampled_from([None, 0.0, 0.01, 0.2, 0.7, 3.0]),  # the delay (None: kept)
+        ),
+        max_size=60,
+    ),
+    configs,
+)
+def test_gate_delay_properties(
+    evs: list[tuple[float, str | None, int, bool, float | None]], cfg: GateConfig
+) -> None:
+    """With delays: open beside at most ``delay`` of a request, closed only once a spell lasted
+    it, never longer than the timeout after the last signal; ``closes_at`` is kept."""
+    s = GateState()
+    now = 0.0
+    last_signal: float | None = None
+    inflight_since: float | None = None  # requests in flight at every event since
+    for dt, key, count, enabled, delay in evs:
+        now += dt
+        s = gate.set_enabled(s, enabled, delay)
+        if key is not None:
+            s = gate.record(s, key.split("/")[0], key, count, now)
+            last_signal = now
+        was_closed = s.closed
+        s = gate.evaluate(s, now, cfg)
+        if gate.inflight(s, now, cfg) > 0:
+            inflight_since = now if inflight_since is None else inflight_since
+        else:
+            inflight_since = None
+        if s.enabled and inflight_since is not None and now - inflight_since >= s.delay_s:
+            assert s.closed, "never open longer than the delay into a request"
+        if s.closed and not was_closed:
+            assert s.busy_since_s is not None
+            assert now - s.busy_since_s >= s.delay_s - 1e-9, "closed before the spell lasted it"
+        if s.closed:
+            assert s.enabled and last_signal is not None
+            assert now - last_signal <= cfg.inflight_timeout_s
+        closes = gate.closes_at(s)
+        if closes is not None:
+            assert not s.closed and s.enabled
+            opens = gate.reopens_at(s, cfg)
+            at = max(closes, now)
+            if opens is not None and opens > at:
+                # Absent further signals the timer's evaluation at closes_at closes it.
+                assert gate.evaluate(s, at, cfg).closed

@@ -146,6 +146,47 @@ def test_a_request_start_freezes_gated_clients_and_the_end_thaws_after_the_hold(
     assert not gk.view(GPU, time.monotonic()).closed
 
 
+def test_with_a_delay_the_timer_thread_closes_the_gate_once_the_request_lasted_it(
+    keeper: tuple[Gatekeeper, FakePauser],
+) -> None:
+    gk, pauser = keeper
+    delay = 0.05
+    gk.set_enabled(GPU, True, time.monotonic(), delay_s=delay)
+    t0 = time.monotonic()
+    assert gk.on_inflight("web", 100, 1, t0) is None
+    # Not frozen by the datagram: offline work runs beside the first `delay` of the request...
+    assert not pauser.frozen and not gk.view(GPU, t0).closed
+    assert gk.view(GPU, t0).delay_s == delay
+    # ...and the gate timer freezes it once the request has lasted the delay, with no signal.
+    wait_for(lambda: pauser.frozen == {"train-1", "train-2"}, timeout_s=2.0)
+    assert time.monotonic() - t0 >= delay * 0.9
+    assert gk.view(GPU, time.monotonic()).closed
+    gk.on_inflight("web", 100, 0, time.monotonic())
+    wait_for(lambda: not pauser.frozen)
+    # A request shorter than the delay never freezes anything.
+    pauser.calls.clear()
+    gk.on_inflight("web", 100, 1, time.monotonic())
+    gk.on_inflight("web", 100, 0, time.monotonic())
+    time.sleep(delay * 2)
+    assert not pauser.frozen and not any(frozen for _, frozen in pauser.calls)
+
+
+def test_a_shorter_delay_set_mid_request_closes_the_gate_on_the_new_time(
+    keeper: tuple[Gatekeeper, FakePauser],
+) -> None:
+    gk, pauser = keeper
+    gk.set_enabled(GPU, True, time.monotonic(), delay_s=30.0)
+    gk.on_inflight("web", 100, 1, time.monotonic())
+    time.sleep(0.02)
+    assert not pauser.frozen
+    rearmed: list[float | None] = []
+    gk.on_rearm = rearmed.append
+    # The controller cuts the delay (a breach): the request has lasted the new one already.
+    gk.set_enabled(GPU, True, time.monotonic(), delay_s=0.01)
+    wait_for(lambda: bool(pauser.frozen), timeout_s=1.0)
+    assert rearmed, "a runner without the timer thread is told when to poll"
+
+
 def test_rejections_end_without_start_and_not_an_online_client(
     keeper: tuple[Gatekeeper, FakePauser],
 ) -> None:

@@ -99,7 +99,7 @@ def test_with_a_delay_the_gate_closes_only_once_a_spell_of_requests_lasted_it() 
     later has it frozen through the gate (the gate timer's close, in virtual time).
     """
     delay = 0.016
-    sc = _scenario(duration_s=12.0, gate_delay_max_s=delay)
+    sc = _scenario(duration_s=20.0, gate_delay_max_s=delay)
     policy = make_policy("gpushare", sc.config.control)
     node = SimNode(sc, traits=PolicyTraits.of(policy))
     node.start()
