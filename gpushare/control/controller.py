@@ -23,7 +23,9 @@ every constant):
    boundaries and requests are not in flight over ``max_busy`` of the gate's window (the gate
    itself, :mod:`gpushare.control.gate`, freezes offline work during requests in the daemon's fast
    path). With gating on and only shallow offline queues, the duty cycle follows app latency only
-   and cuts only at the hard ratio, and the share goes to the GPU's offline ceiling.
+   and cuts only at the hard ratio, and the share goes to the GPU's offline ceiling; the gate's
+   **delay** (how long a spell of requests runs beside offline work before the gate closes)
+   doubles while app latency has room under the SLO and halves at a breach.
 7. **Offline SM share** (slow lever): recomputed from online latency measured while offline work
    has been quiet for ``quiet_settle`` (the SMs its SLO leaves; the SMs online work leaves idle
    when online work alone breaks its SLO), split over the GPU's offline clients, with hysteresis
@@ -508,11 +510,12 @@ class GpushareController:
         While gating is on with shallow queues and every online client reports app latency, the
         delay grows from ``gate_delay_min`` (doubling) after ``gate_delay_raise_after_ticks``
         ticks with the worst app p99 under ``comfort_ratio`` of its SLO, up to
-        ``gate_delay_max``; it halves (0 under ``gate_delay_min``) over ``violation_ratio``, at
-        most once per ``_DELAY_CUT_COOLDOWN_S`` (the window still holds the breach for a while
-        after a cut), and drops to 0 at ``hard_ratio``. Raises past half the delay that
-        last breached wait ``slow_increase_after_ticks``. Anywhere else it is 0: the gate closes
-        at the first request.
+        ``gate_delay_max`` and the room the SLO leaves over the recent tail; it halves (0 under
+        ``gate_delay_min``) over ``violation_ratio``, at most once per ``_DELAY_CUT_COOLDOWN_S``
+        (the window still holds the breach for a while after a cut), and drops to 0 at
+        ``cut_ratio``. Raises past half the delay that last breached wait
+        ``slow_increase_after_ticks``. Anywhere else it is 0: the gate closes at the first
+        request.
         """
         cfg = self.config
         delay, comfortable = state.gate_delay_s, state.gate_delay_comfortable
@@ -534,7 +537,6 @@ class GpushareController:
                 why = f"no app latency from every online client for {_DELAY_BLIND_S:g} s: delay 0"
         else:
             seen = now
-            # The readings of the evidence span (this one last): a raise needs the span's tail.
             # The tail's memory: the worst reading of each second, the last _DELAY_TAIL_S of them.
             second = float(math.floor(now))
             if recent and recent[-1][0] == second:
@@ -543,10 +545,12 @@ class GpushareController:
                 keep = second - _DELAY_TAIL_S
                 recent = (*(r for r in recent if r[0] > keep), (second, app))
             cooling = cut_at is not None and now - cut_at < _DELAY_CUT_COOLDOWN_S - 1e-9
-            if app >= cfg.hard_ratio:
+            if app >= cfg.cut_ratio:
+                # A clear breach: a delay costs requests at once and is cheap to rebuild (2 ms to
+                # 256 ms in 3.5 s), so no halvings while the window still holds the breach.
                 if delay > 0:
-                    breach, cut_at = max(breach or 0.0, delay), now
-                    why = f"app p99 at {app:.2f}x its SLO >= hard ratio {cfg.hard_ratio:g}: delay 0"
+                    breach, cut_at = delay, now
+                    why = f"app p99 at {app:.2f}x its SLO >= cut ratio {cfg.cut_ratio:g}: delay 0"
                 delay, comfortable = 0.0, 0
             elif app > cfg.violation_ratio:
                 comfortable = 0

@@ -370,12 +370,13 @@ def test_no_delay_while_app_latency_is_inside_the_comfort_band() -> None:
     assert _delays(sent) == [0.0] and state.gate_delay_s == 0.0  # type: ignore[attr-defined]
 
 
-def test_a_breach_halves_the_delay_once_per_cooldown_and_the_hard_ratio_drops_it() -> None:
+def test_a_breach_halves_the_delay_once_per_cooldown_and_the_cut_ratio_drops_it() -> None:
     state, _ = _delay_run([400.0] * 100)
     before = state.gate_delay_s  # type: ignore[attr-defined]
     assert before == DCFG.gate_delay_max_s
-    # 1.2x the SLO for 3 s: halved at once, again only after the 2 s cooldown.
-    state, sent = _delay_run([2400.0] * 30, state=state, t0=10.0)
+    # 1.03x the SLO for 3 s (under the cut ratio): halved at once, again only after the 2 s
+    # cooldown (the window still holds the breach after a cut).
+    state, sent = _delay_run([2060.0] * 30, state=state, t0=10.0)
     assert sent == [(10.0, before / 2), (12.0, before / 4)]
     # The delay the breach last persisted at (the second cut found it still breaching).
     assert state.gate_delay_breach_s == before / 2  # type: ignore[attr-defined]
@@ -385,9 +386,10 @@ def test_a_breach_halves_the_delay_once_per_cooldown_and_the_hard_ratio_drops_it
     # ...and raises past half the breaching delay wait slow_increase_after_ticks, not 5.
     assert _delays(sent)[:2] == [before / 2, before]
     assert sent[1][0] - sent[0][0] >= DCFG.slow_increase_after_ticks * DCFG.period_s - 1e-6
-    # Past 2x the SLO: no delay at all.
-    state, sent = _delay_run([4100.0], state=state, t0=55.0)
+    # A clear breach (cut_ratio, 1.05x): no delay at once, no halving.
+    state, sent = _delay_run([2200.0], state=state, t0=55.0)
     assert _delays(sent) == [0.0] and state.gate_delay_s == 0.0  # type: ignore[attr-defined]
+    assert state.gate_delay_breach_s == before  # type: ignore[attr-defined]
 
 
 def test_no_delay_with_a_deep_queue_or_without_app_latency_for_long() -> None:
