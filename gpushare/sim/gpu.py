@@ -496,12 +496,15 @@ class Gpu:
         and every other kernel keeps its SMs and rate (G8 evaluates bandwidth when a kernel starts
         or grows). So each next kernel's end time is known exactly, and the loop runs them without
         the event queue until one would end at or after the next pending event (a completion of
-        another stream, an arrival, a probe, a duty edge, the end of the period).
+        another stream, an arrival, a probe, a duty edge, the end of the period). That bound is
+        read again after each kernel: the stream's ``on_kernel_done`` may schedule an event (a
+        request's end sends a boundary to the gate) that the next kernel must not run past.
         """
         runs = self.runs
         loop = self.loop
         heap = loop._heap
-        limit = min(heap[0][0], loop.end_s) if heap else loop.end_s
+        end = loop.end_s
+        limit = min(heap[0][0], end) if heap else end
         now = loop.now
         cap = stream.cap_sms
         f = self.f
@@ -540,6 +543,7 @@ class Gpu:
             loop.now = now
             self._last_change = now
             stream.on_kernel_done(now)
+            limit = min(heap[0][0], end) if heap else end
 
     def _dispatch_event(self, _: object) -> None:
         self._dispatch_pending = False
