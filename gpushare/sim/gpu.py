@@ -35,7 +35,6 @@ kernel is preempted mid-flight (compute preemption, Pascal and later), the GPU i
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,18 +72,88 @@ ShareRule = Literal["fifo", "fair"]
 
 
 class EventLoop:
-    """A virtual clock and a heap of timed callbacks; deterministic for equal inputs."""
+    """A virtual clock, a heap of timed callbacks and the kernels' completions; deterministic.
+
+    Events run in the order of ``(time, sequence number)``, the number counting every event
+    scheduled. A kernel's completion is not a heap entry: each running kernel (:class:`Run`) has
+    at most one, kept on the record itself (``due_s``, ``due_seq``) and moved or cancelled in
+    place when the kernel's slots or rate change. A heap entry could not be moved, only left to
+    pop and be ignored; those stale entries were most of the heap and of the events popped.
+    """
 
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
-        self._seq = itertools.count()
+        self._seq = 0
+        #: The kernels with a completion pending (a record's ``slot`` is its index here).
+        self._due: list[Run] = []
+        #: The earliest of them (by time, then sequence number), or None.
+        self._first: Run | None = None
         self.events = 0
         self.end_s = 0.0
 
     def at(self, time_s: float, callback: Callable[[Any], None], arg: object = None) -> None:
         """Run ``callback(arg)`` at virtual time ``time_s`` (never earlier than now)."""
-        _heappush(self._heap, (max(time_s, self.now), next(self._seq), callback, arg))
+        seq = self._seq
+        self._seq = seq + 1
+        _heappush(self._heap, (max(time_s, self.now), seq, callback, arg))
+
+    def arm(self, run: Run, time_s: float) -> None:
+        """Make ``run``'s completion due at ``time_s``, replacing the one it had (if any)."""
+        seq = self._seq
+        self._seq = seq + 1
+        old_s = run.due_s
+        run.due_s = time_s
+        run.due_seq = seq
+        first = self._first
+        if run.slot < 0:
+            run.slot = len(self._due)
+            self._due.append(run)
+        elif first is run:
+            if not time_s < old_s:
+                self._find_first()  # moved later: another may now be first
+            return
+        # The newest sequence number loses every tie.
+        if first is None or time_s < first.due_s:
+            self._first = run
+
+    def disarm(self, run: Run) -> None:
+        """Cancel ``run``'s pending completion (none pending: nothing to do)."""
+        k = run.slot
+        if k < 0:
+            return
+        due = self._due
+        last = due.pop()
+        if last is not run:
+            due[k] = last
+            last.slot = k
+        run.slot = -1
+        if self._first is run:
+            self._find_first()
+
+    def _find_first(self) -> None:
+        best: Run | None = None
+        for r in self._due:
+            if (
+                best is None
+                or r.due_s < best.due_s
+                or (r.due_s == best.due_s and r.due_seq < best.due_seq)
+            ):
+                best = r
+        self._first = best
+
+    def next_at(self, end_s: float) -> float:
+        """The time of the next event, or ``end_s`` when none is due before it."""
+        t = end_s
+        heap = self._heap
+        if heap:
+            h = heap[0][0]
+            if h < t:
+                t = h
+        first = self._first
+        if first is not None and first.due_s < t:
+            t = first.due_s
+        return t
 
     def run_until(self, end_s: float) -> None:
         """Process every event up to ``end_s``, then set the clock to ``end_s``."""
@@ -92,10 +161,27 @@ class EventLoop:
         pop = _heappop
         n = 0
         self.end_s = end_s
-        while heap and heap[0][0] <= end_s:
-            t, _, callback, arg = pop(heap)
+        while True:
+            c = self._first
+            if heap:
+                h = heap[0]
+                t = h[0]
+                if c is None or t < c.due_s or (t == c.due_s and h[1] < c.due_seq):
+                    if t > end_s:
+                        break
+                    _, _, callback, arg = pop(heap)
+                    self.now = t
+                    callback(arg)
+                    n += 1
+                    continue
+            elif c is None:
+                break
+            t = c.due_s
+            if t > end_s:
+                break
+            self.disarm(c)
             self.now = t
-            callback(arg)
+            c.gpu._complete(c)
             n += 1
         self.events += n
         self.now = max(self.now, end_s)
@@ -122,40 +208,6 @@ class Stream(Protocol):
     def on_kernel_done(self, now: float) -> None:
         """The running kernel completed at ``now``."""
         ...
-
-
-@dataclass(slots=True, eq=False)
-class Run:
-    """A kernel on the GPU: slots held, remaining work (fraction of the kernel), progress rate.
-
-    ``g == 0`` while ``stream.run is self``: a kernel that gave its slots away between two waves
-    (or was preempted by a context switch) and waits to get some back; it is not in ``Gpu.runs``.
-    """
-
-    stream: Stream
-    dur_s: float
-    width: int
-    mem_e: float
-    want: int
-    since: float
-    wave_s: float = 0.0
-    #: Start of the kernel's current wave train (its waves end at t0 + k * wave_s).
-    t0: float = 0.0
-    #: Which kernel this record holds now (records are reused; a stale wave event must not match).
-    kseq: int = 0
-    #: Time of the wave-end event armed for this kernel, or -1.
-    wave_at: float = -1.0
-    #: Fraction of its slots the last wave fills (< 1: slots free up when it starts).
-    tail: float = 1.0
-    #: The tail event is armed (or done) for this kernel.
-    tail_armed: bool = False
-    g: int = 0
-    remaining: float = 1.0
-    rate: float = 0.0
-    last_s: float = 0.0
-    version: int = 0
-    #: ``g * mem_e``: this kernel's term of the bandwidth sum (G8), kept with ``g``.
-    bw: float = 0.0
 
 
 @dataclass(slots=True)
@@ -252,7 +304,7 @@ class Gpu:
         if run is None:
             return 0
         self._account()
-        run.version += 1
+        self.loop.disarm(run)
         if run.g > 0:
             self.free += run.g
             self.runs.remove(run)
@@ -323,16 +375,11 @@ class Gpu:
             slow *= 1.0 + self._beta_per_sm * run.mem_e * other
         rate = 1.0 / (run.dur_s * slow)
         run.rate = rate
-        run.version += 1
         stream = run.stream
         if g > stream.held_max:
             stream.held_max = g
         remaining = run.remaining if run.remaining > 0.0 else 0.0
-        loop = self.loop
-        _heappush(
-            loop._heap,
-            (now + remaining / rate, next(loop._seq), self._complete, (run, run.version)),
-        )
+        self.loop.arm(run, now + remaining / rate)
 
     def _release(self, run: Run) -> None:
         """Take every slot from a running kernel, keeping its progress (it stays the stream's)."""
@@ -340,8 +387,8 @@ class Gpu:
         now = self.loop.now
         run.remaining -= (now - run.last_s) * run.rate
         run.last_s = now
-        run.version += 1  # its completion event no longer matches
-        run.wave_at = -1.0  # nor its wave end
+        self.loop.disarm(run)  # its completion is cancelled
+        run.wave_at = -1.0  # and its wave end no longer matches
         self.free += run.g
         run.g = 0
         run.bw = 0.0
@@ -455,21 +502,23 @@ class Gpu:
                     heap,
                     (
                         t_tail if t_tail > now else now,
-                        next(self.loop._seq),
+                        self._next_seq(),
                         self._tail_start,
                         (r, r.kseq),
                     ),
                 )
         if best is not None and best.wave_at < 0.0:
             best.wave_at = best_t
-            _heappush(
-                heap, (best_t, next(self.loop._seq), self._wave_end, (best, best.kseq, best_t))
-            )
+            _heappush(heap, (best_t, self._next_seq(), self._wave_end, (best, best.kseq, best_t)))
 
-    def _complete(self, arg: tuple[Run, int]) -> None:
-        run, version = arg
-        if run.version != version:
-            return
+    def _next_seq(self) -> int:
+        loop = self.loop
+        seq = loop._seq
+        loop._seq = seq + 1
+        return seq
+
+    def _complete(self, run: Run) -> None:
+        """The kernel of ``run`` completed (the loop calls this when its completion is due)."""
         now = self.loop.now
         stats = self.stats
         # Accounting (see _account), inlined.
@@ -502,9 +551,8 @@ class Gpu:
         """
         runs = self.runs
         loop = self.loop
-        heap = loop._heap
         end = loop.end_s
-        limit = min(heap[0][0], end) if heap else end
+        limit = loop.next_at(end)
         now = loop.now
         cap = stream.cap_sms
         f = self.f
@@ -543,7 +591,7 @@ class Gpu:
             loop.now = now
             self._last_change = now
             stream.on_kernel_done(now)
-            limit = min(heap[0][0], end) if heap else end
+            limit = loop.next_at(end)
 
     def _dispatch_event(self, _: object) -> None:
         self._dispatch_pending = False
@@ -678,9 +726,6 @@ class Gpu:
         short: list[tuple[int, int, Stream]] = []
         runs = self.runs
         stats = self.stats
-        heap = loop._heap
-        seq = loop._seq
-        complete = self._complete
         beta_per_sm = self._beta_per_sm if self.beta > 0.0 else 0.0
         for k in range(n):
             prio, since, _, s, head, run = cands[k]
@@ -700,11 +745,11 @@ class Gpu:
             mem_e = 0.25 + 0.75 * mem
             self.free -= g
             # A fresh run (g was 0, remaining 1): _set_alloc inlined, with the same arithmetic.
-            # The stream's Run record is reused; its version keeps growing, so an event left
-            # over from an earlier kernel never matches.
+            # The stream's Run record is reused; its kseq keeps growing, so a wave event left
+            # over from an earlier kernel never matches (its completion was disarmed).
             run = s.spare
             if run is None:
-                run = s.spare = Run(s, dur, width, mem_e, want, since)
+                run = s.spare = Run(s, self, dur, width, mem_e, want, since)
             else:
                 run.dur_s = dur
                 run.width = width
@@ -732,11 +777,9 @@ class Gpu:
             runs.append(run)
             rate = 1.0 / (dur * slow)
             run.rate = rate
-            version = run.version + 1
-            run.version = version
             if g > s.held_max:
                 s.held_max = g
-            _heappush(heap, (now + 1.0 / rate, next(seq), complete, (run, version)))
+            loop.arm(run, now + 1.0 / rate)
         if short and not full:
             self._arm_waves(short)
 
@@ -839,3 +882,44 @@ class Gpu:
 
     def _dispatch_event_slice(self, _: object) -> None:
         self._dispatch()
+
+
+# Defined after Gpu, the type of one of its fields: a mypyc-compiled dataclass whose field is a
+# native class defined further down the module crashes at import.
+@dataclass(slots=True, eq=False)
+class Run:
+    """A kernel on the GPU: slots held, remaining work (fraction of the kernel), progress rate.
+
+    ``g == 0`` while ``stream.run is self``: a kernel that gave its slots away between two waves
+    (or was preempted by a context switch) and waits to get some back; it is not in ``Gpu.runs``.
+    """
+
+    stream: Stream
+    gpu: Gpu
+    dur_s: float
+    width: int
+    mem_e: float
+    want: int
+    since: float
+    wave_s: float = 0.0
+    #: Start of the kernel's current wave train (its waves end at t0 + k * wave_s).
+    t0: float = 0.0
+    #: Which kernel this record holds now (records are reused; a stale wave event must not match).
+    kseq: int = 0
+    #: Time of the wave-end event armed for this kernel, or -1.
+    wave_at: float = -1.0
+    #: Fraction of its slots the last wave fills (< 1: slots free up when it starts).
+    tail: float = 1.0
+    #: The tail event is armed (or done) for this kernel.
+    tail_armed: bool = False
+    g: int = 0
+    remaining: float = 1.0
+    rate: float = 0.0
+    last_s: float = 0.0
+    #: When its completion is due and the event's sequence number (see :class:`EventLoop`).
+    due_s: float = 0.0
+    due_seq: int = 0
+    #: Index in the loop's pending completions, or -1 when none is pending.
+    slot: int = -1
+    #: ``g * mem_e``: this kernel's term of the bandwidth sum (G8), kept with ``g``.
+    bw: float = 0.0
