@@ -187,27 +187,41 @@ class EventLoop:
         self.now = max(self.now, end_s)
 
 
-class Stream(Protocol):
-    """A client as the GPU sees it: one in-order stream of kernels."""
+class Client(Protocol):
+    """A simulated client as the GPU sees it: its :class:`Stream`, told when a kernel ends."""
 
-    cid: str
-    priority: int
-    cap_sms: int
-    run: Run | None
-    #: The stream's :class:`Run` record, reused for each of its kernels (None before the first).
-    spare: Run | None
-    #: What :meth:`head` returns, as an attribute: the scheduler reads it on every event.
-    nxt: Kernel | None
-    eligible_since: float
-    held_max: int
-
-    def head(self) -> Kernel | None:
-        """The next kernel ``(dur_s, width, memory_boundness, wave_s)`` if issued, else None."""
-        ...
+    stream: Stream
 
     def on_kernel_done(self, now: float) -> None:
         """The running kernel completed at ``now``."""
         ...
+
+
+class Stream:
+    """One client's in-order stream of kernels: what the GPU model reads and writes of it.
+
+    The client keeps its next kernel here (``nxt``) and the GPU its running one (``run``). It is a
+    class of this module, not the client itself, so that the compiled engine reads these fields
+    directly; on a client (a plain Python object) each was a generic attribute look-up, and the
+    scheduler reads them on every event.
+    """
+
+    def __init__(self, client: Client, cid: str, priority: int, cap_sms: int) -> None:
+        self.client = client
+        self.cid = cid
+        #: MPS client priority (0 high) and the SM slots it may hold (its MPS cap).
+        self.priority = priority
+        self.cap_sms = cap_sms
+        #: The running kernel, or None.
+        self.run: Run | None = None
+        #: The stream's :class:`Run` record, reused for each of its kernels (None before the first).
+        self.spare: Run | None = None
+        #: The next kernel ``(dur_s, width, memory_boundness, wave_s, tail)`` if issued, else None.
+        self.nxt: Kernel | None = None
+        #: When ``nxt`` was issued (the order among waiting kernels of one priority).
+        self.eligible_since = 0.0
+        #: The most slots it ever held.
+        self.held_max = 0
 
 
 @dataclass(slots=True)
@@ -282,15 +296,17 @@ class Gpu:
 
     # --- clients -------------------------------------------------------------------------------
 
-    def attach(self, stream: Stream) -> None:
+    def attach(self, client: Client) -> None:
         """Connect a client; it may issue kernels from now on."""
+        stream = client.stream
         if stream not in self.streams:
             self.streams.append(stream)
         self.wake()
 
-    def detach(self, stream: Stream) -> int:
+    def detach(self, client: Client) -> int:
         """Disconnect a client, killing its running kernel. Returns kernels killed (0 or 1)."""
-        killed = self.kill_running(stream)
+        killed = self.kill_running(client)
+        stream = client.stream
         if stream in self.streams:
             self.streams.remove(stream)
         if self._active is stream:
@@ -298,8 +314,9 @@ class Gpu:
         self.wake()
         return killed
 
-    def kill_running(self, stream: Stream) -> int:
+    def kill_running(self, client: Client) -> int:
         """Kill the client's running kernel (``terminate_client``); its SMs free at once."""
+        stream = client.stream
         run = stream.run
         if run is None:
             return 0
@@ -414,8 +431,7 @@ class Gpu:
         for s in self.streams:
             if s is own:
                 continue
-            # Whether it waits first (mostly the Run's own fields), its priority only then, once:
-            # a stream's attributes are a generic look-up each in the compiled engine.
+            # Whether it waits first, its priority only then.
             r = s.run
             if r is None:
                 if s.nxt is None:
@@ -534,7 +550,7 @@ class Gpu:
         stream = run.stream
         stream.run = None
         stats.kernels_done += 1
-        stream.on_kernel_done(now)
+        stream.client.on_kernel_done(now)
         self._dispatch(stream)
 
     def _run_on(self, stream: Stream) -> None:
@@ -564,6 +580,7 @@ class Gpu:
             other_bw = sum(r.bw for r in runs)
         beta_per_sm = self._beta_per_sm
         stats = self.stats
+        client = stream.client
         while True:
             head = stream.nxt
             if head is None:
@@ -590,7 +607,7 @@ class Gpu:
             now = t_end
             loop.now = now
             self._last_change = now
-            stream.on_kernel_done(now)
+            client.on_kernel_done(now)
             limit = loop.next_at(end)
 
     def _dispatch_event(self, _: object) -> None:
@@ -621,7 +638,7 @@ class Gpu:
             streams = self.streams
             full = 0
         # Each candidate: (priority, since, index, stream, its next kernel or None, its run or
-        # None). The run is kept from this scan: a stream's attributes are a generic look-up each.
+        # None).
         cands: list[tuple[int, float, int, Stream, Kernel | None, Run | None]] = []
         for i, s in enumerate(streams):
             run = s.run
