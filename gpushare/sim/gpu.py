@@ -222,6 +222,20 @@ class Stream:
         self.eligible_since = 0.0
         #: The most slots it ever held.
         self.held_max = 0
+        # Gpu._dispatch's view of it as a candidate: sort key (priority, since, index), its next
+        # kernel or its run, the slots it holds, wants and gets; and as a waiter left short, for
+        # _arm_waves: its priority and the slots it holds. Fields of a native record, they cost
+        # the compiled engine no tuple to build or unpack.
+        self.c_prio = 0
+        self.c_since = 0.0
+        self.c_index = 0
+        self.c_head: Kernel | None = None
+        self.c_run: Run | None = None
+        self.c_held = 0
+        self.c_want = 0
+        self.c_final = 0
+        self.w_prio = 0
+        self.w_has = 0
 
 
 @dataclass(slots=True)
@@ -274,10 +288,6 @@ class Gpu:
         self._fair = share == "fair"
         self._ts = mode == "time_slice"
         self._switch_until = 0.0
-        # Scratch lists of _dispatch, reused: it runs on almost every event.
-        self._held: list[int] = []
-        self._wants: list[int] = []
-        self._finals: list[int] = []
         self.streams: list[Stream] = []
         self.free = sm_count
         self.runs: list[Run] = []
@@ -466,11 +476,11 @@ class Gpu:
         run.width = g
         self._dispatch()
 
-    def _arm_waves(self, short: list[tuple[int, int, Stream]]) -> None:
+    def _arm_waves(self, short: list[Stream]) -> None:
         """Arm the events at which a waiting kernel may get slots from a running one (G5, G6).
 
-        ``short`` lists ``(priority, slots held, stream)`` of the streams left short of their
-        want. A running kernel gives slots at its next wave end to a waiter of higher priority
+        ``short`` lists the streams left short of their want (``w_prio``: the priority they wait
+        at, ``w_has``: the slots they hold). A running kernel gives slots at its next wave end to a waiter of higher priority
         (its pending blocks are dispatched first). To a waiter of its own priority it gives,
         under ``share = "fifo"``, only the slots its last, partial wave leaves empty (the
         earlier grid's blocks are all dispatched before a later grid's); under ``"fair"``, a
@@ -488,9 +498,11 @@ class Gpu:
             g = r.g
             higher = False
             equal = False
-            for prio, has, s in short:
+            for s in short:
                 if s is r.stream:
                     continue
+                prio = s.w_prio
+                has = s.w_has
                 if prio < p:
                     higher = True
                 elif prio == p and (not fair or has + 1 < g):
@@ -637,36 +649,50 @@ class Gpu:
         else:
             streams = self.streams
             full = 0
-        # Each candidate: (priority, since, index, stream, its next kernel or None, its run or
-        # None).
-        cands: list[tuple[int, float, int, Stream, Kernel | None, Run | None]] = []
+        # Each candidate is a stream with this dispatch's view of it in its c_* fields.
+        cands: list[Stream] = []
         for i, s in enumerate(streams):
             run = s.run
             if run is None:
                 head = s.nxt
                 if head is not None:
-                    cands.append((s.priority, s.eligible_since, i, s, head, None))
+                    s.c_prio = s.priority
+                    s.c_since = s.eligible_since
+                    s.c_index = i
+                    s.c_head = head
+                    s.c_run = None
+                    cands.append(s)
             elif run.g < run.want:
-                cands.append((s.priority, run.since, i, s, None, run))
+                s.c_prio = s.priority
+                s.c_since = run.since
+                s.c_index = i
+                s.c_head = None
+                s.c_run = run
+                cands.append(s)
         if not cands:
             return
         if self.free <= 0:
             if not full:
-                self._arm_waves([(c[0], c[5].g if c[5] is not None else 0, c[3]) for c in cands])
+                for s in cands:
+                    r = s.c_run
+                    s.w_prio = s.c_prio
+                    s.w_has = r.g if r is not None else 0
+                self._arm_waves(cands)
             return
         if len(cands) > 1:
-            # Insertion sort by (priority, since, index), compared field by field: the same order
-            # as sorting the tuples, without the generic comparison a tuple sort goes through.
+            # Insertion sort by (priority, since, index), compared field by field.
             for a in range(1, len(cands)):
                 c = cands[a]
-                pa = c[0]
-                sa = c[1]
-                ia = c[2]
+                pa = c.c_prio
+                sa = c.c_since
+                ia = c.c_index
                 b = a - 1
                 while b >= 0:
                     d = cands[b]
-                    pb = d[0]
-                    if pb < pa or (pb == pa and (d[1] < sa or (d[1] == sa and d[2] < ia))):
+                    pb = d.c_prio
+                    if pb < pa or (
+                        pb == pa and (d.c_since < sa or (d.c_since == sa and d.c_index < ia))
+                    ):
                         break
                     cands[b + 1] = d
                     b -= 1
@@ -676,79 +702,86 @@ class Gpu:
                 # the stream's dependency resolves (microseconds); the block scheduler fills the
                 # freed slots with other clients' pending blocks first, whatever the priorities.
                 for k in range(len(cands)):
-                    if cands[k][3] is completing:
+                    if cands[k] is completing:
                         c = cands.pop(k)
-                        cands.append((DEFERRED, c[1], c[2], c[3], c[4], c[5]))
+                        c.c_prio = DEFERRED
+                        cands.append(c)
                         break
-        elif completing is not None and cands[0][3] is completing and self.fast_path and not full:
+        elif completing is not None and cands[0] is completing and self.fast_path and not full:
             self._run_on(completing)
             head = completing.nxt
             if head is None:
                 return
-            cands = [(completing.priority, completing.eligible_since, 0, completing, head, None)]
+            completing.c_prio = completing.priority
+            completing.c_since = completing.eligible_since
+            completing.c_index = 0
+            completing.c_head = head
+            completing.c_run = None
             now = loop.now
         if now != self._last_change:
             self._account()
         # What each candidate holds and wants, then what it gets.
         n = len(cands)
-        held = self._held
-        wants = self._wants
-        finals = self._finals
-        while len(held) < n:
-            held.append(0)
-            wants.append(0)
-            finals.append(0)
-        for k in range(n):
-            _, _, _, s, head, run = cands[k]
+        for s in cands:
+            run = s.c_run
             if run is not None:
-                held[k] = run.g
-                wants[k] = run.want
+                s.c_held = run.g
+                s.c_want = run.want
             else:
+                head = s.c_head
                 assert head is not None
-                held[k] = 0
+                s.c_held = 0
                 cap = full or s.cap_sms
                 width = head[1]
-                wants[k] = width if width < cap else cap
-            finals[k] = held[k]
+                s.c_want = width if width < cap else cap
+            s.c_final = s.c_held
         free = self.free
         if n == 1:
-            add = wants[0] - held[0]
-            finals[0] = held[0] + (add if add < free else free)
+            s = cands[0]
+            add = s.c_want - s.c_held
+            s.c_final = s.c_held + (add if add < free else free)
             free = 0
         k = 0 if n > 1 else 1
         while k < n and free > 0:
-            prio = cands[k][0]
+            prio = cands[k].c_prio
             e = k + 1
-            while e < n and cands[e][0] == prio:
+            while e < n and cands[e].c_prio == prio:
                 e += 1
             need = 0
             for m in range(k, e):
-                need += wants[m] - held[m]
+                s = cands[m]
+                need += s.c_want - s.c_held
             if need <= free:
                 for m in range(k, e):
-                    finals[m] = wants[m]
+                    s = cands[m]
+                    s.c_final = s.c_want
                 free -= need
             elif self._fair:
-                self._share(held, wants, finals, k, e, free)
+                self._share(cands, k, e, free)
                 free = 0
             else:
                 # Left-over rule: the earliest grid's blocks first, later grids what is left.
                 for m in range(k, e):
-                    add = wants[m] - held[m]
+                    s = cands[m]
+                    add = s.c_want - s.c_held
                     if add > free:
                         add = free
-                    finals[m] = held[m] + add
+                    s.c_final = s.c_held + add
                     free -= add
             k = e
-        short: list[tuple[int, int, Stream]] = []
+        short: list[Stream] = []
         runs = self.runs
         stats = self.stats
         beta_per_sm = self._beta_per_sm if self.beta > 0.0 else 0.0
-        for k in range(n):
-            prio, since, _, s, head, run = cands[k]
-            g = finals[k]
-            if g < wants[k]:
-                short.append((prio if prio != DEFERRED else s.priority, g, s))
+        for s in cands:
+            prio = s.c_prio
+            run = s.c_run
+            g = s.c_final
+            want = s.c_want
+            if g < want:
+                s.w_prio = prio if prio != DEFERRED else s.priority
+                s.w_has = g
+                short.append(s)
             if run is not None:
                 if g > run.g:
                     self.free -= g - run.g
@@ -756,9 +789,10 @@ class Gpu:
                 continue
             if g <= 0:
                 continue
+            head = s.c_head
             assert head is not None
             dur, width, mem, wave, tail = head
-            want = wants[k]
+            since = s.c_since
             mem_e = 0.25 + 0.75 * mem
             self.free -= g
             # A fresh run (g was 0, remaining 1): _set_alloc inlined, with the same arithmetic.
@@ -801,9 +835,7 @@ class Gpu:
             self._arm_waves(short)
 
     @staticmethod
-    def _share(
-        held: list[int], wants: list[int], finals: list[int], k: int, e: int, free: int
-    ) -> None:
+    def _share(cands: list[Stream], k: int, e: int, free: int) -> None:
         """Max-min fair shares of ``free`` slots among candidates ``k..e-1`` of one priority.
 
         Each ends with ``max(held, min(want, level))`` for the highest level the slots allow;
@@ -811,36 +843,40 @@ class Gpu:
         The alternative to the left-over rule (``share = "fair"``): if the work distributor took
         grids from every client's channel in turn, the blocks dispatched into freed slots would
         alternate between clients' grids. Orion's V100 point fits it worse (docs/simulator.md).
+        Reads each candidate's ``c_held`` and ``c_want``, sets its ``c_final``.
         """
         budget = free
         for m in range(k, e):
-            budget += held[m]
+            budget += cands[m].c_held
         lo = 0
         hi = 0
         for m in range(k, e):
-            if wants[m] > hi:
-                hi = wants[m]
+            if cands[m].c_want > hi:
+                hi = cands[m].c_want
         while lo < hi:
             mid = (lo + hi + 1) // 2
             total = 0
             for m in range(k, e):
-                w = wants[m] if wants[m] < mid else mid
-                total += held[m] if held[m] > w else w
+                s = cands[m]
+                w = s.c_want if s.c_want < mid else mid
+                total += s.c_held if s.c_held > w else w
             if total <= budget:
                 lo = mid
             else:
                 hi = mid - 1
         used = 0
         for m in range(k, e):
-            w = wants[m] if wants[m] < lo else lo
-            finals[m] = held[m] if held[m] > w else w
-            used += finals[m]
+            s = cands[m]
+            w = s.c_want if s.c_want < lo else lo
+            s.c_final = s.c_held if s.c_held > w else w
+            used += s.c_final
         left = budget - used
         for m in range(k, e):
             if left <= 0:
                 break
-            if finals[m] < wants[m]:
-                finals[m] += 1
+            s = cands[m]
+            if s.c_final < s.c_want:
+                s.c_final += 1
                 left -= 1
 
     def _time_slice_owner(self, now: float) -> Stream | None:
