@@ -479,14 +479,14 @@ class Gpu:
     def _arm_waves(self, short: list[Stream]) -> None:
         """Arm the events at which a waiting kernel may get slots from a running one (G5, G6).
 
-        ``short`` lists the streams left short of their want (``w_prio``: the priority they wait
-        at, ``w_has``: the slots they hold). A running kernel gives slots at its next wave end to a waiter of higher priority
-        (its pending blocks are dispatched first). To a waiter of its own priority it gives,
-        under ``share = "fifo"``, only the slots its last, partial wave leaves empty (the
-        earlier grid's blocks are all dispatched before a later grid's); under ``"fair"``, a
-        max-min fair share at its next wave end. Only the earliest useful wave end is armed (the
-        dispatch it triggers arms the next one if someone is still short); nothing is armed
-        when no waiter would gain.
+        ``short`` lists the streams left short of their want (``w_prio``: the priority they wait at,
+        ``w_has``: the slots they hold). A running kernel gives slots at its next wave end to a
+        waiter of higher priority (its pending blocks are dispatched first). To a waiter of its own
+        priority it gives, under ``share = "fifo"``, only the slots its last, partial wave leaves
+        empty (the earlier grid's blocks are all dispatched before a later grid's); under
+        ``"fair"``, a max-min fair share at its next wave end. Only the earliest useful wave end is
+        armed (the dispatch it triggers arms the next one if someone is still short); nothing is
+        armed when no waiter would gain.
         """
         now = self.loop.now
         heap = self.loop._heap
@@ -569,13 +569,13 @@ class Gpu:
         """Fast path: run a stream's next kernels inline while nothing else can change.
 
         Called only when no other stream waits for SMs (none has an issued kernel not yet started,
-        none runs below its width): then the kernels the completing stream starts next take the SMs it just freed,
-        and every other kernel keeps its SMs and rate (G8 evaluates bandwidth when a kernel starts
-        or grows). So each next kernel's end time is known exactly, and the loop runs them without
-        the event queue until one would end at or after the next pending event (a completion of
-        another stream, an arrival, a probe, a duty edge, the end of the period). That bound is
-        read again after each kernel: the stream's ``on_kernel_done`` may schedule an event (a
-        request's end sends a boundary to the gate) that the next kernel must not run past.
+        none runs below its width): then the kernels the completing stream starts next take the SMs
+        it just freed, and every other kernel keeps its SMs and rate (G8 evaluates bandwidth when a
+        kernel starts or grows). So each next kernel's end time is known exactly, and the loop runs
+        them without the event queue until one would end at or after the next pending event (a
+        completion of another stream, an arrival, a probe, a duty edge, the end of the period). That
+        bound is read again after each kernel: the stream's ``on_kernel_done`` may schedule an event
+        (a request's end sends a boundary to the gate) that the next kernel must not run past.
         """
         runs = self.runs
         loop = self.loop
@@ -630,13 +630,13 @@ class Gpu:
         """Give free slots to the kernels that want them (G5).
 
         One scan collects every stream that wants slots (an issued kernel not started, or a kernel
-        holding fewer than it wants). Priorities are served in order; within one priority, when
-        the free slots do not cover every want, the earliest grid goes first (or, with
-        ``share = "fair"``, they are shared max-min fairly, :meth:`_share`). Whoever is left short waits for the next wave end of a kernel it may
-        take slots from (:meth:`_arm_waves`). When the only candidate is the stream whose kernel
-        just completed, its uncontended stretch runs inline first (:meth:`_run_on`). This is the
-        simulator's hot path: the start of a kernel (:meth:`_set_alloc` for a fresh run) is
-        inlined with the same arithmetic, in the same order.
+        holding fewer than it wants). Priorities are served in order; within one priority, when the
+        free slots do not cover every want, the earliest grid goes first (or, with
+        ``share = "fair"``, they are shared max-min fairly, :meth:`_share`). Whoever is left short waits for
+        the next wave end of a kernel it may take slots from (:meth:`_arm_waves`). When the only
+        candidate is the stream whose kernel just completed, its uncontended stretch runs inline
+        first (:meth:`_run_on`). This is the simulator's hot path: the start of a kernel
+        (:meth:`_set_alloc` for a fresh run) is inlined with the same arithmetic, in the same order.
         """
         loop = self.loop
         now = loop.now
