@@ -356,12 +356,20 @@ def test_the_delay_rises_while_app_latency_has_room_doubling_to_the_max() -> Non
 
 
 def test_the_delay_stays_within_the_room_the_slo_leaves_over_the_tail() -> None:
-    # SLO 40 ms, p99 20 ms: the SLO leaves 20 ms over the tail; the delay stops there.
-    state, sent = _delay_run([20.0] * 150, slo_ms=40.0)
+    # SLO 40 ms, p99 20 ms: the SLO leaves 20 ms over the tail, but until 30 s of app latency
+    # the tail counts as at least the comfort band's edge (0.8): 8 ms first, 20 ms after.
+    state, sent = _delay_run([20.0] * 400, slo_ms=40.0)
+    early = [d for t, d in sent if t < 30.0]
+    assert max(early) == 0.008
     assert _delays(sent)[-1] == 0.02 and state.gate_delay_s == 0.02  # type: ignore[attr-defined]
-    # One window at 0.9 of the SLO in the last 30 s leaves 4 ms, whatever the windows since.
-    state, sent = _delay_run([20.0, 20.0, 36.0] + [20.0] * 150, slo_ms=40.0)
-    assert max(_delays(sent)) == 0.004
+    # The room caps raises, it does not cut: a window at 0.9 of the SLO (inside the comfort band)
+    # holds the delay, and no raise follows while it is in the last 30 s.
+    state, sent = _delay_run([36.0] + [20.0] * 250, slo_ms=40.0, state=state, t0=40.0)
+    assert sent == [] and state.gate_delay_s == 0.02  # type: ignore[attr-defined]
+    # From the start: one window at 0.9 leaves 4 ms until it has left the 30 s memory.
+    state, sent = _delay_run([20.0] * 5 + [36.0] + [20.0] * 400, slo_ms=40.0)
+    assert max(d for t, d in sent if t < 30.0) == 0.004
+    assert _delays(sent)[-1] == 0.02
 
 
 def test_no_delay_while_app_latency_is_inside_the_comfort_band() -> None:
