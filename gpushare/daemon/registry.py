@@ -450,17 +450,22 @@ class Registry:
         except RegistryError:
             return None
 
-    def clients(self, *, include_final: bool = False) -> list[ClientRecord]:
+    def clients(self, *, include_final: bool = False, check: bool = True) -> list[ClientRecord]:
         """Clients in submission order; by default only those not in a final state.
 
         The live ones come from memory (no query, nothing decoded); ``include_final`` reads the
-        whole table, as ``gpushare list --all`` does.
+        whole table, as ``gpushare list --all`` does. ``check=False`` skips the look for other
+        connections' commits (``PRAGMA data_version``): the copy as of the last look, with every
+        write of this registry since. The control loop reads the clients twice a tick and looks
+        once: a commit that lands between the two reads is seen at the next tick, as one that
+        lands just after the look is.
         """
         with self._lock:
             if include_final:
                 rows = self._conn.execute("SELECT * FROM clients ORDER BY seq").fetchall()
                 return [_record(row) for row in rows]
-            self._sync()
+            if check:
+                self._sync()
             return list(self._live.values())
 
     def add_event(

@@ -136,3 +136,28 @@ def test_a_commit_by_another_connection_is_seen(tmp_path: Path) -> None:
     assert [r.id for r in reg.clients()] == [cid]
     other.close()
     reg.close()
+
+
+def test_clients_without_the_check_is_the_copy_as_last_looked_plus_own_writes(
+    tmp_path: Path,
+) -> None:
+    # The control loop's second read of a tick (check=False): no look for other connections'
+    # commits, so it costs no query; its own writes show at once, the other's at the next look.
+    path = tmp_path / "db.sqlite"
+    reg = Registry.open(path)
+    cid = _add(reg)
+    assert [r.state for r in reg.clients()] == [S.STARTING]
+    other = Registry.open(path)
+    theirs = _add(other, name="from-the-other")
+    mine = _add(reg, name="mine")
+    # Our own commit looks for others' commits too (a commit just before ours is not lost).
+    assert [r.id for r in reg.clients(check=False)] == [cid, theirs, mine]
+    other.transition(cid, S.RUNNING, pid=7)
+    assert [r.state for r in reg.clients(check=False)] == [S.STARTING] * 3
+    assert [r.state for r in reg.clients()] == [S.RUNNING, S.STARTING, S.STARTING]
+    reg.transition(mine, S.RUNNING, pid=8)
+    assert [(r.id, r.state) for r in reg.clients(check=False)] == [
+        (cid, S.RUNNING), (theirs, S.STARTING), (mine, S.RUNNING),
+    ]  # fmt: skip
+    other.close()
+    reg.close()
