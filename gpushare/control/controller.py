@@ -90,6 +90,9 @@ class GpushareController:
         self, state: GpuState, observation: Observation, now: float
     ) -> tuple[GpuState, Sequence[Action]]:
         """Decide this tick's actions for one GPU (see the module docstring for the order)."""
+        idle = self._idle(state, observation)
+        if idle is not None:
+            return idle, []
         gpu = observation.gpu_uuid
         actions: list[Action] = []
         # A new state only where something changed: the step runs every tick for every GPU,
@@ -126,6 +129,54 @@ class GpushareController:
         state = self._share(state, observation, signals, now, actions)
         state = restarts(self.config, state, observation, signals, now, actions)
         return state, actions
+
+    def _idle(self, state: GpuState, obs: Observation) -> GpuState | None:
+        """The step of a GPU with no client and nothing to settle; ``None`` when it is not one.
+
+        Such a GPU (most of a node's, often) makes every section above a no-op: no fault, loss or
+        memory shortfall to act on, no online client (offline runs free: duty 1, counters reset,
+        gating off as last sent), no share sample, no restart. What the sections would return is
+        the state with one more quiet tick and no action; this returns that without running them,
+        where the step runs for every GPU every tick. Each condition below is one a section
+        checks; ``tests/control/test_controller_idle.py`` holds the answer to the full step's over
+        random states and observations.
+        """
+        if (
+            obs.clients
+            or obs.gpu_events
+            or obs.sample.lost
+            or obs.mps_state is not MpsState.UP
+            or state.lost
+            or state.recovering_since_s is not None
+            or state.evicting
+            or state.stopped
+            or state.restart_pending is not None
+            or state.memory_alerted
+            or state.demand_samples
+            or state.quiet_signals
+            or state.app_quiet_signals
+            or not state.share_emitted
+            or state.duty != 1.0
+            or state.duty_emitted != 1.0
+            or state.comfortable_ticks
+            or state.violation_ticks
+            or state.breach_duty is not None
+            or state.gated_shallow
+            or state.gating_emitted is True
+            or (obs.gate is not None and state.gating_emitted is not False)
+        ):
+            return None
+        reserve = obs.mem_reserve_bytes
+        free = free_memory_bytes(obs)
+        if reserve > 0 and free is not None and free < reserve:
+            return None
+        cfg = self.config
+        top = min(cfg.offline_sm_pct_max, obs.offline_sm_pct_max)
+        low = min(cfg.offline_sm_pct_min, top)
+        target = max(low, float(math.floor(top)))  # _share with no online client
+        if state.share_pct > top or abs(target - state.share_pct) > cfg.share_hysteresis_pct:
+            return None
+        return replace(state, quiet_ticks=state.quiet_ticks + 1)
 
     # Faults and recovery -----------------------------------------------------------------------
 
