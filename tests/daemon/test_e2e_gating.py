@@ -143,7 +143,8 @@ def test_an_auto_queue_client_is_relaunched_shallow_once_gating_is_on(tmp_path: 
             [sys.executable, "-c", IDLE], env=env, restartable=True, queue="auto"
         )
         blocking = b"CUDA_LAUNCH_BLOCKING=1"
-        assert blocking not in Path(f"/proc/{off['pid']}/environ").read_bytes()
+        # (Launched deep: its first offline_queue line says so, checked below. Its environment
+        # is not read here, since on a loaded machine it can be restarted before this line.)
         d.submit_detached([sys.executable, "-c", SERVICE, str(cmd)], cls="online", env=env)
         (cmd / "0000-ping").touch()
         wait_for(lambda: _gate(d)["enabled"], 10.0, "gating on")
@@ -152,17 +153,21 @@ def test_an_auto_queue_client_is_relaunched_shallow_once_gating_is_on(tmp_path: 
             c = d.client(off["client_id"])
             if c["state"] not in ("running", "throttled") or c["pid"] == off["pid"]:
                 return False
-            return blocking in Path(f"/proc/{c['pid']}/environ").read_bytes()
+            try:
+                return blocking in Path(f"/proc/{c['pid']}/environ").read_bytes()
+            except FileNotFoundError:
+                return False  # relaunched again since: look at the next one
 
         wait_for(relaunched_shallow, 20.0, "a relaunch with CUDA_LAUNCH_BLOCKING=1")
-        # One offline_queue line per launch: deep at submit, shallow at the relaunch.
+        # One offline_queue line per launch: deep at submit, shallow at the relaunch. On a
+        # loaded machine the online client's admission can come a tick before its first request
+        # boundary, and the offline job is then restarted once more, deep, to give up SM share.
         lines = d.stderr_path.read_text().splitlines()
-        queues = [
-            ln
-            for ln in lines
-            if "offline_queue" in ln and f"\"client_id\": \"{off['client_id']}\"" in ln
-        ]
-        assert len(queues) == 2, queues
+        mine = f"\"client_id\": \"{off['client_id']}\""
+        queues = [ln for ln in lines if "offline_queue" in ln and mine in ln]
+        exits = [ln for ln in lines if "client_process_exited" in ln and mine in ln]
+        assert len(queues) == len(exits) + 1 >= 2, queues  # the last launch is running
+        assert '"queue": "deep"' in queues[0] and '"queue": "shallow"' in queues[-1], queues
     finally:
         d.cleanup()
 
