@@ -161,3 +161,46 @@ def test_clients_without_the_check_is_the_copy_as_last_looked_plus_own_writes(
     ]  # fmt: skip
     other.close()
     reg.close()
+
+
+def _statements(reg: Registry) -> list[str]:
+    seen: list[str] = []
+    reg._conn.set_trace_callback(seen.append)
+    return seen
+
+
+def test_a_look_with_nothing_written_since_asks_sqlite_nothing(tmp_path: Path) -> None:
+    # The control loop reads the clients every tick: with no write to the database's files since
+    # the last look (inotify), not even PRAGMA data_version is asked; after any write, it is.
+    path = tmp_path / "db.sqlite"
+    reg = Registry.open(path)
+    cid = _add(reg)
+    asked = _statements(reg)
+    for _ in range(3):
+        assert [r.id for r in reg.clients()] == [cid]
+        assert reg.get(cid).state is S.STARTING
+    assert asked == []
+    other = Registry.open(path)
+    other.transition(cid, S.RUNNING, pid=7)
+    assert [r.state for r in reg.clients()] == [S.RUNNING]
+    assert "PRAGMA data_version" in asked
+    asked.clear()
+    assert [r.state for r in reg.clients()] == [S.RUNNING]
+    assert asked == []
+    # A raw write (an operator's sqlite3 shell) is a write to the files too.
+    raw = sqlite3.connect(path)
+    with raw:
+        raw.execute("UPDATE clients SET held = 1 WHERE id = ?", (cid,))
+    raw.close()
+    assert reg.get(cid).held is True
+    other.close()
+    reg.close()
+
+
+def test_a_private_in_memory_registry_never_looks_for_other_connections() -> None:
+    reg = Registry.in_memory()
+    cid = _add(reg)
+    asked = _statements(reg)
+    assert [r.id for r in reg.clients()] == [cid]
+    assert asked == []
+    reg.close()
