@@ -2,9 +2,10 @@
 # Compile the simulator's hot module, gpushare/sim/gpu.py, with mypyc into gpushare/sim/_native/.
 #
 # The compiled module is the same source, type-checked and turned into C: it gives bit-identical
-# results about twice as fast, which is what keeps every shipped scenario at 10x real time or more
-# (docs/simulator.md section 5). It is optional: gpushare.sim.engine loads it only when it was built
-# from the gpu.py now in the tree, and otherwise runs the pure-Python source.
+# results several times faster (about 6x on the slowest shipped run), which is what keeps every
+# shipped scenario at 10x real time or more (docs/simulator.md section 5). It is optional:
+# gpushare.sim.engine loads it only when it was built from the gpu.py now in the tree, and
+# otherwise runs the pure-Python source.
 #
 # Usage: scripts/build-sim-engine.sh [PYTHON]   (default: <repo>/.venv/bin/python)
 # Exit 0 when built or already current, and when the machine has no C compiler (said on stderr:
@@ -29,7 +30,7 @@ if [[ -f "$out/gpu$suffix" && "$(cat "$out/SOURCE_SHA256" 2>/dev/null)" == "$dig
     exit 0
 fi
 if ! command -v cc >/dev/null 2>&1; then
-    say "no C compiler (install gcc): the simulator runs in pure Python, about 2x slower"
+    say "no C compiler (install gcc): the simulator runs in pure Python, several times slower"
     exit 0
 fi
 include=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')

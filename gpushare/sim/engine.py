@@ -2,7 +2,7 @@
 
 ``scripts/build-sim-engine.sh`` compiles :mod:`gpushare.sim.gpu` with mypyc into ``_native/`` next
 to this file and records the SHA-256 of the ``gpu.py`` it compiled. The compiled module is the same
-code (bit-identical results, about twice as fast); :func:`select` puts ``_native/`` first on the
+code (bit-identical results, several times faster); :func:`select` puts ``_native/`` first on the
 package's search path only when that record matches the ``gpu.py`` now in the tree, so an edit to
 the source is never shadowed by an older build. ``GPUSHARE_SIM_ENGINE=python`` forces the source.
 """
@@ -21,7 +21,7 @@ ENV_ENGINE = "GPUSHARE_SIM_ENGINE"
 #: Where the build script puts the compiled module.
 NATIVE_DIR = Path(__file__).with_name("_native")
 SOURCE = Path(__file__).with_name("gpu.py")
-BUILD_HINT = "from a checkout, `make engine` builds the compiled engine (about 2x faster)"
+BUILD_HINT = "from a checkout, `make engine` builds the compiled engine (several times faster)"
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,10 +35,9 @@ kernel is preempted mid-flight (compute preemption, Pascal and later), the GPU i
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
 GpuMode = Literal["mps", "time_slice"]
@@ -70,21 +69,95 @@ Kernel = tuple[float, int, float, float, float]
 DEFERRED = 1 << 30
 #: How slots are shared among kernels of one MPS priority (docs/simulator.md G5).
 ShareRule = Literal["fifo", "fair"]
+#: What a :class:`Timer` is for: a kernel's completion, or the end of one of its waves.
+TIMER_DONE: Final = 0
+TIMER_WAVE_END: Final = 1
 
 
 class EventLoop:
-    """A virtual clock and a heap of timed callbacks; deterministic for equal inputs."""
+    """A virtual clock, a heap of timed callbacks and the kernels' completions; deterministic.
+
+    Events run in the order of ``(time, sequence number)``, the number counting every event
+    scheduled. A kernel's completion and its next wave end are not heap entries: each
+    :class:`Run` keeps one :class:`Timer` for each, moved or cancelled in place when the kernel's
+    slots or rate change (a heap entry could not be moved, only left to pop and be ignored: those
+    stale entries were most of the heap and of the events popped), and they run in the same
+    order as heap entries would.
+    """
 
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
-        self._seq = itertools.count()
+        self._seq = 0
+        #: The kernels' pending timers (a timer's ``slot`` is its index here).
+        self._due: list[Timer] = []
+        #: The earliest of them (by time, then sequence number), or None.
+        self._first: Timer | None = None
         self.events = 0
         self.end_s = 0.0
 
     def at(self, time_s: float, callback: Callable[[Any], None], arg: object = None) -> None:
         """Run ``callback(arg)`` at virtual time ``time_s`` (never earlier than now)."""
-        _heappush(self._heap, (max(time_s, self.now), next(self._seq), callback, arg))
+        seq = self._seq
+        self._seq = seq + 1
+        _heappush(self._heap, (max(time_s, self.now), seq, callback, arg))
+
+    def arm(self, timer: Timer, time_s: float) -> None:
+        """Make the timer due at ``time_s``, replacing the time it had (if pending)."""
+        seq = self._seq
+        self._seq = seq + 1
+        old_s = timer.due_s
+        timer.due_s = time_s
+        timer.due_seq = seq
+        first = self._first
+        if timer.slot < 0:
+            timer.slot = len(self._due)
+            self._due.append(timer)
+        elif first is timer:
+            if not time_s < old_s:
+                self._find_first()  # moved later: another may now be first
+            return
+        # The newest sequence number loses every tie.
+        if first is None or time_s < first.due_s:
+            self._first = timer
+
+    def disarm(self, timer: Timer) -> None:
+        """Cancel the timer (not pending: nothing to do)."""
+        k = timer.slot
+        if k < 0:
+            return
+        due = self._due
+        last = due.pop()
+        if last is not timer:
+            due[k] = last
+            last.slot = k
+        timer.slot = -1
+        if self._first is timer:
+            self._find_first()
+
+    def _find_first(self) -> None:
+        best: Timer | None = None
+        for r in self._due:
+            if (
+                best is None
+                or r.due_s < best.due_s
+                or (r.due_s == best.due_s and r.due_seq < best.due_seq)
+            ):
+                best = r
+        self._first = best
+
+    def next_at(self, end_s: float) -> float:
+        """The time of the next event, or ``end_s`` when none is due before it."""
+        t = end_s
+        heap = self._heap
+        if heap:
+            h = heap[0][0]
+            if h < t:
+                t = h
+        first = self._first
+        if first is not None and first.due_s < t:
+            t = first.due_s
+        return t
 
     def run_until(self, end_s: float) -> None:
         """Process every event up to ``end_s``, then set the clock to ``end_s``."""
@@ -92,70 +165,99 @@ class EventLoop:
         pop = _heappop
         n = 0
         self.end_s = end_s
-        while heap and heap[0][0] <= end_s:
-            t, _, callback, arg = pop(heap)
+        while True:
+            c = self._first
+            if heap:
+                h = heap[0]
+                t = h[0]
+                if c is None or t < c.due_s or (t == c.due_s and h[1] < c.due_seq):
+                    if t > end_s:
+                        break
+                    _, _, callback, arg = pop(heap)
+                    self.now = t
+                    callback(arg)
+                    n += 1
+                    continue
+            elif c is None:
+                break
+            t = c.due_s
+            if t > end_s:
+                break
+            self.disarm(c)
             self.now = t
-            callback(arg)
+            run = c.run
+            if c.kind == TIMER_DONE:
+                run.gpu._complete(run)
+            else:
+                run.gpu._wave_end(c)
             n += 1
         self.events += n
         self.now = max(self.now, end_s)
 
 
-class Stream(Protocol):
-    """A client as the GPU sees it: one in-order stream of kernels."""
+class Timer:
+    """A pending event of one kernel kept on its :class:`Run`: its completion or its wave end."""
 
-    cid: str
-    priority: int
-    cap_sms: int
-    run: Run | None
-    #: The stream's :class:`Run` record, reused for each of its kernels (None before the first).
-    spare: Run | None
-    #: What :meth:`head` returns, as an attribute: the scheduler reads it on every event.
-    nxt: Kernel | None
-    eligible_since: float
-    held_max: int
+    def __init__(self, run: Run, kind: int) -> None:
+        self.run = run
+        self.kind = kind
+        self.due_s = 0.0
+        self.due_seq = 0
+        #: Index in the loop's pending timers, or -1 when not pending.
+        self.slot = -1
+        #: A wave end: the kernel (``Run.kseq``) it was armed for.
+        self.kseq = 0
 
-    def head(self) -> Kernel | None:
-        """The next kernel ``(dur_s, width, memory_boundness, wave_s)`` if issued, else None."""
-        ...
+
+class Client(Protocol):
+    """A simulated client as the GPU sees it: its :class:`Stream`, told when a kernel ends."""
+
+    stream: Stream
 
     def on_kernel_done(self, now: float) -> None:
         """The running kernel completed at ``now``."""
         ...
 
 
-@dataclass(slots=True, eq=False)
-class Run:
-    """A kernel on the GPU: slots held, remaining work (fraction of the kernel), progress rate.
+class Stream:
+    """One client's in-order stream of kernels: what the GPU model reads and writes of it.
 
-    ``g == 0`` while ``stream.run is self``: a kernel that gave its slots away between two waves
-    (or was preempted by a context switch) and waits to get some back; it is not in ``Gpu.runs``.
+    The client keeps its next kernel here (``nxt``) and the GPU its running one (``run``). It is a
+    class of this module, not the client itself, so that the compiled engine reads these fields
+    directly; on a client (a plain Python object) each was a generic attribute look-up, and the
+    scheduler reads them on every event.
     """
 
-    stream: Stream
-    dur_s: float
-    width: int
-    mem_e: float
-    want: int
-    since: float
-    wave_s: float = 0.0
-    #: Start of the kernel's current wave train (its waves end at t0 + k * wave_s).
-    t0: float = 0.0
-    #: Which kernel this record holds now (records are reused; a stale wave event must not match).
-    kseq: int = 0
-    #: Time of the wave-end event armed for this kernel, or -1.
-    wave_at: float = -1.0
-    #: Fraction of its slots the last wave fills (< 1: slots free up when it starts).
-    tail: float = 1.0
-    #: The tail event is armed (or done) for this kernel.
-    tail_armed: bool = False
-    g: int = 0
-    remaining: float = 1.0
-    rate: float = 0.0
-    last_s: float = 0.0
-    version: int = 0
-    #: ``g * mem_e``: this kernel's term of the bandwidth sum (G8), kept with ``g``.
-    bw: float = 0.0
+    def __init__(self, client: Client, cid: str, priority: int, cap_sms: int) -> None:
+        self.client = client
+        self.cid = cid
+        #: MPS client priority (0 high) and the SM slots it may hold (its MPS cap).
+        self.priority = priority
+        self.cap_sms = cap_sms
+        #: The running kernel, or None.
+        self.run: Run | None = None
+        #: The stream's :class:`Run` record, reused for each of its kernels (None before the first).
+        self.spare: Run | None = None
+        #: The next kernel ``(dur_s, width, memory_boundness, wave_s, tail)`` if issued, else None.
+        self.nxt: Kernel | None = None
+        #: When ``nxt`` was issued (the order among waiting kernels of one priority).
+        self.eligible_since = 0.0
+        #: The most slots it ever held.
+        self.held_max = 0
+        # Gpu._dispatch's view of it as a candidate: sort key (priority, since, index), its next
+        # kernel or its run, the slots it holds, wants and gets; and as a waiter left short, for
+        # _arm_waves: its priority and the slots it holds. Fields of a native record, they cost
+        # the compiled engine no tuple to build or unpack.
+        self.c_prio = 0
+        self.c_since = 0.0
+        self.c_index = 0
+        self.c_head: Kernel | None = None
+        self.c_run: Run | None = None
+        self.c_held = 0
+        self.c_want = 0
+        self.c_final = 0
+        self.w_prio = 0
+        self.w_has = 0
 
 
 @dataclass(slots=True)
@@ -208,10 +310,6 @@ class Gpu:
         self._fair = share == "fair"
         self._ts = mode == "time_slice"
         self._switch_until = 0.0
-        # Scratch lists of _dispatch, reused: it runs on almost every event.
-        self._held: list[int] = []
-        self._wants: list[int] = []
-        self._finals: list[int] = []
         self.streams: list[Stream] = []
         self.free = sm_count
         self.runs: list[Run] = []
@@ -230,15 +328,17 @@ class Gpu:
 
     # --- clients -------------------------------------------------------------------------------
 
-    def attach(self, stream: Stream) -> None:
+    def attach(self, client: Client) -> None:
         """Connect a client; it may issue kernels from now on."""
+        stream = client.stream
         if stream not in self.streams:
             self.streams.append(stream)
         self.wake()
 
-    def detach(self, stream: Stream) -> int:
+    def detach(self, client: Client) -> int:
         """Disconnect a client, killing its running kernel. Returns kernels killed (0 or 1)."""
-        killed = self.kill_running(stream)
+        killed = self.kill_running(client)
+        stream = client.stream
         if stream in self.streams:
             self.streams.remove(stream)
         if self._active is stream:
@@ -246,13 +346,14 @@ class Gpu:
         self.wake()
         return killed
 
-    def kill_running(self, stream: Stream) -> int:
+    def kill_running(self, client: Client) -> int:
         """Kill the client's running kernel (``terminate_client``); its SMs free at once."""
+        stream = client.stream
         run = stream.run
         if run is None:
             return 0
         self._account()
-        run.version += 1
+        self.loop.disarm(run.done)
         if run.g > 0:
             self.free += run.g
             self.runs.remove(run)
@@ -323,16 +424,11 @@ class Gpu:
             slow *= 1.0 + self._beta_per_sm * run.mem_e * other
         rate = 1.0 / (run.dur_s * slow)
         run.rate = rate
-        run.version += 1
         stream = run.stream
         if g > stream.held_max:
             stream.held_max = g
         remaining = run.remaining if run.remaining > 0.0 else 0.0
-        loop = self.loop
-        _heappush(
-            loop._heap,
-            (now + remaining / rate, next(loop._seq), self._complete, (run, run.version)),
-        )
+        self.loop.arm(run.done, now + remaining / rate)
 
     def _release(self, run: Run) -> None:
         """Take every slot from a running kernel, keeping its progress (it stays the stream's)."""
@@ -340,17 +436,22 @@ class Gpu:
         now = self.loop.now
         run.remaining -= (now - run.last_s) * run.rate
         run.last_s = now
-        run.version += 1  # its completion event no longer matches
-        run.wave_at = -1.0  # nor its wave end
+        self.loop.disarm(run.done)  # its completion is cancelled
+        run.wave_at = -1.0  # and its wave end no longer matches
         self.free += run.g
         run.g = 0
         run.bw = 0.0
         self.runs.remove(run)
 
-    def _wave_end(self, arg: tuple[Run, int, float]) -> None:
+    def _wave_end(self, timer: Timer) -> None:
         """A wave of a kernel someone waits for ends: its slots are dispatched again (G5, G6)."""
-        run, kseq, at = arg
-        if run.kseq != kseq or run.wave_at != at or run.g == 0 or run.stream.run is not run:
+        run = timer.run
+        if (
+            run.kseq != timer.kseq
+            or run.wave_at != timer.due_s
+            or run.g == 0
+            or run.stream.run is not run
+        ):
             return
         run.wave_at = -1.0
         if not self._waiter_gains(run):
@@ -367,8 +468,7 @@ class Gpu:
         for s in self.streams:
             if s is own:
                 continue
-            # Whether it waits first (mostly the Run's own fields), its priority only then, once:
-            # a stream's attributes are a generic look-up each in the compiled engine.
+            # Whether it waits first, its priority only then.
             r = s.run
             if r is None:
                 if s.nxt is None:
@@ -403,17 +503,17 @@ class Gpu:
         run.width = g
         self._dispatch()
 
-    def _arm_waves(self, short: list[tuple[int, int, Stream]]) -> None:
+    def _arm_waves(self, short: list[Stream]) -> None:
         """Arm the events at which a waiting kernel may get slots from a running one (G5, G6).
 
-        ``short`` lists ``(priority, slots held, stream)`` of the streams left short of their
-        want. A running kernel gives slots at its next wave end to a waiter of higher priority
-        (its pending blocks are dispatched first). To a waiter of its own priority it gives,
-        under ``share = "fifo"``, only the slots its last, partial wave leaves empty (the
-        earlier grid's blocks are all dispatched before a later grid's); under ``"fair"``, a
-        max-min fair share at its next wave end. Only the earliest useful wave end is armed (the
-        dispatch it triggers arms the next one if someone is still short); nothing is armed
-        when no waiter would gain.
+        ``short`` lists the streams left short of their want (``w_prio``: the priority they wait at,
+        ``w_has``: the slots they hold). A running kernel gives slots at its next wave end to a
+        waiter of higher priority (its pending blocks are dispatched first). To a waiter of its own
+        priority it gives, under ``share = "fifo"``, only the slots its last, partial wave leaves
+        empty (the earlier grid's blocks are all dispatched before a later grid's); under
+        ``"fair"``, a max-min fair share at its next wave end. Only the earliest useful wave end is
+        armed (the dispatch it triggers arms the next one if someone is still short); nothing is
+        armed when no waiter would gain.
         """
         now = self.loop.now
         heap = self.loop._heap
@@ -425,9 +525,11 @@ class Gpu:
             g = r.g
             higher = False
             equal = False
-            for prio, has, s in short:
+            for s in short:
                 if s is r.stream:
                     continue
+                prio = s.w_prio
+                has = s.w_has
                 if prio < p:
                     higher = True
                 elif prio == p and (not fair or has + 1 < g):
@@ -455,21 +557,28 @@ class Gpu:
                     heap,
                     (
                         t_tail if t_tail > now else now,
-                        next(self.loop._seq),
+                        self._next_seq(),
                         self._tail_start,
                         (r, r.kseq),
                     ),
                 )
         if best is not None and best.wave_at < 0.0:
             best.wave_at = best_t
-            _heappush(
-                heap, (best_t, next(self.loop._seq), self._wave_end, (best, best.kseq, best_t))
-            )
+            w = best.wave
+            # Still pending for this very wave end (armed, cancelled by a release, armed again
+            # for the same time): it fires first, as the older of two heap entries would.
+            if w.slot < 0 or w.kseq != best.kseq or w.due_s != best_t:
+                w.kseq = best.kseq
+                self.loop.arm(w, best_t)
 
-    def _complete(self, arg: tuple[Run, int]) -> None:
-        run, version = arg
-        if run.version != version:
-            return
+    def _next_seq(self) -> int:
+        loop = self.loop
+        seq = loop._seq
+        loop._seq = seq + 1
+        return seq
+
+    def _complete(self, run: Run) -> None:
+        """The kernel of ``run`` completed (the loop calls this when its completion is due)."""
         now = self.loop.now
         stats = self.stats
         # Accounting (see _account), inlined.
@@ -485,23 +594,25 @@ class Gpu:
         stream = run.stream
         stream.run = None
         stats.kernels_done += 1
-        stream.on_kernel_done(now)
+        stream.client.on_kernel_done(now)
         self._dispatch(stream)
 
     def _run_on(self, stream: Stream) -> None:
         """Fast path: run a stream's next kernels inline while nothing else can change.
 
         Called only when no other stream waits for SMs (none has an issued kernel not yet started,
-        none runs below its width): then the kernels the completing stream starts next take the SMs it just freed,
-        and every other kernel keeps its SMs and rate (G8 evaluates bandwidth when a kernel starts
-        or grows). So each next kernel's end time is known exactly, and the loop runs them without
-        the event queue until one would end at or after the next pending event (a completion of
-        another stream, an arrival, a probe, a duty edge, the end of the period).
+        none runs below its width): then the kernels the completing stream starts next take the SMs
+        it just freed, and every other kernel keeps its SMs and rate (G8 evaluates bandwidth when a
+        kernel starts or grows). So each next kernel's end time is known exactly, and the loop runs
+        them without the event queue until one would end at or after the next pending event (a
+        completion of another stream, an arrival, a probe, a duty edge, the end of the period). That
+        bound is read again after each kernel: the stream's ``on_kernel_done`` may schedule an event
+        (a request's end sends a boundary to the gate) that the next kernel must not run past.
         """
         runs = self.runs
         loop = self.loop
-        heap = loop._heap
-        limit = min(heap[0][0], loop.end_s) if heap else loop.end_s
+        end = loop.end_s
+        limit = loop.next_at(end)
         now = loop.now
         cap = stream.cap_sms
         f = self.f
@@ -513,6 +624,7 @@ class Gpu:
             other_bw = sum(r.bw for r in runs)
         beta_per_sm = self._beta_per_sm
         stats = self.stats
+        client = stream.client
         while True:
             head = stream.nxt
             if head is None:
@@ -539,7 +651,8 @@ class Gpu:
             now = t_end
             loop.now = now
             self._last_change = now
-            stream.on_kernel_done(now)
+            client.on_kernel_done(now)
+            limit = loop.next_at(end)
 
     def _dispatch_event(self, _: object) -> None:
         self._dispatch_pending = False
@@ -549,13 +662,13 @@ class Gpu:
         """Give free slots to the kernels that want them (G5).
 
         One scan collects every stream that wants slots (an issued kernel not started, or a kernel
-        holding fewer than it wants). Priorities are served in order; within one priority, when
-        the free slots do not cover every want, the earliest grid goes first (or, with
-        ``share = "fair"``, they are shared max-min fairly, :meth:`_share`). Whoever is left short waits for the next wave end of a kernel it may
-        take slots from (:meth:`_arm_waves`). When the only candidate is the stream whose kernel
-        just completed, its uncontended stretch runs inline first (:meth:`_run_on`). This is the
-        simulator's hot path: the start of a kernel (:meth:`_set_alloc` for a fresh run) is
-        inlined with the same arithmetic, in the same order.
+        holding fewer than it wants). Priorities are served in order; within one priority, when the
+        free slots do not cover every want, the earliest grid goes first (or, with
+        ``share = "fair"``, they are shared max-min fairly, :meth:`_share`). Whoever is left short waits for
+        the next wave end of a kernel it may take slots from (:meth:`_arm_waves`). When the only
+        candidate is the stream whose kernel just completed, its uncontended stretch runs inline
+        first (:meth:`_run_on`). This is the simulator's hot path: the start of a kernel
+        (:meth:`_set_alloc` for a fresh run) is inlined with the same arithmetic, in the same order.
         """
         loop = self.loop
         now = loop.now
@@ -568,36 +681,50 @@ class Gpu:
         else:
             streams = self.streams
             full = 0
-        # Each candidate: (priority, since, index, stream, its next kernel or None, its run or
-        # None). The run is kept from this scan: a stream's attributes are a generic look-up each.
-        cands: list[tuple[int, float, int, Stream, Kernel | None, Run | None]] = []
+        # Each candidate is a stream with this dispatch's view of it in its c_* fields.
+        cands: list[Stream] = []
         for i, s in enumerate(streams):
             run = s.run
             if run is None:
                 head = s.nxt
                 if head is not None:
-                    cands.append((s.priority, s.eligible_since, i, s, head, None))
+                    s.c_prio = s.priority
+                    s.c_since = s.eligible_since
+                    s.c_index = i
+                    s.c_head = head
+                    s.c_run = None
+                    cands.append(s)
             elif run.g < run.want:
-                cands.append((s.priority, run.since, i, s, None, run))
+                s.c_prio = s.priority
+                s.c_since = run.since
+                s.c_index = i
+                s.c_head = None
+                s.c_run = run
+                cands.append(s)
         if not cands:
             return
         if self.free <= 0:
             if not full:
-                self._arm_waves([(c[0], c[5].g if c[5] is not None else 0, c[3]) for c in cands])
+                for s in cands:
+                    r = s.c_run
+                    s.w_prio = s.c_prio
+                    s.w_has = r.g if r is not None else 0
+                self._arm_waves(cands)
             return
         if len(cands) > 1:
-            # Insertion sort by (priority, since, index), compared field by field: the same order
-            # as sorting the tuples, without the generic comparison a tuple sort goes through.
+            # Insertion sort by (priority, since, index), compared field by field.
             for a in range(1, len(cands)):
                 c = cands[a]
-                pa = c[0]
-                sa = c[1]
-                ia = c[2]
+                pa = c.c_prio
+                sa = c.c_since
+                ia = c.c_index
                 b = a - 1
                 while b >= 0:
                     d = cands[b]
-                    pb = d[0]
-                    if pb < pa or (pb == pa and (d[1] < sa or (d[1] == sa and d[2] < ia))):
+                    pb = d.c_prio
+                    if pb < pa or (
+                        pb == pa and (d.c_since < sa or (d.c_since == sa and d.c_index < ia))
+                    ):
                         break
                     cands[b + 1] = d
                     b -= 1
@@ -607,82 +734,86 @@ class Gpu:
                 # the stream's dependency resolves (microseconds); the block scheduler fills the
                 # freed slots with other clients' pending blocks first, whatever the priorities.
                 for k in range(len(cands)):
-                    if cands[k][3] is completing:
+                    if cands[k] is completing:
                         c = cands.pop(k)
-                        cands.append((DEFERRED, c[1], c[2], c[3], c[4], c[5]))
+                        c.c_prio = DEFERRED
+                        cands.append(c)
                         break
-        elif completing is not None and cands[0][3] is completing and self.fast_path and not full:
+        elif completing is not None and cands[0] is completing and self.fast_path and not full:
             self._run_on(completing)
             head = completing.nxt
             if head is None:
                 return
-            cands = [(completing.priority, completing.eligible_since, 0, completing, head, None)]
+            completing.c_prio = completing.priority
+            completing.c_since = completing.eligible_since
+            completing.c_index = 0
+            completing.c_head = head
+            completing.c_run = None
             now = loop.now
         if now != self._last_change:
             self._account()
         # What each candidate holds and wants, then what it gets.
         n = len(cands)
-        held = self._held
-        wants = self._wants
-        finals = self._finals
-        while len(held) < n:
-            held.append(0)
-            wants.append(0)
-            finals.append(0)
-        for k in range(n):
-            _, _, _, s, head, run = cands[k]
+        for s in cands:
+            run = s.c_run
             if run is not None:
-                held[k] = run.g
-                wants[k] = run.want
+                s.c_held = run.g
+                s.c_want = run.want
             else:
+                head = s.c_head
                 assert head is not None
-                held[k] = 0
+                s.c_held = 0
                 cap = full or s.cap_sms
                 width = head[1]
-                wants[k] = width if width < cap else cap
-            finals[k] = held[k]
+                s.c_want = width if width < cap else cap
+            s.c_final = s.c_held
         free = self.free
         if n == 1:
-            add = wants[0] - held[0]
-            finals[0] = held[0] + (add if add < free else free)
+            s = cands[0]
+            add = s.c_want - s.c_held
+            s.c_final = s.c_held + (add if add < free else free)
             free = 0
         k = 0 if n > 1 else 1
         while k < n and free > 0:
-            prio = cands[k][0]
+            prio = cands[k].c_prio
             e = k + 1
-            while e < n and cands[e][0] == prio:
+            while e < n and cands[e].c_prio == prio:
                 e += 1
             need = 0
             for m in range(k, e):
-                need += wants[m] - held[m]
+                s = cands[m]
+                need += s.c_want - s.c_held
             if need <= free:
                 for m in range(k, e):
-                    finals[m] = wants[m]
+                    s = cands[m]
+                    s.c_final = s.c_want
                 free -= need
             elif self._fair:
-                self._share(held, wants, finals, k, e, free)
+                self._share(cands, k, e, free)
                 free = 0
             else:
                 # Left-over rule: the earliest grid's blocks first, later grids what is left.
                 for m in range(k, e):
-                    add = wants[m] - held[m]
+                    s = cands[m]
+                    add = s.c_want - s.c_held
                     if add > free:
                         add = free
-                    finals[m] = held[m] + add
+                    s.c_final = s.c_held + add
                     free -= add
             k = e
-        short: list[tuple[int, int, Stream]] = []
+        short: list[Stream] = []
         runs = self.runs
         stats = self.stats
-        heap = loop._heap
-        seq = loop._seq
-        complete = self._complete
         beta_per_sm = self._beta_per_sm if self.beta > 0.0 else 0.0
-        for k in range(n):
-            prio, since, _, s, head, run = cands[k]
-            g = finals[k]
-            if g < wants[k]:
-                short.append((prio if prio != DEFERRED else s.priority, g, s))
+        for s in cands:
+            prio = s.c_prio
+            run = s.c_run
+            g = s.c_final
+            want = s.c_want
+            if g < want:
+                s.w_prio = prio if prio != DEFERRED else s.priority
+                s.w_has = g
+                short.append(s)
             if run is not None:
                 if g > run.g:
                     self.free -= g - run.g
@@ -690,17 +821,18 @@ class Gpu:
                 continue
             if g <= 0:
                 continue
+            head = s.c_head
             assert head is not None
             dur, width, mem, wave, tail = head
-            want = wants[k]
+            since = s.c_since
             mem_e = 0.25 + 0.75 * mem
             self.free -= g
             # A fresh run (g was 0, remaining 1): _set_alloc inlined, with the same arithmetic.
-            # The stream's Run record is reused; its version keeps growing, so an event left
-            # over from an earlier kernel never matches.
+            # The stream's Run record is reused; its kseq keeps growing, so a wave event left
+            # over from an earlier kernel never matches (its completion was disarmed).
             run = s.spare
             if run is None:
-                run = s.spare = Run(s, dur, width, mem_e, want, since)
+                run = s.spare = Run(s, self, dur, width, mem_e, want, since)
             else:
                 run.dur_s = dur
                 run.width = width
@@ -728,18 +860,14 @@ class Gpu:
             runs.append(run)
             rate = 1.0 / (dur * slow)
             run.rate = rate
-            version = run.version + 1
-            run.version = version
             if g > s.held_max:
                 s.held_max = g
-            _heappush(heap, (now + 1.0 / rate, next(seq), complete, (run, version)))
+            loop.arm(run.done, now + 1.0 / rate)
         if short and not full:
             self._arm_waves(short)
 
     @staticmethod
-    def _share(
-        held: list[int], wants: list[int], finals: list[int], k: int, e: int, free: int
-    ) -> None:
+    def _share(cands: list[Stream], k: int, e: int, free: int) -> None:
         """Max-min fair shares of ``free`` slots among candidates ``k..e-1`` of one priority.
 
         Each ends with ``max(held, min(want, level))`` for the highest level the slots allow;
@@ -747,36 +875,40 @@ class Gpu:
         The alternative to the left-over rule (``share = "fair"``): if the work distributor took
         grids from every client's channel in turn, the blocks dispatched into freed slots would
         alternate between clients' grids. Orion's V100 point fits it worse (docs/simulator.md).
+        Reads each candidate's ``c_held`` and ``c_want``, sets its ``c_final``.
         """
         budget = free
         for m in range(k, e):
-            budget += held[m]
+            budget += cands[m].c_held
         lo = 0
         hi = 0
         for m in range(k, e):
-            if wants[m] > hi:
-                hi = wants[m]
+            if cands[m].c_want > hi:
+                hi = cands[m].c_want
         while lo < hi:
             mid = (lo + hi + 1) // 2
             total = 0
             for m in range(k, e):
-                w = wants[m] if wants[m] < mid else mid
-                total += held[m] if held[m] > w else w
+                s = cands[m]
+                w = s.c_want if s.c_want < mid else mid
+                total += s.c_held if s.c_held > w else w
             if total <= budget:
                 lo = mid
             else:
                 hi = mid - 1
         used = 0
         for m in range(k, e):
-            w = wants[m] if wants[m] < lo else lo
-            finals[m] = held[m] if held[m] > w else w
-            used += finals[m]
+            s = cands[m]
+            w = s.c_want if s.c_want < lo else lo
+            s.c_final = s.c_held if s.c_held > w else w
+            used += s.c_final
         left = budget - used
         for m in range(k, e):
             if left <= 0:
                 break
-            if finals[m] < wants[m]:
-                finals[m] += 1
+            s = cands[m]
+            if s.c_final < s.c_want:
+                s.c_final += 1
                 left -= 1
 
     def _time_slice_owner(self, now: float) -> Stream | None:
@@ -835,3 +967,47 @@ class Gpu:
 
     def _dispatch_event_slice(self, _: object) -> None:
         self._dispatch()
+
+
+# Defined after Gpu, the type of one of its fields: a mypyc-compiled dataclass whose field is a
+# native class defined further down the module crashes at import.
+@dataclass(slots=True, eq=False)
+class Run:
+    """A kernel on the GPU: slots held, remaining work (fraction of the kernel), progress rate.
+
+    ``g == 0`` while ``stream.run is self``: a kernel that gave its slots away between two waves
+    (or was preempted by a context switch) and waits to get some back; it is not in ``Gpu.runs``.
+    """
+
+    stream: Stream
+    gpu: Gpu
+    dur_s: float
+    width: int
+    mem_e: float
+    want: int
+    since: float
+    wave_s: float = 0.0
+    #: Start of the kernel's current wave train (its waves end at t0 + k * wave_s).
+    t0: float = 0.0
+    #: Which kernel this record holds now (records are reused; a stale wave event must not match).
+    kseq: int = 0
+    #: Time of the wave-end event armed for this kernel, or -1.
+    wave_at: float = -1.0
+    #: Fraction of its slots the last wave fills (< 1: slots free up when it starts).
+    tail: float = 1.0
+    #: The tail event is armed (or done) for this kernel.
+    tail_armed: bool = False
+    g: int = 0
+    remaining: float = 1.0
+    rate: float = 0.0
+    last_s: float = 0.0
+    #: Its completion and its next wave end (see :class:`EventLoop`).
+    done: Timer = field(init=False)
+    wave: Timer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.done = Timer(self, TIMER_DONE)
+        self.wave = Timer(self, TIMER_WAVE_END)
+
+    #: ``g * mem_e``: this kernel's term of the bandwidth sum (G8), kept with ``g``.
+    bw: float = 0.0

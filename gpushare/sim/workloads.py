@@ -1,6 +1,7 @@
 """Simulated clients: online servers (open-loop requests), offline trainers, and the latency probe.
 
-Each is a :class:`gpushare.sim.gpu.Stream`: one in-order stream of kernels on one GPU.
+Each is a :class:`gpushare.sim.gpu.Client` with one :class:`~gpushare.sim.gpu.Stream`: one in-order
+stream of kernels on one GPU.
 
 * :class:`OnlineServer` serves requests first come, first served; a request is the kernel sequence
   of one forward pass, issued all at once when the request starts (an inference server launches a
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from gpushare.model import ClientClass, ClientState
 from gpushare.sim.data import KernelProfile, wave_s, wave_tail
-from gpushare.sim.gpu import EventLoop, Gpu, Kernel, Run
+from gpushare.sim.gpu import EventLoop, Gpu, Kernel, Run, Stream
 
 #: How long a cgroup freeze of a busy process takes to stop it (median), and a thaw to restart
 #: it: ``bench/pauser_latency.py`` on this project's CI machine (``cgroup_freeze_busy`` p50
@@ -42,6 +43,61 @@ def cap_sms(sm_pct: float, sm_count: int) -> int:
     return max(1, min(sm_count, round(sm_pct * sm_count / 100.0)))
 
 
+class StreamView:
+    """A client's :class:`Stream` fields as the client's own attributes (for readers elsewhere).
+
+    The hot paths here use ``self.stream`` directly.
+    """
+
+    stream: Stream
+
+    @property
+    def run(self) -> Run | None:
+        """The running kernel, or None."""
+        return self.stream.run
+
+    @property
+    def held_max(self) -> int:
+        """The most SM slots it ever held."""
+        return self.stream.held_max
+
+    @property
+    def nxt(self) -> Kernel | None:
+        """The next issued kernel not yet started (what ``head()`` returns)."""
+        return self.stream.nxt
+
+    @nxt.setter
+    def nxt(self, kernel: Kernel | None) -> None:
+        self.stream.nxt = kernel
+
+    @property
+    def eligible_since(self) -> float:
+        """When ``nxt`` was issued."""
+        return self.stream.eligible_since
+
+    @eligible_since.setter
+    def eligible_since(self, t: float) -> None:
+        self.stream.eligible_since = t
+
+    @property
+    def priority(self) -> int:
+        """MPS client priority: online 0, offline 1 (the runner may override it for a baseline)."""
+        return self.stream.priority
+
+    @priority.setter
+    def priority(self, p: int) -> None:
+        self.stream.priority = p
+
+    @property
+    def cap_sms(self) -> int:
+        """SM slots its MPS cap lets it hold."""
+        return self.stream.cap_sms
+
+    def head(self) -> Kernel | None:
+        """The next issued kernel not yet started."""
+        return self.stream.nxt
+
+
 @dataclass(slots=True)
 class KernelCounts:
     """Conservation bookkeeping of one client: every kernel issued completes or is killed."""
@@ -52,7 +108,7 @@ class KernelCounts:
 
 
 @dataclass(eq=False)
-class SimClient:
+class SimClient(StreamView):
     """State shared by every simulated client (the registry's view of it)."""
 
     cid: str
@@ -66,28 +122,19 @@ class SimClient:
     slo_p99_ms: float | None = None
     restartable: bool = False
     state: ClientState = ClientState.QUEUED
-    run: Run | None = None
-    spare: Run | None = None
-    #: The next issued kernel not yet started, kept by the subclasses (what ``head()`` returns).
-    nxt: Kernel | None = None
-    eligible_since: float = 0.0
-    held_max: int = 0
-    cap_sms: int = 1
     failures: int = 0
     started_at_s: float | None = None
     fail_reason: str | None = None
     counts: KernelCounts = field(default_factory=KernelCounts)
-    #: MPS client priority: online 0, offline 1 (the runner may override it for a baseline).
-    priority: int = -1
     #: Launch-blocking mode (``CUDA_LAUNCH_BLOCKING=1``, issue 14's shallow queue): one kernel in
     #: flight, each launched ``launch_gap_s`` per source kernel after the previous one ended.
     launch_blocking: bool = False
     launch_gap_s: float = DEFAULT_LAUNCH_GAP_S
 
     def __post_init__(self) -> None:
-        if self.priority < 0:
-            self.priority = self.cls.mps_priority
-        self.cap_sms = cap_sms(self.sm_pct, self.gpu.sm_count)
+        self.stream = Stream(
+            self, self.cid, self.cls.mps_priority, cap_sms(self.sm_pct, self.gpu.sm_count)
+        )
 
     def _load_profile(self, profile: KernelProfile) -> None:
         """Unpack a kernel profile into the flat per-kernel sequences the hot path reads."""
@@ -113,11 +160,12 @@ class SimClient:
 
     def _present(self, p: int, now: float) -> None:
         """Make chunk ``p`` the next kernel: at once, or after its launch gaps when blocking."""
+        st = self.stream
         if not self.launch_blocking:
-            self.nxt = self._kernels[p]
-            self.eligible_since = now
+            st.nxt = self._kernels[p]
+            st.eligible_since = now
             return
-        self.nxt = None
+        st.nxt = None
         self.gpu.loop.at(
             now + self.launch_gap_s * self._counts[p], self._launched_one, (self._gate, p)
         )
@@ -126,9 +174,14 @@ class SimClient:
         gate, p = arg
         if gate != self._gate or p != self.pos:
             return
-        self.nxt = self._kernels[p]
-        self.eligible_since = self.gpu.loop.now
+        st = self.stream
+        st.nxt = self._kernels[p]
+        st.eligible_since = self.gpu.loop.now
         self.gpu.wake()
+
+    def on_kernel_done(self, now: float) -> None:
+        """The running kernel completed at ``now`` (each kind of client advances its own way)."""
+        raise NotImplementedError
 
     def blocking_cost(self) -> float:
         """Run time alone in launch-blocking mode over the asynchronous run time alone."""
@@ -138,7 +191,7 @@ class SimClient:
     def set_limits(self, sm_pct: float) -> None:
         """Apply a new SM percentage (only at a (re)start: MPS fixes it for the client's life)."""
         self.sm_pct = sm_pct
-        self.cap_sms = cap_sms(sm_pct, self.gpu.sm_count)
+        self.stream.cap_sms = cap_sms(sm_pct, self.gpu.sm_count)
 
 
 class OnlineServer(SimClient):
@@ -202,7 +255,7 @@ class OnlineServer(SimClient):
             self.on_boundary(1, self._loop.now)
         self.queue.append(float(arg))  # type: ignore[arg-type]
         self._next_arrival()
-        if self.pos >= self._n and self.run is None:
+        if self.pos >= self._n and self.stream.run is None:
             self._begin_next(self._loop.now)
             self.gpu.wake()
 
@@ -214,17 +267,13 @@ class OnlineServer(SimClient):
             self._present(0, now)
             self.counts.issued += self._n
 
-    def head(self) -> Kernel | None:
-        """The next kernel of the request in progress."""
-        return self.nxt
-
     def on_kernel_done(self, now: float) -> None:
         """Advance the request; at its end record the latency and start the next one."""
         self.counts.done += 1
         p = self.pos + 1
         self.pos = p
         if p >= self._n:
-            self.nxt = None
+            self.stream.nxt = None
             self.completed.append((self.current_arrival, now - self.current_arrival))
             self.served.append((self.current_arrival, now - self.current_start))
             if self.on_boundary is not None:
@@ -233,16 +282,17 @@ class OnlineServer(SimClient):
         elif self.launch_blocking:
             self._present(p, now)
         else:  # _present inlined: this runs for every kernel
-            self.nxt = self._kernels[p]
-            self.eligible_since = now
+            st = self.stream
+            st.nxt = self._kernels[p]
+            st.eligible_since = now
 
     def stop(self) -> None:
         """Stop serving: drop queued requests and the rest of the current one."""
         if self.pos < self._n:
-            self.counts.discarded += self._n - self.pos - (1 if self.run else 0)
+            self.counts.discarded += self._n - self.pos - (1 if self.stream.run else 0)
         self.counts.discarded += self.gpu.detach(self)
         self.pos = self._n
-        self.nxt = None
+        self.stream.nxt = None
         self._gate += 1
         self.queue.clear()
         self.state = ClientState.EXITED
@@ -291,7 +341,7 @@ class OfflineTrainer(SimClient):
         self.started_at_s = now
         self.pos = self._n
         self._parked_launch = None
-        self.nxt = None
+        self.stream.nxt = None
         self._maybe_issue(now)
         self.gpu.attach(self)
 
@@ -344,54 +394,45 @@ class OfflineTrainer(SimClient):
         self._maybe_issue(now)
         self.gpu.wake()
 
-    def head(self) -> Kernel | None:
-        """The next issued kernel of the current iteration."""
-        return self.nxt
-
     def on_kernel_done(self, now: float) -> None:
         """Advance; at an iteration's end record it and issue the next unless frozen."""
         self.counts.done += 1
         p = self.pos + 1
         self.pos = p
         if p >= self._n:
-            self.nxt = None
+            self.stream.nxt = None
             self.iterations.append(now)
             self._maybe_issue(now)
         elif self.launch_blocking:
             self._present(p, now)
         else:  # _present inlined: this runs for every kernel
-            self.nxt = self._kernels[p]
-            self.eligible_since = now
+            st = self.stream
+            st.nxt = self._kernels[p]
+            st.eligible_since = now
 
     def stop(self, state: ClientState) -> None:
         """The process is gone (evicted, restarting, failed): its outstanding work is discarded."""
         if self.pos < self._n:
-            self.counts.discarded += self._n - self.pos - (1 if self.run else 0)
+            self.counts.discarded += self._n - self.pos - (1 if self.stream.run else 0)
         self.counts.discarded += self.gpu.detach(self)
         self.pos = self._n
-        self.nxt = None
+        self.stream.nxt = None
         self._gate += 1
         self._parked_launch = None
         self.active = False
         self.state = state
 
 
-class ProbeClient:
+class ProbeClient(StreamView):
     """gpushare's latency probe: a tiny kernel every period at priority 0, synchronously."""
 
     cid = "probe"
-    priority = 0
 
     def __init__(
         self, gpu: Gpu, *, period_s: float, kernel_s: float = 15e-6, width: int = 1
     ) -> None:
         self.gpu = gpu
-        self.cap_sms = gpu.sm_count
-        self.run: Run | None = None
-        self.spare: Run | None = None
-        self.nxt: Kernel | None = None
-        self.eligible_since = 0.0
-        self.held_max = 0
+        self.stream = Stream(self, self.cid, 0, gpu.sm_count)
         self.period_s = period_s
         self.kernel_s = kernel_s
         self.width = width
@@ -418,20 +459,17 @@ class ProbeClient:
         loop = self._loop
         if not self._pending:
             self._pending = True
-            self.nxt = (self.kernel_s, self.width, 0.0, self.kernel_s, 1.0)
+            st = self.stream
+            st.nxt = (self.kernel_s, self.width, 0.0, self.kernel_s, 1.0)
             self._launched = loop.now
-            self.eligible_since = loop.now
+            st.eligible_since = loop.now
             self.gpu.wake()
         loop.at(loop.now + self.period_s, self._launch)
-
-    def head(self) -> Kernel | None:
-        """The probe kernel while one is launched and not yet started."""
-        return self.nxt
 
     def on_kernel_done(self, now: float) -> None:
         """Record wait + run time."""
         self._pending = False
-        self.nxt = None
+        self.stream.nxt = None
         self.samples.append((self._launched, now - self._launched, self.offline_running))
 
 

@@ -286,6 +286,31 @@ def test_fast_path_gives_the_same_run_as_the_event_queue(offline_pct: float) -> 
     assert fast == slow
 
 
+def test_the_fast_path_never_runs_past_an_event_a_kernel_end_schedules() -> None:
+    # A server alone on the GPU runs its kernels inline (the fast path). Each request's end
+    # schedules an event shortly after, as the gate's boundary datagram does: when it fires,
+    # no request may have completed after it (the clock never goes back).
+    loop = EventLoop()
+    gpu = Gpu(loop, uuid="GPU-t", index=0)
+    fwd = data.load_profile(R50_FWD)
+    server = OnlineServer(
+        "inf", gpu, fwd, poisson_arrivals(0.9 / fwd.total_s, 3, 2.0), sm_pct=100, mem_bytes=0
+    )
+    late: list[float] = []
+
+    def fired(_: object) -> None:
+        ends = [arr + lat for arr, lat in server.completed]
+        late.extend(end - loop.now for end in ends if end > loop.now)
+
+    server.on_boundary = lambda delta, now: loop.at(now + 0.2e-3, fired) if delta < 0 else None
+    gpu.attach(server)
+    server.start(loop)
+    for k in range(20):
+        loop.run_until((k + 1) * 0.1)
+    assert len(server.completed) > 100
+    assert late == []
+
+
 PROFILES_FWD = ["resnet50_4_fwd", "mobilenetv2_4_fwd", "bert_2_fwd"]
 PROFILES_FB = ["resnet50_32_fb1", "mobilenetv2_32_fb1", "transformer_xl_8_fb1"]
 
