@@ -6,8 +6,9 @@ Prints (and writes as JSON, ``bench/results/sim_validation.json``):
    modelled, calibration or validation, with the error;
 2. the sensitivity of the results to the wave rule's one parameter (``[gpu] wave_scale``) and
    to the rule that shares slots within one MPS priority (``fifo`` left-over, ``fair``): the
-   Orion point and the median p99 inflation of the 12 Tally-shaped pairs (BERT and
-   Transformer-XL inference at load 0.5 next to each training profile) per baseline;
+   Orion point, the MPS throughput gain of eight ResNet-50 servers (``trtlab-mps-8``) and the
+   median p99 inflation of the 12 Tally-shaped pairs (BERT and Transformer-XL inference at load
+   0.5 next to each training profile) per baseline;
 3. the cost of launch-blocking mode (``CUDA_LAUNCH_BLOCKING=1``) per profile.
 
     python bench/sim_validation.py [--jobs 2] [--duration 10] [--quick]
@@ -83,6 +84,20 @@ def orion(overrides: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def trtlab_mps(overrides: dict[str, Any]) -> float:
+    """The model's throughput gain of eight ResNet-50 servers under MPS (``trtlab-mps-8``)."""
+    point = validation.load_points()["trtlab-mps-8"]
+    prof = data.load_profile(f"{validation.ORION}/resnet50_4_fwd.csv")
+    return validation.throughput_gain(
+        prof,
+        point.clients,
+        mode="mps",
+        sm_count=point.sms,
+        share=overrides.get("share", "fifo"),
+        wave_scale=overrides.get("wave_scale", 1.0),
+    )
+
+
 def blocking_costs() -> list[dict[str, Any]]:
     """Run time alone of one pass in launch-blocking mode over asynchronous, per profile."""
     rows = []
@@ -137,20 +152,31 @@ def main(argv: list[str] | None = None) -> int:
             for label, overrides in SETTINGS:
                 work = [(n, overrides, args.duration) for n in pairs]
                 res = list(pool.map(pair_inflation, work))
-                row: dict[str, Any] = {"setting": label, "orion": orion(overrides)}
+                row: dict[str, Any] = {
+                    "setting": label,
+                    "orion": orion(overrides),
+                    "trtlab_mps_gain": trtlab_mps(overrides),
+                }
                 for b in BASELINES:
                     vals = [r[b] for r in res]
                     row[b] = {"median": statistics.median(vals), "max": max(vals)}
                 sens.append(row)
         doc["sensitivity"] = sens
-        print("\n| setting | Orion p50 ms | Orion p99 ms | " + " | ".join(BASELINES) + " |")
-        print("|---|---|---|" + "---|" * len(BASELINES))
+        measured = validation.load_points()["trtlab-mps-8"].ratio
+        print(
+            f"\n| setting | Orion p50 ms | Orion p99 ms | 8 x ResNet-50 MPS gain ({measured:.2f}"
+            " measured) | " + " | ".join(BASELINES) + " |"
+        )
+        print("|---|---|---|---|" + "---|" * len(BASELINES))
         for row in sens:
             cells = " | ".join(
                 f"{row[b]['median']:.2f}x (max {row[b]['max']:.1f}x)" for b in BASELINES
             )
             o = row["orion"]
-            print(f"| {row['setting']} | {o['p50_ms']:.1f} | {o['p99_ms']:.1f} | {cells} |")
+            print(
+                f"| {row['setting']} | {o['p50_ms']:.1f} | {o['p99_ms']:.1f} | "
+                f"{row['trtlab_mps_gain']:.2f}x | {cells} |"
+            )
         costs = blocking_costs()
         doc["launch_blocking"] = {"gap_s": DEFAULT_LAUNCH_GAP_S, "profiles": costs}
         print(

@@ -298,14 +298,35 @@ class Observation:
     #: The driver time-slices the GPU's clients (each has a context of its own, no MPS server
     #: shares the GPU between them): the GPU already alternates them in hardware.
     time_sliced: bool = False
+    # online() and offline(), made at the first call: the controller asks for them about ten
+    # times per GPU per tick, and each was a pass over every client (the observation is frozen,
+    # so the answer never changes). Not fields a caller sets, compares or sees.
+    _online: tuple[ClientView, ...] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    _offline: tuple[ClientView, ...] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def online(self) -> tuple[ClientView, ...]:
         """The live online clients on this GPU."""
-        return tuple(c for c in self.clients if c.cls is ClientClass.ONLINE and c.state.is_live)
+        found = self._online
+        if found is None:
+            found = tuple(
+                c for c in self.clients if c.cls is ClientClass.ONLINE and c.state.is_live
+            )
+            object.__setattr__(self, "_online", found)
+        return found
 
     def offline(self) -> tuple[ClientView, ...]:
         """The live offline clients on this GPU."""
-        return tuple(c for c in self.clients if c.cls is ClientClass.OFFLINE and c.state.is_live)
+        found = self._offline
+        if found is None:
+            found = tuple(
+                c for c in self.clients if c.cls is ClientClass.OFFLINE and c.state.is_live
+            )
+            object.__setattr__(self, "_offline", found)
+        return found
 
 
 # Actions: what the controller asks the daemon (or the simulator) to do. Each says why.

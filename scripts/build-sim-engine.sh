@@ -2,7 +2,7 @@
 # Compile the simulator's hot module, gpushare/sim/gpu.py, with mypyc into gpushare/sim/_native/.
 #
 # The compiled module is the same source, type-checked and turned into C: it gives bit-identical
-# results several times faster (about 5x on the slowest shipped run), which is what keeps every
+# results several times faster (about 6x on the slowest shipped run), which is what keeps every
 # shipped scenario at 10x real time or more (docs/simulator.md section 5). It is optional:
 # gpushare.sim.engine loads it only when it was built from the gpu.py now in the tree, and
 # otherwise runs the pure-Python source.

@@ -247,3 +247,22 @@ def test_offline_running() -> None:
     assert not offline_running([dataclasses.replace(off, state=ClientState.FROZEN)])
     assert not offline_running([dataclasses.replace(off, held=True)])
     assert not offline_running([dataclasses.replace(off, state=ClientState.EXITED)])
+
+
+def test_online_and_offline_are_made_once_and_stay_out_of_equality_and_repr() -> None:
+    # The controller asks for them about ten times per GPU per tick: one pass over the clients.
+    clients = (
+        view("web", ClientClass.ONLINE, 201),
+        view("train", ClientClass.OFFLINE, 202),
+        view("gone", ClientClass.OFFLINE, None, state=ClientState.EXITED),
+        view("queued", ClientClass.OFFLINE, None, state=ClientState.QUEUED),
+    )
+    obs = build_observation(sample=sample(), probe=None, clients=clients, config=Config())
+    fresh = build_observation(sample=sample(), probe=None, clients=clients, config=Config())
+    assert [c.client_id for c in obs.online()] == ["web"]
+    assert [c.client_id for c in obs.offline()] == ["train"]
+    assert obs.offline() is obs.offline() and obs.online() is obs.online()
+    # Asked or not, the same observation: equal, same hash, same repr; a copy asks anew.
+    assert obs == fresh and hash(obs) == hash(fresh) and repr(obs) == repr(fresh)
+    moved = dataclasses.replace(obs, clients=clients[1:])
+    assert moved.online() == () and [c.client_id for c in moved.offline()] == ["train"]

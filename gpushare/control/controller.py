@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from gpushare.config import ControlConfig
 from gpushare.control.gpu_state import (
@@ -123,6 +123,9 @@ class GpushareController:
         self, state: GpuState, observation: Observation, now: float
     ) -> tuple[GpuState, Sequence[Action]]:
         """Decide this tick's actions for one GPU (see the module docstring for the order)."""
+        idle = self._idle(state, observation)
+        if idle is not None:
+            return idle, []
         gpu = observation.gpu_uuid
         actions: list[Action] = []
         # A new state only where something changed: the step runs every tick for every GPU,
@@ -159,6 +162,54 @@ class GpushareController:
         state = self._share(state, observation, signals, now, actions)
         state = restarts(self.config, state, observation, signals, now, actions)
         return state, actions
+
+    def _idle(self, state: GpuState, obs: Observation) -> GpuState | None:
+        """The step of a GPU with no client and nothing to settle; ``None`` when it is not one.
+
+        Such a GPU (most of a node's, often) makes every section above a no-op: no fault, loss or
+        memory shortfall to act on, no online client (offline runs free: duty 1, counters reset,
+        gating off as last sent), no share sample, no restart. What the sections would return is
+        the state with one more quiet tick and no action; this returns that without running them,
+        where the step runs for every GPU every tick. Each condition below is one a section
+        checks; ``tests/control/test_controller_idle.py`` holds the answer to the full step's over
+        random states and observations.
+        """
+        if (
+            obs.clients
+            or obs.gpu_events
+            or obs.sample.lost
+            or obs.mps_state is not MpsState.UP
+            or state.lost
+            or state.recovering_since_s is not None
+            or state.evicting
+            or state.stopped
+            or state.restart_pending is not None
+            or state.memory_alerted
+            or state.demand_samples
+            or state.quiet_signals
+            or state.app_quiet_signals
+            or not state.share_emitted
+            or state.duty != 1.0
+            or state.duty_emitted != 1.0
+            or state.comfortable_ticks
+            or state.violation_ticks
+            or state.breach_duty is not None
+            or state.gated_shallow
+            or state.gating_emitted is True
+            or (obs.gate is not None and state.gating_emitted is not False)
+        ):
+            return None
+        reserve = obs.mem_reserve_bytes
+        free = free_memory_bytes(obs)
+        if reserve > 0 and free is not None and free < reserve:
+            return None
+        cfg = self.config
+        top = min(cfg.offline_sm_pct_max, obs.offline_sm_pct_max)
+        low = min(cfg.offline_sm_pct_min, top)
+        target = max(low, float(math.floor(top)))  # _share with no online client
+        if state.share_pct > top or abs(target - state.share_pct) > cfg.share_hysteresis_pct:
+            return None
+        return _one_more_quiet_tick(state)
 
     # Faults and recovery -----------------------------------------------------------------------
 
@@ -763,6 +814,22 @@ class GpushareController:
             # Utilisation counts any running kernel, so it overstates demand: errs safe.
             return min(100.0, max(0.0, sample.gpu_util_pct))
         return None
+
+
+_STATE_FIELDS = tuple(f.name for f in fields(GpuState))
+
+
+def _one_more_quiet_tick(state: GpuState) -> GpuState:
+    """``replace(state, quiet_ticks=state.quiet_ticks + 1)``, in half its time.
+
+    ``replace`` looks the fields up and checks them on every call; the idle fast path makes one
+    such copy per empty GPU per tick (GpuState has no ``__post_init__`` to bypass).
+    """
+    new = object.__new__(GpuState)
+    for name in _STATE_FIELDS:
+        object.__setattr__(new, name, getattr(state, name))
+    object.__setattr__(new, "quiet_ticks", state.quiet_ticks + 1)
+    return new
 
 
 def _quiet_level(state: GpuState) -> float | None:

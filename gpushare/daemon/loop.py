@@ -99,6 +99,15 @@ class ControlLoop:
         # record object until the client changes, so an unchanged client's view is reused.
         self._views: dict[str, tuple[ClientRecord, ClientView]] = {}
         self._synced: Sequence[ClientRecord] = ()  # the records ops.sync last saw
+        # Made from the records of the last tick that changed any (the registry hands out the
+        # same record objects until a client changes): each GPU's client views, the clients'
+        # counts for the STATUS= line, and the gates' online and gated clients (with the
+        # clients told to go, which the gated exclude, as they were then).
+        self._by_gpu: dict[str | None, list[ClientRecord]] = {}
+        self._view_map: dict[str, ClientView] = {}
+        self._gpu_views: dict[str, tuple[ClientView, ...]] = {}
+        self._counts: tuple[int, int, int] = (0, 0, 0)
+        self._gate_args: tuple[tuple[str, ...], dict[str, str], dict[str, list[str]]] | None = None
         #: When frozen offline clients have drained their queued kernels (probe "quiet").
         self.drain = DrainTracker()
 
@@ -157,21 +166,23 @@ class ControlLoop:
             # from the lifecycle): with every record the one synced last tick, it has nothing
             # to do.
             synced = self._synced
-            if len(records) != len(synced) or any(
+            changed = len(records) != len(synced) or any(
                 a is not b for a, b in zip(records, synced, strict=True)
-            ):
+            )
+            if changed:
                 s.ops.sync(self._tracked(records), now)
                 self._synced = records
-            by_gpu: dict[str | None, list[ClientRecord]] = {}
-            for rec in records:
-                by_gpu.setdefault(rec.gpu_uuid, []).append(rec)
-            views = self._views_of(records, now)
+                self._records_changed(records, now)
             observations: dict[str, Observation] = {}
-            self._update_gates(records, now)
+            self._update_gates(records, now, changed=changed)
             for sample in samples:
                 if not s.shared(sample):
                     continue
-                mine = tuple(views[r.id] for r in by_gpu.get(sample.uuid, ()))
+                mine = self._gpu_views.get(sample.uuid)
+                if mine is None:
+                    by_gpu, views = self._by_gpu, self._view_map
+                    mine = tuple(views[r.id] for r in by_gpu.get(sample.uuid, ()))
+                    self._gpu_views[sample.uuid] = mine
                 observations[sample.uuid] = self._tick_gpu(sample, mine, gpu_events, now)
             if any(r.state is S.QUEUED for r in records):
                 self._admit(observations, now)
@@ -184,8 +195,19 @@ class ControlLoop:
             self.ticks += 1
             # The STATUS= line counts this tick's clients (a change made by this tick's actions
             # shows at the next tick, 100 ms on): no second read of the registry every tick.
-            line = self.summary(records)
+            line = self._summary_line(self._counts)
         self._report(now, line)
+
+    def _records_changed(self, records: Sequence[ClientRecord], now: float) -> None:
+        """Remake what the tick derives from the records alone (a tick with none changed reuses it)."""
+        by_gpu: dict[str | None, list[ClientRecord]] = {}
+        for rec in records:
+            by_gpu.setdefault(rec.gpu_uuid, []).append(rec)
+        self._by_gpu = by_gpu
+        self._view_map = self._views_of(records, now)
+        self._gpu_views = {}
+        self._counts = _count(records)
+        self._gate_args = None
 
     def _views_of(self, records: Sequence[ClientRecord], now: float) -> dict[str, ClientView]:
         """Every client's view, made anew only for the records that changed since the last tick."""
@@ -306,19 +328,32 @@ class ControlLoop:
             return True
         return self.s.mps_states.get(sample.uuid) is not MpsState.UP
 
-    def _update_gates(self, records: Sequence[ClientRecord], now: float) -> None:
-        """Tell the gates which online clients (and processes) and gated offline clients exist."""
+    def _update_gates(
+        self, records: Sequence[ClientRecord], now: float, *, changed: bool = True
+    ) -> None:
+        """Tell the gates which online clients (and processes) and gated offline clients exist.
+
+        ``changed``: whether any record changed since the last tick; when none did and no client
+        was told to go since, the online and gated clients are the last tick's.
+        """
         s, life = self.s, self.life
-        online: dict[str, str] = {}
-        gated: dict[str, list[str]] = {}
-        for rec in records:
-            if rec.gpu_uuid is None or not rec.state.is_live:
-                continue
-            if rec.cls is ClientClass.ONLINE:
-                online[rec.id] = rec.gpu_uuid
-            elif rec.state in RUNNING_STATES and rec.pid is not None and not life.exiting(rec.id):
-                gated.setdefault(rec.gpu_uuid, []).append(rec.id)
-        pids = {pid: cid for pid, cid in life.by_pid.items() if cid in online}
+        going = tuple(life.on_exit)
+        kept = self._gate_args
+        if not changed and kept is not None and kept[0] == going:
+            _, online, gated = kept
+        else:
+            online, gated = {}, {}
+            for rec in records:
+                if rec.gpu_uuid is None or not rec.state.is_live:
+                    continue
+                if rec.cls is ClientClass.ONLINE:
+                    online[rec.id] = rec.gpu_uuid
+                elif (
+                    rec.state in RUNNING_STATES and rec.pid is not None and not life.exiting(rec.id)
+                ):
+                    gated.setdefault(rec.gpu_uuid, []).append(rec.id)
+            self._gate_args = (going, online, gated)
+        pids = {pid: cid for pid, cid in life.by_pid.items() if cid in online} if online else {}
         for cid in online:
             try:
                 pids.update(dict.fromkeys(s.pauser.pids(cid), cid))
@@ -460,18 +495,13 @@ class ControlLoop:
 
     def summary(self, records: Sequence[ClientRecord] | None = None) -> str:
         """The one-line STATUS= summary (of ``records``, by default the registry's clients)."""
+        return self._summary_line(_count(self.s.registry.clients() if records is None else records))
+
+    def _summary_line(self, counts: tuple[int, int, int]) -> str:
         s = self.s
         shared = [x for x in s.samples if s.shared(x)]
         up = sum(1 for x in shared if s.mps_states.get(x.uuid) is MpsState.UP)
-        online = offline = queued = 0
-        for r in s.registry.clients() if records is None else records:
-            if r.state is S.QUEUED:
-                queued += 1
-            elif r.state.is_live:
-                if r.cls is ClientClass.ONLINE:
-                    online += 1
-                else:
-                    offline += 1
+        online, offline, queued = counts
         return (
             f"{len(shared)} GPU(s), MPS up {up}/{len(shared)}, {online} online + {offline} "
             f"offline client(s), {queued} queued"
@@ -484,7 +514,8 @@ class ControlLoop:
         life = self.life
         period = self.s.config.control.period_s
         self._edges.clear()
-        for rec in self.s.registry.clients():
+        # Read once this tick already with the look for other connections' commits (tick()).
+        for rec in self.s.registry.clients(check=False):
             if rec.state not in RUNNING_STATES or rec.pid is None:
                 continue
             if life.exiting(rec.id):
@@ -629,3 +660,17 @@ class ControlLoop:
         self.s.registry.add_event(
             kind, action.reason, gpu_uuid=gpu, data={"duty": duty, "previous": old}
         )
+
+
+def _count(records: Sequence[ClientRecord]) -> tuple[int, int, int]:
+    """Online and offline live clients, and queued ones, for the STATUS= line."""
+    online = offline = queued = 0
+    for r in records:
+        if r.state is S.QUEUED:
+            queued += 1
+        elif r.state.is_live:
+            if r.cls is ClientClass.ONLINE:
+                online += 1
+            else:
+                offline += 1
+    return online, offline, queued

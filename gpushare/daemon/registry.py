@@ -9,7 +9,10 @@ The clients that are not in a final state are also held in memory, decoded, so t
 reads them every tick without a query (:meth:`Registry.clients`). SQLite stays the truth: every
 write commits first and only then changes the memory copy, so a crash loses nothing a second
 :class:`Registry` on the same file would not see, and a failed write changes neither. A commit by
-another connection (``PRAGMA data_version`` moves) makes the next read reload the copy.
+another connection (``PRAGMA data_version`` moves) makes the next read reload the copy. That query
+is asked only after a write reached the database's files (inotify,
+:class:`~gpushare.node.inotify.WriteWatch`): a read with nothing written since the last costs no
+SQLite call (the control loop reads every tick).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import structlog
 
 from gpushare.model import ClientClass, ClientState
+from gpushare.node.inotify import WriteWatch
 
 log = structlog.get_logger(__name__)
 
@@ -220,7 +224,13 @@ class Registry:
         # The live (not final) clients in submission order, as committed; see the module doc.
         self._live: dict[str, ClientRecord] = {}
         self._data_version = -1
-        self._sync()
+        # No other connection can reach a private in-memory database: nothing to look for.
+        self._private = str(path) == ":memory:"
+        self._watch = None if self._private else WriteWatch((path, Path(f"{path}-wal")))
+        if self._watch is not None:
+            self._watch.written()  # watching from here on: what was written before is read now
+        self._data_version = self._conn.execute("PRAGMA data_version").fetchone()[0]
+        self._reload()
 
     @classmethod
     def open(cls, path: Path) -> Registry:
@@ -267,6 +277,8 @@ class Registry:
         """Close the database."""
         with self._lock:
             self._conn.close()
+            if self._watch is not None:
+                self._watch.close()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -450,17 +462,22 @@ class Registry:
         except RegistryError:
             return None
 
-    def clients(self, *, include_final: bool = False) -> list[ClientRecord]:
+    def clients(self, *, include_final: bool = False, check: bool = True) -> list[ClientRecord]:
         """Clients in submission order; by default only those not in a final state.
 
         The live ones come from memory (no query, nothing decoded); ``include_final`` reads the
-        whole table, as ``gpushare list --all`` does.
+        whole table, as ``gpushare list --all`` does. ``check=False`` skips the look for other
+        connections' commits (``PRAGMA data_version``): the copy as of the last look, with every
+        write of this registry since. The control loop reads the clients twice a tick and looks
+        once: a commit that lands between the two reads is seen at the next tick, as one that
+        lands just after the look is.
         """
         with self._lock:
             if include_final:
                 rows = self._conn.execute("SELECT * FROM clients ORDER BY seq").fetchall()
                 return [_record(row) for row in rows]
-            self._sync()
+            if check:
+                self._sync()
             return list(self._live.values())
 
     def add_event(
@@ -516,14 +533,19 @@ class Registry:
 
     def _sync(self) -> None:
         """Reload the live clients when another connection committed since the last look."""
+        if self._private or (self._watch is not None and not self._watch.written()):
+            return  # nothing written since the last look (which read data_version after it)
         version = self._conn.execute("PRAGMA data_version").fetchone()[0]
         if version == self._data_version:
             return
+        self._data_version = version
+        self._reload()
+
+    def _reload(self) -> None:
         rows = self._conn.execute(
             "SELECT * FROM clients WHERE state NOT IN ('exited', 'failed', 'lost') ORDER BY seq"
         ).fetchall()
         self._live = {row["id"]: _record(row) for row in rows}
-        self._data_version = version
 
     @staticmethod
     def _get(conn: sqlite3.Connection, client_id: str) -> ClientRecord:

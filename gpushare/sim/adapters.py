@@ -12,7 +12,6 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from gpushare.model import (
@@ -79,10 +78,13 @@ class SimGpuBackend:
             busy, sm = gpu.totals()
             t0, busy0, sm0 = self._last[gpu.uuid]
             self._last[gpu.uuid] = (now, busy, sm)
-            sample = self.node.sample(gpu, busy - busy0, sm - sm0, now - t0)
             periods = (SmPeriod(now, self._ran(gpu.uuid)),) if now > t0 else ()
             mode = "default" if gpu.mode == "time_slice" else "exclusive_process"
-            out.append(replace(sample, sm_periods=periods, compute_mode=mode))
+            out.append(
+                self.node.sample(
+                    gpu, busy - busy0, sm - sm0, now - t0, sm_periods=periods, compute_mode=mode
+                )
+            )
         return out
 
     def _ran(self, gpu_uuid: str) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
 GpuMode = Literal["mps", "time_slice"]
@@ -69,26 +69,30 @@ Kernel = tuple[float, int, float, float, float]
 DEFERRED = 1 << 30
 #: How slots are shared among kernels of one MPS priority (docs/simulator.md G5).
 ShareRule = Literal["fifo", "fair"]
+#: What a :class:`Timer` is for: a kernel's completion, or the end of one of its waves.
+TIMER_DONE: Final = 0
+TIMER_WAVE_END: Final = 1
 
 
 class EventLoop:
     """A virtual clock, a heap of timed callbacks and the kernels' completions; deterministic.
 
     Events run in the order of ``(time, sequence number)``, the number counting every event
-    scheduled. A kernel's completion is not a heap entry: each running kernel (:class:`Run`) has
-    at most one, kept on the record itself (``due_s``, ``due_seq``) and moved or cancelled in
-    place when the kernel's slots or rate change. A heap entry could not be moved, only left to
-    pop and be ignored; those stale entries were most of the heap and of the events popped.
+    scheduled. A kernel's completion and its next wave end are not heap entries: each
+    :class:`Run` keeps one :class:`Timer` for each, moved or cancelled in place when the kernel's
+    slots or rate change (a heap entry could not be moved, only left to pop and be ignored: those
+    stale entries were most of the heap and of the events popped), and they run in the same
+    order as heap entries would.
     """
 
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = 0
-        #: The kernels with a completion pending (a record's ``slot`` is its index here).
-        self._due: list[Run] = []
+        #: The kernels' pending timers (a timer's ``slot`` is its index here).
+        self._due: list[Timer] = []
         #: The earliest of them (by time, then sequence number), or None.
-        self._first: Run | None = None
+        self._first: Timer | None = None
         self.events = 0
         self.end_s = 0.0
 
@@ -98,41 +102,41 @@ class EventLoop:
         self._seq = seq + 1
         _heappush(self._heap, (max(time_s, self.now), seq, callback, arg))
 
-    def arm(self, run: Run, time_s: float) -> None:
-        """Make ``run``'s completion due at ``time_s``, replacing the one it had (if any)."""
+    def arm(self, timer: Timer, time_s: float) -> None:
+        """Make the timer due at ``time_s``, replacing the time it had (if pending)."""
         seq = self._seq
         self._seq = seq + 1
-        old_s = run.due_s
-        run.due_s = time_s
-        run.due_seq = seq
+        old_s = timer.due_s
+        timer.due_s = time_s
+        timer.due_seq = seq
         first = self._first
-        if run.slot < 0:
-            run.slot = len(self._due)
-            self._due.append(run)
-        elif first is run:
+        if timer.slot < 0:
+            timer.slot = len(self._due)
+            self._due.append(timer)
+        elif first is timer:
             if not time_s < old_s:
                 self._find_first()  # moved later: another may now be first
             return
         # The newest sequence number loses every tie.
         if first is None or time_s < first.due_s:
-            self._first = run
+            self._first = timer
 
-    def disarm(self, run: Run) -> None:
-        """Cancel ``run``'s pending completion (none pending: nothing to do)."""
-        k = run.slot
+    def disarm(self, timer: Timer) -> None:
+        """Cancel the timer (not pending: nothing to do)."""
+        k = timer.slot
         if k < 0:
             return
         due = self._due
         last = due.pop()
-        if last is not run:
+        if last is not timer:
             due[k] = last
             last.slot = k
-        run.slot = -1
-        if self._first is run:
+        timer.slot = -1
+        if self._first is timer:
             self._find_first()
 
     def _find_first(self) -> None:
-        best: Run | None = None
+        best: Timer | None = None
         for r in self._due:
             if (
                 best is None
@@ -181,10 +185,28 @@ class EventLoop:
                 break
             self.disarm(c)
             self.now = t
-            c.gpu._complete(c)
+            run = c.run
+            if c.kind == TIMER_DONE:
+                run.gpu._complete(run)
+            else:
+                run.gpu._wave_end(c)
             n += 1
         self.events += n
         self.now = max(self.now, end_s)
+
+
+class Timer:
+    """A pending event of one kernel kept on its :class:`Run`: its completion or its wave end."""
+
+    def __init__(self, run: Run, kind: int) -> None:
+        self.run = run
+        self.kind = kind
+        self.due_s = 0.0
+        self.due_seq = 0
+        #: Index in the loop's pending timers, or -1 when not pending.
+        self.slot = -1
+        #: A wave end: the kernel (``Run.kseq``) it was armed for.
+        self.kseq = 0
 
 
 class Client(Protocol):
@@ -331,7 +353,7 @@ class Gpu:
         if run is None:
             return 0
         self._account()
-        self.loop.disarm(run)
+        self.loop.disarm(run.done)
         if run.g > 0:
             self.free += run.g
             self.runs.remove(run)
@@ -406,7 +428,7 @@ class Gpu:
         if g > stream.held_max:
             stream.held_max = g
         remaining = run.remaining if run.remaining > 0.0 else 0.0
-        self.loop.arm(run, now + remaining / rate)
+        self.loop.arm(run.done, now + remaining / rate)
 
     def _release(self, run: Run) -> None:
         """Take every slot from a running kernel, keeping its progress (it stays the stream's)."""
@@ -414,17 +436,22 @@ class Gpu:
         now = self.loop.now
         run.remaining -= (now - run.last_s) * run.rate
         run.last_s = now
-        self.loop.disarm(run)  # its completion is cancelled
+        self.loop.disarm(run.done)  # its completion is cancelled
         run.wave_at = -1.0  # and its wave end no longer matches
         self.free += run.g
         run.g = 0
         run.bw = 0.0
         self.runs.remove(run)
 
-    def _wave_end(self, arg: tuple[Run, int, float]) -> None:
+    def _wave_end(self, timer: Timer) -> None:
         """A wave of a kernel someone waits for ends: its slots are dispatched again (G5, G6)."""
-        run, kseq, at = arg
-        if run.kseq != kseq or run.wave_at != at or run.g == 0 or run.stream.run is not run:
+        run = timer.run
+        if (
+            run.kseq != timer.kseq
+            or run.wave_at != timer.due_s
+            or run.g == 0
+            or run.stream.run is not run
+        ):
             return
         run.wave_at = -1.0
         if not self._waiter_gains(run):
@@ -537,7 +564,12 @@ class Gpu:
                 )
         if best is not None and best.wave_at < 0.0:
             best.wave_at = best_t
-            _heappush(heap, (best_t, self._next_seq(), self._wave_end, (best, best.kseq, best_t)))
+            w = best.wave
+            # Still pending for this very wave end (armed, cancelled by a release, armed again
+            # for the same time): it fires first, as the older of two heap entries would.
+            if w.slot < 0 or w.kseq != best.kseq or w.due_s != best_t:
+                w.kseq = best.kseq
+                self.loop.arm(w, best_t)
 
     def _next_seq(self) -> int:
         loop = self.loop
@@ -830,7 +862,7 @@ class Gpu:
             run.rate = rate
             if g > s.held_max:
                 s.held_max = g
-            loop.arm(run, now + 1.0 / rate)
+            loop.arm(run.done, now + 1.0 / rate)
         if short and not full:
             self._arm_waves(short)
 
@@ -969,10 +1001,13 @@ class Run:
     remaining: float = 1.0
     rate: float = 0.0
     last_s: float = 0.0
-    #: When its completion is due and the event's sequence number (see :class:`EventLoop`).
-    due_s: float = 0.0
-    due_seq: int = 0
-    #: Index in the loop's pending completions, or -1 when none is pending.
-    slot: int = -1
+    #: Its completion and its next wave end (see :class:`EventLoop`).
+    done: Timer = field(init=False)
+    wave: Timer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.done = Timer(self, TIMER_DONE)
+        self.wave = Timer(self, TIMER_WAVE_END)
+
     #: ``g * mem_e``: this kernel's term of the bandwidth sum (G8), kept with ``g``.
     bw: float = 0.0

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from typing import cast
 
 from gpushare.config import Config
-from gpushare.model import ClientClass, ClientState, GpuSample, ProbeReading, ProcessMemory
+from gpushare.model import (
+    ClientClass,
+    ClientState,
+    GpuSample,
+    ProbeReading,
+    ProcessMemory,
+    SmPeriod,
+)
 from gpushare.sim import data
 from gpushare.sim.gpu import EventLoop, Gpu, GpuMode
 from gpushare.sim.scenario import OnlineSpec, Scenario
@@ -245,8 +252,21 @@ class SimNode:
 
     # --- sensors -------------------------------------------------------------------------------
 
-    def sample(self, gpu: Gpu, busy_s: float, sm_s: float, dt: float) -> GpuSample:
-        """What NVML reads on a GPU: memory, its processes, utilisation over the last ``dt``."""
+    def sample(
+        self,
+        gpu: Gpu,
+        busy_s: float,
+        sm_s: float,
+        dt: float,
+        *,
+        sm_periods: tuple[SmPeriod, ...] | None = None,
+        compute_mode: str | None = None,
+    ) -> GpuSample:
+        """What NVML reads on a GPU: memory, its processes, utilisation over the last ``dt``.
+
+        ``sm_periods`` and ``compute_mode`` are the caller's (:mod:`gpushare.sim.adapters`), given
+        here rather than set by a copy of the sample: one sample per GPU per tick.
+        """
         used = self.mem_used(gpu)
         live = [c for c in self.clients if c.gpu is gpu and c.state.is_live]
         return GpuSample(
@@ -260,6 +280,8 @@ class SimNode:
             gpu_util_pct=100.0 * busy_s / dt if dt > 0 else None,
             sm_active_pct=100.0 * sm_s / (dt * gpu.sm_count) if dt > 0 else None,
             processes=tuple(ProcessMemory(c.pid, c.mem_bytes) for c in live),
+            sm_periods=sm_periods,
+            compute_mode=compute_mode,
         )
 
     def probe_reading(self, gpu_uuid: str) -> ProbeReading:

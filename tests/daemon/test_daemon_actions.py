@@ -723,3 +723,33 @@ def test_online_slo_follows_the_app_p99_over_the_probe_where_there_is_one(
     d.state.p99 = {web["client_id"]: LatencyP99(p99_ms=19.6, samples=100, source="app")}
     slo = d.api.status(ROOT, {"gpu": "0"})["gpus"][0]["online_slo"]
     assert slo["state"] == "degraded"
+
+
+def test_the_gates_hear_at_the_next_tick_of_a_client_told_to_go_without_a_record_change(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    # A tick with no record changed reuses the last tick's online and gated clients; a cancel
+    # changes no record (the client runs out its grace), so that reuse must still see it.
+    d, _, _ = env
+    stubborn = [sys.executable, "-c", (
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "while True: time.sleep(0.01)\n"
+    )]  # fmt: skip
+    cid = _submit(d, stubborn)["client_id"]
+    time.sleep(0.3)  # its handler is installed
+    seen: list[dict[str, list[str]]] = []
+    real = d.state.gate.update_clients
+
+    def spy(online: Any, gated: Any, now: float, online_pids: Any = None) -> None:
+        seen.append({g: list(ids) for g, ids in gated.items()})
+        real(online, gated, now, online_pids)
+
+    d.state.gate.update_clients = spy  # type: ignore[method-assign]
+    d.run(max_ticks=2)
+    assert seen[-1] == {GPU0: [cid]}
+    before = d.registry.get(cid)
+    d.api.cancel(ROOT, {"client_id": cid})
+    d.run(max_ticks=1)
+    assert d.registry.get(cid) is before  # no record changed ...
+    assert seen[-1] == {}  # ... and the client going away is no longer gated

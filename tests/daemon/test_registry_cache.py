@@ -136,3 +136,71 @@ def test_a_commit_by_another_connection_is_seen(tmp_path: Path) -> None:
     assert [r.id for r in reg.clients()] == [cid]
     other.close()
     reg.close()
+
+
+def test_clients_without_the_check_is_the_copy_as_last_looked_plus_own_writes(
+    tmp_path: Path,
+) -> None:
+    # The control loop's second read of a tick (check=False): no look for other connections'
+    # commits, so it costs no query; its own writes show at once, the other's at the next look.
+    path = tmp_path / "db.sqlite"
+    reg = Registry.open(path)
+    cid = _add(reg)
+    assert [r.state for r in reg.clients()] == [S.STARTING]
+    other = Registry.open(path)
+    theirs = _add(other, name="from-the-other")
+    mine = _add(reg, name="mine")
+    # Our own commit looks for others' commits too (a commit just before ours is not lost).
+    assert [r.id for r in reg.clients(check=False)] == [cid, theirs, mine]
+    other.transition(cid, S.RUNNING, pid=7)
+    assert [r.state for r in reg.clients(check=False)] == [S.STARTING] * 3
+    assert [r.state for r in reg.clients()] == [S.RUNNING, S.STARTING, S.STARTING]
+    reg.transition(mine, S.RUNNING, pid=8)
+    assert [(r.id, r.state) for r in reg.clients(check=False)] == [
+        (cid, S.RUNNING), (theirs, S.STARTING), (mine, S.RUNNING),
+    ]  # fmt: skip
+    other.close()
+    reg.close()
+
+
+def _statements(reg: Registry) -> list[str]:
+    seen: list[str] = []
+    reg._conn.set_trace_callback(seen.append)
+    return seen
+
+
+def test_a_look_with_nothing_written_since_asks_sqlite_nothing(tmp_path: Path) -> None:
+    # The control loop reads the clients every tick: with no write to the database's files since
+    # the last look (inotify), not even PRAGMA data_version is asked; after any write, it is.
+    path = tmp_path / "db.sqlite"
+    reg = Registry.open(path)
+    cid = _add(reg)
+    asked = _statements(reg)
+    for _ in range(3):
+        assert [r.id for r in reg.clients()] == [cid]
+        assert reg.get(cid).state is S.STARTING
+    assert asked == []
+    other = Registry.open(path)
+    other.transition(cid, S.RUNNING, pid=7)
+    assert [r.state for r in reg.clients()] == [S.RUNNING]
+    assert "PRAGMA data_version" in asked
+    asked.clear()
+    assert [r.state for r in reg.clients()] == [S.RUNNING]
+    assert asked == []
+    # A raw write (an operator's sqlite3 shell) is a write to the files too.
+    raw = sqlite3.connect(path)
+    with raw:
+        raw.execute("UPDATE clients SET held = 1 WHERE id = ?", (cid,))
+    raw.close()
+    assert reg.get(cid).held is True
+    other.close()
+    reg.close()
+
+
+def test_a_private_in_memory_registry_never_looks_for_other_connections() -> None:
+    reg = Registry.in_memory()
+    cid = _add(reg)
+    asked = _statements(reg)
+    assert [r.id for r in reg.clients()] == [cid]
+    assert asked == []
+    reg.close()

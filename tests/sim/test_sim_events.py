@@ -68,10 +68,10 @@ def test_completions_and_callbacks_run_in_time_then_scheduling_order(
             loop.at(t, lambda _, name=name: log.append((name, loop.now)))
             expected[name] = (t, order)
         elif op == "arm":
-            loop.arm(runs[k], t)
+            loop.arm(runs[k].done, t)
             expected[f"run{k}"] = (t, order)  # a re-arm replaces the completion it had
         else:
-            loop.disarm(runs[k])
+            loop.disarm(runs[k].done)
             expected.pop(f"run{k}", None)
     loop.run_until(10.0)
     want = sorted(expected, key=lambda name: expected[name])
@@ -82,9 +82,9 @@ def test_completions_and_callbacks_run_in_time_then_scheduling_order(
 def test_a_completion_moved_later_lets_an_earlier_one_go_first() -> None:
     loop, _, runs, log = _setup(2)
     loop.run_until(0.0)
-    loop.arm(runs[0], 1.0)
-    loop.arm(runs[1], 2.0)
-    loop.arm(runs[0], 3.0)  # re-rated: now due after the other
+    loop.arm(runs[0].done, 1.0)
+    loop.arm(runs[1].done, 2.0)
+    loop.arm(runs[0].done, 3.0)  # re-rated: now due after the other
     loop.run_until(2.5)
     assert log == [("run1", 2.0)]
     loop.run_until(5.0)
