@@ -310,22 +310,18 @@ class Observation:
 
     def online(self) -> tuple[ClientView, ...]:
         """The live online clients on this GPU."""
-        found = self._online
-        if found is None:
-            found = tuple(
-                c for c in self.clients if c.cls is ClientClass.ONLINE and c.state.is_live
-            )
-            object.__setattr__(self, "_online", found)
-        return found
+        return self._live(ClientClass.ONLINE, "_online")
 
     def offline(self) -> tuple[ClientView, ...]:
         """The live offline clients on this GPU."""
-        found = self._offline
+        return self._live(ClientClass.OFFLINE, "_offline")
+
+    def _live(self, cls: ClientClass, slot: str) -> tuple[ClientView, ...]:
+        # Asked about ten times per step: made once per observation (it is frozen).
+        found: tuple[ClientView, ...] | None = getattr(self, slot)
         if found is None:
-            found = tuple(
-                c for c in self.clients if c.cls is ClientClass.OFFLINE and c.state.is_live
-            )
-            object.__setattr__(self, "_offline", found)
+            found = tuple(c for c in self.clients if c.cls is cls and c.state.is_live)
+            object.__setattr__(self, slot, found)
         return found
 
 

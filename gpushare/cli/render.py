@@ -154,12 +154,16 @@ def _mps(gpu: dict[str, Any], simulated: bool) -> str:
 
 
 def _request_gate(gpu: dict[str, Any]) -> tuple[str, str]:
-    """Request gating of a GPU: off / open / closed, and the requests in flight."""
+    """Request gating of a GPU: off / open / closed (with its delay), and the requests in flight."""
     gate = gpu.get("request_gate")
     if gate is None:
         # Not shared, or a daemon without request gating.
         return ("-", "-") if not gpu.get("shared", True) else (NA, NA)
     state = "closed" if gate["closed"] else "open" if gate["enabled"] else "off"
+    delay = gate.get("delay_ms") or 0.0  # absent from an older daemon's status
+    if gate["enabled"] and delay > 0.0:
+        # Offline work runs beside the first `delay` of each busy spell (docs/controller.md).
+        state += f"+{delay:.3g}ms"
     return state, str(gate["inflight"])
 
 

@@ -3,7 +3,9 @@
 One :class:`GpushareController` serves every GPU; each GPU has its own frozen :class:`GpuState`
 (defined, with the helpers several sections share, in :mod:`gpushare.control.gpu_state`, and
 re-exported here). A step runs, in this order (``docs/controller.md`` gives the law and justifies
-every constant):
+every constant); sections 1-4 and 6 are methods here, the others plain functions in their own
+modules: the duty cycle (5) in :mod:`gpushare.control.duty`, the offline share (7) in
+:mod:`gpushare.control.share` and the restarts that follow it in :mod:`gpushare.control.restarts`:
 
 1. **GPU lost** (``sample.lost``): alert once and do nothing else on that GPU (admission skips it).
 2. **MPS fault** (``MpsState.FAULT`` or a fatal XID): :class:`RecoverMps` (the daemon removes offline
@@ -43,34 +45,30 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 
 from gpushare.config import ControlConfig
+from gpushare.control.duty import duty_signals, throttle
 from gpushare.control.gpu_state import (
     GpuState,
-    app_only,
     client_share_pct,
     failure_backoff_s,
     gated_shallow,
 )
 from gpushare.control.restarts import restarts
+from gpushare.control.share import offline_share
 from gpushare.control.signals import Signals, free_memory_bytes, online_signals
 from gpushare.model import (
     Action,
     Alert,
-    ClientClass,
     Evict,
     MpsState,
     Observation,
     RecoverMps,
-    SetDuty,
     SetGating,
-    SetOfflineShare,
     Severity,
 )
 
 # GpuState and the helpers live in gpu_state.py; callers keep importing them from here.
 __all__ = ["GpuState", "GpushareController", "client_share_pct", "failure_backoff_s"]
 
-# Rounding keeps repeated additive steps from drifting (0.05 * 20 must be exactly 1.0).
-_DUTY_DIGITS = 6
 # The gate delay doubles on a raise and halves on a breach (docs/controller.md, "Gate delay"):
 # the useful delay spans two decades (2 ms to 300 ms), which steps of a fixed size would cross
 # either too slowly at the bottom or too coarsely at the top.
@@ -116,8 +114,6 @@ _DELAY_TRUST_S = 60.0
 _DELAY_BLIND_S = 10.0
 # Delays are rounded to a microsecond: repeated doubling and halving must not drift.
 _DELAY_DIGITS = 6
-# Demand samples kept per GPU: one per quiet tick, bounded so a long quiet spell costs no memory.
-_MAX_DEMAND_SAMPLES = 600
 
 
 class GpushareController:
@@ -170,10 +166,10 @@ class GpushareController:
         state = self._failing_clients(state, observation, now, actions)
         state = self._memory(state, observation, now, actions)
         signals = online_signals(observation, self.config.probe_slo_ratio)
-        duty_signals = self._duty_signals(state, observation, signals)
-        state = self._throttle(state, observation, duty_signals, actions)
+        duty = duty_signals(self.config, state, observation, signals)
+        state = throttle(self.config, state, observation, duty, actions)
         state = self._gating(state, observation, signals, now, actions)
-        state = self._share(state, observation, signals, now, actions)
+        state = offline_share(self.config, state, observation, signals, now, actions)
         state = restarts(self.config, state, observation, signals, now, actions)
         return state, actions
 
@@ -220,7 +216,7 @@ class GpushareController:
         cfg = self.config
         top = min(cfg.offline_sm_pct_max, obs.offline_sm_pct_max)
         low = min(cfg.offline_sm_pct_min, top)
-        target = max(low, float(math.floor(top)))  # _share with no online client
+        target = max(low, float(math.floor(top)))  # offline_share with no online client
         if state.share_pct > top or abs(target - state.share_pct) > cfg.share_hysteresis_pct:
             return None
         return _one_more_quiet_tick(state)
@@ -355,165 +351,6 @@ class GpushareController:
             )
             state = replace(state, memory_alerted=True)
         return state
-
-    # Duty-cycle throttle -----------------------------------------------------------------------
-
-    def _duty_signals(self, state: GpuState, obs: Observation, signals: Signals) -> Signals:
-        """The signals the duty cycle follows: the probe yields to app latency while SLOs have room.
-
-        The probe's SLO (``probe_slo_ratio`` x its baseline) is the same whatever the app SLOs
-        are, so under a loose app SLO it trips long before the app latency moves. When every
-        online client reports its p99 against an SLO, the app SLOs leave room with online work
-        alone (worst quiet app signal under ``comfort_ratio``) and the app latency is under
-        ``comfort_ratio`` now, the probe counts only at ``hard_ratio``; otherwise (an online
-        client without a report, a tight SLO, app latency near its SLO) it counts as before.
-        """
-        cfg = self.config
-        if gated_shallow(state, obs):
-            # Gated with shallow queues, offline work runs between requests by design: the probe,
-            # which is not a request, meets it there and says nothing of what requests see (it
-            # would breach whenever offline work runs). Only app latency counts, when there is any.
-            return app_only(signals)
-        quiet_app = max((v for _, v in state.app_quiet_signals), default=None)
-        if (
-            signals.app_complete
-            and signals.app_worst is not None
-            and signals.probe is not None
-            and quiet_app is not None
-            and quiet_app < cfg.comfort_ratio
-            and signals.app_worst < cfg.comfort_ratio
-            and signals.app_worst < signals.probe < cfg.hard_ratio
-        ):
-            return replace(
-                signals,
-                worst=signals.app_worst,
-                worst_source=(
-                    f"{signals.app_source} (the probe at {signals.probe:.2f}x its SLO yields to "
-                    f"app latency: online alone at {quiet_app:.2f}x its SLO)"
-                ),
-            )
-        return signals
-
-    def _throttle(
-        self, state: GpuState, obs: Observation, signals: Signals, actions: list[Action]
-    ) -> GpuState:
-        cfg = self.config
-        duty = state.duty
-        breach = state.breach_duty
-        # Request gating on: offline work is frozen while online requests are in flight, so what
-        # remains of its effect on them is the kernel in flight when a request starts (shallow
-        # queue) and the freeze's latency, which a duty cycle does not remove (it only takes the
-        # idle time gating hands to offline work). Under a tight SLO, windows of online work alone
-        # breach it (docs/benchmarks.md: exclusive use attains 99.4 % at 1.1x); only a breach of
-        # the hard ratio, which gating has evidently not contained, cuts the duty then. A client
-        # with a deep queue runs up to an iteration past a freeze: the duty cycle works as before.
-        gated = gated_shallow(state, obs)
-        comfortable, violating = state.comfortable_ticks, state.violation_ticks
-        entered = ""
-        if gated and not state.gated_shallow:
-            # The duty and its breach memory were set without gating (a deep queue, or before
-            # gating was on): they say nothing about offline work that runs between requests.
-            duty, breach, comfortable, violating = 1.0, None, 0, 0
-            entered = "; request gating on with shallow queues: duty reset to 1"
-        quiet = state.quiet_ticks + 1 if state.duty_emitted == 0.0 or not obs.offline() else 0
-        if signals.online == 0:
-            duty, comfortable, violating, breach = 1.0, 0, 0, None
-            why = "no online client: offline runs free"
-        elif signals.worst is None and gated:
-            comfortable, violating = 0, 0
-            why = (
-                "request gating on with shallow queues and no app latency in the window: duty held"
-            )
-        elif signals.worst is None:
-            comfortable, violating = 0, 0
-            why = f"{signals.online} online client(s) but {signals.describe()}: duty held"
-            if not state.unsignalled_alerted:
-                actions.append(
-                    Alert(
-                        obs.gpu_uuid,
-                        Severity.WARNING,
-                        "online clients report no latency and the probe has no reading: "
-                        "the offline duty cycle cannot follow the SLO",
-                    )
-                )
-                state = replace(state, unsignalled_alerted=True)
-        elif signals.worst >= cfg.hard_ratio:
-            if violating == 0 and duty > 0:
-                breach = duty
-            duty, comfortable, violating = 0.0, 0, violating + 1
-            why = f"{signals.describe()} >= hard ratio {cfg.hard_ratio:g}: offline frozen"
-        elif signals.worst >= cfg.cut_ratio and not gated:
-            # A clear breach: the freeze lags by the offline queue, so cut now rather than halve
-            # over several ticks; the climb resumes where one decrease would have landed.
-            if violating == 0 and duty > 0:
-                breach = duty
-            duty, comfortable, violating = 0.0, 0, violating + 1
-            why = f"{signals.describe()} >= cut ratio {cfg.cut_ratio:g}: offline frozen"
-        elif signals.worst > cfg.violation_ratio and not gated:
-            if violating == 0 and duty > 0:
-                breach = duty
-            comfortable, violating = 0, violating + 1
-            duty *= cfg.duty_decrease_factor
-            if duty < cfg.duty_increase_step or violating >= cfg.freeze_after_ticks:
-                duty = 0.0
-            why = (
-                f"{signals.describe()} over violation ratio {cfg.violation_ratio:g} "
-                f"({violating} tick(s)): duty x {cfg.duty_decrease_factor:g}"
-            )
-        elif signals.worst < cfg.comfort_ratio:
-            comfortable, violating = comfortable + 1, 0
-            why = f"{signals.describe()} under comfort ratio {cfg.comfort_ratio:g}"
-            wait = cfg.increase_after_ticks
-            if breach is not None and round(duty + cfg.duty_increase_step, _DUTY_DIGITS) > round(
-                breach * cfg.duty_decrease_factor, _DUTY_DIGITS
-            ):
-                # Above where the last decrease landed, each step probes toward the duty that
-                # broke the SLO: probe slowly, so breaches (each one costs the p99) stay rare.
-                wait = max(wait, cfg.slow_increase_after_ticks)
-            if comfortable >= wait:
-                duty, comfortable = round(duty + cfg.duty_increase_step, _DUTY_DIGITS), 0
-                why += f" for {wait} tick(s): duty + {cfg.duty_increase_step:g}"
-                if breach is not None and duty > breach:
-                    breach = None  # past the duty that broke the SLO, unharmed: conditions changed
-        else:
-            comfortable, violating = 0, 0
-            why = f"{signals.describe()} inside the comfort band: duty held"
-        if signals.worst is not None and signals.worst > cfg.violation_ratio:
-            floor = 0.0  # guarantees hold only while online SLOs hold
-        else:
-            floor, who = self._guarantee_floor(obs)
-            if duty < floor:
-                duty = floor
-                why += f"; raised to {who}'s guarantee floor"
-        duty = round(min(1.0, max(0.0, duty)), _DUTY_DIGITS)
-        why += entered
-        unsignalled_alerted = state.unsignalled_alerted and not signals.count
-        emitted = state.duty_emitted
-        if duty != emitted:
-            actions.append(SetDuty(obs.gpu_uuid, duty, f"duty {duty:g}: {why}"))
-            emitted = duty
-        if (
-            duty == state.duty
-            and comfortable == state.comfortable_ticks
-            and violating == state.violation_ticks
-            and quiet == state.quiet_ticks
-            and breach == state.breach_duty
-            and emitted == state.duty_emitted
-            and unsignalled_alerted == state.unsignalled_alerted
-            and gated == state.gated_shallow
-        ):
-            return state  # a steady tick (the usual one): no new state
-        return replace(
-            state,
-            duty=duty,
-            duty_emitted=emitted,
-            comfortable_ticks=comfortable,
-            violation_ticks=violating,
-            quiet_ticks=quiet,
-            breach_duty=breach,
-            unsignalled_alerted=unsignalled_alerted,
-            gated_shallow=gated,
-        )
 
     # Request gating ---------------------------------------------------------------------------
 
@@ -690,154 +527,6 @@ class GpushareController:
             )
         return state, why
 
-    @staticmethod
-    def _guarantee_floor(obs: Observation) -> tuple[float, str]:
-        floor, who = 0.0, ""
-        for client in obs.offline():
-            g = client.guarantee_sm_pct
-            if g is None or g <= 0 or client.limits.sm_pct <= 0:
-                continue
-            # A client capped at s% that runs d of the time gets about s*d% of the SMs.
-            needed = min(1.0, g / client.limits.sm_pct)
-            if needed > floor:
-                floor, who = needed, client.client_id
-        return floor, who
-
-    # Offline SM share --------------------------------------------------------------------------
-
-    def _share(
-        self,
-        state: GpuState,
-        obs: Observation,
-        signals: Signals,
-        now: float,
-        actions: list[Action],
-    ) -> GpuState:
-        cfg = self.config
-        top = min(cfg.offline_sm_pct_max, obs.offline_sm_pct_max)
-        low = min(cfg.offline_sm_pct_min, top)
-        window = max(cfg.share_min_interval_s, 10 * cfg.period_s)
-        samples = tuple(s for s in state.demand_samples if now - s[0] <= window)
-        quiet_signals = tuple(s for s in state.quiet_signals if now - s[0] <= window)
-        app_quiet = tuple(s for s in state.app_quiet_signals if now - s[0] <= window)
-        # A latency window still holds the tail from before the freeze for its whole length: read
-        # too early, it says online work alone breaks its SLO, and the share falls to its floor.
-        settle_ticks = math.ceil(round(cfg.quiet_settle_s / cfg.period_s, 6))
-        if signals.online and state.quiet_ticks >= max(cfg.increase_after_ticks, settle_ticks):
-            demand = self._quiet_demand(obs, signals)
-            if demand is not None:
-                samples = (*samples, (now, demand))[-_MAX_DEMAND_SAMPLES:]
-            if signals.worst is not None:
-                quiet_signals = (*quiet_signals, (now, signals.worst))[-_MAX_DEMAND_SAMPLES:]
-            if signals.app_worst is not None:
-                app_quiet = (*app_quiet, (now, signals.app_worst))[-_MAX_DEMAND_SAMPLES:]
-        if (
-            samples != state.demand_samples
-            or quiet_signals != state.quiet_signals
-            or app_quiet != state.app_quiet_signals
-        ):
-            state = replace(
-                state,
-                demand_samples=samples,
-                quiet_signals=quiet_signals,
-                app_quiet_signals=app_quiet,
-            )
-        if not state.share_emitted:
-            share = min(top, max(low, state.share_pct))
-            actions.append(
-                SetOfflineShare(obs.gpu_uuid, share, f"initial offline share {share:g}%")
-            )
-            return replace(state, share_pct=share, share_emitted=True)
-        if state.share_pct > top:
-            # The GPU's ceiling came down: it is never exceeded, whatever the interval.
-            why = f"offline share {state.share_pct:g}% -> {top:g}%: this GPU's offline ceiling"
-            actions.append(SetOfflineShare(obs.gpu_uuid, top, why))
-            return replace(state, share_pct=top, share_changed_at_s=now)
-        if signals.online == 0:
-            target, basis = top, "no online client"
-        elif gated_shallow(state, obs):
-            # The share bounds what offline work takes from online requests running beside it;
-            # gated, it runs only between requests (up to one kernel overlapping a request start).
-            target, basis = top, "request gating on: offline work runs between online requests"
-        elif samples and quiet_signals:
-            # Both the SM demand and the latency online work has alone are needed as evidence
-            # (a share set from SM activity alone overshot before any latency was known).
-            quiet = _quiet_level(state)
-            if quiet is not None and quiet < cfg.violation_ratio:
-                # Online work held to (100 - s) % of the SMs runs at most 100 / (100 - s) times
-                # slower (iGniter: 1.28-1.56x at half the SMs, under the 2x this bound gives), so
-                # its p99 stays under the SLO while quiet * 100 / (100 - s) <= violation ratio.
-                # This bound alone sets the share: it is the one that follows the SLO. SM demand
-                # is a maximum of per-tick averages, which a service at half load reads as ~100 %
-                # whenever one tick is busy throughout, whatever its SLO leaves (it held BERT
-                # inference at a 2x SLO to the 10 % floor on the simulator).
-                target = 100.0 * (1.0 - quiet / cfg.violation_ratio)
-                basis = (
-                    f"online alone at {quiet:.2f}x its SLO with offline quiet: to stay "
-                    f"under the SLO online work needs {quiet / cfg.violation_ratio:.0%} "
-                    "of the SMs"
-                )
-            else:
-                # The SLO leaves nothing measurable: fall back on the SMs online work leaves idle.
-                demand = max(s for _, s in samples)
-                target = 100.0 - demand - cfg.share_headroom_pct
-                basis = (
-                    f"online SM demand {demand:.0f}% measured with offline quiet "
-                    f"+ {cfg.share_headroom_pct:g}% headroom"
-                )
-        else:
-            return state  # online present, demand or quiet latency not measured: keep the share
-        if signals.online and not gated_shallow(state, obs):
-            # MPS caps each client, not offline work as a whole: n offline clients at s % each can
-            # hold n x s % of the SMs. The share is what the online clients leave, split evenly.
-            # (Gated, offline clients share the time between requests only among themselves.)
-            sharing = sum(
-                1
-                for c in obs.clients
-                if c.cls is ClientClass.OFFLINE
-                and not c.state.is_final
-                and c.client_id not in state.stopped
-            )
-            if sharing > 1:
-                target /= sharing
-                basis += f", split over {sharing} offline clients"
-        target = float(math.floor(min(top, max(low, target))))
-        target = max(low, target)
-        gated = gated_shallow(state, obs)
-        worst = app_only(signals).worst if gated else signals.worst
-        violating = worst is not None and worst > cfg.violation_ratio
-        # Fast down, slow up: a lower share protects the online SLO and never waits; a higher one
-        # is opportunistic and waits out the interval (each change restarts restartable clients).
-        interval_ok = (
-            target < state.share_pct
-            or state.share_changed_at_s is None
-            or now - state.share_changed_at_s >= cfg.share_min_interval_s
-            # Gated, the one move to the ceiling is not opportunistic: no interval to wait out.
-            or (gated and target >= top)
-        )
-        if (
-            abs(target - state.share_pct) > cfg.share_hysteresis_pct
-            and interval_ok
-            and not violating
-            and obs.mps_state is MpsState.UP
-        ):
-            why = f"offline share {state.share_pct:g}% -> {target:g}%: {basis}"
-            actions.append(SetOfflineShare(obs.gpu_uuid, target, why))
-            state = replace(state, share_pct=target, share_changed_at_s=now)
-        return state
-
-    def _quiet_demand(self, obs: Observation, signals: Signals) -> float | None:
-        probe = obs.probe.ratio
-        if probe is not None and probe > self.config.probe_slo_ratio:
-            return 100.0  # online work alone saturates the GPU: it needs every SM
-        sample = obs.sample
-        if sample.sm_active_pct is not None:
-            return min(100.0, max(0.0, sample.sm_active_pct))
-        if sample.gpu_util_pct is not None:
-            # Utilisation counts any running kernel, so it overstates demand: errs safe.
-            return min(100.0, max(0.0, sample.gpu_util_pct))
-        return None
-
 
 _STATE_FIELDS = tuple(f.name for f in fields(GpuState))
 
@@ -868,13 +557,6 @@ def _one_more_quiet_tick(state: GpuState) -> GpuState:
         object.__setattr__(new, name, getattr(state, name))
     object.__setattr__(new, "quiet_ticks", state.quiet_ticks + 1)
     return new
-
-
-def _quiet_level(state: GpuState) -> float | None:
-    """The worst online signal measured with offline work quiet (the largest in the window)."""
-    if not state.quiet_signals:
-        return None
-    return max(v for _, v in state.quiet_signals)
 
 
 def _gib(n: int) -> str:

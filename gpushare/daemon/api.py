@@ -161,6 +161,7 @@ class Api:
             "signalled_clients": g.signalled_clients,
             "busy_fraction": g.busy_fraction,
             "closes": g.closes,
+            "delay_ms": round(g.delay_s * 1000.0, 3),
         }
 
     def _gpu_dict(self, x: GpuSample, recs: Sequence[ClientRecord]) -> dict[str, Any]:

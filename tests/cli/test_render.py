@@ -53,6 +53,12 @@ def test_request_gate_columns_show_the_gate_and_requests_in_flight():
     assert text.splitlines()[3].split()[-2:] == ["off", "3"]
     text = render_status(_status([_gpu()], []))  # an older daemon: no request gate in its status
     assert text.splitlines()[3].split()[-2:] == ["N/A", "N/A"]
+    # A gate delay: offline work runs beside the first 16 ms of each busy spell.
+    delayed = {**gate, "closed": False, "inflight": 1, "delay_ms": 16.0}
+    text = render_status(_status([_gpu(request_gate=delayed)], []))
+    assert text.splitlines()[3].split()[-2:] == ["open+16ms", "1"]
+    text = render_status(_status([_gpu(request_gate={**delayed, "enabled": False})], []))
+    assert text.splitlines()[3].split()[-2:] == ["off", "1"]
     text = render_status(_status([_gpu(shared=False, request_gate=None)], []))
     assert text.splitlines()[3].split()[-2:] == ["-", "-"]
 

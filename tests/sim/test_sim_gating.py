@@ -41,14 +41,19 @@ def _scenario(
     )
 
 
+def _started(sc: sc_mod.Scenario) -> tuple[SimNode, SimDaemon]:
+    """The simulated node of ``sc``, started, with the daemon's loop (gpushare's policy) on it."""
+    policy = make_policy("gpushare", sc.config.control)
+    node = SimNode(sc, traits=PolicyTraits.of(policy))
+    node.start()
+    return node, SimDaemon(node, policy)
+
+
 def test_gating_freezes_offline_while_a_request_is_in_flight_and_thaws_after_the_hold() -> None:
     # The gate without a delay (an SLO of 1e6 ms leaves room for any: it is turned off here).
     sc = _scenario(gate_delay_max_s=0.0)
     hold = sc.config.gate.hold_s
-    policy = make_policy("gpushare", sc.config.control)
-    node = SimNode(sc, traits=PolicyTraits.of(policy))
-    node.start()
-    sim = SimDaemon(node, policy)
+    node, sim = _started(sc)
     (server,) = node.online
     (trainer,) = node.offline
     send = server.on_boundary
@@ -100,10 +105,7 @@ def test_with_a_delay_the_gate_closes_only_once_a_spell_of_requests_lasted_it() 
     """
     delay = 0.016
     sc = _scenario(duration_s=20.0, gate_delay_max_s=delay)
-    policy = make_policy("gpushare", sc.config.control)
-    node = SimNode(sc, traits=PolicyTraits.of(policy))
-    node.start()
-    sim = SimDaemon(node, policy)
+    node, sim = _started(sc)
     (server,) = node.online
     (trainer,) = node.offline
     send = server.on_boundary
@@ -144,10 +146,7 @@ def test_with_a_delay_the_gate_closes_only_once_a_spell_of_requests_lasted_it() 
 
 def test_without_request_boundaries_the_gate_never_closes() -> None:
     sc = _scenario(request_boundaries=False)
-    policy = make_policy("gpushare", sc.config.control)
-    node = SimNode(sc, traits=PolicyTraits.of(policy))
-    node.start()
-    sim = SimDaemon(node, policy)
+    node, sim = _started(sc)
     sim.run(sc.duration_s)
     sim.close()
     (server,) = node.online
@@ -160,10 +159,7 @@ def test_without_request_boundaries_the_gate_never_closes() -> None:
 
 def test_gating_launches_auto_queue_clients_shallow() -> None:
     sc = _scenario(duration_s=3.0)
-    policy = make_policy("gpushare", sc.config.control)
-    node = SimNode(sc, traits=PolicyTraits.of(policy))
-    node.start()
-    sim = SimDaemon(node, policy)
+    node, sim = _started(sc)
     sim.run(sc.duration_s)
     sim.close()
     (trainer,) = node.offline
@@ -228,10 +224,7 @@ def test_a_job_admitted_before_gating_is_relaunched_shallow_at_the_ceiling() -> 
         duration_s=12.0,  # the trace is spread over the duration: this keeps its first seconds
         online=tuple(dataclasses.replace(o, slo_p99_ms=25.0) for o in sc.online),
     )
-    policy = make_policy("gpushare", sc.config.control)
-    node = SimNode(sc, traits=PolicyTraits.of(policy))
-    node.start()
-    sim = SimDaemon(node, policy)
+    node, sim = _started(sc)
     sim.run(4.0)
     sim.close()
     (trainer,) = node.offline

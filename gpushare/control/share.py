@@ -1,0 +1,187 @@
+"""The offline SM share (slow lever): the SM percentage gpushare gives offline (re)launches.
+
+The seventh section of :meth:`~gpushare.control.controller.GpushareController.step`, after request
+gating and before the restarts (``docs/controller.md``, "The offline share (slow lever)"). MPS
+fixes a client's SM cap at start, so the share applies to new and restarted offline clients
+(:mod:`gpushare.control.restarts` relaunches the running ones). :func:`offline_share` recomputes it
+from online latency measured while offline work has been quiet for ``quiet_settle`` (the SMs its
+SLO leaves, :func:`quiet_level`; the SMs online work leaves idle, :func:`quiet_demand`, when
+online work alone breaks its SLO), split over the GPU's offline clients, with hysteresis and a
+minimum interval. Plain functions of the control config and the GPU's state; pure: no I/O, no
+clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from gpushare.config import ControlConfig
+from gpushare.control.gpu_state import GpuState, app_only, gated_shallow
+from gpushare.control.signals import Signals
+from gpushare.model import (
+    Action,
+    ClientClass,
+    MpsState,
+    Observation,
+    SetOfflineShare,
+)
+
+# Demand samples kept per GPU: one per quiet tick, bounded so a long quiet spell costs no memory.
+_MAX_DEMAND_SAMPLES = 600
+
+
+def offline_share(
+    config: ControlConfig,
+    state: GpuState,
+    obs: Observation,
+    signals: Signals,
+    now: float,
+    actions: list[Action],
+) -> GpuState:
+    """Record this tick's quiet samples and move the offline share if due; the new state.
+
+    Appends a :class:`SetOfflineShare` on the first step for a GPU, at once when the GPU's
+    offline ceiling came down under the share, and when the target moved past
+    ``share_hysteresis_pct`` (a lower share at once, a higher one after ``share_min_interval``),
+    never during an SLO violation or with MPS not up. The target is the ceiling with no online
+    client or with request gating on and shallow queues, else what online work measured alone
+    leaves (:func:`quiet_level`, or :func:`quiet_demand` when the SLO leaves nothing), split
+    over the offline clients.
+    """
+    cfg = config
+    top = min(cfg.offline_sm_pct_max, obs.offline_sm_pct_max)
+    low = min(cfg.offline_sm_pct_min, top)
+    window = max(cfg.share_min_interval_s, 10 * cfg.period_s)
+    samples = tuple(s for s in state.demand_samples if now - s[0] <= window)
+    quiet_signals = tuple(s for s in state.quiet_signals if now - s[0] <= window)
+    app_quiet = tuple(s for s in state.app_quiet_signals if now - s[0] <= window)
+    # A latency window still holds the tail from before the freeze for its whole length: read
+    # too early, it says online work alone breaks its SLO, and the share falls to its floor.
+    settle_ticks = math.ceil(round(cfg.quiet_settle_s / cfg.period_s, 6))
+    if signals.online and state.quiet_ticks >= max(cfg.increase_after_ticks, settle_ticks):
+        demand = quiet_demand(config, obs, signals)
+        if demand is not None:
+            samples = (*samples, (now, demand))[-_MAX_DEMAND_SAMPLES:]
+        if signals.worst is not None:
+            quiet_signals = (*quiet_signals, (now, signals.worst))[-_MAX_DEMAND_SAMPLES:]
+        if signals.app_worst is not None:
+            app_quiet = (*app_quiet, (now, signals.app_worst))[-_MAX_DEMAND_SAMPLES:]
+    if (
+        samples != state.demand_samples
+        or quiet_signals != state.quiet_signals
+        or app_quiet != state.app_quiet_signals
+    ):
+        state = replace(
+            state,
+            demand_samples=samples,
+            quiet_signals=quiet_signals,
+            app_quiet_signals=app_quiet,
+        )
+    if not state.share_emitted:
+        share = min(top, max(low, state.share_pct))
+        actions.append(SetOfflineShare(obs.gpu_uuid, share, f"initial offline share {share:g}%"))
+        return replace(state, share_pct=share, share_emitted=True)
+    if state.share_pct > top:
+        # The GPU's ceiling came down: it is never exceeded, whatever the interval.
+        why = f"offline share {state.share_pct:g}% -> {top:g}%: this GPU's offline ceiling"
+        actions.append(SetOfflineShare(obs.gpu_uuid, top, why))
+        return replace(state, share_pct=top, share_changed_at_s=now)
+    if signals.online == 0:
+        target, basis = top, "no online client"
+    elif gated_shallow(state, obs):
+        # The share bounds what offline work takes from online requests running beside it;
+        # gated, it runs only between requests (up to one kernel overlapping a request start).
+        target, basis = top, "request gating on: offline work runs between online requests"
+    elif samples and quiet_signals:
+        # Both the SM demand and the latency online work has alone are needed as evidence
+        # (a share set from SM activity alone overshot before any latency was known).
+        quiet = quiet_level(state)
+        if quiet is not None and quiet < cfg.violation_ratio:
+            # Online work held to (100 - s) % of the SMs runs at most 100 / (100 - s) times
+            # slower (iGniter: 1.28-1.56x at half the SMs, under the 2x this bound gives), so
+            # its p99 stays under the SLO while quiet * 100 / (100 - s) <= violation ratio.
+            # This bound alone sets the share: it is the one that follows the SLO. SM demand
+            # is a maximum of per-tick averages, which a service at half load reads as ~100 %
+            # whenever one tick is busy throughout, whatever its SLO leaves (it held BERT
+            # inference at a 2x SLO to the 10 % floor on the simulator).
+            target = 100.0 * (1.0 - quiet / cfg.violation_ratio)
+            basis = (
+                f"online alone at {quiet:.2f}x its SLO with offline quiet: to stay "
+                f"under the SLO online work needs {quiet / cfg.violation_ratio:.0%} "
+                "of the SMs"
+            )
+        else:
+            # The SLO leaves nothing measurable: fall back on the SMs online work leaves idle.
+            demand = max(s for _, s in samples)
+            target = 100.0 - demand - cfg.share_headroom_pct
+            basis = (
+                f"online SM demand {demand:.0f}% measured with offline quiet "
+                f"+ {cfg.share_headroom_pct:g}% headroom"
+            )
+    else:
+        return state  # online present, demand or quiet latency not measured: keep the share
+    if signals.online and not gated_shallow(state, obs):
+        # MPS caps each client, not offline work as a whole: n offline clients at s % each can
+        # hold n x s % of the SMs. The share is what the online clients leave, split evenly.
+        # (Gated, offline clients share the time between requests only among themselves.)
+        sharing = sum(
+            1
+            for c in obs.clients
+            if c.cls is ClientClass.OFFLINE
+            and not c.state.is_final
+            and c.client_id not in state.stopped
+        )
+        if sharing > 1:
+            target /= sharing
+            basis += f", split over {sharing} offline clients"
+    target = float(math.floor(min(top, max(low, target))))
+    target = max(low, target)
+    gated = gated_shallow(state, obs)
+    worst = app_only(signals).worst if gated else signals.worst
+    violating = worst is not None and worst > cfg.violation_ratio
+    # Fast down, slow up: a lower share protects the online SLO and never waits; a higher one
+    # is opportunistic and waits out the interval (each change restarts restartable clients).
+    interval_ok = (
+        target < state.share_pct
+        or state.share_changed_at_s is None
+        or now - state.share_changed_at_s >= cfg.share_min_interval_s
+        # Gated, the one move to the ceiling is not opportunistic: no interval to wait out.
+        or (gated and target >= top)
+    )
+    if (
+        abs(target - state.share_pct) > cfg.share_hysteresis_pct
+        and interval_ok
+        and not violating
+        and obs.mps_state is MpsState.UP
+    ):
+        why = f"offline share {state.share_pct:g}% -> {target:g}%: {basis}"
+        actions.append(SetOfflineShare(obs.gpu_uuid, target, why))
+        state = replace(state, share_pct=target, share_changed_at_s=now)
+    return state
+
+
+def quiet_demand(config: ControlConfig, obs: Observation, signals: Signals) -> float | None:
+    """Online SM demand in percent on a quiet tick (offline work frozen or absent).
+
+    100 when the probe is over its SLO (online work alone saturates the GPU), else the SM
+    activity, else the GPU utilisation (which overstates demand: errs safe); ``None`` with no
+    reading.
+    """
+    probe = obs.probe.ratio
+    if probe is not None and probe > config.probe_slo_ratio:
+        return 100.0  # online work alone saturates the GPU: it needs every SM
+    sample = obs.sample
+    if sample.sm_active_pct is not None:
+        return min(100.0, max(0.0, sample.sm_active_pct))
+    if sample.gpu_util_pct is not None:
+        # Utilisation counts any running kernel, so it overstates demand: errs safe.
+        return min(100.0, max(0.0, sample.gpu_util_pct))
+    return None
+
+
+def quiet_level(state: GpuState) -> float | None:
+    """The worst online signal measured with offline work quiet (the largest in the window)."""
+    if not state.quiet_signals:
+        return None
+    return max(v for _, v in state.quiet_signals)
