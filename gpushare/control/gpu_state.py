@@ -66,6 +66,9 @@ class GpuState:
             ``gate_delay_raise_after_ticks``: the latency window holds the breach a while).
         gate_delay_recent: ``(at_s, worst app signal)`` of the last few seconds, gated (a raise
             needs their tail, not one window's, to leave room).
+        gate_delay_history: ``(first_at_s, worst app signal)`` per ``_DELAY_BUCKET_S`` over
+            the last ``_DELAY_MEMORY_S`` (controller.py), kept while gating goes off and on: a
+            burst seen once keeps capping the room, and its span says how long the tail is known.
     """
 
     gpu_uuid: str
@@ -100,6 +103,7 @@ class GpuState:
     gate_delay_breach_s: float | None = None
     gate_delay_cut_at_s: float | None = None
     gate_delay_recent: tuple[tuple[float, float], ...] = ()
+    gate_delay_history: tuple[tuple[float, float], ...] = ()
 
 
 def failure_backoff_s(failures: int, config: ControlConfig) -> float:

@@ -344,8 +344,9 @@ def _delays(sent: list[tuple[float, float]]) -> list[float]:
 
 
 def test_the_delay_rises_while_app_latency_has_room_doubling_to_the_max() -> None:
-    # App p99 at a fifth of a 2 s SLO (a loose SLO: the room, 1.6 s, is past the max).
-    state, sent = _delay_run([400.0] * 150)
+    # App p99 at a fifth of a 2 s SLO (a loose SLO: the room, 1.6 s, is past the max once the
+    # tail has been known for the trust span).
+    state, sent = _delay_run([400.0] * 700)
     assert sent[0] == (0.0, 0.0), "gating comes on closing at the first request"
     raises = sent[1:]
     # Not before 5 s of app latency: one window says little of the tail.
@@ -357,19 +358,43 @@ def test_the_delay_rises_while_app_latency_has_room_doubling_to_the_max() -> Non
 
 def test_the_delay_stays_within_the_room_the_slo_leaves_over_the_tail() -> None:
     # SLO 40 ms, p99 20 ms: the SLO leaves 20 ms over the tail, but until 30 s of app latency
-    # the tail counts as at least the comfort band's edge (0.8): 8 ms first, 20 ms after.
-    state, sent = _delay_run([20.0] * 400, slo_ms=40.0)
-    early = [d for t, d in sent if t < 30.0]
-    assert max(early) == 0.008
+    # the tail counts as at least the comfort band's edge (0.8), and the room grows with how long
+    # the tail is known (times t / 60 s): at most 8 ms x 30/60 before 30 s, 20 ms after 60 s.
+    state, sent = _delay_run([20.0] * 700, slo_ms=40.0)
+    assert all(d <= 0.008 * t / 60.0 + 1e-9 for t, d in sent if t < 30.0), sent
+    assert all(d <= 0.020 * t / 60.0 + 1e-9 for t, d in sent), sent
     assert _delays(sent)[-1] == 0.02 and state.gate_delay_s == 0.02  # type: ignore[attr-defined]
     # The room caps raises, it does not cut: a window at 0.9 of the SLO (inside the comfort band)
-    # holds the delay, and no raise follows while it is in the last 30 s.
-    state, sent = _delay_run([36.0] + [20.0] * 250, slo_ms=40.0, state=state, t0=40.0)
+    # holds the delay, and no raise follows while it is in memory.
+    state, sent = _delay_run([36.0] + [20.0] * 250, slo_ms=40.0, state=state, t0=70.0)
     assert sent == [] and state.gate_delay_s == 0.02  # type: ignore[attr-defined]
-    # From the start: one window at 0.9 leaves 4 ms until it has left the 30 s memory.
-    state, sent = _delay_run([20.0] * 5 + [36.0] + [20.0] * 400, slo_ms=40.0)
-    assert max(d for t, d in sent if t < 30.0) == 0.004
-    assert _delays(sent)[-1] == 0.02
+
+
+def test_a_window_seen_once_caps_the_delay_for_the_long_memory() -> None:
+    # One window at 0.9 of the SLO early on leaves 4 ms (x the trust ramp) for ten minutes, long
+    # after it has left the 30 s memory; then the room is the 20 ms the steady tail leaves.
+    state, sent = _delay_run([20.0] * 5 + [36.0] + [20.0] * 5000, slo_ms=40.0)
+    assert max(_delays(sent)) <= 0.004 and state.gate_delay_s == 0.004  # type: ignore[attr-defined]
+    state, sent = _delay_run([20.0] * 1500, slo_ms=40.0, state=state, t0=500.6)
+    assert [t for t, d in sent if d > 0.004] and min(t for t, d in sent if d > 0.004) > 600.0
+    assert state.gate_delay_s == 0.02  # type: ignore[attr-defined]
+
+
+def test_a_tail_seen_before_gating_went_off_still_caps_the_delay() -> None:
+    # A burst at 0.9 of the SLO, then requests in flight 99 % of the time (gating off, the 30 s
+    # memory restarts), then a calm 90 s: the burst still caps the room (4 ms, not 20 ms).
+    ctl, slo_ms = CTL, 40.0
+    job = replace(offline(), shallow=True)
+    st_ = ctl.initial_state(GPU, 0.0)
+    sent: list[float] = []
+    for i in range(1200):
+        now = round(i * 0.1, 6)
+        busy, p99 = (0.99, 36.0) if 30 <= i < 60 else (0.3, 36.0 if i < 30 else 20.0)
+        g = reading(signalled=1, busy=busy, enabled=True)
+        obs = replace(observation((online(p99_ms=p99, slo_ms=slo_ms), job)), gate=g)
+        st_, actions = ctl.step(st_, obs, now)
+        sent += [a.delay_s for a in gating_actions(actions) if a.on]
+    assert st_.gating_emitted and max(sent) == 0.004 == st_.gate_delay_s
 
 
 def test_no_delay_while_app_latency_is_inside_the_comfort_band() -> None:
@@ -379,7 +404,7 @@ def test_no_delay_while_app_latency_is_inside_the_comfort_band() -> None:
 
 
 def test_a_breach_halves_the_delay_once_per_cooldown_and_the_cut_ratio_drops_it() -> None:
-    state, _ = _delay_run([400.0] * 100)
+    state, _ = _delay_run([400.0] * 700, t0=-60.0)
     before = state.gate_delay_s  # type: ignore[attr-defined]
     assert before == DCFG.gate_delay_max_s
     # 1.03x the SLO for 3 s (under the cut ratio): halved at once, again only after the 2 s
@@ -388,14 +413,14 @@ def test_a_breach_halves_the_delay_once_per_cooldown_and_the_cut_ratio_drops_it(
     assert sent == [(10.0, before / 2), (12.0, before / 4)]
     # The delay the breach last persisted at (the second cut found it still breaching).
     assert state.gate_delay_breach_s == before / 2  # type: ignore[attr-defined]
-    # The breach stays in the tail's memory for 30 s: no raise until it has left it...
-    state, sent = _delay_run([400.0] * 400, state=state, t0=13.0)
-    assert sent and sent[0][0] > 12.0 + 30.0 - 1.0, sent
+    # The breach stays in the tail's long memory for 10 min: no raise until it has left it...
+    state, sent = _delay_run([400.0] * 6500, state=state, t0=13.0)
+    assert sent and sent[0][0] > 10.0 + 600.0, sent[:3]
     # ...and raises past half the breaching delay wait slow_increase_after_ticks, not 5.
     assert _delays(sent)[:2] == [before / 2, before]
     assert sent[1][0] - sent[0][0] >= DCFG.slow_increase_after_ticks * DCFG.period_s - 1e-6
     # A clear breach (cut_ratio, 1.05x): no delay at once, no halving.
-    state, sent = _delay_run([2200.0], state=state, t0=55.0)
+    state, sent = _delay_run([2200.0], state=state, t0=700.0)
     assert _delays(sent) == [0.0] and state.gate_delay_s == 0.0  # type: ignore[attr-defined]
     assert state.gate_delay_breach_s == before  # type: ignore[attr-defined]
 
