@@ -174,6 +174,7 @@ class ControlConfig:
     gate_delay_max_s: float = _duration(0.3)
     gate_delay_min_s: float = _duration(0.002, above=True)
     gate_delay_raise_after_ticks: int = _num(5, minimum=1, maximum=100_000)
+    gate_delay_trust_s: float = _duration(60.0)
     # The sharing policy the daemon runs (gpushare.control.registry.POLICY_NAMES).
     policy: str = "gpushare"
 

@@ -146,6 +146,7 @@ def test_gpu_override_lookup_prefers_uuid():
         ),
         ("[control]\ngate_delay_min = 0", "control.gate_delay_min", "out of range"),
         ("[control]\ngate_delay_max = '-1s'", "control.gate_delay_max", "duration such as"),
+        ("[control]\ngate_delay_trust = 'soon'", "control.gate_delay_trust", "duration such as"),
         (
             "[control]\ngate_delay_raise_after_ticks = 0",
             "control.gate_delay_raise_after_ticks",

@@ -370,6 +370,19 @@ def test_the_delay_stays_within_the_room_the_slo_leaves_over_the_tail() -> None:
     assert sent == [] and state.gate_delay_s == 0.02  # type: ignore[attr-defined]
 
 
+def test_gate_delay_trust_sets_how_soon_the_room_counts_in_full() -> None:
+    # The same steady 45 s: trusted at once, the room is the full 20 ms from 30 s on; with the
+    # default 60 s it is at most three quarters of that by 45 s; ten minutes hold it back longer.
+    at_once = GpushareController(replace(DCFG, gate_delay_trust_s=0.0))
+    slow = GpushareController(replace(DCFG, gate_delay_trust_s=600.0))
+    _, now_sent = _delay_run([20.0] * 450, slo_ms=40.0, ctl=at_once)
+    _, dflt_sent = _delay_run([20.0] * 450, slo_ms=40.0)
+    _, slow_sent = _delay_run([20.0] * 450, slo_ms=40.0, ctl=slow)
+    assert now_sent[-1] == (30.5, 0.02), now_sent  # the whole room once 30 s of tail are seen
+    assert max(_delays(dflt_sent)) <= 0.020 * 45.0 / 60.0 + 1e-9, dflt_sent
+    assert max(_delays(slow_sent)) <= 0.020 * 45.0 / 600.0 + 1e-9, slow_sent
+
+
 def test_a_window_seen_once_caps_the_delay_for_the_long_memory() -> None:
     # One window at 0.9 of the SLO early on leaves 4 ms (x the trust ramp) for ten minutes, long
     # after it has left the 30 s memory; then the room is the 20 ms the steady tail leaves.
