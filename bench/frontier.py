@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,19 @@ def pair_files() -> list[str]:
     """The Tally-shaped pair scenarios."""
     pairs = sorted((ROOT / "gpushare" / "scenarios" / "pairs").glob("*.toml"))
     return [str(p) for p in pairs if p.name.startswith(PAIR_PREFIXES)]
+
+
+def pair_cell(runs: list[dict[str, Any]], **keys: Any) -> dict[str, Any]:
+    """One cell of a sweep over the pairs: ``keys`` plus the means (and the worst attainment)
+    of the ``bench/sharing.py``-style rows ``runs`` (bench/gating_hold.py and its kin)."""
+    return {
+        **keys,
+        "slo_attainment_mean": statistics.fmean(r["slo_attainment"] for r in runs),
+        "slo_attainment_min": min(r["slo_attainment"] for r in runs),
+        "p99_overhead_mean": statistics.fmean(r["p99_overhead"] for r in runs),
+        "offline_norm_mean": statistics.fmean(r["offline_norm"] for r in runs),
+        "scenarios": len(runs),
+    }
 
 
 def run(factor: float, out: Path, jobs: int, extra: list[str]) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from frontier import pair_files  # noqa: E402
+from frontier import pair_cell, pair_files  # noqa: E402
 
 from gpushare import logs  # noqa: E402
 from gpushare.control.registry import make_policy  # noqa: E402
@@ -86,17 +85,9 @@ def main() -> None:
             cells = []
             for factor in args.slo_factor:
                 runs = [one(f, factor, duration, control) for f in files]
-                cell = {
-                    "duration_s": duration,
-                    "variant": name,
-                    "control": control,
-                    "slo_factor": factor,
-                    "slo_attainment_mean": statistics.fmean(r["slo_attainment"] for r in runs),
-                    "slo_attainment_min": min(r["slo_attainment"] for r in runs),
-                    "p99_overhead_mean": statistics.fmean(r["p99_overhead"] for r in runs),
-                    "offline_norm_mean": statistics.fmean(r["offline_norm"] for r in runs),
-                    "scenarios": len(runs),
-                }
+                cell = pair_cell(
+                    runs, duration_s=duration, variant=name, control=control, slo_factor=factor
+                )
                 rows.append(cell)
                 cells.append(
                     f"{cell['slo_attainment_mean'] * 100:.2f} % (min "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from gpushare.control.registry import make_policy  # noqa: E402
 from gpushare.sim import report, runner, scenario  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
-from frontier import pair_files  # noqa: E402
+from frontier import pair_cell, pair_files  # noqa: E402
 
 HOLDS_MS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
 FACTORS = (1.05, 1.1, 1.5, 2.0)
@@ -80,15 +79,12 @@ def main() -> None:
             cells = []
             for factor in FACTORS:
                 runs = [one(f, factor, hold * 1e-3, gap) for f in files]
-                cell = {
-                    "launch_gap_us": None if gap is None else gap * 1e6,
-                    "hold_ms": hold,
-                    "slo_factor": factor,
-                    "slo_attainment_mean": statistics.fmean(r["slo_attainment"] for r in runs),
-                    "p99_overhead_mean": statistics.fmean(r["p99_overhead"] for r in runs),
-                    "offline_norm_mean": statistics.fmean(r["offline_norm"] for r in runs),
-                    "scenarios": len(runs),
-                }
+                cell = pair_cell(
+                    runs,
+                    launch_gap_us=None if gap is None else gap * 1e6,
+                    hold_ms=hold,
+                    slo_factor=factor,
+                )
                 rows.append(cell)
                 cells.append(
                     f"{cell['slo_attainment_mean'] * 100:.2f} %, "

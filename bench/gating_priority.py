@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from multiprocessing import Pool
@@ -48,7 +47,7 @@ from gpushare.sim import engine, report, runner, scenario  # noqa: E402
 from gpushare.sim import node as simnode  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
-from frontier import pair_files  # noqa: E402
+from frontier import pair_cell, pair_files  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "gating_priority.json"
 DELAYS = ("rule", "0", "10", "30", "50", "70", "100", "300", "1000")
@@ -213,17 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         for prio in prios:
             for delay in delays:
                 sel = [r for r in rows if r["offline_priority"] == prio and r["delay"] == delay]
-                cell = {
-                    "slo_factor": factor,
-                    "offline_priority": prio,
-                    "delay": delay,
-                    "launch_gap_us": sel[0]["launch_gap_us"],
-                    "slo_attainment_mean": statistics.fmean(r["slo_attainment"] for r in sel),
-                    "slo_attainment_min": min(r["slo_attainment"] for r in sel),
-                    "p99_overhead_mean": statistics.fmean(r["p99_overhead"] for r in sel),
-                    "offline_norm_mean": statistics.fmean(r["offline_norm"] for r in sel),
-                    "scenarios": len(sel),
-                }
+                cell = pair_cell(
+                    sel,
+                    slo_factor=factor,
+                    offline_priority=prio,
+                    delay=delay,
+                    launch_gap_us=sel[0]["launch_gap_us"],
+                )
                 cells.append(cell)
                 dtext = "rule" if delay == "rule" else f"{delay} ms"
                 print(
