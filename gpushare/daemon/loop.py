@@ -60,6 +60,9 @@ S = ClientState
 _QUIET_MPS_EVENTS = frozenset({MpsEventKind.COMMAND, MpsEventKind.RAW})
 # Duty steps between leaving 1 and coming back are recorded as events at most this often per GPU.
 _DUTY_EVENT_INTERVAL_S = 5.0
+# A gate delay that moves by less than this factor from the one last logged at info is logged at
+# debug: held to the room the SLO leaves, it creeps up a few percent every raise.
+_DELAY_LOG_FACTOR = 1.25
 
 
 class ControlLoop:
@@ -84,6 +87,8 @@ class ControlLoop:
         #: Each GPU's policy state (absent: the policy's initial state at the next tick).
         self.policy_state: dict[str, Any] = {}
         self._duty_event_at: dict[str, float] = {}
+        #: Per GPU, the gate delay last logged at info (``gating_set``).
+        self._delay_logged: dict[str, float] = {}
         #: Per GPU, the monotonic time of the coming duty edge (the freeze within the period).
         self._edges: dict[str, float] = {}
         self._throttle_events: dict[str, int] = {}
@@ -567,6 +572,23 @@ class ControlLoop:
 
     # ----------------------------------------------------------------------------- act
 
+    def _delay_news(self, action: SetGating, was_on: bool) -> bool:
+        """Whether a ``SetGating`` is worth an info line.
+
+        It is when gating turned on or off, or its delay left or reached 0 or moved by
+        ``_DELAY_LOG_FACTOR`` since the last such line.
+        """
+        last = self._delay_logged.get(action.gpu_uuid, 0.0)
+        delay = action.delay_s
+        news = (
+            was_on != action.on
+            or (delay == 0.0) != (last == 0.0)
+            or (delay > 0.0 and not last / _DELAY_LOG_FACTOR < delay < last * _DELAY_LOG_FACTOR)
+        )
+        if news:
+            self._delay_logged[action.gpu_uuid] = delay
+        return news
+
     def apply(self, action: Action, now: float) -> None:
         """Carry out one controller action."""
         s, life = self.s, self.life
@@ -578,7 +600,8 @@ class ControlLoop:
             elif isinstance(action, SetGating):
                 was = s.gate.view(action.gpu_uuid, now).enabled
                 s.gate.set_enabled(action.gpu_uuid, action.on, now, action.delay_s)
-                log.info(
+                emit = log.info if self._delay_news(action, was) else log.debug
+                emit(
                     "gating_set", gpu=action.gpu_uuid, on=action.on, delay_s=action.delay_s,
                     reason=action.reason,
                 )  # fmt: skip

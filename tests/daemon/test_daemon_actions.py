@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from gpushare import config
 from gpushare.daemon.core import Daemon
@@ -38,6 +39,7 @@ from gpushare.model import (
     RecoverMps,
     RestartClient,
     SetDuty,
+    SetGating,
     SetOfflineShare,
     Severity,
     Thaw,
@@ -753,3 +755,28 @@ def test_the_gates_hear_at_the_next_tick_of_a_client_told_to_go_without_a_record
     d.run(max_ticks=1)
     assert d.registry.get(cid) is before  # no record changed ...
     assert seen[-1] == {}  # ... and the client going away is no longer gated
+
+
+def test_a_gate_delay_creeping_up_is_logged_at_debug_and_its_steps_at_info(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    # Held to the room the SLO leaves, the delay moves a few percent every raise; operators see
+    # gating turned on or off and steps of 25 % or more, and the rest at debug.
+    d, _, _ = env
+    delays = [0.0, 0.002, 0.00208, 0.00215, 0.0026, 0.0027, 0.0, 0.0]
+    ons = [True, True, True, True, True, True, True, False]
+    with capture_logs() as logs:
+        for i, (on, delay) in enumerate(zip(ons, delays, strict=True)):
+            d.loop.apply(SetGating(GPU0, on, "test", delay), float(i))
+    got = [(e["log_level"], e["delay_s"], e["on"]) for e in logs if e["event"] == "gating_set"]
+    assert got == [
+        ("info", 0.0, True),  # gating on
+        ("info", 0.002, True),  # a delay at all
+        ("debug", 0.00208, True),
+        ("debug", 0.00215, True),
+        ("info", 0.0026, True),  # 30 % over the last one logged
+        ("debug", 0.0027, True),
+        ("info", 0.0, True),  # the delay dropped to 0
+        ("info", 0.0, False),  # gating off
+    ]
+    assert d.state.gate.view(GPU0, 7.0).enabled is False  # every one was applied all the same
