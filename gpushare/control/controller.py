@@ -428,7 +428,7 @@ class GpushareController:
         app = signals.app_worst
         history = state.gate_delay_history
         if on and app is not None and signals.app_complete and gated_shallow(state, obs):
-            history = _remember(history, now, app)
+            history = _remember(history, now, app, _DELAY_BUCKET_S, _DELAY_MEMORY_S)
         why = ""
         if not on or cfg.gate_delay_max_s <= 0 or not gated_shallow(state, obs):
             # With a deep queue a freeze lags by an iteration anyway: no delay on top of it.
@@ -444,12 +444,7 @@ class GpushareController:
         else:
             seen = now
             # The tail's memory: the worst reading of each second, the last _DELAY_TAIL_S of them.
-            second = float(math.floor(now))
-            if recent and recent[-1][0] == second:
-                recent = (*recent[:-1], (second, max(recent[-1][1], app)))
-            else:
-                keep = second - _DELAY_TAIL_S
-                recent = (*(r for r in recent if r[0] >= keep), (second, app))
+            recent = _remember(recent, float(math.floor(now)), app, 1.0, _DELAY_TAIL_S)
             cooling = cut_at is not None and now - cut_at < _DELAY_CUT_COOLDOWN_S - 1e-9
             if app >= cfg.cut_ratio:
                 # A clear breach: a delay costs requests at once and is cheap to rebuild (2 ms to
@@ -534,18 +529,17 @@ _STATE_FIELDS = tuple(f.name for f in fields(GpuState))
 
 
 def _remember(
-    history: tuple[tuple[float, float], ...], now: float, app: float
+    memory: tuple[tuple[float, float], ...], at: float, app: float, bucket_s: float, span_s: float
 ) -> tuple[tuple[float, float], ...]:
-    """``history`` with ``app`` (a worst app signal read at ``now``) in its bucket.
+    """``memory`` with ``app`` (a worst app signal stamped ``at``) in its bucket.
 
-    A bucket is ``(first reading's time, worst reading)`` of one ``_DELAY_BUCKET_S``; buckets
-    that began more than ``_DELAY_MEMORY_S`` ago are dropped.
+    An entry is ``(first stamp in its bucket, worst reading)`` of one ``bucket_s``; entries
+    stamped more than ``span_s`` before ``at`` are dropped. The gate delay keeps two: the tail's
+    30 s memory (1 s buckets, stamped with the second) and its long memory (10 s buckets).
     """
-    bucket = math.floor(now / _DELAY_BUCKET_S)
-    if history and math.floor(history[-1][0] / _DELAY_BUCKET_S) == bucket:
-        return (*history[:-1], (history[-1][0], max(history[-1][1], app)))
-    keep = now - _DELAY_MEMORY_S
-    return (*(h for h in history if h[0] >= keep), (now, app))
+    if memory and math.floor(memory[-1][0] / bucket_s) == math.floor(at / bucket_s):
+        return (*memory[:-1], (memory[-1][0], max(memory[-1][1], app)))
+    return (*(m for m in memory if m[0] >= at - span_s), (at, app))
 
 
 def _one_more_quiet_tick(state: GpuState) -> GpuState:
