@@ -29,7 +29,8 @@ packages:
 slurm:
 	@scripts/get-slurm.sh || echo "make: no Slurm: the Slurm tests will skip (see above)"
 
-# The simulator's GPU model compiled with mypyc (optional, ~6x faster, identical results).
+# The simulator's GPU model (gpushare.sim.engine.COMPILED) compiled with mypyc as one group
+# (optional, ~6x faster, identical results).
 engine: $(STAMP)
 	scripts/build-sim-engine.sh $(BIN)/python
 

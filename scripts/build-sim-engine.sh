@@ -27,9 +27,9 @@ fail() { say "$*"; exit 1; }
 # Absolute, but not through the venv's symlink (the build runs elsewhere and needs the venv's mypyc).
 [[ "$py" == /* ]] || py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"
 # The module list, the build record and "is the build current" come from gpushare.sim.engine, the
-# loader itself, so that the script and the loader cannot disagree. The repo's copy, whatever the
-# Python has installed.
-engine() { PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "from gpushare.sim import engine; $1" "${@:2}"; }
+# loader itself, so that the script and the loader cannot disagree: the repo's copy (run from the
+# repo, which comes first on sys.path), whatever the Python has installed.
+engine() { (cd "$repo" && PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "from gpushare.sim import engine; $1" "${@:2}"); }
 engine 'pass' 2>/dev/null || fail "$py cannot import gpushare.sim.engine from $repo: is it Python 3.10 or later?"
 if [[ "$(engine 'print(engine.choose(env={}).kind)')" == compiled ]]; then
     say "up to date ($out)"
@@ -58,17 +58,34 @@ for m in "${modules[@]}"; do
     paths+=("gpushare/sim/$m.py")
 done
 touch "$tmp/gpushare/__init__.py" "$tmp/gpushare/sim/__init__.py"
-# What `python -m mypyc FILES` does (same optimisation and debug levels), with the group named:
-# left unnamed, a group of several modules gets a hash for a name and its shared library goes to
-# the top level, where the package's _native/ directory cannot serve it.
+# What `python -m mypyc FILES` (mypyc.build.mypycify) does, with the same C flags, except for the
+# group's name: left to mypycify, a group of several modules is named after a hash and its shared
+# library goes to the top level, where the package's _native/ directory cannot serve it; named
+# through mypycify's `separate`, the build loses mypyc's global optimisations (every method call
+# through the vtable instead of a direct C call, measurably slower). So this calls the two steps
+# mypycify is made of (mypy 1.13, pinned in pyproject.toml) with the group named gpushare.sim.gpu.
 cat >"$tmp/setup.py" <<PY
+from mypyc.build import build_using_shared_lib, mypyc_build, setup_mypycify_vars
+from mypyc.options import CompilerOptions
 from setuptools import setup
-from mypyc.build import mypycify
 
 paths = "${paths[*]}".split()
+options = CompilerOptions()
+assert options.global_opts and options.include_runtime_files
+groups, cfiles = mypyc_build(paths, options, separate=[(paths, "$group")])
+setup_mypycify_vars()
+# mypycify's flags for a Unix C compiler at its default levels (-O3, -g1).
+cflags = [
+    "-O3", "-g1", "-Werror", "-Wno-unused-function", "-Wno-unused-label",
+    "-Wno-unreachable-code", "-Wno-unused-variable", "-Wno-unused-command-line-argument",
+    "-Wno-unknown-warning-option", "-Wno-unused-but-set-variable",
+    "-Wno-ignored-optimization-argument", "-Wno-cpp",
+]
+[(sources, group)] = groups
+[(files, deps)] = cfiles
 setup(
     name="gpushare-sim-engine",
-    ext_modules=mypycify(paths, opt_level="3", debug_level="1", separate=[(paths, "$group")]),
+    ext_modules=build_using_shared_lib(sources, group, files, deps, options.target_dir, cflags),
 )
 PY
 say "compiling ${paths[*]} with mypyc (about 20 s)"

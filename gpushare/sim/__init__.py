@@ -7,8 +7,12 @@ compared on machines without a GPU. Every modelling assumption and its source is
 
 Modules:
     data: find the shared data directory; load kernel profiles and arrival traces.
-    gpu: the GPU model and its event loop (virtual clock, SMs, MPS caps, priority, bandwidth).
-    engine: whether the compiled build of gpu or its pure-Python source runs.
+    gpu: the GPU model (SM slots, MPS caps and priority, kernels' rates, bandwidth, accounting).
+    events: the event loop (virtual clock, timed callbacks, kernels' completion and wave timers).
+    dispatch: who gets a GPU's free SM slots at a dispatch point, and the exact fast path.
+    waves: wave ends and partial last waves, where running kernels give slots to waiting ones.
+    timeslice: the default compute mode without MPS (time slices, compute preemption).
+    engine: whether the compiled build of those five modules or their pure-Python source runs.
     workloads: online (open-loop requests) and offline (closed-loop training) clients.
     scenario: TOML scenario files, validated with errors that name the file and key.
     runner: runs one policy on one scenario and collects the metrics.

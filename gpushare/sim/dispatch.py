@@ -32,11 +32,12 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
     One scan collects every stream that wants slots (an issued kernel not started, or a kernel
     holding fewer than it wants). Priorities are served in order; within one priority, when the
     free slots do not cover every want, the earliest grid goes first (or, with
-    ``share = "fair"``, they are shared max-min fairly, :func:`_share`). Whoever is left short waits for
-    the next wave end of a kernel it may take slots from (:func:`~gpushare.sim.waves.arm_waves`). When the only
-    candidate is the stream whose kernel just completed, its uncontended stretch runs inline
-    first (:func:`_run_on`). This is the simulator's hot path: the start of a kernel
-    (:meth:`Gpu._set_alloc` for a fresh run) is inlined with the same arithmetic, in the same order.
+    ``share = "fair"``, they are shared max-min fairly, :func:`_share`). Whoever is left short
+    waits for the next wave end of a kernel it may take slots from
+    (:func:`~gpushare.sim.waves.arm_waves`). When the only candidate is the stream whose kernel
+    just completed, its uncontended stretch runs inline first (:func:`_run_on`). This is the
+    simulator's hot path: the start of a kernel (:meth:`Gpu._set_alloc` for a fresh run) is
+    inlined with the same arithmetic, in the same order.
     """
     loop = gpu.loop
     now = loop.now

@@ -98,7 +98,7 @@ def choose(
 
 
 def select(package_path: MutableSequence[str]) -> EngineChoice:
-    """Make the package ``gpushare.sim`` load the chosen engine (call before importing ``gpu``)."""
+    """Make the package ``gpushare.sim`` load the chosen engine (before the model is imported)."""
     choice = choose()
     if choice.kind == "compiled" and str(NATIVE_DIR) not in package_path:
         package_path.insert(0, str(NATIVE_DIR))

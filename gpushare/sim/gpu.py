@@ -107,9 +107,9 @@ class Stream:
         self.eligible_since = 0.0
         #: The most slots it ever held.
         self.held_max = 0
-        # Gpu._dispatch's view of it as a candidate: sort key (priority, since, index), its next
+        # The dispatcher's view of it as a candidate: sort key (priority, since, index), its next
         # kernel or its run, the slots it holds, wants and gets; and as a waiter left short, for
-        # _arm_waves: its priority and the slots it holds. Fields of a native record, they cost
+        # waves.arm_waves: its priority and the slots it holds. Fields of a native record, they cost
         # the compiled engine no tuple to build or unpack.
         self.c_prio = 0
         self.c_since = 0.0
@@ -332,10 +332,13 @@ class Gpu:
         """A stream's :class:`Run` record, made at its first kernel (the dispatcher reuses it)."""
         return Run(stream, self, dur_s, width, mem_e, want, since)
 
-    # --- events: the bodies are in dispatch.py and waves.py ------------------------------------
+    # --- events ------------------------------------------------------------------------------
+    # Their bodies are in dispatch.py and waves.py. They stay methods: the loop and the heap call
+    # them on the GPU, and bench/mps_dispatch_whatif.py replaces _dispatch (and _complete) on the
+    # pure-Python class for its what-if. Compiled, each is one more direct C call.
 
     def _dispatch(self, completing: Stream | None = None) -> None:
-        """Give free slots to the kernels that want them (:func:`gpushare.sim.dispatch.dispatch`)."""
+        """Give free slots to the kernels that want them (:mod:`gpushare.sim.dispatch`)."""
         dispatch(self, completing)
 
     def _dispatch_event(self, _: object) -> None:
