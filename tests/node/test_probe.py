@@ -14,19 +14,18 @@ from pathlib import Path
 import pytest
 
 from gpushare.config import ProbeConfig
-from gpushare.node import probe
+from gpushare.node import probe, probe_window
 from gpushare.node.probe import (
     EXIT_ERROR,
     EXIT_STICKY,
     EXIT_UNAVAILABLE,
     ProbeError,
-    ProbeManager,
-    ProbeWindow,
     ProbeWorker,
     compile_cubin,
-    percentile,
     worker_main,
 )
+from gpushare.node.probe_manager import ProbeManager
+from gpushare.node.probe_window import ProbeWindow, percentile
 from tests.fakes.fake_probe import FakeDriver, FakeNvrtc, fake_bindings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -231,7 +230,7 @@ def test_baseline_is_learned_only_without_offline_work_and_kept() -> None:
         t += 0.05
     assert w.baseline_ms is None
     w.offline_running = False
-    for _ in range(probe.BASELINE_MIN_SAMPLES):
+    for _ in range(probe_window.BASELINE_MIN_SAMPLES):
         w.add(t, 1.0, 0.5)
         t += 0.05
     assert w.baseline_ms == 1.0
@@ -311,7 +310,7 @@ def test_manager_reads_samples_learns_baseline_and_holds_a_slot(
     r = m.reading(FAKE_UUID)
     assert r.baseline_ms == pytest.approx(0.05)
     assert r.run_ms == pytest.approx(0.012)
-    assert r.samples >= probe.BASELINE_MIN_SAMPLES
+    assert r.samples >= probe_window.BASELINE_MIN_SAMPLES
     st = m.status(FAKE_UUID)
     assert st.state == "running"
     assert st.mps_client_slots == 1
