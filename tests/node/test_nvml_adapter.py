@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -240,3 +242,23 @@ def test_diagnostic_command_without_a_driver_says_how_to_fix(
 ) -> None:
     assert nvml_diag._main([]) == 1
     assert "HINT" in capsys.readouterr().err
+
+
+def test_diagnostic_command_runs_as_a_module_and_the_adapter_names_it() -> None:
+    # No monkeypatching: the real entry point on this host (a driver answers with samples).
+    run = subprocess.run(
+        [sys.executable, "-m", "gpushare.node.nvml_diag", "--count", "1"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    if run.returncode == 0:
+        assert json.loads(run.stdout.splitlines()[0])["type"] == "sample"
+    else:
+        assert run.returncode == 1
+        assert "HINT" in run.stderr
+    # The command's old home prints nothing, so it must say where the command went.
+    old = subprocess.run(
+        [sys.executable, "-m", "gpushare.node.nvml"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert old.returncode == 1
+    assert "python -m gpushare.node.nvml_diag" in old.stderr
