@@ -1,7 +1,7 @@
 """``gpushare doctor``, over the real :class:`~gpushare.cli.doctor.Host`.
 
-Each fact comes from the node module that owns the resource (NVML from ``node/nvml.py``, the MPS
-binary from ``node/mps/``, ...); the checks themselves live in :mod:`gpushare.cli.doctor`.
+Each fact comes from the node module that owns the resource (NVML from ``node/nvml_diag.py``, the
+MPS binary from ``node/mps/``, ...); the checks themselves live in :mod:`gpushare.cli.doctor`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from gpushare.cli.doctor import (
     render,
     run_checks,
 )
-from gpushare.node import cgroups, mps, nvml, probe
+from gpushare.node import cgroups, mps, nvml_diag, probe
 
 
 class RealHost:
@@ -42,7 +42,7 @@ class RealHost:
 
     def nvml(self) -> Probe:
         """NVML init, driver version and GPU count."""
-        return Probe(*nvml.host_status())
+        return Probe(*nvml_diag.host_status())
 
     def cuda_driver(self) -> Probe:
         """The CUDA driver through cuda-python."""

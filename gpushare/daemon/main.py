@@ -34,7 +34,7 @@ from gpushare.node import notify as sd
 from gpushare.node.adopted import AdoptingPauser
 from gpushare.node.base import MpsNode
 from gpushare.node.nvml import NvmlBackend
-from gpushare.node.probe import ProbeManager
+from gpushare.node.probe_manager import ProbeManager
 
 if TYPE_CHECKING:
     from gpushare.sim.realtime import RealTimeSimNode
