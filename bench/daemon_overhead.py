@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from gpushare import protocol  # noqa: E402
 from gpushare.client import ApiClient, ApiError  # noqa: E402
-from gpushare.node.cgroups import own_cgroup  # noqa: E402
+from gpushare.node.cgroups.discovery import own_cgroup  # noqa: E402
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree  # noqa: E402
 
 GPUSHARE = [sys.executable, "-c", "from gpushare.cli.app import main; main()"]

@@ -27,7 +27,8 @@ from gpushare.cli.doctor import (
     render,
     run_checks,
 )
-from gpushare.node import cgroups, mps, nvml_diag, probe
+from gpushare.node import mps, nvml_diag, probe
+from gpushare.node.cgroups.choice import freezer_check
 
 
 class RealHost:
@@ -63,7 +64,7 @@ class RealHost:
 
     def cgroup_freezer(self) -> Probe:
         """Whether the freezer works under the configured client cgroup base."""
-        ok, detail = cgroups.freezer_check(self._cfg.paths.cgroup_base)
+        ok, detail = freezer_check(self._cfg.paths.cgroup_base)
         return Probe(ok, detail)
 
     def directory(self, path: Path) -> DirFacts:
