@@ -30,7 +30,7 @@ fail() { say "$*"; exit 1; }
 # loader itself, so that the script and the loader cannot disagree: the repo's copy (run from the
 # repo, which comes first on sys.path), whatever the Python has installed.
 engine() { (cd "$repo" && PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "from gpushare.sim import engine; $1" "${@:2}"); }
-engine 'pass' 2>/dev/null || fail "$py cannot import gpushare.sim.engine from $repo: is it Python 3.10 or later?"
+engine 'pass' || fail "$py cannot import gpushare.sim.engine from $repo (above): it needs Python 3.10 or later"
 if [[ "$(engine 'print(engine.choose(env={}).kind)')" == compiled ]]; then
     say "up to date ($out)"
     exit 0
@@ -88,14 +88,15 @@ setup(
     ext_modules=build_using_shared_lib(sources, group, files, deps, options.target_dir, cflags),
 )
 PY
-say "compiling ${paths[*]} with mypyc (about 20 s)"
+say "compiling ${paths[*]} with mypyc (about 10 s)"
 if ! (cd "$tmp" && "$py" setup.py build_ext --inplace) >"$tmp/build.log" 2>&1; then
     tail -n 30 "$tmp/build.log" >&2
     fail "mypyc failed (log above); the simulator still runs in pure Python"
 fi
 built=()
 for name in "$shared" "${modules[@]}"; do
-    [[ -f "$tmp/gpushare/sim/$name$suffix" ]] || fail "mypyc made no gpushare/sim/$name$suffix (made: $(cd "$tmp" && find . -name "*$suffix" | tr '\n' ' ')); the simulator still runs in pure Python"
+    [[ -f "$tmp/gpushare/sim/$name$suffix" ]] ||
+        fail "mypyc made no gpushare/sim/$name$suffix; the simulator still runs in pure Python"
     built+=("$name$suffix")
 done
 # The build loads as the GPU model, every module compiled, before it replaces anything.
@@ -110,6 +111,10 @@ for f in "${built[@]}"; do cp "$tmp/gpushare/sim/$f" "$out.new/"; done
 # The record of the copies that were compiled, not of the tree (which may have changed since).
 engine 'import sys; from pathlib import Path; print(engine.record(Path(sys.argv[1])), end="")' \
     "$tmp/gpushare/sim" >"$out.new/SOURCE_SHA256"
-rm -rf "$out"
+# Swapped by two renames, so a simulator starting meanwhile finds the old build, none (and runs the
+# source), or the new one, never a part of one.
+rm -rf "$out.old"
+[[ ! -e "$out" ]] || mv "$out" "$out.old"
 mv "$out.new" "$out"
+rm -rf "$out.old"
 say "built ${built[*]} in $out"
