@@ -197,6 +197,7 @@ class GpushareController:
             or state.demand_samples
             or state.quiet_signals
             or state.app_quiet_signals
+            or state.quiet_sampled_since_s is not None
             or not state.share_emitted
             or state.duty != 1.0
             or state.duty_emitted != 1.0
