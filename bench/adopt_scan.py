@@ -8,8 +8,9 @@ thousand). Prints the numbers and writes them to bench/results/adopt_scan.json.
     .venv/bin/python bench/adopt_scan.py [--extra 500] [--rounds 20]
 
 ``--compare-procs OLD.py`` also times ``process_facts`` of another version of
-``gpushare/node/procs.py`` (e.g. ``git show REV:gpushare/node/procs.py > /tmp/old.py``) against this
-one, alternating round by round on the same processes, so that a loaded machine slows both alike.
+``gpushare/node/procs/facts.py`` (e.g. ``git show REV:gpushare/node/procs/facts.py > /tmp/old.py``;
+before the split into a package, ``REV:gpushare/node/procs.py``) against this one, alternating
+round by round on the same processes, so that a loaded machine slows both alike.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from gpushare import config  # noqa: E402
 from gpushare.adoption import FACT_ENV, Rule  # noqa: E402
 from gpushare.daemon.adopter import Adopter  # noqa: E402
-from gpushare.node import procs  # noqa: E402
+from gpushare.node.procs import facts  # noqa: E402
 
 RULES = """
 [[adopt]]
@@ -56,7 +57,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--extra", type=int, default=500, help="idle processes to add (default 500)")
     ap.add_argument("--rounds", type=int, default=20, help="scans to time (default 20)")
-    ap.add_argument("--compare-procs", type=Path, help="another procs.py to time against this one")
+    ap.add_argument(
+        "--compare-procs",
+        type=Path,
+        help="another procs/facts.py (or procs.py) to time against this one",
+    )
     args = ap.parse_args()
     rules = [Rule(spec, 0, "bench") for spec in config.loads(RULES).adopt]
     marked = {**os.environ, "GPUSHARE_CLASS": "offline"}
@@ -81,7 +86,7 @@ def main() -> int:
             out = adopter.scan(rules, clients=(), gpu_pids=gpu_pids)
             times.append(time.perf_counter() - t0)
             adopted = len(out.adopt)
-        n = len(procs.all_pids())
+        n = len(facts.all_pids())
         compared = _compare(args.compare_procs, args.rounds) if args.compare_procs else None
     finally:
         for p in extra:
@@ -117,7 +122,7 @@ def main() -> int:
 
 
 def _compare(other_path: Path, rounds: int) -> dict[str, float]:
-    """Median microseconds per process of process_facts, the other procs.py against this one."""
+    """Median microseconds per process of process_facts, the other module against this one."""
     spec = importlib.util.spec_from_file_location("procs_other", other_path)
     assert spec is not None
     assert spec.loader is not None
@@ -126,8 +131,8 @@ def _compare(other_path: Path, rounds: int) -> dict[str, float]:
     names = set(FACT_ENV)
     times: dict[str, list[float]] = {"other": [], "this": []}
     for _ in range(rounds):
-        for label, mod in (("other", other), ("this", procs)):
-            pids = procs.all_pids()
+        for label, mod in (("other", other), ("this", facts)):
+            pids = facts.all_pids()
             t0 = time.perf_counter()
             for pid in pids:
                 mod.process_facts(pid, names, {})

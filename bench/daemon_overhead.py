@@ -22,10 +22,12 @@ The clients are submitted over the daemon's socket with the request ``gpushare s
 --detach -- sleep 600`` sends (the CLI's own start-up would only slow the set-up). A GPU holds at
 most ``mps.max_clients`` MPS clients, the latency probe included, and the daemon refuses a submit
 beyond that; the bench sets it to 128, the most the config allows (the default is 48), so one GPU
-holds 127 idle clients and the rest of 200 are refused: the table says how many run.
+holds 127 idle clients and the rest of 200 are refused: the table says how many run. The daemon
+places idle clients (no GPU memory used) all on GPU 0, so with N > 1 the other GPUs are empty;
+``--spread`` submits client i to GPU i mod N instead, so that every GPU's pipeline has clients.
 
 Usage: ``.venv/bin/python bench/daemon_overhead.py [--gpus 1,8] [--clients 6,48,200]
-[--window 20] [--settle 5] [--mps-control PATH] [--adopt-scan-period S]
+[--window 20] [--settle 5] [--mps-control PATH] [--adopt-scan-period S] [--spread]
 [--out bench/results/daemon_overhead.json]``.
 Needs root and a writable cgroup v2 (the pauser is the point); every process and cgroup it made
 is removed at the end, also on Ctrl-C.
@@ -54,7 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from gpushare import protocol  # noqa: E402
 from gpushare.client import ApiClient, ApiError  # noqa: E402
-from gpushare.node.cgroups import own_cgroup  # noqa: E402
+from gpushare.node.cgroups.discovery import own_cgroup  # noqa: E402
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree  # noqa: E402
 
 GPUSHARE = [sys.executable, "-c", "from gpushare.cli.app import main; main()"]
@@ -180,6 +182,9 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
                 if refused:
                     refused += 1  # the node is full: the rest would be refused too
                     continue
+                # Without --spread the daemon places every client: idle sleeps use no GPU memory,
+                # so the most-free-memory rule puts them all on GPU 0.
+                where = str(i % gpus) if args.spread else "any"
                 try:
                     api.call(
                         protocol.SUBMIT,
@@ -187,6 +192,7 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
                             "cls": "offline",
                             "argv": ["sleep", "600"],
                             "name": f"idle-{i}",
+                            "gpu": where,
                             "detach": True,
                             "env": {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
                             "cwd": "/",
@@ -258,6 +264,11 @@ def main() -> int:
         type=float,
         help="daemon.adopt_scan_period in seconds (default: the config's); 3600 leaves the scan out",
     )
+    ap.add_argument(
+        "--spread",
+        action="store_true",
+        help="submit client i to GPU i mod N (default: the daemon places them, all on GPU 0)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     args = ap.parse_args()
     reason = cgroup_skip_reason()
@@ -289,6 +300,7 @@ def main() -> int:
         "what": "CPU share of one core of an idle `gpushare daemon --simulate N` with M idle "
         "offline clients (sleep 600), real cgroup v2 pauser, from /proc/PID/stat",
         "mps": mps,
+        "placement": "round-robin over the GPUs" if args.spread else "by the daemon (GPU 0)",
         "window_s": args.window,
         "settle_s": args.settle,
         "host": {

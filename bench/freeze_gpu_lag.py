@@ -26,8 +26,10 @@ import time
 import uuid
 from pathlib import Path
 
-from gpushare.node.cgroups import CgroupPauser, make_pauser, own_cgroup
-from gpushare.node.procs import spawn
+from gpushare.node.cgroups.choice import make_pauser
+from gpushare.node.cgroups.discovery import own_cgroup
+from gpushare.node.cgroups.pauser import CgroupPauser
+from gpushare.node.procs.spawning import spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "freeze_gpu_lag.json"
 

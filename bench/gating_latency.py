@@ -56,7 +56,8 @@ from gpushare.config import GateConfig  # noqa: E402
 from gpushare.daemon.gating import Gatekeeper  # noqa: E402
 from gpushare.inflight import Rejections, SenderLimiter  # noqa: E402
 from gpushare.latency import LatencyReceiver, P99Tracker, Sender  # noqa: E402
-from gpushare.node.cgroups import CgroupPauser, own_cgroup  # noqa: E402
+from gpushare.node.cgroups.discovery import own_cgroup  # noqa: E402
+from gpushare.node.cgroups.pauser import CgroupPauser  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "gating_latency.json"
 GPU = "GPU-bench"

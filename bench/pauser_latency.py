@@ -25,8 +25,12 @@ from pathlib import Path
 
 import structlog
 
-from gpushare.node.cgroups import CgroupPauser, PauserError, SignalPauser, make_pauser, own_cgroup
-from gpushare.node.procs import ExitWatcher
+from gpushare.node.cgroups.choice import make_pauser
+from gpushare.node.cgroups.discovery import own_cgroup
+from gpushare.node.cgroups.pauser import CgroupPauser
+from gpushare.node.pauser_base import PauserError
+from gpushare.node.procs.exits import ExitWatcher
+from gpushare.node.signal_pauser import SignalPauser
 
 CYCLES = 40
 RESULTS = Path(__file__).resolve().parent / "results" / "pauser_latency.json"

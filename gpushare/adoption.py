@@ -1,7 +1,7 @@
 """Adoption: which running processes become clients, decided from rules and process facts.
 
 Pure (no I/O, no clock): the facts of a process (:class:`ProcessFacts`, read by
-:func:`gpushare.node.procs.process_facts`) and the rules (``[[adopt]]`` in the config, or a
+:func:`gpushare.node.procs.facts.process_facts`) and the rules (``[[adopt]]`` in the config, or a
 request from a scheduler's prolog) go in; a :class:`Decision` per process comes out, and
 :func:`scan` folds the descendants of an adopted process into it and names the rules that matched
 nothing.

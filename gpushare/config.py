@@ -81,7 +81,7 @@ class PathsConfig:
     mps_log_dir: Path | None = None
     client_log_dir: Path | None = None
     # Where client cgroups go; None: beside the daemon in its delegated cgroup, or
-    # <cgroup2 mount>/gpushare (gpushare.node.cgroups.default_base_dir). Never derived.
+    # <cgroup2 mount>/gpushare (gpushare.node.cgroups.discovery.default_base_dir). Never derived.
     cgroup_base: Path | None = None
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """``gpushare doctor``, over the real :class:`~gpushare.cli.doctor.Host`.
 
-Each fact comes from the node module that owns the resource (NVML from ``node/nvml.py``, the MPS
-binary from ``node/mps/``, ...); the checks themselves live in :mod:`gpushare.cli.doctor`.
+Each fact comes from the node module that owns the resource (NVML from ``node/nvml_diag.py``, the
+MPS binary from ``node/mps/``, ...); the checks themselves live in :mod:`gpushare.cli.doctor`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from gpushare.cli.doctor import (
     render,
     run_checks,
 )
-from gpushare.node import cgroups, mps, nvml, probe
+from gpushare.node import mps, nvml_diag, probe
+from gpushare.node.cgroups.choice import freezer_check
 
 
 class RealHost:
@@ -42,7 +43,7 @@ class RealHost:
 
     def nvml(self) -> Probe:
         """NVML init, driver version and GPU count."""
-        return Probe(*nvml.host_status())
+        return Probe(*nvml_diag.host_status())
 
     def cuda_driver(self) -> Probe:
         """The CUDA driver through cuda-python."""
@@ -63,7 +64,7 @@ class RealHost:
 
     def cgroup_freezer(self) -> Probe:
         """Whether the freezer works under the configured client cgroup base."""
-        ok, detail = cgroups.freezer_check(self._cfg.paths.cgroup_base)
+        ok, detail = freezer_check(self._cfg.paths.cgroup_base)
         return Probe(ok, detail)
 
     def directory(self, path: Path) -> DirFacts:

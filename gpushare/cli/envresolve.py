@@ -61,11 +61,12 @@ def _daemon_gpus(socket: str | Path) -> list[Gpu] | str:
 
 def _nvml_gpus() -> list[Gpu] | str:
     from gpushare.node import nvml
+    from gpushare.node.nvml_errors import NvmlError
 
     backend = nvml.NvmlBackend(events=False, init_timeout_s=10.0, call_timeout_s=5.0)
     try:
         return list(enumerate(backend.gpu_uuids()))
-    except nvml.NvmlError as exc:
+    except NvmlError as exc:
         return f"NVML cannot list the GPUs ({str(exc).partition('HINT:')[0].strip()})"
     finally:
         backend.close()

@@ -3,7 +3,7 @@
 The matching is :mod:`gpushare.adoption` (pure); this module feeds it: the config's ``[[adopt]]``
 rules (with the config file's owner standing behind them: root's config may adopt anyone's
 processes), the scheduler jobs registered by ``adopt`` requests (their caller standing behind
-them), and the facts of every process on the host (:func:`gpushare.node.procs.process_facts`).
+them), and the facts of every process on the host (:func:`gpushare.node.procs.facts.process_facts`).
 What it skips, and why:
 
 - processes younger than ``min_age_s``: between ``fork`` and ``exec`` a process still shows its
@@ -39,7 +39,8 @@ from gpushare.daemon.registry import Registration
 from gpushare.daemon.state import PAUSE_ERRORS, NodeState
 from gpushare.model import ClientClass, ClientState, GpuSample, PauseMechanism, ProcessFacts
 from gpushare.mpsenv import check_limits
-from gpushare.node import procs
+from gpushare.node.procs import facts as proc_facts
+from gpushare.node.procs.identity import is_same_process, process_identity
 
 log = structlog.get_logger(__name__)
 
@@ -167,8 +168,8 @@ class Adopter:
 
     Args:
         min_age_s: processes younger than this are left for a later scan.
-        facts_of: :func:`gpushare.node.procs.process_facts` (tests pass their own).
-        all_pids: :func:`gpushare.node.procs.all_pids`.
+        facts_of: :func:`gpushare.node.procs.facts.process_facts` (tests pass their own).
+        all_pids: :func:`gpushare.node.procs.facts.all_pids`.
         clock: wall-clock seconds, the unit of :attr:`ProcessFacts.start_time`.
         cache: what the full scan reads through (:mod:`gpushare.daemon.factcache`); by default
             one reading with ``facts_of``.
@@ -182,8 +183,8 @@ class Adopter:
         self,
         *,
         min_age_s: float = DEFAULT_MIN_AGE_S,
-        facts_of: Callable[..., ProcessFacts | None] = procs.process_facts,
-        all_pids: Callable[[], list[int]] = procs.all_pids,
+        facts_of: Callable[..., ProcessFacts | None] = proc_facts.process_facts,
+        all_pids: Callable[[], list[int]] = proc_facts.all_pids,
         clock: Callable[[], float] = time.time,
         cache: FactCache | None = None,
     ) -> None:
@@ -416,8 +417,8 @@ class Adoptions:
             problem = (
                 f"{who} not adopted by {found.source}: GPU {gpu} is not shared by gpushare here"
             )
-        identity = procs.process_identity(f.pid)
-        if problem is None and (identity is None or not procs.is_same_process(f.pid, f.start_time)):
+        identity = process_identity(f.pid)
+        if problem is None and (identity is None or not is_same_process(f.pid, f.start_time)):
             problem = f"{who} exited while it was being adopted by {found.source}; nothing recorded"
         if problem is not None:
             if problem not in self._problems:

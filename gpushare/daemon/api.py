@@ -29,7 +29,9 @@ from gpushare.daemon.state import RUNNING_STATES, NodeState
 from gpushare.inflight import parse_inflight_from
 from gpushare.latency import parse_latency_from
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
-from gpushare.node import procs
+from gpushare.node.procs.facts import process_cgroup
+from gpushare.node.procs.identity import process_start_time
+from gpushare.node.procs.users import user_in_group, user_name
 from gpushare.units import format_size
 
 log = structlog.get_logger(__name__)
@@ -102,11 +104,11 @@ class Api:
                 admin_gid = None
             if admin_gid is not None and (admin_gid == caller.gid or admin_gid in caller.groups):
                 return
-            if procs.user_in_group(caller.uid, admin):
+            if user_in_group(caller.uid, admin):
                 return
         raise _fail(
             E.PERMISSION_DENIED,
-            f"{procs.user_name(caller.uid)} may not {what} {rec.id}, which belongs to "
+            f"{user_name(caller.uid)} may not {what} {rec.id}, which belongs to "
             f"{rec.user}; only its owner, root or members of group {admin!r} may",
         )
 
@@ -261,7 +263,7 @@ class Api:
         # An adopted process's container and Kubernetes pod, named by its cgroup path.
         if r.adopted_by is None or r.pid is None or not r.state.is_live:
             return None
-        found = pods.container_of_cgroup(procs.process_cgroup(r.pid) or "/")
+        found = pods.container_of_cgroup(process_cgroup(r.pid) or "/")
         if found is None:
             return None
         return {"id": found.container_id, "runtime": found.runtime or None,
@@ -326,7 +328,7 @@ class Api:
         with self.s.lock:
             rec = self._get(req.client_id)
             self._authorize(caller, rec, "cancel")
-            who = procs.user_name(caller.uid)
+            who = user_name(caller.uid)
             if rec.state is S.QUEUED:
                 self.s.registry.transition(rec.id, S.EXITED, reason=f"cancelled by {who}")
                 return {"client_id": rec.id, "state": S.EXITED.value, "grace_s": 0.0}
@@ -364,7 +366,7 @@ class Api:
             self._authorize(caller, rec, what)
             if rec.state not in RUNNING_STATES:
                 raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}; cannot {what} it")
-            self.life.hold(rec.id, held, f"{what}d by {procs.user_name(caller.uid)}")
+            self.life.hold(rec.id, held, f"{what}d by {user_name(caller.uid)}")
             return {"client_id": rec.id, "state": self.s.registry.get(rec.id).state.value}
 
     def _resolve_gpu(self, key: str) -> GpuSample:
@@ -383,7 +385,7 @@ class Api:
             sample, sm = self._place(req, cls, caller.uid)
             rec = self.s.registry.add_client(
                 cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid,
-                user=procs.user_name(caller.uid), state=S.STARTING, priority=self.s.priority(cls),
+                user=user_name(caller.uid), state=S.STARTING, priority=self.s.priority(cls),
                 name=req.name, gpu_request=req.gpu, gpu_uuid=sample.uuid, gpu_index=sample.index,
                 sm_ceiling=req.sm_pct, sm_pct=sm,
                 mem_bytes=req.mem_bytes, slo_p99_ms=req.slo_p99_ms, restartable=req.restartable,
@@ -407,7 +409,7 @@ class Api:
             )  # fmt: skip
             if not detach:
                 assert caller.pid > 0
-                start_time = procs.process_start_time(caller.pid)
+                start_time = process_start_time(caller.pid)
                 rec = self.life.adopt_foreground(
                     rec.id, caller.pid, start_time, owner_uid=caller.uid
                 )

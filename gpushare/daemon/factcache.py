@@ -27,7 +27,13 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 
 from gpushare.model import ProcessFacts
-from gpushare.node import procs
+from gpushare.node.procs.facts import (
+    Stamp,
+    process_facts,
+    process_owner,
+    process_stamp,
+    unit_of_cgroup,
+)
 
 DEFAULT_REFRESH_S = 30.0
 """How often a cached process's uid and cgroup are read again."""
@@ -49,18 +55,18 @@ class FactCache:
     """Each process's facts, kept while its ``stat`` says it is the same process image.
 
     Args:
-        facts_of: reads a process in full (:func:`gpushare.node.procs.process_facts`).
-        stamp_of: :func:`gpushare.node.procs.process_stamp`.
-        owner_of: :func:`gpushare.node.procs.process_owner`.
+        facts_of: reads a process in full (:func:`gpushare.node.procs.facts.process_facts`).
+        stamp_of: :func:`gpushare.node.procs.facts.process_stamp`.
+        owner_of: :func:`gpushare.node.procs.facts.process_owner`.
         refresh_s: how often the uid and cgroup of a cached process are read again.
     """
 
     def __init__(
         self,
         *,
-        facts_of: FactsOf = procs.process_facts,
-        stamp_of: Callable[[int], procs.Stamp | None] = procs.process_stamp,
-        owner_of: Callable[[int], tuple[int, str | None] | None] = procs.process_owner,
+        facts_of: FactsOf = process_facts,
+        stamp_of: Callable[[int], Stamp | None] = process_stamp,
+        owner_of: Callable[[int], tuple[int, str | None] | None] = process_owner,
         refresh_s: float = DEFAULT_REFRESH_S,
     ) -> None:
         self._facts_of = facts_of
@@ -135,7 +141,7 @@ class FactCache:
     def _read(
         self,
         pid: int,
-        stamp: procs.Stamp,
+        stamp: Stamp,
         gpu_pids: Mapping[int, tuple[str, ...]] | None,
         now: float,
         min_age_s: float,
@@ -173,5 +179,5 @@ class FactCache:
                 self._entries[pid] = _Entry(entry.image, fresh.name, fresh, entry.refresh_at)
             return fresh
         if cgroup != f.cgroup:
-            f = entry.facts = replace(f, cgroup=cgroup, unit=procs.unit_of_cgroup(cgroup))
+            f = entry.facts = replace(f, cgroup=cgroup, unit=unit_of_cgroup(cgroup))
         return f

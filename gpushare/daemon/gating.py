@@ -37,7 +37,7 @@ from gpushare.control.gate import GateState
 from gpushare.inflight import Rejections
 from gpushare.latency import renice_thread
 from gpushare.model import GateReading
-from gpushare.node.cgroups import PauserError
+from gpushare.node.pauser_base import PauserError
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,10 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from gpushare.node import procs
+from gpushare.node.procs.exits import ExitWatcher
+from gpushare.node.procs.identity import is_same_process, process_start_time
+from gpushare.node.procs.spawning import spawn
+from gpushare.node.procs.users import user_groups
 
 
 def spawn_detached(
@@ -35,28 +38,28 @@ def spawn_detached(
     """
     log_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
     log_path = log_dir / f"{client_id}.log"
-    proc = procs.spawn(
+    proc = spawn(
         argv,
         uid=uid,
         gid=gid,
-        groups=procs.user_groups(uid, gid),
+        groups=user_groups(uid, gid),
         cwd=cwd,
         env=env,
         log_path=log_path,
         cgroup_procs_fd=cgroup_procs_fd,
     )
-    return proc, procs.process_start_time(proc.pid), log_path
+    return proc, process_start_time(proc.pid), log_path
 
 
 class HostProcesses:
     """:class:`gpushare.node.base.ProcessHost` on this host: real processes, pidfd exit watch."""
 
     def __init__(self) -> None:
-        self._watcher: procs.ExitWatcher | None = None
+        self._watcher: ExitWatcher | None = None
 
     def start(self, on_exit: Callable[[int, int | None], None]) -> None:
         """Start the exit watcher thread."""
-        self._watcher = procs.ExitWatcher(on_exit).start()
+        self._watcher = ExitWatcher(on_exit).start()
 
     def stop(self) -> None:
         """Stop the exit watcher thread."""
@@ -110,7 +113,7 @@ class HostProcesses:
 
     def alive(self, pid: int, start_time: float) -> bool:
         """Whether ``pid`` still is the process that started at ``start_time``."""
-        return procs.is_same_process(pid, start_time)
+        return is_same_process(pid, start_time)
 
 
 SHALLOW_ENV = {"CUDA_LAUNCH_BLOCKING": "1"}

@@ -29,9 +29,10 @@ from gpushare.daemon.gating import DAEMON
 from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.model import ClientClass, ClientState, Evict, RecoverMps, RestartClient
-from gpushare.node import procs
 from gpushare.node.base import Process
-from gpushare.node.cgroups import FreezeRoute
+from gpushare.node.cgroups.route import FreezeRoute
+from gpushare.node.procs.facts import read_environ
+from gpushare.node.procs.spawning import launch_failure
 
 log = structlog.get_logger(__name__)
 
@@ -92,8 +93,8 @@ class Lifecycle:
             for client_id in set(self.by_pid.values()):
                 if pid in self.s.pauser.pids(client_id):
                     return client_id
-            # pids() may be a few seconds behind a fork (node/cgroups.py); the cgroup pauser can
-            # also name the owner of one pid from its /proc/PID/cgroup.
+            # pids() may be a few seconds behind a fork (node/cgroups/pid_tracker.py); the cgroup
+            # pauser can also name the owner of one pid from its /proc/PID/cgroup.
             owner_of = getattr(self.s.pauser, "owner_of", None)
             if callable(owner_of):
                 found = owner_of(pid)
@@ -143,7 +144,7 @@ class Lifecycle:
                     if rec.queue is not None and rec.pid is not None:
                         # The queue it was launched with is in its environment.
                         try:
-                            env = procs.read_environ(rec.pid, launcher.SHALLOW_ENV) or {}
+                            env = read_environ(rec.pid, launcher.SHALLOW_ENV) or {}
                         except PermissionError:
                             env = {}  # not root: taken as deep (an auto client may restart once)
                         if env.items() >= launcher.SHALLOW_ENV.items():
@@ -383,7 +384,7 @@ class Lifecycle:
         if rec.pid is None:
             return
         # Every process now: pids() may list one that exited since its last re-read
-        # (node/cgroups.py), and a signal must reach a just-forked one too.
+        # (node/cgroups/pid_tracker.py), and a signal must reach a just-forked one too.
         members = getattr(self.s.pauser, "members", self.s.pauser.pids)
         self.s.procs.signal(rec.pid, sig, members(rec.id))
 
@@ -435,7 +436,7 @@ class Lifecycle:
                 transition(client_id, S.EXITED, exit_code=0)
             else:
                 why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                hint = procs.launch_failure(code)
+                hint = launch_failure(code)
                 if hint:
                     why += f" (probably: {hint}; see {rec.log_path or 'its log'})"
                 failures = rec.failures + 1

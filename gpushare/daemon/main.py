@@ -28,13 +28,14 @@ from gpushare.daemon.server import ServerError
 from gpushare.logs import configure_logging
 from gpushare.metrics import Exporter
 from gpushare.model import PauseMechanism
-from gpushare.node import cgroups
 from gpushare.node import mps as mps_mod
 from gpushare.node import notify as sd
 from gpushare.node.adopted import AdoptingPauser
 from gpushare.node.base import MpsNode
+from gpushare.node.cgroups import choice as pauser_choice
+from gpushare.node.cgroups.discovery import default_base_dir, move_self_to_leaf
 from gpushare.node.nvml import NvmlBackend
-from gpushare.node.probe import ProbeManager
+from gpushare.node.probe_manager import ProbeManager
 
 if TYPE_CHECKING:
     from gpushare.sim.realtime import RealTimeSimNode
@@ -85,15 +86,15 @@ def serve(daemon: Daemon) -> int:
     return 0
 
 
-def make_pauser(cfg: config_mod.Config) -> cgroups.PauserChoice:
+def make_pauser(cfg: config_mod.Config) -> pauser_choice.PauserChoice:
     """The cgroup freezer where cgroup v2 is writable (the daemon moved into its leaf), else signals."""
     base = cfg.paths.cgroup_base
-    choice = cgroups.make_pauser(base)
+    choice = pauser_choice.make_pauser(base)
     if choice.pauser.mechanism is PauseMechanism.CGROUP:
-        leaf_base = base if base is not None else cgroups.default_base_dir()
+        leaf_base = base if base is not None else default_base_dir()
         if leaf_base is not None:
             # cgroup v2's no-internal-processes rule: the daemon leaves the clients' parent.
-            cgroups.move_self_to_leaf(leaf_base)
+            move_self_to_leaf(leaf_base)
     return choice
 
 

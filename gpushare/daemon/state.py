@@ -25,7 +25,7 @@ from gpushare.inflight import GaugePoller
 from gpushare.latency import AppLatency, LatencyP99
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
 from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
-from gpushare.node.cgroups import PauserError
+from gpushare.node.pauser_base import PauserError
 
 log = structlog.get_logger(__name__)
 

@@ -4,7 +4,7 @@ A process gpushare launched sits in a cgroup (or process group) gpushare made fo
 adopted (a systemd service, a container, a Slurm task) does not, and moving it would take it out of
 its unit's or container's accounting and limits, so :class:`AdoptingPauser` leaves it where it is:
 
-- **cgroup**: where :func:`gpushare.node.cgroups.freeze_route` allows it (the process's own cgroup,
+- **cgroup**: where :func:`gpushare.node.cgroups.route.freeze_route` allows it (the process's own cgroup,
   or a delegated subtree, holding nothing but the process and its descendants) the freezer of that
   cgroup is written, as for a launched client;
 - **signal**: otherwise the process and its live descendants get SIGSTOP/SIGCONT (not its process
@@ -28,22 +28,25 @@ from pathlib import Path
 import structlog
 
 from gpushare.model import PauseMechanism
-from gpushare.node import procs
 from gpushare.node.base import Pauser
-from gpushare.node.cgroups import (
-    DEFAULT_FREEZE_TIMEOUT_S,
-    FreezeRoute,
+
+# The cgroup pauser's own helpers: the same checks and cgroupfs writes as for launched clients.
+from gpushare.node.cgroups.files import wait_event, walk_pids, write_value
+from gpushare.node.cgroups.pauser import DEFAULT_FREEZE_TIMEOUT_S
+from gpushare.node.cgroups.route import FreezeRoute, freeze_route
+from gpushare.node.pauser_base import (
+    DEFAULT_SIGNAL_WAIT_S,
     FreezeTimeoutError,
     PauserError,
     check_client_id,
-    freeze_route,
+    check_pid,
 )
-from gpushare.node.cgroups import _wait_event as wait_event
-from gpushare.node.cgroups import _walk_pids as walk_pids
-from gpushare.node.cgroups import _write as write_value
-
-# cgroups.py's own helpers: the same checks and cgroupfs writes as for launched clients.
-from gpushare.node.pauser_base import DEFAULT_SIGNAL_WAIT_S, check_pid
+from gpushare.node.procs.identity import (
+    descendants,
+    is_same_process,
+    is_stopped,
+    process_start_time,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +62,7 @@ class AdoptingPauser:
     """The daemon's pauser for launched clients (``inner``) and for adopted ones (implements ``Pauser``).
 
     Args:
-        inner: the pauser launched clients use (:func:`gpushare.node.cgroups.make_pauser`).
+        inner: the pauser launched clients use (:func:`gpushare.node.cgroups.choice.make_pauser`).
         mount: the cgroup2 mount (found in ``/proc/self/mounts`` when ``None``).
         freeze_timeout_s: how long a cgroup freeze waits for ``frozen 1``.
         signal_wait_s: how long a SIGSTOP waits for every process to show state ``T``.
@@ -94,10 +97,10 @@ class AdoptingPauser:
         """
         check_client_id(client_id)
         check_pid(pid, owner_uid)
-        started = procs.process_start_time(pid)
+        started = process_start_time(pid)
         if started is None:
             raise PauserError(f"cannot adopt pid {pid}: no such process")
-        route = freeze_route(pid, [pid, *procs.descendants(pid)], self._mount)
+        route = freeze_route(pid, [pid, *descendants(pid)], self._mount)
         self._adopted[client_id] = _Adopted(pid, started, route)
         log.info("pauser_adopted", client_id=client_id, pid=pid, route=route.reason)
         return route
@@ -115,9 +118,9 @@ class AdoptingPauser:
     def _members(self, a: _Adopted) -> list[int]:
         if a.route.cgroup is not None:
             return sorted(set(walk_pids(a.route.cgroup)))
-        if not procs.is_same_process(a.pid, a.start_time):
+        if not is_same_process(a.pid, a.start_time):
             return []
-        return [a.pid, *procs.descendants(a.pid)]
+        return [a.pid, *descendants(a.pid)]
 
     def _freeze_adopted(self, client_id: str, a: _Adopted) -> None:
         if a.route.cgroup is not None:
@@ -128,7 +131,7 @@ class AdoptingPauser:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
         deadline = time.monotonic() + self.signal_wait_s
-        while not all(procs.is_stopped(pid) for pid in members):
+        while not all(is_stopped(pid) for pid in members):
             if time.monotonic() >= deadline:
                 raise FreezeTimeoutError(
                     f"client {client_id}: pid {a.pid} and its children not stopped after "
@@ -267,7 +270,7 @@ class AdoptingPauser:
                 return False
             return "frozen 1" in events.splitlines()
         members = self._members(found)
-        return bool(members) and all(procs.is_stopped(pid) for pid in members)
+        return bool(members) and all(is_stopped(pid) for pid in members)
 
     def kill(self, client_id: str) -> None:
         """SIGKILL every process of the client (an adopted one's cgroup is not removed: not ours)."""
@@ -288,7 +291,7 @@ class AdoptingPauser:
         return self.inner.pids(client_id) if found is None else self._members(found)
 
     def members(self, client_id: str) -> Sequence[int]:
-        """The client's processes read now (``inner.pids`` may lag a fork; node/cgroups.py)."""
+        """The client's processes read now (``inner.pids`` may lag a fork; node/cgroups/pid_tracker.py)."""
         found = self._adopted.get(client_id)
         if found is not None:
             return self._members(found)

@@ -35,7 +35,7 @@ class GpuBackend(Protocol):
 
 
 class LatencyProbe(Protocol):
-    """The per-GPU probe kernel's latency (:mod:`gpushare.node.probe`)."""
+    """The per-GPU probe kernel's latency (:mod:`gpushare.node.probe_manager`)."""
 
     def reading(self, gpu_uuid: str) -> ProbeReading:
         """The probe's latency over its window on one GPU; never raises."""

@@ -2,7 +2,10 @@
 
 :class:`NvmlBackend` implements :class:`gpushare.node.base.GpuBackend`: one frozen
 :class:`~gpushare.model.GpuSample` per GPU per tick, XID events from a thread of their own, and
-the compute-mode switch the MPS supervisor needs.
+the compute-mode switch the MPS supervisor needs. Its neighbours hold what needs no pynvml: the
+return codes and our errors (:mod:`~gpushare.node.nvml_errors`), the call thread
+(:mod:`~gpushare.node.nvml_worker`) and the checks for people, ``gpushare doctor``'s line and
+``python -m gpushare.node.nvml_diag`` (:mod:`~gpushare.node.nvml_diag`).
 
 Error policy (every NVML function goes through :meth:`NvmlBackend._call`):
 
@@ -15,11 +18,11 @@ Error policy (every NVML function goes through :meth:`NvmlBackend._call`):
   reading and is named in the sample's ``error``.
 
 Time-boxing: NVML can hang in the kernel (a D-state thread cannot be killed or joined), so every
-per-GPU call runs on that GPU's own daemon worker thread and the tick waits for all GPUs together
-at most ``call_timeout_s``. A GPU whose worker has not answered by then is reported lost with
-``error="nvml call timed out: <function>"``; nothing more is queued to it until the stuck call
-returns, so threads never pile up on a stuck GPU. Init, discovery and compute-mode calls are
-time-boxed the same way on a separate worker.
+per-GPU call runs on that GPU's own daemon worker thread (:class:`~gpushare.node.nvml_worker.Worker`)
+and the tick waits for all GPUs together at most ``call_timeout_s``. A GPU whose worker has not
+answered by then is reported lost with ``error="nvml call timed out: <function>"``; nothing more is
+queued to it until the stuck call returns, so threads never pile up on a stuck GPU. Init, discovery
+and compute-mode calls are time-boxed the same way on a separate worker.
 
 Versioned functions (``_v3``/``_v2``, ``…TemperatureV``, ``…ClocksEventReasons``) are probed once,
 newest first, and the variant that exists is remembered for the life of the backend.
@@ -30,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import queue
 import sys
 import threading
 import time
@@ -43,34 +45,29 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from gpushare.logs import configure_logging
 from gpushare.model import GpuEvent, GpuSample, ProcessMemory, SmPeriod
+from gpushare.node.nvml_errors import (
+    FATAL_XIDS,
+    INIT_HINTS,
+    LOST_CODES,
+    NO_SAMPLES_CODES,
+    NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_GPU_IS_LOST,
+    NVML_ERROR_NO_PERMISSION,
+    NVML_ERROR_TIMEOUT,
+    UNSUPPORTED_CODES,
+    GpuLostError,
+    MissingFunctionError,
+    NvmlError,
+    NvmlInitError,
+    error_code,
+)
+from gpushare.node.nvml_worker import Worker
 
 if TYPE_CHECKING:
     from gpushare.node.base import ComputeModeControl, GpuBackend
 
 log = structlog.get_logger(__name__)
-
-# NVML return codes the policy depends on (nvml.md §3).
-NVML_ERROR_NO_PERMISSION = 4
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_NOT_FOUND = 6
-NVML_ERROR_DRIVER_NOT_LOADED = 9
-NVML_ERROR_TIMEOUT = 10
-NVML_ERROR_LIBRARY_NOT_FOUND = 12
-NVML_ERROR_FUNCTION_NOT_FOUND = 13
-NVML_ERROR_GPU_IS_LOST = 15
-NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
-NVML_ERROR_UNKNOWN = 999
-
-_UNSUPPORTED_CODES = frozenset({NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND})
-_LOST_CODES = frozenset({NVML_ERROR_GPU_IS_LOST, NVML_ERROR_UNKNOWN})
-
-# XIDs after which the GPU needs a reset or the node operator (NVIDIA's XID catalogue, "Xid Errors"
-# in the driver documentation): double-bit ECC (48), internal micro-controller halt (62), row
-# remapping failure (64), NVLink error (74), GPU fallen off the bus (79), uncontained ECC (95),
-# GSP/RPC timeouts (119, 120). Application faults (13, 31, 43, 45) do not take the GPU down.
-FATAL_XIDS = frozenset({48, 62, 64, 74, 79, 95, 119, 120})
 
 COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "exclusive_process"}
 # "prohibited" is settable so that a supervisor can restore a GPU an operator had prohibited.
@@ -85,9 +82,6 @@ XID_CRITICAL_ERROR_EVENT = 0x8
 GPM_MIN_INTERVAL_S = 0.1
 # The first per-process utilisation read looks back this far (nvitop reads the last second).
 PROCESS_UTIL_LOOKBACK_S = 1.0
-# "No samples since lastSeenTimeStamp": NOT_FOUND, or pynvml's bare NVMLError(0) when the size
-# query itself succeeds (nvmlDeviceGetProcessUtilization's documented return codes; pynvml).
-_NO_SAMPLES_CODES = frozenset({NVML_ERROR_NOT_FOUND, 0})
 # Bounded memory for "logged once" bookkeeping, as nvitop does (UNKNOWN_FUNCTIONS_CACHE_SIZE).
 _LOGGED_ONCE_MAX = 1024
 
@@ -108,84 +102,12 @@ VERSIONED: dict[str, tuple[str, ...]] = {
     ),
 }
 
-_INIT_HINTS = {
-    NVML_ERROR_LIBRARY_NOT_FOUND: "HINT: libnvidia-ml.so.1 was not found. NVML ships with the NVIDIA "
-    "display driver: install the driver (nvidia-smi must work) on this host.",
-    NVML_ERROR_DRIVER_NOT_LOADED: "HINT: the NVIDIA kernel module is not loaded: `modprobe nvidia` "
-    "or check `dmesg | grep -i nvrm`.",
-    NVML_ERROR_LIB_RM_VERSION_MISMATCH: "HINT: the driver was upgraded without reloading the "
-    "kernel module: reboot, or unload and reload the nvidia modules.",
-    NVML_ERROR_NO_PERMISSION: "HINT: no permission to open /dev/nvidia*: run gpushare as root "
-    "(the systemd unit does).",
-}
-
-
-class NvmlError(Exception):
-    """An NVML call failed in a way the error policy does not absorb.
-
-    Attributes:
-        function: the NVML function that failed.
-        code: the NVML return code, or ``None`` for failures of our own (timeout, unknown GPU).
-    """
-
-    def __init__(self, function: str, code: int | None, message: str) -> None:
-        self.function = function
-        self.code = code
-        super().__init__(f"{function}: {message}")
-
-
-class NvmlInitError(NvmlError):
-    """NVML could not be initialised; the message ends with a HINT line naming the fix."""
-
-
-class _GpuLostError(Exception):
-    """Internal: the GPU answered GpuIsLost/Unknown; ends this GPU's snapshot."""
-
-
-class _MissingFunctionError(Exception):
-    """Internal: a versioned variant does not exist in this driver/pynvml (try the next)."""
-
 
 def _load_pynvml() -> Any:
     # Importing pynvml never touches the driver (it loads libnvidia-ml lazily in nvmlInit).
     import pynvml
 
     return pynvml
-
-
-class _Worker:
-    """One daemon thread running submitted calls in order.
-
-    Daemon, not a ThreadPoolExecutor: a call stuck in the kernel must not block interpreter exit.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._queue.put((fn, fut))
-        return fut
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, fut = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which decides
-                fut.set_exception(exc)
 
 
 @dataclass
@@ -195,7 +117,7 @@ class _Gpu:
     index: int
     uuid: str
     handle: Any
-    worker: _Worker
+    worker: Worker
     name: str | None = None
     sm_count: int | None = None
     pending: Future[Any] | None = None
@@ -257,7 +179,7 @@ class NvmlBackend:
         self._closed = False
         self._init_error: NvmlInitError | None = None
         self._init_failed_at_s = 0.0
-        self._system: _Worker | None = None
+        self._system: Worker | None = None
         self._init_future: Future[list[_Gpu]] | None = None
         self._gpus: list[_Gpu] = []
         self._chosen: dict[str, str] = {}
@@ -305,7 +227,7 @@ class NvmlBackend:
         if self._nv is None:
             self._nv = _load_pynvml()
         if self._system is None:
-            self._system = _Worker("nvml-system")
+            self._system = Worker("nvml-system")
         fut = self._init_future
         if fut is None:
             fut = self._system.submit(self._init_and_discover)
@@ -343,8 +265,8 @@ class NvmlBackend:
         try:
             nv.nvmlInit()
         except nv.NVMLError as exc:
-            code = _code(exc)
-            hint = _INIT_HINTS.get(code if code is not None else -1, "")
+            code = error_code(exc)
+            hint = INIT_HINTS.get(code if code is not None else -1, "")
             msg = f"{exc}" + (f"\n{hint}" if hint else "")
             raise NvmlInitError("nvmlInit", code, msg) from exc
         try:
@@ -357,7 +279,7 @@ class NvmlBackend:
         return gpus
 
     def _discover(self, index: int) -> _Gpu:
-        worker = _Worker(f"nvml-gpu{index}")
+        worker = Worker(f"nvml-gpu{index}")
         gpu = _Gpu(index=index, uuid=f"unknown-gpu{index}", handle=None, worker=worker)
         try:
             gpu.handle = self._call(gpu, "nvmlDeviceGetHandleByIndex", index)
@@ -367,7 +289,7 @@ class NvmlBackend:
             name = self._call(gpu, "nvmlDeviceGetName", gpu.handle)
             gpu.name = _text(name) if name is not None else None
             gpu.sm_count = self._sm_count(gpu)
-        except _GpuLostError as exc:
+        except GpuLostError as exc:
             gpu.discovery_error = f"gpu lost at discovery: {exc}"
         except NvmlError as exc:
             gpu.discovery_error = f"discovery failed: {exc}"
@@ -402,9 +324,9 @@ class NvmlBackend:
             def shutdown() -> None:
                 # Freeing the set under a thread still waiting on it is undefined: skip it then.
                 if self._event_set is not None and event_thread_done:
-                    with contextlib.suppress(NvmlError, _GpuLostError):
+                    with contextlib.suppress(NvmlError, GpuLostError):
                         self._call(None, "nvmlEventSetFree", self._event_set)
-                with contextlib.suppress(NvmlError, _GpuLostError):
+                with contextlib.suppress(NvmlError, GpuLostError):
                     self._call(None, "nvmlShutdown")
 
             with contextlib.suppress(FutureTimeoutError):
@@ -420,17 +342,17 @@ class NvmlBackend:
         """Run one NVML function under the error policy (see the module docstring).
 
         Returns ``None`` for NotSupported/FunctionNotFound. With ``probe=True`` a missing function
-        raises :class:`_MissingFunctionError` instead, so versioned lookups try the next variant.
+        raises :class:`MissingFunctionError` instead, so versioned lookups try the next variant.
 
         Raises:
-            _GpuLostError: GpuIsLost or Unknown.
+            GpuLostError: GpuIsLost or Unknown.
             NvmlError: any other NVML error.
         """
         nv = self._nv
         fn = getattr(nv, fname, None)
         if fn is None:
             if probe:
-                raise _MissingFunctionError(fname)
+                raise MissingFunctionError(fname)
             self._log_once(fname, NVML_ERROR_FUNCTION_NOT_FOUND, "not in this pynvml")
             return None
         if gpu is not None:
@@ -439,18 +361,18 @@ class NvmlBackend:
             return fn(*args)
         except nv.NVMLLibraryMismatchError as exc:
             if probe:
-                raise _MissingFunctionError(fname) from exc
+                raise MissingFunctionError(fname) from exc
             self._log_once(fname, NVML_ERROR_FUNCTION_NOT_FOUND, str(exc))
             return None
         except nv.NVMLError as exc:
-            code = _code(exc)
-            if code in _UNSUPPORTED_CODES:
+            code = error_code(exc)
+            if code in UNSUPPORTED_CODES:
                 if probe and code == NVML_ERROR_FUNCTION_NOT_FOUND:
-                    raise _MissingFunctionError(fname) from exc
+                    raise MissingFunctionError(fname) from exc
                 self._log_once(fname, code, str(exc))
                 return None
-            if code in _LOST_CODES:
-                raise _GpuLostError(f"{fname}: {exc}") from exc
+            if code in LOST_CODES:
+                raise GpuLostError(f"{fname}: {exc}") from exc
             raise NvmlError(fname, code, str(exc)) from exc
         finally:
             if gpu is not None:
@@ -466,7 +388,7 @@ class NvmlBackend:
         for fname in variants:
             try:
                 result = self._call(gpu, fname, *args, probe=True)
-            except _MissingFunctionError:
+            except MissingFunctionError:
                 continue
             with self._chosen_lock:
                 self._chosen[key] = fname
@@ -575,7 +497,7 @@ class NvmlBackend:
             readings["sm_periods"] = self._sm_periods(gpu)
             mode = self._read(gpu, "nvmlDeviceGetComputeMode", h)
             readings["compute_mode"] = COMPUTE_MODES.get(int(mode)) if mode is not None else None
-        except _GpuLostError as exc:
+        except GpuLostError as exc:
             log.warning("gpu_lost", gpu=gpu.uuid, error=str(exc))
             return GpuSample(
                 index=gpu.index,
@@ -637,7 +559,7 @@ class NvmlBackend:
         try:
             records = self._call(gpu, "nvmlDeviceGetProcessUtilization", gpu.handle, since)
         except NvmlError as exc:
-            if exc.code in _NO_SAMPLES_CODES:
+            if exc.code in NO_SAMPLES_CODES:
                 gpu.process_util_seen_us = since
                 return ()
             gpu.errors.append(str(exc))
@@ -725,9 +647,9 @@ class NvmlBackend:
                         XID_CRITICAL_ERROR_EVENT,
                         self._event_set,
                     )
-                except (NvmlError, _GpuLostError) as exc:
+                except (NvmlError, GpuLostError) as exc:
                     log.warning("nvml_event_register_failed", gpu=gpu.uuid, error=str(exc))
-        except (NvmlError, _GpuLostError) as exc:
+        except (NvmlError, GpuLostError) as exc:
             log.warning("nvml_event_set_failed", error=str(exc))
             return
         log.info("nvml_events_started", gpus=len(by_handle))
@@ -740,7 +662,7 @@ class NvmlBackend:
                 log.warning("nvml_event_wait_failed", error=str(exc))
                 self._event_stop.wait(1.0)
                 continue
-            except _GpuLostError as exc:
+            except GpuLostError as exc:
                 log.warning("nvml_event_wait_gpu_lost", error=str(exc))
                 self._event_stop.wait(1.0)
                 continue
@@ -777,7 +699,7 @@ class NvmlBackend:
             mode = self._on_gpu(
                 gpu, lambda: self._call(gpu, "nvmlDeviceGetComputeMode", gpu.handle)
             )
-        except (NvmlError, _GpuLostError) as exc:
+        except (NvmlError, GpuLostError) as exc:
             log.warning("nvml_compute_mode_unreadable", gpu=uuid, error=str(exc))
             return None
         return COMPUTE_MODES.get(int(mode)) if mode is not None else None
@@ -796,7 +718,7 @@ class NvmlBackend:
         value = SETTABLE_COMPUTE_MODES[mode]
         try:
             self._on_gpu(gpu, lambda: self._call_strict(gpu, "nvmlDeviceSetComputeMode", value))
-        except _GpuLostError as exc:
+        except GpuLostError as exc:
             raise NvmlError("nvmlDeviceSetComputeMode", NVML_ERROR_GPU_IS_LOST, str(exc)) from exc
         except NvmlError as exc:
             if exc.code == NVML_ERROR_NO_PERMISSION:
@@ -813,9 +735,9 @@ class NvmlBackend:
         try:
             getattr(nv, fname)(gpu.handle, value)
         except nv.NVMLError as exc:
-            code = _code(exc)
-            if code in _LOST_CODES:
-                raise _GpuLostError(f"{fname}: {exc}") from exc
+            code = error_code(exc)
+            if code in LOST_CODES:
+                raise GpuLostError(f"{fname}: {exc}") from exc
             raise NvmlError(fname, code, str(exc)) from exc
         finally:
             gpu.in_call = None
@@ -854,10 +776,18 @@ class NvmlBackend:
             self._ensure_init_locked(retry_now=True)
             return [g.uuid for g in self._gpus]
 
+    def driver_version(self) -> str:
+        """The driver's version string (initialising NVML if needed), for ``gpushare doctor``.
 
-def _code(exc: BaseException) -> int | None:
-    value = getattr(exc, "value", None)
-    return int(value) if isinstance(value, int) else None
+        Called on the caller's thread, not time-boxed: the doctor, not the daemon, asks it.
+
+        Raises:
+            NvmlInitError: NVML cannot be initialised.
+            Exception: whatever pynvml raises for the call.
+        """
+        with self._lock:
+            self._ensure_init_locked(retry_now=True)
+        return _text(self._nv.nvmlSystemGetDriverVersion())
 
 
 def _text(value: Any) -> str:
@@ -878,41 +808,6 @@ def _handle_key(handle: Any) -> Any:
         return handle
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
-    """``python -m gpushare.node.nvml``: print samples and XID events as JSON lines (GPU checks)."""
-    import argparse
-    import dataclasses
-    import json
-
-    parser = argparse.ArgumentParser(prog="python -m gpushare.node.nvml")
-    parser.add_argument("--count", type=int, default=1, help="ticks to sample")
-    parser.add_argument("--interval-s", type=float, default=0.5, help="time between ticks")
-    parser.add_argument("--events-s", type=float, default=0.0, help="then wait this long for XIDs")
-    args = parser.parse_args(argv)
-    # stdout carries the JSON lines; logs go to stderr.
-    configure_logging("info")
-    backend = NvmlBackend(events=args.events_s > 0)
-    try:
-        backend.open()
-    except NvmlInitError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    try:
-        for i in range(args.count):
-            if i:
-                time.sleep(args.interval_s)
-            for s in backend.sample():
-                print(json.dumps({"type": "sample", **dataclasses.asdict(s)}), flush=True)
-        deadline = time.monotonic() + args.events_s
-        while time.monotonic() < deadline:
-            for e in backend.drain_events():
-                print(json.dumps({"type": "xid", **dataclasses.asdict(e)}), flush=True)
-            time.sleep(0.1)
-    finally:
-        backend.close()
-    return 0
-
-
 if TYPE_CHECKING:  # the adapter implements the Protocols the daemon holds it by
 
     def _conforms(b: NvmlBackend) -> tuple[GpuBackend, ComputeModeControl]:
@@ -920,20 +815,5 @@ if TYPE_CHECKING:  # the adapter implements the Protocols the daemon holds it by
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
-
-
-def host_status() -> tuple[bool, str, str]:
-    """Whether NVML initialises on this host: ``(ok, what was seen, hint)`` for ``gpushare doctor``."""
-    backend = NvmlBackend(events=False, init_timeout_s=10.0, call_timeout_s=5.0)
-    try:
-        uuids = backend.gpu_uuids()
-        driver = _text(backend._nv.nvmlSystemGetDriverVersion())
-    except NvmlInitError as exc:
-        message, _, hint = str(exc).partition("HINT: ")
-        return False, message.strip(), hint.strip()
-    except Exception as exc:  # noqa: BLE001 - the doctor reports any failure as a line, never a crash
-        return False, f"{type(exc).__name__}: {exc}", ""
-    finally:
-        backend.close()
-    return True, f"driver {driver}, {len(uuids)} GPU(s)", ""
+    # The diagnostic command moved to nvml_diag: say so instead of exiting 0 having printed nothing.
+    sys.exit("the NVML diagnostic command is `python -m gpushare.node.nvml_diag`")

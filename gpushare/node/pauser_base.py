@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-from gpushare.node import procs
+from gpushare.node.procs.identity import process_uid
 
 DEFAULT_SIGNAL_WAIT_S = 1.0
 # How stale a client's pid list may get when only a fork or a partial exit changed it. Those pids
@@ -42,7 +42,7 @@ def check_pid(pid: int, owner_uid: int | None) -> None:
     if pid <= 1 or pid == os.getpid():
         raise PauserError(f"refusing to put pid {pid} under a client: it is init or the daemon")
     if owner_uid is not None:
-        actual = procs.process_uid(pid)
+        actual = process_uid(pid)
         if actual is None:
             raise PauserError(f"cannot attach pid {pid}: no such process")
         if actual != owner_uid:

@@ -1,6 +1,6 @@
 """The pauser where no writable cgroup v2 exists: SIGSTOP and SIGCONT of a client's process group.
 
-:func:`gpushare.node.cgroups.make_pauser` picks it and says why. A stopped process issues no new GPU
+:func:`gpushare.node.cgroups.choice.make_pauser` picks it and says why. A stopped process issues no new GPU
 work, like a frozen cgroup, but a process that leaves its group (``setsid``) escapes it.
 """
 
@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import structlog
 
 from gpushare.model import PauseMechanism
-from gpushare.node import procs
 from gpushare.node.pauser_base import (
     DEFAULT_PIDS_RESCAN_S,
     DEFAULT_SIGNAL_WAIT_S,
@@ -24,6 +23,7 @@ from gpushare.node.pauser_base import (
     check_client_id,
     check_pid,
 )
+from gpushare.node.procs.identity import group_members, groups_members, is_stopped
 
 log = structlog.get_logger(__name__)
 
@@ -109,7 +109,7 @@ class SignalPauser:
             return
         pgid = self._pgid(client_id)
         deadline = time.monotonic() + self.wait_s
-        while not all(procs.is_stopped(pid) for pid in procs.group_members(pgid)):
+        while not all(is_stopped(pid) for pid in group_members(pgid)):
             if time.monotonic() >= deadline:
                 raise FreezeTimeoutError(f"process group {pgid} not stopped after {self.wait_s} s")
             time.sleep(0.001)
@@ -128,7 +128,7 @@ class SignalPauser:
                 os.killpg(pgid, signal.SIGSTOP)
         deadline = time.monotonic() + self.wait_s
         for pgid in pgids:
-            while not all(procs.is_stopped(pid) for pid in procs.group_members(pgid)):
+            while not all(is_stopped(pid) for pid in group_members(pgid)):
                 if time.monotonic() >= deadline:
                     raise FreezeTimeoutError(
                         f"process group {pgid} not stopped after {self.wait_s} s"
@@ -187,8 +187,8 @@ class SignalPauser:
         pgid = self._groups.get(client_id)
         if pgid is None:
             return False
-        members = procs.group_members(pgid)
-        return bool(members) and all(procs.is_stopped(pid) for pid in members)
+        members = group_members(pgid)
+        return bool(members) and all(is_stopped(pid) for pid in members)
 
     def pids(self, client_id: str) -> Sequence[int]:
         """Live members of the client's process group (empty when not attached).
@@ -200,14 +200,14 @@ class SignalPauser:
             return []
         now = time.monotonic()
         if now >= self._members_due or pgid not in self._members:
-            self._members = procs.groups_members(set(self._groups.values()))
+            self._members = groups_members(set(self._groups.values()))
             self._members_due = now + self.pids_rescan_s
         return list(self._members.get(pgid, ()))
 
     def members(self, client_id: str) -> list[int]:
         """Live members of the client's process group now, from /proc (for signalling them)."""
         pgid = self._groups.get(client_id)
-        return [] if pgid is None else procs.group_members(pgid)
+        return [] if pgid is None else group_members(pgid)
 
     def release(self, client_id: str) -> None:
         """Forget the client."""
@@ -215,4 +215,4 @@ class SignalPauser:
 
     def clients(self) -> dict[str, list[int]]:
         """Attached clients and their live processes (empty after a daemon restart)."""
-        return {cid: procs.group_members(pgid) for cid, pgid in sorted(self._groups.items())}
+        return {cid: group_members(pgid) for cid, pgid in sorted(self._groups.items())}

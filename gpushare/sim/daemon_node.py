@@ -19,7 +19,8 @@ import structlog
 
 from gpushare.model import ClientClass, PauseMechanism
 from gpushare.node.base import Pauser
-from gpushare.node.cgroups import FreezeRoute, PauserError
+from gpushare.node.cgroups.route import FreezeRoute
+from gpushare.node.pauser_base import PauserError
 from gpushare.sim.realtime import RealTimeSimNode, SimProfileError, workload_from_env
 from gpushare.sim.simenv import ENV_PROFILE
 
@@ -182,7 +183,7 @@ class SimulatedPauser:
         return self.real.pids(client_id)
 
     def members(self, client_id: str) -> Sequence[int]:
-        """The real process's pids read now (``pids`` may lag a fork; node/cgroups.py)."""
+        """The real process's pids read now (``pids`` may lag a fork; node/cgroups/pid_tracker.py)."""
         members = getattr(self.real, "members", self.real.pids)
         return list(members(client_id))
 

@@ -43,7 +43,7 @@ from gpushare.sim.workloads import (
 )
 
 GPU_NAME = "Tesla V100-SXM2-16GB (simulated)"
-#: Quiet probe samples needed before a baseline is learned (as in gpushare.node.probe).
+#: Quiet probe samples needed before a baseline is learned (as in gpushare.node.probe_window).
 PROBE_BASELINE_MIN_SAMPLES = 20
 
 #: Policies the simulator models by a GPU mode rather than by their actions.
@@ -285,7 +285,7 @@ class SimNode:
         )
 
     def probe_reading(self, gpu_uuid: str) -> ProbeReading:
-        """The probe's reading, by the rules of ``gpushare.node.probe.ProbeWindow``.
+        """The probe's reading, by the rules of ``gpushare.node.probe_window.ProbeWindow``.
 
         Latency is the p99 over the probe window (a launch not yet back counts as stalled);
         the baseline is the p99 of the samples taken while no offline work ran, over the baseline

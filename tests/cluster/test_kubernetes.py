@@ -27,7 +27,10 @@ from gpushare import config, pods
 from gpushare.adoption import FACT_ENV, Rule, decide
 from gpushare.model import ClientClass, PauseMechanism, ProcessFacts
 from gpushare.mpsenv import ENV_CLASS, check_limits
-from gpushare.node import cgroups, procs
+from gpushare.node.cgroups.discovery import cgroup2_mount
+from gpushare.node.cgroups.route import freeze_route
+from gpushare.node.procs.facts import process_facts
+from gpushare.node.procs.identity import descendants
 from gpushare.paths import repo_root
 from tests.fakes.fake_gpu import fake_uuid
 from tests.support.daemon_helpers import DaemonProc, wait_for
@@ -227,7 +230,7 @@ def podman() -> Iterator[list[str]]:
     """podman with private storage, runc and cgroupfs; a one-file busybox image imported locally."""
     if PODMAN_SKIP is not None:
         pytest.skip(PODMAN_SKIP)
-    mount = cgroups.cgroup2_mount()
+    mount = cgroup2_mount()
     if mount is None:
         pytest.skip("no cgroup v2 mount: the container's v2 cgroup cannot be checked")
     parents = _libpod_parents()
@@ -287,10 +290,10 @@ def test_a_podman_container_is_named_from_its_real_cgroup_and_frozen_through_it(
         assert (got.container_id, got.runtime, got.pod_uid) == (cid, "podman", None)
         # The same process, seen by adoption: its marker, and a cgroup of its own to freeze.
         # No GPU here: NVML's process list is stood in for, naming the container's process.
-        facts = procs.process_facts(pid, FACT_ENV, gpu_pids={pid: ("GPU-0",)})
+        facts = process_facts(pid, FACT_ENV, gpu_pids={pid: ("GPU-0",)})
         assert facts is not None and facts.environ == {"GPUSHARE_CLASS": "offline"}
         assert decide([Rule(config.MARKER_RULE, 0, "default")], facts).cls is ClientClass.OFFLINE
-        route = cgroups.freeze_route(pid, [*procs.descendants(pid), pid])
+        route = freeze_route(pid, [*descendants(pid), pid])
         assert route.mechanism is PauseMechanism.CGROUP, route.reason
         assert route.cgroup is not None and route.cgroup.name == f"libpod-{cid}"
     finally:

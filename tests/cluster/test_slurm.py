@@ -32,7 +32,8 @@ import pytest
 from gpushare import config, protocol, slurm
 from gpushare.client import ApiClient
 from gpushare.model import ClientClass
-from gpushare.node import cgroups, procs
+from gpushare.node.cgroups.discovery import cgroup2_mount
+from gpushare.node.procs.facts import process_cgroup
 from gpushare.paths import repo_root
 from tests.support import slurm_cluster
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
@@ -583,8 +584,8 @@ def test_a_job_with_an_unknown_class_never_reaches_the_daemon(with_daemon):
 
 def _cgroup_events(pid: int) -> str:
     try:
-        rel = procs.process_cgroup(pid)
-        mount = cgroups.cgroup2_mount()
+        rel = process_cgroup(pid)
+        mount = cgroup2_mount()
         if rel is None or mount is None or rel == "/":
             return ""
         return (mount / rel.lstrip("/") / "cgroup.events").read_text()

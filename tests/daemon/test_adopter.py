@@ -18,7 +18,7 @@ from gpushare.adoption import Rule
 from gpushare.daemon.adopter import Adopter, check_adopt, config_rules, registration_rules
 from gpushare.daemon.registry import Registration
 from gpushare.model import ClientClass
-from gpushare.node import procs
+from gpushare.node.procs.facts import process_facts
 from tests.support.daemon_helpers import wait_for
 
 
@@ -191,7 +191,7 @@ def test_config_rules_stand_on_the_config_files_owner(tmp_path: Path):
 
 def test_an_idle_rule_says_when_environments_cannot_be_read(start):
     p = start({})
-    real = procs.process_facts
+    real = process_facts
 
     def unreadable(pid, names, gpu_pids=None):
         f = real(pid, names, gpu_pids)

@@ -44,8 +44,11 @@ from gpushare.model import (
     Severity,
     Thaw,
 )
-from gpushare.node import cgroups, procs
 from gpushare.node.base import Pauser
+from gpushare.node.cgroups.pauser import CgroupPauser
+from gpushare.node.pauser_base import PauserError
+from gpushare.node.procs.identity import is_same_process
+from gpushare.node.signal_pauser import SignalPauser
 from gpushare.protocol import ErrorCode, ProtocolError
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mpsnode import FakeMpsNode
@@ -84,9 +87,9 @@ def env(request: pytest.FixtureRequest) -> Iterator[tuple[Daemon, ScriptedPolicy
         if (reason := cgroup_skip_reason()) is not None:
             pytest.skip(reason)
         cg_base = unique_base("gs-actions-test")
-        pauser: Pauser = cgroups.CgroupPauser(cg_base)
+        pauser: Pauser = CgroupPauser(cg_base)
     else:
-        pauser = cgroups.SignalPauser()
+        pauser = SignalPauser()
     base = Path(tempfile.mkdtemp(prefix="gsa-", dir="/tmp"))
     cfg = config.loads(f"""version = 1
 [paths]
@@ -112,7 +115,7 @@ enabled = false
     finally:
         # A client that dies between the check and the signal must not leak the cgroup and dir.
         for rec in d.registry.clients(include_final=True):
-            if rec.pid and rec.start_time and procs.is_same_process(rec.pid, rec.start_time):
+            if rec.pid and rec.start_time and is_same_process(rec.pid, rec.start_time):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(rec.pid, signal.SIGKILL)
                     os.killpg(rec.pid, signal.SIGCONT)
@@ -163,8 +166,8 @@ def test_a_launch_failing_after_its_spawn_leaves_nothing_behind(
         def attach(client_id: str, pid: int, *, owner_uid: int | None = None) -> None:
             if step == "limits":  # the process is under the pauser, then its limits are refused
                 real_attach(client_id, pid, owner_uid=owner_uid)
-                raise cgroups.PauserError("the node cannot hold its limits (injected)")
-            raise cgroups.PauserError("cannot attach (injected)")
+                raise PauserError("the node cannot hold its limits (injected)")
+            raise PauserError("cannot attach (injected)")
 
         monkeypatch.setattr(pauser, "attach", attach)
     # A workload that forks at once: its child must go too.
@@ -180,7 +183,7 @@ def test_a_launch_failing_after_its_spawn_leaves_nothing_behind(
     assert rec.reason is not None and "cannot start" in rec.reason
     assert d.registry.clients() == []  # nothing live or STARTING
     assert not _alive(pid)
-    if isinstance(pauser, cgroups.CgroupPauser):
+    if isinstance(pauser, CgroupPauser):
         assert not pauser.path(rec.id).exists()
     # Nothing of the workload survives anywhere: neither the shell nor its forked child.
     assert _processes_named("sleep 391") == []
@@ -407,7 +410,7 @@ listen = "127.0.0.1:{port}"
     policy = ScriptedPolicy()
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
-        mps=FakeMpsNode(base / "mps"), pauser=cgroups.SignalPauser(), policy=policy,
+        mps=FakeMpsNode(base / "mps"), pauser=SignalPauser(), policy=policy,
         notify=lambda *f: True, metrics=Exporter(),
     )  # fmt: skip
     d.start()

@@ -24,9 +24,9 @@ from gpushare.adoption import FACT_ENV, Rule, decide
 from gpushare.daemon.adopter import Found
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
-from gpushare.node import procs
 from gpushare.node.adopted import AdoptingPauser
-from gpushare.node.cgroups import SignalPauser
+from gpushare.node.procs.facts import process_facts
+from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mpsnode import FakeMpsNode
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
@@ -253,7 +253,7 @@ enabled = false
     d.start()
     try:
         p = _run(started, {"GPUSHARE_CLASS": "offline"})
-        facts = procs.process_facts(p.pid, FACT_ENV)
+        facts = process_facts(p.pid, FACT_ENV)
         assert facts is not None
         rule = Rule(config.AdoptRule(name="m", marker=True), 0, "test")
         found = Found(decide([rule], facts), facts, "rule 'm' (test)")

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from gpushare import config
-from gpushare.node import procs
+from gpushare.node.procs.identity import is_same_process, process_start_time
 from tests.fakes.fake_dutyprobe import cpu_ns
 from tests.fakes.fake_gpu import GIB, fake_uuid
 from tests.support.cgroup_helpers import cgroup_skip_reason
@@ -222,7 +222,7 @@ def test_memory_pressure_evicts_a_restartable_offline_client_and_requeues_it() -
         small = e2e.submit_offline("--restartable", "--mem", "2G")
         large = e2e.submit_offline("--mem", "3G")
         old_pid = e2e.pid(small)
-        start_time = procs.process_start_time(old_pid)
+        start_time = process_start_time(old_pid)
         assert start_time is not None
         gpu = e2e.dp.call("status")["gpus"][0]
         assert gpu["mem_free_bytes"] == 16 * GIB - 1 * GIB - 5 * GIB
@@ -231,7 +231,7 @@ def test_memory_pressure_evicts_a_restartable_offline_client_and_requeues_it() -
         # goes first though the other is larger, and one eviction restores the reserve.
         (e2e.state_dir / "mem_used").write_text(str(10 * GIB))
         wait_for(lambda: e2e.dp.client(small)["state"] == "queued", 10.0, "the eviction")
-        assert not procs.is_same_process(old_pid, start_time), "the evicted process still runs"
+        assert not is_same_process(old_pid, start_time), "the evicted process still runs"
         events = e2e.events()
         evicting = [e for e in events if e["kind"] == "client_evicting"]
         assert [e["client_id"] for e in evicting] == [small]

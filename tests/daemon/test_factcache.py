@@ -17,7 +17,8 @@ from gpushare.adoption import Rule
 from gpushare.daemon.adopter import Adopter
 from gpushare.daemon.factcache import FactCache
 from gpushare.model import ProcessFacts
-from gpushare.node import procs
+from gpushare.node.procs.facts import Stamp, process_facts, process_stamp, read_environ
+from gpushare.node.procs.identity import process_identity
 from tests.support.daemon_helpers import wait_for
 
 PID = 4242
@@ -45,7 +46,7 @@ class FakeProc:
         return self.facts
 
     def stamp_of(self, pid):
-        return procs.Stamp(self.facts.name, self.facts.ppid, "S", False, self.image)
+        return Stamp(self.facts.name, self.facts.ppid, "S", False, self.image)
 
     def owner_of(self, pid):
         self.owner_reads += 1
@@ -126,10 +127,10 @@ def test_a_steady_state_scan_reads_no_environment_of_known_processes(started):
 
     def counting(pid, names, gpu_pids=None):
         environ_reads.append(pid)  # every full read reads /proc/<pid>/environ
-        return procs.process_facts(pid, names, gpu_pids)
+        return process_facts(pid, names, gpu_pids)
 
     for p in started:  # the arguments are laid out once exec is done (tests/daemon/test_adopter.py)
-        wait_for(lambda p=p: procs.process_identity(p.pid) not in (None, (0, [])), what="exec")
+        wait_for(lambda p=p: process_identity(p.pid) not in (None, (0, [])), what="exec")
     pids = [marked.pid, plain.pid]
     adopter = Adopter(min_age_s=0.0, all_pids=lambda: pids, facts_of=counting)
     rules = [Rule(s, 0, "t.toml") for s in config.loads('[[adopt]]\nname="m"\nmarker=true').adopt]
@@ -154,16 +155,16 @@ def test_an_exec_moves_the_environment_so_the_stamp_changes(started):
         [sys.executable, "-c", code], env={"PATH": os.environ["PATH"]}, stdin=subprocess.PIPE
     )
     started.append(p)
-    wait_for(lambda: procs.process_identity(p.pid) not in (None, (0, [])), what="exec")
-    before = procs.process_stamp(p.pid)
+    wait_for(lambda: process_identity(p.pid) not in (None, (0, [])), what="exec")
+    before = process_stamp(p.pid)
     cache = FactCache()
     (f,), _ = cache.read([p.pid], {"GPUSHARE_CLASS"}, None, now=time.time(), min_age_s=0.0)
     assert f.environ == {}
     assert p.stdin is not None
     p.stdin.write(b"go\n")
     p.stdin.close()
-    wait_for(lambda: procs.read_environ(p.pid, {"GPUSHARE_CLASS"}), what="the exec")
-    after = procs.process_stamp(p.pid)
+    wait_for(lambda: read_environ(p.pid, {"GPUSHARE_CLASS"}), what="the exec")
+    after = process_stamp(p.pid)
     assert before is not None and after is not None
     assert before.name == after.name  # the same executable: only the environment's address tells
     assert before.image[0] == after.image[0] and before.image != after.image

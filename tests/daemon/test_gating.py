@@ -28,7 +28,7 @@ from gpushare.inflight import (
     parse_inflight_from,
 )
 from gpushare.latency import LatencyReceiver, P99Tracker, Sender, decode_message
-from gpushare.node.cgroups import CgroupPauser
+from gpushare.node.cgroups.pauser import CgroupPauser
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
 CFG = GateConfig(hold_s=0.002, inflight_timeout_s=0.5, max_datagrams_per_s=1000)

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from gpushare.model import PauseMechanism
-from gpushare.node import procs
 from gpushare.node.adopted import AdoptingPauser
-from gpushare.node.cgroups import PauserError, SignalPauser
+from gpushare.node.pauser_base import PauserError
+from gpushare.node.procs.identity import descendants, is_same_process, process_start_time
+from gpushare.node.signal_pauser import SignalPauser
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from tests.support.daemon_helpers import wait_for
 
@@ -62,7 +63,7 @@ def _state(pid: int) -> str:
 
 def test_a_process_in_a_cgroup_of_its_own_is_frozen_through_that_cgroup(leaf, spawned):
     proc = _start(spawned, ["sh", "-c", "sleep 60 & wait"], leaf)
-    kid = wait_for(lambda: procs.descendants(proc.pid), what="the child")[0]
+    kid = wait_for(lambda: descendants(proc.pid), what="the child")[0]
     pauser = AdoptingPauser(SignalPauser())
     route = pauser.adopt("a1", proc.pid, owner_uid=os.getuid())
     assert route.mechanism is PauseMechanism.CGROUP and route.cgroup == leaf, route.reason
@@ -83,7 +84,7 @@ def test_a_process_in_a_cgroup_of_its_own_is_frozen_through_that_cgroup(leaf, sp
     pauser.freeze("a1")
     pauser.kill("a1")  # a frozen client dies too
     assert proc.wait(timeout=5) == -signal.SIGKILL
-    wait_for(lambda: not procs.is_same_process(kid, procs.process_start_time(kid)), what="kid")
+    wait_for(lambda: not is_same_process(kid, process_start_time(kid)), what="kid")
     assert leaf.exists()
 
 
@@ -93,11 +94,11 @@ def test_a_process_sharing_its_cgroup_is_stopped_with_signals_and_its_group_is_l
     # service's helper): SIGSTOP goes to the client's processes, not to the group.
     leader = _start(spawned, ["sh", "-c", "sh -c 'sleep 60 & wait' & sleep 60 & wait"])
     kids = wait_for(
-        lambda: len(procs.descendants(leader.pid)) == 3 and procs.descendants(leader.pid),
+        lambda: len(descendants(leader.pid)) == 3 and descendants(leader.pid),
         what="the children",
     )
     shell = next(pid for pid in kids if Path(f"/proc/{pid}/comm").read_text().strip() == "sh")
-    (kid,) = procs.descendants(shell)
+    (kid,) = descendants(shell)
     (sibling,) = set(kids) - {shell, kid}
     pauser = AdoptingPauser(SignalPauser())
     route = pauser.adopt("a2", shell)
@@ -111,7 +112,7 @@ def test_a_process_sharing_its_cgroup_is_stopped_with_signals_and_its_group_is_l
     wait_for(lambda: _state(shell) != "T" and _state(kid) != "T", what="SIGCONT")
     assert not pauser.is_frozen("a2")
     pauser.kill("a2")
-    wait_for(lambda: procs.descendants(leader.pid) == [sibling], what="the client to die")
+    wait_for(lambda: descendants(leader.pid) == [sibling], what="the client to die")
     assert pauser.pids("a2") == []
 
 

@@ -22,16 +22,24 @@ import psutil
 import pytest
 
 from gpushare.model import PauseMechanism
-from gpushare.node import cgroups, procs
-from gpushare.node.cgroups import (
-    CgroupPauser,
-    FreezeTimeoutError,
-    PauserError,
-    SignalPauser,
+from gpushare.node import signal_pauser
+from gpushare.node.cgroups import pid_tracker
+from gpushare.node.cgroups.choice import freezer_check, make_pauser
+from gpushare.node.cgroups.discovery import (
+    DAEMON_LEAF,
+    DEFAULT_SUBTREE,
     cgroup2_mount,
-    make_pauser,
+    default_base_dir,
+    is_delegated,
+    move_self_to_leaf,
     own_cgroup,
 )
+from gpushare.node.cgroups.pauser import CgroupPauser
+from gpushare.node.pauser_base import FreezeTimeoutError, PauserError
+from gpushare.node.procs.exits import ExitWatcher
+from gpushare.node.procs.identity import is_same_process
+from gpushare.node.procs.spawning import SpawnError, spawn
+from gpushare.node.signal_pauser import SignalPauser
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -189,10 +197,10 @@ def test_default_base_dir_layout(tmp_path: Path) -> None:
     if mount is None:
         pytest.skip("no cgroup2 filesystem is mounted")
     own = own_cgroup(mount)
-    base = cgroups.default_base_dir(mount)
+    base = default_base_dir(mount)
     if own == mount:
-        assert base == mount / cgroups.DEFAULT_SUBTREE
-    elif own is not None and own.name == cgroups.DAEMON_LEAF:
+        assert base == mount / DEFAULT_SUBTREE
+    elif own is not None and own.name == DAEMON_LEAF:
         assert base == own.parent
     else:
         assert base == own
@@ -386,7 +394,7 @@ def test_spawn_joins_cgroup_before_exec(pauser: CgroupPauser, children: Children
         pytest.skip("this machine has no passwd entry for uid 65534 (nobody)")
     fd = pauser.open_procs_fd("born-inside")
     try:
-        proc = procs.spawn(
+        proc = spawn(
             ["sh", "-c", "(sleep 60 &); sleep 60 & wait"],
             uid=nobody.pw_uid,
             gid=nobody.pw_gid,
@@ -412,8 +420,8 @@ def test_spawn_into_removed_cgroup_fails_cleanly(pauser: CgroupPauser) -> None:
     fd = pauser.open_procs_fd("vanished")
     try:
         pauser.release("vanished")
-        with pytest.raises(procs.SpawnError, match="joining its cgroup"):
-            procs.spawn(
+        with pytest.raises(SpawnError, match="joining its cgroup"):
+            spawn(
                 ["sleep", "60"],
                 uid=os.geteuid(),
                 gid=os.getegid(),
@@ -488,15 +496,15 @@ def test_move_self_to_leaf_in_subprocess(cg_base: Path, children: Children) -> N
         "from pathlib import Path\n"
         "import structlog\n"
         "structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))\n"
-        "from gpushare.node import cgroups\n"
+        "from gpushare.node.cgroups.discovery import default_base_dir, move_self_to_leaf, own_cgroup\n"
         "base = Path(sys.argv[1])\n"
         "(base / 'cgroup.procs').write_text(str(os.getpid()))\n"
-        "before = cgroups.own_cgroup()\n"
-        "in_base_default = cgroups.default_base_dir()\n"
-        "moved = cgroups.move_self_to_leaf(base)\n"
-        "again = cgroups.move_self_to_leaf(base)\n"
-        "print(json.dumps([str(before), str(moved), str(again), str(cgroups.own_cgroup()),\n"
-        "                  str(cgroups.default_base_dir()), str(in_base_default)]), flush=True)\n"
+        "before = own_cgroup()\n"
+        "in_base_default = default_base_dir()\n"
+        "moved = move_self_to_leaf(base)\n"
+        "again = move_self_to_leaf(base)\n"
+        "print(json.dumps([str(before), str(moved), str(again), str(own_cgroup()),\n"
+        "                  str(default_base_dir()), str(in_base_default)]), flush=True)\n"
         "sys.stdin.read()\n"
     )
     proc = children.start(
@@ -524,18 +532,18 @@ def test_move_self_to_leaf_in_subprocess(cg_base: Path, children: Children) -> N
 @needs_cgroup
 def test_is_delegated_reads_systemds_marker(cg_base: Path) -> None:
     CgroupPauser(cg_base)
-    assert not cgroups.is_delegated(cg_base)
+    assert not is_delegated(cg_base)
     try:
         os.setxattr(cg_base, "trusted.delegate", b"1")
     except OSError as exc:
         pytest.skip(f"cgroupfs here does not take trusted.* xattrs: {exc}")
-    assert cgroups.is_delegated(cg_base)
+    assert is_delegated(cg_base)
 
 
 @needs_cgroup
 def test_move_self_to_leaf_noop_outside_base(cg_base: Path) -> None:
     CgroupPauser(cg_base)
-    assert cgroups.move_self_to_leaf(cg_base) is None
+    assert move_self_to_leaf(cg_base) is None
     assert not (cg_base / "daemon").exists()
 
 
@@ -554,11 +562,11 @@ def test_make_pauser_picks_cgroup_when_writable(cg_base: Path) -> None:
 
 @needs_cgroup
 def test_freezer_check_changes_nothing(cg_base: Path, tmp_path: Path) -> None:
-    ok, detail = cgroups.freezer_check(cg_base)
+    ok, detail = freezer_check(cg_base)
     assert ok, detail
     assert str(cg_base) in detail
     assert not cg_base.exists()  # made for the check, removed again
-    ok, detail = cgroups.freezer_check(tmp_path / "x")
+    ok, detail = freezer_check(tmp_path / "x")
     assert not ok
     assert "not under the cgroup2 mount" in detail
 
@@ -676,13 +684,15 @@ def test_daemon_killed_then_new_daemon_readopts(cg_base: Path, children: Childre
         "from pathlib import Path\n"
         "import structlog\n"
         "structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))\n"
-        "from gpushare.node import cgroups, procs\n"
-        "pauser = cgroups.CgroupPauser(Path(sys.argv[1]))\n"
+        "from gpushare.node.cgroups.pauser import CgroupPauser\n"
+        "from gpushare.node.procs.identity import process_start_time\n"
+        "from gpushare.node.procs.spawning import spawn\n"
+        "pauser = CgroupPauser(Path(sys.argv[1]))\n"
         "fd = pauser.open_procs_fd('c1')\n"
-        "proc = procs.spawn(['sleep', '60'], uid=0, gid=0, cwd='/', env={'PATH': '/usr/bin:/bin'},\n"
-        "                   log_path=None, cgroup_procs_fd=fd)\n"
+        "proc = spawn(['sleep', '60'], uid=0, gid=0, cwd='/', env={'PATH': '/usr/bin:/bin'},\n"
+        "             log_path=None, cgroup_procs_fd=fd)\n"
         "os.close(fd)\n"
-        "print(json.dumps([proc.pid, procs.process_start_time(proc.pid)]), flush=True)\n"
+        "print(json.dumps([proc.pid, process_start_time(proc.pid)]), flush=True)\n"
         "time.sleep(60)\n"
     )
     old = children.start([sys.executable, "-c", script, str(cg_base)], stdout=subprocess.PIPE)
@@ -691,13 +701,13 @@ def test_daemon_killed_then_new_daemon_readopts(cg_base: Path, children: Childre
     os.kill(old.pid, signal.SIGKILL)
     assert old.wait(timeout=5) == -signal.SIGKILL
     try:
-        assert procs.is_same_process(pid, start), "the client must survive its daemon"
+        assert is_same_process(pid, start), "the client must survive its daemon"
         assert psutil.Process(pid).ppid() != old.pid
 
         pauser = CgroupPauser(cg_base)
         assert pauser.clients() == {"c1": [pid]}
         pauser.attach("c1", pid)
-        watcher = procs.ExitWatcher().start()
+        watcher = ExitWatcher().start()
         try:
             watcher.watch(pid, start_time=start)
             pauser.freeze("c1")
@@ -784,13 +794,13 @@ def test_pids_are_read_once_until_the_cgroup_changes(
     proc = children.start(SLEEPER)
     pauser.attach("idle", proc.pid)
     walks: list[Path] = []
-    real_walk = cgroups._walk_pids
+    real_walk = pid_tracker.walk_pids
 
     def counting(path: Path) -> Iterator[int]:
         walks.append(path)
         return real_walk(path)
 
-    monkeypatch.setattr(cgroups, "_walk_pids", counting)
+    monkeypatch.setattr(pid_tracker, "walk_pids", counting)
     for _ in range(100):
         assert pauser.pids("idle") == [proc.pid]
     # One read for a hundred looks: the control loop's every-tick question costs no cgroup walk.
@@ -854,13 +864,13 @@ def test_signal_pauser_reads_proc_once_for_every_client(
     for i, shell in enumerate(shells):
         pauser.attach(f"s{i}", shell.pid)
     passes: list[object] = []
-    real = procs.groups_members
+    real = signal_pauser.groups_members
 
     def counting(pgids: object) -> dict[int, list[int]]:
         passes.append(pgids)
         return real(pgids)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(procs, "groups_members", counting)
+    monkeypatch.setattr(signal_pauser, "groups_members", counting)
     for i, shell in enumerate(shells):
         assert pauser.pids(f"s{i}") == [shell.pid]
     assert len(passes) == 1  # one pass over /proc answered all three

@@ -2,7 +2,7 @@
 
 import ctypes.util
 
-from gpushare.node import nvml, probe
+from gpushare.node import nvml, nvml_diag, probe
 from tests.fakes import fake_nvml
 
 
@@ -10,7 +10,7 @@ def test_nvml_host_status_without_a_driver_carries_the_hint(monkeypatch):
     lib = fake_nvml.healthy(0)
     lib.init_error = fake_nvml.LIBRARY_NOT_FOUND
     monkeypatch.setattr(nvml, "_load_pynvml", lambda: lib)
-    ok, detail, hint = nvml.host_status()
+    ok, detail, hint = nvml_diag.host_status()
     assert not ok
     assert "nvmlInit" in detail
     assert "install the driver" in hint
@@ -18,7 +18,7 @@ def test_nvml_host_status_without_a_driver_carries_the_hint(monkeypatch):
 
 def test_nvml_host_status_with_gpus(monkeypatch):
     monkeypatch.setattr(nvml, "_load_pynvml", lambda: fake_nvml.healthy(2))
-    ok, detail, hint = nvml.host_status()
+    ok, detail, hint = nvml_diag.host_status()
     assert ok
     assert detail == "driver 550.54.15, 2 GPU(s)"
     assert hint == ""

@@ -9,7 +9,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from gpushare.model import GpuEvent, SmPeriod
-from gpushare.node.nvml import NvmlBackend, NvmlError, NvmlInitError
+from gpushare.node.nvml import NvmlBackend
+from gpushare.node.nvml_errors import NvmlError, NvmlInitError
 from tests.fakes import fake_nvml
 from tests.fakes.fake_nvml import GIB, MIB, FakeNvmlLib, uuid_of
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -17,7 +19,9 @@ import pynvml
 import pytest
 
 from gpushare.node import nvml as adapter
-from gpushare.node.nvml import NvmlBackend, NvmlInitError
+from gpushare.node import nvml_diag, nvml_errors
+from gpushare.node.nvml import NvmlBackend
+from gpushare.node.nvml_errors import NvmlInitError
 
 UUIDS = ["GPU-aaaaaaaa-0000-4000-8000-000000000000", "GPU-bbbbbbbb-0000-4000-8000-000000000001"]
 
@@ -132,13 +136,13 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
 
 
 def test_constants_match_pynvml() -> None:
-    assert adapter.NVML_ERROR_NOT_SUPPORTED == pynvml.NVML_ERROR_NOT_SUPPORTED
-    assert adapter.NVML_ERROR_FUNCTION_NOT_FOUND == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
-    assert adapter.NVML_ERROR_GPU_IS_LOST == pynvml.NVML_ERROR_GPU_IS_LOST
-    assert adapter.NVML_ERROR_UNKNOWN == pynvml.NVML_ERROR_UNKNOWN
-    assert adapter.NVML_ERROR_TIMEOUT == pynvml.NVML_ERROR_TIMEOUT
-    assert adapter.NVML_ERROR_NO_PERMISSION == pynvml.NVML_ERROR_NO_PERMISSION
-    assert adapter.NVML_ERROR_LIBRARY_NOT_FOUND == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+    assert nvml_errors.NVML_ERROR_NOT_SUPPORTED == pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert nvml_errors.NVML_ERROR_FUNCTION_NOT_FOUND == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+    assert nvml_errors.NVML_ERROR_GPU_IS_LOST == pynvml.NVML_ERROR_GPU_IS_LOST
+    assert nvml_errors.NVML_ERROR_UNKNOWN == pynvml.NVML_ERROR_UNKNOWN
+    assert nvml_errors.NVML_ERROR_TIMEOUT == pynvml.NVML_ERROR_TIMEOUT
+    assert nvml_errors.NVML_ERROR_NO_PERMISSION == pynvml.NVML_ERROR_NO_PERMISSION
+    assert nvml_errors.NVML_ERROR_LIBRARY_NOT_FOUND == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
     assert adapter.NVML_GPM_METRIC_SM_UTIL == pynvml.NVML_GPM_METRIC_SM_UTIL
     assert pynvml.nvmlEventTypeXidCriticalError == adapter.XID_CRITICAL_ERROR_EVENT
     assert adapter.NVML_CLOCK_SM == pynvml.NVML_CLOCK_SM
@@ -227,7 +231,7 @@ def test_xid_event_maps_ctypes_handle_to_uuid(fake_driver: dict[str, Any]) -> No
 def test_diagnostic_command_prints_json_samples(
     fake_driver: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert adapter._main(["--count", "1"]) == 0
+    assert nvml_diag._main(["--count", "1"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(line["type"], line["uuid"]) for line in lines] == [("sample", u) for u in UUIDS]
     assert lines[0]["processes"] == [{"pid": 300, "used_bytes": None}]
@@ -236,5 +240,25 @@ def test_diagnostic_command_prints_json_samples(
 def test_diagnostic_command_without_a_driver_says_how_to_fix(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert adapter._main([]) == 1
+    assert nvml_diag._main([]) == 1
     assert "HINT" in capsys.readouterr().err
+
+
+def test_diagnostic_command_runs_as_a_module_and_the_adapter_names_it() -> None:
+    # No monkeypatching: the real entry point on this host (a driver answers with samples).
+    run = subprocess.run(
+        [sys.executable, "-m", "gpushare.node.nvml_diag", "--count", "1"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    if run.returncode == 0:
+        assert json.loads(run.stdout.splitlines()[0])["type"] == "sample"
+    else:
+        assert run.returncode == 1
+        assert "HINT" in run.stderr
+    # The command's old home prints nothing, so it must say where the command went.
+    old = subprocess.run(
+        [sys.executable, "-m", "gpushare.node.nvml"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert old.returncode == 1
+    assert "python -m gpushare.node.nvml_diag" in old.stderr

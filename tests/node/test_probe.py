@@ -1,4 +1,4 @@
-"""The latency probe: NVRTC compile, the launch path on a fake driver, the window, the manager."""
+"""The latency probe worker: NVRTC compile, the launch path on a fake driver, the worker process."""
 
 from __future__ import annotations
 
@@ -7,24 +7,18 @@ import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from gpushare.config import ProbeConfig
 from gpushare.node import probe
 from gpushare.node.probe import (
     EXIT_ERROR,
     EXIT_STICKY,
     EXIT_UNAVAILABLE,
     ProbeError,
-    ProbeManager,
-    ProbeWindow,
     ProbeWorker,
     compile_cubin,
-    percentile,
     worker_main,
 )
 from tests.fakes.fake_probe import FakeDriver, FakeNvrtc, fake_bindings
@@ -192,178 +186,6 @@ def test_real_worker_process_on_this_driverless_host() -> None:
     assert lines[0]["type"] == "hello"
     assert lines[0]["bindings"] in ("cuda.bindings.driver", "cuda.cuda")
     assert lines[-1]["type"] == "unavailable"
-
-
-# ---------------------------------------------------------------------------- window
-
-
-def test_percentile_is_nearest_rank() -> None:
-    values = list(range(1, 101))
-    assert percentile(values, 99) == 99
-    assert percentile(values, 100) == 100
-    assert percentile([5.0], 99) == 5.0
-    assert percentile(list(range(1, 1001)), 99) == 990
-
-
-def test_window_p99_and_pruning() -> None:
-    w = ProbeWindow(window_s=10, baseline_window_s=60, period_s=0.05)
-    for i in range(100):
-        w.add(at_s=i * 0.05, latency_ms=1.0 + (i == 50) * 9.0, run_ms=0.5)
-    r = w.reading(now=5.0)
-    assert r.samples == 100
-    assert r.latency_ms == 1.0  # one outlier in 100 is the 100th percentile, not the 99th
-    assert r.run_ms == 0.5
-    assert r.ratio is None
-    assert r.reason is not None
-    assert "baseline" in r.reason
-    # 20 s later every sample has left the window.
-    r = w.reading(now=25.0)
-    assert r.samples == 0
-    assert r.latency_ms is None
-    assert r.reason == "no samples yet"
-
-
-def test_baseline_is_learned_only_without_offline_work_and_kept() -> None:
-    w = ProbeWindow(window_s=10, baseline_window_s=60, period_s=0.05)
-    t = 0.0
-    for _ in range(50):  # offline work running: no baseline
-        w.add(t, 5.0, 0.5)
-        t += 0.05
-    assert w.baseline_ms is None
-    w.offline_running = False
-    for _ in range(probe.BASELINE_MIN_SAMPLES):
-        w.add(t, 1.0, 0.5)
-        t += 0.05
-    assert w.baseline_ms == 1.0
-    w.offline_running = True
-    for _ in range(400):  # long offline phase: baseline kept, latency rises
-        w.add(t, 3.0, 0.5)
-        t += 0.05
-    r = w.reading(t)
-    assert r.baseline_ms == 1.0
-    assert r.latency_ms == 3.0
-    assert r.ratio == pytest.approx(3.0)
-    assert r.reason is None
-    # Quiet again: the baseline follows the new quiet level (kept fresh).
-    w.offline_running = False
-    for _ in range(2000):
-        w.add(t, 1.2, 0.5)
-        t += 0.05
-    assert w.baseline_ms == 1.2
-
-
-def test_a_stalled_probe_counts_as_slow() -> None:
-    w = ProbeWindow(window_s=10, baseline_window_s=60, period_s=0.05)
-    w.offline_running = False
-    for i in range(40):
-        w.add(i * 0.05, 1.0, 0.5)
-    last = 39 * 0.05
-    # No sample for 0.5 s: a launch has been waiting ~450 ms.
-    r = w.reading(last + 0.5)
-    assert r.latency_ms == pytest.approx(450.0)
-    assert r.ratio == pytest.approx(450.0)
-
-
-# ---------------------------------------------------------------------------- manager
-
-
-def wait_for(pred: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
-
-
-@pytest.fixture
-def managers() -> Iterator[list[ProbeManager]]:
-    made: list[ProbeManager] = []
-    yield made
-    for m in made:
-        m.close()
-
-
-def fake_worker(script: dict[str, object]) -> tuple[Callable[[str], list[str]], dict[str, str]]:
-    env = dict(os.environ)
-    env["FAKE_PROBE_SCRIPT"] = json.dumps(script)
-    env["PYTHONPATH"] = str(REPO)
-
-    def argv(uuid: str) -> list[str]:
-        return [
-            sys.executable, "-m", "tests.fakes.fake_probe", "--gpu", FAKE_UUID, "--period-s", "0.01",
-            "--watch-stdin",
-        ]  # fmt: skip
-
-    return argv, env
-
-
-def test_manager_reads_samples_learns_baseline_and_holds_a_slot(
-    managers: list[ProbeManager],
-) -> None:
-    cfg = ProbeConfig(period_s=0.01, window_s=5.0, baseline_window_s=30.0)
-    argv, env = fake_worker({"latencies_ms": [0.05]})
-    m = ProbeManager(cfg, worker_argv=argv)
-    managers.append(m)
-    m.start(FAKE_UUID, env)
-    m.set_offline_running(FAKE_UUID, False)
-    wait_for(lambda: m.reading(FAKE_UUID).ratio is not None)
-    r = m.reading(FAKE_UUID)
-    assert r.baseline_ms == pytest.approx(0.05)
-    assert r.run_ms == pytest.approx(0.012)
-    assert r.samples >= probe.BASELINE_MIN_SAMPLES
-    st = m.status(FAKE_UUID)
-    assert st.state == "running"
-    assert st.mps_client_slots == 1
-    assert m.mps_client_slots(FAKE_UUID) == 1
-    assert st.bindings == "fake.driver 0.0"
-    assert st.compute_capability == "9.0"
-    assert st.mps_enabled is True
-    assert st.pid is not None
-    pid = st.pid
-    m.close()
-    assert m.mps_client_slots(FAKE_UUID) == 0
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
-
-
-def test_manager_restarts_a_worker_after_a_sticky_error(managers: list[ProbeManager]) -> None:
-    cfg = ProbeConfig(period_s=0.01, restart_backoff_min_s=0.05, restart_backoff_max_s=0.2)
-    argv, env = fake_worker({"fail_at": {"10": 700}})
-    m = ProbeManager(cfg, worker_argv=argv)
-    managers.append(m)
-    m.start(FAKE_UUID, env)
-    wait_for(lambda: m.status(FAKE_UUID).restarts >= 2)
-    st = m.status(FAKE_UUID)
-    assert st.last_error is not None
-    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in st.last_error
-    wait_for(lambda: m.reading(FAKE_UUID).samples > 0)
-
-
-def test_manager_without_a_driver_says_unavailable(managers: list[ProbeManager]) -> None:
-    cfg = ProbeConfig(restart_backoff_max_s=60.0)
-    m = ProbeManager(cfg)
-    managers.append(m)
-    m.start("GPU-00000000-0000-0000-0000-000000000000", {**os.environ, "PYTHONPATH": str(REPO)})
-    uuid = "GPU-00000000-0000-0000-0000-000000000000"
-    wait_for(lambda: m.status(uuid).state == "unavailable", timeout_s=60)
-    r = m.reading(uuid)
-    assert r.latency_ms is None
-    assert r.reason is not None
-    assert r.reason.startswith("unavailable: ")
-    st = m.status(uuid)
-    assert st.bindings is not None
-    assert st.bindings.startswith(("cuda.bindings.driver", "cuda.cuda"))
-    assert st.mps_client_slots == 0
-    assert m.reading("GPU-other").reason == "unavailable: no probe started on this GPU"
-
-
-def test_disabled_probe_reads_unavailable(managers: list[ProbeManager]) -> None:
-    m = ProbeManager(ProbeConfig(enabled=False))
-    managers.append(m)
-    m.start(FAKE_UUID, {})
-    assert m.reading(FAKE_UUID).reason == "unavailable: probe disabled in config"
-    assert m.mps_client_slots(FAKE_UUID) == 0
 
 
 def test_worker_exits_when_its_parent_pipe_closes() -> None:

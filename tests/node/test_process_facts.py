@@ -1,4 +1,4 @@
-"""Facts of running processes (``procs.process_facts``) and the freeze route of an adopted one.
+"""Facts of running processes (``process_facts``) and the freeze route of an adopted one.
 
 Real processes, real ``/proc``, real cgroup v2: the cgroups are created beside this process's own
 and removed with every process in them at teardown.
@@ -18,7 +18,18 @@ import pytest
 
 from gpushare.adoption import FACT_ENV
 from gpushare.model import PauseMechanism
-from gpushare.node import cgroups, procs
+from gpushare.node.cgroups.discovery import cgroup2_mount
+from gpushare.node.cgroups.route import freeze_route
+from gpushare.node.procs.facts import (
+    all_pids,
+    cgroup_v2_path,
+    process_cgroup,
+    process_facts,
+    read_environ,
+    unit_of_cgroup,
+)
+from gpushare.node.procs.identity import is_same_process, process_start_time, stat_fields
+from gpushare.node.procs.users import user_name
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
 CGROUP_SKIP = cgroup_skip_reason()
@@ -59,16 +70,14 @@ def _sleep(started: list[subprocess.Popen[bytes]], **env: str) -> subprocess.Pop
 
 
 def _mount() -> Path:
-    mount = cgroups.cgroup2_mount()
+    mount = cgroup2_mount()
     assert mount is not None
     return mount
 
 
 def test_facts_of_a_marked_process_keep_only_the_variables_asked_for(started):
     proc = _sleep(started, GPUSHARE_CLASS="offline", API_TOKEN="secret", SLURM_JOB_ID="7")
-    facts = procs.process_facts(
-        proc.pid, [*FACT_ENV, "SLURM_JOB_ID"], gpu_pids={proc.pid: ("GPU-a",)}
-    )
+    facts = process_facts(proc.pid, [*FACT_ENV, "SLURM_JOB_ID"], gpu_pids={proc.pid: ("GPU-a",)})
     assert facts is not None
     assert facts.environ == {"GPUSHARE_CLASS": "offline", "SLURM_JOB_ID": "7"}
     assert (facts.pid, facts.ppid, facts.uid, facts.name) == (
@@ -77,14 +86,14 @@ def test_facts_of_a_marked_process_keep_only_the_variables_asked_for(started):
         os.getuid(),
         "sleep",
     )
-    assert facts.user == procs.user_name(os.getuid())
-    assert procs.is_same_process(proc.pid, facts.start_time)
+    assert facts.user == user_name(os.getuid())
+    assert is_same_process(proc.pid, facts.start_time)
     # /proc read directly, on psutil's clock: a registry's start time compares with it.
-    assert abs(facts.start_time - (procs.process_start_time(proc.pid) or 0)) < 1e-6
-    assert facts.cgroup == procs.process_cgroup(os.getpid())
+    assert abs(facts.start_time - (process_start_time(proc.pid) or 0)) < 1e-6
+    assert facts.cgroup == process_cgroup(os.getpid())
     assert facts.gpu_uuids == ("GPU-a",)
-    assert procs.process_facts(proc.pid, FACT_ENV).gpu_uuids is None  # type: ignore[union-attr]
-    assert procs.process_facts(proc.pid, FACT_ENV, gpu_pids={}).gpu_uuids == ()  # type: ignore[union-attr]
+    assert process_facts(proc.pid, FACT_ENV).gpu_uuids is None  # type: ignore[union-attr]
+    assert process_facts(proc.pid, FACT_ENV, gpu_pids={}).gpu_uuids == ()  # type: ignore[union-attr]
 
 
 def test_a_gone_process_or_a_zombie_has_no_facts(started):
@@ -92,10 +101,10 @@ def test_a_gone_process_or_a_zombie_has_no_facts(started):
     proc.kill()
     time.sleep(0.2)  # exited, not yet reaped: a zombie still has /proc/<pid>
     assert Path(f"/proc/{proc.pid}/stat").exists()
-    assert procs.process_facts(proc.pid, FACT_ENV) is None
+    assert process_facts(proc.pid, FACT_ENV) is None
     proc.wait()
-    assert procs.process_facts(proc.pid, FACT_ENV) is None
-    assert procs.read_environ(proc.pid, FACT_ENV) is None
+    assert process_facts(proc.pid, FACT_ENV) is None
+    assert read_environ(proc.pid, FACT_ENV) is None
 
 
 def test_processes_exiting_while_they_are_read_never_raise():
@@ -104,18 +113,18 @@ def test_processes_exiting_while_they_are_read_never_raise():
     for _ in range(20):
         proc = subprocess.Popen(["sh", "-c", "exit 0"])
         deadline = time.monotonic() + 5
-        while (f := procs.process_facts(proc.pid, FACT_ENV)) is not None:
+        while (f := process_facts(proc.pid, FACT_ENV)) is not None:
             assert f.pid == proc.pid
             assert time.monotonic() < deadline, "the process never exited"
         proc.wait()
 
 
 def test_kernel_threads_have_no_facts():
-    kthreads = [pid for pid in procs.all_pids()
-                if (s := procs._stat_fields(pid)) is not None and int(s[6]) & 0x00200000]  # fmt: skip
+    kthreads = [pid for pid in all_pids()
+                if (s := stat_fields(pid)) is not None and int(s[6]) & 0x00200000]  # fmt: skip
     if not kthreads:
         pytest.skip("no kernel thread is visible in this pid namespace")
-    assert procs.process_facts(kthreads[0], FACT_ENV) is None
+    assert process_facts(kthreads[0], FACT_ENV) is None
 
 
 @pytest.mark.parametrize(
@@ -133,13 +142,13 @@ def test_kernel_threads_have_no_facts():
     ],
 )
 def test_unit_of_cgroup(path, unit):
-    assert procs.unit_of_cgroup(path) == unit
+    assert unit_of_cgroup(path) == unit
 
 
 def test_cgroup_v2_path_reads_the_0_line_of_a_hybrid_host():
     text = "12:memory:/x\n1:name=systemd:/user.slice\n0::/system.slice/a.service\n"
-    assert procs.cgroup_v2_path(text) == "/system.slice/a.service"
-    assert procs.cgroup_v2_path("4:memory:/x\n") is None
+    assert cgroup_v2_path(text) == "/system.slice/a.service"
+    assert cgroup_v2_path("4:memory:/x\n") is None
 
 
 @needs_cgroup
@@ -148,9 +157,9 @@ def test_a_process_alone_in_its_cgroup_is_frozen_through_it(started, cg: Path):
     leaf.mkdir()
     proc = _sleep(started)
     (leaf / "cgroup.procs").write_text(str(proc.pid))
-    facts = procs.process_facts(proc.pid, FACT_ENV)
+    facts = process_facts(proc.pid, FACT_ENV)
     assert facts is not None and facts.cgroup == "/" + str(leaf.relative_to(_mount()))
-    route = cgroups.freeze_route(proc.pid, [proc.pid])
+    route = freeze_route(proc.pid, [proc.pid])
     assert route.mechanism is PauseMechanism.CGROUP
     assert route.cgroup == leaf
     assert route.reason == f"cgroup freezer on its own cgroup: {leaf}"
@@ -170,13 +179,13 @@ def test_a_cgroup_shared_with_another_process_needs_sigstop(started, cg: Path):
     mine, theirs = _sleep(started), _sleep(started)
     for p in (mine, theirs):
         (leaf / "cgroup.procs").write_text(str(p.pid))
-    route = cgroups.freeze_route(mine.pid, [mine.pid])
+    route = freeze_route(mine.pid, [mine.pid])
     assert route.mechanism is PauseMechanism.SIGNAL and route.cgroup is None
     assert (
         route.reason
         == f"SIGSTOP/SIGCONT: {leaf} also holds pid {theirs.pid}, which is not part of the client"
     )
-    assert cgroups.freeze_route(mine.pid, [mine.pid, theirs.pid]).mechanism is PauseMechanism.CGROUP
+    assert freeze_route(mine.pid, [mine.pid, theirs.pid]).mechanism is PauseMechanism.CGROUP
 
 
 @needs_cgroup
@@ -189,7 +198,7 @@ def test_a_delegated_cgroup_is_named_as_such(started, cg: Path):
         pytest.skip(f"this kernel's cgroupfs takes no trusted.* xattr: {exc.strerror}")
     proc = _sleep(started)
     (leaf / "cgroup.procs").write_text(str(proc.pid))
-    route = cgroups.freeze_route(proc.pid, [proc.pid])
+    route = freeze_route(proc.pid, [proc.pid])
     assert route.reason == f"cgroup freezer on a delegated cgroup: {leaf}"
 
 
@@ -198,23 +207,23 @@ def test_the_root_cgroup_and_a_gone_process_need_sigstop(started, cg: Path):
     proc = _sleep(started)
     mount = _mount()
     (mount / "cgroup.procs").write_text(str(proc.pid))
-    route = cgroups.freeze_route(proc.pid, [proc.pid])
+    route = freeze_route(proc.pid, [proc.pid])
     assert route.mechanism is PauseMechanism.SIGNAL
     assert route.reason == "SIGSTOP/SIGCONT: it is in the root cgroup, which cannot be frozen"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    gone = cgroups.freeze_route(proc.pid, [proc.pid])
+    gone = freeze_route(proc.pid, [proc.pid])
     assert gone.reason == f"SIGSTOP/SIGCONT: pid {proc.pid} has no cgroup v2 (gone?)"
 
 
 def test_without_cgroup_v2_the_route_is_sigstop(started, tmp_path: Path):
     proc = _sleep(started)
     (tmp_path / "mounts").write_text("proc /proc proc rw 0 0\n")
-    assert cgroups.cgroup2_mount(tmp_path / "mounts") is None
-    route = cgroups.freeze_route(proc.pid, [proc.pid], mount=None)
-    if cgroups.cgroup2_mount() is not None:
+    assert cgroup2_mount(tmp_path / "mounts") is None
+    route = freeze_route(proc.pid, [proc.pid], mount=None)
+    if cgroup2_mount() is not None:
         # mount=None means "discover"; a host with cgroup v2 finds it, so ask with a fake mount.
-        route = cgroups.freeze_route(proc.pid, [proc.pid], mount=tmp_path / "not-cgroupfs")
+        route = freeze_route(proc.pid, [proc.pid], mount=tmp_path / "not-cgroupfs")
         assert route.mechanism is PauseMechanism.SIGNAL
     else:
         assert route.reason == "SIGSTOP/SIGCONT: no cgroup v2 is mounted"

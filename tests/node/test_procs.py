@@ -21,16 +21,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpushare.node import procs
-from gpushare.node.procs import (
-    ExitWatcher,
-    SpawnError,
+from gpushare.node.procs.exits import ExitWatcher
+from gpushare.node.procs.identity import (
+    descendants,
+    group_members,
     is_same_process,
+    is_stopped,
     process_start_time,
-    spawn,
-    user_in_group,
-    user_name,
+    process_uid,
 )
+from gpushare.node.procs.spawning import SpawnError, launch_failure, spawn
+from gpushare.node.procs.users import user_groups, user_in_group, user_name
 
 NOBODY_UID = 65534
 
@@ -121,7 +122,7 @@ def test_spawn_as_nobody_has_its_ids_groups_and_no_more(tmp_path: Path, started:
     assert os.readlink(f"/proc/{proc.pid}/fd/0") == "/dev/null"
     assert os.readlink(f"/proc/{proc.pid}/fd/1") == str(log_path)
     assert os.readlink(f"/proc/{proc.pid}/fd/2") == str(log_path)
-    assert procs.process_uid(proc.pid) == uid
+    assert process_uid(proc.pid) == uid
     # env(1) entered the directory and exec'd the workload in the same process.
     assert _wait(lambda: Path(f"/proc/{proc.pid}/cmdline").read_bytes() == b"sleep\x0030\x00")
     assert os.readlink(f"/proc/{proc.pid}/cwd") == "/"
@@ -248,10 +249,10 @@ def test_spawn_launch_failures_are_exit_codes_with_reason(
     )
     assert proc.wait(timeout=10) == code
     assert message in log_path.read_text()
-    reason = procs.launch_failure(code)
+    reason = launch_failure(code)
     assert reason is not None
-    assert procs.launch_failure(0) is None
-    assert procs.launch_failure(None) is None
+    assert launch_failure(0) is None
+    assert launch_failure(None) is None
 
 
 @pytest.fixture
@@ -342,8 +343,8 @@ def test_user_name_and_groups() -> None:
     assert user_in_group(0, primary)
     assert not user_in_group(0, "no-such-group-xyz")
     assert not user_in_group(unused, primary)
-    assert procs.user_groups(unused, 4242) == [4242]
-    assert procs.user_groups(0, root.pw_gid)[0] == root.pw_gid
+    assert user_groups(unused, 4242) == [4242]
+    assert user_groups(0, root.pw_gid)[0] == root.pw_gid
 
 
 def test_user_in_group_supplementary_only() -> None:
@@ -392,8 +393,8 @@ def test_identity_of_missing_records() -> None:
     for pid in (0, -1):
         assert process_start_time(pid) is None
         assert not is_same_process(pid, time.time())
-        assert procs.process_uid(pid) is None
-        assert procs.descendants(pid) == []
+        assert process_uid(pid) is None
+        assert descendants(pid) == []
     assert not is_same_process(os.getpid(), None)
     assert is_same_process(os.getpid(), process_start_time(os.getpid()))
 
@@ -405,13 +406,13 @@ def test_descendants_and_group_members(started: Procs) -> None:
             start_new_session=True,
         )
     )
-    assert _wait(lambda: len(procs.descendants(proc.pid)) == 2)
-    assert procs.group_members(proc.pid) == sorted([proc.pid, *procs.descendants(proc.pid)])
-    assert procs.group_members(os.getpgrp()) != procs.group_members(proc.pid)
+    assert _wait(lambda: len(descendants(proc.pid)) == 2)
+    assert group_members(proc.pid) == sorted([proc.pid, *descendants(proc.pid)])
+    assert group_members(os.getpgrp()) != group_members(proc.pid)
     os.killpg(proc.pid, signal.SIGSTOP)
-    assert _wait(lambda: all(procs.is_stopped(p) for p in procs.group_members(proc.pid)))
+    assert _wait(lambda: all(is_stopped(p) for p in group_members(proc.pid)))
     os.killpg(proc.pid, signal.SIGCONT)
-    assert _wait(lambda: not procs.is_stopped(proc.pid))
+    assert _wait(lambda: not is_stopped(proc.pid))
 
 
 def _wait(predicate: object, timeout_s: float = 5.0) -> bool:

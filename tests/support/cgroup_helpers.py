@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from gpushare.node.cgroups import cgroup2_mount, own_cgroup
+from gpushare.node.cgroups.discovery import cgroup2_mount, own_cgroup
 
 
 def cgroup_skip_reason() -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpushare.client import ApiClient, ApiError
-from gpushare.node import procs
+from gpushare.node.procs.identity import is_same_process
 from gpushare.paths import repo_root
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
@@ -174,7 +174,7 @@ enabled = false
             self.proc.kill()
             self.proc.wait(timeout=10)
         for pid, ticks in self.client_pids():
-            if procs.is_same_process(pid, ticks):
+            if is_same_process(pid, ticks):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     if os.getpgid(pid) == pid:
                         os.killpg(pid, signal.SIGKILL)

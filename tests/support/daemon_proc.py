@@ -17,7 +17,7 @@ from gpushare.daemon.main import StartupError, make_pauser, serve
 from gpushare.daemon.registry import Registry
 from gpushare.logs import configure_logging
 from gpushare.node.adopted import AdoptingPauser
-from gpushare.node.cgroups import SignalPauser
+from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mpsnode import FakeMpsNode
 

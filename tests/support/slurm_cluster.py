@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpushare.node import procs
+from gpushare.node.procs.facts import all_pids, read_environ
 
 NODE = "gstest"
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo")
@@ -100,11 +100,9 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait()
         # slurmstepd and the tasks are no children of ours; they carry this cluster's SLURM_CONF.
-        for pid in procs.all_pids():
+        for pid in all_pids():
             with contextlib.suppress(PermissionError):
-                if (procs.read_environ(pid, ["SLURM_CONF"]) or {}).get("SLURM_CONF") == str(
-                    self.conf
-                ):
+                if (read_environ(pid, ["SLURM_CONF"]) or {}).get("SLURM_CONF") == str(self.conf):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.base, ignore_errors=True)
