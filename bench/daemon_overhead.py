@@ -23,8 +23,10 @@ The clients are submitted over the daemon's socket with the request ``gpushare s
 most ``mps.max_clients`` MPS clients, the latency probe included, and the daemon refuses a submit
 beyond that; the bench sets it to 128, the most the config allows (the default is 48), so one GPU
 holds 127 idle clients and the rest of 200 are refused: the table says how many run. The daemon
-places idle clients (no GPU memory used) all on GPU 0, so with N > 1 the other GPUs are empty;
-``--spread`` submits client i to GPU i mod N instead, so that every GPU's pipeline has clients.
+places idle clients (no GPU memory used) on the GPU with the fewest clients (docs/design.md D12),
+one per GPU in turn; ``--spread`` submits client i to GPU i mod N, the same spread named
+explicitly. Results written before D12 (``"placement": "by the daemon (GPU 0)"``) had every
+placed client on GPU 0 and the other GPUs empty.
 
 Usage: ``.venv/bin/python bench/daemon_overhead.py [--gpus 1,8] [--clients 6,48,200]
 [--window 20] [--settle 5] [--mps-control PATH] [--adopt-scan-period S] [--spread]
@@ -183,7 +185,7 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
                     refused += 1  # the node is full: the rest would be refused too
                     continue
                 # Without --spread the daemon places every client: idle sleeps use no GPU memory,
-                # so the most-free-memory rule puts them all on GPU 0.
+                # so free memory ties and the fewest-clients rule spreads them (docs/design.md D12).
                 where = str(i % gpus) if args.spread else "any"
                 try:
                     api.call(
@@ -267,7 +269,7 @@ def main() -> int:
     ap.add_argument(
         "--spread",
         action="store_true",
-        help="submit client i to GPU i mod N (default: the daemon places them, all on GPU 0)",
+        help="submit client i to GPU i mod N (default: the daemon places them, D12)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     args = ap.parse_args()
@@ -300,7 +302,7 @@ def main() -> int:
         "what": "CPU share of one core of an idle `gpushare daemon --simulate N` with M idle "
         "offline clients (sleep 600), real cgroup v2 pauser, from /proc/PID/stat",
         "mps": mps,
-        "placement": "round-robin over the GPUs" if args.spread else "by the daemon (GPU 0)",
+        "placement": "round-robin over the GPUs" if args.spread else "by the daemon (D12)",
         "window_s": args.window,
         "settle_s": args.settle,
         "host": {

@@ -84,7 +84,10 @@ def submit(
     gpu: Annotated[
         str,
         typer.Option(
-            "--gpu", help="GPU index, UUID or 'any'.", autocompletion=completion.gpu_or_any
+            "--gpu",
+            help="GPU index, UUID or 'any': the fitting GPU with the most free memory, less the "
+            "--mem of clients not using it yet; then the one with the fewest clients.",
+            autocompletion=completion.gpu_or_any,
         ),
     ] = "any",
     sm: Annotated[

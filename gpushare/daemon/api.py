@@ -9,6 +9,7 @@ request gets a :class:`~gpushare.protocol.ProtocolError` that names the fix and 
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import math
 import os
@@ -19,13 +20,14 @@ from typing import Any
 import structlog
 
 from gpushare import __version__, mpsenv, pods, protocol
+from gpushare.daemon import placement
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.opstats import gate_status, latency_status
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.server import Caller
-from gpushare.daemon.state import RUNNING_STATES, NodeState
+from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.inflight import parse_inflight_from
 from gpushare.latency import parse_latency_from
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
@@ -488,10 +490,11 @@ class Api:
                     E.INVALID_PARAMS, f"GPU {req.gpu} is not shared by gpushare (gpus.shared)"
                 )
             candidates = [chosen]
+        loads = self._loads(candidates)
         problems: list[str] = []
         fitting: list[tuple[GpuSample, float]] = []
         for g in candidates:
-            why = self._misfit(g, req, cls, uid)
+            why = self._misfit(g, loads[g.uuid], req, cls, uid)
             if why:
                 problems.append(f"GPU {g.index}: {why}")
             else:
@@ -502,10 +505,51 @@ class Api:
             if any("MPS is" in p for p in problems) and len(problems) == 1:
                 code = E.UNAVAILABLE
             raise _fail(code, "; ".join(problems))
-        # With several candidates, the one with the most free memory (unknown counts as least).
-        return max(fitting, key=lambda f: f[0].mem_free_bytes or -1)
+        # With several candidates: the most memory once promises are counted, then the fewest
+        # clients (gpushare/daemon/placement.py): a burst of submits spreads over idle GPUs.
+        best = placement.choose([loads[g.uuid] for g, _ in fitting])
+        return next(f for f in fitting if f[0].uuid == best.uuid)
 
-    def _misfit(self, g: GpuSample, req: protocol.SubmitRequest, cls: ClientClass, uid: int) -> str:
+    def _loads(self, gpus: Sequence[GpuSample]) -> dict[str, placement.GpuLoad]:
+        """Each GPU's free memory, the memory promised to its clients, and its live clients."""
+        now = self.s.clock.time()
+        live: dict[str, list[ClientRecord]] = {g.uuid: [] for g in gpus}
+        for r in self.s.registry.clients():
+            if r.state.is_live and r.gpu_uuid in live:
+                live[r.gpu_uuid].append(r)
+        loads: dict[str, placement.GpuLoad] = {}
+        for g in gpus:
+            memory = {p.pid: p.used_bytes for p in g.processes}
+            placed = [
+                placement.PlacedClient(r.mem_bytes, r.state, r.started_at, self._used(r, memory))
+                for r in live[g.uuid]
+                if r.mem_bytes is not None and placement.may_promise(r.state, r.started_at, now)
+            ]
+            loads[g.uuid] = placement.GpuLoad(
+                index=g.index, uuid=g.uuid, free_bytes=g.mem_free_bytes,
+                promised_bytes=placement.promised_bytes(placed, now), clients=len(live[g.uuid]),
+            )  # fmt: skip
+        return loads
+
+    def _used(self, rec: ClientRecord, memory: dict[int, int | None]) -> int | None:
+        """The GPU memory NVML attributes to a client's processes; None when it lists none."""
+        if not memory or rec.pid is None:
+            return None
+        pids = {rec.pid}
+        # Its children too (a launcher's workers hold the CUDA contexts), as the loop counts.
+        with contextlib.suppress(*PAUSE_ERRORS):
+            pids.update(self.s.pauser.pids(rec.id))
+        known = [used for pid in pids if (used := memory.get(pid)) is not None]
+        return sum(known) if known else None
+
+    def _misfit(
+        self,
+        g: GpuSample,
+        load: placement.GpuLoad,
+        req: protocol.SubmitRequest,
+        cls: ClientClass,
+        uid: int,
+    ) -> str:
         if g.lost:
             return "the GPU is lost (see gpushare events)"
         state = self.s.mps_states.get(g.uuid) or self.s.mps.state(g.uuid)
@@ -515,7 +559,7 @@ class Api:
         top = override.offline_sm_pct_max or self.s.config.control.offline_sm_pct_max
         if cls is ClientClass.OFFLINE and req.sm_pct is not None and req.sm_pct > top:
             return f"--sm {req.sm_pct:g} is above this GPU's offline maximum {top:g}"
-        live = sum(1 for r in self.s.registry.clients() if r.gpu_uuid == g.uuid and r.state.is_live)
+        live = load.clients
         probe = 1 if self.s.config.probe.enabled else 0
         if live + probe + 1 > self.s.max_clients(g):
             return (
@@ -531,12 +575,18 @@ class Api:
                     f"MPS serves one user at a time here and {', '.join(others)} has clients "
                     "running (docs/design.md D11): pick another GPU, wait, or set mps.multiuser"
                 )
-        free = g.mem_free_bytes
+        free = load.available_bytes
         reserve = self.s.reserve(g) if cls is ClientClass.OFFLINE else 0
         need = (req.mem_bytes or 0) + reserve
         if free is not None and need > free:
             kept = f" with {format_size(reserve)} kept for online clients" if reserve else ""
-            return f"needs {format_size(need)}{kept}, {format_size(free)} free"
+            promised = (
+                f" after {format_size(load.promised_bytes)} promised to clients that do not use "
+                "their --mem yet"
+                if load.promised_bytes
+                else ""
+            )
+            return f"needs {format_size(need)}{kept}, {format_size(max(0, free))} free{promised}"
         if g.mem_total_bytes is not None and (req.mem_bytes or 0) > g.mem_total_bytes:
             return "--mem is larger than the GPU's memory"
         return ""

@@ -1,4 +1,4 @@
-"""``gpushare daemon --simulate 1`` as a subprocess under a fresh /tmp directory, for end-to-end tests.
+"""``gpushare daemon --simulate N`` as a subprocess under a fresh /tmp directory, for end-to-end tests.
 
 Used by ``tests/sim/test_sim_daemon.py`` (simulated MPS) and ``tests/sim/test_sim_hybrid_mps.py`` (the
 real MPS control binary). The daemon gets real cgroup v2 where the machine allows it, in a
@@ -60,8 +60,8 @@ def socket_env(base: Path) -> dict[str, str]:
     return {**os.environ, "GPUSHARE_SOCKET": str(base / "run" / "gpushare.sock")}
 
 
-def _daemon_argv(base: Path) -> list[str]:
-    return [*GPUSHARE, "daemon", "--simulate", "1", "--config", str(base / "gpushare.toml")]
+def _daemon_argv(base: Path, gpus: int = 1) -> list[str]:
+    return [*GPUSHARE, "daemon", "--simulate", str(gpus), "--config", str(base / "gpushare.toml")]
 
 
 def run_daemon(base: Path, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
@@ -107,8 +107,10 @@ def sim_daemon(
     daemon: str = "",
     rest: str = "",
     after: Callable[[Path], None] | None = None,
+    gpus: int = 1,
 ) -> Iterator[SimDaemon]:
-    """Start the daemon, wait for its socket, and on exit cancel its clients and stop it.
+    """Start the daemon on ``gpus`` simulated GPUs, wait for its socket, and on exit cancel its
+    clients and stop it.
 
     ``after(base)`` runs last, also when the start failed: for what the daemon may leave behind
     (control daemons).
@@ -117,7 +119,7 @@ def sim_daemon(
     cgroup_dir = sim_config(base, mps_control, daemon=daemon, rest=rest)
     env = socket_env(base)
     proc = subprocess.Popen(
-        _daemon_argv(base),
+        _daemon_argv(base, gpus),
         env=env,
         cwd=repo_root(),
         stdout=subprocess.DEVNULL,
