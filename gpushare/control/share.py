@@ -6,9 +6,10 @@ fixes a client's SM cap at start, so the share applies to new and restarted offl
 (:mod:`gpushare.control.restarts` relaunches the running ones). :func:`offline_share` recomputes it
 from online latency measured while offline work has been quiet for ``quiet_settle`` (the SMs its
 SLO leaves, :func:`quiet_level`; the SMs online work leaves idle, :func:`quiet_demand`, when
-online work alone breaks its SLO), split over the GPU's offline clients, with hysteresis and a
-minimum interval. Plain functions of the control config and the GPU's state; pure: no I/O, no
-clock.
+online work alone breaks its SLO), split over the GPU's offline clients, with hysteresis, a
+minimum interval before a raise, and a cut held while the duty keeps offline work frozen and the
+evidence is young (:func:`cut_waits`). Plain functions of the control config and the GPU's
+state; pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ def offline_share(
     Appends a :class:`SetOfflineShare` on the first step for a GPU, at once when the GPU's
     offline ceiling came down under the share, and when the target moved past
     ``share_hysteresis_pct`` (a lower share at once unless :func:`cut_waits`: offline frozen by
-    the duty and the evidence younger than ``quiet_settle``; a higher one after
-    ``share_min_interval``), never during an SLO violation or with MPS not up. The target is the ceiling with no online
-    client or with request gating on and shallow queues, else what online work measured alone
-    leaves (:func:`quiet_level`, or :func:`quiet_demand` when the SLO leaves nothing), split
-    over the offline clients.
+    the duty and this freeze's samples younger than ``quiet_settle``; a higher one after
+    ``share_min_interval``), never during an SLO violation or with MPS not up. The target is the
+    ceiling with no online client or with request gating on and shallow queues, else what online
+    work measured alone leaves (:func:`quiet_level`, or :func:`quiet_demand` when the SLO leaves
+    nothing), split over the offline clients.
     """
     cfg = config
     top = min(cfg.offline_sm_pct_max, obs.offline_sm_pct_max)
