@@ -95,11 +95,20 @@ class DocError(Exception):
 class Results:
     """JSON files of one results folder, each read once."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, allowed: frozenset[str] | None = None) -> None:
         self.folder = folder
+        self.allowed = allowed
         self._cache: dict[str, Any] = {}
 
+    def only(self, names: Sequence[str]) -> Results:
+        """A view that reads only ``names`` (a block's marker names its files: it gets no other)."""
+        view = Results(self.folder, frozenset(names))
+        view._cache = self._cache
+        return view
+
     def __call__(self, name: str) -> Any:
+        if self.allowed is not None and name not in self.allowed:
+            raise DocError(f"{name}: read by a block whose sources do not name it (a bug here)")
         if name not in self._cache:
             path = self.folder / name
             try:
@@ -151,7 +160,7 @@ def _summary_cells(r: dict[str, Any], digits: int = 0, attainment: str | None = 
 
 
 def sharing_summary(res: Results) -> list[str]:
-    """ "Summary per policy (SLO 1.1x)": every policy, then gpushare with ``--no-gating``."""
+    """The "Summary per policy (SLO 1.1x)" table: every policy, then gpushare `--no-gating`."""
     rows = [[p, *_summary_cells(r)] for p, r in res.summary(SHARING["1.1x"]).items()]
     nog = res.summary(NOGATING["1.1x"])["gpushare"]
     rows.append(["gpushare without gating (`--no-gating`)", *_summary_cells(nog)])
@@ -229,7 +238,7 @@ def sharing_pairs(res: Results) -> list[str]:
 
 
 def sharing_every(res: Results) -> list[str]:
-    """ "Every scenario": ``sharing.json``'s rows as ``bench/sharing.py`` writes them in
+    """The "Every scenario" table: ``sharing.json``'s rows as ``bench/sharing.py`` writes them in
     ``sharing.md`` (the same formatter)."""
     rows = [report.Row(**r) for sc in res(SHARING["1.1x"])["scenarios"] for r in sc["rows"]]
     return report.markdown_table(rows, with_scenario=True).split("\n")
@@ -318,7 +327,7 @@ def regenerate(text: str, results: Path) -> str:
         # Blank lines around the table: a table directly against an HTML comment is not one
         # to every Markdown renderer.
         try:
-            table = BLOCKS[name].render(res)
+            table = BLOCKS[name].render(res.only(BLOCKS[name].sources))
         except (KeyError, TypeError, ValueError) as e:
             raise DocError(
                 f"block {name!r}: {', '.join(BLOCKS[name].sources)} lack what it reads "

@@ -222,3 +222,11 @@ def test_a_missing_json_is_named(copy: tuple[Path, Path]) -> None:
     (results / "frontier.json").unlink()
     with pytest.raises(dt.DocError, match=r"frontier\.json: missing; rerun"):
         dt.check(doc, results)
+
+
+def test_a_block_reads_only_the_json_its_marker_names(copy: tuple[Path, Path]) -> None:
+    _, results = copy
+    view = dt.Results(results).only(["frontier.json"])
+    assert view("frontier.json")["policies"]
+    with pytest.raises(dt.DocError, match="sharing.json: read by a block whose sources"):
+        view("sharing.json")
