@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from gpushare import __version__, mpsenv, pods, protocol
+from gpushare.control.promise import PlacedClient, may_promise, promised_bytes
 from gpushare.daemon import placement
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.lifecycle import Lifecycle
@@ -521,13 +522,13 @@ class Api:
         for g in gpus:
             memory = {p.pid: p.used_bytes for p in g.processes}
             placed = [
-                placement.PlacedClient(r.mem_bytes, r.state, r.started_at, self._used(r, memory))
+                PlacedClient(r.mem_bytes, r.state, r.started_at, self._used(r, memory))
                 for r in live[g.uuid]
-                if r.mem_bytes is not None and placement.may_promise(r.state, r.started_at, now)
+                if r.mem_bytes is not None and may_promise(r.state, r.started_at, now)
             ]
             loads[g.uuid] = placement.GpuLoad(
                 index=g.index, uuid=g.uuid, free_bytes=g.mem_free_bytes,
-                promised_bytes=placement.promised_bytes(placed, now), clients=len(live[g.uuid]),
+                promised_bytes=promised_bytes(placed, now), clients=len(live[g.uuid]),
             )  # fmt: skip
         return loads
 

@@ -26,19 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpushare.control.promise import PROMISE_WINDOW_S, PlacedClient, may_promise, promised_bytes
-
-# The promise rule is the controller's admission's too: one rule, in gpushare/control/promise.py.
-__all__ = [
-    "PROMISE_WINDOW_S",
-    "TIE_BYTES",
-    "GpuLoad",
-    "PlacedClient",
-    "choose",
-    "may_promise",
-    "promised_bytes",
-]
-
 TIE_BYTES = 1 << 30
 """GPUs whose available memory differs by less than this are equally good for memory.
 

@@ -6,18 +6,9 @@ import itertools
 
 import pytest
 
-from gpushare.control import promise
-from gpushare.daemon import placement
 from gpushare.daemon.placement import TIE_BYTES, GpuLoad, choose
 
 GIB = 1 << 30
-
-
-def test_the_promise_rule_is_the_controllers() -> None:
-    # One rule for submit and admission (docs/design.md D12); tested in tests/control/test_promise.py.
-    assert placement.promised_bytes is promise.promised_bytes
-    assert placement.may_promise is promise.may_promise
-    assert placement.PlacedClient is promise.PlacedClient
 
 
 def _gpu(index: int, free_gib: float | None, promised_gib: float = 0, clients: int = 0) -> GpuLoad:
