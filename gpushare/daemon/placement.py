@@ -2,14 +2,13 @@
 
 NVML shows a client's memory only seconds after it starts (the CUDA context, then its
 allocations), so the latest sample alone says "free" about a GPU that the last few submits already
-went to: a burst of submits would all land on one GPU. The rule (the controller's admission of
-queued jobs counts the same promises: "Fit" in ``docs/controller.md``):
+went to: a burst of submits would all land on one GPU. The rule:
 
 * **Available memory** = NVML's free memory minus the memory **promised** to this GPU's clients
   that NVML does not show yet. A live client promises its ``--mem`` less what NVML already
   attributes to it, while it is ``starting`` or ``restarting`` and for ``PROMISE_WINDOW_S`` after
-  it started. The rule is :mod:`gpushare.control.promise`, which the controller's admission of
-  queued jobs counts too (re-exported here for the daemon's API).
+  it started. The promise rule is :mod:`gpushare.control.promise`: the controller's admission of
+  queued jobs counts the same promises ("Fit" in ``docs/controller.md``).
 * **Fit**: the request's ``--mem`` (plus the online reserve for an offline client) must fit in the
   available memory; the daemon checks it for ``--gpu any`` and for a named GPU alike.
 * **Choice** among the fitting GPUs: the most available memory, where GPUs within
