@@ -251,7 +251,15 @@ _FRONTIER_LABELS = {
 }
 
 
-def _frontier(name: str) -> Callable[[Results], list[str]]:
+def _frontier_cell(v: dict[str, float]) -> str:
+    return f"{v['slo_attainment_mean'] * 100:.2f} %, {v['offline_norm_mean']:.2f}"
+
+
+def _frontier_p99_cell(v: dict[str, float]) -> str:
+    return f"{_pct(v['p99_overhead_mean'], 1)} ({_pct(v['p99_overhead_worst'], 1)})"
+
+
+def _frontier(name: str, cell: Callable[[dict[str, float]], str]) -> Callable[[Results], list[str]]:
     def render(res: Results) -> list[str]:
         policies: dict[str, dict[str, dict[str, float]]] = res(name)["policies"]
         order = [NO_GATING, "gpushare"] + [p for p in policies if p not in _FRONTIER_LABELS]
@@ -260,8 +268,7 @@ def _frontier(name: str) -> Callable[[Results], list[str]]:
             label, bold = _FRONTIER_LABELS.get(policy, (policy, False))
             cells = [label]
             for f in FRONTIER_FACTORS:
-                v = policies[policy][f]
-                c = f"{v['slo_attainment_mean'] * 100:.2f} %, {v['offline_norm_mean']:.2f}"
+                c = cell(policies[policy][f])
                 cells.append(f"**{c}**" if bold else c)
             rows.append(cells)
         return _table(("policy", *(f"{f}x" for f in FRONTIER_FACTORS)), rows)
@@ -285,8 +292,14 @@ BLOCKS: dict[str, Block] = {
     ),
     "sharing-pairs": Block((SHARING["1.1x"],), sharing_pairs),
     "sharing-every": Block((SHARING["1.1x"],), sharing_every),
-    "frontier-pairs": Block(("frontier_pairs.json",), _frontier("frontier_pairs.json")),
-    "frontier-all": Block(("frontier.json",), _frontier("frontier.json")),
+    "frontier-pairs": Block(
+        ("frontier_pairs.json",), _frontier("frontier_pairs.json", _frontier_cell)
+    ),
+    "frontier-pairs-p99": Block(
+        ("frontier_pairs.json",), _frontier("frontier_pairs.json", _frontier_p99_cell)
+    ),
+    "frontier-all": Block(("frontier.json",), _frontier("frontier.json", _frontier_cell)),
+    "frontier-all-p99": Block(("frontier.json",), _frontier("frontier.json", _frontier_p99_cell)),
 }
 
 
