@@ -247,12 +247,15 @@ class Api:
         uptime = None
         if r.started_at is not None and r.state.is_live:
             uptime = round(now - r.started_at, 3)
+        # The last admission round's reason (the loop writes it under the same lock); none
+        # before the first round that saw the job.
+        waiting = self.s.waiting.get(r.id) if r.state is S.QUEUED else None
         return {
             "id": r.id, "name": r.name, "user": r.user, "uid": r.uid, "class": r.cls.value,
             "gpu_uuid": r.gpu_uuid, "gpu_index": r.gpu_index, "sm_pct": r.sm_pct,
             "mem_limit_bytes": r.mem_bytes, "mem_used_bytes": used, "state": r.state.value,
-            "reason": r.reason, "pid": r.pid, "uptime_s": uptime, "exit_code": r.exit_code,
-            "pause_mechanism": r.pause_mechanism, "held": r.held, "restartable": r.restartable,
+            "reason": r.reason, "waiting": waiting, "pid": r.pid, "uptime_s": uptime,
+            "exit_code": r.exit_code, "pause_mechanism": r.pause_mechanism, "held": r.held, "restartable": r.restartable,
             "detached": r.detach, "slo_p99_ms": r.slo_p99_ms, "argv": list(r.argv),
             "log_path": r.log_path, "restarts": r.restarts, "submitted_at": r.submitted_at,
             "latency": latency, "offline": offline,
