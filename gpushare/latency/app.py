@@ -1,4 +1,4 @@
-"""Both latency sources together: :class:`AppLatency`, the per-client p99s the daemon reads each tick.
+"""Both latency sources together: :class:`AppLatency`, the per-client p99s each tick reads.
 
 Datagrams land in its :class:`~gpushare.latency.p99.P99Tracker` (through
 :mod:`gpushare.latency.receiver`); histograms are scraped on a thread of its own
