@@ -30,7 +30,7 @@ from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.inflight import parse_inflight_from
-from gpushare.latency import parse_latency_from
+from gpushare.latency.prometheus import parse_latency_from
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.node.procs.identity import process_start_time

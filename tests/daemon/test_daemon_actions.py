@@ -27,7 +27,7 @@ from gpushare.daemon.core import Daemon
 from gpushare.daemon.drain import DEEP_DRAIN_S
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
-from gpushare.latency import LatencyP99
+from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
     Action,
     Alert,
