@@ -50,8 +50,11 @@ demo: $(STAMP) engine
 	@scripts/get-mps-control.sh || echo "make demo: no MPS control binary; MPS will be simulated"
 	BIN=$(BIN) scripts/demo.sh
 
+# bench/docs_tables.py last: it rewrites docs/benchmarks.md's tables from the JSON the others wrote.
 bench: $(STAMP) mps engine
-	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@for b in $(filter-out bench/docs_tables.py,$(wildcard bench/*.py)); do \
+		echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	$(BIN)/python bench/docs_tables.py
 
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .pytest_cache .ruff_cache gpushare/sim/_native

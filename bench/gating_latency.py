@@ -55,7 +55,8 @@ from gpushare import client, paths  # noqa: E402
 from gpushare.config import GateConfig  # noqa: E402
 from gpushare.daemon.gating import Gatekeeper  # noqa: E402
 from gpushare.inflight import Rejections, SenderLimiter  # noqa: E402
-from gpushare.latency import LatencyReceiver, P99Tracker, Sender  # noqa: E402
+from gpushare.latency.p99 import P99Tracker  # noqa: E402
+from gpushare.latency.receiver import LatencyReceiver, Sender  # noqa: E402
 from gpushare.node.cgroups.discovery import own_cgroup  # noqa: E402
 from gpushare.node.cgroups.pauser import CgroupPauser  # noqa: E402
 

@@ -3,8 +3,8 @@
 The gate itself is :mod:`gpushare.control.gate`. Two sources say how many requests an online client has in flight:
 
 * **Datagrams** from :func:`gpushare.client.request_started` / ``request_ended``, on the latency
-  socket (:class:`gpushare.latency.LatencyReceiver` reads them and
-  :func:`gpushare.latency.decode_message` parses both kinds). Before parsing, a
+  socket (:class:`gpushare.latency.receiver.LatencyReceiver` reads them and
+  :func:`gpushare.latency.datagrams.decode_message` parses both kinds). Before parsing, a
   :class:`SenderLimiter` drops what one process sends beyond ``[gate] max_datagrams_per_s``, so
   a flood costs a counter, not the daemon's CPU.
 * **A Prometheus gauge** (``gpushare submit --online --inflight-from prometheus:URL#METRIC``)
@@ -25,8 +25,8 @@ from collections.abc import Callable
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpushare.latency import (
-    MAX_INFLIGHT_COUNT,
+from gpushare.latency.datagrams import MAX_INFLIGHT_COUNT
+from gpushare.latency.prometheus import (
     METRIC_NAME_RE,
     PrometheusSource,
     fetch_local,

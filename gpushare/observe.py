@@ -17,7 +17,7 @@ from typing import Protocol
 import structlog
 
 from gpushare.config import Config
-from gpushare.latency import LatencyP99
+from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
     ClientClass,
     ClientState,
@@ -63,7 +63,7 @@ def build_observation(
         probe: the probe's reading (``None``: no probe on this GPU).
         clients: the registry's views of the clients placed on this GPU.
         config: the daemon config (per-GPU reserve, offline SM cap, shared flag, client limit).
-        app_p99: app-reported p99 per client id (:class:`gpushare.latency.AppLatency`).
+        app_p99: app-reported p99 per client id (:class:`gpushare.latency.app.AppLatency`).
         mps_state: health of the GPU's MPS control daemon and server.
         mps_events: MPS events of this GPU since the last tick.
         gpu_events: GPU (XID) events since the last tick; other GPUs' events are ignored.

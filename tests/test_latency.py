@@ -19,20 +19,17 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from gpushare import client, paths
-from gpushare.latency import (
-    AppLatency,
+from gpushare.latency.app import AppLatency
+from gpushare.latency.datagrams import decode_latency
+from gpushare.latency.p99 import LatencyP99, P99Tracker
+from gpushare.latency.prometheus import (
     HistogramWindow,
-    LatencyP99,
-    LatencyReceiver,
-    P99Tracker,
     PrometheusScraper,
-    Sender,
     bucket_quantile,
-    decode_latency,
     parse_histogram,
     parse_latency_from,
-    verified_identify,
 )
+from gpushare.latency.receiver import LatencyReceiver, Sender, verified_identify
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from gpushare.config import Config, ControlConfig, GpuOverride, MpsConfig
-from gpushare.latency import LatencyP99
+from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
     ClientClass,
     ClientState,

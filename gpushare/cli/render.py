@@ -92,7 +92,8 @@ def render_clients(clients: Sequence[dict[str, Any]]) -> str:
 
     Online rows show the p99 over the latency window against the SLO, their ratio and where the
     number came from; offline rows how much of the last minute the client was thawed, its restarts
-    and evictions.
+    and evictions. Notes under the tables say who adopted a client and how it is paused, and why
+    a queued job waits (its ``waiting``, clipped to :data:`WAITING_CHARS`).
     """
     online = [c for c in clients if c["class"] == "online"]
     offline = [c for c in clients if c["class"] != "online"]
@@ -103,15 +104,31 @@ def render_clients(clients: Sequence[dict[str, Any]]) -> str:
         parts.append("offline clients\n" + _offline_table(offline))
     if not parts:
         return "no clients"
-    # Adopted clients (gpushare did not start them): who adopted them, and how they are paused
-    # where they are (their own cgroup, or signals) and why.
-    notes = [
-        f"{c['id']}: adopted by {c['adopted_by']}{_container(c.get('container'))}"
-        + (f"; paused by {c['pause_reason']}" if c.get("pause_reason") else "")
-        for c in clients
-        if c.get("adopted_by")
-    ]
+    notes: list[str] = []
+    for c in clients:
+        # Adopted clients (gpushare did not start them): who adopted them, and how they are
+        # paused where they are (their own cgroup, or signals) and why.
+        if c.get("adopted_by"):
+            notes.append(
+                f"{c['id']}: adopted by {c['adopted_by']}{_container(c.get('container'))}"
+                + (f"; paused by {c['pause_reason']}" if c.get("pause_reason") else "")
+            )
+        # A queued job: why admission did not start it (memory, a slot, a backoff, another
+        # user's MPS server), under the table so that a long reason does not widen it.
+        if c.get("waiting"):
+            notes.append(f"{c['id']}: queued: {_clip(c['waiting'])}")
     return "\n\n".join(parts) + "".join(f"\n{n}" for n in notes)
+
+
+WAITING_CHARS = 200
+"""The most of a queued job's reason a note shows (one GPU's reason is about 100 characters);
+``--json`` has all of it."""
+
+
+def _clip(text: str) -> str:
+    if len(text) <= WAITING_CHARS:
+        return text
+    return text[: WAITING_CHARS - 3].rstrip() + "... (all of it: --json)"
 
 
 def _container(found: dict[str, Any] | None) -> str:

@@ -11,8 +11,10 @@ Adaptation to one node (``docs/controller.md`` has the argument):
 * **Order**: shortest expected job first (``expected_duration_s``; unknown durations after known
   ones), then submission time. A job that cannot start anywhere is skipped, so no job waits behind
   one that cannot start.
-* **Fit**: the job's memory must fit in the GPU's free memory minus the online reserve minus what
-  this round already placed there; an MPS client slot must be free (``max_clients`` minus the probe
+* **Fit**: the job's memory must fit in the GPU's available memory (NVML's free memory minus the
+  ``--mem`` promised to its clients that NVML does not show yet, :mod:`gpushare.control.promise`,
+  the rule ``submit`` places by: docs/design.md D12) minus the online reserve minus what this
+  round already placed there; an MPS client slot must be free (``max_clients`` minus the probe
   minus live clients); MPS must be up, the GPU not lost and open for admissions; and (docs/design.md D11)
   without ``-multiuser-server`` a job is not placed beside a live client of another uid.
 * **Benefit**: the running partners' remaining times ``etc_b`` are unknown on a node (clients carry
@@ -34,6 +36,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gpushare.control.promise import promised_to_views
 from gpushare.control.signals import free_memory_bytes
 from gpushare.model import Admit, ClientClass, MpsState, Observation, QueuedJob
 
@@ -59,6 +62,7 @@ class AdmissionPlan:
 class _Gpu:
     obs: Observation
     share_pct: float
+    promised_bytes: int
     mem_left_bytes: int | None
     slots_left: int
     uids: set[int]
@@ -118,7 +122,7 @@ def plan(
 ) -> AdmissionPlan:
     """Like :func:`admit`, with the reason each job not admitted waits."""
     gpus = [
-        _gpu_view(obs, shares, max_clients, multiuser, probe_slots)
+        _gpu_view(obs, shares, max_clients, multiuser, probe_slots, now)
         for _, obs in sorted(observations.items(), key=lambda kv: (kv[1].gpu_index, kv[0]))
     ]
     ordered = sorted(
@@ -187,6 +191,7 @@ def _gpu_view(
     max_clients: int | Mapping[str, int],
     multiuser: bool | Mapping[str, bool],
     probe_slots: int,
+    now: float,
 ) -> _Gpu:
     live = [c for c in obs.clients if c.state.is_live]
     slots = (
@@ -209,10 +214,14 @@ def _gpu_view(
     util = obs.sample.sm_active_pct
     if util is None:
         util = obs.sample.gpu_util_pct
+    # A job admitted on an earlier tick may have no CUDA context yet: NVML's free memory still
+    # counts its --mem as free, and the next tick would start a second job into it.
+    promised = promised_to_views(live, now)
     return _Gpu(
         obs=obs,
         share_pct=share,
-        mem_left_bytes=None if free is None else free - obs.mem_reserve_bytes,
+        promised_bytes=promised,
+        mem_left_bytes=None if free is None else free - promised - obs.mem_reserve_bytes,
         slots_left=slots - probe_slots - len(live),
         uids={c.uid for c in live},
         offline_count=sum(1 for c in live if c.cls is ClientClass.OFFLINE),
@@ -231,9 +240,14 @@ def _refusal(job: QueuedJob, gpu: _Gpu) -> str | None:
     mem_left = gpu.mem_left_bytes if gpu.mem_left_bytes is not None else 0
     need = job.mem_bytes or 0
     if need > mem_left or mem_left <= 0:
+        promised = (
+            f" and {_mem(gpu.promised_bytes)} promised to clients that do not use their --mem yet"
+            if gpu.promised_bytes
+            else ""
+        )
         return (
             f"needs {_mem(job.mem_bytes)}, {_mem(max(0, mem_left))} free beside the "
-            f"{_mem(gpu.obs.mem_reserve_bytes)} online reserve"
+            f"{_mem(gpu.obs.mem_reserve_bytes)} online reserve{promised}"
         )
     foreign = sorted(u for u in gpu.uids if u != job.uid)
     if foreign and not gpu.multiuser:

@@ -31,9 +31,11 @@ modules: the duty cycle (5) in :mod:`gpushare.control.duty`, the offline share (
 7. **Offline SM share** (slow lever): recomputed from online latency measured while offline work
    has been quiet for ``quiet_settle`` (the SMs its SLO leaves; the SMs online work leaves idle
    when online work alone breaks its SLO), split over the GPU's offline clients, with hysteresis
-   and a minimum interval; then restartable offline clients running under a different share are
-   restarted one at a time, never during an SLO violation, and with gating on a deep ``--queue
-   auto`` client is relaunched shallow first (:mod:`gpushare.control.restarts`).
+   and a minimum interval (a cut while the duty holds offline frozen waits for ``quiet_settle``
+   of samples, or for the duty to let offline run); then restartable offline clients running
+   under a different share are restarted one at a time, never during an SLO violation, and with
+   gating on a deep ``--queue auto`` client is relaunched shallow first
+   (:mod:`gpushare.control.restarts`).
 
 Pure: no I/O, no clock; ``now`` is an argument.
 """
@@ -197,6 +199,7 @@ class GpushareController:
             or state.demand_samples
             or state.quiet_signals
             or state.app_quiet_signals
+            or state.quiet_sampled_since_s is not None
             or not state.share_emitted
             or state.duty != 1.0
             or state.duty_emitted != 1.0

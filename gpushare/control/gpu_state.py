@@ -33,6 +33,9 @@ class GpuState:
             ``duty_decrease_factor`` x this wait ``slow_increase_after_ticks``.
         violation_ticks: consecutive ticks with an online signal over the violation ratio.
         quiet_ticks: consecutive ticks during which offline work was frozen or absent.
+        quiet_sampled_since_s: the first tick of the current quiet spell on which online demand
+            was sampled (offline quiet for ``quiet_settle``); ``None`` outside such a spell. A
+            share cut while the duty is 0 waits until the spell's samples span ``quiet_settle``.
         share_pct: the SM percentage offline (re)launches get.
         share_emitted: whether ``share_pct`` has been sent.
         share_changed_at_s: when the share last changed (``None``: never).
@@ -77,6 +80,7 @@ class GpuState:
     comfortable_ticks: int = 0
     violation_ticks: int = 0
     quiet_ticks: int = 0
+    quiet_sampled_since_s: float | None = None
     share_pct: float = 50.0
     share_emitted: bool = False
     share_changed_at_s: float | None = None

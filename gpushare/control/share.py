@@ -6,9 +6,10 @@ fixes a client's SM cap at start, so the share applies to new and restarted offl
 (:mod:`gpushare.control.restarts` relaunches the running ones). :func:`offline_share` recomputes it
 from online latency measured while offline work has been quiet for ``quiet_settle`` (the SMs its
 SLO leaves, :func:`quiet_level`; the SMs online work leaves idle, :func:`quiet_demand`, when
-online work alone breaks its SLO), split over the GPU's offline clients, with hysteresis and a
-minimum interval. Plain functions of the control config and the GPU's state; pure: no I/O, no
-clock.
+online work alone breaks its SLO), split over the GPU's offline clients, with hysteresis, a
+minimum interval before a raise, and a cut held while the duty keeps offline work frozen and the
+evidence is young (:func:`cut_waits`). Plain functions of the control config and the GPU's
+state; pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 from dataclasses import replace
 
 from gpushare.config import ControlConfig
-from gpushare.control.gpu_state import GpuState, app_only, gated_shallow
+from gpushare.control.gpu_state import GpuState, app_only, client_share_pct, gated_shallow
 from gpushare.control.signals import Signals
 from gpushare.model import (
     Action,
@@ -43,11 +44,12 @@ def offline_share(
 
     Appends a :class:`SetOfflineShare` on the first step for a GPU, at once when the GPU's
     offline ceiling came down under the share, and when the target moved past
-    ``share_hysteresis_pct`` (a lower share at once, a higher one after ``share_min_interval``),
-    never during an SLO violation or with MPS not up. The target is the ceiling with no online
-    client or with request gating on and shallow queues, else what online work measured alone
-    leaves (:func:`quiet_level`, or :func:`quiet_demand` when the SLO leaves nothing), split
-    over the offline clients.
+    ``share_hysteresis_pct`` (a lower share at once unless :func:`cut_waits`: offline frozen by
+    the duty and this freeze's samples younger than ``quiet_settle``; a higher one after
+    ``share_min_interval``), never during an SLO violation or with MPS not up. The target is the
+    ceiling with no online client or with request gating on and shallow queues, else what online
+    work measured alone leaves (:func:`quiet_level`, or :func:`quiet_demand` when the SLO leaves
+    nothing), split over the offline clients.
     """
     cfg = config
     top = min(cfg.offline_sm_pct_max, obs.offline_sm_pct_max)
@@ -59,7 +61,12 @@ def offline_share(
     # A latency window still holds the tail from before the freeze for its whole length: read
     # too early, it says online work alone breaks its SLO, and the share falls to its floor.
     settle_ticks = math.ceil(round(cfg.quiet_settle_s / cfg.period_s, 6))
-    if signals.online and state.quiet_ticks >= max(cfg.increase_after_ticks, settle_ticks):
+    sampling = bool(signals.online) and state.quiet_ticks >= max(
+        cfg.increase_after_ticks, settle_ticks
+    )
+    since = state.quiet_sampled_since_s
+    since = (now if since is None else since) if sampling else None
+    if sampling:
         demand = quiet_demand(config, obs, signals)
         if demand is not None:
             samples = (*samples, (now, demand))[-_MAX_DEMAND_SAMPLES:]
@@ -71,12 +78,14 @@ def offline_share(
         samples != state.demand_samples
         or quiet_signals != state.quiet_signals
         or app_quiet != state.app_quiet_signals
+        or since != state.quiet_sampled_since_s
     ):
         state = replace(
             state,
             demand_samples=samples,
             quiet_signals=quiet_signals,
             app_quiet_signals=app_quiet,
+            quiet_sampled_since_s=since,
         )
     if not state.share_emitted:
         share = min(top, max(low, state.share_pct))
@@ -140,8 +149,13 @@ def offline_share(
     gated = gated_shallow(state, obs)
     worst = app_only(signals).worst if gated else signals.worst
     violating = worst is not None and worst > cfg.violation_ratio
-    # Fast down, slow up: a lower share protects the online SLO and never waits; a higher one
-    # is opportunistic and waits out the interval (each change restarts restartable clients).
+    if target < state.share_pct and cut_waits(config, state, obs, target, now):
+        return state
+    if target < state.share_pct and state.duty == 0.0 and since is not None:
+        basis += f" (sampled for {now - since:.1f} s with offline frozen)"
+    # Fast down, slow up: a lower share protects the online SLO and does not wait while offline
+    # work runs (cut_waits: it does while the duty holds it frozen); a higher one is
+    # opportunistic and waits out the interval (each change restarts restartable clients).
     interval_ok = (
         target < state.share_pct
         or state.share_changed_at_s is None
@@ -159,6 +173,35 @@ def offline_share(
         actions.append(SetOfflineShare(obs.gpu_uuid, target, why))
         state = replace(state, share_pct=target, share_changed_at_s=now)
     return state
+
+
+def cut_waits(
+    config: ControlConfig, state: GpuState, obs: Observation, target: float, now: float
+) -> bool:
+    """Whether a cut of the share to ``target`` waits this tick: offline frozen, evidence young.
+
+    A cut waits while the duty decided this tick is 0 (offline work frozen: a share bounds what
+    running offline work takes from online work, so while none runs the cut protects nothing
+    yet), the quiet samples of this freeze span less than ``quiet_settle`` (the samples are a
+    maximum: each new one can lower the target again, and each cut restarts every restartable
+    client above it: make demo cut 100 -> 25 -> 10 % on two consecutive ticks), and the cut would
+    restart a live restartable offline client (otherwise it costs nothing: it applies at once,
+    so a client launched meanwhile starts under it). The duty decided this tick goes first: the
+    tick it lets offline work run again, the cut no longer waits and lands in that step.
+    """
+    if state.duty != 0.0:
+        return False
+    since = state.quiet_sampled_since_s
+    if since is not None and now - since >= config.quiet_settle_s - 1e-9:
+        return False
+    going = {cid for cid, _ in state.evicting} | state.stopped
+    return any(
+        c.restartable
+        and c.state.is_live
+        and c.client_id not in going
+        and c.limits.sm_pct > client_share_pct(target, c) + 0.5
+        for c in obs.offline()
+    )
 
 
 def quiet_demand(config: ControlConfig, obs: Observation, signals: Signals) -> float | None:

@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from gpushare import __version__, mpsenv, pods, protocol
+from gpushare.control.promise import PlacedClient, may_promise, promised_bytes
 from gpushare.daemon import placement
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.lifecycle import Lifecycle
@@ -29,7 +30,7 @@ from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.inflight import parse_inflight_from
-from gpushare.latency import parse_latency_from
+from gpushare.latency.prometheus import parse_latency_from
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.node.procs.identity import process_start_time
@@ -246,12 +247,15 @@ class Api:
         uptime = None
         if r.started_at is not None and r.state.is_live:
             uptime = round(now - r.started_at, 3)
+        # The last admission round's reason (the loop writes it under the same lock); none
+        # before the first round that saw the job.
+        waiting = self.s.waiting.get(r.id) if r.state is S.QUEUED else None
         return {
             "id": r.id, "name": r.name, "user": r.user, "uid": r.uid, "class": r.cls.value,
             "gpu_uuid": r.gpu_uuid, "gpu_index": r.gpu_index, "sm_pct": r.sm_pct,
             "mem_limit_bytes": r.mem_bytes, "mem_used_bytes": used, "state": r.state.value,
-            "reason": r.reason, "pid": r.pid, "uptime_s": uptime, "exit_code": r.exit_code,
-            "pause_mechanism": r.pause_mechanism, "held": r.held, "restartable": r.restartable,
+            "reason": r.reason, "waiting": waiting, "pid": r.pid, "uptime_s": uptime,
+            "exit_code": r.exit_code, "pause_mechanism": r.pause_mechanism, "held": r.held, "restartable": r.restartable,
             "detached": r.detach, "slo_p99_ms": r.slo_p99_ms, "argv": list(r.argv),
             "log_path": r.log_path, "restarts": r.restarts, "submitted_at": r.submitted_at,
             "latency": latency, "offline": offline,
@@ -521,13 +525,13 @@ class Api:
         for g in gpus:
             memory = {p.pid: p.used_bytes for p in g.processes}
             placed = [
-                placement.PlacedClient(r.mem_bytes, r.state, r.started_at, self._used(r, memory))
+                PlacedClient(r.mem_bytes, r.state, r.started_at, self._used(r, memory))
                 for r in live[g.uuid]
-                if r.mem_bytes is not None and placement.may_promise(r.state, r.started_at, now)
+                if r.mem_bytes is not None and may_promise(r.state, r.started_at, now)
             ]
             loads[g.uuid] = placement.GpuLoad(
                 index=g.index, uuid=g.uuid, free_bytes=g.mem_free_bytes,
-                promised_bytes=placement.promised_bytes(placed, now), clients=len(live[g.uuid]),
+                promised_bytes=promised_bytes(placed, now), clients=len(live[g.uuid]),
             )  # fmt: skip
         return loads
 

@@ -41,7 +41,8 @@ from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import ApiServer
 from gpushare.daemon.state import NodeState, NoopPolicy
 from gpushare.inflight import SenderLimiter
-from gpushare.latency import AppLatency, LatencyReceiver, Sender, verified_identify
+from gpushare.latency.app import AppLatency
+from gpushare.latency.receiver import LatencyReceiver, Sender, verified_identify
 from gpushare.metrics import Exporter
 from gpushare.node import notify as sd
 from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost

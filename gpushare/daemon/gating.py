@@ -35,7 +35,7 @@ from gpushare.config import GateConfig
 from gpushare.control import gate
 from gpushare.control.gate import GateState
 from gpushare.inflight import Rejections
-from gpushare.latency import renice_thread
+from gpushare.latency.receiver import renice_thread
 from gpushare.model import GateReading
 from gpushare.node.pauser_base import PauserError
 
@@ -382,8 +382,8 @@ class Gatekeeper:
         """Start the thread that opens gates when their hold or a timeout runs out.
 
         Args:
-            thread_nice: its nice value (``latency.renice_thread``): a hold of 2 ms ends on time
-                only if the thread gets a CPU when it wakes.
+            thread_nice: its nice value (``latency.receiver.renice_thread``): a hold of 2 ms ends
+                on time only if the thread gets a CPU when it wakes.
             thread_realtime: ``SCHED_FIFO`` for it instead, where allowed.
         """
         self._thread_nice = thread_nice

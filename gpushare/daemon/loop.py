@@ -191,6 +191,8 @@ class ControlLoop:
                 observations[sample.uuid] = self._tick_gpu(sample, mine, gpu_events, now)
             if any(r.state is S.QUEUED for r in records):
                 self._admit(observations, now)
+            elif s.waiting:
+                s.waiting = {}
             if self.metrics is not None:
                 self.metrics.update(self._metrics_snapshot(observations, records))
             self._duty_phase(now)
@@ -412,7 +414,10 @@ class ControlLoop:
         )
 
     def _admit(self, observations: Mapping[str, Observation], now: float) -> None:
-        """Start queued offline jobs where admission places them (SJF-BSBF, slots, D11)."""
+        """Start queued offline jobs where admission places them (SJF-BSBF, slots, D11).
+
+        Why each other job waits is kept for ``status`` and ``list`` (``NodeState.waiting``).
+        """
         s = self.s
         jobs = [
             QueuedJob(
@@ -429,7 +434,7 @@ class ControlLoop:
             if r.state is S.QUEUED
         ]
         max_clients = {x.uuid: s.max_clients(x) for x in s.samples}
-        admits = admission.admit(
+        planned = admission.plan(
             jobs,
             observations,
             {u: s.default_sm(ClientClass.OFFLINE, u) for u in observations},
@@ -438,11 +443,15 @@ class ControlLoop:
             multiuser={u: s.multiuser(u) for u in observations},
             probe_slots=1 if s.config.probe.enabled else 0,
         )
-        for action in admits:
+        waiting = dict(planned.waiting)
+        for action in planned.admits:
             try:
                 self.apply(action, now)
             except (RegistryError, *PAUSE_ERRORS) as exc:
                 log.warning("admit_failed", client_id=action.client_id, error=str(exc))
+                # Still queued: the next round tries again; until then, this is why.
+                waiting[action.client_id] = f"admitted, but the start failed: {exc}"
+        s.waiting = waiting
 
     def _view(self, rec: ClientRecord, now: float) -> ClientView:
         started = None

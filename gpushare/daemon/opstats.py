@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.daemon.thawlog import ThawLog
-from gpushare.latency import LatencyP99
+from gpushare.latency.p99 import LatencyP99
 from gpushare.metrics import (
     STEP_BUCKETS_S,
     WAIT_BUCKETS_S,

@@ -22,7 +22,8 @@ from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
 from gpushare.inflight import GaugePoller
-from gpushare.latency import AppLatency, LatencyP99
+from gpushare.latency.app import AppLatency
+from gpushare.latency.p99 import LatencyP99
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
 from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
 from gpushare.node.pauser_base import PauserError
@@ -95,6 +96,10 @@ class NodeState:
         #: The levers the controller sets per GPU (absent: 1.0 and the configured default).
         self.duty: dict[str, float] = {}
         self.offline_share: dict[str, float] = {}
+        #: Why each queued job was not started at the last admission round, by client id
+        #: (``status``/``list`` show it as ``waiting``). Replaced every round, emptied when
+        #: nothing is queued: it never holds more than the queue.
+        self.waiting: dict[str, str] = {}
         self._shared: dict[tuple[int, str], bool] = {}
         self._shared_for: Config | None = None
         #: Thawed time, evictions, step timings and each GPU's last action, for status and metrics.

@@ -184,3 +184,35 @@ def test_list_splits_classes():
     assert render_clients([c for c in st["clients"] if c["class"] == "offline"]).startswith(
         "offline clients"
     )
+
+
+def test_a_queued_job_says_why_it_waits_under_the_table():
+    why = (
+        "cannot start: GPU 0: needs 4.00GiB, 2.00GiB free beside the 2.00GiB online reserve; "
+        "GPU 1: no MPS client slot free"
+    )
+    queued = _client(id="c4", state="queued", held=False, uptime_s=None, waiting=why)
+    running = _client(id="c3", state="running", held=False, waiting=None)
+    text = render_status(_status([_gpu()], [running, queued]))
+    lines = text.splitlines()
+    # The row stays a table row: the reason is a note of its own, in full.
+    assert _row(text, "c4").split()[-3:] == ["queued", "N/A", "cgroup"]
+    assert why not in _row(text, "c4")
+    assert lines[-1] == f"c4: queued: {why}"
+    assert not any(line.startswith("c3: queued") for line in lines)
+    # `list` renders the same clients the same way.
+    assert render_clients([running, queued]).splitlines()[-1] == f"c4: queued: {why}"
+    # A daemon without the field, or a job no admission round has seen yet: no note.
+    assert "queued:" not in render_clients([_client(id="c5", state="queued", held=False)])
+
+
+def test_a_long_waiting_reason_is_clipped_and_points_at_json():
+    why = "cannot start: " + "; ".join(
+        f"GPU {i}: needs 40.00GiB, 8.00GiB free beside the 2.00GiB online reserve" for i in range(8)
+    )
+    text = render_clients([_client(id="c9", state="queued", held=False, waiting=why)])
+    note = text.splitlines()[-1]
+    assert note.startswith("c9: queued: cannot start: GPU 0: needs 40.00GiB")
+    assert note.endswith("... (all of it: --json)")
+    assert len(note) < len(why)
+    assert "GPU 7" not in note

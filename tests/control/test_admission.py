@@ -132,3 +132,41 @@ def test_requested_gpu_is_respected_by_uuid_or_index() -> None:
     assert b.gpu_uuid == gpu_uuid(0)
     result = plan([job("j", gpu="7")], gpus(g0, g1), {}, 0.0)
     assert "no shared GPU matches --gpu 7" in result.waiting["j"]
+
+
+def test_a_job_admitted_last_tick_holds_its_mem_until_nvml_shows_it() -> None:
+    # 80 GiB GPU, online holds 10, reserve 2: 68 GiB for offline work. x and y fit alone, not both.
+    (first,) = admit([job("x", mem=40 * GIB)], one_gpu(), {}, now=0.0)
+    assert first.gpu_uuid == gpu_uuid(0)
+    # The next tick, 100 ms later: x is starting and has no CUDA context yet, so NVML's free
+    # memory is what it was. Its --mem is promised to it all the same (docs/design.md D12).
+    x = offline("x", state=ClientState.STARTING, mem=None, mem_limit=40 * GIB, started=0.0)
+    after = one_gpu(clients=(online(mem=10 * GIB), x))
+    assert after[gpu_uuid(0)].sample.mem_free_bytes == 70 * GIB
+    result = plan([job("y", mem=40 * GIB)], after, {}, now=0.1)
+    assert result.admits == ()
+    assert "40.00GiB promised" in result.waiting["y"], result.waiting
+    # With a second GPU, y goes there, though x's GPU predicts the smaller slowdown on NVML alone.
+    other = observation(
+        (online(mem=10 * GIB), offline("o", mem=8 * GIB)), gpu=gpu_uuid(1), index=1, sm_active=90.0
+    )
+    (second,) = admit([job("y", mem=40 * GIB)], gpus(after[gpu_uuid(0)], other), {}, now=0.1)
+    assert second.gpu_uuid == gpu_uuid(1)
+
+
+def test_a_promise_counts_only_what_nvml_does_not_show_and_only_while_it_may() -> None:
+    # x's context holds 30 GiB of its 40 GiB --mem: free 80 - 10 - 30 = 40, 10 GiB still promised,
+    # so 40 - 10 - 2 (reserve) = 28 GiB are left.
+    x = offline("x", state=ClientState.RUNNING, mem=30 * GIB, mem_limit=40 * GIB, started=0.0)
+    obs = one_gpu(clients=(online(mem=10 * GIB), x))
+    assert [a.client_id for a in admit([job("y", mem=28 * GIB)], obs, {}, now=5.0)] == ["y"]
+    assert admit([job("y", mem=28 * GIB + 1)], obs, {}, now=5.0) == []
+    # Promises and this round's placements add up: x's 10 GiB, then a's 20, leave 8 for b.
+    both = [job("a", mem=20 * GIB, duration=1.0), job("b", mem=9 * GIB, duration=2.0)]
+    assert [a.client_id for a in admit(both, obs, {}, now=5.0)] == ["a"]
+    # A minute after x started, NVML's reading stands alone (where it cannot attribute memory to
+    # processes, the double count ends there): 70 - 2 GiB are left, as NVML says.
+    unseen = offline("x", state=ClientState.RUNNING, mem=None, mem_limit=40 * GIB, started=0.0)
+    late = one_gpu(clients=(online(mem=10 * GIB), unseen))
+    assert admit([job("y", mem=68 * GIB)], late, {}, now=59.0) == []
+    assert [a.client_id for a in admit([job("y", mem=68 * GIB)], late, {}, now=60.0)] == ["y"]

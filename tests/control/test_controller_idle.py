@@ -50,6 +50,7 @@ PERTURBED: dict[str, list[object]] = {
     "comfortable_ticks": [2],
     "violation_ticks": [1],
     "quiet_ticks": [0, 10**6],
+    "quiet_sampled_since_s": [9.0],
     "share_pct": [10.0, 40.0, 50.0, 80.0, 95.0, 100.0],
     "share_emitted": [False],
     "share_changed_at_s": [None, 9.9],

@@ -27,10 +27,11 @@ from gpushare.daemon.core import Daemon
 from gpushare.daemon.drain import DEEP_DRAIN_S
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
-from gpushare.latency import LatencyP99
+from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
     Action,
     Alert,
+    ClientClass,
     ClientState,
     Evict,
     Freeze,
@@ -385,6 +386,37 @@ enabled = true
     assert info.value.code is ErrorCode.NO_CAPACITY
     assert "client slots" in info.value.message
     assert "latency probe" in info.value.message
+
+
+def test_admission_counts_the_mem_of_a_job_admitted_the_tick_before(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    """A started job's --mem is promised to it (D12): the next tick does not start a second one."""
+    d, policy, _ = env
+    # Fake GPU 0: 16G with 1G used, and NVML lists no processes, so a started job never shows its
+    # memory. 15G free less the 2G online reserve leave 13G: one 7G job fits, two do not.
+
+    def queue() -> str:
+        rec = d.registry.add_client(
+            cls=ClientClass.OFFLINE, argv=["sleep", "60"], uid=ROOT.uid, gid=ROOT.gid,
+            user="test", state=ClientState.QUEUED, priority=1, gpu_request="0",
+            mem_bytes=7 << 30, restartable=True, detach=True, cwd="/",
+            env={"PATH": os.environ["PATH"]}, pause_mechanism=d.state.pauser.mechanism.value,
+        )  # fmt: skip
+        return rec.id
+
+    first = queue()
+    d.run(max_ticks=1)
+    assert d.registry.get(first).state.is_live
+    second = queue()
+    policy.seen.clear()
+    d.run(max_ticks=3)
+    # NVML's free memory never moved; the first job's view carries what the promise needs.
+    assert {o.sample.mem_free_bytes for o in policy.seen} == {15 << 30}
+    view = next(c for o in policy.seen for c in o.clients if c.client_id == first)
+    assert (view.limits.pinned_mem_bytes, view.mem_used_bytes) == (7 << 30, None)
+    assert view.started_at_s is not None
+    assert d.registry.get(second).state is ClientState.QUEUED
 
 
 def test_metrics_exporter_serves_daemon_state() -> None:

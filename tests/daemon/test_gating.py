@@ -27,7 +27,9 @@ from gpushare.inflight import (
     parse_gauge,
     parse_inflight_from,
 )
-from gpushare.latency import LatencyReceiver, P99Tracker, Sender, decode_message
+from gpushare.latency.datagrams import decode_message
+from gpushare.latency.p99 import P99Tracker
+from gpushare.latency.receiver import LatencyReceiver, Sender
 from gpushare.node.cgroups.pauser import CgroupPauser
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 

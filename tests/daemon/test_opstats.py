@@ -3,7 +3,7 @@
 import pytest
 
 from gpushare.daemon.opstats import LastAction, OpStats, Tracked, gate_status, latency_status
-from gpushare.latency import LatencyP99
+from gpushare.latency.p99 import LatencyP99
 from gpushare.model import ClientState
 
 

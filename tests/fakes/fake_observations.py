@@ -59,12 +59,15 @@ def offline(
     failures: int = 0,
     guarantee: float | None = None,
     ceiling: float | None = None,
+    mem_limit: int | None = None,
+    started: float | None = None,
 ) -> ClientView:
+    """An offline client; ``mem`` is what NVML attributes to it, ``mem_limit`` its ``--mem``."""
     return ClientView(
         client_id=client_id,
         cls=ClientClass.OFFLINE,
         state=state,
-        limits=Limits(sm_pct=sm_pct, pinned_mem_bytes=None, priority=1),
+        limits=Limits(sm_pct=sm_pct, pinned_mem_bytes=mem_limit, priority=1),
         uid=uid,
         pid=200,
         mem_used_bytes=mem,
@@ -72,6 +75,7 @@ def offline(
         failures=failures,
         guarantee_sm_pct=guarantee,
         ceiling_sm_pct=ceiling,
+        started_at_s=started,
     )
 
 

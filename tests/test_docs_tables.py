@@ -1,0 +1,232 @@
+"""docs/benchmarks.md's generated tables against the committed bench/results JSON.
+
+``bench/docs_tables.py --check`` as a function: the committed doc must be what the committed JSON
+gives (file reads only), and the check must catch a JSON number or a doc cell changed on its own
+(on temporary copies; the repository's files are never written).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "bench" / "docs_tables.py")
+    if spec is None or spec.loader is None:
+        raise ImportError("bench/docs_tables.py cannot be loaded")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("docs_tables", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+dt = _load()
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of docs/benchmarks.md and of the JSON files the generated blocks read."""
+    doc = tmp_path / "benchmarks.md"
+    shutil.copyfile(dt.DOC, doc)
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in {s for b in dt.BLOCKS.values() for s in b.sources}:
+        shutil.copyfile(dt.RESULTS / name, results / name)
+    return doc, results
+
+
+def _edit_json(results: Path, name: str, edit: Callable[[Any], None]) -> None:
+    path = results / name
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _summary(data: Any, policy: str) -> dict[str, Any]:
+    row: dict[str, Any] = next(r for r in data["summary"] if r["policy"] == policy)
+    return row
+
+
+def test_committed_doc_agrees_with_committed_json() -> None:
+    diff = dt.check()
+    assert diff == [], (
+        "docs/benchmarks.md is stale; run .venv/bin/python bench/docs_tables.py:\n"
+        + ("\n".join(diff))
+    )
+
+
+def test_every_block_is_in_the_doc_once_and_names_its_json() -> None:
+    text = dt.DOC.read_text()
+    for name, block in dt.BLOCKS.items():
+        openings = [line for line in text.split("\n") if line.startswith(f"{dt.OPEN}{name} ")]
+        assert len(openings) == 1, name
+        for source in block.sources:
+            assert f"bench/results/{source}" in openings[0]
+
+
+# (JSON file, the edit, a line the regenerated doc must then hold)
+EDITS: list[tuple[str, Callable[[Any], None], str]] = [
+    (
+        "sharing.json",
+        lambda d: _summary(d, "gpushare").update(offline_norm_mean=0.61),
+        "| gpushare | +1% | +0% | +4% | 39/39 | 99.39% | 0.61 | 1.45 | 86% |",
+    ),
+    (
+        "sharing-slo1.1-nogating.json",
+        lambda d: _summary(d, "gpushare").update(within_7pct=34),
+        "| gpushare without gating (`--no-gating`) | +4% | +3% | +12% | 34/39 |",
+    ),
+    (
+        "sharing-slo2-nogating.json",
+        lambda d: _summary(d, "gpushare").update(p99_overhead_worst=0.401),
+        "| 2x | gpushare without gating | +15.9% | +14.3% | +40.1% |",
+    ),
+    (
+        "sharing-slo1.5.json",
+        lambda d: _summary(d, "mps").update(slo_attainment_mean=0.5),
+        "| 1.05x / 1.1x / 1.5x / 2x | mps | +15090% | +4138% | +98806% | 0/39 "
+        "| 10.44 / 11.20 / 50.00 / 20.12% |",
+    ),
+    (
+        "sharing.json",
+        lambda d: d["scenarios"][1]["rows"][0].update(online_p50_ms=99.94),
+        "| azure-bursty | gpushare | 99.9 | 214.6 |",
+    ),
+    (
+        "sharing.json",
+        # the worst of the 14 Tally-shaped pairs' service time under tally-like
+        lambda d: next(
+            r
+            for sc in d["scenarios"]
+            if sc["scenario"] == "pair-bert_2_fwd+bert_8_fb1"
+            for r in sc["rows"]
+            if r["policy"] == "tally-like"
+        ).update(service_overhead=2.0),
+        "| tally-like | 1.00x | 1.0x | 1.03x | 3.0x |",
+    ),
+    (
+        "frontier_pairs.json",
+        lambda d: d["policies"]["gpushare"]["1.5"].update(offline_norm_mean=0.601),
+        "| **gpushare (gating + delay, trust 60 s)**: now | **99.31 %, 0.44** | **99.41 %, 0.44** "
+        "| **100.00 %, 0.60** |",
+    ),
+    (
+        "frontier.json",
+        lambda d: d["policies"]["gpushare (no gating)"]["2"].update(slo_attainment_mean=0.98),
+        "| gpushare (no gating): before | 99.12 %, 0.05 | 99.32 %, 0.06 | 99.92 %, 0.18 "
+        "| 98.00 %, 0.29 |",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "line"), EDITS, ids=[f"{e[0]}:{i}" for i, e in enumerate(EDITS)]
+)
+def test_check_fails_when_a_json_number_changes(
+    copy: tuple[Path, Path], name: str, edit: Callable[[Any], None], line: str
+) -> None:
+    doc, results = copy
+    before = doc.read_bytes()
+    assert dt.check(doc, results) == []
+    _edit_json(results, name, edit)
+
+    diff = dt.check(doc, results)
+    assert any(d.startswith("+" + line) for d in diff), "\n".join(diff)
+    assert dt.main(["--check", "--doc", str(doc), "--results", str(results)]) == 1
+    assert doc.read_bytes() == before  # --check writes nothing
+
+    # Without --check the block is rewritten, and only lines inside blocks change.
+    assert dt.main(["--doc", str(doc), "--results", str(results)]) == 0
+    assert dt.check(doc, results) == []
+    old, new = before.decode().split("\n"), doc.read_text().split("\n")
+    assert len(old) == len(new)
+    changed = [i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b]
+    assert changed
+    for i in changed:
+        opening = max(j for j in range(i) if new[j].startswith(dt.OPEN))
+        assert dt.END not in new[opening:i]
+
+
+def test_check_catches_a_cell_rounded_by_hand(copy: tuple[Path, Path]) -> None:
+    doc, results = copy
+    text = doc.read_text()
+    cell = "| 1.5x | **gpushare** | +1.9% | +1.5% | +4.5% | 39/39 | 99.99% | 0.42 |"
+    assert cell in text
+    doc.write_text(text.replace(cell, cell.replace("| 0.42 |", "| 0.43 |")))
+    diff = dt.check(doc, results)
+    assert "-" + cell.replace("| 0.42 |", "| 0.43 |") in "\n".join(diff)
+
+
+def test_prose_outside_the_markers_is_neither_checked_nor_rewritten(
+    copy: tuple[Path, Path],
+) -> None:
+    doc, results = copy
+    text = doc.read_text().replace("(target >= 0.40)", "(target >= 0.41)")
+    doc.write_text(text)
+    assert dt.check(doc, results) == []
+    assert dt.regenerate(text, results) == text
+
+
+def test_a_baseline_that_moves_with_the_factor_is_refused(copy: tuple[Path, Path]) -> None:
+    doc, results = copy
+    _edit_json(results, "sharing-slo2.json", lambda d: _summary(d, "tgs").update(busy_mean=0.5))
+    with pytest.raises(dt.DocError, match=r"tgs: busy_mean at 2x .* give it a row per factor"):
+        dt.check(doc, results)
+
+
+def _unmark(text: str, name: str) -> str:
+    """``text`` with block ``name``'s two marker lines taken out (its table left as it is)."""
+    lines = text.split("\n")
+    i = next(i for i, line in enumerate(lines) if line.startswith(f"{dt.OPEN}{name} "))
+    j = lines.index(dt.END, i)
+    return "\n".join(lines[:i] + lines[i + 1 : j] + lines[j + 1 :])
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.replace(f"{dt.OPEN}frontier-all ", f"{dt.OPEN}frontier-al1 "), "unknown"),
+        (lambda t: _unmark(t, "sharing-pairs"), "no marker for block.*sharing-pairs"),
+        (
+            lambda t: t.replace(f"{dt.OPEN}sharing-pairs ", "<!-- was generated: sharing-pairs "),
+            "line [0-9]+: <!-- end generated --> without an opening marker",
+        ),
+        (lambda t: t.replace(dt.END, "<!-- end -->", 1), "has no <!-- end generated -->"),
+    ],
+)
+def test_broken_markers_are_refused(
+    copy: tuple[Path, Path], edit: Callable[[str], str], message: str
+) -> None:
+    doc, results = copy
+    doc.write_text(edit(doc.read_text()))
+    before = doc.read_bytes()
+    with pytest.raises(dt.DocError, match=message):
+        dt.check(doc, results)
+    assert dt.main(["--doc", str(doc), "--results", str(results)]) == 2
+    assert doc.read_bytes() == before
+
+
+def test_a_missing_json_is_named(copy: tuple[Path, Path]) -> None:
+    doc, results = copy
+    (results / "frontier.json").unlink()
+    with pytest.raises(dt.DocError, match=r"frontier\.json: missing; rerun"):
+        dt.check(doc, results)
+
+
+def test_a_block_reads_only_the_json_its_marker_names(copy: tuple[Path, Path]) -> None:
+    _, results = copy
+    view = dt.Results(results).only(["frontier.json"])
+    assert view("frontier.json")["policies"]
+    with pytest.raises(dt.DocError, match="sharing.json: read by a block whose sources"):
+        view("sharing.json")
