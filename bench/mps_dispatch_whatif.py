@@ -4,7 +4,7 @@ The model (docs/simulator.md G5/G6) is gentler on plain MPS than two measurement
 point (ResNet-50 b4 inference next to ResNet-50 b32 training) and a LithOS reproduction on an
 A100 (gpushare/data/validation/README.md). One hypothesis for both: the hardware queues grids of
 equal-priority clients closer to FIFO by submission. This benchmark patches that rule into the
-simulator **for this process only** (``gpushare/sim/gpu.py`` is unchanged) and runs the points
+simulator **for this process only** (the model's source is unchanged) and runs the points
 under the model as shipped and under the variant.
 
 Two variants, both patched at a kernel's completion (``Gpu._complete``) and at the dispatch
