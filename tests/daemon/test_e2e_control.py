@@ -24,7 +24,7 @@ from gpushare.node.procs.identity import is_same_process, process_start_time
 from tests.fakes.fake_dutyprobe import cpu_ns
 from tests.fakes.fake_gpu import GIB, fake_uuid
 from tests.support.cgroup_helpers import cgroup_skip_reason
-from tests.support.daemon_helpers import REPO, DaemonProc, wait_for
+from tests.support.daemon_helpers import REPO, DaemonProc, duty_gpu_daemon, wait_for
 
 PERIOD = "50ms"
 BUSY = "while True: pass"
@@ -122,18 +122,7 @@ class E2e:
 def _start(pauser: str, extra: str = "") -> E2e:
     if pauser == "cgroup" and (reason := cgroup_skip_reason()) is not None:
         pytest.skip(reason)
-    dp = DaemonProc(
-        f'[control]\nperiod = "{PERIOD}"\n{extra}',
-        gpus=1,
-        env={"GPUSHARE_TEST_FAKE_GPU": "duty", "GPUSHARE_TEST_PAUSER": pauser},
-    )
-    state_dir = dp.base / "gpu"
-    state_dir.mkdir()
-    dp.env["GPUSHARE_TEST_STATE_DIR"] = str(state_dir)
-    if pauser == "signal" and dp.cgroup_dir is not None:
-        # The signal fallback must not be given a cgroup it would never create.
-        dp.cgroup_dir = None
-        dp.write_config(dp.extra_toml)
+    dp, state_dir = duty_gpu_daemon(f'[control]\nperiod = "{PERIOD}"\n{extra}', pauser)
     e2e = E2e(dp, state_dir)
     try:
         dp.start()

@@ -28,7 +28,7 @@ from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import GIB, FakeGpuBackend
 from tests.fakes.fake_mpsnode import FakeMpsNode
 from tests.support.cgroup_helpers import cgroup_skip_reason
-from tests.support.daemon_helpers import REPO, DaemonProc, wait_for
+from tests.support.daemon_helpers import REPO, DaemonProc, duty_gpu_daemon, wait_for
 
 IDLE = "import time\nwhile True: time.sleep(0.05)"
 
@@ -50,17 +50,7 @@ def _clients(dp: DaemonProc, *args: str) -> dict[str, dict[str, Any]]:
 @pytest.fixture
 def dp() -> Any:
     pauser = "cgroup" if cgroup_skip_reason() is None else "signal"
-    dp = DaemonProc(
-        '[control]\nperiod = "50ms"\nevict_grace = "300ms"\n',
-        gpus=1,
-        env={"GPUSHARE_TEST_FAKE_GPU": "duty", "GPUSHARE_TEST_PAUSER": pauser},
-    )
-    state_dir = dp.base / "gpu"
-    state_dir.mkdir()
-    dp.env["GPUSHARE_TEST_STATE_DIR"] = str(state_dir)
-    if pauser == "signal" and dp.cgroup_dir is not None:
-        dp.cgroup_dir = None  # the signal fallback creates no cgroup
-        dp.write_config(dp.extra_toml)
+    dp, _ = duty_gpu_daemon('[control]\nperiod = "50ms"\nevict_grace = "300ms"\n', pauser)
     try:
         yield dp.start()
     finally:

@@ -186,6 +186,27 @@ enabled = false
         shutil.rmtree(self.base, ignore_errors=True)
 
 
+def duty_gpu_daemon(extra_toml: str, pauser: str) -> tuple[DaemonProc, Path]:
+    """A daemon (not started) on one fake GPU whose load and memory a test sets, and that folder.
+
+    The fake GPU is ``tests/fakes/fake_dutyprobe.py``: files in the returned folder (``burst``,
+    ``mem_used``) steer it. ``pauser`` is ``cgroup`` or ``signal``.
+    """
+    dp = DaemonProc(
+        extra_toml,
+        gpus=1,
+        env={"GPUSHARE_TEST_FAKE_GPU": "duty", "GPUSHARE_TEST_PAUSER": pauser},
+    )
+    state_dir = dp.base / "gpu"
+    state_dir.mkdir()
+    dp.env["GPUSHARE_TEST_STATE_DIR"] = str(state_dir)
+    if pauser == "signal" and dp.cgroup_dir is not None:
+        # The signal fallback must not be given a cgroup it would never create.
+        dp.cgroup_dir = None
+        dp.write_config(dp.extra_toml)
+    return dp, state_dir
+
+
 # Speaks the protocol with the standard library only, so any python the other uid can run will do.
 AS_UID_SCRIPT = """
 import json, socket, sys
