@@ -3,11 +3,13 @@
 Also measures one NvmlBackend.sample() of 8 fake GPUs through the real adapter (thread hand-off,
 error policy, versioned calls), which is the other per-tick sensing cost.
 
-Run: .venv/bin/python bench/observe.py   -> prints numbers, writes bench/results/observe.json
+Run: .venv/bin/python bench/observe.py [ITERATIONS]   -> prints numbers, writes
+bench/results/observe.json (ITERATIONS: observation builds timed, default 2000).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -30,7 +32,7 @@ from tests.fakes.fake_probe import FakeProbe  # noqa: E402
 GPUS = 8
 CLIENTS = 48
 ONLINE_PER_GPU = 8
-ITERATIONS = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+ITERATIONS = 2000
 NVML_ITERATIONS = 300
 
 
@@ -46,6 +48,9 @@ def stats_us(samples_s: list[float]) -> dict[str, float]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("iterations", nargs="?", type=int, default=ITERATIONS, help="builds timed")
+    iterations = ap.parse_args().iterations
     backend = FakeGpuBackend.uniform(GPUS, CLIENTS)
     samples = backend.sample()
     clients_by_gpu = {}
@@ -74,7 +79,7 @@ def main() -> None:
     mps_states = {s.uuid: MpsState.UP for s in samples}
 
     times = []
-    for _ in range(ITERATIONS):
+    for _ in range(iterations):
         t0 = time.perf_counter()
         obs = build_observations(
             samples=backend.sample(),
@@ -121,7 +126,7 @@ def main() -> None:
     }
     print(
         f"build_observations {GPUS} GPUs x {CLIENTS} clients: median {build['median_us']:.0f} us, "
-        f"p99 {build['p99_us']:.0f} us over {ITERATIONS} ticks"
+        f"p99 {build['p99_us']:.0f} us over {iterations} ticks"
     )
     print(
         f"NvmlBackend.sample() {GPUS} fake GPUs: median {sample_cost['median_us']:.0f} us, "
