@@ -140,6 +140,16 @@ def client_share_pct(share_pct: float, client: ClientView) -> float:
     return target
 
 
+def above_share(share_pct: float, client: ClientView) -> bool:
+    """Whether ``client`` runs above its share of ``share_pct`` (it crowds online work)."""
+    return client.limits.sm_pct > client_share_pct(share_pct, client) + 0.5
+
+
+def leaving(state: GpuState) -> frozenset[str]:
+    """Clients being evicted or told to stop: no restart is asked for them."""
+    return frozenset(cid for cid, _ in state.evicting) | state.stopped
+
+
 def gated_shallow(state: GpuState, obs: Observation) -> bool:
     """Request gating is on and no running offline client has a deep queue.
 

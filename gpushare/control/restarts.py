@@ -17,9 +17,11 @@ from gpushare.config import ControlConfig
 from gpushare.control.gpu_state import (
     RESTARTABLE_STATES,
     GpuState,
+    above_share,
     app_only,
     client_share_pct,
     gated_shallow,
+    leaving,
 )
 from gpushare.control.signals import Signals
 from gpushare.model import (
@@ -83,7 +85,7 @@ def restarts(
         return state
     if any(c.state is ClientState.RESTARTING for c in obs.offline()):
         return state
-    going = {cid for cid, _ in state.evicting} | state.stopped
+    going = leaving(state)
     if state.gating_emitted is True:
         state, asked = shallow_restart(config, state, obs, going, now, actions)
         if asked:
@@ -123,7 +125,7 @@ def shallow_restart(
     config: ControlConfig,
     state: GpuState,
     obs: Observation,
-    going: set[str],
+    going: frozenset[str],
     now: float,
     actions: list[Action],
 ) -> tuple[GpuState, bool]:
@@ -171,7 +173,7 @@ def queue_restart(
     config: ControlConfig,
     state: GpuState,
     obs: Observation,
-    going: set[str],
+    going: frozenset[str],
     now: float,
     actions: list[Action],
 ) -> GpuState:
@@ -213,7 +215,6 @@ def queue_restart(
 
 def needs_restart(config: ControlConfig, client: ClientView, share_pct: float) -> bool:
     """Whether ``client``'s SM cap is far enough from its share of ``share_pct`` to restart it."""
-    target = client_share_pct(share_pct, client)
-    current = client.limits.sm_pct
     # Above target: always (it crowds online work). Below: only when worth a restart.
-    return current > target + 0.5 or current < target - config.share_hysteresis_pct
+    below = client.limits.sm_pct < client_share_pct(share_pct, client) - config.share_hysteresis_pct
+    return above_share(share_pct, client) or below

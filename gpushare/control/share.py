@@ -18,7 +18,13 @@ import math
 from dataclasses import replace
 
 from gpushare.config import ControlConfig
-from gpushare.control.gpu_state import GpuState, app_only, client_share_pct, gated_shallow
+from gpushare.control.gpu_state import (
+    GpuState,
+    above_share,
+    app_only,
+    gated_shallow,
+    leaving,
+)
 from gpushare.control.signals import Signals
 from gpushare.model import (
     Action,
@@ -194,12 +200,9 @@ def cut_waits(
     since = state.quiet_sampled_since_s
     if since is not None and now - since >= config.quiet_settle_s - 1e-9:
         return False
-    going = {cid for cid, _ in state.evicting} | state.stopped
+    going = leaving(state)
     return any(
-        c.restartable
-        and c.state.is_live
-        and c.client_id not in going
-        and c.limits.sm_pct > client_share_pct(target, c) + 0.5
+        c.restartable and c.state.is_live and c.client_id not in going and above_share(target, c)
         for c in obs.offline()
     )
 
