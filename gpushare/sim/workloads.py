@@ -548,16 +548,12 @@ def rate_series_arrivals(
     while b < len(per_bin):
         rate = per_bin[b] / peak * peak_rps
         bin_end = (b + 1) * bin_s
-        if rate <= 0.0:
-            t = bin_end
-            b += 1
-            continue
-        t += rng.expovariate(rate)
+        t = min(t + rng.expovariate(rate), bin_end) if rate > 0.0 else bin_end
         if t >= end_s:
             return
         if t >= bin_end:
-            # Memorylessness: restart the draw at the next bin's start with its own rate.
-            t = bin_end
+            # Memorylessness: restart the draw at the next bin's start with its own rate (a
+            # quiet bin's long draw must not end the process before the busy bins after it).
             b += 1
             continue
         yield t
