@@ -4,8 +4,9 @@ Prints (and writes as JSON, ``bench/results/sim_validation.json``):
 
 1. the validation table: every published point (``gpushare/sim/validation.py``), measured and
    modelled, calibration or validation, with the error;
-2. the sensitivity of the results to the wave rule's one parameter (``[gpu] wave_scale``) and
-   to the rule that shares slots within one MPS priority (``fifo`` left-over, ``fair``): the
+2. the sensitivity of the results to the wave rule's one parameter (``[gpu] wave_scale``), to
+   the rule that shares slots within one MPS priority (``fifo`` left-over, ``fair``) and to the
+   inference servers' host cost per kernel (``[gpu] host_per_kernel``, W3) across its range: the
    Orion point, the MPS throughput gain of eight ResNet-50 servers (``trtlab-mps-8``) and the
    median p99 inflation of the 12 Tally-shaped pairs (BERT and Transformer-XL inference at load
    0.5 next to each training profile) per baseline;
@@ -34,15 +35,23 @@ from gpushare.cli.sim_cmd import make_policies  # noqa: E402
 from gpushare.sim import data, engine, runner, scenario, validation  # noqa: E402
 from gpushare.sim import node as simnode  # noqa: E402
 from gpushare.sim.gpu import EventLoop, Gpu  # noqa: E402
-from gpushare.sim.workloads import DEFAULT_LAUNCH_GAP_S, OfflineTrainer  # noqa: E402
+from gpushare.sim.workloads import (  # noqa: E402
+    DEFAULT_HOST_PER_KERNEL_S,
+    DEFAULT_LAUNCH_GAP_S,
+    OfflineTrainer,
+)
 
 PAIR_PREFIXES = ("pairs/bert_2_fwd+", "pairs/transformer_xl_4_fwd+")
 BASELINES = ("mps", "mps-priority", "time-slicing")
 SETTINGS = (
     ("wave_scale 0.5", {"wave_scale": 0.5}),
-    ("wave_scale 1 (default)", {}),
+    ("default (wave_scale 1, host cost 56 us)", {}),
     ("wave_scale 2", {"wave_scale": 2.0}),
     ("share fair", {"share": "fair"}),
+    ("host cost 0 (none)", {"host_per_kernel_s": 0.0}),
+    ("host cost 30 us", {"host_per_kernel_s": 30e-6}),
+    ("host cost 45 us", {"host_per_kernel_s": 45e-6}),
+    ("host cost 70 us", {"host_per_kernel_s": 70e-6}),
 )
 
 
@@ -73,7 +82,10 @@ def orion(overrides: dict[str, Any]) -> dict[str, float]:
     """The Orion point (3 seeds) under the settings."""
     runs = [
         validation.orion_point(
-            s, share=overrides.get("share", "fifo"), wave_scale=overrides.get("wave_scale", 1.0)
+            s,
+            share=overrides.get("share", "fifo"),
+            wave_scale=overrides.get("wave_scale", 1.0),
+            host_per_kernel_s=overrides.get("host_per_kernel_s", DEFAULT_HOST_PER_KERNEL_S),
         )
         for s in (1, 2, 3)
     ]

@@ -39,6 +39,7 @@ from gpushare.sim.workloads import (
     percentile_sorted,
     poisson_arrivals,
     rate_series_arrivals,
+    request_alone_s,
     trace_arrivals,
 )
 
@@ -144,7 +145,12 @@ class SimNode:
                     spec.name,
                     gpu,
                     prof,
-                    arrivals_for(spec, prof.total_s, seed * 1000 + k, scenario.duration_s),
+                    arrivals_for(
+                        spec,
+                        request_alone_s(prof, g.host_per_kernel_s),
+                        seed * 1000 + k,
+                        scenario.duration_s,
+                    ),
                     sm_pct=spec.sm_pct,
                     mem_bytes=spec.mem_bytes,
                     slo_p99_ms=spec.slo_p99_ms,
@@ -152,6 +158,7 @@ class SimNode:
                 )
                 server.launch_blocking = spec.launch_blocking
                 server.launch_gap_s = g.launch_gap_s
+                server.set_host_cost(g.host_per_kernel_s)
                 if isinstance(server, TallyServer):
                     server.tally = tally[gpu.uuid]
                     server.tally.servers.append(server)

@@ -283,6 +283,7 @@ class RealTimeSimNode:
                 slo_p99_ms=slo_p99_ms,
                 pid=pid,
             )
+            server.set_host_cost(g.host_per_kernel_s)
             server.on_boundary = BoundarySender(self._send_boundary, server).boundary
             node.online.append(server)
             if not node.allocate(server):

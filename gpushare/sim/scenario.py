@@ -19,6 +19,7 @@ from gpushare import config as gconfig
 from gpushare.protocol import QUEUE_MODES
 from gpushare.sim import data
 from gpushare.sim.gpu import DEFAULT_SLICE_S, DEFAULT_SWITCH_S
+from gpushare.sim.workloads import DEFAULT_HOST_PER_KERNEL_S, request_alone_s
 from gpushare.units import parse_duration, parse_size
 
 if sys.version_info >= (3, 11):
@@ -53,6 +54,7 @@ class GpuSpec:
     switch_s: float = DEFAULT_SWITCH_S
     wave_scale: float = 1.0
     launch_gap_s: float = 10e-6
+    host_per_kernel_s: float = DEFAULT_HOST_PER_KERNEL_S
     merge_online_us: float = data.DEFAULT_MERGE_ONLINE_US
     merge_offline_us: float = data.DEFAULT_MERGE_OFFLINE_US
     start_s: float = 1.0
@@ -232,6 +234,7 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
             "switch",
             "wave_scale",
             "launch_gap",
+            "host_per_kernel",
             "merge_online_us",
             "merge_offline_us",
             "start",
@@ -250,6 +253,7 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
         switch_s=r.duration(t, p, "switch", default=d.switch_s),
         wave_scale=r.number(t, p, "wave_scale", d.wave_scale, 0.05, 20.0),
         launch_gap_s=r.duration(t, p, "launch_gap", default=d.launch_gap_s),
+        host_per_kernel_s=r.duration(t, p, "host_per_kernel", default=d.host_per_kernel_s),
         merge_online_us=r.number(t, p, "merge_online_us", d.merge_online_us, 0.0, 10_000.0),
         merge_offline_us=r.number(t, p, "merge_offline_us", d.merge_offline_us, 0.0, 10_000.0),
         start_s=r.duration(t, p, "start", default=d.start_s),
@@ -303,7 +307,8 @@ def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpe
     if arrivals == "poisson" and rps is not None:
         # A steady Poisson rate at or above one request per pass is a queue that never drains:
         # every latency would grow with the run's length, whatever the policy.
-        pass_s = data.load_profile(profile, gpu.merge_online_us, gpu.sm_count).total_s
+        prof = data.load_profile(profile, gpu.merge_online_us, gpu.sm_count)
+        pass_s = request_alone_s(prof, gpu.host_per_kernel_s)
         if rps * pass_s >= 1.0:
             raise r.err(
                 p + "rps",

@@ -17,10 +17,19 @@ from dataclasses import dataclass
 
 from gpushare.sim import data
 from gpushare.sim.gpu import DEFAULT_SLICE_S, EventLoop, Gpu, GpuMode, ShareRule
-from gpushare.sim.workloads import OfflineTrainer, OnlineServer, percentile, poisson_arrivals
+from gpushare.sim.workloads import (
+    DEFAULT_HOST_PER_KERNEL_S,
+    OfflineTrainer,
+    OnlineServer,
+    percentile,
+    poisson_arrivals,
+    request_alone_s,
+)
 
 ORION = "orion-v100-kernels"
 POINTS = "validation/points.csv"
+#: Published standalone latencies of eager inference passes (the host cost, W3).
+STANDALONE = "validation/standalone.csv"
 IGNITER = "igniter-v100/latency_vs_mps_thread_pct.csv"
 #: The iGniter curves the run-time law's parallel fraction was fitted on (G7).
 IGNITER_CALIBRATION = (("resnet50", 32), ("vgg19", 16), ("alexnet", 64))
@@ -77,6 +86,68 @@ def switch_cost_from(points: list[Point], slice_s: float = DEFAULT_SLICE_S) -> f
     the switch cost is ``slice x mean(ratio / N - 1)`` over the points.
     """
     return slice_s * statistics.fmean(p.ratio / p.clients - 1.0 for p in points)
+
+
+@dataclass(frozen=True, slots=True)
+class StandalonePoint:
+    """A published latency of one inference pass alone, for a profile the model has."""
+
+    id: str
+    role: str  # "calibration" or "validation"
+    profile: str
+    gpu: str
+    framework: str
+    measured_ms: float
+    #: How far the model may be off this point (its test and the table say the same).
+    tolerance_pct: float
+    metric: str
+    comparability: str
+    source: str
+
+
+def load_standalone() -> dict[str, StandalonePoint]:
+    """The published standalone latencies, by id."""
+    with data.resolve(STANDALONE).open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    return {
+        r["id"]: StandalonePoint(
+            **{  # type: ignore[arg-type]
+                **r,
+                "measured_ms": float(r["measured_ms"]),
+                "tolerance_pct": float(r["tolerance_pct"]),
+            }
+        )
+        for r in rows
+    }
+
+
+def alone_ms(profile: str, host_per_kernel_s: float) -> float:
+    """The model's latency of one pass of an Orion profile alone, at a host cost per kernel."""
+    prof = data.load_profile(f"{ORION}/{profile}.csv")
+    return request_alone_s(prof, host_per_kernel_s) * 1e3
+
+
+def host_cost_for(point: StandalonePoint) -> float:
+    """The host cost per kernel at which the model's pass alone takes the measured time.
+
+    The pass's time alone grows with the host cost (:func:`request_alone_s`), so a bisection
+    finds it; a measurement at or under the kernel time alone needs none (0).
+    """
+    lo, hi = 0.0, 1e-3
+    if alone_ms(point.profile, lo) >= point.measured_ms:
+        return 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if alone_ms(point.profile, mid) < point.measured_ms:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def host_cost_from(points: list[StandalonePoint]) -> float:
+    """The calibrated host cost per kernel: the mean of what each calibration point needs."""
+    return statistics.fmean(host_cost_for(p) for p in points)
 
 
 def _mean_pass_s(
@@ -151,7 +222,12 @@ class OrionRun:
 
 
 def orion_point(
-    seed: int = 1, *, end_s: float = 20.0, share: ShareRule = "fifo", wave_scale: float = 1.0
+    seed: int = 1,
+    *,
+    end_s: float = 20.0,
+    share: ShareRule = "fifo",
+    wave_scale: float = 1.0,
+    host_per_kernel_s: float = DEFAULT_HOST_PER_KERNEL_S,
 ) -> OrionRun:
     """ResNet-50 b4 inference at Poisson 30 rps next to ResNet-50 b32 training, plain MPS, V100."""
     loop = EventLoop()
@@ -159,6 +235,7 @@ def orion_point(
     fwd = data.load_profile(f"{ORION}/resnet50_4_fwd.csv")
     arrivals = poisson_arrivals(30.0, seed, end_s)
     server = OnlineServer("inf", gpu, fwd, arrivals, sm_pct=100, mem_bytes=0)
+    server.set_host_cost(host_per_kernel_s)
     gpu.attach(server)
     server.start(loop)
     fb = data.load_profile(f"{ORION}/resnet50_32_fb1.csv", data.DEFAULT_MERGE_OFFLINE_US)
@@ -194,6 +271,7 @@ def tally_pair(
     seed: int = 1,
     end_s: float = 10.0,
     warmup_s: float = 1.0,
+    host_per_kernel_s: float = DEFAULT_HOST_PER_KERNEL_S,
 ) -> PairRun:
     """A Tally-shaped pair on the simulated V100: Poisson arrivals at ``load`` / pass time.
 
@@ -203,8 +281,9 @@ def tally_pair(
     loop = EventLoop()
     gpu = Gpu(loop, uuid="GPU-val", index=0, mode=mode)
     prof = data.load_profile(f"{ORION}/{fwd}.csv")
-    arrivals = poisson_arrivals(load / prof.total_s, seed, end_s)
+    arrivals = poisson_arrivals(load / request_alone_s(prof, host_per_kernel_s), seed, end_s)
     server = OnlineServer("inf", gpu, prof, arrivals, sm_pct=100, mem_bytes=0)
+    server.set_host_cost(host_per_kernel_s)
     gpu.attach(server)
     server.start(loop)
     if train is not None:
@@ -304,6 +383,17 @@ def table(*, orion_seeds: tuple[int, ...] = (1, 2, 3)) -> list[Row]:
             "-25 % .. +5 %",
         )
     )
+    for sp in load_standalone().values():
+        rows.append(
+            Row(
+                sp.id,
+                sp.role,
+                f"{sp.gpu}, {sp.framework}, {sp.profile}: {sp.metric} (ms)",
+                sp.measured_ms,
+                alone_ms(sp.profile, DEFAULT_HOST_PER_KERNEL_S),
+                f"{sp.tolerance_pct:g} %",
+            )
+        )
     runs = [orion_point(s) for s in orion_seeds]
     real = orion_measured()
     for attr, what, tol in (

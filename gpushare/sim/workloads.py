@@ -4,8 +4,11 @@ Each is a :class:`gpushare.sim.gpu.Client` with one :class:`~gpushare.sim.gpu.St
 stream of kernels on one GPU.
 
 * :class:`OnlineServer` serves requests first come, first served; a request is the kernel sequence
-  of one forward pass, issued all at once when the request starts (an inference server launches a
-  whole forward pass asynchronously and synchronises at its end). Latency = completion - arrival.
+  of one forward pass, launched asynchronously by the server's CPU, which synchronises at its end.
+  The CPU issues the pass's kernels one after another at :data:`DEFAULT_HOST_PER_KERNEL_S` each
+  (the framework's per-operator cost, W3), so a request alone takes about
+  ``max(kernel time, kernels x host cost)`` (:func:`request_alone_s`). Latency = completion -
+  arrival.
 * :class:`OfflineTrainer` runs training iterations in a closed loop. Its CPU side issues a whole
   iteration at the iteration's start and synchronises at its end (PyTorch's ``loss.item()``), so it
   runs ahead of the GPU by at most one iteration. Frozen, it issues nothing new; the kernels of the
@@ -36,11 +39,38 @@ THAW_S = 0.12e-3
 #: framework's per-operator cost plus the launch and the synchronisation, each a few
 #: microseconds; PyTorch's per-op CPU cost is of the order of 10 us (docs/simulator.md W3).
 DEFAULT_LAUNCH_GAP_S = 10e-6
+#: CPU time an eager PyTorch inference server spends per kernel it issues (Python, the
+#: framework's dispatch, the launch): the mean of what two published standalone latencies need,
+#: ResNet-50 b4 and Transformer-XL b4 on a V100 (calibration; validated on BERT-large b2 and
+#: Orion's co-located point; docs/simulator.md section 4, ``validation.host_cost_from``).
+DEFAULT_HOST_PER_KERNEL_S = 56.2e-6
 
 
 def cap_sms(sm_pct: float, sm_count: int) -> int:
     """SMs an MPS client with an active-thread percentage may hold (at least one)."""
     return max(1, min(sm_count, round(sm_pct * sm_count / 100.0)))
+
+
+def source_counts(profile: KernelProfile) -> tuple[int, ...]:
+    """Source kernels per chunk of a (possibly merged) profile: what the CPU pays per launch."""
+    return tuple(len(part) for part in profile.parts) or (1,) * len(profile)
+
+
+def request_alone_s(profile: KernelProfile, host_per_kernel_s: float) -> float:
+    """One pass alone when the CPU issues each source kernel ``host_per_kernel_s`` after the last.
+
+    Chunk ``p`` can start once its last source kernel is issued and the chunk before it is done:
+    ``end_p = max(end_(p-1), host x kernels up to p) + dur_p``. With no host cost this is the
+    profile's kernel time; it is what a standalone latency measured on the hardware would be, so
+    a scenario's load is taken against it.
+    """
+    if host_per_kernel_s <= 0.0:
+        return profile.total_s
+    end, issued = 0.0, 0
+    for dur, n in zip(profile.dur_s, source_counts(profile), strict=True):
+        issued += n
+        end = max(end, host_per_kernel_s * issued) + dur
+    return end
 
 
 class StreamView:
@@ -130,6 +160,9 @@ class SimClient(StreamView):
     #: flight, each launched ``launch_gap_s`` per source kernel after the previous one ended.
     launch_blocking: bool = False
     launch_gap_s: float = DEFAULT_LAUNCH_GAP_S
+    #: CPU time per source kernel when issuing (:meth:`set_host_cost`); 0: a whole sequence is
+    #: issued at once.
+    host_per_kernel_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.stream = Stream(
@@ -154,21 +187,45 @@ class SimClient(StreamView):
             zip(profile.dur_s, profile.width, profile.mem, waves, tails, strict=True)
         )
         #: Source kernels per chunk: what launch-blocking mode pays a gap for.
-        self._counts = tuple(len(part) for part in profile.parts) or (1,) * len(profile)
+        self._counts = source_counts(profile)
         self.pos = self._n  # no kernel sequence in progress
         self._gate = 0  # bumped when a sequence is dropped: a pending launch must not fire
+        #: When the current sequence began, and when (after that) its CPU has issued each chunk.
+        self._seq_t0 = 0.0
+        self._issued_after: tuple[float, ...] = (0.0,) * self._n
+
+    def set_host_cost(self, host_per_kernel_s: float) -> None:
+        """Issue each source kernel ``host_per_kernel_s`` of CPU time after the one before it.
+
+        Chunk ``p`` of a sequence becomes the stream's next kernel once the CPU has issued its
+        last source kernel (a merged chunk starts with it; the error is at most the merge limit).
+        """
+        self.host_per_kernel_s = host_per_kernel_s
+        cum = 0
+        offsets = []
+        for n in self._counts:
+            cum += n
+            offsets.append(host_per_kernel_s * cum)
+        self._issued_after = tuple(offsets)
 
     def _present(self, p: int, now: float) -> None:
-        """Make chunk ``p`` the next kernel: at once, or after its launch gaps when blocking."""
+        """Make chunk ``p`` the next kernel: at once, or when the CPU has issued it.
+
+        Asynchronous issue with a host cost makes chunk ``p`` wait for the CPU's issue time in the
+        sequence; launch-blocking mode launches it only after the previous chunk ended, its
+        source kernels' host cost and launch gaps later.
+        """
         st = self.stream
-        if not self.launch_blocking:
-            st.nxt = self._kernels[p]
-            st.eligible_since = now
-            return
+        if self.launch_blocking:
+            at = now + (self.launch_gap_s + self.host_per_kernel_s) * self._counts[p]
+        else:
+            at = self._seq_t0 + self._issued_after[p]
+            if at <= now:
+                st.nxt = self._kernels[p]
+                st.eligible_since = now
+                return
         st.nxt = None
-        self.gpu.loop.at(
-            now + self.launch_gap_s * self._counts[p], self._launched_one, (self._gate, p)
-        )
+        self.gpu.loop.at(at, self._launched_one, (self._gate, p))
 
     def _launched_one(self, arg: tuple[int, int]) -> None:
         gate, p = arg
@@ -186,7 +243,8 @@ class SimClient(StreamView):
     def blocking_cost(self) -> float:
         """Run time alone in launch-blocking mode over the asynchronous run time alone."""
         total = self.profile.total_s
-        return (total + self.launch_gap_s * sum(self._counts)) / total if total > 0 else 1.0
+        gap = self.launch_gap_s + self.host_per_kernel_s
+        return (total + gap * sum(self._counts)) / total if total > 0 else 1.0
 
     def set_limits(self, sm_pct: float) -> None:
         """Apply a new SM percentage (only at a (re)start: MPS fixes it for the client's life)."""
@@ -263,6 +321,7 @@ class OnlineServer(SimClient):
         if self.queue and self.state is ClientState.RUNNING:
             self.current_arrival = self.queue.popleft()
             self.current_start = now
+            self._seq_t0 = now
             self.pos = 0
             self._present(0, now)
             self.counts.issued += self._n
@@ -279,7 +338,7 @@ class OnlineServer(SimClient):
             if self.on_boundary is not None:
                 self.on_boundary(-1, now)
             self._begin_next(now)
-        elif self.launch_blocking:
+        elif self.launch_blocking or self.host_per_kernel_s > 0.0:
             self._present(p, now)
         else:  # _present inlined: this runs for every kernel
             st = self.stream

@@ -41,8 +41,9 @@ def test_sim_runs_policies_and_writes_outputs(tmp_path: Path) -> None:
     doc = json.loads((out / "cli-pair.json").read_text())
     assert [r["policy"] for r in doc["rows"]] == ["gpushare", "mps"]
     assert doc["alone"]["online"][0]["requests"] > 100
-    mps = doc["rows"][1]
-    assert mps["p99_overhead"] > 1.0  # plain MPS more than doubles the p99
+    gpushare, mps = doc["rows"]
+    # Plain MPS slows the server (its host time between kernels hides part of the wait, W3).
+    assert mps["p99_overhead"] > max(0.1, gpushare["p99_overhead"])
     for suffix in ("latency-cdf", "offline-throughput", "duty"):
         assert (out / f"cli-pair-{suffix}.png").stat().st_size > 1000
 

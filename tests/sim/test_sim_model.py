@@ -186,7 +186,9 @@ def test_plain_mps_inflates_online_latency_and_priority_and_caps_help() -> None:
     assert alone is not None
     base = alone.online[0].p99_ms
     assert plain.online[0].p99_ms > 3 * base
-    assert base < split.online[0].p99_ms < prio.online[0].p99_ms < plain.online[0].p99_ms
+    # The server's CPU time between kernels (W3) absorbs the short waits a 40 % cap with priority
+    # leaves, so the split may cost it nothing at p99.
+    assert base <= split.online[0].p99_ms < prio.online[0].p99_ms < plain.online[0].p99_ms
     assert split.offline[0].iter_per_s < prio.offline[0].iter_per_s
 
 

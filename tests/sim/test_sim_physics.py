@@ -10,7 +10,7 @@ import pytest
 
 from gpushare.sim import data
 from gpushare.sim.gpu import EventLoop, Gpu
-from gpushare.sim.workloads import FREEZE_S, OfflineTrainer, OnlineServer
+from gpushare.sim.workloads import FREEZE_S, OfflineTrainer, OnlineServer, request_alone_s
 
 US = 1e-6
 
@@ -168,6 +168,69 @@ def test_launch_blocking_pays_a_gap_per_source_kernel() -> None:
     loop.run_until(1e-3)
     assert t.iterations[0] == pytest.approx(10 * (20 + 5) * US, rel=1e-9)
     assert t.blocking_cost() == pytest.approx(250 / 200)
+
+
+def test_a_host_bound_request_takes_the_cpus_issue_time_plus_its_last_kernel() -> None:
+    # 10 kernels of 20 us issued 50 us apart: the GPU waits for the CPU, each kernel starts when
+    # issued, and the request ends 20 us after the last issue.
+    loop, gpu = gpu_with_beta0()
+    prof = profile(*[(20.0, 40)] * 10)
+    server = one_request_at(gpu, loop, prof, 1e-3)
+    server.set_host_cost(50 * US)
+    loop.run_until(5e-3)
+    assert server.completed[0][1] == pytest.approx((10 * 50 + 20) * US, rel=1e-9)
+    assert request_alone_s(prof, 50 * US) == pytest.approx((10 * 50 + 20) * US, rel=1e-9)
+
+
+def test_a_gpu_bound_request_hides_the_host_cost_behind_its_kernels() -> None:
+    # A long first kernel lets the CPU run ahead: the rest start back to back after it.
+    loop, gpu = gpu_with_beta0()
+    prof = profile((1000.0, 40), *[(20.0, 40)] * 9)
+    server = one_request_at(gpu, loop, prof, 0.0)
+    server.set_host_cost(50 * US)
+    loop.run_until(5e-3)
+    expected = (50 + 1000 + 9 * 20) * US  # first issue, then the GPU never waits again
+    assert server.completed[0][1] == pytest.approx(expected, rel=1e-9)
+    assert request_alone_s(prof, 50 * US) == pytest.approx(expected, rel=1e-9)
+    assert request_alone_s(prof, 0.0) == pytest.approx(prof.total_s)
+
+
+def test_request_alone_matches_the_simulated_pass_of_a_merged_profile() -> None:
+    # Merged chunks (several source kernels each) are issued once their last kernel is.
+    prof = data.load_profile("orion-v100-kernels/transformer_xl_4_fwd.csv")
+    assert sum(len(p) for p in prof.parts) > len(prof)  # the profile is merged
+    loop, gpu = gpu_with_beta0()
+    server = one_request_at(gpu, loop, prof, 0.0)
+    server.set_host_cost(56 * US)
+    loop.run_until(1.0)
+    assert server.completed[0][1] == pytest.approx(request_alone_s(prof, 56 * US), rel=1e-9)
+    assert request_alone_s(prof, 56 * US) > 459 * 56 * US > prof.total_s
+
+
+def test_launch_blocking_adds_the_host_cost_to_the_gap() -> None:
+    loop, gpu = gpu_with_beta0()
+    prof = profile(*[(20.0, 40)] * 10)
+    server = one_request_at(gpu, loop, prof, 0.0)
+    server.launch_blocking = True
+    server.launch_gap_s = 5 * US
+    server.set_host_cost(30 * US)
+    loop.run_until(5e-3)
+    assert server.completed[0][1] == pytest.approx(10 * (20 + 5 + 30) * US, rel=1e-9)
+    assert server.blocking_cost() == pytest.approx(550 / 200)
+
+
+def test_a_stopped_server_issues_nothing_more() -> None:
+    loop, gpu = gpu_with_beta0()
+    prof = profile(*[(20.0, 40)] * 10)
+    server = one_request_at(gpu, loop, prof, 0.0)
+    server.set_host_cost(50 * US)
+    loop.run_until(120 * US)  # two kernels issued, the third not yet
+    server.stop()
+    loop.run_until(5e-3)
+    assert server.completed == []
+    assert server.stream.nxt is None and server.stream.run is None
+    c = server.counts
+    assert c.done + c.discarded == c.issued == 10
 
 
 def test_wave_rule_counts_waves_from_sm_usage() -> None:

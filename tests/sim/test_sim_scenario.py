@@ -73,6 +73,14 @@ def test_good_scenario_has_defaults_and_config_overrides() -> None:
         (('name = "inf"', 'name = "inf"\nload = 2.5'), "online[0].load", "below 1"),
         (('name = "inf"', 'name = "inf"\nload = "half"'), "online[0].load", "number"),
         (('name = "inf"', 'name = "inf"\nrps = 400.0'), "online[0].rps", "load of"),
+        # 120/s of 6.5 ms of kernels is a load of 0.78, but each pass takes 9.9 ms with its
+        # host cost (W3): 1.18, a queue that never drains.
+        (('name = "inf"', 'name = "inf"\nrps = 120.0'), "online[0].rps", "load of 1.18"),
+        (
+            ("[[online]]", '[gpu]\nhost_per_kernel = "-5us"\n[[online]]'),
+            "gpu.host_per_kernel",
+            "duration",
+        ),
         (("resnet50_4_fwd.csv", "nope_fwd.csv"), "online[0].profile", "no such data file"),
         (("orion-v100-kernels/resnet50_4", "nowhere/resnet50_4"), "online[0].profile", "no such"),
         (
@@ -125,6 +133,22 @@ def test_physics_keys_parse() -> None:
     assert sc.gpu.switch_s == pytest.approx(100e-6)
     assert sc.gpu.wave_scale == 2.0
     assert sc.gpu.launch_gap_s == pytest.approx(5e-6)
+    no_host = scenario.loads(
+        GOOD.replace("[[online]]", '[gpu]\nhost_per_kernel = "0s"\n[[online]]', 1), "x.toml"
+    )
+    assert no_host.gpu.host_per_kernel_s == 0.0
+    # Without the host cost 120/s of ResNet-50 b4 passes is a load the server can carry.
+    assert (
+        scenario.loads(
+            GOOD.replace('name = "inf"', 'name = "inf"\nrps = 120.0', 1).replace(
+                "[[online]]", '[gpu]\nhost_per_kernel = "0s"\n[[online]]', 1
+            ),
+            "x.toml",
+        )
+        .online[0]
+        .rps
+        == 120.0
+    )
     assert sc.offline[0].launch_blocking and not sc.online[0].launch_blocking
     with pytest.raises(scenario.ScenarioError, match=r"gpu.wave_scale"):
         scenario.loads(GOOD.replace("[[online]]", "[gpu]\nwave_scale = 0\n[[online]]", 1), "x.toml")
