@@ -1,4 +1,4 @@
-"""The 12 Tally-shaped pairs under plain MPS and time-slicing, on two latency metrics.
+"""The 14 Tally-shaped pairs under plain MPS and time-slicing, on two latency metrics.
 
 Issue 13's done-when item compares the model's pairs (BERT b2 and Transformer-XL b4 inference at
 load 0.5 next to each of the 7 training profiles) with published hardware. Two latencies are
@@ -10,7 +10,7 @@ reported per request, because the published benchmark and the simulator define i
 * **service**: completion - the moment the server took the request off its queue, queueing
   excluded (what ``tally-bench``'s ``ServerInferMonitor`` records as a request's latency).
 
-For each, the median and max over the 12 pairs of p99 over p99 alone, per baseline and run length.
+For each, the median and max over the 14 pairs of p99 over p99 alone, per baseline and run length.
 ``--slice``/``--switch`` override the GPU's time-slicing constants (to compare settings).
 
     python bench/sim_pairs.py --jobs 1 --duration 10 20

@@ -8,7 +8,7 @@ Prints (and writes as JSON, ``bench/results/sim_validation.json``):
    the rule that shares slots within one MPS priority (``fifo`` left-over, ``fair``) and to the
    inference servers' host cost per kernel (``[gpu] host_per_kernel``, W3) across its range: the
    Orion point, the MPS throughput gain of eight ResNet-50 servers (``trtlab-mps-8``) and the
-   median p99 inflation of the 12 Tally-shaped pairs (BERT and Transformer-XL inference at load
+   median p99 inflation of the 14 Tally-shaped pairs (BERT and Transformer-XL inference at load
    0.5 next to each training profile) per baseline;
 3. the cost of launch-blocking mode (``CUDA_LAUNCH_BLOCKING=1``) per profile.
 
