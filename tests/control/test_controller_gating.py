@@ -315,6 +315,9 @@ def test_gated_without_app_latency_the_probe_does_not_cut_the_duty() -> None:
 # --------------------------------------------------------------------------- the gate's delay
 
 DCFG = ControlConfig()  # gate_delay_min 2 ms, max 300 ms, raise after 5 ticks
+# The room rule alone: a steady p99 at half its SLO is also a loose SLO, measured
+# (test_controller_loose.py), which these tests of the room rule leave out.
+ROOM = GpushareController(replace(DCFG, gate_delay_loose_below=0.0))
 
 
 def _delay_run(
@@ -360,23 +363,23 @@ def test_the_delay_stays_within_the_room_the_slo_leaves_over_the_tail() -> None:
     # SLO 40 ms, p99 20 ms: the SLO leaves 20 ms over the tail, but until 30 s of app latency
     # the tail counts as at least the comfort band's edge (0.8), and the room grows with how long
     # the tail is known (times t / 60 s): at most 8 ms x 30/60 before 30 s, 20 ms after 60 s.
-    state, sent = _delay_run([20.0] * 700, slo_ms=40.0)
+    state, sent = _delay_run([20.0] * 700, slo_ms=40.0, ctl=ROOM)
     assert all(d <= 0.008 * t / 60.0 + 1e-9 for t, d in sent if t < 30.0), sent
     assert all(d <= 0.020 * t / 60.0 + 1e-9 for t, d in sent), sent
     assert _delays(sent)[-1] == 0.02 and state.gate_delay_s == 0.02  # type: ignore[attr-defined]
     # The room caps raises, it does not cut: a window at 0.9 of the SLO (inside the comfort band)
     # holds the delay, and no raise follows while it is in memory.
-    state, sent = _delay_run([36.0] + [20.0] * 250, slo_ms=40.0, state=state, t0=70.0)
+    state, sent = _delay_run([36.0] + [20.0] * 250, slo_ms=40.0, state=state, t0=70.0, ctl=ROOM)
     assert sent == [] and state.gate_delay_s == 0.02  # type: ignore[attr-defined]
 
 
 def test_gate_delay_trust_sets_how_soon_the_room_counts_in_full() -> None:
     # The same steady 45 s: trusted at once, the room is the full 20 ms from 30 s on; with the
     # default 60 s it is at most three quarters of that by 45 s; ten minutes hold it back longer.
-    at_once = GpushareController(replace(DCFG, gate_delay_trust_s=0.0))
-    slow = GpushareController(replace(DCFG, gate_delay_trust_s=600.0))
+    at_once = GpushareController(replace(ROOM.config, gate_delay_trust_s=0.0))
+    slow = GpushareController(replace(ROOM.config, gate_delay_trust_s=600.0))
     _, now_sent = _delay_run([20.0] * 450, slo_ms=40.0, ctl=at_once)
-    _, dflt_sent = _delay_run([20.0] * 450, slo_ms=40.0)
+    _, dflt_sent = _delay_run([20.0] * 450, slo_ms=40.0, ctl=ROOM)
     _, slow_sent = _delay_run([20.0] * 450, slo_ms=40.0, ctl=slow)
     assert now_sent[-1] == (30.5, 0.02), now_sent  # the whole room once 30 s of tail are seen
     assert max(_delays(dflt_sent)) <= 0.020 * 45.0 / 60.0 + 1e-9, dflt_sent
@@ -386,9 +389,9 @@ def test_gate_delay_trust_sets_how_soon_the_room_counts_in_full() -> None:
 def test_a_window_seen_once_caps_the_delay_for_the_long_memory() -> None:
     # One window at 0.9 of the SLO early on leaves 4 ms (x the trust ramp) for ten minutes, long
     # after it has left the 30 s memory; then the room is the 20 ms the steady tail leaves.
-    state, sent = _delay_run([20.0] * 5 + [36.0] + [20.0] * 5000, slo_ms=40.0)
+    state, sent = _delay_run([20.0] * 5 + [36.0] + [20.0] * 5000, slo_ms=40.0, ctl=ROOM)
     assert max(_delays(sent)) <= 0.004 and state.gate_delay_s == 0.004  # type: ignore[attr-defined]
-    state, sent = _delay_run([20.0] * 1500, slo_ms=40.0, state=state, t0=500.6)
+    state, sent = _delay_run([20.0] * 1500, slo_ms=40.0, state=state, t0=500.6, ctl=ROOM)
     assert [t for t, d in sent if d > 0.004] and min(t for t, d in sent if d > 0.004) > 600.0
     assert state.gate_delay_s == 0.02  # type: ignore[attr-defined]
 
@@ -396,7 +399,7 @@ def test_a_window_seen_once_caps_the_delay_for_the_long_memory() -> None:
 def test_a_tail_seen_before_gating_went_off_still_caps_the_delay() -> None:
     # A burst at 0.9 of the SLO, then requests in flight 99 % of the time (gating off, the 30 s
     # memory restarts), then a calm 90 s: the burst still caps the room (4 ms, not 20 ms).
-    ctl, slo_ms = CTL, 40.0
+    ctl, slo_ms = ROOM, 40.0
     job = replace(offline(), shallow=True)
     st_ = ctl.initial_state(GPU, 0.0)
     sent: list[float] = []
