@@ -98,7 +98,7 @@ def test_a_breach_while_loose_cuts_the_delay_and_bars_the_loose_room() -> None:
     # A clear breach (1.1x): no delay at once; afterwards the same steady windows get only the
     # room rule's (nothing: the breach is the tail's worst now).
     state, sent = _delay_run(
-        [110.0] + _alternating(30.0, 80.0, 300), slo_ms=100.0, state=state, t0=10.0
+        [110.0, *_alternating(30.0, 80.0, 300)], slo_ms=100.0, state=state, t0=10.0
     )
     assert _delays(sent)[0] == 0.0 and max(_delays(sent)) < 0.002, sent
 
