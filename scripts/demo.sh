@@ -76,9 +76,9 @@ else
 fi
 
 submit() { "$BIN/gpushare" submit "$@" | tee -a "$OUT/submits.log"; }
-echo "== submitting one online service (30 req/s, 3x burst at 20-35 s, SLO p99 40 ms) and two training jobs"
-submit --online --detach --name web --slo-p99 40ms \
-    --sim-profile resnet50-inference --rps 30 --sim-burst 20:15:3 -- sleep 600
+echo "== submitting one online service (20 req/s, 3x burst at 20-35 s, SLO p99 60 ms) and two training jobs"
+submit --online --detach --name web --slo-p99 60ms \
+    --sim-profile resnet50-inference --rps 20 --sim-burst 20:15:3 -- sleep 600
 # Gating turns on at the tick after the service's first request boundary: the jobs' --queue auto
 # then launches them with shallow queues (CUDA_LAUNCH_BLOCKING=1).
 sleep 1
@@ -90,7 +90,7 @@ START=$(date +%s)
 for t in 5 15 25 30 40 50 60; do
     while (( $(date +%s) - START < t )); do sleep 0.5; done
     echo
-    echo "== t=${t}s$( ((t >= 20 && t < 35)) && echo '  (online burst: 90 req/s)')"
+    echo "== t=${t}s$( ((t >= 20 && t < 35)) && echo '  (online burst: 60 req/s)')"
     "$BIN/gpushare" status
 done
 echo
