@@ -35,8 +35,10 @@ def test_simulated_daemon_runs_submitted_workloads(sim_daemon: SimDaemon) -> Non
     assert res.returncode == 0, res.stderr
     res = d.cli(
         "submit", "--online", "--detach", "--name", "web", "--slo-p99", "60ms",
-        "--sim-profile", "resnet50-inference", "--rps", "40", "--", "sleep", "60",
+        "--sim-profile", "resnet50-inference", "--rps", "25", "--", "sleep", "60",
     )  # fmt: skip
+    # 25/s of 9.9 ms passes (kernels and host time, W3) is a load of 0.25: gated, offline work
+    # still has most of the GPU.
     assert res.returncode == 0, res.stderr
     time.sleep(3.0)
     status = json.loads(d.cli("status", "--json").stdout)
