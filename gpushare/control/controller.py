@@ -118,7 +118,8 @@ _DELAY_BLIND_S = 10.0
 # A loose SLO, measured (docs/controller.md, "A loose SLO"). The room above assumes online work
 # stalled for all of the delay and the worst window of the tail; at 1.5x on the Tally-shaped pairs
 # it gives 0.001 of offline throughput in 20 s runs (0.458 against 0.457 with no delay), where a
-# fixed 300 ms delay from the start gives 0.13 more (0.591) at 99.9 % attainment. One 2 s window's p99 says little there (0.39 to 0.96 of a 1.5x
+# fixed 300 ms delay from the start gives 0.13 more (0.591) at 99.9 % attainment. One 2 s
+# window's p99 says little there (0.39 to 0.96 of a 1.5x
 # SLO on one pair); the mean of the tail's memory separates the factors (0.61-0.69 at 1.5x,
 # 0.77-0.86 at 1.1x, lowest over a run). So where that mean, over at least _LOOSE_EVIDENCE_S,
 # lies in [_LOOSE_LOADED, gate_delay_loose_below), does not rise by more than _LOOSE_RISE from the
