@@ -41,8 +41,8 @@ THAW_S = 0.12e-3
 DEFAULT_LAUNCH_GAP_S = 10e-6
 #: CPU time an eager PyTorch inference server spends per kernel it issues (Python, the
 #: framework's dispatch, the launch): the mean of what two published standalone latencies need,
-#: ResNet-50 b4 and Transformer-XL b4 on a V100 (calibration; validated on BERT-large b2 and
-#: Orion's co-located point; docs/simulator.md section 4, ``validation.host_cost_from``).
+#: ResNet-50 b4 and Transformer-XL b4 on a V100 (calibration; validated on BERT-large b2 and a
+#: ResNeXt101 b4 proxy; docs/simulator.md section 4, ``validation.host_cost_from``).
 DEFAULT_HOST_PER_KERNEL_S = 56.2e-6
 
 
