@@ -288,7 +288,6 @@ class OnlineServer(SimClient):
         #: off its queue to its completion, queueing excluded. This is the latency Tally's
         #: benchmark records (docs/simulator.md section 4, "What Tally measures").
         self.served: list[tuple[float, float]] = []
-        self.current_start = 0.0
         self.arrived = 0
         #: Told ``(+1 | -1, now)`` when a request starts (arrives) and ends, as a service using
         #: ``gpushare.client.request_started``/``request_ended`` tells the daemon
@@ -320,7 +319,6 @@ class OnlineServer(SimClient):
     def _begin_next(self, now: float) -> None:
         if self.queue and self.state is ClientState.RUNNING:
             self.current_arrival = self.queue.popleft()
-            self.current_start = now
             self._seq_t0 = now
             self.pos = 0
             self._present(0, now)
@@ -334,7 +332,7 @@ class OnlineServer(SimClient):
         if p >= self._n:
             self.stream.nxt = None
             self.completed.append((self.current_arrival, now - self.current_arrival))
-            self.served.append((self.current_arrival, now - self.current_start))
+            self.served.append((self.current_arrival, now - self._seq_t0))
             if self.on_boundary is not None:
                 self.on_boundary(-1, now)
             self._begin_next(now)
