@@ -1,0 +1,40 @@
+"""The shallow-queue interposer: where it is and the environment it reads.
+
+``libgpushare_inflight.so`` (built from ``inflight.c`` next to this module by
+``scripts/build-native.sh``, ``make native``) is an ``LD_PRELOAD`` library for offline clients.
+It bounds the number of CUDA kernel launches a process has issued and not yet completed to
+``GPUSHARE_MAX_INFLIGHT`` without synchronising every launch, so a cgroup freeze stops the
+client's GPU work within that many kernels while its CPU still prepares the next launch during
+the current kernel (``CUDA_LAUNCH_BLOCKING=1`` gives the same bound of 1 but serialises the two).
+
+The daemon launches a shallow-queue offline client with ``LD_PRELOAD=<library_path()>``
+(prepended to an existing ``LD_PRELOAD`` with ``:``) and ``GPUSHARE_MAX_INFLIGHT=<k>``. This
+module imports nothing from CUDA: the library is C and talks to the driver itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LIBRARY_NAME = "libgpushare_inflight.so"
+"""File name of the built interposer (gitignored; shipped in wheels when built)."""
+
+INFLIGHT_ENV = "GPUSHARE_MAX_INFLIGHT"
+"""Integer >= 1: the most kernel launches in flight per process. Missing or invalid: no bound."""
+
+STATS_ENV = "GPUSHARE_INFLIGHT_STATS"
+"""A path: at exit the library writes one JSON line of counters there (launches, waits, ...)."""
+
+CONTROL_ENV = "GPUSHARE_INFLIGHT_CONTROL"
+"""A path to a file holding the bound as a 4-byte little-endian int at offset 0 (0 = unbounded),
+read at every launch, so the bound changes without a restart. Optional."""
+
+
+def library_path() -> Path:
+    """Where ``scripts/build-native.sh`` puts the interposer: next to this module."""
+    return Path(__file__).resolve().parent / LIBRARY_NAME
+
+
+def built() -> bool:
+    """Whether the interposer has been built (``make native``); without it shallow = blocking."""
+    return library_path().is_file()
