@@ -1,12 +1,13 @@
 #!/bin/sh
-# Build the shallow-queue interposer gpushare/native/libgpushare_inflight.so (gpushare.native).
+# Build the shallow-queue interposer gpushare/native/libgpushare_inflight.so (gpushare.native), or
+# into the path given as the first argument (tests/native builds its own copy that way).
 # Without a C compiler this says why and exits 0: shallow-queue clients then fall back to
 # CUDA_LAUNCH_BLOCKING=1 and tests/native skips, naming the reason.
 set -eu
 cd "$(dirname "$0")/.."
 CC="${CC:-cc}"
 src=gpushare/native/inflight.c
-out=gpushare/native/libgpushare_inflight.so
+out="${1:-gpushare/native/libgpushare_inflight.so}"
 if ! command -v "$CC" >/dev/null 2>&1; then
     echo "build-native: no C compiler ($CC) on PATH: $out not built (apt-get install gcc)"
     exit 0

@@ -739,7 +739,9 @@ __attribute__((constructor)) static void inflight_init(void)
     char *end = NULL;
     errno = 0;
     long k = strtol(env, &end, 10);
-    if (errno != 0 || end == env || *end != '\0' || k < 1 || k > INFLIGHT_MAX) {
+    /* Digits only: strtol alone would also take leading blanks and a sign. */
+    if (env[0] < '0' || env[0] > '9' || errno != 0 || *end != '\0' || k < 1 ||
+        k > INFLIGHT_MAX) {
         snprintf(g_reason, sizeof g_reason, "GPUSHARE_MAX_INFLIGHT is not an integer from 1 to %d",
                  INFLIGHT_MAX);
         fprintf(stderr,
