@@ -2,8 +2,10 @@
  * A fake libcuda.so.1 for tests/native: the documented behaviour of the few driver calls the
  * interposer touches, against a fake GPU.
  *
- * The GPU is one worker thread executing a single FIFO of operations (kernels and event records)
- * in submission order, which is FIFO per stream and stricter than a real GPU. A kernel "runs" by
+ * The GPU runs each stream's operations (kernels and event records) in submission order on that
+ * stream's own worker thread, so streams run concurrently, as on a real GPU. The legacy default
+ * stream's implicit synchronisation with other streams is not modelled (the tests use explicit
+ * streams and the per-thread default stream). A kernel "runs" by
  * sleeping: cuLaunchKernel(Cooperative)/Ex take gridDimX as microseconds and gridDimY as a tag;
  * cuGraphLaunch takes its CUgraphExec as a pointer to two unsigned ints {microseconds, tag} (read
  * at launch). The fake counts kernels enqueued and not yet done, and the most at once: that, not
@@ -40,7 +42,8 @@ typedef struct {
 } CUlaunchConfig;
 
 typedef struct fake_event {
-    unsigned long long recorded_seq; /* sequence number of the record op; 0 = never recorded */
+    int stream;                   /* index into streams[] of the last record; -1 = never recorded */
+    unsigned long long target;    /* that stream's op count at the record */
     unsigned int flags;
 } *CUevent;
 
@@ -53,21 +56,28 @@ typedef struct fake_event {
 #define PER_THREAD_FLAG 2ull
 #define MODE_RELAXED 2
 #define CTX ((CUcontext)0xC0)
-#define MAX_OPS 65536
+#define MAX_OPS 4096 /* per stream */
+#define MAX_STREAMS 64
 #define MAX_LOG 65536
 
 typedef struct {
     int is_kernel;
-    uintptr_t stream;
     unsigned us, tag;
-    unsigned long long seq;
 } op_t;
 
+typedef struct {
+    uintptr_t id;
+    op_t ops[MAX_OPS];
+    int head, count;
+    unsigned long long submitted, done; /* ops */
+    pthread_cond_t work;
+    pthread_t worker;
+} stream_t;
+
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t cv_work = PTHREAD_COND_INITIALIZER, cv_done = PTHREAD_COND_INITIALIZER;
-static op_t ops[MAX_OPS];
-static int op_head, op_count;
-static unsigned long long next_seq = 1, done_seq;
+static pthread_cond_t cv_done = PTHREAD_COND_INITIALIZER;
+static stream_t streams[MAX_STREAMS];
+static int n_streams;
 static int inflight, max_inflight;
 static long kernels_done;
 static uintptr_t log_stream[MAX_LOG];
@@ -76,8 +86,6 @@ static int log_n;
 static uintptr_t capturing[16];
 static int n_capturing, capture_invalidated, capture_violations, events_created, events_timed;
 static long calls_legacy, calls_ptsz;
-static pthread_t worker;
-static int started;
 static __thread int thread_mode; /* CUstreamCaptureMode of this thread; 0 = GLOBAL */
 static __thread int thread_id_set;
 static __thread uintptr_t thread_stream_id;
@@ -85,12 +93,12 @@ static int next_thread_stream = 1;
 
 static void *gpu(void *arg)
 {
-    (void)arg;
+    stream_t *st = arg;
     pthread_mutex_lock(&mu);
     for (;;) {
-        while (op_count == 0)
-            pthread_cond_wait(&cv_work, &mu);
-        op_t op = ops[op_head];
+        while (st->count == 0)
+            pthread_cond_wait(&st->work, &mu);
+        op_t op = st->ops[st->head];
         if (op.is_kernel) {
             pthread_mutex_unlock(&mu);
             struct timespec ts = {op.us / 1000000, (long)(op.us % 1000000) * 1000};
@@ -99,28 +107,36 @@ static void *gpu(void *arg)
             inflight--;
             kernels_done++;
             if (log_n < MAX_LOG) {
-                log_stream[log_n] = op.stream;
+                log_stream[log_n] = st->id;
                 log_tag[log_n] = op.tag;
                 log_n++;
             }
         }
-        op_head = (op_head + 1) % MAX_OPS;
-        op_count--;
-        done_seq = op.seq;
+        st->head = (st->head + 1) % MAX_OPS;
+        st->count--;
+        st->done++;
         pthread_cond_broadcast(&cv_done);
     }
     return NULL;
 }
 
-static void start(void)
+/* The stream with this id, its worker started on first use (mu held). */
+static int stream_index(uintptr_t id)
 {
-    if (!started) {
-        started = 1;
-        pthread_create(&worker, NULL, gpu, NULL);
-    }
+    for (int i = 0; i < n_streams; i++)
+        if (streams[i].id == id)
+            return i;
+    if (n_streams == MAX_STREAMS)
+        abort();
+    stream_t *st = &streams[n_streams];
+    st->id = id;
+    pthread_cond_init(&st->work, NULL);
+    pthread_create(&st->worker, NULL, gpu, st);
+    return n_streams++;
 }
 
-/* A _ptsz call on stream 0 runs on this thread's own default stream: give it an id. */
+/* A _ptsz call on stream 0 (or anyone on CU_STREAM_PER_THREAD) means this thread's own default
+ * stream: give it an id. */
 static uintptr_t stream_id(CUstream s, int ptsz)
 {
     if ((s == NULL && ptsz) || s == (CUstream)0x2) {
@@ -142,30 +158,35 @@ static int is_capturing(uintptr_t id)
     return 0;
 }
 
-static unsigned long long enqueue(int is_kernel, uintptr_t stream, unsigned us, unsigned tag)
+/* Enqueue on stream `id`; returns the stream's index and its op count after this op (mu held). */
+static int enqueue(int is_kernel, uintptr_t id, unsigned us, unsigned tag,
+                   unsigned long long *target)
 {
-    pthread_mutex_lock(&mu);
-    start();
-    while (op_count == MAX_OPS)
+    int i = stream_index(id);
+    stream_t *st = &streams[i];
+    while (st->count == MAX_OPS)
         pthread_cond_wait(&cv_done, &mu);
-    unsigned long long seq = next_seq++;
-    ops[(op_head + op_count) % MAX_OPS] = (op_t){is_kernel, stream, us, tag, seq};
-    op_count++;
+    st->ops[(st->head + st->count) % MAX_OPS] = (op_t){is_kernel, us, tag};
+    st->count++;
+    st->submitted++;
+    if (target != NULL)
+        *target = st->submitted;
     if (is_kernel) {
         inflight++;
         if (inflight > max_inflight)
             max_inflight = inflight;
     }
-    pthread_cond_signal(&cv_work);
-    pthread_mutex_unlock(&mu);
-    return seq;
+    pthread_cond_signal(&st->work);
+    return i;
 }
 
 static CUresult launch(int ptsz, CUstream s, unsigned us, unsigned tag)
 {
     uintptr_t id = stream_id(s, ptsz);
     __atomic_fetch_add(ptsz ? &calls_ptsz : &calls_legacy, 1, __ATOMIC_RELAXED);
-    enqueue(1, id, us, tag);
+    pthread_mutex_lock(&mu);
+    enqueue(1, id, us, tag, NULL);
+    pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
 }
 
@@ -272,6 +293,7 @@ CUresult cuEventCreate(CUevent *ev, unsigned int flags)
     if (fail != NULL && fail[0] == '1')
         return CUDA_ERROR_OUT_OF_MEMORY;
     *ev = calloc(1, sizeof **ev);
+    (*ev)->stream = -1;
     (*ev)->flags = flags;
     __atomic_fetch_add(&events_created, 1, __ATOMIC_RELAXED);
     if (!(flags & 0x2u)) /* CU_EVENT_DISABLE_TIMING */
@@ -291,8 +313,8 @@ static CUresult event_record(CUevent ev, CUstream s, int ptsz)
     pthread_mutex_lock(&mu);
     if (is_capturing(id))
         capture_violations++;
+    ev->stream = enqueue(0, id, 0, 0, &ev->target);
     pthread_mutex_unlock(&mu);
-    ev->recorded_seq = enqueue(0, id, 0, 0);
     return CUDA_SUCCESS;
 }
 
@@ -313,7 +335,7 @@ CUresult cuEventQuery(CUevent ev)
 {
     pthread_mutex_lock(&mu);
     CUresult rc = prohibited() ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
-                  : ev->recorded_seq <= done_seq ? CUDA_SUCCESS
+                  : ev->stream < 0 || streams[ev->stream].done >= ev->target ? CUDA_SUCCESS
                                                  : CUDA_ERROR_NOT_READY;
     pthread_mutex_unlock(&mu);
     return rc;
@@ -326,7 +348,7 @@ CUresult cuEventSynchronize(CUevent ev)
         pthread_mutex_unlock(&mu);
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     }
-    while (ev->recorded_seq > done_seq)
+    while (ev->stream >= 0 && streams[ev->stream].done < ev->target)
         pthread_cond_wait(&cv_done, &mu);
     pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
@@ -435,8 +457,9 @@ void fake_set_capturing(void *stream, int on)
 void fake_wait_idle(void)
 {
     pthread_mutex_lock(&mu);
-    while (op_count > 0)
-        pthread_cond_wait(&cv_done, &mu);
+    for (int i = 0; i < n_streams; i++)
+        while (streams[i].count > 0)
+            pthread_cond_wait(&cv_done, &mu);
     pthread_mutex_unlock(&mu);
 }
 
