@@ -168,9 +168,16 @@ def marker_env(cls: ClientClass, slo_p99_s: float | None) -> dict[str, str]:
 
 
 def workload_env(caller_env: Mapping[str, str], mps: Mapping[str, str]) -> dict[str, str]:
-    """The caller's environment minus :data:`UNSET_ENV`, plus the MPS variables."""
+    """The caller's environment minus :data:`UNSET_ENV`, plus the MPS variables.
+
+    An ``LD_PRELOAD`` of gpushare's (a bounded shallow queue) goes in front of the caller's own,
+    which keeps working: the dynamic loader takes a ``:``- or blank-separated list.
+    """
     env = {k: v for k, v in caller_env.items() if k not in UNSET_ENV}
+    theirs = env.get("LD_PRELOAD", "").strip()
     env.update(mps)
+    if "LD_PRELOAD" in mps and theirs:
+        env["LD_PRELOAD"] = f"{mps['LD_PRELOAD']}:{theirs}"
     return env
 
 

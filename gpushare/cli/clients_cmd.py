@@ -120,7 +120,8 @@ def submit(
         str | None,
         typer.Option(
             "--queue",
-            help="Offline: shallow (CUDA_LAUNCH_BLOCKING=1: a freeze bites within one kernel), "
+            help="Offline: shallow (a freeze bites within [gate] inflight_kernels kernels, or one "
+            "with CUDA_LAUNCH_BLOCKING=1: [gate] shallow_queue), "
             "deep (the default) or auto (shallow while request gating is on for its GPU).",
             autocompletion=completion.queue_modes,
         ),

@@ -88,7 +88,7 @@ def gpu_or_any(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
 def queue_modes(incomplete: str) -> list[tuple[str, str]]:
     """``submit --queue`` values."""
     helps = {
-        "shallow": "CUDA_LAUNCH_BLOCKING=1: a freeze bites within one kernel",
+        "shallow": "a freeze bites within a kernel or a few ([gate] shallow_queue)",
         "deep": "as CUDA launches (the default)",
         "auto": "shallow while request gating is on for its GPU",
     }

@@ -81,6 +81,10 @@ class Host(Protocol):
         """Whether the binary supports ``-multiuser-server`` (None: unknown)."""
         ...
 
+    def inflight_bound(self) -> Probe:
+        """Whether gpushare's in-flight bound library (``gpushare.native``) is built."""
+        ...
+
     def cgroup_freezer(self) -> Probe:
         """Whether a cgroup v2 hierarchy with a writable freezer exists."""
         ...
@@ -145,6 +149,7 @@ def run_checks(
             "with Delegate=yes on a cgroup v2 host for the freezer",
         )
     )
+    results.append(_inflight(host, cfg))
     results.append(_directory(host, "runtime directory", cfg.paths.runtime_dir))
     results.append(_directory(host, "state directory", cfg.paths.state_dir))
     has_systemd = host.systemd()
@@ -202,6 +207,24 @@ def _mps(host: Host, cfg: config.Config) -> list[CheckResult]:
         status, hint = Status.WARN, "a driver of R555 or newer adds -multiuser-server"
     out.append(CheckResult("MPS multi-user", status, detail, hint))
     return out
+
+
+def _inflight(host: Host, cfg: config.Config) -> CheckResult:
+    if cfg.gate.shallow_queue != "bounded":
+        return CheckResult(
+            "in-flight bound", Status.OK, "not used ([gate] shallow_queue = blocking)"
+        )
+    lib = host.inflight_bound()
+    if lib.ok:
+        return CheckResult("in-flight bound", Status.OK, lib.detail)
+    return CheckResult(
+        "in-flight bound",
+        Status.WARN,
+        lib.detail,
+        lib.hint
+        or "shallow offline queues fall back to CUDA_LAUNCH_BLOCKING=1 (less offline throughput); "
+        "build it with `gpushare install` or `make native` (needs a C compiler)",
+    )
 
 
 def _directory(host: Host, name: str, path: Path) -> CheckResult:

@@ -16,7 +16,7 @@ from typing import Annotated
 import structlog
 import typer
 
-from gpushare import config, paths
+from gpushare import config, native, paths
 from gpushare.cli.doctor import (
     DirFacts,
     Probe,
@@ -61,6 +61,11 @@ class RealHost:
         """Whether the binary supports ``-multiuser-server``."""
         path = shutil.which(name)
         return mps.supports_multiuser(path) if path else None
+
+    def inflight_bound(self) -> Probe:
+        """Whether the in-flight bound library is built next to ``gpushare.native``."""
+        path = native.library_path()
+        return Probe(native.built(), str(path) if native.built() else f"{path}: not built")
 
     def cgroup_freezer(self) -> Probe:
         """Whether the freezer works under the configured client cgroup base."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from gpushare import __version__
+from gpushare import __version__, native
 from gpushare import config as config_mod
 from gpushare.config import Config
 from gpushare.control.policy import Policy
@@ -83,6 +83,7 @@ class Daemon:
         self.state = NodeState(
             config, registry=registry, gpu=gpu, mps=mps, pauser=pauser, probe=probe,
             policy=policy, clock=clock or SystemClock(), procs=procs or launcher.HostProcesses(),
+            shallow_library=str(native.library_path()) if native.built() else None,
         )  # fmt: skip
         self.config_path = config_path
         self.metrics = metrics
@@ -163,6 +164,12 @@ class Daemon:
                     f"cannot serve metrics on {cfg.metrics.listen}: {exc.strerror or exc}",
                     severity="warning",
                 )
+        if cfg.gate.shallow_queue == "bounded" and state.shallow_library is None:
+            # Shallow queues still work (blocking); the operator should know they cost more.
+            state.registry.add_event(
+                "shallow_queue_blocking", launcher.NOT_BUILT, severity="warning"
+            )
+            log.warning("shallow_queue_blocking", reason=launcher.NOT_BUILT)
         state.registry.add_event(
             "daemon_started", f"gpushare {__version__} started (pid {os.getpid()})"
         )

@@ -14,6 +14,8 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from gpushare.config import GateConfig
+from gpushare.native import INFLIGHT_ENV, LIBRARY_NAME
 from gpushare.node.procs.exits import ExitWatcher
 from gpushare.node.procs.identity import is_same_process, process_start_time
 from gpushare.node.procs.spawning import spawn
@@ -116,12 +118,20 @@ class HostProcesses:
         return is_same_process(pid, start_time)
 
 
-SHALLOW_ENV = {"CUDA_LAUNCH_BLOCKING": "1"}
-"""What a shallow-queue offline client runs with: every kernel launch returns only when the kernel
-has finished (CUDA Programming Guide, "Asynchronous Concurrent Execution"), so the client has at
-most one kernel on the GPU, and a freeze bites within one kernel instead of after its queue has
-drained. The guide documents the variable as a debugging aid; its effect is exactly a one-kernel
-queue, at the price of a launch gap per kernel (docs/controller.md, "Shallow offline queues")."""
+BLOCKING_ENV = {"CUDA_LAUNCH_BLOCKING": "1"}
+"""A shallow queue by ``[gate] shallow_queue = "blocking"``: every kernel launch returns only when
+the kernel has finished (CUDA Programming Guide, "Asynchronous Concurrent Execution"), so the
+client has at most one kernel on the GPU and a freeze bites within one kernel. The guide documents
+the variable as a debugging aid; its price is the CPU's time per kernel, which no longer overlaps
+the GPU's (docs/controller.md, "Shallow offline queues")."""
+
+SHALLOW_MARKERS = ("CUDA_LAUNCH_BLOCKING", INFLIGHT_ENV)
+"""The variables that say, in a running client's environment, that it was launched shallow."""
+
+
+def launched_shallow(env: Mapping[str, str]) -> bool:
+    """Whether a client launched with ``env`` runs a shallow queue (read back on re-adoption)."""
+    return env.get("CUDA_LAUNCH_BLOCKING") == "1" or INFLIGHT_ENV in env
 
 
 def choose_queue(mode: str | None, *, gating_on: bool) -> tuple[str, str]:
@@ -145,6 +155,28 @@ def choose_queue(mode: str | None, *, gating_on: bool) -> tuple[str, str]:
     return "deep", "--queue deep" if mode == "deep" else "default queue (deep)"
 
 
-def queue_env(queue: str) -> dict[str, str]:
-    """The variables of an effective queue mode (:func:`choose_queue`)."""
-    return dict(SHALLOW_ENV) if queue == "shallow" else {}
+def queue_env(queue: str, gate: GateConfig, library: str | None) -> tuple[dict[str, str], str]:
+    """The variables of an effective queue mode (:func:`choose_queue`), and how it is kept shallow.
+
+    ``library`` is the built in-flight bound (:func:`gpushare.native.library_path`), ``None`` when
+    it is not built: ``[gate] shallow_queue = "bounded"`` then falls back to ``CUDA_LAUNCH_BLOCKING``
+    (a freeze still bites within a kernel; only the throughput is lower) and says how to build it.
+    The preload is joined in front of the workload's own ``LD_PRELOAD`` by
+    :func:`gpushare.mpsenv.workload_env`.
+    """
+    if queue != "shallow":
+        return {}, "deep"
+    if gate.shallow_queue == "bounded":
+        if library is not None:
+            k = gate.inflight_kernels
+            env = {"LD_PRELOAD": library, INFLIGHT_ENV: str(k)}
+            return env, f"at most {k} kernels in flight ({LIBRARY_NAME})"
+        return dict(BLOCKING_ENV), f"CUDA_LAUNCH_BLOCKING=1: {NOT_BUILT}"
+    return dict(BLOCKING_ENV), "CUDA_LAUNCH_BLOCKING=1"
+
+
+NOT_BUILT = (
+    f"{LIBRARY_NAME} is not built (`make native` in a clone, or `gpushare install`), "
+    'so [gate] shallow_queue = "bounded" falls back to "blocking"'
+)
+"""Why a bounded shallow queue runs as a blocking one (logged at start and at each launch)."""

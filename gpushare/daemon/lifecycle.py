@@ -144,10 +144,10 @@ class Lifecycle:
                     if rec.queue is not None and rec.pid is not None:
                         # The queue it was launched with is in its environment.
                         try:
-                            env = read_environ(rec.pid, launcher.SHALLOW_ENV) or {}
+                            env = read_environ(rec.pid, launcher.SHALLOW_MARKERS) or {}
                         except PermissionError:
                             env = {}  # not root: taken as deep (an auto client may restart once)
-                        if env.items() >= launcher.SHALLOW_ENV.items():
+                        if launcher.launched_shallow(env):
                             self.shallow.add(rec.id)
                     if rec.held:
                         self.set_paused(rec.id, True)
@@ -603,11 +603,12 @@ class Lifecycle:
         if cls is ClientClass.OFFLINE:
             gating = self.s.gate.view(gpu_uuid, self.s.clock.monotonic()).enabled
             mode, why = launcher.choose_queue(queue, gating_on=gating)
-            env.update(launcher.queue_env(mode))
+            queue_vars, how = launcher.queue_env(mode, self.s.config.gate, self.s.shallow_library)
+            env.update(queue_vars)
             if mode == "shallow":
                 self.shallow.add(client_id)
             else:
                 self.shallow.discard(client_id)
             if announce:
-                log.info("offline_queue", client_id=client_id, queue=mode, reason=why)
+                log.info("offline_queue", client_id=client_id, queue=mode, reason=why, how=how)
         return {**mpsenv.marker_env(cls, slo), **env}

@@ -66,6 +66,7 @@ class NodeState:
         policy: Policy[Any] | None,
         clock: Clock,
         procs: ProcessHost,
+        shallow_library: str | None,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -76,6 +77,9 @@ class NodeState:
         #: The time the loop runs on and the clients' processes: the host's, or simulated ones.
         self.clock = clock
         self.procs = procs
+        #: The in-flight bound a bounded shallow queue preloads (``None``: not built, so shallow
+        #: queues block; ``gpushare.daemon.launcher.queue_env``).
+        self.shallow_library = shallow_library
         self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()
         lat = config.latency
         self.latency = AppLatency(lat.window_s, lat.min_samples, lat.scrape_period_s)

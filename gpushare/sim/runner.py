@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpushare import native
 from gpushare.control.policy import Policy
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
@@ -58,6 +59,8 @@ class SimDaemon:
             policy=policy,
             clock=adapters.VirtualClock(node.loop),
             procs=adapters.SimProcesses(node),
+            # The simulated clients take the bound from its variables; no file is opened.
+            shallow_library=str(native.library_path()),
         )
         self.lifecycle = Lifecycle(self.state)
         self.loop = ControlLoop(

@@ -108,6 +108,21 @@ def test_no_freezer_is_a_warning_with_fallback_hint():
     assert "SIGSTOP" in r.hint
 
 
+def test_an_unbuilt_in_flight_bound_warns_only_where_it_is_used():
+    host = FakeHost(inflight_probe=Probe(False, "/x/libgpushare_inflight.so: not built"))
+    bounded = config.loads('[gate]\nshallow_queue = "bounded"\n')
+    r = _by_name(run_checks(host, bounded, None))["in-flight bound"]
+    assert r.status is Status.WARN
+    assert "CUDA_LAUNCH_BLOCKING" in r.hint
+    assert "make native" in r.hint
+    blocking = config.loads('[gate]\nshallow_queue = "blocking"\n')
+    r = _by_name(run_checks(host, blocking, None))["in-flight bound"]
+    assert r.status is Status.OK
+    assert "not used" in r.detail
+    built = _by_name(run_checks(FakeHost(), bounded, None))["in-flight bound"]
+    assert built.status is Status.OK
+
+
 def test_directories():
     cfg = config.loads('[paths]\nruntime_dir = "/r"\nstate_dir = "/s"\n')
     host = FakeHost(

@@ -6,6 +6,7 @@ start and end through gpushare.client, and an offline client frozen exactly whil
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushare import client
+from gpushare import client, native
 from tests.support.daemon_helpers import DaemonProc, wait_for
 
 # The online service: acts on command files the test drops into its directory.
@@ -203,3 +204,56 @@ def test_a_flood_of_datagrams_neither_stops_the_daemon_nor_the_gate(
     wait_for(lambda: _frozen(daemon, off["client_id"], off["pid"]), 5.0, "offline frozen")
     (cmd / "0002-stop").touch()
     wait_for(lambda: not _frozen(daemon, off["client_id"], off["pid"]), 5.0, "offline thawed")
+
+
+# Writes the variables a shallow queue sets, as the process sees them, then idles.
+DUMP_ENV = """
+import json, os, sys, time
+keys = ("LD_PRELOAD", "GPUSHARE_MAX_INFLIGHT", "CUDA_LAUNCH_BLOCKING")
+with open(sys.argv[1] + ".tmp", "w") as f:
+    json.dump({k: os.environ.get(k) for k in keys}, f)
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+while True: time.sleep(0.05)
+"""
+
+
+def _shallow_env(tmp_path: Path, gate_toml: str) -> tuple[dict[str, str | None], DaemonProc]:
+    d = DaemonProc(gate_toml, gpus=1)
+    d.start()
+    out = tmp_path / "env.json"
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    d.submit_detached(
+        [sys.executable, "-c", DUMP_ENV, str(out)], env=env, queue="shallow", cwd=str(tmp_path)
+    )
+    wait_for(out.exists, 10.0, "the shallow client's environment")
+    return json.loads(out.read_text()), d
+
+
+@pytest.mark.skipif(
+    not native.built(), reason="the in-flight bound is not built (make native needs a C compiler)"
+)
+def test_a_bounded_shallow_client_runs_preloaded_with_its_bound(tmp_path: Path) -> None:
+    # The real library is preloaded into a real (CUDA-free) process, which must run unharmed.
+    env, d = _shallow_env(tmp_path, '[gate]\nshallow_queue = "bounded"\ninflight_kernels = 3\n')
+    try:
+        assert env == {
+            "LD_PRELOAD": str(native.library_path()),
+            "GPUSHARE_MAX_INFLIGHT": "3",
+            "CUDA_LAUNCH_BLOCKING": None,
+        }
+        events = [e["kind"] for e in d.call("events", {"limit": 50})["events"]]
+        assert "shallow_queue_blocking" not in events
+    finally:
+        d.cleanup()
+
+
+def test_a_blocking_shallow_client_runs_with_cuda_launch_blocking(tmp_path: Path) -> None:
+    env, d = _shallow_env(tmp_path, '[gate]\nshallow_queue = "blocking"\n')
+    try:
+        assert env == {
+            "LD_PRELOAD": None,
+            "GPUSHARE_MAX_INFLIGHT": None,
+            "CUDA_LAUNCH_BLOCKING": "1",
+        }
+    finally:
+        d.cleanup()

@@ -6,13 +6,22 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
+from gpushare import config as config_mod
+from gpushare import native
 from gpushare.cli.app import app
+from gpushare.config import ConfigError, GateConfig
 from gpushare.daemon import registry as registry_mod
-from gpushare.daemon.launcher import choose_queue, queue_env
+from gpushare.daemon.core import Daemon
+from gpushare.daemon.launcher import SHALLOW_MARKERS, choose_queue, launched_shallow, queue_env
 from gpushare.daemon.registry import Registry
 from gpushare.model import ClientClass, ClientState
+from gpushare.mpsenv import workload_env
+from gpushare.node.signal_pauser import SignalPauser
+from tests.fakes.fake_gpu import FakeGpuBackend
+from tests.fakes.fake_mpsnode import FakeMpsNode
 
 runner = CliRunner()
 
@@ -27,8 +36,48 @@ def test_choose_queue() -> None:
     mode, why = choose_queue("auto", gating_on=False)
     assert mode == "deep"
     assert "gating is off" in why
-    assert queue_env("shallow") == {"CUDA_LAUNCH_BLOCKING": "1"}
-    assert queue_env("deep") == {}
+
+
+def test_queue_env_bounds_in_flight_kernels_or_blocks_and_says_which() -> None:
+    bounded = GateConfig(shallow_queue="bounded", inflight_kernels=3)
+    env, how = queue_env("shallow", bounded, "/opt/gs/libgpushare_inflight.so")
+    assert env == {"LD_PRELOAD": "/opt/gs/libgpushare_inflight.so", "GPUSHARE_MAX_INFLIGHT": "3"}
+    assert "at most 3 kernels in flight" in how
+    # Not built: still shallow (a freeze bites within a kernel), by the documented variable, and
+    # the reason names the fix.
+    env, how = queue_env("shallow", bounded, None)
+    assert env == {"CUDA_LAUNCH_BLOCKING": "1"}
+    assert "make native" in how
+    assert "gpushare install" in how
+    blocking = GateConfig(shallow_queue="blocking")
+    assert queue_env("shallow", blocking, "/opt/gs/lib.so")[0] == {"CUDA_LAUNCH_BLOCKING": "1"}
+    assert queue_env("deep", bounded, "/opt/gs/lib.so") == ({}, "deep")
+
+
+def test_a_readopted_client_is_shallow_by_either_variable() -> None:
+    assert launched_shallow({"CUDA_LAUNCH_BLOCKING": "1"})
+    assert launched_shallow({"GPUSHARE_MAX_INFLIGHT": "2"})
+    assert not launched_shallow({"CUDA_LAUNCH_BLOCKING": "0"})
+    assert not launched_shallow({})
+    assert set(SHALLOW_MARKERS) == {"CUDA_LAUNCH_BLOCKING", "GPUSHARE_MAX_INFLIGHT"}
+
+
+def test_the_preload_goes_in_front_of_the_workloads_own() -> None:
+    ours = {"LD_PRELOAD": "/gs/lib.so", "GPUSHARE_MAX_INFLIGHT": "2"}
+    assert workload_env({"LD_PRELOAD": " /x/a.so "}, ours)["LD_PRELOAD"] == "/gs/lib.so:/x/a.so"
+    assert workload_env({}, ours)["LD_PRELOAD"] == "/gs/lib.so"
+    # A deep client gets no preload of ours and keeps the caller's as it was.
+    assert workload_env({"LD_PRELOAD": "/x/a.so"}, {})["LD_PRELOAD"] == "/x/a.so"
+
+
+def test_the_shallow_queue_keys_are_validated() -> None:
+    for text, key in (
+        ('[gate]\nshallow_queue = "fast"\n', "gate.shallow_queue"),
+        ("[gate]\ninflight_kernels = 0\n", "gate.inflight_kernels"),
+        ('[gate]\ninflight_kernels = "2"\n', "gate.inflight_kernels"),
+    ):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            config_mod.loads(text)
 
 
 def test_submit_refuses_bad_queue_and_gauge_arguments_before_calling_the_daemon(
@@ -76,3 +125,39 @@ def test_an_older_database_gains_the_new_columns(tmp_path: Path) -> None:
         reg.close()
     cols = {r[1] for r in sqlite3.connect(db).execute("PRAGMA table_info(clients)")}
     assert {"queue", "inflight_from"} <= cols
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_a_daemon_without_the_built_bound_says_shallow_queues_will_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built: bool
+) -> None:
+    monkeypatch.setattr(native, "built", lambda: built)
+    cfg = config_mod.loads(f"""version = 1
+[paths]
+runtime_dir = "{tmp_path}/run"
+state_dir = "{tmp_path}/state"
+[probe]
+enabled = false
+[metrics]
+enabled = false
+[gate]
+shallow_queue = "bounded"
+""")
+    d = Daemon(
+        cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
+        mps=FakeMpsNode(tmp_path / "mps"), pauser=SignalPauser(), notify=lambda *f: True,
+    )  # fmt: skip
+    d.start()
+    try:
+        warned = [e for e in d.registry.events(0, 100) if e.kind == "shallow_queue_blocking"]
+        if built:
+            assert warned == []
+            assert d.state.shallow_library == str(native.library_path())
+        else:
+            assert len(warned) == 1
+            assert warned[0].severity == "warning"
+            assert "make native" in warned[0].message
+            assert d.state.shallow_library is None
+    finally:
+        d.shutdown()
+        d.registry.close()

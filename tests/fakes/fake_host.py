@@ -23,6 +23,9 @@ class FakeHost:
     )
     multiuser: bool | None = True
     freezer_probe: Probe = field(default_factory=lambda: Probe(True, "/sys/fs/cgroup (writable)"))
+    inflight_probe: Probe = field(
+        default_factory=lambda: Probe(True, "/opt/gs/gpushare/native/libgpushare_inflight.so")
+    )
     dirs: dict[Path, DirFacts] = field(default_factory=dict)
     booted_systemd: bool = True
     asked_binary: list[str] = field(default_factory=list)
@@ -45,6 +48,9 @@ class FakeHost:
 
     def mps_multiuser(self, name: str) -> bool | None:
         return self.multiuser
+
+    def inflight_bound(self) -> Probe:
+        return self.inflight_probe
 
     def cgroup_freezer(self) -> Probe:
         return self.freezer_probe
