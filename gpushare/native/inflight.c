@@ -14,6 +14,13 @@
  *   GPUSHARE_MAX_INFLIGHT=k       integer 1..INFLIGHT_MAX; missing or invalid: everything passes
  *                                 through unchanged and one stderr line names the problem.
  *   GPUSHARE_INFLIGHT_STATS=path  at exit, one JSON line of counters is written there.
+ *   GPUSHARE_INFLIGHT_CONTROL=path  optional: a file holding the bound as a 4-byte little-endian
+ *                                 int at offset 0 (0 = unbounded, above INFLIGHT_MAX = that),
+ *                                 mapped read-only and read at every launch, so the daemon can
+ *                                 change the bound without a restart. It overrides
+ *                                 GPUSHARE_MAX_INFLIGHT. The writer must rewrite those 4 bytes in
+ *                                 place (pwrite at offset 0) and never truncate the file: a read
+ *                                 past the end of a mapping is SIGBUS.
  *
  * How launches reach the wrappers (all three are needed for real programs):
  *   1. Direct symbols: a program linked to libcuda calls cuLaunchKernel etc.; LD_PRELOAD wins.
@@ -51,6 +58,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
@@ -154,6 +163,8 @@ static pool_t g_pools[MAX_CONTEXTS];
 static int g_npools;
 
 static int g_bound;                /* k from the environment; 0 = pass through */
+static int g_last_bound;           /* the bound the last tracked launch used (stats) */
+static const volatile uint32_t *g_control; /* GPUSHARE_INFLIGHT_CONTROL mapping, or NULL */
 static atomic_int g_active;        /* 1 while the bound is enforced */
 static char g_reason[160];         /* why everything passes through, or "" */
 static atomic_ullong g_launches;   /* wrapped launch calls */
@@ -411,11 +422,27 @@ static void track(CUstream stream)
         g_max_inflight = g_count;
 }
 
+/* The bound for this launch: the control file's value if there is one, else the environment's. */
+static int current_bound(void)
+{
+    if (g_control == NULL)
+        return g_bound;
+    uint32_t v = __atomic_load_n(g_control, __ATOMIC_RELAXED);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap32(v);
+#endif
+    int32_t k = (int32_t)v;
+    return k <= 0 ? 0 : k > INFLIGHT_MAX ? INFLIGHT_MAX : (int)k;
+}
+
 /* Before a launch: 1 with g_lock held when the launch is to be tracked, 0 to pass through. */
 static int gate_enter(CUstream *stream, int ptsz)
 {
     atomic_fetch_add_explicit(&g_launches, 1, memory_order_relaxed);
     if (!atomic_load_explicit(&g_active, memory_order_acquire))
+        return 0;
+    int bound = current_bound();
+    if (bound == 0) /* unbounded for now (control file): nothing to track */
         return 0;
     if (*stream == NULL && ptsz)
         *stream = CU_STREAM_PER_THREAD; /* what a _ptsz launch on stream 0 means */
@@ -434,7 +461,8 @@ static int gate_enter(CUstream *stream, int ptsz)
         pthread_mutex_unlock(&g_lock);
         return 0;
     }
-    if (!make_room(g_bound)) {
+    g_last_bound = bound;
+    if (!make_room(bound)) {
         pthread_mutex_unlock(&g_lock);
         return 0;
     }
@@ -678,7 +706,8 @@ __attribute__((destructor)) static void inflight_fini(void)
                        "\"bound\": %d, \"captured_passthrough\": %llu, "
                        "\"passthrough_reason\": %s}\n",
                        (unsigned long long)atomic_load(&g_launches),
-                       (unsigned long long)atomic_load(&g_waits), g_max_inflight, g_bound,
+                       (unsigned long long)atomic_load(&g_waits), g_max_inflight,
+                       g_control != NULL ? g_last_bound : g_bound,
                        (unsigned long long)atomic_load(&g_captured), reason);
     pthread_mutex_unlock(&g_lock);
     int fd = open(g_stats_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -726,6 +755,31 @@ __attribute__((constructor)) static void inflight_init(void)
     const char *stats = getenv("GPUSHARE_INFLIGHT_STATS");
     if (stats != NULL && stats[0] != '\0' && strlen(stats) < sizeof g_stats_path)
         strcpy(g_stats_path, stats);
+
+    const char *control = getenv("GPUSHARE_INFLIGHT_CONTROL");
+    if (control != NULL && control[0] != '\0') {
+        int fd = open(control, O_RDONLY | O_CLOEXEC);
+        struct stat st;
+        if (fd < 0 || fstat(fd, &st) != 0 || st.st_size < 4) {
+            fprintf(stderr,
+                    PREFIX "GPUSHARE_INFLIGHT_CONTROL=%.200s: %s; the bound comes from "
+                           "GPUSHARE_MAX_INFLIGHT alone\n",
+                    control, fd < 0 ? strerror(errno) : "not a file of at least 4 bytes");
+        } else {
+            void *m = mmap(NULL, 4, PROT_READ, MAP_SHARED, fd, 0);
+            if (m == MAP_FAILED)
+                fprintf(stderr, PREFIX "GPUSHARE_INFLIGHT_CONTROL=%.200s: mmap: %s\n", control,
+                        strerror(errno));
+            else
+                g_control = m;
+        }
+        if (fd >= 0)
+            close(fd); /* the mapping stays */
+        if (g_control != NULL) {
+            atomic_store(&g_active, 1);
+            return; /* GPUSHARE_MAX_INFLIGHT is not needed, nor read */
+        }
+    }
 
     const char *env = getenv("GPUSHARE_MAX_INFLIGHT");
     if (env == NULL || env[0] == '\0') {

@@ -431,6 +431,14 @@ CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuuint64_t flags
 /* ---- test hooks ---- */
 
 int fake_max_inflight(void) { return max_inflight; }
+
+/* Start counting the most kernels in flight afresh (from what is in flight now). */
+void fake_reset_max(void)
+{
+    pthread_mutex_lock(&mu);
+    max_inflight = inflight;
+    pthread_mutex_unlock(&mu);
+}
 long fake_kernels_done(void) { return kernels_done; }
 int fake_events_created(void) { return events_created; }
 int fake_events_timed(void) { return events_timed; }

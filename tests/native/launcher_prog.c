@@ -1,7 +1,7 @@
 /*
  * Drives the fake libcuda (fake_cuda.c) the ways real programs reach the driver, then prints what
  * the fake GPU saw as one JSON line. Usage:
- *   launcher_prog REACH API N US [STREAMS [THREADS [CAPTURE]]]
+ *   launcher_prog REACH API N US [STREAMS [THREADS [CAPTURE [SWITCH]]]]
  * REACH: direct (linked symbols) | gpa (linked cuGetProcAddress_v2) | gpa-self (cuGetProcAddress
  *   fetched through itself) | dlsym-gpa (dlopen + dlsym(handle, "cuGetProcAddress_v2"), as cudart
  *   does) | dlsym-gpa-v1 (the CUDA 11 four-argument cuGetProcAddress) | dlsym (dlsym(handle,
@@ -9,7 +9,10 @@
  *   stream 0) | rtld-next (dlsym(RTLD_NEXT, ...) from this program).
  * API: kernel | ex | coop | graph. N launches of US microseconds per thread, round-robin over
  * STREAMS streams per thread. CAPTURE: none | same (the launch streams are being captured) |
- * other (another stream is being captured while these launch).
+ * other (another stream is being captured while these launch). SWITCH (optional) PATH:VALUE:
+ * after half the launches (one thread), wait until the GPU is idle, write VALUE as a 4-byte
+ * little-endian int at offset 0 of PATH in place (GPUSHARE_INFLIGHT_CONTROL), and count the most
+ * kernels in flight afresh; max_inflight_before_switch is the first half's.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -19,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef void *CUstream;
@@ -56,6 +61,7 @@ long fake_calls_legacy(void);
 long fake_calls_ptsz(void);
 void fake_set_capturing(void *, int);
 void fake_wait_idle(void);
+void fake_reset_max(void);
 int fake_log(uintptr_t *, unsigned *, int);
 
 static const char *reach, *api;
@@ -64,6 +70,33 @@ static void *fn; /* the launch entry point as REACH found it */
 static int ptsz;
 static long errors;
 static unsigned (*graph_specs)[2];
+static const char *switch_spec;
+static int max_before_switch = -1;
+
+/* SWITCH: the daemon's side of GPUSHARE_INFLIGHT_CONTROL, in the middle of the run. */
+static void do_switch(void)
+{
+    char path[4096];
+    const char *colon = strrchr(switch_spec, ':');
+    if (colon == NULL || (size_t)(colon - switch_spec) >= sizeof path) {
+        fprintf(stderr, "SWITCH is PATH:VALUE\n");
+        exit(2);
+    }
+    memcpy(path, switch_spec, (size_t)(colon - switch_spec));
+    path[colon - switch_spec] = '\0';
+    int32_t v = (int32_t)atoi(colon + 1);
+    unsigned char le[4] = {(unsigned char)v, (unsigned char)(v >> 8), (unsigned char)(v >> 16),
+                           (unsigned char)(v >> 24)};
+    fake_wait_idle();
+    max_before_switch = fake_max_inflight();
+    int fd = open(path, O_WRONLY);
+    if (fd < 0 || pwrite(fd, le, 4, 0) != 4) {
+        perror(path);
+        exit(2);
+    }
+    close(fd);
+    fake_reset_max();
+}
 
 static const char *api_symbol(void)
 {
@@ -146,16 +179,19 @@ static CUstream stream_of(int t, int i)
 static void *run(void *arg)
 {
     int t = (int)(intptr_t)arg;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        if (switch_spec != NULL && t == 0 && i == n / 2)
+            do_switch();
         if (launch_one(stream_of(t, i), (unsigned)(t * n + i)) != 0)
             __atomic_fetch_add(&errors, 1, __ATOMIC_RELAXED);
+    }
     return NULL;
 }
 
 int main(int argc, char **argv)
 {
     if (argc < 5) {
-        fprintf(stderr, "usage: %s REACH API N US [STREAMS [THREADS [CAPTURE]]]\n", argv[0]);
+        fprintf(stderr, "usage: %s REACH API N US [STREAMS [THREADS [CAPTURE [SWITCH]]]]\n", argv[0]);
         return 2;
     }
     reach = argv[1];
@@ -167,6 +203,7 @@ int main(int argc, char **argv)
     if (argc > 6)
         nthreads = atoi(argv[6]);
     const char *capture = argc > 7 ? argv[7] : "none";
+    switch_spec = argc > 8 ? argv[8] : NULL;
     graph_specs = calloc((size_t)(n * nthreads), sizeof *graph_specs);
     cuInit(0);
     find_launch();
@@ -210,9 +247,11 @@ int main(int argc, char **argv)
     printf("{\"max_inflight\": %d, \"kernels_done\": %ld, \"expected\": %d, \"order_ok\": %s, "
            "\"events_created\": %d, \"events_timed\": %d, \"capture_violations\": %d, "
            "\"capture_invalidated\": %d, \"calls_legacy\": %ld, \"calls_ptsz\": %ld, "
-           "\"launch_errors\": %ld, \"launch_loop_ns\": %lld}\n",
+           "\"launch_errors\": %ld, \"launch_loop_ns\": %lld, "
+           "\"max_inflight_before_switch\": %d}\n",
            fake_max_inflight(), fake_kernels_done(), total, order_ok ? "true" : "false",
            fake_events_created(), fake_events_timed(), fake_capture_violations(),
-           fake_capture_invalidated(), fake_calls_legacy(), fake_calls_ptsz(), errors, launch_ns);
+           fake_capture_invalidated(), fake_calls_legacy(), fake_calls_ptsz(), errors, launch_ns,
+           max_before_switch);
     return 0;
 }

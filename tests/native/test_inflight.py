@@ -233,3 +233,81 @@ def test_the_module_names_what_the_daemon_sets() -> None:
     assert native.library_path().parent == Path(native.__file__).resolve().parent
     assert (native.library_path().parent / "inflight.c").is_file()
     assert native.built() == native.library_path().is_file()
+
+
+def control_file(path: Path, value: int) -> Path:
+    path.write_bytes(value.to_bytes(4, "little", signed=True))
+    return path
+
+
+def test_the_control_file_sets_the_bound_and_changes_it_without_a_restart(
+    built: Built, tmp_path: Path
+) -> None:
+    ctl = control_file(tmp_path / "bound", 3)
+    stats = tmp_path / "stats.json"
+    # The file says 3 (over the environment's 2); halfway the daemon's side rewrites it to 1.
+    r = run(
+        built,
+        "dlsym-gpa",
+        "kernel",
+        2 * BURST,
+        KERNEL_US,
+        1,
+        1,
+        "none",
+        f"{ctl}:1",
+        stats=stats,
+        extra_env={native.CONTROL_ENV: str(ctl)},
+    )
+    assert r.fake["max_inflight_before_switch"] == 3
+    assert r.fake["max_inflight"] == 1
+    assert_all_ran_in_order(r.fake)
+    assert r.stderr == ""
+    assert r.stats is not None
+    assert r.stats["bound"] == 1
+    assert r.stats["passthrough_reason"] is None
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "before", "after"), [(0, 2, "burst", 2), (2, 0, 2, "burst")]
+)
+def test_a_control_value_of_zero_is_unbounded(
+    built: Built, tmp_path: Path, first: int, then: int, before: object, after: object
+) -> None:
+    ctl = control_file(tmp_path / "bound", first)
+    r = run(
+        built,
+        "direct",
+        "kernel",
+        2 * BURST,
+        KERNEL_US,
+        1,
+        1,
+        "none",
+        f"{ctl}:{then}",
+        bound=None,
+        extra_env={native.CONTROL_ENV: str(ctl)},
+    )
+    for seen, want in (
+        (r.fake["max_inflight_before_switch"], before),
+        (r.fake["max_inflight"], after),
+    ):
+        if want == "burst":
+            assert seen >= BURST - 5
+        else:
+            assert seen == want
+    assert_all_ran_in_order(r.fake)
+    assert r.stderr == ""  # GPUSHARE_MAX_INFLIGHT is not needed with a control file
+
+
+def test_an_unusable_control_file_falls_back_to_the_environment(
+    built: Built, tmp_path: Path
+) -> None:
+    short = tmp_path / "short"
+    short.write_bytes(b"\x02")
+    r = run(built, "direct", "kernel", BURST, KERNEL_US, extra_env={native.CONTROL_ENV: str(short)})
+    assert r.fake["max_inflight"] == 2
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, lines
+    assert native.CONTROL_ENV in lines[0]
+    assert str(short) in lines[0]
