@@ -13,7 +13,9 @@
  * Environment (names kept in gpushare/native/__init__.py):
  *   GPUSHARE_MAX_INFLIGHT=k       integer 1..INFLIGHT_MAX; missing or invalid: everything passes
  *                                 through unchanged and one stderr line names the problem.
- *   GPUSHARE_INFLIGHT_STATS=path  at exit, one JSON line of counters is written there.
+ *   GPUSHARE_INFLIGHT_STATS=path  at exit, each process that made a launch appends one JSON line
+ *                                 of counters there (children inherit the environment: a shell
+ *                                 or tool the job runs must not overwrite the job's line).
  *   GPUSHARE_INFLIGHT_CONTROL=path  optional: a file holding the bound as a 4-byte little-endian
  *                                 int at offset 0 (0 = unbounded, above INFLIGHT_MAX = that),
  *                                 mapped read-only and read at every launch, so the daemon can
@@ -690,7 +692,7 @@ static void json_str(char *out, size_t n, const char *s)
 
 __attribute__((destructor)) static void inflight_fini(void)
 {
-    if (g_stats_path[0] == '\0')
+    if (g_stats_path[0] == '\0' || atomic_load(&g_launches) == 0)
         return;
     pthread_mutex_lock(&g_lock);
     char reason[400], line[700];
@@ -702,15 +704,15 @@ __attribute__((destructor)) static void inflight_fini(void)
         snprintf(reason, sizeof reason, "null");
     }
     int len = snprintf(line, sizeof line,
-                       "{\"launches\": %llu, \"waits\": %llu, \"max_inflight\": %d, "
+                       "{\"pid\": %d, \"launches\": %llu, \"waits\": %llu, \"max_inflight\": %d, "
                        "\"bound\": %d, \"captured_passthrough\": %llu, "
                        "\"passthrough_reason\": %s}\n",
-                       (unsigned long long)atomic_load(&g_launches),
+                       (int)getpid(), (unsigned long long)atomic_load(&g_launches),
                        (unsigned long long)atomic_load(&g_waits), g_max_inflight,
                        g_control != NULL ? g_last_bound : g_bound,
                        (unsigned long long)atomic_load(&g_captured), reason);
     pthread_mutex_unlock(&g_lock);
-    int fd = open(g_stats_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int fd = open(g_stats_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (fd < 0) {
         fprintf(stderr, PREFIX "cannot write GPUSHARE_INFLIGHT_STATS=%s: %s\n", g_stats_path,
                 strerror(errno));
@@ -721,8 +723,23 @@ __attribute__((destructor)) static void inflight_fini(void)
     close(fd);
 }
 
+/* A forked child cannot use the parent's CUDA context (CUDA is not fork-safe), and g_lock may
+ * have been held by another thread at the fork: start the child unbounded with fresh counters, so
+ * it neither deadlocks nor reports the parent's launches. */
+static void after_fork_in_child(void)
+{
+    pthread_mutex_init(&g_lock, NULL);
+    atomic_store(&g_active, 0);
+    snprintf(g_reason, sizeof g_reason, "a forked child (CUDA is not fork-safe)");
+    g_head = g_count = g_npools = g_max_inflight = 0;
+    atomic_store(&g_launches, 0);
+    atomic_store(&g_waits, 0);
+    atomic_store(&g_captured, 0);
+}
+
 __attribute__((constructor)) static void inflight_init(void)
 {
+    pthread_atfork(NULL, NULL, after_fork_in_child);
     static const struct {
         const char *symbol, *base;
         int ptsz;

@@ -311,3 +311,23 @@ def test_an_unusable_control_file_falls_back_to_the_environment(
     assert len(lines) == 1, lines
     assert native.CONTROL_ENV in lines[0]
     assert str(short) in lines[0]
+
+
+def test_processes_that_launch_nothing_leave_the_stats_alone(built: Built, tmp_path: Path) -> None:
+    # The job's shell and the tools it runs inherit LD_PRELOAD and the stats path.
+    stats = tmp_path / "stats.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
+    env.update(
+        {
+            "LD_PRELOAD": str(built.library),
+            native.INFLIGHT_ENV: "2",
+            native.STATS_ENV: str(stats),
+        }
+    )
+    script = f"{built.prog} direct kernel {BURST} {KERNEL_US} >/dev/null && /bin/true"
+    subprocess.run(["/bin/sh", "-c", script], env=env, check=True, timeout=30)
+    lines = stats.read_text().splitlines()
+    assert len(lines) == 1, lines
+    line = json.loads(lines[0])
+    assert line["launches"] == BURST
+    assert line["max_inflight"] == 2
