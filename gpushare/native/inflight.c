@@ -16,6 +16,8 @@
  *   GPUSHARE_INFLIGHT_STATS=path  at exit, each process that made a launch appends one JSON line
  *                                 of counters there (children inherit the environment: a shell
  *                                 or tool the job runs must not overwrite the job's line).
+ *   GPUSHARE_INFLIGHT_WAIT_LIMIT_MS=ms  optional, default 5000: after this long (awake) waiting
+ *                                 for one earlier kernel, the bound is turned off (see wait_event).
  *   GPUSHARE_INFLIGHT_CONTROL=path  optional: a file holding the bound as a 4-byte little-endian
  *                                 int at offset 0 (0 = unbounded, above INFLIGHT_MAX = that),
  *                                 mapped read-only and read at every launch, so the daemon can
@@ -54,12 +56,14 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -165,6 +169,7 @@ static pool_t g_pools[MAX_CONTEXTS];
 static int g_npools;
 
 static int g_bound;                /* k from the environment; 0 = pass through */
+static int g_wait_limit_ms = 5000; /* GPUSHARE_INFLIGHT_WAIT_LIMIT_MS */
 static int g_last_bound;           /* the bound the last tracked launch used (stats) */
 static const volatile uint32_t *g_control; /* GPUSHARE_INFLIGHT_CONTROL mapping, or NULL */
 static atomic_int g_active;        /* 1 while the bound is enforced */
@@ -334,6 +339,48 @@ static void release_oldest(void)
     g_count--;
 }
 
+#define WAIT_GAVE_UP (-1)
+#define SPIN_NS 1000000LL     /* poll with sched_yield for the first millisecond of a wait */
+#define NAP_NS 50000L         /* then nap 50 us between polls */
+#define FROZEN_GAP_NS 10000000LL /* a gap this long between polls: we were frozen or preempted */
+
+static int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Wait for `ev` by polling cuEventQuery. Not cuEventSynchronize: that cannot time out, and a
+ * kernel that waits on a later launch of this process (a kernel of one NCCL group over several
+ * GPUs in one process, a producer/consumer pair of persistent kernels) would never finish while
+ * we hold that launch back: past g_wait_limit_ms of waiting the bound gives up (WAIT_GAVE_UP)
+ * rather than hang the job. Only time spent awake counts, so a cgroup freeze of this process (the
+ * point of the bound) does not use up the limit. The first millisecond spins with sched_yield (the
+ * kernels a shallow queue holds back are short; a sleep there would cost its wake-up on every
+ * launch), then polls every 50 us (at most 5 % on a kernel of a millisecond or more). */
+static CUresult wait_event(CUevent ev)
+{
+    int64_t awake = 0, last = now_ns();
+    for (;;) {
+        CUresult rc = g_cu.event_query(ev);
+        if (rc != CUDA_ERROR_NOT_READY)
+            return rc;
+        if (awake < SPIN_NS) {
+            sched_yield();
+        } else {
+            struct timespec nap = {0, NAP_NS};
+            nanosleep(&nap, NULL);
+        }
+        int64_t t = now_ns();
+        if (t - last < FROZEN_GAP_NS)
+            awake += t - last;
+        last = t;
+        if (awake > (int64_t)g_wait_limit_ms * 1000000LL)
+            return WAIT_GAVE_UP;
+    }
+}
+
 /* Make room for one more launch: retire completed launches from the oldest; if still at the
  * bound, wait for the oldest. Launches on one stream complete in order, so the oldest is the one
  * whose completion a single-stream trainer would wait for anyway. Called with g_lock held. */
@@ -348,11 +395,18 @@ static int make_room(int bound)
     while (g_count >= bound) {
         CUresult rc = g_cu.event_query(g_ring[g_head].event);
         if (rc == CUDA_ERROR_NOT_READY) {
-            /* cuEventSynchronize follows the context's scheduling flags (spin, yield or block),
-             * the same wait CUDA_LAUNCH_BLOCKING=1 would do; a hand-written query/sched_yield loop
-             * would only duplicate CU_CTX_SCHED_YIELD. */
             atomic_fetch_add(&g_waits, 1);
-            rc = g_cu.event_synchronize(g_ring[g_head].event);
+            rc = wait_event(g_ring[g_head].event);
+        }
+        if (rc == WAIT_GAVE_UP) {
+            char what[160];
+            snprintf(what, sizeof what,
+                     "an earlier kernel ran %d ms without finishing (it may wait on a later launch, "
+                     "e.g. one NCCL group over several GPUs in one process)",
+                     g_wait_limit_ms);
+            disable(what, 0);
+            ok = 0;
+            break;
         }
         if (rc != CUDA_SUCCESS) {
             disable("waiting for an earlier kernel's event failed", rc);
@@ -772,6 +826,19 @@ __attribute__((constructor)) static void inflight_init(void)
     const char *stats = getenv("GPUSHARE_INFLIGHT_STATS");
     if (stats != NULL && stats[0] != '\0' && strlen(stats) < sizeof g_stats_path)
         strcpy(g_stats_path, stats);
+
+    const char *limit = getenv("GPUSHARE_INFLIGHT_WAIT_LIMIT_MS");
+    if (limit != NULL && limit[0] != '\0') {
+        char *end = NULL;
+        long ms = strtol(limit, &end, 10);
+        if (limit[0] < '0' || limit[0] > '9' || *end != '\0' || ms < 1 || ms > 3600000)
+            fprintf(stderr,
+                    PREFIX "GPUSHARE_INFLIGHT_WAIT_LIMIT_MS='%.64s' is not an integer from 1 to "
+                           "3600000; using %d\n",
+                    limit, g_wait_limit_ms);
+        else
+            g_wait_limit_ms = (int)ms;
+    }
 
     const char *control = getenv("GPUSHARE_INFLIGHT_CONTROL");
     if (control != NULL && control[0] != '\0') {

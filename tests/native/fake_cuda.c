@@ -8,7 +8,9 @@
  * streams and the per-thread default stream). A kernel "runs" by
  * sleeping: cuLaunchKernel(Cooperative)/Ex take gridDimX as microseconds and gridDimY as a tag;
  * cuGraphLaunch takes its CUgraphExec as a pointer to two unsigned ints {microseconds, tag} (read
- * at launch). The fake counts kernels enqueued and not yet done, and the most at once: that, not
+ * at launch). A kernel launched with gridDimZ = 2 first waits until a kernel with gridDimZ = 3 has
+ * been launched after it (anywhere in the process): a kernel that depends on a later launch, as
+ * one NCCL group over several GPUs of one process does. The fake counts kernels enqueued and not yet done, and the most at once: that, not
  * anything the interposer says, is what the tests check.
  *
  * Events follow the driver API: cuEventRecord captures the stream's work so far; cuEventQuery is
@@ -63,6 +65,7 @@ typedef struct fake_event {
 typedef struct {
     int is_kernel;
     unsigned us, tag;
+    unsigned long long needs_release; /* gridDimZ = 2: wait until releases >= this */
 } op_t;
 
 typedef struct {
@@ -90,6 +93,7 @@ static __thread int thread_mode; /* CUstreamCaptureMode of this thread; 0 = GLOB
 static __thread int thread_id_set;
 static __thread uintptr_t thread_stream_id;
 static int next_thread_stream = 1;
+static unsigned long long releases; /* kernels launched with gridDimZ = 3 */
 
 static void *gpu(void *arg)
 {
@@ -100,6 +104,8 @@ static void *gpu(void *arg)
             pthread_cond_wait(&st->work, &mu);
         op_t op = st->ops[st->head];
         if (op.is_kernel) {
+            while (releases < op.needs_release)
+                pthread_cond_wait(&cv_done, &mu);
             pthread_mutex_unlock(&mu);
             struct timespec ts = {op.us / 1000000, (long)(op.us % 1000000) * 1000};
             nanosleep(&ts, NULL);
@@ -159,14 +165,19 @@ static int is_capturing(uintptr_t id)
 }
 
 /* Enqueue on stream `id`; returns the stream's index and its op count after this op (mu held). */
-static int enqueue(int is_kernel, uintptr_t id, unsigned us, unsigned tag,
+static int enqueue(int is_kernel, uintptr_t id, unsigned us, unsigned tag, unsigned z,
                    unsigned long long *target)
 {
     int i = stream_index(id);
     stream_t *st = &streams[i];
     while (st->count == MAX_OPS)
         pthread_cond_wait(&cv_done, &mu);
-    st->ops[(st->head + st->count) % MAX_OPS] = (op_t){is_kernel, us, tag};
+    st->ops[(st->head + st->count) % MAX_OPS] =
+        (op_t){is_kernel, us, tag, z == 2 ? releases + 1 : 0};
+    if (z == 3) {
+        releases++;
+        pthread_cond_broadcast(&cv_done);
+    }
     st->count++;
     st->submitted++;
     if (target != NULL)
@@ -180,12 +191,12 @@ static int enqueue(int is_kernel, uintptr_t id, unsigned us, unsigned tag,
     return i;
 }
 
-static CUresult launch(int ptsz, CUstream s, unsigned us, unsigned tag)
+static CUresult launch(int ptsz, CUstream s, unsigned us, unsigned tag, unsigned z)
 {
     uintptr_t id = stream_id(s, ptsz);
     __atomic_fetch_add(ptsz ? &calls_ptsz : &calls_legacy, 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&mu);
-    enqueue(1, id, us, tag, NULL);
+    enqueue(1, id, us, tag, z, NULL);
     pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
 }
@@ -232,15 +243,15 @@ CUresult cuStreamGetCtx(CUstream s, CUcontext *c)
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                         unsigned by, unsigned bz, unsigned sh, CUstream s, void **p, void **e)
 {
-    (void)f, (void)gz, (void)bx, (void)by, (void)bz, (void)sh, (void)p, (void)e;
-    return launch(0, s, gx, gy);
+    (void)f, (void)bx, (void)by, (void)bz, (void)sh, (void)p, (void)e;
+    return launch(0, s, gx, gy, gz);
 }
 
 CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                              unsigned by, unsigned bz, unsigned sh, CUstream s, void **p, void **e)
 {
-    (void)f, (void)gz, (void)bx, (void)by, (void)bz, (void)sh, (void)p, (void)e;
-    return launch(1, s, gx, gy);
+    (void)f, (void)bx, (void)by, (void)bz, (void)sh, (void)p, (void)e;
+    return launch(1, s, gx, gy, gz);
 }
 
 CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
@@ -248,7 +259,7 @@ CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void 
     (void)f, (void)p, (void)e;
     if (c == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    return launch(0, c->hStream, c->gridDimX, c->gridDimY);
+    return launch(0, c->hStream, c->gridDimX, c->gridDimY, c->gridDimZ);
 }
 
 CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
@@ -256,35 +267,35 @@ CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, 
     (void)f, (void)p, (void)e;
     if (c == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    return launch(1, c->hStream, c->gridDimX, c->gridDimY);
+    return launch(1, c->hStream, c->gridDimX, c->gridDimY, c->gridDimZ);
 }
 
 CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
                                    unsigned bx, unsigned by, unsigned bz, unsigned sh, CUstream s,
                                    void **p)
 {
-    (void)f, (void)gz, (void)bx, (void)by, (void)bz, (void)sh, (void)p;
-    return launch(0, s, gx, gy);
+    (void)f, (void)bx, (void)by, (void)bz, (void)sh, (void)p;
+    return launch(0, s, gx, gy, gz);
 }
 
 CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
                                         unsigned bx, unsigned by, unsigned bz, unsigned sh,
                                         CUstream s, void **p)
 {
-    (void)f, (void)gz, (void)bx, (void)by, (void)bz, (void)sh, (void)p;
-    return launch(1, s, gx, gy);
+    (void)f, (void)bx, (void)by, (void)bz, (void)sh, (void)p;
+    return launch(1, s, gx, gy, gz);
 }
 
 CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
 {
     const unsigned *spec = (const unsigned *)g;
-    return launch(0, s, spec[0], spec[1]);
+    return launch(0, s, spec[0], spec[1], 1);
 }
 
 CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
 {
     const unsigned *spec = (const unsigned *)g;
-    return launch(1, s, spec[0], spec[1]);
+    return launch(1, s, spec[0], spec[1], 1);
 }
 
 CUresult cuEventCreate(CUevent *ev, unsigned int flags)
@@ -313,7 +324,7 @@ static CUresult event_record(CUevent ev, CUstream s, int ptsz)
     pthread_mutex_lock(&mu);
     if (is_capturing(id))
         capture_violations++;
-    ev->stream = enqueue(0, id, 0, 0, &ev->target);
+    ev->stream = enqueue(0, id, 0, 0, 0, &ev->target);
     pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
 }

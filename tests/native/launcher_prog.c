@@ -7,7 +7,8 @@
  *   does) | dlsym-gpa-v1 (the CUDA 11 four-argument cuGetProcAddress) | dlsym (dlsym(handle,
  *   "cuLaunchKernel"), as ctypes does) | ptsz (dlsym-gpa with the per-thread-default-stream flag,
  *   stream 0) | rtld-next (dlsym(RTLD_NEXT, ...) from this program).
- * API: kernel | ex | coop | graph. N launches of US microseconds per thread, round-robin over
+ * API: kernel | ex | coop | graph | pair (cuLaunchKernel alternating, over two streams, a kernel
+ * that waits for the next launch (gridDimZ 2) and that launch (gridDimZ 3)). N launches of US microseconds per thread, round-robin over
  * STREAMS streams per thread. CAPTURE: none | same (the launch streams are being captured) |
  * other (another stream is being captured while these launch). SWITCH (optional) PATH:VALUE:
  * after half the launches (one thread), wait until the GPU is idle, write VALUE as a 4-byte
@@ -166,13 +167,16 @@ static CUresult launch_one(CUstream s, unsigned tag)
         graph_specs[tag][1] = tag;
         return ((graph_fn)fn)(graph_specs[tag], s);
     }
-    return ((launch_fn)fn)(NULL, (unsigned)us, tag, 1, 1, 1, 1, 0, s, NULL, NULL);
+    unsigned z = strcmp(api, "pair") == 0 ? 2 + tag % 2 : 1;
+    return ((launch_fn)fn)(NULL, (unsigned)us, tag, z, 1, 1, 1, 0, s, NULL, NULL);
 }
 
 static CUstream stream_of(int t, int i)
 {
     if (ptsz)
         return NULL; /* the thread's per-thread default stream */
+    if (strcmp(api, "pair") == 0)
+        return (CUstream)(uintptr_t)(0x1000 + t * 2 + i % 2);
     return (CUstream)(uintptr_t)(0x1000 + t * nstreams + i % nstreams);
 }
 

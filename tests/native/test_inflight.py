@@ -331,3 +331,33 @@ def test_processes_that_launch_nothing_leave_the_stats_alone(built: Built, tmp_p
     line = json.loads(lines[0])
     assert line["launches"] == BURST
     assert line["max_inflight"] == 2
+
+
+def test_a_kernel_waiting_on_a_later_launch_does_not_hang_the_job(
+    built: Built, tmp_path: Path
+) -> None:
+    # k = 1 holds back the launch the first kernel waits for: the bound must give up, not hang.
+    stats = tmp_path / "stats.json"
+    r = run(
+        built,
+        "direct",
+        "pair",
+        10,
+        KERNEL_US,
+        bound="1",
+        stats=stats,
+        extra_env={"GPUSHARE_INFLIGHT_WAIT_LIMIT_MS": "200"},
+    )
+    assert_all_ran_in_order(r.fake)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, lines
+    assert "200 ms without finishing" in lines[0]
+    assert r.stats is not None
+    assert "without finishing" in str(r.stats["passthrough_reason"])
+
+
+def test_a_bound_that_fits_the_dependency_keeps_it(built: Built) -> None:
+    r = run(built, "direct", "pair", 20, KERNEL_US, bound="2")
+    assert r.fake["max_inflight"] == 2
+    assert_all_ran_in_order(r.fake)
+    assert r.stderr == ""
