@@ -27,6 +27,10 @@ STATS_ENV = "GPUSHARE_INFLIGHT_STATS"
 ``launches``, ``waits``, ``max_inflight``, ``bound``, ``captured_passthrough``,
 ``passthrough_reason``: null while the bound held to the end, else why it was off)."""
 
+WAIT_LIMIT_ENV = "GPUSHARE_INFLIGHT_WAIT_LIMIT_MS"
+"""Optional, default 5000: after waiting this long (awake) for one earlier kernel the bound turns
+off for the process, so a kernel that waits on a later launch cannot hang the job."""
+
 CONTROL_ENV = "GPUSHARE_INFLIGHT_CONTROL"
 """Optional path to a file holding the bound as a 4-byte little-endian int at offset 0
 (0 = unbounded), mapped read-only and read at every launch, so the bound changes without a

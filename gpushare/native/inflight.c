@@ -48,6 +48,15 @@
  * launch so that two threads cannot both take the last slot. No allocation after warm-up: the ring
  * and the per-context event pools are static arrays; events are created once and reused.
  *
+ * Limits: only kernel and graph launches are counted (a graph as one, however many kernels it
+ * holds); async copies and memsets queued between them still run ahead after a freeze. The bound is
+ * per process, over all its streams and contexts, and the wait is for the oldest launch even when a
+ * later one on another stream finished first. A kernel that can only finish after a later launch of
+ * this process needs k above the number of such launches, else the wait gives up after
+ * GPUSHARE_INFLIGHT_WAIT_LIMIT_MS and the bound is off for the process. A context destroyed and
+ * another created at the same address would reuse stale pooled events: the next record fails and
+ * the bound turns off (training keeps one primary context per device). A forked child is unbounded.
+ *
  * No CUDA header is needed: the few types and constants are declared below, each naming its cuda.h
  * definition (values checked against cuda-python's cydriver.pxd / driver enums, CUDA 12).
  */

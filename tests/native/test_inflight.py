@@ -229,6 +229,10 @@ def test_the_module_names_what_the_daemon_sets() -> None:
     assert native.LIBRARY_NAME == "libgpushare_inflight.so"
     assert native.INFLIGHT_ENV == "GPUSHARE_MAX_INFLIGHT"
     assert native.STATS_ENV == "GPUSHARE_INFLIGHT_STATS"
+    # The library reads these names: they must be spelled the same in inflight.c.
+    source = (native.library_path().parent / "inflight.c").read_text()
+    for name in (native.INFLIGHT_ENV, native.STATS_ENV, native.WAIT_LIMIT_ENV, native.CONTROL_ENV):
+        assert f'getenv("{name}")' in source
     assert native.library_path().name == native.LIBRARY_NAME
     assert native.library_path().parent == Path(native.__file__).resolve().parent
     assert (native.library_path().parent / "inflight.c").is_file()
@@ -346,7 +350,7 @@ def test_a_kernel_waiting_on_a_later_launch_does_not_hang_the_job(
         KERNEL_US,
         bound="1",
         stats=stats,
-        extra_env={"GPUSHARE_INFLIGHT_WAIT_LIMIT_MS": "200"},
+        extra_env={native.WAIT_LIMIT_ENV: "200"},
     )
     assert_all_ran_in_order(r.fake)
     lines = r.stderr.splitlines()
