@@ -716,6 +716,11 @@ EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cu
 /* dlsym(handle, name) on a specific handle searches only that library, so a program that
  * dlopens libcuda would bypass the preloaded symbols: hand out our wrapper for the hooked names
  * and keep what the handle had as the real function. */
+#if defined(__GNUC__) && !defined(__clang__)
+/* Keep the RTLD_NEXT forward a tail call even in a build without -O2's sibling-call optimisation
+ * (clang does tail calls from -O1). */
+__attribute__((optimize("optimize-sibling-calls")))
+#endif
 EXPORT void *dlsym(void *handle, const char *name)
 {
     if (handle == RTLD_NEXT) {
