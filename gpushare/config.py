@@ -216,8 +216,8 @@ class GateConfig:
     gauge_period_s: float = _duration(0.05, above=True)
     max_datagrams_per_s: int = _num(20_000, minimum=1, maximum=10_000_000)
     realtime_threads: bool = True
-    shallow_queue: Literal["bounded", "blocking"] = "blocking"
-    inflight_kernels: int = _num(2, minimum=1, maximum=64)
+    shallow_queue: Literal["bounded", "blocking"] = "bounded"
+    inflight_kernels: int = _num(4, minimum=1, maximum=64)
 
 
 @dataclass(frozen=True, slots=True)

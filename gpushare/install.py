@@ -10,7 +10,10 @@ Install, in order, each step idempotent (a second run reports ``unchanged``):
    changes belong in ``gpushare.service.d/`` drop-ins, which are never touched);
 4. ``/usr/bin/gpushare``, a symlink to the console script of the installation that runs this;
 5. the admin group (``daemon.admin_group``, ``gpushare`` by default) with ``groupadd --system``;
-6. ``systemctl daemon-reload`` and ``systemctl enable --now gpushare`` (a restart is left to the
+6. the in-flight bound a bounded shallow offline queue preloads (``gpushare.native``), compiled from
+   the shipped ``inflight.c`` with the host's C compiler, next to the package (without a compiler
+   this is ``skipped``: shallow queues then use ``CUDA_LAUNCH_BLOCKING=1``);
+7. ``systemctl daemon-reload`` and ``systemctl enable --now gpushare`` (a restart is left to the
    operator: the running daemon is never disturbed).
 
 Uninstall reverses it: ``systemctl disable --now`` (workloads keep running: ``KillMode=process``),
@@ -37,7 +40,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from gpushare import config, paths
+from gpushare import config, native, paths
+from gpushare.native import build as native_build
 
 UNIT_NAME = "gpushare.service"
 CONFIG_DIR = Path("/etc/gpushare")
@@ -72,6 +76,8 @@ class Options:
     dry_run: bool = False
     systemd: bool = True
     purge: bool = False
+    #: Where the in-flight bound is built (``None``: next to :mod:`gpushare.native`).
+    library: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +224,7 @@ def install(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _ru
     steps.append(_link_bin(host, script))
     if cfg is not None:
         steps.append(_add_group(host, cfg.daemon.admin_group))
+        steps.append(_build_inflight(opts, cfg))
     if cfg is None:
         steps.append(Step("systemd", "skipped", "the config is invalid: fix it, then run again"))
     elif not opts.systemd:
@@ -362,6 +369,25 @@ def _systemctl(host: _Host, *args: str) -> Step:
         if code != 0:
             return Step(what, "failed", out)
     return Step(what, "updated")
+
+
+def _build_inflight(opts: Options, cfg: config.Config) -> Step:
+    lib = opts.library if opts.library is not None else native.library_path()
+    if cfg.gate.shallow_queue != "bounded":
+        return Step(str(lib), "skipped", '[gate] shallow_queue = "blocking" does not use it')
+    if lib.is_file() and lib.stat().st_mtime >= native_build.SOURCE.stat().st_mtime:
+        return Step(str(lib), "unchanged")
+    result: Result = "updated" if lib.is_file() else "created"
+    what = "the in-flight bound for shallow offline queues"
+    if opts.dry_run:
+        return Step(str(lib), result, f"{what}, compiled from {native_build.SOURCE.name}")
+    ok, line = native_build.build(lib)
+    if ok:
+        return Step(str(lib), result, what)
+    if native_build.compiler() is None:
+        # Not a failure: shallow queues still work, blocking; the daemon warns at start.
+        return Step(str(lib), "skipped", f"{line}; shallow queues use CUDA_LAUNCH_BLOCKING=1")
+    return Step(str(lib), "failed", line)
 
 
 def _enable(host: _Host) -> Step:

@@ -1,5 +1,6 @@
 """``gpushare install`` / ``uninstall`` against a temporary root, with the real groupadd/systemctl."""
 
+import ctypes
 import json
 import os
 import shutil
@@ -8,8 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gpushare import install
+from gpushare import install, native
 from gpushare.cli.app import app
+from gpushare.native import build as native_build
 
 runner = CliRunner()
 needs_systemctl = pytest.mark.skipif(
@@ -19,6 +21,14 @@ needs_groupadd = pytest.mark.skipif(
     shutil.which("groupadd") is None or os.geteuid() != 0,
     reason="groupadd --prefix needs the shadow utilities and root",
 )
+
+
+@pytest.fixture(autouse=True)
+def library(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where install builds the in-flight bound: a directory of the test's, not the package's."""
+    lib = tmp_path_factory.mktemp("site") / native.LIBRARY_NAME
+    monkeypatch.setattr(native, "library_path", lambda: lib)
+    return lib
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int, str]]:
@@ -42,11 +52,19 @@ def _steps(out: str) -> dict[str, tuple[str, str]]:
 
 @needs_groupadd
 @needs_systemctl
-def test_install_writes_everything_once_and_a_second_run_changes_nothing(tmp_path: Path):
+def test_install_writes_everything_once_and_a_second_run_changes_nothing(
+    tmp_path: Path, library: Path
+):
     code, out, err = _cli("install", "--root", str(tmp_path), "--json")
     assert code == 0, err
     steps = _steps(out)
+    built = steps.pop(str(library))
     assert {r for r, _d in steps.values()} == {"created", "updated"}
+    if native_build.compiler() is not None:
+        assert built == ("created", "the in-flight bound for shallow offline queues")
+        ctypes.CDLL(str(library))  # a shared object the loader takes
+    else:
+        assert built[0] == "skipped"
     cfg = tmp_path / "etc/gpushare/gpushare.toml"
     assert cfg.read_text() == install.shipped("gpushare.toml")
     assert cfg.stat().st_mode & 0o777 == 0o644
@@ -64,8 +82,34 @@ def test_install_writes_everything_once_and_a_second_run_changes_nothing(tmp_pat
     before = _snapshot(tmp_path)
     code, out, err = _cli("install", "--root", str(tmp_path), "--json")
     assert code == 0, err
-    assert {r for r, _d in _steps(out).values()} == {"unchanged"}
+    assert {r for r, _d in _steps(out).values()} <= {"unchanged", "skipped"}
+    assert _steps(out)[str(library)][0] == ("unchanged" if library.exists() else "skipped")
     assert _snapshot(tmp_path) == before
+
+
+@needs_groupadd
+def test_the_in_flight_bound_is_built_only_where_used_and_a_missing_compiler_is_no_failure(
+    tmp_path: Path, library: Path, monkeypatch: pytest.MonkeyPatch
+):
+    cfg = tmp_path / "etc/gpushare/gpushare.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text('[gate]\nshallow_queue = "blocking"\n')
+    code, out, err = _cli("install", "--root", str(tmp_path), "--no-systemd", "--json")
+    assert code == 0, err
+    assert _steps(out)[str(library)] == (
+        "skipped",
+        '[gate] shallow_queue = "blocking" does not use it',
+    )
+    assert not library.exists()
+    cfg.write_text('[gate]\nshallow_queue = "bounded"\n')
+    monkeypatch.setenv("CC", "no-such-cc")
+    code, out, err = _cli("install", "--root", str(tmp_path), "--no-systemd", "--json")
+    assert code == 0, err
+    result, detail = _steps(out)[str(library)]
+    assert result == "skipped"
+    assert "no C compiler (no-such-cc)" in detail
+    assert "CUDA_LAUNCH_BLOCKING=1" in detail
+    assert not library.exists()
 
 
 @needs_groupadd
