@@ -12,7 +12,6 @@ import math
 
 import pytest
 
-from gpushare.daemon import launcher
 from gpushare.sim import data
 from gpushare.sim import scenario as sc_mod
 from gpushare.sim.workloads import (
@@ -135,22 +134,27 @@ def test_the_launch_environment_selects_the_queue() -> None:
         assert launch_queue({"GPUSHARE_MAX_INFLIGHT": bad}) == (False, 0)
 
 
-def test_a_client_the_daemon_launches_bounded_runs_bounded(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The daemon's launch environment for a shallow queue, as the interposer's wiring gives it;
-    # the simulated launcher (adapters.SimMpsNode.spawn) decodes it.
-    bounded = {"LD_PRELOAD": "libgpushare_inflight.so", "GPUSHARE_MAX_INFLIGHT": "2"}
-    monkeypatch.setattr(launcher, "queue_env", lambda q: dict(bounded) if q == "shallow" else {})
+@pytest.mark.parametrize("shallow", ["bounded", "blocking"])
+def test_the_daemons_shallow_queue_setting_reaches_the_simulated_trainer(shallow: str) -> None:
+    # [gate] shallow_queue and inflight_kernels: the daemon launches the shallow client with
+    # GPUSHARE_MAX_INFLIGHT=3 (or CUDA_LAUNCH_BLOCKING=1); the simulated launcher decodes it.
     sc = _scenario(duration_s=3.0)
-    sc = dataclasses.replace(sc, gpu=dataclasses.replace(sc.gpu, inflight_wake_s=7e-6))
+    gate = dataclasses.replace(sc.config.gate, shallow_queue=shallow, inflight_kernels=3)
+    sc = dataclasses.replace(
+        sc,
+        config=dataclasses.replace(sc.config, gate=gate),
+        gpu=dataclasses.replace(sc.gpu, inflight_wake_s=7e-6),
+    )
     node, sim = _started(sc)
     sim.run(sc.duration_s)
     sim.close()
     (t,) = node.offline
-    assert t.started_at_s is not None
-    assert not t.launch_blocking
-    assert (t.inflight_bound, t.inflight_wake_s) == (2, 7e-6)
+    assert t.started_at_s is not None and t.iterations
+    if shallow == "bounded":
+        assert not t.launch_blocking
+        assert (t.inflight_bound, t.inflight_wake_s) == (3, 7e-6)
+    else:
+        assert t.launch_blocking and t.inflight_bound == 0
 
 
 def test_the_wake_is_a_scenario_key_checked_like_the_launch_gap() -> None:
