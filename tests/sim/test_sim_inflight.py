@@ -74,6 +74,10 @@ def test_a_merged_training_profile_alone_matches_its_source_kernel_timeline(boun
     assert bound_tables(prof, bound, DEFAULT_INFLIGHT_WAKE_S).alone_s == pytest.approx(done[-1])
     (it,) = _alone(prof, bound, DEFAULT_INFLIGHT_WAKE_S)
     assert it == pytest.approx(done[-1], rel=1e-9)
+    _, gpu = gpu_with_beta0()
+    t = trainer(gpu, prof)
+    t.set_inflight(bound)  # the default wake
+    assert t.inflight_cost() == pytest.approx(it / prof.total_s)
     assert it > prof.total_s * 1.001  # the wake costs something on this profile
     if bound == 1:  # one in flight: every source kernel after the first pays the wake
         assert it == pytest.approx(prof.total_s + (len(flat) - 1) * DEFAULT_INFLIGHT_WAKE_S)
