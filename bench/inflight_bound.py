@@ -8,6 +8,10 @@ the 14 Tally-shaped pairs at each SLO factor, with the shallow queue either
 * ``bounded`` (the interposer, ``GPUSHARE_MAX_INFLIGHT=k``): at most k kernels in flight, a slot
   freed ``[gpu] inflight_wake`` late (W3b), at each ``--k`` x ``--wake-us``.
 
+``--train-host-us H`` gives the training jobs H of CPU time per kernel (``[gpu]
+train_host_per_kernel``, 0 in the model, W3): a deep queue hides it behind the iteration, a
+bounded one only within its k kernels, a blocking one pays it per kernel with the gap.
+
 Prints mean SLO attainment (and the worst pair's), mean p99 overhead and mean offline throughput
 (of running alone) per cell, and each training profile's run time alone per mode over its
 asynchronous time. Writes bench/results/inflight_bound.json.
@@ -42,6 +46,7 @@ from gpushare.sim.workloads import (  # noqa: E402
     DEFAULT_LAUNCH_GAP_S,
     bound_tables,
     launch_queue,
+    request_alone_s,
     source_counts,
 )
 
@@ -63,9 +68,10 @@ TRAIN_PROFILES = (
 Mode = tuple[str, float, int]
 
 
-def one(task: tuple[str, float, Mode]) -> dict[str, Any]:
-    """gpushare on one pair at one SLO factor with one shallow-queue mode."""
-    path, factor, (kind, t_s, k) = task
+def one(task: tuple[str, float, Mode, float]) -> dict[str, Any]:
+    """gpushare on one pair at one SLO factor with one shallow-queue mode (and training host
+    time per kernel)."""
+    path, factor, (kind, t_s, k), host_s = task
     logs.configure_logging("warning")
     seen: list[str] = []
     adapters.launch_queue = _recording_launch_queue(seen)  # this process only
@@ -77,6 +83,7 @@ def one(task: tuple[str, float, Mode]) -> dict[str, Any]:
     else:
         gpu = dataclasses.replace(sc.gpu, inflight_wake_s=t_s)
         gate = dataclasses.replace(sc.config.gate, shallow_queue="bounded", inflight_kernels=k)
+    gpu = dataclasses.replace(gpu, train_host_per_kernel_s=host_s)
     config = dataclasses.replace(sc.config, gate=gate)
     sc = dataclasses.replace(sc, online=online, gpu=gpu, config=config)
     alone, slo = runner.standalone(sc)
@@ -98,17 +105,18 @@ def _recording_launch_queue(seen: list[str]) -> Any:
     return decode
 
 
-def alone_costs(modes: list[Mode]) -> dict[str, dict[str, float]]:
-    """Each training profile's run time alone per mode over its asynchronous run time."""
+def alone_costs(modes: list[Mode], host_s: float) -> dict[str, dict[str, float]]:
+    """Each training profile's run time alone per mode over its asynchronous run time with no
+    host time ("deep": a deep queue with the training host time, 1 without)."""
     out: dict[str, dict[str, float]] = {}
     for name in TRAIN_PROFILES:
         prof = data.load_profile(f"orion-v100-kernels/{name}.csv", data.DEFAULT_MERGE_OFFLINE_US)
-        row = {}
+        row = {"deep": request_alone_s(prof, host_s) / prof.total_s}
         for kind, t_s, k in modes:
             if kind == "blocking":
-                cost = (prof.total_s + t_s * sum(source_counts(prof))) / prof.total_s
+                cost = (prof.total_s + (t_s + host_s) * sum(source_counts(prof))) / prof.total_s
             else:
-                cost = bound_tables(prof, k, t_s).alone_s / prof.total_s
+                cost = bound_tables(prof, k, t_s, host_s).alone_s / prof.total_s
             row[label((kind, t_s, k))] = cost
         out[name] = row
     return out
@@ -131,6 +139,12 @@ def main() -> None:
         "--gap-us", type=float, action="append", help="blocking launch gaps to compare (repeat)"
     )
     ap.add_argument("--slo-factor", type=float, action="append", help="default 1.1 and 1.5")
+    ap.add_argument(
+        "--train-host-us",
+        type=float,
+        default=0.0,
+        help="training jobs' CPU time per kernel ([gpu] train_host_per_kernel; default 0, W3)",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "inflight_bound.json")
     args = ap.parse_args()
@@ -139,7 +153,7 @@ def main() -> None:
     for k in args.k or []:
         if k < 1:
             ap.error(f"--k {k}: must be >= 1")
-    for v in [*(args.wake_us or []), *(args.gap_us or [])]:
+    for v in [*(args.wake_us or []), *(args.gap_us or []), args.train_host_us]:
         if not 0 <= v < float("inf"):
             ap.error(f"{v:g} us: wakes and gaps must be finite and >= 0")
     factors = args.slo_factor or list(FACTORS)
@@ -150,14 +164,15 @@ def main() -> None:
         modes = [("blocking", DEFAULT_LAUNCH_GAP_S, 0)]
     files = pair_files()
     t0 = time.perf_counter()
-    tasks = [(f, factor, m) for m in modes for factor in factors for f in files]
+    host_s = args.train_host_us * 1e-6
+    tasks = [(f, factor, m, host_s) for m in modes for factor in factors for f in files]
     if args.jobs == 1:
         results = [one(t) for t in tasks]
     else:
         with Pool(args.jobs) as pool:
             results = pool.map(one, tasks, chunksize=1)
     by_cell: dict[tuple[Mode, float], list[dict[str, Any]]] = {}
-    for (_, factor, mode), res in zip(tasks, results, strict=True):
+    for (_, factor, mode, _), res in zip(tasks, results, strict=True):
         want = "blocking" if mode[0] == "blocking" else f"bounded{mode[2]}"
         if want not in res["modes"] or any(m not in (want, "deep") for m in res["modes"]):
             sys.exit(f"{res['scenario']}: offline clients ran {res['modes']}, not {want}")
@@ -174,7 +189,14 @@ def main() -> None:
         for factor in factors:
             runs = by_cell[(mode, factor)]
             kind, t_s, k = mode
-            cell = pair_cell(runs, mode=kind, k=k, time_us=t_s * 1e6, slo_factor=factor)
+            cell = pair_cell(
+                runs,
+                mode=kind,
+                k=k,
+                time_us=t_s * 1e6,
+                train_host_us=args.train_host_us,
+                slo_factor=factor,
+            )
             cell["label"] = label(mode)
             rows.append(cell)
             cells.append(
@@ -182,7 +204,7 @@ def main() -> None:
                 f" {cell['p99_overhead_mean'] * 100:+.1f} %, {cell['offline_norm_mean']:.3f}"
             )
         print(f"| {label(mode)} | " + " | ".join(cells) + " |", flush=True)
-    costs = alone_costs(modes)
+    costs = alone_costs(modes, host_s)
     print("\nalone, run time over asynchronous:")
     for name, row in costs.items():
         print(f"  {name}: " + ", ".join(f"{m}: {c:.3f}" for m, c in row.items()))
@@ -194,7 +216,7 @@ def main() -> None:
         "alone_cost": costs,
         "runs": [
             {**r, "mode": label(m), "slo_factor": f}
-            for (_, f, m), r in zip(tasks, results, strict=True)
+            for (_, f, m, _), r in zip(tasks, results, strict=True)
         ],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

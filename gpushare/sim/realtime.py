@@ -308,6 +308,8 @@ class RealTimeSimNode:
         trainer.priority = node.traits.offline_priority
         trainer.launch_gap_s = g.launch_gap_s
         trainer.inflight_wake_s = g.inflight_wake_s
+        if g.train_host_per_kernel_s > 0.0:
+            trainer.set_host_cost(g.train_host_per_kernel_s)
         node.offline.append(trainer)
         if not node.allocate(trainer):
             return False

@@ -62,6 +62,9 @@ class GpuSpec:
     #: GPU (W3b).
     inflight_wake_s: float = DEFAULT_INFLIGHT_WAKE_S
     host_per_kernel_s: float = DEFAULT_HOST_PER_KERNEL_S
+    #: A training job's CPU time per source kernel (W3: 0, hidden behind a deep queue); a
+    #: sensitivity for shallow queues, which hide it only within their bound (W3b).
+    train_host_per_kernel_s: float = 0.0
     merge_online_us: float = data.DEFAULT_MERGE_ONLINE_US
     merge_offline_us: float = data.DEFAULT_MERGE_OFFLINE_US
     start_s: float = 1.0
@@ -243,6 +246,7 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
             "launch_gap",
             "inflight_wake",
             "host_per_kernel",
+            "train_host_per_kernel",
             "merge_online_us",
             "merge_offline_us",
             "start",
@@ -263,6 +267,9 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
         launch_gap_s=r.duration(t, p, "launch_gap", default=d.launch_gap_s),
         inflight_wake_s=r.duration(t, p, "inflight_wake", default=d.inflight_wake_s),
         host_per_kernel_s=r.duration(t, p, "host_per_kernel", default=d.host_per_kernel_s),
+        train_host_per_kernel_s=r.duration(
+            t, p, "train_host_per_kernel", default=d.train_host_per_kernel_s
+        ),
         merge_online_us=r.number(t, p, "merge_online_us", d.merge_online_us, 0.0, 10_000.0),
         merge_offline_us=r.number(t, p, "merge_offline_us", d.merge_offline_us, 0.0, 10_000.0),
         start_s=r.duration(t, p, "start", default=d.start_s),

@@ -658,6 +658,12 @@ class OfflineTrainer(SimClient):
         elif self.inflight_bound > 0:
             self._ends[p - 1] = now
             self._present_bounded(p, now)
+        elif self.host_per_kernel_s > 0.0:  # the CPU issues each chunk in its own time
+            if self.frozen and now > self._seq_t0 + self._issued_after[p] >= self._stops_at:
+                self.stream.nxt = None
+                self._parked_launch = p  # the freeze stopped the CPU before it issued chunk p
+            else:
+                self._present(p, now)
         else:  # _present inlined: this runs for every kernel
             st = self.stream
             st.nxt = self._kernels[p]

@@ -21,6 +21,7 @@ from gpushare.sim.workloads import (
     bound_tables,
     bounded_timeline,
     launch_queue,
+    request_alone_s,
     source_durations,
 )
 from tests.sim.test_sim_gating import _scenario, _started
@@ -81,6 +82,46 @@ def test_a_merged_training_profile_alone_matches_its_source_kernel_timeline(boun
     assert it > prof.total_s * 1.001  # the wake costs something on this profile
     if bound == 1:  # one in flight: every source kernel after the first pays the wake
         assert it == pytest.approx(prof.total_s + (len(flat) - 1) * DEFAULT_INFLIGHT_WAKE_S)
+
+
+def test_a_training_host_cost_is_hidden_only_within_the_bound() -> None:
+    # 2 kernels of 100 us, then 8 of 5 us, the CPU 20 us per kernel: deep, the CPU runs ahead
+    # during the long ones; with k = 2 it can be only 2 ahead and its 20 us show per short kernel.
+    prof = profile(*[(100.0, 40)] * 2, *[(5.0, 40)] * 8)
+    durs = [100 * US] * 2 + [5 * US] * 8
+    loop, gpu = gpu_with_beta0()
+    deep = trainer(gpu, prof)
+    deep.set_host_cost(20 * US)
+    deep.start(0.0)
+    loop.run_until(5e-3)
+    assert deep.iterations[0] == pytest.approx(request_alone_s(prof, 20 * US), rel=1e-9)
+    loop, gpu = gpu_with_beta0()
+    bounded = trainer(gpu, prof)
+    bounded.set_host_cost(20 * US)
+    bounded.set_inflight(2, 0.0)
+    bounded.start(0.0)
+    loop.run_until(5e-3)
+    _, done = bounded_timeline(durs, 2, 0.0, 20 * US)
+    assert bounded.iterations[0] == pytest.approx(done[-1], rel=1e-9)
+    assert done[-1] > request_alone_s(prof, 20 * US) + 50 * US
+
+
+def test_a_frozen_cpu_issues_nothing_more_with_a_host_cost() -> None:
+    # Deep queue, 20 us of CPU per 50 us kernel: the CPU has issued the chunks up to the freeze;
+    # the GPU runs those, nothing the CPU would have issued after it.
+    loop, gpu = gpu_with_beta0()
+    t = trainer(gpu, profile(*[(50.0, 40)] * 40))
+    t.set_host_cost(20 * US)
+    t.start(0.0)
+    loop.run_until(0.2e-3)
+    t.set_frozen(True, loop.now)
+    loop.run_until(5e-3)
+    issued_by_freeze = int((0.2e-3 + FREEZE_S) / (20 * US))
+    assert t.counts.done <= issued_by_freeze + 1
+    assert t.iterations == []
+    t.set_frozen(False, loop.now)
+    loop.run_until(loop.now + THAW_S + 2.1e-3)  # the rest of the iteration: < 40 x 50 us
+    assert len(t.iterations) == 1
 
 
 def _frozen_mid_iteration(bound: int) -> tuple[int, int, int]:
@@ -171,3 +212,10 @@ def test_the_wake_is_a_scenario_key_checked_like_the_launch_gap() -> None:
     for bad in ("-5us", "soon"):
         with pytest.raises(sc_mod.ScenarioError, match=r"x.toml: gpu.inflight_wake: .*duration"):
             sc_mod.loads(good.format(bad), "x.toml")
+    host = good.replace("inflight_wake", "train_host_per_kernel")
+    assert sc_mod.loads(host.format("20us"), "x.toml").gpu.train_host_per_kernel_s == pytest.approx(
+        20e-6
+    )
+    assert base.gpu.train_host_per_kernel_s == 0.0
+    with pytest.raises(sc_mod.ScenarioError, match=r"gpu.train_host_per_kernel: .*duration"):
+        sc_mod.loads(host.format("-1us"), "x.toml")
