@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit mps packages slurm engine demo bench clean
+.PHONY: test lint typecheck unit mps packages slurm engine native demo bench clean
 
 test: lint typecheck unit
 
@@ -34,6 +34,11 @@ slurm:
 engine: $(STAMP)
 	scripts/build-sim-engine.sh $(BIN)/python
 
+# The shallow-queue interposer (gpushare.native, an LD_PRELOAD library) from C; without a C
+# compiler this says why and the native tests skip.
+native:
+	scripts/build-native.sh
+
 lint: $(STAMP)
 	$(BIN)/ruff check gpushare tests bench scripts
 	$(BIN)/ruff format --check gpushare tests bench scripts
@@ -41,12 +46,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP) mps packages slurm engine
+unit: $(STAMP) mps packages slurm engine native
 	$(BIN)/pytest -q
 
 # The real daemon on one simulated GPU, driven by the real CLI (scripts/demo.sh); ~90 s. With the
 # real MPS control binary when it can be had; without it MPS is simulated too.
-demo: $(STAMP) engine
+demo: $(STAMP) engine native
 	@scripts/get-mps-control.sh || echo "make demo: no MPS control binary; MPS will be simulated"
 	BIN=$(BIN) scripts/demo.sh
 
@@ -57,4 +62,4 @@ bench: $(STAMP) mps engine
 	$(BIN)/python bench/docs_tables.py
 
 clean:
-	rm -rf $(VENV) .cache .mypy_cache .pytest_cache .ruff_cache gpushare/sim/_native
+	rm -rf $(VENV) .cache .mypy_cache .pytest_cache .ruff_cache gpushare/sim/_native gpushare/native/libgpushare_inflight.so

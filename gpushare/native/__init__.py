@@ -23,11 +23,19 @@ INFLIGHT_ENV = "GPUSHARE_MAX_INFLIGHT"
 """Integer >= 1: the most kernel launches in flight per process. Missing or invalid: no bound."""
 
 STATS_ENV = "GPUSHARE_INFLIGHT_STATS"
-"""A path: at exit the library writes one JSON line of counters there (launches, waits, ...)."""
+"""A path: at exit each process that launched a kernel appends one JSON line there (``pid``,
+``launches``, ``waits``, ``max_inflight``, ``bound``, ``captured_passthrough``,
+``passthrough_reason``: null while the bound held to the end, else why it was off)."""
+
+WAIT_LIMIT_ENV = "GPUSHARE_INFLIGHT_WAIT_LIMIT_MS"
+"""Optional, default 5000: after waiting this long (awake) for one earlier kernel the bound turns
+off for the process, so a kernel that waits on a later launch cannot hang the job."""
 
 CONTROL_ENV = "GPUSHARE_INFLIGHT_CONTROL"
-"""A path to a file holding the bound as a 4-byte little-endian int at offset 0 (0 = unbounded),
-read at every launch, so the bound changes without a restart. Optional."""
+"""Optional path to a file holding the bound as a 4-byte little-endian int at offset 0
+(0 = unbounded), mapped read-only and read at every launch, so the bound changes without a
+restart; it overrides :data:`INFLIGHT_ENV`. Rewrite the 4 bytes in place (``os.pwrite`` at 0),
+never truncate the file: a client reading past the end of its mapping dies of SIGBUS."""
 
 
 def library_path() -> Path:
