@@ -112,14 +112,30 @@ class BoundTables:
     alone_s: float
 
 
+#: The interposer's wait (gpushare/native/inflight.c ``wait_event``): it polls the oldest launch's
+#: event with ``sched_yield`` for the first millisecond of a wait, then every 50 us
+#: (``nanosleep``). A completion during the spin is seen at once (the wake covers it); one after it
+#: is seen at the next poll: half a poll period late on average, a period being the 50 us nap plus
+#: Linux's default 50 us timer slack for a normal thread (``prctl(PR_SET_TIMERSLACK)``), so 50 us.
+INFLIGHT_SPIN_S = 1e-3
+INFLIGHT_NAP_LAG_S = 50e-6
+
+
 def bounded_timeline(
-    durs_s: list[float], bound: int, wake_s: float, host_per_kernel_s: float = 0.0
+    durs_s: list[float],
+    bound: int,
+    wake_s: float,
+    host_per_kernel_s: float = 0.0,
+    spin_s: float = INFLIGHT_SPIN_S,
+    nap_lag_s: float = INFLIGHT_NAP_LAG_S,
 ) -> tuple[list[float], list[float]]:
     """Launch and completion times of one iteration's source kernels alone, from its start.
 
     Source kernel ``j`` is launched once the CPU has reached it (``host_per_kernel_s`` after the
-    launch before it) and, for ``j >= bound``, ``wake_s`` after kernel ``j - bound`` completed; it
-    runs once launched and its predecessor is done (one in-order stream).
+    launch before it) and, for ``j >= bound``, ``wake_s`` after kernel ``j - bound`` completed,
+    ``nap_lag_s`` later still when the CPU had been waiting for that completion longer than
+    ``spin_s`` (the interposer naps then); it runs once launched and its predecessor is done (one
+    in-order stream).
     """
     launch = [0.0] * len(durs_s)
     done = [0.0] * len(durs_s)
@@ -127,7 +143,10 @@ def bounded_timeline(
     for j, d in enumerate(durs_s):
         at = prev_launch + host_per_kernel_s if j else 0.0
         if j >= bound:
-            at = max(at, done[j - bound] + wake_s)
+            freed = done[j - bound]
+            if freed - at > spin_s:
+                freed += nap_lag_s
+            at = max(at, freed + wake_s)
         launch[j] = at
         prev_done = done[j] = max(prev_done, at) + d
         prev_launch = at

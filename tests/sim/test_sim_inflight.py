@@ -17,6 +17,8 @@ from gpushare.sim import scenario as sc_mod
 from gpushare.sim.workloads import (
     DEFAULT_INFLIGHT_WAKE_S,
     FREEZE_S,
+    INFLIGHT_NAP_LAG_S,
+    INFLIGHT_SPIN_S,
     THAW_S,
     bound_tables,
     bounded_timeline,
@@ -80,8 +82,22 @@ def test_a_merged_training_profile_alone_matches_its_source_kernel_timeline(boun
     t.set_inflight(bound)  # the default wake
     assert t.inflight_cost() == pytest.approx(it / prof.total_s)
     assert it > prof.total_s * 1.001  # the wake costs something on this profile
-    if bound == 1:  # one in flight: every source kernel after the first pays the wake
-        assert it == pytest.approx(prof.total_s + (len(flat) - 1) * DEFAULT_INFLIGHT_WAKE_S)
+    if bound == 1:
+        # One in flight: every source kernel after the first pays the wake, and the nap's lag
+        # after a kernel longer than the spin (the CPU waited all of it).
+        naps = sum(1 for d in flat[:-1] if d > INFLIGHT_SPIN_S)
+        assert naps > 0
+        assert it == pytest.approx(
+            prof.total_s + (len(flat) - 1) * DEFAULT_INFLIGHT_WAKE_S + naps * INFLIGHT_NAP_LAG_S
+        )
+
+
+def test_a_wait_past_the_spin_sees_the_completion_a_nap_late() -> None:
+    # k = 2: kernel 2 waits for kernel 0 (2 ms: past the 1 ms spin, so the interposer naps and
+    # sees its end 50 us late); kernel 1 (20 us) cannot hide that, the later waits are short.
+    prof = profile((2000.0, 40), *[(20.0, 40)] * 5)
+    expected = (2000 + 50 + 5 + 20 * 4) * US  # kernel 2 launched at 2055 us, then back to back
+    assert _alone(prof, 2, 5 * US) == [pytest.approx(expected, rel=1e-9)]
 
 
 def test_a_training_host_cost_is_hidden_only_within_the_bound() -> None:
