@@ -29,7 +29,7 @@ from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
 from gpushare.sim.gpu import EventLoop
 from gpushare.sim.node import SimNode, stop_work
 from gpushare.sim.tally import TallyTrainer
-from gpushare.sim.workloads import OfflineTrainer, SimClient
+from gpushare.sim.workloads import OfflineTrainer, SimClient, launch_queue
 
 
 class VirtualClock:
@@ -275,9 +275,11 @@ class SimProcesses:
         c.set_limits(float(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]))
         c.priority = int(env["CUDA_MPS_CLIENT_PRIORITY"])
         if not isinstance(c, TallyTrainer):  # the tally-like trainer has its own one-kernel gate
-            # The queue the daemon launched it with (``--queue``, launcher.SHALLOW_ENV).
-            shallow = env.get("CUDA_LAUNCH_BLOCKING") == "1"
-            c.launch_blocking = shallow or client_id in node.always_blocking
+            # The queue the daemon launched it with (``--queue``, launcher.queue_env): blocking
+            # (CUDA_LAUNCH_BLOCKING=1) or bounded (GPUSHARE_MAX_INFLIGHT=k, the interposer).
+            blocking, bound = launch_queue(env)
+            c.launch_blocking = blocking or client_id in node.always_blocking
+            c.set_inflight(bound)
         ran_before = c.started_at_s is not None
         node.processes[pid] = c
         if not node.allocate(c):

@@ -23,6 +23,7 @@ from gpushare.node.cgroups.route import FreezeRoute
 from gpushare.node.pauser_base import PauserError
 from gpushare.sim.realtime import RealTimeSimNode, SimProfileError, workload_from_env
 from gpushare.sim.simenv import ENV_PROFILE
+from gpushare.sim.workloads import launch_queue
 
 log = structlog.get_logger("gpushare.sim")
 
@@ -108,6 +109,7 @@ class SimulatedPauser:
         launched = _process_env(pid)
         if ENV_PROFILE not in env:
             env = launched  # a foreground submit: the profile is in its environment
+        blocking, bound = launch_queue(launched)
         try:
             workload = workload_from_env(env)
             if workload is None:
@@ -123,8 +125,10 @@ class SimulatedPauser:
                 pid=pid,
                 slo_p99_ms=info.slo_p99_ms,
                 restartable=info.restartable,
-                # The daemon's --queue shallow launches it with CUDA_LAUNCH_BLOCKING=1.
-                launch_blocking=launched.get("CUDA_LAUNCH_BLOCKING") == "1",
+                # The daemon's --queue shallow launches it with CUDA_LAUNCH_BLOCKING=1 or, bounded,
+                # with GPUSHARE_MAX_INFLIGHT=k (launcher.queue_env).
+                launch_blocking=blocking,
+                inflight_bound=bound,
             )
         except (SimProfileError, KeyError) as exc:
             # Raised, not logged: the daemon then stops the process and fails the client, so a

@@ -179,6 +179,9 @@ class SimNode:
                 trainer.priority = traits.offline_priority
                 trainer.launch_blocking = spec_off.launch_blocking
                 trainer.launch_gap_s = g.launch_gap_s
+                trainer.inflight_wake_s = g.inflight_wake_s
+                if g.train_host_per_kernel_s > 0.0:
+                    trainer.set_host_cost(g.train_host_per_kernel_s)
                 if isinstance(trainer, TallyTrainer):
                     # One kernel at a time through its own gate, with no launch gap.
                     trainer.launch_blocking, trainer.launch_gap_s = True, 0.0

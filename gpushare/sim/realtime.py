@@ -227,11 +227,14 @@ class RealTimeSimNode:
         slo_p99_ms: float | None = None,
         restartable: bool = False,
         launch_blocking: bool = False,
+        inflight_bound: int = 0,
     ) -> bool:
         """Start a client on a simulated GPU; False when its memory allocation failed.
 
         ``launch_blocking``: an offline client launched with a shallow queue
         (``CUDA_LAUNCH_BLOCKING=1``): one kernel in flight, a launch gap per kernel.
+        ``inflight_bound``: one launched with ``GPUSHARE_MAX_INFLIGHT=k`` (the interposer): at
+        most k kernels in flight (:meth:`OfflineTrainer.set_inflight`); 0: no bound.
 
         Raises:
             SimProfileError: a bad profile for the class, or no rate for an online client.
@@ -246,8 +249,9 @@ class RealTimeSimNode:
                 client_id, cls, workload, gpu_uuid, sm_pct, mem_bytes, pid, slo_p99_ms, restartable
             )
             c = self.node.client(client_id)
-            if added and launch_blocking and isinstance(c, OfflineTrainer):
-                c.launch_blocking = True
+            if added and isinstance(c, OfflineTrainer):
+                c.launch_blocking = launch_blocking
+                c.set_inflight(inflight_bound)
             return added
 
     def _add(
@@ -302,6 +306,10 @@ class RealTimeSimNode:
             pid=pid,
         )
         trainer.priority = node.traits.offline_priority
+        trainer.launch_gap_s = g.launch_gap_s
+        trainer.inflight_wake_s = g.inflight_wake_s
+        if g.train_host_per_kernel_s > 0.0:
+            trainer.set_host_cost(g.train_host_per_kernel_s)
         node.offline.append(trainer)
         if not node.allocate(trainer):
             return False

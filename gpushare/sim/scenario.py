@@ -19,7 +19,11 @@ from gpushare import config as gconfig
 from gpushare.protocol import QUEUE_MODES
 from gpushare.sim import data
 from gpushare.sim.gpu import DEFAULT_SLICE_S, DEFAULT_SWITCH_S
-from gpushare.sim.workloads import DEFAULT_HOST_PER_KERNEL_S, request_alone_s
+from gpushare.sim.workloads import (
+    DEFAULT_HOST_PER_KERNEL_S,
+    DEFAULT_INFLIGHT_WAKE_S,
+    request_alone_s,
+)
 from gpushare.units import parse_duration, parse_size
 
 if sys.version_info >= (3, 11):
@@ -54,7 +58,13 @@ class GpuSpec:
     switch_s: float = DEFAULT_SWITCH_S
     wave_scale: float = 1.0
     launch_gap_s: float = 10e-6
+    #: Bounded in-flight mode (``GPUSHARE_MAX_INFLIGHT``): a freed slot to the next launch on the
+    #: GPU (W3b).
+    inflight_wake_s: float = DEFAULT_INFLIGHT_WAKE_S
     host_per_kernel_s: float = DEFAULT_HOST_PER_KERNEL_S
+    #: A training job's CPU time per source kernel (W3: 0, hidden behind a deep queue); a
+    #: sensitivity for shallow queues, which hide it only within their bound (W3b).
+    train_host_per_kernel_s: float = 0.0
     merge_online_us: float = data.DEFAULT_MERGE_ONLINE_US
     merge_offline_us: float = data.DEFAULT_MERGE_OFFLINE_US
     start_s: float = 1.0
@@ -234,7 +244,9 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
             "switch",
             "wave_scale",
             "launch_gap",
+            "inflight_wake",
             "host_per_kernel",
+            "train_host_per_kernel",
             "merge_online_us",
             "merge_offline_us",
             "start",
@@ -253,7 +265,11 @@ def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
         switch_s=r.duration(t, p, "switch", default=d.switch_s),
         wave_scale=r.number(t, p, "wave_scale", d.wave_scale, 0.05, 20.0),
         launch_gap_s=r.duration(t, p, "launch_gap", default=d.launch_gap_s),
+        inflight_wake_s=r.duration(t, p, "inflight_wake", default=d.inflight_wake_s),
         host_per_kernel_s=r.duration(t, p, "host_per_kernel", default=d.host_per_kernel_s),
+        train_host_per_kernel_s=r.duration(
+            t, p, "train_host_per_kernel", default=d.train_host_per_kernel_s
+        ),
         merge_online_us=r.number(t, p, "merge_online_us", d.merge_online_us, 0.0, 10_000.0),
         merge_offline_us=r.number(t, p, "merge_offline_us", d.merge_offline_us, 0.0, 10_000.0),
         start_s=r.duration(t, p, "start", default=d.start_s),

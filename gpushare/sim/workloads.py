@@ -23,7 +23,7 @@ import bisect
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from gpushare.model import ClientClass, ClientState
@@ -39,11 +39,36 @@ THAW_S = 0.12e-3
 #: framework's per-operator cost plus the launch and the synchronisation, each a few
 #: microseconds; PyTorch's per-op CPU cost is of the order of 10 us (docs/simulator.md W3).
 DEFAULT_LAUNCH_GAP_S = 10e-6
+#: Bounded in-flight mode (``GPUSHARE_MAX_INFLIGHT=k``, the LD_PRELOAD interposer): the time from
+#: the completion of the kernel that frees a slot to the next launch reaching the GPU (the
+#: interposer's ``cuEventSynchronize`` returns, the real launch is made, the GPU picks it up). An
+#: empty kernel's launch-and-synchronise round trip on a V100, the Orion profiles' GPU: 12.83 us
+#: (PETSc ``ex1cu.cu`` on Summit, n = 100000; 12.95 us in another version of the same test). It is
+#: that loop's period, so it also holds the empty kernel's own run time: an upper bound by that
+#: much. Not fitted to any benchmark (docs/simulator.md W3b, docs/sources.md).
+DEFAULT_INFLIGHT_WAKE_S = 12.83e-6
 #: CPU time an eager PyTorch inference server spends per kernel it issues (Python, the
 #: framework's dispatch, the launch): the mean of what two published standalone latencies need,
 #: ResNet-50 b4 and Transformer-XL b4 on a V100 (calibration; validated on BERT-large b2 and a
 #: ResNeXt101 b4 proxy; docs/simulator.md section 4, ``validation.host_cost_from``).
 DEFAULT_HOST_PER_KERNEL_S = 56.2e-6
+
+
+#: The interposer's variable (gpushare.native.INFLIGHT_ENV): the most launches in flight.
+INFLIGHT_ENV = "GPUSHARE_MAX_INFLIGHT"
+
+
+def launch_queue(env: Mapping[str, str]) -> tuple[bool, int]:
+    """``(launch_blocking, inflight_bound)`` of a process launched with ``env``.
+
+    ``CUDA_LAUNCH_BLOCKING=1``: every launch synchronises (one kernel in flight, the launch gap).
+    ``GPUSHARE_MAX_INFLIGHT=k`` (k >= 1, with the interposer preloaded): at most ``k`` in flight.
+    Like the interposer, a missing, non-integer or < 1 value means no bound (0).
+    """
+    blocking = env.get("CUDA_LAUNCH_BLOCKING") == "1"
+    raw = env.get(INFLIGHT_ENV, "").strip()
+    bound = int(raw) if raw.isdigit() else 0
+    return blocking, bound
 
 
 def cap_sms(sm_pct: float, sm_count: int) -> int:
@@ -54,6 +79,106 @@ def cap_sms(sm_pct: float, sm_count: int) -> int:
 def source_counts(profile: KernelProfile) -> tuple[int, ...]:
     """Source kernels per chunk of a (possibly merged) profile: what the CPU pays per launch."""
     return tuple(len(part) for part in profile.parts) or (1,) * len(profile)
+
+
+def source_durations(profile: KernelProfile) -> tuple[tuple[float, ...], ...]:
+    """Per chunk, the run times alone (s) of its source kernels (one per chunk without parts)."""
+    if profile.parts:
+        return tuple(tuple(d_us * 1e-6 for d_us, _ in part) for part in profile.parts)
+    return tuple((d,) for d in profile.dur_s)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundTables:
+    """What bounded in-flight mode needs per chunk, from the trainer's source kernels alone.
+
+    The bound acts on source kernels, the simulator runs chunks (G11), so the source-level
+    timeline of one iteration alone (:func:`bounded_timeline`) is computed once and read per chunk:
+
+    * ``stall_s[p]``: the idle time the bound adds from chunk ``p - 1``'s end to chunk ``p``'s end
+      when alone (waits for slots, the wake latency), paid before the chunk as launch-blocking
+      mode pays its gaps. With other clients' kernels stretching the trainer's, more of the wake
+      would be hidden: the stall is that of the trainer alone, an upper bound.
+    * ``ref[p]``: the chunk holding source kernel ``first(p) - k``, the one whose completion lets
+      chunk ``p``'s first source kernel launch (-1: none in this iteration; the iteration's first
+      ``k`` launch at its start); ``tail_s[p]``: the time alone from that kernel's completion to
+      its chunk's end, so its completion is estimated as that chunk's recorded end minus it.
+    * ``alone_s``: one iteration alone in this mode.
+    """
+
+    stall_s: tuple[float, ...]
+    ref: tuple[int, ...]
+    tail_s: tuple[float, ...]
+    alone_s: float
+
+
+#: The interposer's wait (gpushare/native/inflight.c ``wait_event``): it polls the oldest launch's
+#: event with ``sched_yield`` for the first millisecond of a wait, then every 50 us
+#: (``nanosleep``). A completion during the spin is seen at once (the wake covers it); one after it
+#: is seen at the next poll: half a poll period late on average, a period being the 50 us nap plus
+#: Linux's default 50 us timer slack for a normal thread (``prctl(PR_SET_TIMERSLACK)``), so 50 us.
+INFLIGHT_SPIN_S = 1e-3
+INFLIGHT_NAP_LAG_S = 50e-6
+
+
+def bounded_timeline(
+    durs_s: list[float],
+    bound: int,
+    wake_s: float,
+    host_per_kernel_s: float = 0.0,
+    spin_s: float = INFLIGHT_SPIN_S,
+    nap_lag_s: float = INFLIGHT_NAP_LAG_S,
+) -> tuple[list[float], list[float]]:
+    """Launch and completion times of one iteration's source kernels alone, from its start.
+
+    Source kernel ``j`` is launched once the CPU has reached it (``host_per_kernel_s`` after the
+    launch before it) and, for ``j >= bound``, ``wake_s`` after kernel ``j - bound`` completed,
+    ``nap_lag_s`` later still when the CPU had been waiting for that completion longer than
+    ``spin_s`` (the interposer naps then); it runs once launched and its predecessor is done (one
+    in-order stream).
+    """
+    launch = [0.0] * len(durs_s)
+    done = [0.0] * len(durs_s)
+    prev_launch = prev_done = 0.0
+    for j, d in enumerate(durs_s):
+        at = prev_launch + host_per_kernel_s if j else 0.0
+        if j >= bound:
+            freed = done[j - bound]
+            if freed - at > spin_s:
+                freed += nap_lag_s
+            at = max(at, freed + wake_s)
+        launch[j] = at
+        prev_done = done[j] = max(prev_done, at) + d
+        prev_launch = at
+    return launch, done
+
+
+def bound_tables(
+    profile: KernelProfile, bound: int, wake_s: float, host_per_kernel_s: float = 0.0
+) -> BoundTables:
+    """The per-chunk tables of :class:`BoundTables` for one profile, bound and wake latency."""
+    parts = source_durations(profile)
+    flat = [d for part in parts for d in part]
+    chunk_of = [p for p, part in enumerate(parts) for _ in part]
+    _, done = bounded_timeline(flat, bound, wake_s, host_per_kernel_s)
+    stall, ref, tail = [], [], []
+    first = 0
+    prev_end = 0.0
+    last_done = [0.0] * len(parts)
+    for p, part in enumerate(parts):
+        last_done[p] = done[first + len(part) - 1]
+        stall.append(max(0.0, last_done[p] - prev_end - profile.dur_s[p]))
+        prev_end = last_done[p]
+        j0 = first - bound
+        if j0 < 0:
+            ref.append(-1)
+            tail.append(0.0)
+        else:
+            q = chunk_of[j0]
+            ref.append(q)
+            tail.append(last_done[q] - done[j0])
+        first += len(part)
+    return BoundTables(tuple(stall), tuple(ref), tuple(tail), last_done[-1] if parts else 0.0)
 
 
 def request_alone_s(profile: KernelProfile, host_per_kernel_s: float) -> float:
@@ -160,6 +285,11 @@ class SimClient(StreamView):
     #: flight, each launched ``launch_gap_s`` per source kernel after the previous one ended.
     launch_blocking: bool = False
     launch_gap_s: float = DEFAULT_LAUNCH_GAP_S
+    #: Bounded in-flight mode (``GPUSHARE_MAX_INFLIGHT=k``; offline trainers only; 0: off;
+    #: ``launch_blocking`` takes precedence): source kernel ``j`` is launched ``inflight_wake_s``
+    #: after source kernel ``j - k`` completed (:meth:`OfflineTrainer.set_inflight`).
+    inflight_bound: int = 0
+    inflight_wake_s: float = DEFAULT_INFLIGHT_WAKE_S
     #: CPU time per source kernel when issuing (:meth:`set_host_cost`); 0: a whole sequence is
     #: issued at once.
     host_per_kernel_s: float = 0.0
@@ -386,8 +516,14 @@ class OfflineTrainer(SimClient):
         self._stops_at = 0.0
         self.held = False
         self.active = False
-        #: In launch-blocking mode, the chunk whose launch a freeze stopped (resumed by the thaw).
+        #: In launch-blocking and bounded mode, the chunk whose launch a freeze stopped (resumed by
+        #: the thaw).
         self._parked_launch: int | None = None
+        #: Bounded in-flight mode: the tables for (bound, wake, host cost) and, per chunk of the
+        #: current iteration, when it ended.
+        self._bound: BoundTables | None = None
+        self._bound_key: tuple[int, float, float] = (0, 0.0, 0.0)
+        self._ends: list[float] = []
         #: Completion time of every training iteration.
         self.iterations: list[float] = []
 
@@ -402,11 +538,87 @@ class OfflineTrainer(SimClient):
         self._maybe_issue(now)
         self.gpu.attach(self)
 
+    def set_inflight(self, bound: int, wake_s: float | None = None) -> None:
+        """Bound the kernels in flight to ``bound`` (0: off), each slot freed ``wake_s`` late.
+
+        ``GPUSHARE_MAX_INFLIGHT=bound`` (the LD_PRELOAD interposer): before launch ``j`` the
+        process waits for launch ``j - bound`` to complete; the launch reaches the GPU ``wake_s``
+        (default: the client's ``inflight_wake_s``) after that completion. Launch-blocking mode,
+        when also set, takes precedence (each launch then synchronises anyway).
+
+        Raises:
+            ValueError: ``bound`` is not a whole number >= 0 or ``wake_s`` not finite and >= 0.
+        """
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            raise ValueError(f"in-flight bound {bound!r}: expected a whole number >= 0 (0: off)")
+        if wake_s is not None:
+            if not (isinstance(wake_s, int | float) and 0.0 <= wake_s < math.inf):
+                raise ValueError(f"in-flight wake {wake_s!r} s: expected a finite time >= 0")
+            self.inflight_wake_s = float(wake_s)
+        self.inflight_bound = bound
+        if bound:
+            self._bound_for()
+
+    def inflight_cost(self) -> float:
+        """Run time alone in bounded mode (its bound and wake) over the asynchronous run time."""
+        total = self.profile.total_s
+        if self.inflight_bound <= 0 or total <= 0:
+            return 1.0
+        return self._bound_for().alone_s / total
+
+    def _bound_for(self) -> BoundTables:
+        key = (self.inflight_bound, self.inflight_wake_s, self.host_per_kernel_s)
+        if self._bound is None or key != self._bound_key:
+            self._bound = bound_tables(self.profile, *key)
+            self._bound_key = key
+            self._ends = [0.0] * self._n
+        return self._bound
+
+    def _present_bounded(self, p: int, now: float) -> None:
+        """:meth:`_present` in bounded in-flight mode (a method of its own: no cost elsewhere)."""
+        # Bounded: chunk p's first source kernel was launched when the kernel `bound` source
+        # kernels before it completed, plus the wake (its completion estimated from its chunk's
+        # recorded end); the chunk runs after the stall the bound gives it alone.
+        tables = self._bound_for()
+        q = tables.ref[p]
+        launched = self._seq_t0
+        if q >= 0:
+            launched = max(launched, self._ends[q] - tables.tail_s[p] + self.inflight_wake_s)
+        at = max(now + tables.stall_s[p], launched)
+        st = self.stream
+        if at <= now:
+            if self.frozen and launched >= self._stops_at:
+                st.nxt = None
+                self._parked_launch = p
+                return
+            st.nxt = self._kernels[p]
+            st.eligible_since = now
+            return
+        st.nxt = None
+        self.gpu.loop.at(at, self._bounded_launch, (self._gate, p, launched))
+
+    def _bounded_launch(self, arg: tuple[int, int, float]) -> None:
+        # A launch made before the freeze took hold runs (the GPU has it); one after it parks.
+        gate, p, launched = arg
+        if gate != self._gate or p != self.pos:
+            return
+        if self.frozen and launched >= self._stops_at:
+            self._parked_launch = p
+            return
+        st = self.stream
+        st.nxt = self._kernels[p]
+        st.eligible_since = self.gpu.loop.now
+        self.gpu.wake()
+
     def _maybe_issue(self, now: float) -> None:
         running = not self.frozen or now < self._stops_at
         if self.active and running and self.pos >= self._n:
             self.pos = 0
-            self._present(0, now)
+            self._seq_t0 = now
+            if self.inflight_bound > 0 and not self.launch_blocking:
+                self._present_bounded(0, now)
+            else:
+                self._present(0, now)
             self.counts.issued += self._n
 
     def set_frozen(self, frozen: bool, now: float) -> None:
@@ -462,6 +674,15 @@ class OfflineTrainer(SimClient):
             self._maybe_issue(now)
         elif self.launch_blocking:
             self._present(p, now)
+        elif self.inflight_bound > 0:
+            self._ends[p - 1] = now
+            self._present_bounded(p, now)
+        elif self.host_per_kernel_s > 0.0:  # the CPU issues each chunk in its own time
+            if self.frozen and now > self._seq_t0 + self._issued_after[p] >= self._stops_at:
+                self.stream.nxt = None
+                self._parked_launch = p  # the freeze stopped the CPU before it issued chunk p
+            else:
+                self._present(p, now)
         else:  # _present inlined: this runs for every kernel
             st = self.stream
             st.nxt = self._kernels[p]
