@@ -133,7 +133,9 @@ def test_boundaries_from_a_process_that_is_no_client_are_rejected_and_counted(
 def test_an_auto_queue_client_is_relaunched_shallow_once_gating_is_on(tmp_path: Path) -> None:
     # Debug logs: the offline_queue lines are checked below.
     d = DaemonProc(
-        '[control]\nshare_min_interval = "1s"\n', gpus=1, env={"GPUSHARE_TEST_DEBUG": "1"}
+        '[control]\nshare_min_interval = "1s"\n[gate]\nshallow_queue = "blocking"\n',
+        gpus=1,
+        env={"GPUSHARE_TEST_DEBUG": "1"},
     )
     try:
         d.start()

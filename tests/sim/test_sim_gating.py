@@ -156,6 +156,7 @@ def test_without_request_boundaries_the_gate_never_closes() -> None:
     view = sim.state.gate.view(node.gpus[0].uuid, node.loop.now)
     assert not view.enabled and view.closes == 0
     assert not trainer.launch_blocking  # --queue auto with gating off: a deep queue
+    assert trainer.inflight_bound == 0
 
 
 def test_gating_launches_auto_queue_clients_shallow() -> None:
@@ -165,7 +166,9 @@ def test_gating_launches_auto_queue_clients_shallow() -> None:
     sim.close()
     (trainer,) = node.offline
     assert trainer.started_at_s is not None
-    assert trainer.launch_blocking  # gating was on when it was launched: CUDA_LAUNCH_BLOCKING=1
+    # Gating was on when it was launched: shallow, by the default in-flight bound.
+    assert trainer.inflight_bound == sc.config.gate.inflight_kernels == 4
+    assert not trainer.launch_blocking
 
 
 def _trainer(blocking: bool) -> tuple[SimNode, OfflineTrainer]:
@@ -231,5 +234,5 @@ def test_a_job_admitted_before_gating_is_relaunched_shallow_at_the_ceiling() -> 
     sim.run(4.0)
     sim.close()
     (trainer,) = node.offline
-    assert trainer.launch_blocking, "relaunched with CUDA_LAUNCH_BLOCKING=1"
+    assert trainer.inflight_bound == sc.config.gate.inflight_kernels, "relaunched shallow"
     assert trainer.sm_pct == sc.config.control.offline_sm_pct_max, "at the ceiling, in 4 s"
