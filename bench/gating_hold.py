@@ -2,9 +2,11 @@
 
 Runs gpushare (request gating on, offline clients ``--queue auto``, so shallow) on the
 Tally-shaped pairs for each ``[gate] hold`` at each SLO factor, and prints mean SLO attainment,
-mean p99 overhead and mean offline throughput (of running alone) per hold; with ``--launch-gap``
-the same for other launch gaps (the model's W3 constant, a sensitivity, not a tunable). Writes
-bench/results/gating_hold.json.
+mean p99 overhead and mean offline throughput (of running alone) per hold, with the daemon's
+default shallow queue (``[gate] shallow_queue``: bounded, 4 kernels in flight); with
+``--launch-gap-us`` the same with blocking shallow queues (``CUDA_LAUNCH_BLOCKING=1``) at each
+launch gap (the model's W3 constant, a sensitivity, not a tunable; the gap does not apply to a
+bounded queue, bench/inflight_bound.py sweeps that one). Writes bench/results/gating_hold.json.
 
     .venv/bin/python bench/gating_hold.py                  # ~2 min on 2 busy cores
 
@@ -44,7 +46,9 @@ def one(path: str, factor: float, hold_s: float, gap_s: float | None) -> dict[st
     online = tuple(dataclasses.replace(o, slo_factor=factor) for o in sc.online)
     gate = dataclasses.replace(sc.config.gate, hold_s=hold_s)
     sc = dataclasses.replace(sc, online=online, config=dataclasses.replace(sc.config, gate=gate))
-    if gap_s is not None:
+    if gap_s is not None:  # the gap is blocking mode's: sweep it with blocking shallow queues
+        gate = dataclasses.replace(gate, shallow_queue="blocking")
+        sc = dataclasses.replace(sc, config=dataclasses.replace(sc.config, gate=gate))
         sc = dataclasses.replace(sc, gpu=dataclasses.replace(sc.gpu, launch_gap_s=gap_s))
     alone, slo = runner.standalone(sc)
     run = runner.run_policy(
@@ -90,7 +94,7 @@ def main() -> None:
                     f"{cell['slo_attainment_mean'] * 100:.2f} %, "
                     f"{cell['p99_overhead_mean'] * 100:+.1f} %, {cell['offline_norm_mean']:.3f}"
                 )
-            gap_text = "10 us (model)" if gap is None else f"{gap * 1e6:g} us"
+            gap_text = "bounded (default)" if gap is None else f"blocking, {gap * 1e6:g} us"
             print(f"| {gap_text} | {hold:g} ms | " + " | ".join(cells) + " |", flush=True)
     command = "python bench/gating_hold.py " + " ".join(sys.argv[1:])
     doc = {"command": command.strip(), "wall_s": time.perf_counter() - t0, "rows": rows}
