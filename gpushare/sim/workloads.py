@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from gpushare import native
 from gpushare.model import ClientClass, ClientState
 from gpushare.sim.data import KernelProfile, wave_s, wave_tail
 from gpushare.sim.gpu import EventLoop, Gpu, Kernel, Run, Stream
@@ -54,20 +55,24 @@ DEFAULT_INFLIGHT_WAKE_S = 12.83e-6
 DEFAULT_HOST_PER_KERNEL_S = 56.2e-6
 
 
-#: The interposer's variable (gpushare.native.INFLIGHT_ENV): the most launches in flight.
-INFLIGHT_ENV = "GPUSHARE_MAX_INFLIGHT"
+#: The interposer's variable and library (gpushare.native.INFLIGHT_ENV, LIBRARY_NAME).
+INFLIGHT_ENV = native.INFLIGHT_ENV
+INFLIGHT_LIBRARY = native.LIBRARY_NAME
 
 
 def launch_queue(env: Mapping[str, str]) -> tuple[bool, int]:
     """``(launch_blocking, inflight_bound)`` of a process launched with ``env``.
 
     ``CUDA_LAUNCH_BLOCKING=1``: every launch synchronises (one kernel in flight, the launch gap).
-    ``GPUSHARE_MAX_INFLIGHT=k`` (k >= 1, with the interposer preloaded): at most ``k`` in flight.
-    Like the interposer, a missing, non-integer or < 1 value means no bound (0).
+    ``GPUSHARE_MAX_INFLIGHT=k`` with the interposer in ``LD_PRELOAD`` (the dynamic loader splits
+    it at colons and spaces): at most ``k`` in flight. Without the library preloaded nothing reads
+    the variable; like the interposer, a missing, non-integer or < 1 value means no bound (0).
     """
     blocking = env.get("CUDA_LAUNCH_BLOCKING") == "1"
     raw = env.get(INFLIGHT_ENV, "").strip()
-    bound = int(raw) if raw.isdigit() else 0
+    preload = env.get("LD_PRELOAD", "").replace(" ", ":").split(":")
+    loaded = any(entry.rsplit("/", 1)[-1] == INFLIGHT_LIBRARY for entry in preload)
+    bound = int(raw) if raw.isdigit() and loaded else 0
     return blocking, bound
 
 

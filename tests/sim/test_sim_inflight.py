@@ -189,10 +189,18 @@ def test_bad_bounds_and_wakes_are_refused() -> None:
 def test_the_launch_environment_selects_the_queue() -> None:
     assert launch_queue({}) == (False, 0)
     assert launch_queue({"CUDA_LAUNCH_BLOCKING": "1"}) == (True, 0)
-    assert launch_queue({"GPUSHARE_MAX_INFLIGHT": "3", "LD_PRELOAD": "x.so"}) == (False, 3)
+    lib = "/opt/gpushare/native/libgpushare_inflight.so"
+    assert launch_queue({"GPUSHARE_MAX_INFLIGHT": "3", "LD_PRELOAD": lib}) == (False, 3)
+    assert launch_queue({"GPUSHARE_MAX_INFLIGHT": "3", "LD_PRELOAD": f"a.so:{lib} b.so"}) == (
+        False,
+        3,
+    )
+    # Not preloaded, nothing reads the variable.
+    assert launch_queue({"GPUSHARE_MAX_INFLIGHT": "3"}) == (False, 0)
+    assert launch_queue({"GPUSHARE_MAX_INFLIGHT": "3", "LD_PRELOAD": "libother.so"}) == (False, 0)
     # As the interposer reads it: not a whole number >= 1 is no bound.
     for bad in ("0", "-2", "two", "", "1.5"):
-        assert launch_queue({"GPUSHARE_MAX_INFLIGHT": bad}) == (False, 0)
+        assert launch_queue({"GPUSHARE_MAX_INFLIGHT": bad, "LD_PRELOAD": lib}) == (False, 0)
 
 
 @pytest.mark.parametrize("shallow", ["bounded", "blocking"])
