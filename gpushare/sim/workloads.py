@@ -41,7 +41,7 @@ THAW_S = 0.12e-3
 DEFAULT_LAUNCH_GAP_S = 10e-6
 #: Bounded in-flight mode (``GPUSHARE_MAX_INFLIGHT=k``, the LD_PRELOAD interposer): the time from
 #: the completion of the kernel that frees a slot to the next launch reaching the GPU (the
-#: interposer's ``cuEventSynchronize`` returns, the real launch is made, the GPU picks it up). An
+#: interposer's poll of the event sees it, the real launch is made, the GPU picks it up). An
 #: empty kernel's launch-and-synchronise round trip on a V100, the Orion profiles' GPU: 12.83 us
 #: (PETSc ``ex1cu.cu`` on Summit, n = 100000; 12.95 us in another version of the same test). It is
 #: that loop's period, so it also holds the empty kernel's own run time: an upper bound by that
