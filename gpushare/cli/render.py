@@ -75,16 +75,31 @@ def _online_table(clients: Sequence[dict[str, Any]]) -> str:
 
 def _offline_table(clients: Sequence[dict[str, Any]]) -> str:
     rows = [["ID", "NAME", "USER", "GPU", "SM", "MEM USED/LIMIT", "THAWED 1M", "RESTARTS",
-             "EVICTIONS", "STATE", "UPTIME", "PAUSE"]]  # fmt: skip
+             "EVICTIONS", "STATE", "UPTIME", "PAUSE", "QUEUE"]]  # fmt: skip
     for c in clients:
         off = c.get("offline") or {}
         ratio = off.get("thawed_ratio_1m")
         rows.append([
             *_common(c), _pct(None if ratio is None else ratio * 100.0),
             _count(c.get("restarts")), _count(off.get("evictions")), _state(c),
-            _dur(c["uptime_s"]), c["pause_mechanism"] or NA,
+            _dur(c["uptime_s"]), c["pause_mechanism"] or NA, _queue(off.get("queue")),
         ])  # fmt: skip
     return _table(rows)
+
+
+def _queue(q: dict[str, Any] | None) -> str:
+    """What an offline client asked for, and how its queue is kept while it runs.
+
+    ``deep``, ``shallow (4 in flight)``, ``auto (blocking)``, ``auto (deep)`` (docs/controller.md,
+    "Shallow offline queues").
+    """
+    if not q:
+        return NA
+    asked = q.get("asked") or "deep"
+    now = q.get("shallow") or q.get("now")
+    if now is None or (asked == "deep" and now == "deep"):
+        return str(asked)
+    return f"{asked} ({now})"
 
 
 def render_clients(clients: Sequence[dict[str, Any]]) -> str:

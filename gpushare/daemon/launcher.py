@@ -129,9 +129,16 @@ SHALLOW_MARKERS = ("CUDA_LAUNCH_BLOCKING", INFLIGHT_ENV)
 """The variables that say, in a running client's environment, that it was launched shallow."""
 
 
-def launched_shallow(env: Mapping[str, str]) -> bool:
-    """Whether a client launched with ``env`` runs a shallow queue (read back on re-adoption)."""
-    return env.get("CUDA_LAUNCH_BLOCKING") == "1" or INFLIGHT_ENV in env
+def shallow_how(env: Mapping[str, str]) -> str | None:
+    """How a client launched with ``env`` keeps its queue shallow, ``None`` for a deep queue.
+
+    ``"<k> in flight"`` (the in-flight bound) or ``"blocking"`` (``CUDA_LAUNCH_BLOCKING=1``). Read from the launch environment and, on re-adoption, from ``/proc/<pid>/environ``.
+    """
+    if INFLIGHT_ENV in env:
+        return f"{env[INFLIGHT_ENV]} in flight"
+    if env.get("CUDA_LAUNCH_BLOCKING") == "1":
+        return "blocking"
+    return None
 
 
 def choose_queue(mode: str | None, *, gating_on: bool) -> tuple[str, str]:

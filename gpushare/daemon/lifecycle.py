@@ -65,8 +65,8 @@ class Lifecycle:
         #: Monotonic time before which a requeued failed job is not admitted again.
         self.not_before: dict[str, float] = {}
         self._watching = False
-        #: Offline clients launched with a shallow queue (CUDA_LAUNCH_BLOCKING=1).
-        self.shallow: set[str] = set()
+        #: Offline clients launched with a shallow queue, and how (``launcher.shallow_how``).
+        self.shallow: dict[str, str] = {}
 
     # ----------------------------------------------------------------------------- watching
 
@@ -147,8 +147,8 @@ class Lifecycle:
                             env = read_environ(rec.pid, launcher.SHALLOW_MARKERS) or {}
                         except PermissionError:
                             env = {}  # not root: taken as deep (an auto client may restart once)
-                        if launcher.launched_shallow(env):
-                            self.shallow.add(rec.id)
+                        if (how := launcher.shallow_how(env)) is not None:
+                            self.shallow[rec.id] = how
                     if rec.held:
                         self.set_paused(rec.id, True)
                     else:
@@ -410,7 +410,7 @@ class Lifecycle:
             self.s.latency.forget(client_id)
             self.s.gate.forget(client_id)
             self.s.gauges.forget(client_id)
-            self.shallow.discard(client_id)  # a relaunch decides its queue anew
+            self.shallow.pop(client_id, None)  # a relaunch decides its queue anew
             try:
                 self.s.pauser.release(client_id)
             except PAUSE_ERRORS as exc:
@@ -605,10 +605,10 @@ class Lifecycle:
             mode, why = launcher.choose_queue(queue, gating_on=gating)
             queue_vars, how = launcher.queue_env(mode, self.s.config.gate, self.s.shallow_library)
             env.update(queue_vars)
-            if mode == "shallow":
-                self.shallow.add(client_id)
+            if (shallow := launcher.shallow_how(queue_vars)) is not None:
+                self.shallow[client_id] = shallow
             else:
-                self.shallow.discard(client_id)
+                self.shallow.pop(client_id, None)
             if announce:
                 log.info("offline_queue", client_id=client_id, queue=mode, reason=why, how=how)
         return {**mpsenv.marker_env(cls, slo), **env}

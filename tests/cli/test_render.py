@@ -196,7 +196,7 @@ def test_a_queued_job_says_why_it_waits_under_the_table():
     text = render_status(_status([_gpu()], [running, queued]))
     lines = text.splitlines()
     # The row stays a table row: the reason is a note of its own, in full.
-    assert _row(text, "c4").split()[-3:] == ["queued", "N/A", "cgroup"]
+    assert _row(text, "c4").split()[-4:] == ["queued", "N/A", "cgroup", "N/A"]
     assert why not in _row(text, "c4")
     assert lines[-1] == f"c4: queued: {why}"
     assert not any(line.startswith("c3: queued") for line in lines)
@@ -216,3 +216,22 @@ def test_a_long_waiting_reason_is_clipped_and_points_at_json():
     assert note.endswith("... (all of it: --json)")
     assert len(note) < len(why)
     assert "GPU 7" not in note
+
+
+def test_the_queue_column_says_what_was_asked_and_how_it_runs():
+    def queue_cell(queue):
+        text = render_clients([_client(offline={"queue": queue})])
+        header, row = text.splitlines()[1:3]
+        assert header.split()[-1] == "QUEUE"
+        return row[header.index("QUEUE") :].strip()
+
+    assert queue_cell({"asked": None, "now": "deep", "shallow": None}) == "deep"
+    assert queue_cell({"asked": "shallow", "now": "shallow", "shallow": "4 in flight"}) == (
+        "shallow (4 in flight)"
+    )
+    assert (
+        queue_cell({"asked": "auto", "now": "shallow", "shallow": "blocking"}) == "auto (blocking)"
+    )
+    assert queue_cell({"asked": "auto", "now": "deep", "shallow": None}) == "auto (deep)"
+    assert queue_cell({"asked": "auto", "now": None, "shallow": None}) == "auto"  # not running
+    assert queue_cell(None) == "N/A"  # an older daemon

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -219,16 +220,19 @@ while True: time.sleep(0.05)
 """
 
 
-def _shallow_env(tmp_path: Path, gate_toml: str) -> tuple[dict[str, str | None], DaemonProc]:
+def _shallow_env(
+    tmp_path: Path, gate_toml: str
+) -> tuple[dict[str, str | None], DaemonProc, dict[str, Any]]:
     d = DaemonProc(gate_toml, gpus=1)
     d.start()
     out = tmp_path / "env.json"
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    d.submit_detached(
+    sub = d.submit_detached(
         [sys.executable, "-c", DUMP_ENV, str(out)], env=env, queue="shallow", cwd=str(tmp_path)
     )
     wait_for(out.exists, 10.0, "the shallow client's environment")
-    return json.loads(out.read_text()), d
+    # status/list say how its queue is kept.
+    return json.loads(out.read_text()), d, d.client(sub["client_id"])["offline"]["queue"]
 
 
 @pytest.mark.skipif(
@@ -236,8 +240,11 @@ def _shallow_env(tmp_path: Path, gate_toml: str) -> tuple[dict[str, str | None],
 )
 def test_a_bounded_shallow_client_runs_preloaded_with_its_bound(tmp_path: Path) -> None:
     # The real library is preloaded into a real (CUDA-free) process, which must run unharmed.
-    env, d = _shallow_env(tmp_path, '[gate]\nshallow_queue = "bounded"\ninflight_kernels = 3\n')
+    env, d, queue = _shallow_env(
+        tmp_path, '[gate]\nshallow_queue = "bounded"\ninflight_kernels = 3\n'
+    )
     try:
+        assert queue == {"asked": "shallow", "now": "shallow", "shallow": "3 in flight"}
         assert env == {
             "LD_PRELOAD": str(native.library_path()),
             "GPUSHARE_MAX_INFLIGHT": "3",
@@ -250,8 +257,9 @@ def test_a_bounded_shallow_client_runs_preloaded_with_its_bound(tmp_path: Path) 
 
 
 def test_a_blocking_shallow_client_runs_with_cuda_launch_blocking(tmp_path: Path) -> None:
-    env, d = _shallow_env(tmp_path, '[gate]\nshallow_queue = "blocking"\n')
+    env, d, queue = _shallow_env(tmp_path, '[gate]\nshallow_queue = "blocking"\n')
     try:
+        assert queue == {"asked": "shallow", "now": "shallow", "shallow": "blocking"}
         assert env == {
             "LD_PRELOAD": None,
             "GPUSHARE_MAX_INFLIGHT": None,

@@ -15,7 +15,7 @@ from gpushare.cli.app import app
 from gpushare.config import ConfigError, GateConfig
 from gpushare.daemon import registry as registry_mod
 from gpushare.daemon.core import Daemon
-from gpushare.daemon.launcher import SHALLOW_MARKERS, choose_queue, launched_shallow, queue_env
+from gpushare.daemon.launcher import SHALLOW_MARKERS, choose_queue, queue_env, shallow_how
 from gpushare.daemon.registry import Registry
 from gpushare.model import ClientClass, ClientState
 from gpushare.mpsenv import workload_env
@@ -55,10 +55,10 @@ def test_queue_env_bounds_in_flight_kernels_or_blocks_and_says_which() -> None:
 
 
 def test_a_readopted_client_is_shallow_by_either_variable() -> None:
-    assert launched_shallow({"CUDA_LAUNCH_BLOCKING": "1"})
-    assert launched_shallow({"GPUSHARE_MAX_INFLIGHT": "2"})
-    assert not launched_shallow({"CUDA_LAUNCH_BLOCKING": "0"})
-    assert not launched_shallow({})
+    assert shallow_how({"CUDA_LAUNCH_BLOCKING": "1"}) == "blocking"
+    assert shallow_how({"GPUSHARE_MAX_INFLIGHT": "2", "LD_PRELOAD": "/x.so"}) == "2 in flight"
+    assert shallow_how({"CUDA_LAUNCH_BLOCKING": "0"}) is None
+    assert shallow_how({}) is None
     assert set(SHALLOW_MARKERS) == {"CUDA_LAUNCH_BLOCKING", "GPUSHARE_MAX_INFLIGHT"}
 
 
