@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,10 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_a_shipped_scenario(
     )
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = wheels.glob("gpushare-*.whl")
+    # A py3-none-any wheel carries the in-flight bound's source, never a compiled library.
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "gpushare/native/inflight.c" in names
+    assert not [n for n in names if n.endswith(".so")]
     target = tmp_path / "venv"
     try:
         venv.create(target, with_pip=True)
@@ -170,6 +175,16 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_a_shipped_scenario(
         _clean_env(),
     )
     assert Path(where.stdout.strip()).is_relative_to(target)
+    if shutil.which("cc") is not None:
+        # What `gpushare install` does with it: compile the shipped source on the host.
+        lib = tmp_path / "libgpushare_inflight.so"
+        made = _run(
+            [target / "bin" / "python", "-m", "gpushare.native.build", "--strict", lib],
+            outside,
+            _clean_env(),
+        )
+        assert made.returncode == 0, made.stdout + made.stderr
+        assert lib.is_file()
     # The files `gpushare install` writes travel in the wheel too.
     root = tmp_path / "root"
     root.mkdir()
