@@ -41,11 +41,9 @@ sys.path.insert(0, str(REPO))
 from gpushare import logs  # noqa: E402
 from gpushare.control.registry import make_policy  # noqa: E402
 from gpushare.sim import adapters, data, report, runner, scenario  # noqa: E402
+from gpushare.sim.inflight import DEFAULT_INFLIGHT_WAKE_S, bound_tables, launch_queue  # noqa: E402
 from gpushare.sim.workloads import (  # noqa: E402
-    DEFAULT_INFLIGHT_WAKE_S,
     DEFAULT_LAUNCH_GAP_S,
-    bound_tables,
-    launch_queue,
     request_alone_s,
     source_counts,
 )

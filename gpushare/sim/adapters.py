@@ -27,9 +27,10 @@ from gpushare.model import (
 )
 from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
 from gpushare.sim.gpu import EventLoop
+from gpushare.sim.inflight import launch_queue
 from gpushare.sim.node import SimNode, stop_work
 from gpushare.sim.tally import TallyTrainer
-from gpushare.sim.workloads import OfflineTrainer, SimClient, launch_queue
+from gpushare.sim.workloads import OfflineTrainer, SimClient
 
 
 class VirtualClock:

@@ -21,9 +21,9 @@ from gpushare.model import ClientClass, PauseMechanism
 from gpushare.node.base import Pauser
 from gpushare.node.cgroups.route import FreezeRoute
 from gpushare.node.pauser_base import PauserError
+from gpushare.sim.inflight import launch_queue
 from gpushare.sim.realtime import RealTimeSimNode, SimProfileError, workload_from_env
 from gpushare.sim.simenv import ENV_PROFILE
-from gpushare.sim.workloads import launch_queue
 
 log = structlog.get_logger("gpushare.sim")
 

@@ -19,11 +19,8 @@ from gpushare import config as gconfig
 from gpushare.protocol import QUEUE_MODES
 from gpushare.sim import data
 from gpushare.sim.gpu import DEFAULT_SLICE_S, DEFAULT_SWITCH_S
-from gpushare.sim.workloads import (
-    DEFAULT_HOST_PER_KERNEL_S,
-    DEFAULT_INFLIGHT_WAKE_S,
-    request_alone_s,
-)
+from gpushare.sim.inflight import DEFAULT_INFLIGHT_WAKE_S
+from gpushare.sim.workloads import DEFAULT_HOST_PER_KERNEL_S, request_alone_s
 from gpushare.units import parse_duration, parse_size
 
 if sys.version_info >= (3, 11):

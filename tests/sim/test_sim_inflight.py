@@ -14,18 +14,16 @@ import pytest
 
 from gpushare.sim import data
 from gpushare.sim import scenario as sc_mod
-from gpushare.sim.workloads import (
+from gpushare.sim.inflight import (
     DEFAULT_INFLIGHT_WAKE_S,
-    FREEZE_S,
     INFLIGHT_NAP_LAG_S,
     INFLIGHT_SPIN_S,
-    THAW_S,
     bound_tables,
     bounded_timeline,
     launch_queue,
-    request_alone_s,
     source_durations,
 )
+from gpushare.sim.workloads import FREEZE_S, THAW_S, request_alone_s
 from tests.sim.test_sim_gating import _scenario, _started
 from tests.sim.test_sim_physics import US, gpu_with_beta0, profile, trainer
 
