@@ -63,9 +63,9 @@ class RealHost:
         return mps.supports_multiuser(path) if path else None
 
     def inflight_bound(self) -> Probe:
-        """Whether the in-flight bound library is built next to ``gpushare.native``."""
-        path = native.library_path()
-        return Probe(native.built(), str(path) if native.built() else f"{path}: not built")
+        """Whether every user's job can preload the in-flight bound (built, and readable)."""
+        why = native.unusable_reason()
+        return Probe(why is None, why or str(native.library_path()))
 
     def cgroup_freezer(self) -> Probe:
         """Whether the freezer works under the configured client cgroup base."""

@@ -83,7 +83,9 @@ class Daemon:
         self.state = NodeState(
             config, registry=registry, gpu=gpu, mps=mps, pauser=pauser, probe=probe,
             policy=policy, clock=clock or SystemClock(), procs=procs or launcher.HostProcesses(),
-            shallow_library=str(native.library_path()) if native.built() else None,
+            shallow_library=(
+                str(native.library_path()) if native.unusable_reason() is None else None
+            ),
         )  # fmt: skip
         self.config_path = config_path
         self.metrics = metrics
@@ -166,10 +168,9 @@ class Daemon:
                 )
         if cfg.gate.shallow_queue == "bounded" and state.shallow_library is None:
             # Shallow queues still work (blocking); the operator should know they cost more.
-            state.registry.add_event(
-                "shallow_queue_blocking", launcher.NOT_BUILT, severity="warning"
-            )
-            log.warning("shallow_queue_blocking", reason=launcher.NOT_BUILT)
+            why = f"{native.unusable_reason() or launcher.CANNOT_PRELOAD}: {launcher.FALLBACK}"
+            state.registry.add_event("shallow_queue_blocking", why, severity="warning")
+            log.warning("shallow_queue_blocking", reason=why)
         state.registry.add_event(
             "daemon_started", f"gpushare {__version__} started (pid {os.getpid()})"
         )

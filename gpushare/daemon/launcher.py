@@ -166,7 +166,7 @@ def queue_env(queue: str, gate: GateConfig, library: str | None) -> tuple[dict[s
     """The variables of an effective queue mode (:func:`choose_queue`), and how it is kept shallow.
 
     ``library`` is the built in-flight bound (:func:`gpushare.native.library_path`), ``None`` when
-    it is not built: ``[gate] shallow_queue = "bounded"`` then falls back to ``CUDA_LAUNCH_BLOCKING``
+    clients could not preload it (:func:`gpushare.native.unusable_reason`): ``[gate] shallow_queue = "bounded"`` then falls back to ``CUDA_LAUNCH_BLOCKING``
     (a freeze still bites within a kernel; only the throughput is lower) and says how to build it.
     The preload is joined in front of the workload's own ``LD_PRELOAD`` by
     :func:`gpushare.mpsenv.workload_env`.
@@ -178,12 +178,15 @@ def queue_env(queue: str, gate: GateConfig, library: str | None) -> tuple[dict[s
             k = gate.inflight_kernels
             env = {"LD_PRELOAD": library, INFLIGHT_ENV: str(k)}
             return env, f"at most {k} kernels in flight ({LIBRARY_NAME})"
-        return dict(BLOCKING_ENV), f"CUDA_LAUNCH_BLOCKING=1: {NOT_BUILT}"
+        return dict(BLOCKING_ENV), f"CUDA_LAUNCH_BLOCKING=1: {CANNOT_PRELOAD}"
     return dict(BLOCKING_ENV), "CUDA_LAUNCH_BLOCKING=1"
 
 
-NOT_BUILT = (
-    f"{LIBRARY_NAME} is not built (`make native` in a clone, or `gpushare install`), "
-    'so [gate] shallow_queue = "bounded" falls back to "blocking"'
+CANNOT_PRELOAD = (
+    f"{LIBRARY_NAME} cannot be preloaded here (`gpushare doctor` says why; `make native` in a "
+    "clone or `gpushare install` builds it)"
 )
-"""Why a bounded shallow queue runs as a blocking one (logged at start and at each launch)."""
+"""Why a bounded shallow queue runs as a blocking one, in each launch's ``offline_queue`` line."""
+
+FALLBACK = '[gate] shallow_queue = "bounded" falls back to CUDA_LAUNCH_BLOCKING=1'
+"""What happens then (the daemon's start-up warning names the reason)."""

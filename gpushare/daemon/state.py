@@ -77,7 +77,7 @@ class NodeState:
         #: The time the loop runs on and the clients' processes: the host's, or simulated ones.
         self.clock = clock
         self.procs = procs
-        #: The in-flight bound a bounded shallow queue preloads (``None``: not built, so shallow
+        #: The in-flight bound a bounded shallow queue preloads (``None``: clients could not preload it, so shallow
         #: queues block; ``gpushare.daemon.launcher.queue_env``).
         self.shallow_library = shallow_library
         self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()

@@ -14,6 +14,7 @@ module imports nothing from CUDA: the library is C and talks to the driver itsel
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 LIBRARY_NAME = "libgpushare_inflight.so"
@@ -46,3 +47,31 @@ def library_path() -> Path:
 def built() -> bool:
     """Whether the interposer has been built (``make native``); without it shallow = blocking."""
     return library_path().is_file()
+
+
+def unusable_reason(lib: Path | None = None) -> str | None:
+    """Why clients could not preload the interposer (``None``: they can).
+
+    Not built, or not readable by every user: a client runs as the user who submitted it, and the
+    dynamic loader of a process that cannot open an ``LD_PRELOAD`` entry skips it with one line
+    on stderr, so that job would run unbounded. A clone under a private home directory is the
+    usual case.
+    """
+    lib = lib if lib is not None else library_path()
+    if not lib.is_file():
+        return f"{lib} is not built (`make native` in a clone, or `gpushare install`)"
+    for path in (lib, *lib.parents):
+        try:
+            mode = path.stat().st_mode
+        except OSError as exc:
+            return f"{path}: {exc.strerror or exc}"
+        if path == lib and not mode & stat.S_IROTH:
+            return (
+                f"{lib} is not readable by other users, whose jobs could not preload it (chmod o+r)"
+            )
+        if path != lib and not mode & stat.S_IXOTH:
+            return (
+                f"{path} is not searchable by other users, whose jobs could not preload {lib.name} "
+                f"(chmod o+x {path}, or install gpushare where every user can read it)"
+            )
+    return None

@@ -236,7 +236,8 @@ def _shallow_env(
 
 
 @pytest.mark.skipif(
-    not native.built(), reason="the in-flight bound is not built (make native needs a C compiler)"
+    native.unusable_reason() is not None,
+    reason=f"the daemon would not preload the in-flight bound: {native.unusable_reason()}",
 )
 def test_a_bounded_shallow_client_runs_preloaded_with_its_bound(tmp_path: Path) -> None:
     # The real library is preloaded into a real (CUDA-free) process, which must run unharmed.

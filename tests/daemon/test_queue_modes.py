@@ -3,7 +3,9 @@ environment, and the registry columns an older database gains."""
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -127,11 +129,11 @@ def test_an_older_database_gains_the_new_columns(tmp_path: Path) -> None:
     assert {"queue", "inflight_from"} <= cols
 
 
-@pytest.mark.parametrize("built", [False, True])
-def test_a_daemon_without_the_built_bound_says_shallow_queues_will_block(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built: bool
+@pytest.mark.parametrize("reason", [None, "/x/lib.so is not readable by other users (chmod o+r)"])
+def test_a_daemon_whose_clients_cannot_preload_the_bound_says_shallow_queues_will_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reason: str | None
 ) -> None:
-    monkeypatch.setattr(native, "built", lambda: built)
+    monkeypatch.setattr(native, "unusable_reason", lambda: reason)
     cfg = config_mod.loads(f"""version = 1
 [paths]
 runtime_dir = "{tmp_path}/run"
@@ -150,14 +152,38 @@ shallow_queue = "bounded"
     d.start()
     try:
         warned = [e for e in d.registry.events(0, 100) if e.kind == "shallow_queue_blocking"]
-        if built:
+        if reason is None:
             assert warned == []
             assert d.state.shallow_library == str(native.library_path())
         else:
             assert len(warned) == 1
             assert warned[0].severity == "warning"
-            assert "make native" in warned[0].message
+            assert warned[0].message == (
+                f'{reason}: [gate] shallow_queue = "bounded" falls back to CUDA_LAUNCH_BLOCKING=1'
+            )
             assert d.state.shallow_library is None
     finally:
         d.shutdown()
         d.registry.close()
+
+
+def test_the_bound_is_usable_only_where_every_user_can_load_it() -> None:
+    # Under /tmp (searchable by all), not pytest's private tmp_path.
+    base = Path(tempfile.mkdtemp(prefix="gs-native-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        lib = base / "pkg" / native.LIBRARY_NAME
+        assert "is not built" in (native.unusable_reason(lib) or "")
+        lib.parent.mkdir(mode=0o755)
+        lib.write_bytes(b"\x7fELF")
+        lib.chmod(0o644)
+        assert native.unusable_reason(lib) is None
+        lib.chmod(0o600)
+        assert "not readable by other users" in (native.unusable_reason(lib) or "")
+        lib.chmod(0o644)
+        lib.parent.chmod(0o700)  # a clone under a private home directory
+        why = native.unusable_reason(lib) or ""
+        assert f"{lib.parent} is not searchable by other users" in why
+        assert f"chmod o+x {lib.parent}" in why
+    finally:
+        shutil.rmtree(base)
