@@ -27,7 +27,7 @@ from gpushare.model import (
 )
 from gpushare.sim import data
 from gpushare.sim.gpu import EventLoop, Gpu, GpuMode
-from gpushare.sim.scenario import OnlineSpec, Scenario
+from gpushare.sim.scenario import GpuSpec, OnlineSpec, Scenario
 from gpushare.sim.tally import TallyScheduler, TallyServer, TallyTrainer
 from gpushare.sim.workloads import (
     OfflineTrainer,
@@ -79,6 +79,18 @@ class PolicyTraits:
             offline_priority=int(prio) if prio in (0, 1) else 1,
             kernel_preemption=getattr(policy, "preemption", None) == "kernel",
         )
+
+
+def launch_costs(trainer: OfflineTrainer, g: GpuSpec) -> None:
+    """Give a training job the ``[gpu]`` section's launch costs.
+
+    The blocking launch gap (W3), the bounded queue's wake (W3b) and the job's own CPU time per
+    kernel (a sensitivity, 0 by default).
+    """
+    trainer.launch_gap_s = g.launch_gap_s
+    trainer.inflight_wake_s = g.inflight_wake_s
+    if g.train_host_per_kernel_s > 0.0:
+        trainer.set_host_cost(g.train_host_per_kernel_s)
 
 
 class SimNode:
@@ -178,10 +190,7 @@ class SimNode:
                 )
                 trainer.priority = traits.offline_priority
                 trainer.launch_blocking = spec_off.launch_blocking
-                trainer.launch_gap_s = g.launch_gap_s
-                trainer.inflight_wake_s = g.inflight_wake_s
-                if g.train_host_per_kernel_s > 0.0:
-                    trainer.set_host_cost(g.train_host_per_kernel_s)
+                launch_costs(trainer, g)
                 if isinstance(trainer, TallyTrainer):
                     # One kernel at a time through its own gate, with no launch gap.
                     trainer.launch_blocking, trainer.launch_gap_s = True, 0.0

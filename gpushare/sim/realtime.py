@@ -32,7 +32,7 @@ from gpushare.model import (
 from gpushare.sim import adapters as simnode
 from gpushare.sim import data
 from gpushare.sim.gating import BoundarySender
-from gpushare.sim.node import SimNode
+from gpushare.sim.node import SimNode, launch_costs
 from gpushare.sim.scenario import GpuSpec, Scenario
 from gpushare.sim.simenv import ENV_BURST, ENV_PROFILE, ENV_RPS
 from gpushare.sim.workloads import OfflineTrainer, OnlineServer, bursty_poisson_arrivals
@@ -306,10 +306,7 @@ class RealTimeSimNode:
             pid=pid,
         )
         trainer.priority = node.traits.offline_priority
-        trainer.launch_gap_s = g.launch_gap_s
-        trainer.inflight_wake_s = g.inflight_wake_s
-        if g.train_host_per_kernel_s > 0.0:
-            trainer.set_host_cost(g.train_host_per_kernel_s)
+        launch_costs(trainer, g)
         node.offline.append(trainer)
         if not node.allocate(trainer):
             return False
