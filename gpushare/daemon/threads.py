@@ -120,8 +120,10 @@ class Supervisor:
         self._gone_restarts = 0
 
     def spawn(self, name: str, body: Callable[[], None], stop: threading.Event) -> SupervisedThread:
-        """Start ``body`` on a supervised thread called ``name`` (a live one of that name is replaced
-        in the listing; stop it first)."""
+        """Start ``body`` on a supervised thread called ``name``.
+
+        A listed thread of that name is replaced in the listing (stop it first).
+        """
         thread = SupervisedThread(
             name, body, stop, backoff_s=self._backoff_s, max_backoff_s=self._max_backoff_s,
             healthy_after_s=self._healthy_after_s,
@@ -133,12 +135,12 @@ class Supervisor:
             self._threads[name] = thread
         return thread.start()
 
-    def remove(self, name: str) -> None:
+    def remove(self, thread: SupervisedThread) -> None:
         """Stop listing a thread whose work ended (its stop is set); its restarts stay counted."""
         with self._lock:
-            old = self._threads.pop(name, None)
-            if old is not None:
-                self._gone_restarts += old.restarts
+            if self._threads.get(thread.name) is thread:
+                del self._threads[thread.name]
+                self._gone_restarts += thread.restarts
 
     def health(self) -> list[ThreadHealth]:
         """Every listed thread's health, by name."""

@@ -246,7 +246,7 @@ class LatencyReceiver:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s=2.0)
-            self._threads.remove(self._thread.name)
+            self._threads.remove(self._thread)
             self._thread = None
         if self._sock is not None:
             self._sock.close()
