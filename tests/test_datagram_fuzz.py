@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpushare.daemon.threads import Supervisor
-from gpushare.latency.datagrams import MAX_DATAGRAM_BYTES, DatagramError, decode_message
+from gpushare.latency import datagrams as wire
+from gpushare.latency.datagrams import decode_message
 from gpushare.latency.p99 import P99Tracker
 from gpushare.latency.receiver import LatencyReceiver
 
@@ -43,21 +43,20 @@ def good(value_s: float = 0.01) -> bytes:
 
 @pytest.mark.parametrize("data", KILLERS)
 def test_a_hostile_datagram_is_refused_with_a_reason(data: bytes) -> None:
-    with pytest.raises(DatagramError) as info:
+    with pytest.raises(ValueError, match=".") as info:
         decode_message(data)
-    assert info.value.reason
+    assert getattr(info.value, "reason", "")  # a DatagramError, counted by its reason
 
 
 @pytest.fixture
-def live(tmp_path: Path) -> Iterator[tuple[LatencyReceiver, socket.socket, Supervisor]]:
-    threads = Supervisor()
-    rx = LatencyReceiver(tmp_path / "lat.sock", P99Tracker(60.0, 1), threads=threads)
+def live(tmp_path: Path) -> Iterator[tuple[LatencyReceiver, socket.socket]]:
+    rx = LatencyReceiver(tmp_path / "lat.sock", P99Tracker(60.0, 1))
     rx.start()
     tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     tx.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
     tx.connect(str(rx.path))
     try:
-        yield rx, tx, threads
+        yield rx, tx
     finally:
         tx.close()
         rx.close()
@@ -67,27 +66,25 @@ def wait_accepted(rx: LatencyReceiver, n: int) -> None:
     deadline = time.monotonic() + 5.0
     while rx.accepted < n and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert rx.accepted >= n, f"a good report after the bad ones was not received ({rx.drops})"
+    assert rx.accepted >= n, "a good report after the bad ones was not received"
 
 
 @pytest.mark.parametrize("data", KILLERS)
 def test_the_receiver_survives_each_hostile_datagram(
-    live: tuple[LatencyReceiver, socket.socket, Supervisor], data: bytes
+    live: tuple[LatencyReceiver, socket.socket], data: bytes
 ) -> None:
-    rx, tx, threads = live
+    rx, tx = live
     tx.send(data)
     tx.send(good())
     wait_accepted(rx, 1)
-    assert sum(rx.drops.values()) == 1
-    assert threads.dead() == [] and threads.total_restarts() == 0
-    assert [h.alive for h in threads.health()] == [True]
+    assert rx.rejected == 1
 
 
 def test_an_oversized_datagram_is_refused_unread(
-    live: tuple[LatencyReceiver, socket.socket, Supervisor],
+    live: tuple[LatencyReceiver, socket.socket],
 ) -> None:
-    rx, tx, _ = live
-    tx.send(b'{"v":1,"id":"svc","s":[0.01]}' + b" " * MAX_DATAGRAM_BYTES)
+    rx, tx = live
+    tx.send(b'{"v":1,"id":"svc","s":[0.01]}' + b" " * wire.MAX_DATAGRAM_BYTES)
     tx.send(good())
     wait_accepted(rx, 1)
     assert rx.drops == {"oversized": 1}
@@ -127,10 +124,12 @@ def datagrams(draw: st.DrawFn) -> bytes:
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(datagrams())
 def test_fuzzed_datagrams_only_ever_raise_datagram_error(data: bytes) -> None:
+    reason = "accepted"
     try:
         decode_message(data)
-    except DatagramError:
-        pass
+    except ValueError as exc:
+        reason = getattr(exc, "reason", "")  # a DatagramError, nothing else
+    assert reason
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -29,6 +29,7 @@ from gpushare.daemon.opstats import gate_status, latency_status
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
+from gpushare.daemon.threads import threads_status
 from gpushare.inflight import parse_inflight_from
 from gpushare.latency.prometheus import parse_latency_from
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
@@ -152,6 +153,7 @@ class Api:
                     "simulated": bool(getattr(s.gpu, "simulated", False)),
                     # Request-boundary datagrams and gauge polls refused, by reason.
                     "inflight_rejections": s.gate.rejections.snapshot(),
+                    **threads_status(s.threads, s.datagram_drops()),
                 },
                 "gpus": gpus,
                 "clients": clients,

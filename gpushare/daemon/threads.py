@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -158,3 +159,18 @@ class Supervisor:
         with self._lock:
             threads = list(self._threads.values())
         return [t.name for t in threads if not t.is_alive() and not t.stop.is_set()]
+
+
+def threads_status(threads: Supervisor, datagram_drops: Mapping[str, int]) -> dict[str, Any]:
+    """What ``status`` shows of the threads: ``daemon.threads`` and its companions.
+
+    ``thread_restarts`` and ``datagram_drops`` too (docs/status-schema.md).
+    """
+    return {
+        "threads": [
+            {"name": h.name, "alive": h.alive, "restarts": h.restarts, "last_error": h.last_error}
+            for h in threads.health()
+        ],
+        "thread_restarts": threads.total_restarts(),
+        "datagram_drops": dict(datagram_drops),
+    }
