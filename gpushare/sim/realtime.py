@@ -40,9 +40,10 @@ from gpushare.sim.workloads import OfflineTrainer, OnlineServer, bursty_poisson_
 ORION = "orion-v100-kernels"
 #: One :meth:`RealTimeSimNode.advance` simulates in steps of this much virtual time, and stops
 #: (behind the wall clock, to catch up at the next call) once it has run this long, so no
-#: workload can hold the node's lock, and so the daemon's tick and API, for long.
+#: workload can hold the node's lock, and so the daemon's tick and API, for long. A node that
+#: keeps up with the wall clock never reaches it.
 ADVANCE_STEP_S = 0.005
-ADVANCE_BUDGET_S = 0.1
+ADVANCE_BUDGET_S = 1.0
 
 #: Simulated workload profiles by the name ``--sim-profile`` takes: class and kernel profile.
 SIM_PROFILES: dict[str, tuple[ClientClass, str]] = {
