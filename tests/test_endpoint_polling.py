@@ -196,3 +196,36 @@ def test_a_slowloris_histogram_does_not_delay_another_clients_scrape(
         assert slowloris.closed_at, "the scrape's connection outlived its client"
     finally:
         app.close()
+
+
+class _Leaky(BaseHTTPRequestHandler):
+    """An endpoint whose reply is not the text format and starts with its owner's secret."""
+
+    def do_GET(self) -> None:
+        body = b"ROOT_DB_PASSWORD=hunter2\n"  # the parser quotes the line it cannot read
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_text_fetched_from_a_url_is_kept_out_of_the_public_reason() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Leaky)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        app = AppLatency(window_s=30, min_samples=1, scrape_period_s=1.0)
+        app.add_prometheus("c1", spec(int(server.server_address[1]), "lat"))
+        app.scrape_all()
+        p99 = app.p99s()["c1"]
+    finally:
+        server.shutdown()
+        server.server_close()
+    # Every user's status shows the reason: no byte of the reply in it.
+    assert p99.reason is not None and "did not answer in the Prometheus text format" in p99.reason
+    assert "hunter2" not in p99.reason
+    # The owner sees what went wrong, reply included (the API's view drops it for others).
+    assert "hunter2" in (getattr(p99, "error_detail_owner_only", None) or "")
