@@ -220,6 +220,16 @@ class GaugePoller:
             raise
         return source
 
+    def check_spec(self, spec: str) -> PrometheusSource:
+        """Parse an ``--inflight-from`` spec and check there is room to poll one more.
+
+        Raises:
+            ValueError: a malformed or non-local spec, or too many endpoints.
+        """
+        source = parse_inflight_from(spec)
+        self._workers.check_room("")
+        return source
+
     def forget(self, client_id: str) -> None:
         """Stop polling a client (it exited); a poll under way is cut off."""
         self._workers.forget(client_id)

@@ -229,3 +229,20 @@ def test_text_fetched_from_a_url_is_kept_out_of_the_public_reason() -> None:
     assert "hunter2" not in p99.reason
     # The owner sees what went wrong, reply included (the API's view drops it for others).
     assert "hunter2" in (getattr(p99, "error_detail_owner_only", None) or "")
+
+
+def test_the_number_of_polled_endpoints_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpushare.latency import endpoints
+
+    monkeypatch.setattr(endpoints, "MAX_ENDPOINTS", 2)
+    poller = GaugePoller(10.0, lambda *_: None, Rejections())
+    poller.add("a", spec(9))
+    poller.add("b", spec(9))
+    poller.add("b", spec(9))  # the same client again: replaced, not one more
+    with pytest.raises(ValueError, match="2 endpoints are polled already"):
+        poller.check_spec(spec(9))
+    with pytest.raises(ValueError, match="2 endpoints are polled already"):
+        poller.add("c", spec(9))
+    poller.forget("a")
+    poller.add("c", spec(9))
+    poller.close()

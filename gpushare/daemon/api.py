@@ -30,8 +30,6 @@ from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.daemon.threads import threads_status
-from gpushare.inflight import parse_inflight_from
-from gpushare.latency.prometheus import parse_latency_from
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.node.procs.identity import process_start_time
@@ -462,8 +460,9 @@ class Api:
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 applies to --online clients only")
             if not (req.slo_p99_ms > 0 and math.isfinite(req.slo_p99_ms)):
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 must be a positive duration")
-        _check_online_source("--latency-from", req.latency_from, cls, parse_latency_from)
-        _check_online_source("--inflight-from", req.inflight_from, cls, parse_inflight_from)
+        # The pollers parse the spec and check they have room for one more endpoint.
+        _check_online_source("--latency-from", req.latency_from, cls, self.s.latency.check_spec)
+        _check_online_source("--inflight-from", req.inflight_from, cls, self.s.gauges.check_spec)
         if req.queue is not None:
             if cls is not ClientClass.OFFLINE:
                 raise _fail(E.INVALID_PARAMS, "--queue applies to --offline clients only")

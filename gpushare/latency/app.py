@@ -81,6 +81,16 @@ class AppLatency:
             raise
         return source
 
+    def check_spec(self, spec: str) -> PrometheusSource:
+        """Parse a ``--latency-from`` spec and check there is room to scrape one more.
+
+        Raises:
+            ValueError: a malformed or non-local spec, or too many endpoints.
+        """
+        source = parse_latency_from(spec)
+        self._workers.check_room("")
+        return source
+
     def forget(self, client_id: str) -> None:
         """Stop tracking a client (it exited); a scrape under way is cut off."""
         self.tracker.forget(client_id)

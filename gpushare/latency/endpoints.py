@@ -66,11 +66,8 @@ class EndpointWorkers:
         Raises:
             ValueError: :data:`MAX_ENDPOINTS` endpoints are polled already.
         """
+        self.check_room(key)
         with self._lock:
-            if key not in self._workers and len(self._workers) >= MAX_ENDPOINTS:
-                raise ValueError(
-                    f"{MAX_ENDPOINTS} endpoints are polled already; end a client that has one"
-                )
             old = self._workers.pop(key, None)
             worker = self._workers[key] = _Worker(threading.Event(), Cancel())
             started = self._started
@@ -78,6 +75,19 @@ class EndpointWorkers:
             self._end(old)
         if started:
             self._spawn(key, worker)
+
+    def check_room(self, key: str) -> None:
+        """Whether :meth:`add` would take ``key`` now.
+
+        Raises:
+            ValueError: :data:`MAX_ENDPOINTS` endpoints are polled already.
+        """
+        with self._lock:
+            full = key not in self._workers and len(self._workers) >= MAX_ENDPOINTS
+        if full:
+            raise ValueError(
+                f"{MAX_ENDPOINTS} endpoints are polled already; end a client that has one"
+            )
 
     def forget(self, key: str) -> None:
         """Stop polling ``key``: the fetch under way is cut off and its connection closed."""
