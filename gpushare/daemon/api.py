@@ -382,8 +382,9 @@ class Api:
 
     def _resolve_gpu(self, key: str) -> GpuSample:
         for g in self.s.samples:
-            # isdigit() is true of "²" too, which int() refuses: ASCII digits only.
-            if key == g.uuid or (key.isascii() and key.isdigit() and int(key) == g.index):
+            if key == g.uuid or (
+                key.isascii() and key.isdigit() and int(key) == g.index
+            ):  # not "²"
                 return g
         known = ", ".join(f"{g.index} ({g.uuid})" for g in self.s.samples) or "none"
         raise _fail(E.NOT_FOUND, f"no GPU {key!r} on this node; GPUs: {known}")
@@ -460,7 +461,6 @@ class Api:
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 applies to --online clients only")
             if not (req.slo_p99_ms > 0 and math.isfinite(req.slo_p99_ms)):
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 must be a positive duration")
-        # The pollers parse the spec and check they have room for one more endpoint.
         _check_online_source("--latency-from", req.latency_from, cls, self.s.latency.check_spec)
         _check_online_source("--inflight-from", req.inflight_from, cls, self.s.gauges.check_spec)
         if req.queue is not None:
