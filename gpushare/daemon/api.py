@@ -382,9 +382,7 @@ class Api:
 
     def _resolve_gpu(self, key: str) -> GpuSample:
         for g in self.s.samples:
-            if key == g.uuid or (
-                key.isascii() and key.isdigit() and int(key) == g.index
-            ):  # not "²"
+            if key == g.uuid or (key.isascii() and key.isdigit() and int(key) == g.index):
                 return g
         known = ", ".join(f"{g.index} ({g.uuid})" for g in self.s.samples) or "none"
         raise _fail(E.NOT_FOUND, f"no GPU {key!r} on this node; GPUs: {known}")
