@@ -106,6 +106,7 @@ class StopDeadline:
 
     def _overdue(self, why: str) -> None:
         log.error("stop_overdue", reason=why, exit_code=1)
+        sys.stdout.flush()
         sys.stderr.flush()
         # Workloads keep running (they are not the daemon's to kill) and the registry's WAL is
         # safe at any point: the next start re-adopts them, as after a crash.

@@ -114,6 +114,8 @@ DEADLINE_SCRIPT = textwrap.dedent(
     """
     import signal, sys
     from gpushare.daemon.main import StopDeadline
+    from gpushare.logs import configure_logging
+    configure_logging("info", json=True)
     signal.signal(signal.SIGTERM, lambda *_: None)  # recorded, never acted on: a stuck loop
     StopDeadline(deadline_s=float(sys.argv[1])).install()
     print("ready", flush=True)
