@@ -105,6 +105,7 @@ def test_sigterm_ends_a_busy_simulated_daemon_within_timeout_stop_sec(sim: SimDa
         sim.proc.wait(timeout=budget_s)
         took = time.monotonic() - t0
         assert sim.proc.returncode == 0
+        print(f"SIGTERM to exit: {took:.2f} s (TimeoutStopSec {budget_s:g} s)")
         assert took < budget_s
     finally:
         kill_clients(pids)
