@@ -36,11 +36,22 @@ def timeout_stop_s() -> float:
     return float(match[1]) * (60.0 if match[2] == "min" else 1.0)
 
 
-@pytest.fixture
-def sim() -> Iterator[SimDaemon]:
+def _sim() -> Iterator[SimDaemon]:
     absent = Path("/nonexistent/gpushare-test/nvidia-cuda-mps-control")
     with helpers.sim_daemon(absent) as d:
         yield d
+
+
+@pytest.fixture(scope="module")
+def shared_sim() -> Iterator[SimDaemon]:
+    """One daemon for the refusals (each changes nothing)."""
+    yield from _sim()
+
+
+@pytest.fixture
+def sim() -> Iterator[SimDaemon]:
+    """A daemon of the test's own (it is stopped)."""
+    yield from _sim()
 
 
 def status_s(d: SimDaemon, timeout_s: float = 5.0) -> float:
@@ -59,7 +70,10 @@ def kill_clients(pids: list[int]) -> None:
 
 
 @pytest.mark.parametrize("rps", ["1e12", "inf", "nan", "0", "-3", "5001"])
-def test_an_unreasonable_simulated_rate_is_refused_with_one_line(sim: SimDaemon, rps: str) -> None:
+def test_an_unreasonable_simulated_rate_is_refused_with_one_line(
+    shared_sim: SimDaemon, rps: str
+) -> None:
+    sim = shared_sim
     res = sim.cli(
         "submit", "--online", "--detach", "--sim-profile", "bert-inference", "--rps", rps,
         "--", "sleep", "600",
@@ -70,8 +84,9 @@ def test_an_unreasonable_simulated_rate_is_refused_with_one_line(sim: SimDaemon,
     assert status_s(sim) < 2.0
 
 
-def test_the_daemon_refuses_a_rate_that_bypasses_the_cli(sim: SimDaemon) -> None:
+def test_the_daemon_refuses_a_rate_that_bypasses_the_cli(shared_sim: SimDaemon) -> None:
     """The API itself (any user can call it without the CLI) refuses the rate."""
+    sim = shared_sim
     env = {**sim.env, "GPUSHARE_SIM_PROFILE": "bert-inference", "GPUSHARE_SIM_RPS": "1e12"}
     res = subprocess.run(
         [*helpers.GPUSHARE, "submit", "--online", "--detach", "--", "sleep", "600"],
