@@ -99,7 +99,7 @@ def test_status_shows_the_receiver_alive_after_hostile_datagrams(daemon: DaemonP
     def drops() -> int:
         return sum(daemon.call("status")["daemon"]["datagram_drops"].values())
 
-    wait_for(lambda: drops() == 3, 5.0, "three drops counted")
+    wait_for(lambda: drops() == 3, 15.0, "three drops counted")  # a loaded CI machine
     info = daemon.call("status")["daemon"]
     receiver = next(t for t in info["threads"] if t["name"] == "latency-receiver")
     assert receiver["alive"] and receiver["restarts"] == 0
