@@ -425,6 +425,12 @@ def worker_main(
         _emit(out, "unavailable", reason=str(exc))
         return EXIT_UNAVAILABLE
     _emit(out, "hello", bindings=b.name, bindings_version=b.version, pid=os.getpid())
+    # Imported here: probe_host (the doctor's checks) imports this module.
+    from gpushare.node import probe_host
+
+    if (why := probe_host.mismatch(b)) is not None:
+        _emit(out, "unavailable", reason=why)
+        return EXIT_UNAVAILABLE
     worker = ProbeWorker(
         b, args.gpu, args.cycles, blocks=args.blocks, inject_fault=args.inject_fault
     )

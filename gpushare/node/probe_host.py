@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gpushare.node.probe import (
+    Bindings,
     ProbeError,
     ProbeUnavailableError,
     compile_cubin,
@@ -169,6 +170,25 @@ def bindings_check(facts: DriverFacts | None = None) -> HostCheck:
         f"{name} {needs}, but {_driver_name(facts)} supports CUDA {cuda_text(facts.cuda_version)}",
         f"{_install_hint(facts)} into gpushare's environment, or upgrade the driver to "
         f"{MIN_DRIVER[major]} or newer",
+    )
+
+
+def mismatch(b: Bindings, facts: DriverFacts | None = None) -> str | None:
+    """Why the driver cannot run these bindings, with the fix; ``None`` when it can or is unknown.
+
+    The probe worker asks before its first CUDA call: bindings of a CUDA major newer than the
+    driver's fail there with an error that names neither the driver nor the fix.
+    """
+    major = _major(b.version)
+    if major not in MIN_DRIVER:
+        return None
+    facts = facts or driver_facts()
+    if facts.cuda_version is None or facts.cuda_version // 1000 >= major:
+        return None
+    return (
+        f"cuda-bindings {b.version} need driver >= {MIN_DRIVER[major]}, but "
+        f"{_driver_name(facts)} supports CUDA {cuda_text(facts.cuda_version)}: "
+        f"{_install_hint(facts)}"
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -135,3 +137,19 @@ def test_the_real_doctor_here_names_the_bindings_and_nvrtc(tmp_path):
     if ctypes.util.find_library("cuda") is None:
         assert "WARN" in lines["CUDA driver"] and "not checked" in lines["CUDA driver"]
         assert "WARN" in lines["CUDA bindings"] and "not checked" in lines["CUDA bindings"]
+
+
+def test_the_worker_says_why_and_how_when_the_driver_cannot_run_the_bindings(monkeypatch):
+    facts = DriverFacts(12020, "535.129.03", 1)
+    monkeypatch.setattr(probe_host, "driver_facts", lambda: facts)
+    real = probe.load_bindings()
+    b13 = probe.Bindings(real.driver, real.nvrtc, "cuda.bindings.driver", "13.5.0")
+    out = io.StringIO()
+    assert probe.worker_main(["--count", "1"], bindings=b13, out=out) == probe.EXIT_UNAVAILABLE
+    hello, unavailable = (json.loads(line) for line in out.getvalue().splitlines())
+    assert hello["bindings_version"] == "13.5.0"
+    assert unavailable["reason"] == (
+        "cuda-bindings 13.5.0 need driver >= 580.65.06, but driver 535.129.03 supports CUDA "
+        f"12.2: {probe_host.INSTALL[12]}"
+    )
+    assert probe_host.mismatch(real, facts) is None  # the 12.x this project installs runs there
