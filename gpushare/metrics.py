@@ -142,6 +142,9 @@ _Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
 # or a slow NVML call must not flap the health check.
 STALL_TICKS = 50
 STALL_MIN_S = 5.0
+# A connection that sends nothing is dropped after this long: any local user can connect, and
+# each open connection holds a thread.
+HTTP_TIMEOUT_S = 5.0
 
 
 def node_hostname() -> str:
@@ -230,6 +233,8 @@ class Exporter(Collector):
 def _handler(exporter: Exporter) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         """``/metrics``, ``/healthz``, and 404 for anything else (no directory of pages)."""
+
+        timeout = HTTP_TIMEOUT_S
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             path = self.path.split("?", 1)[0]

@@ -400,3 +400,19 @@ def test_build_info_client_states_and_the_process_collector(exporter, monkeypatc
     assert Exporter().hostname == "k8s-node-7"
     monkeypatch.delenv("NODE_NAME")
     assert Exporter().hostname == socket.gethostname()
+
+
+def test_a_connection_that_sends_nothing_is_dropped(monkeypatch):
+    """Any local user can connect; an idle connection must not hold a server thread forever."""
+    import gpushare.metrics as metrics
+
+    monkeypatch.setattr(metrics, "HTTP_TIMEOUT_S", 0.5)
+    exp = Exporter(hostname="node-a")
+    try:
+        host, port = exp.serve("127.0.0.1:0")
+        with socket.create_connection((host, port), timeout=10) as idle:
+            idle.settimeout(10)
+            assert idle.recv(1) == b""  # closed by the server after 0.5 s, not by our timeout
+        assert _get(host, port, "/metrics")[0] == 200
+    finally:
+        exp.close()
