@@ -78,6 +78,7 @@ def infer(args: argparse.Namespace) -> dict[str, Any]:
             model(x.cuda()).cpu()
         torch.cuda.synchronize()
         period_s = 1.0 / args.rps
+        start_unix_s = time.time()
         start = time.perf_counter()
         arrival = start
         latencies: list[float] = []
@@ -91,6 +92,8 @@ def infer(args: argparse.Namespace) -> dict[str, Any]:
             arrival += period_s
     ms = [v * 1e3 for v in latencies]
     return {
+        "start_unix_s": round(start_unix_s, 3),
+        "end_unix_s": round(time.time(), 3),
         "requests": len(ms),
         "rps": args.rps,
         "p50_ms": round(_quantile(ms, 0.5), 3),
@@ -114,7 +117,11 @@ def _trainer(torch: Any, tv: Any, batch: int) -> Callable[[], None]:
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Training steps until SIGTERM or the deadline; iterations per second."""
+    """Training steps until SIGTERM or the deadline; iterations per second.
+
+    ``samples`` holds ``[unix time, iterations done]`` about every half second, so the rate over
+    any window (the seconds an inference loop ran beside it) can be read off.
+    """
     torch, tv = _torch()
     it = _trainer(torch, tv, args.batch)
     for _ in range(5):
@@ -122,23 +129,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.cuda.synchronize()
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    start = last_write = time.perf_counter()
+    start = last_write = last_sample = time.perf_counter()
     done = 0
+    samples: list[list[float]] = [[round(time.time(), 3), 0]]
     result: dict[str, Any] = {"batch": args.batch, "iters": 0, "iters_per_s": None}
     while not stop["now"] and time.perf_counter() - start < args.seconds:
         it()
         done += 1
-        if done % 5 == 0:
-            torch.cuda.synchronize()
-            now = time.perf_counter()
-            result = {
-                "batch": args.batch,
-                "iters": done,
-                "iters_per_s": round(done / (now - start), 3),
-            }
-            if now - last_write > 2.0:
-                _write(args.out, result)
-                last_write = now
+        if time.perf_counter() - last_sample < 0.5:
+            continue
+        torch.cuda.synchronize()
+        last_sample = now = time.perf_counter()
+        if len(samples) < 1000:
+            samples.append([round(time.time(), 3), done])
+        rate = round(done / (now - start), 3)
+        result = {"batch": args.batch, "iters": done, "iters_per_s": rate, "samples": samples}
+        if now - last_write > 2.0:
+            _write(args.out, result)
+            last_write = now
     return result
 
 
