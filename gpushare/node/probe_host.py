@@ -208,7 +208,10 @@ def nvrtc_check() -> HostCheck:
     """Whether NVRTC compiles the probe kernel (a real compile for ``sm_75``; no GPU needed).
 
     The driver does not ship NVRTC: the ``nvidia-cuda-nvrtc-cu12`` wheel (a dependency of
-    gpushare) or the CUDA toolkit does, of the same major as the bindings.
+    gpushare) or the CUDA toolkit does, of the same major as the bindings. The bindings find the
+    library through cuda-pathfinder, which looks in the environment's site-packages
+    (``nvidia/cuda_nvrtc/lib/libnvrtc.so.12``, where the wheel puts it) before the system's
+    search path; no ``LD_LIBRARY_PATH`` is needed.
     """
     try:
         b = load_bindings()
