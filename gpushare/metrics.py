@@ -205,8 +205,8 @@ class Exporter(Collector):
         """
         self.stall_after_s = max(STALL_MIN_S, STALL_TICKS * tick_period_s)
         host, _, port = listen.rpartition(":")
-        server = ThreadingHTTPServer((host.strip("[]"), int(port)), _handler(self))
-        server.daemon_threads = True
+        host = host.strip("[]")
+        server = _server_class(host)((host, int(port)), _handler(self))
         threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         self._server = server
         bound_host, bound_port = server.server_address[:2]
@@ -228,6 +228,19 @@ class Exporter(Collector):
         yield from _client_metrics(snap, self.hostname)
         yield from _admission_metrics(snap.admission)
         yield _event_metrics(snap)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+def _server_class(host: str) -> type[_Server]:
+    """IPv6 for an IPv6 address (``::1``, ``[::1]``), else IPv4, as prometheus_client chose."""
+    return _Server6 if ":" in host else _Server
 
 
 def _handler(exporter: Exporter) -> type[BaseHTTPRequestHandler]:

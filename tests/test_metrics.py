@@ -416,3 +416,20 @@ def test_a_connection_that_sends_nothing_is_dropped(monkeypatch):
         assert _get(host, port, "/metrics")[0] == 200
     finally:
         exp.close()
+
+
+@pytest.mark.parametrize("listen", ["::1:0", "[::1]:0"])
+def test_an_ipv6_listen_address(listen):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 in this Python")
+    exp = Exporter(hostname="node-a")
+    try:
+        try:
+            host, port = exp.serve(listen)
+        except OSError as exc:
+            pytest.skip(f"::1 cannot be bound here: {exc}")
+        assert host == "::1"
+        with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        exp.close()
