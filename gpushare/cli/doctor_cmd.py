@@ -29,8 +29,12 @@ from gpushare.cli.doctor import (
     run_checks,
 )
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
-from gpushare.node import mps, nvml_diag, probe
+from gpushare.node import mps, nvml_diag, probe_host
 from gpushare.node.cgroups.choice import freezer_check
+
+
+def _probe(check: probe_host.HostCheck) -> Probe:
+    return Probe(check.ok, check.detail, check.hint, check.checked)
 
 
 class RealHost:
@@ -38,6 +42,7 @@ class RealHost:
 
     def __init__(self, cfg: config.Config) -> None:
         self._cfg = cfg
+        self._driver_facts: probe_host.DriverFacts | None = None
 
     def python_version(self) -> tuple[int, int, int]:
         """The running interpreter's version."""
@@ -48,12 +53,21 @@ class RealHost:
         return Probe(*nvml_diag.host_status())
 
     def cuda_driver(self) -> Probe:
-        """The CUDA driver through cuda-python."""
-        return Probe(*probe.driver_status())
+        """The driver's version and CUDA version, read from libcuda without the bindings."""
+        return _probe(probe_host.driver_check(self._driver()))
+
+    def cuda_bindings(self) -> Probe:
+        """The cuda-bindings installed, against the CUDA version the driver supports."""
+        return _probe(probe_host.bindings_check(self._driver()))
 
     def nvrtc(self) -> Probe:
         """NVRTC compiling the probe kernel."""
-        return Probe(*probe.nvrtc_status())
+        return _probe(probe_host.nvrtc_check())
+
+    def _driver(self) -> probe_host.DriverFacts:
+        if self._driver_facts is None:
+            self._driver_facts = probe_host.driver_facts()
+        return self._driver_facts
 
     def mps_binary(self, name: str) -> Probe:
         """Whether the MPS control binary is found and runs."""

@@ -157,7 +157,7 @@ class Daemon:
         self._start_latency()
         if self.metrics is not None and cfg.metrics.enabled:
             try:
-                host, port = self.metrics.serve(cfg.metrics.listen)
+                host, port = self.metrics.serve(cfg.metrics.listen, cfg.control.period_s)
                 log.info("metrics_listening", host=host, port=port)
             except OSError as exc:
                 # Metrics are for dashboards; a port clash must not take the node down.
