@@ -32,13 +32,13 @@ from gpushare import config as config_mod
 from gpushare.config import Config
 from gpushare.control.policy import Policy
 from gpushare.control.registry import make_policy
-from gpushare.daemon import launcher
+from gpushare.daemon import launcher, rights
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.api import Api
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.registry import Registry
-from gpushare.daemon.server import ApiServer
+from gpushare.daemon.server import ApiServer, server_limits
 from gpushare.daemon.state import NodeState, NoopPolicy
 from gpushare.inflight import SenderLimiter
 from gpushare.latency.app import AppLatency
@@ -152,6 +152,10 @@ class Daemon:
             mode=int(cfg.daemon.socket_mode, 8),
             group=cfg.daemon.socket_group,
             daemon_version=__version__,
+            limits=server_limits(cfg.daemon),
+            privileged=lambda c: rights.is_privileged(
+                c, self.state.config.daemon.admin_group, by_membership=False
+            ),
         )
         self.server.start()
         self._start_latency()
@@ -308,6 +312,11 @@ class Daemon:
             # The gates read their config at each event; the rate limit and the gauge period
             # are set at start.
             state.gate.config = new.gate
+            if self.server is not None:
+                # The socket's limits apply to the next connection; the pool keeps its size.
+                self.server.limits = replace(
+                    server_limits(new.daemon), api_workers=self.server.limits.api_workers
+                )
             if policy is not state.policy:
                 # A new policy starts from its own initial state; the duty it sends first applies.
                 state.policy = policy

@@ -1,0 +1,125 @@
+"""Who may do what through the API, and what one user sees of another user's clients.
+
+Rights: a client's owner, root and members of ``daemon.admin_group`` may act on it
+(:func:`may_administer`); root and the admin group also have a reserve of connections and workers
+on the API socket that other users cannot exhaust (:mod:`gpushare.daemon.server`).
+
+The view of another user's client (docs/security.md, "What other users see") is what ``ps``
+already shows that user and no more:
+
+- the command line (``argv``) is shown: ``ps`` shows every process's argv on Linux unless
+  ``/proc`` is mounted with ``hidepid``; where the host's ``/proc`` hides other users' processes
+  the argv of another user's client is hidden too;
+- the environment, the working directory and the ``--latency-from``/``--inflight-from`` URLs are
+  never in any view (the registry keeps them for the launch only);
+- text the daemon fetched from a client's own URL (a scrape error that quotes the endpoint's
+  answer, an HTTP reason phrase) is shown to the owner, root and the admin group only: to anyone
+  else the field says that it is hidden and from whom to ask.
+"""
+
+from __future__ import annotations
+
+import grp
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from gpushare.node.procs.users import user_in_group
+
+
+class Identity(Protocol):
+    """A caller as the kernel reported it (:class:`gpushare.daemon.server.Caller`)."""
+
+    @property
+    def uid(self) -> int:
+        """The caller's uid."""
+
+    @property
+    def gid(self) -> int:
+        """The caller's primary gid."""
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """The caller's supplementary gids (SO_PEERGROUPS)."""
+
+
+HIDDEN = "hidden: shown to its owner, root and the admin group only"
+"""What another user sees in place of text that came from a client's own endpoint."""
+
+OWNER_ONLY_EVENT_KINDS = frozenset(
+    {"latency_source_failed", "inflight_source_failed", "latency_scrape_failed"}
+)
+"""Event kinds whose message quotes what a client's own endpoint answered: their message is shown
+to the client's owner, root and the admin group only (the kind, time and ids stay visible)."""
+
+
+def admin_gid(admin_group: str) -> int | None:
+    """The gid of ``daemon.admin_group``; ``None`` when it is empty or does not exist."""
+    if not admin_group:
+        return None
+    try:
+        return grp.getgrnam(admin_group).gr_gid
+    except KeyError:
+        return None
+
+
+def is_privileged(caller: Identity, admin_group: str, *, by_membership: bool = True) -> bool:
+    """Root, or a member of ``admin_group`` (primary or supplementary group of the connection).
+
+    Args:
+        caller: the connection's identity.
+        admin_group: ``daemon.admin_group`` (empty: no admin group).
+        by_membership: also ask the group database whether the uid is a member (the connecting
+            process may have dropped the group). The accept path passes False: the kernel's
+            answer is enough there and costs no lookup per connection.
+    """
+    if caller.uid == 0:
+        return True
+    gid = admin_gid(admin_group)
+    if gid is None:
+        return False
+    if gid == caller.gid or gid in caller.groups:
+        return True
+    return by_membership and user_in_group(caller.uid, admin_group)
+
+
+def may_see_private(caller: Identity, owner_uid: int, admin_group: str) -> bool:
+    """Whether ``caller`` may see the owner-only parts of a client of ``owner_uid``."""
+    return caller.uid == owner_uid or is_privileged(caller, admin_group)
+
+
+def redact_client(view: dict[str, Any], *, url_sourced: bool, argv_hidden: bool) -> dict[str, Any]:
+    """Another user's view of a client's ``status``/``list`` entry (see the module docstring).
+
+    Args:
+        view: the full entry; a new dict is returned and ``view`` is left as it is.
+        url_sourced: the client's latency or gauge comes from a URL it gave: its ``reason`` texts
+            may quote what that endpoint answered.
+        argv_hidden: the host's ``/proc`` hides other users' command lines (``hidepid``).
+    """
+    out = dict(view)
+    latency = out.get("latency")
+    if url_sourced and isinstance(latency, Mapping) and latency.get("reason") is not None:
+        out["latency"] = {**latency, "reason": HIDDEN}
+    if argv_hidden:
+        out["argv"] = []
+    return out
+
+
+def redact_events(
+    events: Iterable[Mapping[str, Any]], may_see: Mapping[str, bool]
+) -> list[dict[str, Any]]:
+    """Events as a viewer sees them: owner-only messages of others' clients replaced.
+
+    Args:
+        events: the rows of ``events`` as the registry gives them.
+        may_see: for each client id the events name, whether the viewer may see its private
+            parts (:func:`may_see_private`); a client id not in it counts as another user's.
+    """
+    out = []
+    for e in events:
+        row = dict(e)
+        cid = row.get("client_id")
+        if row.get("kind") in OWNER_ONLY_EVENT_KINDS and cid is not None and not may_see.get(cid):
+            row["message"] = f"{row['kind']} for client {cid} ({HIDDEN})"
+        out.append(row)
+    return out
