@@ -21,7 +21,7 @@ import structlog
 
 from gpushare import __version__, mpsenv, pods, protocol
 from gpushare.control.promise import PlacedClient, may_promise, promised_bytes
-from gpushare.daemon import placement
+from gpushare.daemon import placement, rights
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
@@ -350,11 +350,13 @@ class Api:
 
     def adopt(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``adopt``: register a scheduler job whose processes become clients (see AdoptRequest)."""
-        return self._adoptions().register(caller.uid, params)
+        privileged = rights.is_privileged(caller, self.s.config.daemon.admin_group)
+        return self._adoptions().register(caller.uid, params, privileged=privileged)
 
     def release(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``release``: end a job's registration and its clients (thawed, not killed)."""
-        return self._adoptions().release(caller.uid, params)
+        privileged = rights.is_privileged(caller, self.s.config.daemon.admin_group)
+        return self._adoptions().release(caller.uid, params, privileged=privileged)
 
     def _adoptions(self) -> Adoptions:
         if self.adoptions is None:
