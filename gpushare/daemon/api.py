@@ -10,7 +10,6 @@ request gets a :class:`~gpushare.protocol.ProtocolError` that names the fix and 
 from __future__ import annotations
 
 import contextlib
-import grp
 import math
 import os
 import signal
@@ -32,9 +31,10 @@ from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.inflight import parse_inflight_from
 from gpushare.latency.prometheus import parse_latency_from
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
+from gpushare.node.procs import visibility
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.node.procs.identity import process_start_time
-from gpushare.node.procs.users import user_in_group, user_name
+from gpushare.node.procs.users import user_name
 from gpushare.units import format_size
 
 log = structlog.get_logger(__name__)
@@ -97,23 +97,28 @@ class Api:
     # ----------------------------------------------------------------------------- rights
 
     def _authorize(self, caller: Caller, rec: ClientRecord, what: str) -> None:
-        if caller.uid in (0, rec.uid):
-            return
         admin = self.s.config.daemon.admin_group
-        if admin:
-            try:
-                admin_gid = grp.getgrnam(admin).gr_gid
-            except KeyError:
-                admin_gid = None
-            if admin_gid is not None and (admin_gid == caller.gid or admin_gid in caller.groups):
-                return
-            if user_in_group(caller.uid, admin):
-                return
+        if caller.uid == rec.uid or rights.is_privileged(caller, admin):
+            return
         raise _fail(
             E.PERMISSION_DENIED,
             f"{user_name(caller.uid)} may not {what} {rec.id}, which belongs to "
             f"{rec.user}; only its owner, root or members of group {admin!r} may",
         )
+
+    def _viewer(self, caller: Caller) -> rights.Viewer:
+        admin = self.s.config.daemon.admin_group
+        return rights.Viewer(caller, admin, argv_hidden=visibility.hides_others())
+
+    @staticmethod
+    def _view(viewer: rights.Viewer, r: ClientRecord, view: dict[str, Any]) -> dict[str, Any]:
+        # Another user's client without what ps would not show them (gpushare/daemon/rights.py).
+        url_sourced = r.latency_from is not None or r.inflight_from is not None
+        return viewer.client(view, owner_uid=r.uid, url_sourced=url_sourced)
+
+    def _owner_uid(self, client_id: str) -> int | None:
+        rec = self.s.registry.find(client_id)
+        return rec.uid if rec is not None else None
 
     def _get(self, client_id: str) -> ClientRecord:
         rec = self.s.registry.find(client_id)
@@ -136,7 +141,11 @@ class Api:
                 r.state is S.QUEUED and req.gpu is None)]  # fmt: skip
             by_uuid = {x.uuid: x for x in samples}
             now = s.clock.time()
-            clients = [self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now) for r in recs]
+            viewer = self._viewer(caller)
+            clients = [
+                self._view(viewer, r, self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now))
+                for r in recs
+            ]
             gpus = [self._gpu_dict(x, recs) for x in samples]
             return {
                 "schema_version": protocol.STATUS_SCHEMA_VERSION,
@@ -307,8 +316,12 @@ class Api:
             by_uuid = {s.uuid: s for s in self.s.samples}
             now = self.s.clock.time()
             recs = self.s.registry.clients(include_final=req.all)
+            viewer = self._viewer(caller)
             return {
-                "clients": [self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now) for r in recs]
+                "clients": [
+                    self._view(viewer, r, self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now))
+                    for r in recs
+                ]
             }
 
     def events(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
@@ -317,7 +330,7 @@ class Api:
         if req.since_id < 0 or not 1 <= req.limit <= 10_000:
             raise _fail(E.INVALID_PARAMS, "since_id must be >= 0 and limit in 1..10000")
         events = self.s.registry.events(req.since_id, req.limit)
-        return {
+        out: dict[str, Any] = {
             "events": [
                 {
                     "id": e.id,
@@ -332,6 +345,8 @@ class Api:
             ],  # fmt: skip
             "last_id": events[-1].id if events else max(req.since_id, 0),
         }
+        out["events"] = self._viewer(caller).events(out["events"], self._owner_uid)
+        return out
 
     def cancel(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``cancel``: SIGTERM now, SIGKILL after ``daemon.cancel_grace``; a queued job just ends."""

@@ -20,7 +20,7 @@ already shows that user and no more:
 from __future__ import annotations
 
 import grp
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from gpushare.node.procs.users import user_in_group
@@ -82,9 +82,37 @@ def is_privileged(caller: Identity, admin_group: str, *, by_membership: bool = T
     return by_membership and user_in_group(caller.uid, admin_group)
 
 
-def may_see_private(caller: Identity, owner_uid: int, admin_group: str) -> bool:
-    """Whether ``caller`` may see the owner-only parts of a client of ``owner_uid``."""
-    return caller.uid == owner_uid or is_privileged(caller, admin_group)
+class Viewer:
+    """One request's caller, deciding what of each client it may see (rights decided once)."""
+
+    def __init__(self, caller: Identity, admin_group: str, *, argv_hidden: bool) -> None:
+        self.uid = caller.uid
+        self.privileged = is_privileged(caller, admin_group)
+        self.argv_hidden = argv_hidden
+
+    def may_see(self, owner_uid: int | None) -> bool:
+        """Whether the owner-only parts of a client of ``owner_uid`` are this caller's to see."""
+        return self.privileged or owner_uid == self.uid
+
+    def client(self, view: dict[str, Any], *, owner_uid: int, url_sourced: bool) -> dict[str, Any]:
+        """A client's entry as this caller may see it (:func:`redact_client` for others')."""
+        if self.may_see(owner_uid):
+            return view
+        return redact_client(view, url_sourced=url_sourced, argv_hidden=self.argv_hidden)
+
+    def events(
+        self, rows: list[dict[str, Any]], owner_of: Callable[[str], int | None]
+    ) -> list[dict[str, Any]]:
+        """``events`` rows as this caller may see them (:func:`redact_events`).
+
+        Args:
+            rows: the rows of the ``events`` answer.
+            owner_of: the uid of a client id (``None``: no such client); asked only for the
+                clients of owner-only events.
+        """
+        ids = {r.get("client_id") for r in rows if r.get("kind") in OWNER_ONLY_EVENT_KINDS}
+        may_see = {i: self.may_see(owner_of(i)) for i in ids if isinstance(i, str)}
+        return redact_events(rows, may_see)
 
 
 def redact_client(view: dict[str, Any], *, url_sourced: bool, argv_hidden: bool) -> dict[str, Any]:
