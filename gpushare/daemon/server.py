@@ -27,14 +27,14 @@ import contextlib
 import errno
 import grp
 import os
+import queue
 import selectors
 import socket
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -92,28 +92,23 @@ class ServerError(Exception):
     """The socket cannot be set up (another daemon holds it, bad group, bad directory)."""
 
 
+@dataclass(slots=True, eq=False)
 class _Conn:
-    """One connection's buffers and timers; touched by the I/O thread only."""
+    """One connection's buffers and timers; touched by the I/O thread only (so mutable)."""
 
-    __slots__ = (
-        "busy", "caller", "closed", "closing", "greeted", "inbuf",
-        "last_active", "mask", "outbuf", "partial_since", "privileged", "sock", "write_since",
-    )  # fmt: skip
-
-    def __init__(self, sock: socket.socket, caller: Caller, privileged: bool, now: float) -> None:
-        self.sock = sock
-        self.caller = caller
-        self.privileged = privileged
-        self.inbuf = bytearray()
-        self.outbuf = bytearray()
-        self.greeted = False
-        self.busy = False  # a request of it waits for or runs on a worker: reading stops
-        self.closing = False  # hang up once the answer is out
-        self.closed = False
-        self.mask = 0  # the selector events it is registered for
-        self.last_active = now
-        self.partial_since: float | None = None  # a request is started and not finished
-        self.write_since: float | None = None  # an answer waits for the client to read it
+    sock: socket.socket
+    caller: Caller
+    privileged: bool
+    last_active: float
+    inbuf: bytearray = field(default_factory=bytearray)
+    outbuf: bytearray = field(default_factory=bytearray)
+    greeted: bool = False
+    busy: bool = False  # a request of it waits for or runs on a worker: reading stops
+    closing: bool = False  # hang up once the answer is out
+    closed: bool = False
+    mask: int = 0  # the selector events it is registered for
+    partial_since: float | None = None  # a request is started and not finished
+    write_since: float | None = None  # an answer waits for the client to read it
 
 
 class _RateLimitedWarning:
@@ -163,7 +158,10 @@ class ApiServer:
         self._wake_r, self._wake_w = -1, -1
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        # Worker threads are daemon threads (not an executor's): a handler stuck at exit must
+        # not hold the process past SIGTERM.
+        self._jobs: queue.SimpleQueue[tuple[_Conn, bytes, bool] | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
         self._done: deque[tuple[_Conn, bytes, bool]] = deque()  # worker -> I/O thread
         # I/O thread state.
         self._conns: set[_Conn] = set()
@@ -177,8 +175,6 @@ class ApiServer:
         self._accept_failing_since: float | None = None
         self._accept_warning = _RateLimitedWarning("api_accept_failed")
         self._refused_warning = _RateLimitedWarning("api_connections_refused")
-        self.refused = 0
-        """Connections refused by a limit since start (tests and ``bench/abuse.py`` read it)."""
 
     # ----------------------------------------------------------------------------- set-up
 
@@ -222,7 +218,12 @@ class ApiServer:
         self._sel = selectors.DefaultSelector()
         self._sel.register(sock, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._pool = ThreadPoolExecutor(self.limits.api_workers, thread_name_prefix="api-worker")
+        self._workers = [
+            threading.Thread(target=self._worker, name=f"api-worker-{i}", daemon=True)
+            for i in range(self.limits.api_workers)
+        ]
+        for worker in self._workers:
+            worker.start()
         self._running.set()
         self._thread = threading.Thread(target=self._io_loop, name="api-io", daemon=True)
         self._thread.start()
@@ -250,8 +251,8 @@ class ApiServer:
         self._wake()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._workers:
+            self._jobs.put(None)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
@@ -383,7 +384,6 @@ class ApiServer:
         elif total >= lim.max_connections:
             why = f"too many connections (daemon.max_connections = {lim.max_connections}); retry"
         if why is not None:
-            self.refused += 1
             self._refused_warning.hit(time.monotonic(), uid=caller.uid, reason=why)
             reply = protocol.encode(protocol.error_response(None, protocol.ErrorCode.BUSY, why))
             with contextlib.suppress(OSError):
@@ -470,7 +470,6 @@ class ApiServer:
 
     def _pump(self) -> None:
         """Start waiting requests on free workers: one per uid in turn, within each uid's limit."""
-        assert self._pool is not None
         progress = True
         while progress:
             progress = False
@@ -484,10 +483,14 @@ class ApiServer:
                     self._inflight_uid[uid] += 1
                     if not conn.privileged:
                         self._inflight_unprivileged += 1
-                    self._pool.submit(self._work, conn, line, conn.greeted)
+                    self._jobs.put((conn, line, conn.greeted))
                     progress = True
                 if not queue:
                     del self._pending[uid]
+
+    def _worker(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._work(*job)
 
     def _work(self, conn: _Conn, line: bytes, greeted: bool) -> None:
         """On a worker: run one request and hand its encoded answer to the I/O thread."""

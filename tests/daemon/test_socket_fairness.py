@@ -39,13 +39,23 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 socks, failed = [], 0
 for _ in range(n):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5)
-    try:
-        s.connect(path)
-        socks.append(s)
-    except OSError:
-        failed += 1
-        s.close()
+    s.setblocking(False)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            s.connect(path)
+            socks.append(s)
+            break
+        except BlockingIOError:  # the listen backlog is full: wait for the daemon to accept
+            if time.monotonic() > deadline:
+                failed += 1
+                s.close()
+                break
+            time.sleep(0.001)
+        except OSError:
+            failed += 1
+            s.close()
+            break
 time.sleep(1.0)
 poller = select.poll()
 for s in socks:
