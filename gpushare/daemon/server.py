@@ -158,8 +158,7 @@ class ApiServer:
         self._wake_r, self._wake_w = -1, -1
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
-        # Worker threads are daemon threads (not an executor's): a handler stuck at exit must
-        # not hold the process past SIGTERM.
+        # Daemon threads, not an executor's: a handler stuck at exit must not outlive SIGTERM.
         self._jobs: queue.SimpleQueue[tuple[_Conn, bytes, bool] | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._done: deque[tuple[_Conn, bytes, bool]] = deque()  # worker -> I/O thread
@@ -167,8 +166,7 @@ class ApiServer:
         self._conns: set[_Conn] = set()
         self._per_uid: Counter[int] = Counter()
         self._inflight_uid: Counter[int] = Counter()
-        self._inflight = 0
-        self._inflight_unprivileged = 0
+        self._inflight = self._inflight_unprivileged = 0
         self._pending: dict[int, deque[tuple[_Conn, bytes]]] = {}
         self._accept_paused_until: float | None = None
         self._accept_backoff_s = _ACCEPT_BACKOFF_S[0]
@@ -419,8 +417,12 @@ class ApiServer:
         self._next_request(conn)
 
     def _next_request(self, conn: _Conn) -> None:
-        """Hand the next whole request of ``conn`` to the workers, if any; one at a time."""
-        while not conn.busy and not conn.closed:
+        """Hand the next whole request of ``conn`` to the workers, if any.
+
+        One at a time, and only once the last answer is out: a client that sends and never
+        reads stalls itself (and is dropped after ``request_timeout``), never the daemon's memory.
+        """
+        while not conn.busy and not conn.closed and not conn.outbuf:
             end = conn.inbuf.find(b"\n")
             if end < 0:
                 if len(conn.inbuf) > self._max_request_bytes:
@@ -521,9 +523,6 @@ class ApiServer:
             conn.greeted = greeted
             conn.last_active = time.monotonic()
             conn.outbuf += data
-            # The next pipelined request first: a client that sent several and then shut its
-            # side down gets every answer before the hang-up.
-            self._next_request(conn)
             self._flush(conn)
         self._pump()
 
@@ -542,19 +541,21 @@ class ApiServer:
         if conn.outbuf:
             if conn.write_since is None:
                 conn.write_since = time.monotonic()
-        else:
-            conn.write_since = None
-            if conn.closing and not conn.busy:
-                self._drop(conn)
-                return
-        self._set_interest(conn)
+            self._set_interest(conn)
+            return
+        conn.write_since = None
+        # The next pipelined request: a client that sent several and then shut its side down
+        # gets every answer before the hang-up.
+        self._next_request(conn)
+        if conn.closing and not conn.busy and not conn.outbuf:
+            self._drop(conn)
 
     def _set_interest(self, conn: _Conn) -> None:
         assert self._sel is not None
         if conn.closed:
             return
         mask = 0
-        if not conn.busy and not conn.closing:
+        if not conn.busy and not conn.closing and not conn.outbuf:
             mask |= selectors.EVENT_READ
         if conn.outbuf:
             mask |= selectors.EVENT_WRITE

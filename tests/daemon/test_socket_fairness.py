@@ -9,6 +9,7 @@ once and recovers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -147,6 +148,24 @@ def test_an_idle_connection_is_closed(daemon: DaemonProc) -> None:
         reply = json.loads(s.makefile("rb").readline())
         assert reply["result"]["api_version"] == protocol.API_VERSION
         assert _closed_by_daemon(s, within_s=4.0), "an idle connection was kept past idle_timeout"
+
+
+def test_a_client_that_never_reads_its_answers_is_dropped(daemon: DaemonProc) -> None:
+    sent = 3000  # ~6 MB of status answers: far more than the socket buffers hold
+    with _connect(daemon.socket) as s:
+        s.sendall(
+            b'{"id":0,"method":"hello","params":{"api_version":1}}\n'
+            + b'{"id":1,"method":"status","params":{}}\n' * sent
+        )
+        time.sleep(3.0)  # request_timeout is 1 s: the daemon gives up on the stalled reader
+        assert daemon.call("status")["daemon"]["ready"] is True  # others are served meanwhile
+        s.settimeout(5)
+        got = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(1 << 20):
+                got += chunk
+    answered = got.count(b"\n")
+    assert answered < sent, "the daemon kept answering a client that did not read"
 
 
 # ------------------------------------------------------------------------------ in-flight limits
