@@ -34,7 +34,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -76,16 +76,8 @@ class Limits:
 
 def server_limits(cfg: DaemonConfig) -> Limits:
     """The socket's limits as the ``[daemon]`` table sets them."""
-    return Limits(
-        max_connections=cfg.max_connections,
-        admin_reserve_connections=cfg.admin_reserve_connections,
-        max_connections_per_uid=cfg.max_connections_per_uid,
-        api_workers=cfg.api_workers,
-        admin_reserve_workers=cfg.admin_reserve_workers,
-        max_inflight_per_uid=cfg.max_inflight_per_uid,
-        idle_timeout_s=cfg.idle_timeout_s,
-        request_timeout_s=cfg.request_timeout_s,
-    )
+    # The fields are named as the config's keys; a new limit is a field in both.
+    return Limits(**{f.name: getattr(cfg, f.name) for f in fields(Limits)})
 
 
 class ServerError(Exception):
@@ -266,7 +258,12 @@ class ApiServer:
                 if self._accept_paused_until is not None:
                     timeout = min(timeout, max(0.0, self._accept_paused_until - now))
                 for key, mask in self._sel.select(timeout):
-                    self._on_event(key, mask)
+                    try:
+                        self._on_event(key, mask)
+                    except Exception as exc:  # noqa: BLE001 - one connection's bug, not all's
+                        log.error("api_event_failed", error=type(exc).__name__)  # noqa: TRY400
+                        if isinstance(key.data, _Conn):
+                            self._drop(key.data)
                 self._finish_done()
                 now = time.monotonic()
                 if self._accept_paused_until is not None and now >= self._accept_paused_until:

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from gpushare import protocol
-from gpushare.daemon.server import ApiServer, Caller, Limits
+from gpushare import config, protocol
+from gpushare.daemon.server import ApiServer, Caller, Limits, server_limits
 from tests.support.accounts import Account
 from tests.support.daemon_helpers import DaemonProc, call_as, python_for_others, wait_for
 
@@ -282,3 +282,25 @@ def _status_or_none(daemon: DaemonProc) -> dict[str, Any] | None:
             return result
     except Exception:
         return None
+
+
+@pytest.mark.parametrize(
+    ("lines", "key"),
+    [
+        ("api_workers = 4\nadmin_reserve_workers = 4", "daemon.admin_reserve_workers"),
+        ("max_connections_per_uid = 0", "daemon.max_connections_per_uid"),
+        ("max_inflight_per_uid = 0", "daemon.max_inflight_per_uid"),
+        ('idle_timeout = "0s"', "daemon.idle_timeout"),
+        ('request_timeout = "-1s"', "daemon.request_timeout"),
+    ],
+)
+def test_socket_limits_are_validated(lines: str, key: str) -> None:
+    with pytest.raises(config.ConfigError) as caught:
+        config.loads(f"version = 1\n[daemon]\n{lines}\n")
+    assert caught.value.key == key
+
+
+def test_socket_limits_come_from_the_config() -> None:
+    cfg = config.loads('version = 1\n[daemon]\nmax_connections_per_uid = 7\nidle_timeout = "5s"\n')
+    limits = server_limits(cfg.daemon)
+    assert (limits.max_connections_per_uid, limits.idle_timeout_s) == (7, 5.0)
