@@ -1,7 +1,7 @@
 """Who may do what through the API, and what one user sees of another user's clients.
 
 Rights: a client's owner, root and members of ``daemon.admin_group`` may act on it
-(:func:`may_administer`); root and the admin group also have a reserve of connections and workers
+(:func:`is_privileged`); root and the admin group also have a reserve of connections and workers
 on the API socket that other users cannot exhaust (:mod:`gpushare.daemon.server`).
 
 The view of another user's client (docs/security.md, "What other users see") is what ``ps``
@@ -14,7 +14,10 @@ already shows that user and no more:
   never in any view (the registry keeps them for the launch only);
 - text the daemon fetched from a client's own URL (a scrape error that quotes the endpoint's
   answer, an HTTP reason phrase) is shown to the owner, root and the admin group only: to anyone
-  else the field says that it is hidden and from whom to ask.
+  else the ``latency.reason`` of a client with a ``--latency-from``/``--inflight-from`` URL says
+  that it is hidden, and every field named ``*_owner_only`` is ``null``;
+- the rest (state, limits, GPU, user, pid, times, log path, the daemon's own reasons) is shown
+  to every user, as the design's "everyone may read status" (docs/design.md D7) wants.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ class Identity(Protocol):
 
 HIDDEN = "hidden: shown to its owner, root and the admin group only"
 """What another user sees in place of text that came from a client's own endpoint."""
+
+OWNER_ONLY_SUFFIX = "_owner_only"
+"""A field of a client's entry named with this suffix is shown to its owner, root and the admin
+group only (others see ``null``); a poller that keeps a detail quoting its URL's answer uses it."""
 
 OWNER_ONLY_EVENT_KINDS = frozenset(
     {"latency_source_failed", "inflight_source_failed", "latency_scrape_failed"}
@@ -124,12 +131,29 @@ def redact_client(view: dict[str, Any], *, url_sourced: bool, argv_hidden: bool)
             may quote what that endpoint answered.
         argv_hidden: the host's ``/proc`` hides other users' command lines (``hidepid``).
     """
-    out = dict(view)
+    out = _without_owner_only(view)
     latency = out.get("latency")
     if url_sourced and isinstance(latency, Mapping) and latency.get("reason") is not None:
         out["latency"] = {**latency, "reason": HIDDEN}
     if argv_hidden:
         out["argv"] = []
+    return out
+
+
+def _without_owner_only(view: Mapping[str, Any]) -> dict[str, Any]:
+    """``view`` with every field named ``*_owner_only`` (at any depth) set to ``None``.
+
+    The convention for the pollers' details: a field whose name ends in ``_owner_only`` may hold
+    text fetched from the client's own URL, and only its owner, root and the admin group see it.
+    """
+    out: dict[str, Any] = {}
+    for key, value in view.items():
+        if key.endswith(OWNER_ONLY_SUFFIX):
+            out[key] = None
+        elif isinstance(value, Mapping):
+            out[key] = _without_owner_only(value)
+        else:
+            out[key] = value
     return out
 
 
@@ -141,7 +165,7 @@ def redact_events(
     Args:
         events: the rows of ``events`` as the registry gives them.
         may_see: for each client id the events name, whether the viewer may see its private
-            parts (:func:`may_see_private`); a client id not in it counts as another user's.
+            parts (:meth:`Viewer.may_see`); a client id not in it counts as another user's.
     """
     out = []
     for e in events:

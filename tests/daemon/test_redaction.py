@@ -107,6 +107,22 @@ def test_owner_only_events_are_redacted_for_others() -> None:
     assert out[2]["message"] == "c1 exited"
 
 
+def test_owner_only_fields_are_nulled_for_others_at_any_depth() -> None:
+    entry = {
+        "id": "c1", "argv": ["serve"],
+        "latency": {"reason": "scrape failed", "error_detail_owner_only": ENDPOINT_SECRET},
+    }  # fmt: skip
+    other = rights.Viewer(_Id(uid=1000), "", argv_hidden=False)
+    seen = other.client(entry, owner_uid=2000, url_sourced=True)
+    assert seen["latency"] == {"reason": rights.HIDDEN, "error_detail_owner_only": None}
+    assert seen["argv"] == ["serve"]
+    assert other.client(entry, owner_uid=1000, url_sourced=True) == entry  # its owner
+    root = rights.Viewer(_Id(uid=0), "", argv_hidden=True)
+    assert root.client(entry, owner_uid=2000, url_sourced=True) == entry
+    hidden = rights.Viewer(_Id(uid=1000), "", argv_hidden=True)
+    assert hidden.client(entry, owner_uid=2000, url_sourced=False)["argv"] == []
+
+
 class _Id:
     def __init__(self, uid: int) -> None:
         self.uid = uid
