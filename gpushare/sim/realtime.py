@@ -159,7 +159,6 @@ class RealTimeSimNode:
         #: client, ``at_s`` on ``clock``: what the service would report with
         #: ``gpushare.client.report_latency`` (the daemon's simulated mode records it directly).
         self.on_latency: Callable[[str, float, float], None] | None = None
-        self._reported: dict[str, int] = {}
         #: Request boundaries of the simulated online clients on their way to the daemon
         #: (:meth:`start_boundaries`): ``(client_id, pid, requests in flight, at_s on clock)``.
         self._boundaries: queue.SimpleQueue[tuple[str, int, int, float] | None] | None = None
@@ -206,13 +205,15 @@ class RealTimeSimNode:
         """Run the simulation up to the wall clock."""
         with self.lock:
             self.node.loop.run_until(max(self.node.loop.now, self._clock() - self._t0))
-            if self.on_latency is not None:
-                for server in self.node.online:
-                    done = server.completed
-                    start = self._reported.get(server.cid, 0)
-                    for arrival, latency in done[start:]:
+            for server in self.node.online:
+                if self.on_latency is not None:
+                    for arrival, latency in server.completed:
                         self.on_latency(server.cid, latency, self._t0 + arrival + latency)
-                    self._reported[server.cid] = len(done)
+                # Once reported, a request is the daemon's to keep (in its own windows): a node
+                # that runs for days keeps none (the virtual-time runner reads them at the end).
+                server.completed.clear()
+                server.served.clear()
+            self.node.forget_history()
 
     def add_client(
         self,
@@ -330,7 +331,6 @@ class RealTimeSimNode:
                     self.node.offline.remove(c)
                 elif isinstance(c, OnlineServer):
                     self.node.online.remove(c)
-                    self._reported.pop(client_id, None)
 
     # --- the node Protocols, advanced to the wall clock on every call ----------------------------
 
