@@ -115,13 +115,6 @@ class DaemonConfig:
     socket_group: str = ""
     admin_group: str = "gpushare"
     max_request_bytes: int = _size(1 << 20, minimum=1024)
-    stop_mps_on_exit: bool = False
-    cancel_grace_s: float = _duration(10.0)
-    # Adoption ([[adopt]] rules, scheduler jobs): how often the host's processes are scanned, and
-    # how old a process must be before it is decided (bench/adopt_scan.py: a first look at a
-    # process reads it in full, later scans its stat alone: gpushare/daemon/factcache.py).
-    adopt_scan_period_s: float = _duration(2.0, above=True)
-    adopt_min_age_s: float = _duration(1.0)
     # Fair use of the API socket (gpushare/daemon/server.py, docs/security.md): per-uid limits,
     # reserves for root and the admin group, and timeouts for idle and stalled connections.
     max_connections: int = _num(1024, minimum=1, maximum=1_000_000)
@@ -132,6 +125,13 @@ class DaemonConfig:
     max_inflight_per_uid: int = _num(4, minimum=1, maximum=256)
     idle_timeout_s: float = _duration(600.0, above=True)
     request_timeout_s: float = _duration(10.0, above=True)
+    stop_mps_on_exit: bool = False
+    cancel_grace_s: float = _duration(10.0)
+    # Adoption ([[adopt]] rules, scheduler jobs): how often the host's processes are scanned, and
+    # how old a process must be before it is decided (bench/adopt_scan.py: a first look at a
+    # process reads it in full, later scans its stat alone: gpushare/daemon/factcache.py).
+    adopt_scan_period_s: float = _duration(2.0, above=True)
+    adopt_min_age_s: float = _duration(1.0)
 
 
 @dataclass(frozen=True, slots=True)
