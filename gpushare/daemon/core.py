@@ -32,12 +32,13 @@ from gpushare import config as config_mod
 from gpushare.config import Config
 from gpushare.control.policy import Policy
 from gpushare.control.registry import make_policy
-from gpushare.daemon import launcher, rights
+from gpushare.daemon import launcher
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.api import Api
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.registry import Registry
+from gpushare.daemon.rights import is_privileged
 from gpushare.daemon.server import ApiServer, server_limits
 from gpushare.daemon.state import NodeState, NoopPolicy
 from gpushare.inflight import SenderLimiter
@@ -153,7 +154,7 @@ class Daemon:
             group=cfg.daemon.socket_group,
             daemon_version=__version__,
             limits=server_limits(cfg.daemon),
-            privileged=lambda c: rights.is_privileged(
+            privileged=lambda c: is_privileged(
                 c, self.state.config.daemon.admin_group, by_membership=False
             ),
         )
@@ -313,10 +314,7 @@ class Daemon:
             # are set at start.
             state.gate.config = new.gate
             if self.server is not None:
-                # The socket's limits apply to the next connection; the pool keeps its size.
-                self.server.limits = replace(
-                    server_limits(new.daemon), api_workers=self.server.limits.api_workers
-                )
+                self.server.set_limits(server_limits(new.daemon))
             if policy is not state.policy:
                 # A new policy starts from its own initial state; the duty it sends first applies.
                 state.policy = policy

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +245,10 @@ class ApiServer:
             self._jobs.put(None)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+    def set_limits(self, limits: Limits) -> None:
+        """New limits (a reload): for the next connection and request; the pool keeps its size."""
+        self.limits = replace(limits, api_workers=self.limits.api_workers)
 
     # ----------------------------------------------------------------------------- I/O thread
 

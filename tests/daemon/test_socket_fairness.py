@@ -14,6 +14,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -304,3 +305,24 @@ def test_socket_limits_come_from_the_config() -> None:
     cfg = config.loads('version = 1\n[daemon]\nmax_connections_per_uid = 7\nidle_timeout = "5s"\n')
     limits = server_limits(cfg.daemon)
     assert (limits.max_connections_per_uid, limits.idle_timeout_s) == (7, 5.0)
+
+
+def test_a_reload_applies_the_per_uid_limit(accounts: tuple[Account, Account, Account]) -> None:
+    a, _, _ = accounts
+    d = DaemonProc().start()  # the default idle timeout: the holder's connections stay open
+    try:
+        d.config_path.write_text(
+            d.config_text().replace("[daemon]\n", "[daemon]\nmax_connections_per_uid = 3\n")
+        )
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: any(e["kind"] == "config_reloaded" for e in d.events()), what="reload")
+        holder = _hold(a, d.socket, 10)
+        try:
+            assert holder.stdout is not None
+            counts = json.loads(holder.stdout.readline())
+            assert counts["connected"] - counts["refused"] == 3, counts
+        finally:
+            holder.communicate(timeout=30)
+    finally:
+        d.cleanup()
