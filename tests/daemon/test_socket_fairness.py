@@ -255,6 +255,35 @@ def test_one_uid_cannot_hold_every_worker(
         server.close()
 
 
+def test_past_max_connections_only_root_and_the_admin_group_get_in(
+    open_dir: Path, accounts: tuple[Account, Account, Account]
+) -> None:
+    a, b, _ = accounts
+    path = open_dir / "api.sock"
+    server = ApiServer(
+        path, {"fast": lambda c, p: {"uid": c.uid}}, max_request_bytes=4096,
+        limits=Limits(max_connections=4, admin_reserve_connections=2, max_connections_per_uid=10),
+        privileged=lambda c: c.uid == b.uid,  # b stands for the admin group here
+    )  # fmt: skip
+    server.start()
+    held = []
+    try:
+        for _ in range(4):  # this process's uid is an ordinary one for this server
+            s = _connect(path)
+            s.sendall(b'{"id":0,"method":"hello","params":{"api_version":1}}\n')
+            assert "result" in json.loads(s.makefile("rb").readline())
+            held.append(s)
+        holder = _hold(a, path, 1)  # an ordinary user: refused with an answer, at once
+        assert holder.stdout is not None
+        assert json.loads(holder.stdout.readline())["refused"] == 1
+        holder.communicate(timeout=30)
+        assert call_as(b.uid, b.gid, path, "fast", {})["result"] == {"uid": b.uid}
+    finally:
+        for s in held:
+            s.close()
+        server.close()
+
+
 # ------------------------------------------------------------------------------ EMFILE
 
 
