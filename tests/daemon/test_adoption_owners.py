@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -156,3 +158,25 @@ def test_setuid_processes_are_adopted_by_roots_rules_only(
         for p in started:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)
+
+
+def test_a_setuid_executable_counts_even_when_its_uids_agree(
+    accounts: tuple[Account, Account, Account], started: list[subprocess.Popen[bytes]]
+) -> None:
+    a = accounts[0]
+    d = Path(tempfile.mkdtemp(prefix="gs-suid-", dir="/tmp"))
+    try:
+        d.chmod(0o755)
+        exe = d / "sleep"
+        shutil.copy2(shutil.which("sleep") or "/bin/sleep", exe)
+        os.chown(exe, a.uid, a.gid)
+        exe.chmod(0o4755)  # setuid to its own owner: run by that owner, every uid is the same
+        proc = subprocess.Popen(
+            [str(exe), "60"], cwd="/", user=a.uid, group=a.gid, extra_groups=[]
+        )  # fmt: skip
+        started.append(proc)
+        wait_for(lambda: Path(f"/proc/{proc.pid}/cmdline").read_bytes().endswith(b"60\x00"), 5)
+        assert f"\t{a.uid}\t{a.uid}\t{a.uid}\t{a.uid}" in _status_uid_line(proc.pid)
+        assert runs_setuid(proc.pid)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
