@@ -10,6 +10,7 @@ request gets a :class:`~gpushare.protocol.ProtocolError` that names the fix and 
 from __future__ import annotations
 
 import contextlib
+import grp
 import math
 import os
 import signal
@@ -34,7 +35,7 @@ from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
 from gpushare.node.procs import visibility
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.node.procs.identity import process_start_time
-from gpushare.node.procs.users import user_name
+from gpushare.node.procs.users import user_in_group, user_name
 from gpushare.units import format_size
 
 log = structlog.get_logger(__name__)
@@ -83,9 +84,10 @@ class Api:
     def methods(self) -> dict[str, Handler]:
         """The explicit dispatch table of the API (``hello`` is answered by the server)."""
         return {
-            protocol.STATUS: self.status,
-            protocol.LIST: self.list,
-            protocol.EVENTS: self.events,
+            # What others may not see of a client is taken out of every answer that shows one.
+            protocol.STATUS: self._as_seen(self.status),
+            protocol.LIST: self._as_seen(self.list),
+            protocol.EVENTS: self._as_seen(self.events),
             protocol.SUBMIT: self.submit,
             protocol.CANCEL: self.cancel,
             protocol.PAUSE: self.pause,
@@ -97,28 +99,23 @@ class Api:
     # ----------------------------------------------------------------------------- rights
 
     def _authorize(self, caller: Caller, rec: ClientRecord, what: str) -> None:
-        admin = self.s.config.daemon.admin_group
-        if caller.uid == rec.uid or rights.is_privileged(caller, admin):
+        if caller.uid in (0, rec.uid):
             return
+        admin = self.s.config.daemon.admin_group
+        if admin:
+            try:
+                admin_gid = grp.getgrnam(admin).gr_gid
+            except KeyError:
+                admin_gid = None
+            if admin_gid is not None and (admin_gid == caller.gid or admin_gid in caller.groups):
+                return
+            if user_in_group(caller.uid, admin):
+                return
         raise _fail(
             E.PERMISSION_DENIED,
             f"{user_name(caller.uid)} may not {what} {rec.id}, which belongs to "
             f"{rec.user}; only its owner, root or members of group {admin!r} may",
         )
-
-    def _viewer(self, caller: Caller) -> rights.Viewer:
-        admin = self.s.config.daemon.admin_group
-        return rights.Viewer(caller, admin, argv_hidden=visibility.hides_others())
-
-    @staticmethod
-    def _view(viewer: rights.Viewer, r: ClientRecord, view: dict[str, Any]) -> dict[str, Any]:
-        # Another user's client without what ps would not show them (gpushare/daemon/rights.py).
-        url_sourced = r.latency_from is not None or r.inflight_from is not None
-        return viewer.client(view, owner_uid=r.uid, url_sourced=url_sourced)
-
-    def _owner_uid(self, client_id: str) -> int | None:
-        rec = self.s.registry.find(client_id)
-        return rec.uid if rec is not None else None
 
     def _get(self, client_id: str) -> ClientRecord:
         rec = self.s.registry.find(client_id)
@@ -141,11 +138,7 @@ class Api:
                 r.state is S.QUEUED and req.gpu is None)]  # fmt: skip
             by_uuid = {x.uuid: x for x in samples}
             now = s.clock.time()
-            viewer = self._viewer(caller)
-            clients = [
-                self._view(viewer, r, self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now))
-                for r in recs
-            ]
+            clients = [self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now) for r in recs]
             gpus = [self._gpu_dict(x, recs) for x in samples]
             return {
                 "schema_version": protocol.STATUS_SCHEMA_VERSION,
@@ -316,12 +309,8 @@ class Api:
             by_uuid = {s.uuid: s for s in self.s.samples}
             now = self.s.clock.time()
             recs = self.s.registry.clients(include_final=req.all)
-            viewer = self._viewer(caller)
             return {
-                "clients": [
-                    self._view(viewer, r, self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now))
-                    for r in recs
-                ]
+                "clients": [self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now) for r in recs]
             }
 
     def events(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
@@ -330,7 +319,7 @@ class Api:
         if req.since_id < 0 or not 1 <= req.limit <= 10_000:
             raise _fail(E.INVALID_PARAMS, "since_id must be >= 0 and limit in 1..10000")
         events = self.s.registry.events(req.since_id, req.limit)
-        out: dict[str, Any] = {
+        return {
             "events": [
                 {
                     "id": e.id,
@@ -345,8 +334,6 @@ class Api:
             ],  # fmt: skip
             "last_id": events[-1].id if events else max(req.since_id, 0),
         }
-        out["events"] = self._viewer(caller).events(out["events"], self._owner_uid)
-        return out
 
     def cancel(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``cancel``: SIGTERM now, SIGKILL after ``daemon.cancel_grace``; a queued job just ends."""
@@ -372,6 +359,31 @@ class Api:
         """``release``: end a job's registration and its clients (thawed, not killed)."""
         privileged = rights.is_privileged(caller, self.s.config.daemon.admin_group)
         return self._adoptions().release(caller.uid, params, privileged=privileged)
+
+    def _as_seen(self, handler: Handler) -> Handler:
+        """``handler`` with its ``clients`` and ``events`` as the caller may see them."""
+
+        def seen(caller: Caller, params: dict[str, Any]) -> Any:
+            result = handler(caller, params)
+            viewer = rights.Viewer(
+                caller, self.s.config.daemon.admin_group, argv_hidden=visibility.hides_others()
+            )
+            if isinstance(result.get("clients"), list):
+                result["clients"] = viewer.clients(result["clients"], self._url_sourced)
+            if isinstance(result.get("events"), list):
+                result["events"] = viewer.events(result["events"], self._owner_uid)
+            return result
+
+        return seen
+
+    def _url_sourced(self, client_id: str) -> bool:
+        # Its latency or gauge comes from a URL it gave: its reasons may quote that URL's answer.
+        rec = self.s.registry.find(client_id)
+        return rec is None or rec.latency_from is not None or rec.inflight_from is not None
+
+    def _owner_uid(self, client_id: str) -> int | None:
+        rec = self.s.registry.find(client_id)
+        return rec.uid if rec is not None else None
 
     def _adoptions(self) -> Adoptions:
         if self.adoptions is None:

@@ -107,6 +107,25 @@ class Viewer:
             return view
         return redact_client(view, url_sourced=url_sourced, argv_hidden=self.argv_hidden)
 
+    def clients(
+        self, entries: list[dict[str, Any]], url_sourced: Callable[[str], bool]
+    ) -> list[dict[str, Any]]:
+        """``status``/``list`` entries as this caller may see them (owner from each ``uid``).
+
+        Args:
+            entries: the clients of the answer, each with its ``id`` and ``uid``.
+            url_sourced: whether a client id's latency or gauge comes from a URL it gave; asked
+                only for other users' clients.
+        """
+        return [
+            e
+            if self.may_see(e.get("uid"))
+            else redact_client(
+                e, url_sourced=url_sourced(str(e.get("id"))), argv_hidden=self.argv_hidden
+            )
+            for e in entries
+        ]
+
     def events(
         self, rows: list[dict[str, Any]], owner_of: Callable[[str], int | None]
     ) -> list[dict[str, Any]]:
