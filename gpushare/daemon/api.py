@@ -21,21 +21,22 @@ import structlog
 
 from gpushare import __version__, mpsenv, pods, protocol
 from gpushare.control.promise import PlacedClient, may_promise, promised_bytes
-from gpushare.daemon import placement, rights
+from gpushare.daemon import placement
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.opstats import gate_status, latency_status
 from gpushare.daemon.registry import ClientRecord
+from gpushare.daemon.rights import Viewer, is_privileged
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.inflight import parse_inflight_from
 from gpushare.latency.prometheus import parse_latency_from
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
-from gpushare.node.procs import visibility
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.node.procs.identity import process_start_time
 from gpushare.node.procs.users import user_in_group, user_name
+from gpushare.node.procs.visibility import hides_others
 from gpushare.units import format_size
 
 log = structlog.get_logger(__name__)
@@ -352,12 +353,12 @@ class Api:
 
     def adopt(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``adopt``: register a scheduler job whose processes become clients (see AdoptRequest)."""
-        privileged = rights.is_privileged(caller, self.s.config.daemon.admin_group)
+        privileged = is_privileged(caller, self.s.config.daemon.admin_group)
         return self._adoptions().register(caller.uid, params, privileged=privileged)
 
     def release(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``release``: end a job's registration and its clients (thawed, not killed)."""
-        privileged = rights.is_privileged(caller, self.s.config.daemon.admin_group)
+        privileged = is_privileged(caller, self.s.config.daemon.admin_group)
         return self._adoptions().release(caller.uid, params, privileged=privileged)
 
     def _as_seen(self, handler: Handler) -> Handler:
@@ -365,9 +366,7 @@ class Api:
 
         def seen(caller: Caller, params: dict[str, Any]) -> Any:
             result = handler(caller, params)
-            viewer = rights.Viewer(
-                caller, self.s.config.daemon.admin_group, argv_hidden=visibility.hides_others()
-            )
+            viewer = Viewer(caller, self.s.config.daemon.admin_group, argv_hidden=hides_others())
             if isinstance(result.get("clients"), list):
                 result["clients"] = viewer.clients(result["clients"], self._url_sourced)
             if isinstance(result.get("events"), list):
