@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpushare import config
 
@@ -286,3 +286,34 @@ def directory_facts(path: Path) -> DirFacts:
 def python_version() -> tuple[int, int, int]:
     """The running interpreter's version (shared by the real host)."""
     return sys.version_info[0], sys.version_info[1], sys.version_info[2]
+
+
+def daemon_threads_check(daemon: Mapping[str, Any] | None) -> CheckResult | None:
+    """The running daemon's receiver and poller threads (``status``'s ``daemon.threads``).
+
+    FAIL when one is not alive (request gating or app latency is off on the node), WARN when one
+    has been restarted (a bug some input reaches: the daemon's log has the traceback). ``None``
+    when no daemon answered, or it is too old to say.
+    """
+    if daemon is None or not isinstance(daemon.get("threads"), list):
+        return None
+    threads = [t for t in daemon["threads"] if isinstance(t, dict)]
+    dead = [str(t.get("name")) for t in threads if not t.get("alive")]
+    restarts = int(daemon.get("thread_restarts") or 0)
+    if dead:
+        return CheckResult(
+            "daemon threads",
+            Status.FAIL,
+            f"not running: {', '.join(dead)}",
+            "restart gpushare (systemctl restart gpushare) and report the traceback in its log",
+        )
+    if restarts:
+        failed = sorted({str(t.get("last_error")) for t in threads if t.get("restarts")})
+        return CheckResult(
+            "daemon threads",
+            Status.WARN,
+            f"{len(threads)} running; {restarts} restart(s) after a failure"
+            + (f" ({', '.join(failed)})" if failed else ""),
+            "the daemon's log has each traceback (journalctl -u gpushare -g thread_died)",
+        )
+    return CheckResult("daemon threads", Status.OK, f"{len(threads)} running, none restarted")

@@ -11,7 +11,7 @@ import logging
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import structlog
 import typer
@@ -21,12 +21,14 @@ from gpushare.cli.doctor import (
     DirFacts,
     Probe,
     Status,
+    daemon_threads_check,
     directory_facts,
     load_config_for_doctor,
     python_version,
     render,
     run_checks,
 )
+from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
 from gpushare.node import mps, nvml_diag, probe
 from gpushare.node.cgroups.choice import freezer_check
 
@@ -95,11 +97,24 @@ def doctor(
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     cfg, config_line = load_config_for_doctor(config_path or paths.default_config_file())
     results = run_checks(RealHost(cfg), cfg, config_line)
+    threads = daemon_threads_check(_daemon_status(cfg))
+    if threads is not None:
+        results.append(threads)
     if as_json:
         typer.echo(json.dumps([{**asdict(r), "status": r.status.value} for r in results], indent=2))
     else:
         typer.echo(render(results))
     raise typer.Exit(code=1 if any(r.status is Status.FAIL for r in results) else 0)
+
+
+def _daemon_status(cfg: config.Config) -> dict[str, Any] | None:
+    """The running daemon's ``status.daemon``; ``None`` when none answers within a second."""
+    try:
+        with ApiClient.connect(cfg.paths.resolved("socket"), timeout_s=1.0, name="doctor") as api:
+            found = api.call("status", {}).get("daemon")
+    except (OSError, DaemonUnreachableError, ApiError, AttributeError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def register(app: typer.Typer) -> None:

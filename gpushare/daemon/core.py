@@ -215,6 +215,7 @@ class Daemon:
             reject=gate.rejections.reject,
             thread_nice=GATE_THREAD_NICE,
             thread_realtime=state.config.gate.realtime_threads,
+            threads=state.threads,
         )
         gate.start(thread_nice=GATE_THREAD_NICE, thread_realtime=state.config.gate.realtime_threads)
         state.gauges.start()
@@ -227,6 +228,7 @@ class Daemon:
             )
             return
         self._latency_rx = rx
+        state.datagram_drops = lambda: dict(rx.drops)
         self.state.latency.start()
 
     def request_stop(self) -> None:
