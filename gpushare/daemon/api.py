@@ -27,7 +27,7 @@ from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.opstats import gate_status, latency_status
 from gpushare.daemon.registry import ClientRecord
-from gpushare.daemon.rights import Viewer, is_privileged
+from gpushare.daemon.rights import as_seen, is_privileged
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.daemon.threads import threads_status
@@ -35,7 +35,6 @@ from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.node.procs.identity import process_start_time
 from gpushare.node.procs.users import user_in_group, user_name
-from gpushare.node.procs.visibility import hides_others
 from gpushare.units import format_size
 
 log = structlog.get_logger(__name__)
@@ -83,11 +82,15 @@ class Api:
 
     def methods(self) -> dict[str, Handler]:
         """The explicit dispatch table of the API (``hello`` is answered by the server)."""
-        return {
+
+        def seen(handler: Handler) -> Handler:
             # What others may not see of a client is taken out of every answer that shows one.
-            protocol.STATUS: self._as_seen(self.status),
-            protocol.LIST: self._as_seen(self.list),
-            protocol.EVENTS: self._as_seen(self.events),
+            return as_seen(handler, lambda: self.s.config.daemon.admin_group, self.s.registry)
+
+        return {
+            protocol.STATUS: seen(self.status),
+            protocol.LIST: seen(self.list),
+            protocol.EVENTS: seen(self.events),
             protocol.SUBMIT: self.submit,
             protocol.CANCEL: self.cancel,
             protocol.PAUSE: self.pause,
@@ -360,29 +363,6 @@ class Api:
         """``release``: end a job's registration and its clients (thawed, not killed)."""
         privileged = is_privileged(caller, self.s.config.daemon.admin_group)
         return self._adoptions().release(caller.uid, params, privileged=privileged)
-
-    def _as_seen(self, handler: Handler) -> Handler:
-        """``handler`` with its ``clients`` and ``events`` as the caller may see them."""
-
-        def seen(caller: Caller, params: dict[str, Any]) -> Any:
-            result = handler(caller, params)
-            viewer = Viewer(caller, self.s.config.daemon.admin_group, argv_hidden=hides_others())
-            if isinstance(result.get("clients"), list):
-                result["clients"] = viewer.clients(result["clients"], self._url_sourced)
-            if isinstance(result.get("events"), list):
-                result["events"] = viewer.events(result["events"], self._owner_uid)
-            return result
-
-        return seen
-
-    def _url_sourced(self, client_id: str) -> bool:
-        # Its latency or gauge comes from a URL it gave: its reasons may quote that URL's answer.
-        rec = self.s.registry.find(client_id)
-        return rec is None or rec.latency_from is not None or rec.inflight_from is not None
-
-    def _owner_uid(self, client_id: str) -> int | None:
-        rec = self.s.registry.find(client_id)
-        return rec.uid if rec is not None else None
 
     def _adoptions(self) -> Adoptions:
         if self.adoptions is None:

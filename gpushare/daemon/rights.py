@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import grp
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gpushare.node.procs.users import user_in_group
+from gpushare.node.procs.visibility import hides_others
 
 
 class Identity(Protocol):
@@ -43,6 +44,32 @@ class Identity(Protocol):
     @property
     def groups(self) -> tuple[int, ...]:
         """The caller's supplementary gids (SO_PEERGROUPS)."""
+
+
+class _Record(Protocol):
+    """What the view needs of a client's record (:class:`gpushare.daemon.registry.ClientRecord`)."""
+
+    @property
+    def uid(self) -> int:
+        """The client's owner."""
+
+    @property
+    def latency_from(self) -> str | None:
+        """Its ``--latency-from`` URL."""
+
+    @property
+    def inflight_from(self) -> str | None:
+        """Its ``--inflight-from`` URL."""
+
+
+class _Clients(Protocol):
+    """The registry's lookup of one client (:meth:`gpushare.daemon.registry.Registry.find`)."""
+
+    def find(self, client_id: str) -> _Record | None:
+        """The client's record; ``None`` when there is none."""
+
+
+C = TypeVar("C", bound=Identity)
 
 
 HIDDEN = "hidden: shown to its owner, root and the admin group only"
@@ -194,3 +221,36 @@ def redact_events(
             row["message"] = f"{row['kind']} for client {cid} ({HIDDEN})"
         out.append(row)
     return out
+
+
+def as_seen(
+    handler: Callable[[C, dict[str, Any]], Any],
+    admin_group: Callable[[], str],
+    registry: _Clients,
+) -> Callable[[C, dict[str, Any]], Any]:
+    """``handler`` (``status``, ``list``, ``events``) with its answer as the caller may see it.
+
+    Args:
+        handler: an API handler whose answer may hold ``clients`` and ``events`` lists.
+        admin_group: ``daemon.admin_group`` now (a reload may change it).
+        registry: where a client's owner and URLs are looked up.
+    """
+
+    def url_sourced(client_id: str) -> bool:
+        rec = registry.find(client_id)
+        return rec is None or rec.latency_from is not None or rec.inflight_from is not None
+
+    def owner_of(client_id: str) -> int | None:
+        rec = registry.find(client_id)
+        return rec.uid if rec is not None else None
+
+    def seen(caller: C, params: dict[str, Any]) -> Any:
+        result = handler(caller, params)
+        viewer = Viewer(caller, admin_group(), argv_hidden=hides_others())
+        if isinstance(result.get("clients"), list):
+            result["clients"] = viewer.clients(result["clients"], url_sourced)
+        if isinstance(result.get("events"), list):
+            result["events"] = viewer.events(result["events"], owner_of)
+        return result
+
+    return seen

@@ -1,7 +1,8 @@
 """What one user sees of another user's client (issue 27 item 5), with real accounts.
 
 A submits an online client with a secret in its environment and a ``--latency-from`` endpoint
-whose answer carries a secret (an HTTP reason phrase, as a scrape error quotes it). B's
+whose answer carries a secret (a line that is not the Prometheus format, which the scrape error
+quotes for its owner). B's
 ``status``, ``list`` and ``events`` show A's client (its argv, as ``ps`` does) but neither
 secret; A, root and the admin group see the endpoint's text.
 """
@@ -27,9 +28,14 @@ ENV_SECRET = "hunter2-in-the-environment"
 
 
 class _Leaky(http.server.BaseHTTPRequestHandler):
+    """Not the Prometheus text format: the scrape error quotes the line it cannot read."""
+
     def do_GET(self) -> None:
-        self.send_response(500, ENDPOINT_SECRET)
+        body = f"{ENDPOINT_SECRET}\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -76,7 +82,7 @@ def test_another_users_view_has_no_environment_and_no_endpoint_text(
         wait_for(lambda: ENDPOINT_SECRET in json.dumps(d.call("status")), 10, "the scrape error")
         for viewer in (a, admin):
             reply = call_as(viewer.uid, viewer.gid, d.socket, "status", {})
-            assert ENDPOINT_SECRET in _entry(reply, cid)["latency"]["reason"]
+            assert ENDPOINT_SECRET in json.dumps(_entry(reply, cid)["latency"])
         for method in ("status", "list", "events"):
             reply = call_as(b.uid, b.gid, d.socket, method, {})
             text = json.dumps(reply)
