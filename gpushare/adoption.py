@@ -8,7 +8,9 @@ nothing.
 
 Rights: a rule may adopt a process of its own owner, or one whose owner asked for that class in its
 environment (``GPUSHARE_CLASS``); a rule from root (root's config file, a root prolog) may adopt
-anyone's process into any class. Anything else is refused with a reason that says so.
+anyone's process into any class. A process that runs with rights its user lacks (setuid or setgid:
+:attr:`ProcessFacts.setuid`) is adopted by root's rules only. Anything else is refused with a reason
+that says so.
 """
 
 from __future__ import annotations
@@ -204,6 +206,13 @@ def _decision(rule: Rule, facts: ProcessFacts) -> Decision:
         if marker is not None and marker.error:
             notes.append(f"{marker.error} (ignored: rule {spec.name!r} gives the class)")
     asked = marker is not None and marker.cls is cls
+    if facts.setuid and rule.owner_uid != 0:
+        return Decision(
+            facts.pid, adopt=False, rule=spec.name,
+            reason=f"{_who(facts)} not adopted by rule {spec.name!r} ({rule.source}, uid "
+            f"{rule.owner_uid}): it runs with rights its user lacks (setuid); only root's rules "
+            "adopt such processes",
+        )  # fmt: skip
     if facts.uid != rule.owner_uid and rule.owner_uid != 0 and not asked:
         declared = f"{ENV_CLASS}={marker.cls.value}" if marker and marker.cls else f"no {ENV_CLASS}"
         return Decision(

@@ -115,6 +115,16 @@ class DaemonConfig:
     socket_group: str = ""
     admin_group: str = "gpushare"
     max_request_bytes: int = _size(1 << 20, minimum=1024)
+    # Fair use of the API socket (gpushare/daemon/server.py, docs/security.md): per-uid limits,
+    # reserves for root and the admin group, and timeouts for idle and stalled connections.
+    max_connections: int = _num(1024, minimum=1, maximum=1_000_000)
+    admin_reserve_connections: int = _num(64, minimum=0, maximum=1_000_000)
+    max_connections_per_uid: int = _num(64, minimum=1, maximum=1_000_000)
+    api_workers: int = _num(8, minimum=2, maximum=256)
+    admin_reserve_workers: int = _num(2, minimum=1, maximum=255)
+    max_inflight_per_uid: int = _num(4, minimum=1, maximum=256)
+    idle_timeout_s: float = _duration(600.0, above=True)
+    request_timeout_s: float = _duration(10.0, above=True)
     stop_mps_on_exit: bool = False
     cancel_grace_s: float = _duration(10.0)
     # Adoption ([[adopt]] rules, scheduler jobs): how often the host's processes are scanned, and
@@ -341,6 +351,9 @@ def from_dict(data: Mapping[str, Any], file: Path | str | None = None) -> Config
 
 
 def _check_cross_field(config: Config, file: Path | str | None) -> None:
+    daemon = config.daemon
+    if daemon.admin_reserve_workers >= daemon.api_workers:
+        raise ConfigError(file, "daemon.admin_reserve_workers", "must be below daemon.api_workers")
     control = config.control
     if control.offline_sm_pct_min > control.offline_sm_pct_max:
         raise ConfigError(

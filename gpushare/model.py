@@ -484,3 +484,6 @@ class ProcessFacts:
     ``None``: the environment could not be read (another user's process, the daemon not root)."""
     gpu_uuids: tuple[str, ...] | None
     """GPUs NVML lists the process on; ``None``: unknown (no NVML on this host)."""
+    setuid: bool = False
+    """It runs with rights its real user lacks (mixed uids or gids, or a setuid executable):
+    only root's rules adopt it."""

@@ -333,6 +333,7 @@ class Adoptions:
         self._thread: threading.Thread | None = None
         self._scan_lock = threading.Lock()
         self._problems: set[str] = set()  # each reported once (the process is found again)
+        self._registrations_lock = threading.Lock()
 
     def start(self) -> None:
         """Start scanning (after re-adoption, so that recorded clients are not adopted twice)."""
@@ -457,12 +458,18 @@ class Adoptions:
 
     # ----------------------------------------------------------------------------- requests
 
-    def register(self, caller_uid: int, params: dict[str, Any]) -> dict[str, Any]:
+    def register(
+        self, caller_uid: int, params: dict[str, Any], *, privileged: bool = False
+    ) -> dict[str, Any]:
         """``adopt``: keep a job's registration and adopt its explicit pids at once.
 
+        A registration belongs to the uid that made it: another uid may not replace it, unless
+        it is root or in the admin group (``privileged``).
+
         Raises:
-            ProtocolError: bad parameters (``INVALID_PARAMS``) or a caller registering another
-                user's job without being root (``PERMISSION_DENIED``); nothing is changed.
+            ProtocolError: bad parameters (``INVALID_PARAMS``), a caller registering another
+                user's job without being root, or replacing another uid's registration without
+                being root or an admin (``PERMISSION_DENIED``); nothing is changed.
         """
         req = protocol.from_params(protocol.AdoptRequest, params)
         try:
@@ -477,7 +484,9 @@ class Adoptions:
                 "gpu: each process's GPU comes from its environment (GPUSHARE_GPU_UUID, which "
                 "`gpushare env` and the Slurm TaskProlog set); leave gpu out",
             )
-        self.s.registry.register(req.source, req.job, caller_uid, protocol.as_dict(req))
+        with self._registrations_lock:  # the owner check and the write as one step
+            self._check_owner(req.source, req.job, caller_uid, privileged, "replace")
+            self.s.registry.register(req.source, req.job, caller_uid, protocol.as_dict(req))
         self.s.registry.add_event(
             "job_registered",
             f"{req.source} job {req.job} registered by uid {caller_uid}: processes of uid "
@@ -486,23 +495,38 @@ class Adoptions:
         adopted = self.scan_once(only=req.pids) if req.pids else []
         return {"source": req.source, "job": req.job, "adopted": adopted}
 
-    def release(self, caller_uid: int, params: dict[str, Any]) -> dict[str, Any]:
+    def _check_owner(
+        self, source: str, job: str, caller_uid: int, privileged: bool, what: str
+    ) -> list[Registration]:
+        """The registrations of ``source``/``job``; refuses a caller that is not their owner.
+
+        Without a registration, the job's leftover clients belong to root (and the admin group).
+        """
+        regs = [r for r in self.s.registry.registrations() if (r.source, r.job) == (source, job)]
+        owner = regs[0].owner_uid if regs else 0
+        if privileged or caller_uid in (0, owner) or (not regs and what == "replace"):
+            return regs
+        raise protocol.ProtocolError(
+            protocol.ErrorCode.PERMISSION_DENIED,
+            f"uid {caller_uid} may not {what} {source} job {job}: uid {owner} registered it; "
+            "only that uid, root or members of daemon.admin_group may",
+        )
+
+    def release(
+        self, caller_uid: int, params: dict[str, Any], *, privileged: bool = False
+    ) -> dict[str, Any]:
         """``release``: drop a job's registration and end its clients (thawed, not killed).
 
         Raises:
-            ProtocolError: a caller that is neither root nor the one who registered the job.
+            ProtocolError: a caller that is neither the one who registered the job, nor root, nor
+                in the admin group (``privileged``).
         """
         req = protocol.from_params(protocol.ReleaseRequest, params)
         s = self.s
         name = f"{req.source} job {req.job}"
-        regs = [r for r in s.registry.registrations() if (r.source, r.job) == (req.source, req.job)]
-        owner = regs[0].owner_uid if regs else 0
-        if caller_uid not in (0, owner):
-            raise protocol.ProtocolError(
-                protocol.ErrorCode.PERMISSION_DENIED,
-                f"uid {caller_uid} may not release {name}: uid {owner} registered it",
-            )
-        s.registry.unregister(req.source, req.job)
+        with self._registrations_lock:
+            regs = self._check_owner(req.source, req.job, caller_uid, privileged, "release")
+            s.registry.unregister(req.source, req.job)
         released = []
         with s.lock:
             for rec in s.registry.clients():

@@ -27,6 +27,7 @@ from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.opstats import gate_status, latency_status
 from gpushare.daemon.registry import ClientRecord
+from gpushare.daemon.rights import as_seen, is_privileged
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.daemon.threads import threads_status
@@ -81,10 +82,15 @@ class Api:
 
     def methods(self) -> dict[str, Handler]:
         """The explicit dispatch table of the API (``hello`` is answered by the server)."""
+
+        def seen(handler: Handler) -> Handler:
+            # What others may not see of a client is taken out of every answer that shows one.
+            return as_seen(handler, lambda: self.s.config.daemon.admin_group, self.s.registry)
+
         return {
-            protocol.STATUS: self.status,
-            protocol.LIST: self.list,
-            protocol.EVENTS: self.events,
+            protocol.STATUS: seen(self.status),
+            protocol.LIST: seen(self.list),
+            protocol.EVENTS: seen(self.events),
             protocol.SUBMIT: self.submit,
             protocol.CANCEL: self.cancel,
             protocol.PAUSE: self.pause,
@@ -350,11 +356,13 @@ class Api:
 
     def adopt(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``adopt``: register a scheduler job whose processes become clients (see AdoptRequest)."""
-        return self._adoptions().register(caller.uid, params)
+        privileged = is_privileged(caller, self.s.config.daemon.admin_group)
+        return self._adoptions().register(caller.uid, params, privileged=privileged)
 
     def release(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``release``: end a job's registration and its clients (thawed, not killed)."""
-        return self._adoptions().release(caller.uid, params)
+        privileged = is_privileged(caller, self.s.config.daemon.admin_group)
+        return self._adoptions().release(caller.uid, params, privileged=privileged)
 
     def _adoptions(self) -> Adoptions:
         if self.adoptions is None:

@@ -38,7 +38,8 @@ from gpushare.daemon.api import Api
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.registry import Registry
-from gpushare.daemon.server import ApiServer
+from gpushare.daemon.rights import is_privileged
+from gpushare.daemon.server import ApiServer, server_limits
 from gpushare.daemon.state import NodeState, NoopPolicy
 from gpushare.inflight import SenderLimiter
 from gpushare.latency.app import AppLatency
@@ -152,6 +153,10 @@ class Daemon:
             mode=int(cfg.daemon.socket_mode, 8),
             group=cfg.daemon.socket_group,
             daemon_version=__version__,
+            limits=server_limits(cfg.daemon),
+            privileged=lambda c: is_privileged(
+                c, self.state.config.daemon.admin_group, by_membership=False
+            ),
         )
         self.server.start()
         self._start_latency()
@@ -310,6 +315,8 @@ class Daemon:
             # The gates read their config at each event; the rate limit and the gauge period
             # are set at start.
             state.gate.config = new.gate
+            if self.server is not None:
+                self.server.set_limits(server_limits(new.daemon))
             if policy is not state.policy:
                 # A new policy starts from its own initial state; the duty it sends first applies.
                 state.policy = policy

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import stat as stat_mod
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -131,7 +132,7 @@ def process_facts(
         pid=pid, ppid=int(stat[1]), uid=uid, user=user_name(uid), name=name,
         start_time=_boot_time() + int(stat[19]) / _CLK_TCK,
         cgroup=cgroup, unit=unit_of_cgroup(cgroup), environ=environ,
-        gpu_uuids=None if gpu_pids is None else gpu_pids.get(pid, ()),
+        gpu_uuids=None if gpu_pids is None else gpu_pids.get(pid, ()), setuid=runs_setuid(pid),
     )  # fmt: skip
 
 
@@ -212,3 +213,27 @@ def _real_uid(pid: int) -> int | None:
     raw = _read_proc(pid, "status")
     at = raw.find(b"\nUid:") if raw is not None else -1
     return int(raw[at + 5 :].split(None, 1)[0]) if raw is not None and at >= 0 else None
+
+
+def _ids(raw: bytes, field: bytes) -> list[int]:
+    at = raw.find(b"\n" + field)
+    return (
+        [int(x) for x in raw[at + len(field) + 1 :].split(b"\n", 1)[0].split()] if at >= 0 else []
+    )
+
+
+def runs_setuid(pid: int) -> bool:
+    """Whether ``pid`` runs with rights its real user does not have.
+
+    That is: its real, effective, saved and filesystem uids (or gids) differ, or its executable
+    has the setuid or setgid bit. Such a process is adopted by root's rules only (gpushare.adoption): a user's rule must not
+    make the daemon freeze, move or kill a process that acts with another user's rights.
+    """
+    raw = _read_proc(pid, "status")
+    if raw is not None and any(len(set(_ids(raw, f))) > 1 for f in (b"Uid:", b"Gid:")):
+        return True
+    try:
+        mode = os.stat(f"/proc/{pid}/exe").st_mode
+    except OSError:
+        return False  # gone, or a kernel thread: nothing to adopt either way
+    return bool(mode & (stat_mod.S_ISUID | stat_mod.S_ISGID))
