@@ -95,6 +95,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -107,6 +108,17 @@
 #include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
+
+/* The sanitizers' runtimes call dlsym while they start, before their shadow memory exists: the
+ * code on that path must not be instrumented (an instrumented build only; a no-op otherwise). */
+#if defined(__has_attribute)
+#if __has_attribute(no_sanitize)
+#define NO_SANITIZE __attribute__((no_sanitize("address", "undefined", "thread")))
+#endif
+#endif
+#ifndef NO_SANITIZE
+#define NO_SANITIZE
+#endif
 
 /* ---- cuda.h declarations (only what is used) ---------------------------------------------- */
 
@@ -259,13 +271,14 @@ static struct {
 /* ---- the real and the next dlsym -------------------------------------------------------------- */
 
 typedef void *(*dlsym_fn)(void *, const char *);
-static dlsym_fn g_real_dlsym; /* glibc's */
-static dlsym_fn g_next_dlsym; /* the next definition after this library (glibc's if none) */
-static pthread_once_t g_dlsym_once = PTHREAD_ONCE_INIT;
+/* glibc's, and the next definition after this library (glibc's if none). Found without
+ * pthread_once, which ThreadSanitizer intercepts and cannot run while it starts: finding them
+ * twice at once is harmless (the same answers). */
+static _Atomic(dlsym_fn) g_real_dlsym, g_next_dlsym;
 
 /* Not inlined: glibc resolves RTLD_NEXT relative to the return address of its dlsym, which must
  * be in this library for "the next dlsym after this library". */
-__attribute__((noinline)) static void find_dlsyms(void)
+NO_SANITIZE __attribute__((noinline)) static dlsym_fn find_dlsyms(void)
 {
     /* dlvsym is not interposed here, so it cannot recurse into our dlsym. */
     static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", NULL};
@@ -273,14 +286,22 @@ __attribute__((noinline)) static void find_dlsyms(void)
     for (int i = 0; versions[i] != NULL && real == NULL; i++)
         real = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
     dlsym_fn next = real != NULL ? (dlsym_fn)real(RTLD_NEXT, "dlsym") : NULL;
-    g_real_dlsym = real;
-    g_next_dlsym = next != NULL ? next : real;
+    atomic_store_explicit(&g_real_dlsym, real, memory_order_release);
+    atomic_store_explicit(&g_next_dlsym, next != NULL ? next : real, memory_order_release);
+    return next != NULL ? next : real;
+}
+
+NO_SANITIZE static dlsym_fn next_dlsym(void)
+{
+    dlsym_fn next = atomic_load_explicit(&g_next_dlsym, memory_order_acquire);
+    return next != NULL ? next : find_dlsyms();
 }
 
 static void *real_dlsym(void *handle, const char *name)
 {
-    pthread_once(&g_dlsym_once, find_dlsyms);
-    return g_real_dlsym != NULL ? g_real_dlsym(handle, name) : NULL;
+    next_dlsym();
+    dlsym_fn real = atomic_load_explicit(&g_real_dlsym, memory_order_acquire);
+    return real != NULL ? real(handle, name) : NULL;
 }
 
 /* ---- hooked entry points ---------------------------------------------------------------------- */
@@ -585,10 +606,11 @@ static void gave_up(void)
  * polls after 50 us naps, which Linux's default timer slack for a normal thread (50 us,
  * PR_SET_TIMERSLACK) and the wake-up stretch to about 120 us each (measured: bench/README.md); the
  * slack is process-wide and the job's, so it is left alone. */
-static int make_room(int bound, int graph)
+static int make_room(int bound, int graph, sigset_t *saved, int *masked)
 {
     int64_t awake = 0, last = 0;
     int waited = 0, ok = 0;
+    sigset_t async; /* blocked while the lock is held between naps: see below */
     if (graph)
         g_draining++;
     for (;;) {
@@ -611,8 +633,19 @@ static int make_room(int bound, int graph)
             waited = 1;
             atomic_fetch_add(&g_waits, 1);
             last = now_ns();
+            /* A handler that longjmps out of the wait must find the lock free: signals are
+             * delivered only during the naps (gate_enter restores the mask). The synchronous
+             * ones stay unblocked: blocked, they would kill the process. */
+            sigfillset(&async);
+            sigdelset(&async, SIGSEGV);
+            sigdelset(&async, SIGBUS);
+            sigdelset(&async, SIGILL);
+            sigdelset(&async, SIGFPE);
+            *masked = pthread_sigmask(SIG_BLOCK, &async, saved) == 0;
         }
         pthread_mutex_unlock(&g_lock);
+        if (*masked)
+            pthread_sigmask(SIG_SETMASK, saved, NULL);
         if (awake < SPIN_NS) {
             sched_yield();
         } else {
@@ -623,6 +656,8 @@ static int make_room(int bound, int graph)
         if (t - last < FROZEN_GAP_NS)
             awake += t - last;
         last = t;
+        if (*masked)
+            pthread_sigmask(SIG_BLOCK, &async, NULL);
         pthread_mutex_lock(&g_lock);
         if (awake > (int64_t)g_wait_limit_ms * 1000000LL) {
             gave_up();
@@ -713,8 +748,11 @@ static int gate_enter(gate_t *g, CUstream stream, int ptsz, int graph)
     else if (rc == CUDA_SUCCESS && stream_context(g->stream, &g->ctx, &id))
         tracked = 1; /* else an error: the launch's own problem, reported by the real launch */
     if (tracked) {
+        sigset_t saved;
+        int masked = 0;
         pthread_mutex_lock(&g_lock);
-        tracked = make_room(bound, graph) && (g->pool = pool_for(g->ctx, id)) >= 0;
+        tracked = make_room(bound, graph, &saved, &masked) &&
+                  (g->pool = pool_for(g->ctx, id)) >= 0;
         if (tracked) {
             g->slot = reserve(g->pool, graph);
             g->event = g_slots[g->slot].event;
@@ -722,6 +760,8 @@ static int gate_enter(gate_t *g, CUstream stream, int ptsz, int graph)
             atomic_store_explicit(&g_last_bound, bound, memory_order_relaxed);
         }
         pthread_mutex_unlock(&g_lock);
+        if (masked)
+            pthread_sigmask(SIG_SETMASK, &saved, NULL);
     }
     if (!tracked) {
         int ignored;
@@ -908,7 +948,7 @@ EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
 
 /* ---- cuGetProcAddress and dlsym --------------------------------------------------------------- */
 
-static int find_hook(const char *name, int by_base)
+NO_SANITIZE static int find_hook(const char *name, int by_base)
 {
     if (name == NULL || name[0] != 'c' || name[1] != 'u')
         return -1;
@@ -987,9 +1027,10 @@ EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cu
  * dlopens libcuda would bypass the preloaded symbols: for the hooked names on such a handle hand
  * out our wrapper and keep what the next dlsym found as the real function. Everything else is a
  * tail call to the next dlsym. */
-static void *dlsym_hooked(void *handle, const char *name, int h)
+NO_SANITIZE static void *dlsym_hooked(void *handle, const char *name, int h)
 {
-    void *fn = g_next_dlsym != NULL ? g_next_dlsym(handle, name) : NULL;
+    dlsym_fn next = next_dlsym();
+    void *fn = next != NULL ? next(handle, name) : NULL;
     if (fn == NULL || fn == g_hooks[h].wrapper)
         return fn;
     atomic_store_explicit(&g_real[h], fn, memory_order_release);
@@ -1001,17 +1042,16 @@ static void *dlsym_hooked(void *handle, const char *name, int h)
  * does tail calls from -O1). */
 __attribute__((optimize("optimize-sibling-calls")))
 #endif
-EXPORT void *dlsym(void *handle, const char *name)
+NO_SANITIZE EXPORT void *dlsym(void *handle, const char *name)
 {
     /* glibc resolves RTLD_DEFAULT and RTLD_NEXT relative to dlsym's return address, so the
      * forward must stay a tail call (a jump: gcc -O2 emits one) for the caller's own scope to be
      * searched. tests/native fails if it is not (a plugin's RTLD_DEFAULT lookup, RTLD_NEXT from
      * the program). */
-    pthread_once(&g_dlsym_once, find_dlsyms);
     int h = handle == RTLD_NEXT || handle == RTLD_DEFAULT ? -1 : find_hook(name, 0);
     if (h >= 0)
         return dlsym_hooked(handle, name, h);
-    dlsym_fn next = g_next_dlsym;
+    dlsym_fn next = next_dlsym();
     return next != NULL ? next(handle, name) : NULL;
 }
 
