@@ -1130,7 +1130,8 @@ __attribute__((destructor)) static void inflight_fini(void)
     close(fd);
 }
 
-/* fork: take g_lock so the child inherits consistent slots and pools. */
+/* fork: take g_lock so the child inherits consistent slots and pools (never held for long: no
+ * wait, launch or record happens under it). */
 static void before_fork(void) { pthread_mutex_lock(&g_lock); }
 static void after_fork_in_parent(void) { pthread_mutex_unlock(&g_lock); }
 
@@ -1142,7 +1143,6 @@ static void after_fork_in_parent(void) { pthread_mutex_unlock(&g_lock); }
 static void after_fork_in_child(void)
 {
     int parent_used_cuda = atomic_load(&g_launches) > 0 || atomic_load(&g_cu.resolved) != 0;
-    pthread_mutex_init(&g_lock, NULL);
     memset(g_slots, 0, sizeof g_slots);
     g_count = g_nfreelist = g_fresh = g_graphs = g_draining = g_stuck = 0;
     for (int i = 0; i < MAX_CONTEXTS; i++) {
@@ -1161,6 +1161,8 @@ static void after_fork_in_child(void)
         snprintf(g_reason, sizeof g_reason,
                  "a forked child of a process that used CUDA (CUDA is not fork-safe)");
     }
+    /* before_fork took it in the thread that forked, which is the child's only thread. */
+    pthread_mutex_unlock(&g_lock);
 }
 
 static void read_wait_limit(void)

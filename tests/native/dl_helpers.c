@@ -10,7 +10,6 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
-#include <pthread.h>
 #include <string.h>
 
 #if defined(DEP)
@@ -31,23 +30,27 @@ __attribute__((optimize("no-optimize-sibling-calls"))) void *plugin_lookup(void)
 typedef void *(*dlsym_fn)(void *, const char *);
 static dlsym_fn real;
 static int lookups;
-static pthread_once_t once = PTHREAD_ONCE_INIT;
 
-static void find_real(void)
+/* Without pthread_once: ThreadSanitizer intercepts it and calls dlsym while it starts. */
+static dlsym_fn find_real(void)
 {
     static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", NULL};
-    for (int i = 0; versions[i] != NULL && real == NULL; i++)
-        real = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
+    dlsym_fn found = NULL;
+    for (int i = 0; versions[i] != NULL && found == NULL; i++)
+        found = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
+    __atomic_store_n(&real, found, __ATOMIC_RELEASE);
+    return found;
 }
 
 int next_interposer_lookups(void) { return __atomic_load_n(&lookups, __ATOMIC_RELAXED); }
 
 __attribute__((optimize("optimize-sibling-calls"))) void *dlsym(void *handle, const char *name)
 {
-    pthread_once(&once, find_real);
-    if (handle != RTLD_NEXT && handle != RTLD_DEFAULT &&
-        strcmp(name, "cuGetProcAddress_v2") == 0)
+    dlsym_fn r = __atomic_load_n(&real, __ATOMIC_ACQUIRE);
+    if (r == NULL)
+        r = find_real();
+    if (handle != RTLD_NEXT && handle != RTLD_DEFAULT && strcmp(name, "cuGetProcAddress_v2") == 0)
         __atomic_fetch_add(&lookups, 1, __ATOMIC_RELAXED);
-    return real(handle, name);
+    return r(handle, name);
 }
 #endif
