@@ -12,7 +12,7 @@
  * API: kernel | ex | coop | graph (LAUNCHER_GRAPH_NODES kernels each, default 1) | pair
  *   (cuLaunchKernel alternating, over two streams, a kernel that waits for the next launch
  *   (gridDimZ 2) and that launch (gridDimZ 3)) | slowfirst (launch 0 runs 300 ms on one stream,
- *   the rest on another) | stuck (launch 0 runs 400 ms, the rest US on the same stream) |
+ *   the rest on another) | stuck (launch 0 runs 600 ms, the rest US on the same stream) |
  *   twoctx (two created contexts, a created stream in each, launched from the primary context) |
  *   legacy (three launches: 30 ms on a stream, 1 ms on the legacy default stream, 1 ms on another
  *   stream) | cancel (a thread's second launch waits for its 300 ms first; the main thread
@@ -242,7 +242,7 @@ static unsigned length_of(int i)
     if (i == 0 && is(api, "slowfirst"))
         return 300000;
     if (i == 0 && is(api, "stuck"))
-        return 400000;
+        return 600000;
     return (unsigned)us;
 }
 
