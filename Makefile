@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit mps packages slurm engine native demo bench clean
+.PHONY: test lint typecheck unit mps packages slurm prometheus engine native demo bench clean
 
 test: lint typecheck unit
 
@@ -29,6 +29,11 @@ packages:
 slurm:
 	@scripts/get-slurm.sh || echo "make: no Slurm: the Slurm tests will skip (see above)"
 
+# A real Prometheus server and promtool from the distribution's packages (root, apt-get) for
+# tests/test_prometheus_real.py and the alerting rules' checks; without them those tests skip.
+prometheus:
+	@scripts/get-prometheus.sh || echo "make: no Prometheus: the real-Prometheus tests will skip (see above)"
+
 # The simulator's GPU model (gpushare.sim.engine.COMPILED) compiled with mypyc as one group
 # (optional, ~6x faster, identical results).
 engine: $(STAMP)
@@ -46,7 +51,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP) mps packages slurm engine native
+unit: $(STAMP) mps packages slurm prometheus engine native
 	$(BIN)/pytest -q
 
 # The real daemon on one simulated GPU, driven by the real CLI (scripts/demo.sh); ~90 s. With the

@@ -8,7 +8,8 @@ The gate itself is :mod:`gpushare.control.gate`. Two sources say how many reques
   :class:`SenderLimiter` drops what one process sends beyond ``[gate] max_datagrams_per_s``, so
   a flood costs a counter, not the daemon's CPU.
 * **A Prometheus gauge** (``gpushare submit --online --inflight-from prometheus:URL#METRIC``)
-  polled every ``[gate] gauge_period`` by :class:`GaugePoller`, from localhost only.
+  polled every ``[gate] gauge_period`` by :class:`GaugePoller`, from localhost only, each on a
+  supervised worker of its own (:mod:`gpushare.latency.endpoints`).
 
 Every rejection (malformed, flood, not an online client, end without a start, bad gauge) is
 counted by reason in a :class:`Rejections` and logged at most once per reason every few seconds
@@ -23,13 +24,17 @@ import time
 from collections.abc import Callable
 
 import structlog
-from prometheus_client.parser import text_string_to_metric_families
 
+from gpushare.daemon.threads import Supervisor
 from gpushare.latency.datagrams import MAX_INFLIGHT_COUNT
+from gpushare.latency.endpoints import EndpointWorkers
 from gpushare.latency.prometheus import (
     METRIC_NAME_RE,
+    Cancel,
+    FetchError,
     PrometheusSource,
-    fetch_local,
+    fetch_with_timeouts,
+    metric_families,
     parse_latency_from,
 )
 
@@ -136,7 +141,7 @@ def parse_gauge(text: str, metric: str) -> int:
     """
     total = 0.0
     seen = False
-    for family in text_string_to_metric_families(text):
+    for family in metric_families(text):
         for s in family.samples:
             if s.name != metric:
                 continue
@@ -154,14 +159,20 @@ def parse_gauge(text: str, metric: str) -> int:
 
 
 class GaugePoller:
-    """Polls each registered client's in-flight gauge every ``period_s`` on a thread of its own.
+    """Polls each registered client's in-flight gauge every ``period_s``, each on its own thread.
+
+    One supervised worker per gauge (:class:`~gpushare.latency.endpoints.EndpointWorkers`), with
+    its own connect, read and total timeouts: an endpoint that trickles its reply delays no other
+    client's gauge, and :meth:`forget` closes its connection at once.
 
     Args:
         period_s: ``[gate] gauge_period``.
         on_count: called with ``(client_id, count, now)`` after each good poll.
         rejections: where a failed or malformed poll is counted (the count then holds no gate:
             the client's gauge source is simply not refreshed, and times out).
-        fetch: how to GET the text (tests pass a fake).
+        fetch: how to GET the text (tests pass a fake); by default
+            :func:`~gpushare.latency.prometheus.fetch_local`.
+        threads: the supervisor of the workers (a private one by default).
     """
 
     def __init__(
@@ -171,7 +182,8 @@ class GaugePoller:
         rejections: Rejections,
         *,
         clock: Callable[[], float] = time.monotonic,
-        fetch: Callable[[PrometheusSource, float], str] = fetch_local,
+        fetch: Callable[[PrometheusSource, float], str] | None = None,
+        threads: Supervisor | None = None,
     ) -> None:
         self.period_s = period_s
         self._on_count = on_count
@@ -180,75 +192,89 @@ class GaugePoller:
         self._fetch = fetch
         self._lock = threading.Lock()
         self._sources: dict[str, PrometheusSource] = {}
-        self._stop = threading.Event()
-        # Set when a source is added or the poller closes: with nothing to poll the thread sleeps
-        # on it instead of waking every period (an idle daemon's most frequent wake-up).
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._workers = EndpointWorkers(
+            "inflight-gauge", period_s, self._poll_one, threads or Supervisor()
+        )
+        #: Why each client's last poll failed. Owner-only: it may quote the endpoint's reply.
         self.last_error: dict[str, str] = {}
-        #: Times the polling thread woke up (tests check an idle poller stays asleep).
-        self.wakeups = 0
+
+    @property
+    def wakeups(self) -> int:
+        """Polls done by the workers (tests check an idle poller stays asleep)."""
+        return self._workers.wakeups
 
     def add(self, client_id: str, spec: str) -> PrometheusSource:
         """Poll a client's gauge from now on.
 
         Raises:
-            ValueError: a malformed or non-local spec.
+            ValueError: a malformed or non-local spec, or too many endpoints polled.
         """
         source = parse_inflight_from(spec)
         with self._lock:
             self._sources[client_id] = source
-        self._wake.set()
+        try:
+            self._workers.add(client_id)
+        except ValueError:
+            with self._lock:
+                self._sources.pop(client_id, None)
+            raise
+        return source
+
+    def check_spec(self, spec: str) -> PrometheusSource:
+        """Parse an ``--inflight-from`` spec and check there is room to poll one more.
+
+        Raises:
+            ValueError: a malformed or non-local spec, or too many endpoints.
+        """
+        source = parse_inflight_from(spec)
+        self._workers.check_room("")
         return source
 
     def forget(self, client_id: str) -> None:
-        """Stop polling a client (it exited)."""
+        """Stop polling a client (it exited); a poll under way is cut off."""
+        self._workers.forget(client_id)
         with self._lock:
             self._sources.pop(client_id, None)
             self.last_error.pop(client_id, None)
 
     def poll_all(self) -> None:
-        """Poll every gauge once."""
+        """Poll every gauge once, in turn (tests; the workers poll alone)."""
         with self._lock:
-            sources = list(self._sources.items())
-        for client_id, source in sources:
-            try:
-                count = parse_gauge(self._fetch(source, min(1.0, self.period_s)), source.metric)
-            except (OSError, ValueError) as exc:
-                self.last_error[client_id] = str(exc)
-                self._rejections.reject("bad gauge", client_id=client_id, error=str(exc))
-                continue
+            client_ids = list(self._sources)
+        for client_id in client_ids:
+            self._poll_one(client_id, Cancel())
+
+    def _poll_one(self, client_id: str, cancel: Cancel) -> None:
+        with self._lock:
+            source = self._sources.get(client_id)
+        if source is None:
+            return
+        try:
+            text = fetch_with_timeouts(source, min(1.0, self.period_s), self._fetch, cancel)
+            count = parse_gauge(text, source.metric)
+        except (OSError, ValueError) as exc:
+            if cancel.cancelled:
+                return  # its client ended: not the gauge's fault
+            public = exc.public if isinstance(exc, FetchError) else "not a gauge of requests"
+            with self._lock:
+                if client_id in self._sources:
+                    self.last_error[client_id] = str(exc)[:512]
+            self._rejections.reject("bad gauge", client_id=client_id, error=public)
+            return
+        if cancel.cancelled:
+            return
+        with self._lock:
             self.last_error.pop(client_id, None)
-            self._on_count(client_id, count, self._clock())
+        self._on_count(client_id, count, self._clock())
 
     def start(self) -> None:
-        """Start the polling thread."""
-        self._thread = threading.Thread(target=self._run, name="inflight-gauges", daemon=True)
-        self._thread.start()
+        """Start polling: a worker per gauge, now and as they are added."""
+        self._workers.start()
 
-    def _run(self) -> None:
-        deadline = time.monotonic()
-        while True:
-            # Cleared before looking, so an add between the look and the wait still wakes it.
-            self._wake.clear()
-            with self._lock:
-                idle = not self._sources
-            if idle:
-                self._wake.wait()
-                if self._stop.is_set():
-                    return
-                self.wakeups += 1
-                deadline = max(deadline, time.monotonic())  # the first poll at once
-                continue
-            if self._stop.wait(max(0.0, deadline - time.monotonic())):
-                return
-            self.wakeups += 1
-            self.poll_all()
-            deadline = max(deadline + self.period_s, time.monotonic())
+    def alive(self) -> int:
+        """Gauge workers whose thread runs."""
+        return self._workers.alive()
 
     def close(self) -> None:
-        """Stop the polling thread."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
+        """Stop every worker (polls under way are cut off)."""
+        self._workers.close()

@@ -36,12 +36,36 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
     ]
     renderer: list[Any]
     if use_json:
-        renderer = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        renderer = [traceback_processor(), structlog.processors.JSONRenderer()]
     else:
-        renderer = [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+        renderer = [
+            structlog.dev.ConsoleRenderer(
+                colors=sys.stderr.isatty(), exception_formatter=console_exception_formatter()
+            )
+        ]
     structlog.configure(
         processors=shared + renderer,
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def traceback_processor() -> structlog.processors.ExceptionRenderer:
+    """Tracebacks as JSON dicts, without the frames' local variables.
+
+    structlog's ``dict_tracebacks`` shows locals by default; a handler's locals hold what a user
+    submitted (a job's environment, with its passwords), and the daemon's log is kept.
+    """
+    return structlog.processors.ExceptionRenderer(
+        structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+    )
+
+
+def console_exception_formatter() -> structlog.typing.ExceptionRenderer:
+    """Tracebacks on a TTY: rich's where installed, without local variables (as above)."""
+    try:
+        import rich  # noqa: F401 - only whether it is installed
+    except ImportError:
+        return structlog.dev.plain_traceback
+    return structlog.dev.RichTracebackFormatter(show_locals=False)

@@ -1,11 +1,19 @@
 """The Prometheus exporter: what gpushare is doing to each GPU and client, for dashboards and alerts.
 
 Names follow Prometheus style with units in the name (``_bytes``, ``_seconds``, ``_ratio``) and the
-labels ``gpu``/``UUID`` exactly as dcgm-exporter spells them (its series carry ``gpu="0"`` and
-``UUID="GPU-…"`` beside ``device``, ``modelName`` and ``Hostname``), so ``on(UUID)`` joins gpushare's
-series with DCGM's device metrics. Client series add ``client`` (the id), ``name`` (``--name``, or
-empty), ``class`` and ``user``. Device-level and client-level metrics are kept apart
-(dcgm-exporter#587: per-client series repeating device values mislead).
+labels ``gpu``, ``UUID``, ``Hostname`` and ``modelName`` exactly as dcgm-exporter spells them (its
+series carry ``gpu="0"``, ``UUID="GPU-…"``, ``modelName="NVIDIA H200"`` and ``Hostname`` beside
+``device``), so ``on(UUID)`` or ``on(Hostname, gpu)`` joins gpushare's series with DCGM's device
+metrics. ``Hostname`` is ``$NODE_NAME`` when set, else the host name, as dcgm-exporter chooses it;
+``modelName`` is NVML's device name, the one DCGM reports. Client series add ``client`` (the id),
+``name`` (``--name``, or empty), ``class`` and ``user``. Device-level and client-level metrics are
+kept apart (dcgm-exporter#587: per-client series repeating device values mislead). Beside them:
+``gpushare_build_info``, ``gpushare_clients`` (live clients by class and state per GPU) and
+prometheus_client's process collector (``process_*``: CPU, memory, open files of the daemon).
+
+The HTTP server (:meth:`Exporter.serve`) answers ``/metrics`` with the exposition and ``/healthz``
+with 200 while the control loop ticks (each tick calls :meth:`Exporter.update`) or 503 once no tick
+came for :meth:`Exporter.stall_after_s`; every other path is a 404.
 
 Cardinality is bounded: every scrape renders the latest :class:`NodeMetrics` snapshot, so a client
 that has gone away disappears from the output instead of lingering as a stale series, and the
@@ -15,16 +23,23 @@ escapes quotes, backslashes and newlines; a user-chosen ``--name`` cannot break 
 
 from __future__ import annotations
 
+import os
+import platform
+import socket
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from gpushare.model import ClientClass, MpsState, Observation
+from gpushare import __version__
+from gpushare.model import ClientClass, ClientState, MpsState, Observation
 
 # Controller steps take microseconds to milliseconds; admission waits seconds to hours.
 STEP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -120,34 +135,79 @@ class NodeMetrics:
     events: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
 
 
-_GPU_LABELS = ["gpu", "UUID"]
-_CLIENT_LABELS = ["gpu", "UUID", "client", "name", "class", "user"]
+_GPU_LABELS = ["gpu", "UUID", "Hostname", "modelName"]
+_CLIENT_LABELS = [*_GPU_LABELS, "client", "name", "class", "user"]
 _Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
+# A stalled loop is one that missed this many ticks, and never less than STALL_MIN_S: a GC pause
+# or a slow NVML call must not flap the health check.
+STALL_TICKS = 50
+STALL_MIN_S = 5.0
+# A connection that sends nothing is dropped after this long: any local user can connect, and
+# each open connection holds a thread.
+HTTP_TIMEOUT_S = 5.0
+
+
+def node_hostname() -> str:
+    """The ``Hostname`` label: ``$NODE_NAME`` (Kubernetes' downward API), else the host name.
+
+    dcgm-exporter makes the same choice, so the two exporters' series of one node agree.
+    """
+    return os.environ.get("NODE_NAME") or socket.gethostname()
 
 
 class Exporter(Collector):
-    """A prometheus_client collector over the latest snapshot, plus its HTTP server."""
+    """A prometheus_client collector over the latest snapshot, plus its HTTP server.
 
-    def __init__(self) -> None:
+    Args:
+        hostname: the ``Hostname`` label (:func:`node_hostname` when ``None``).
+        clock: monotonic seconds, for the health check's stall detection.
+    """
+
+    def __init__(
+        self, hostname: str | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._lock = threading.Lock()
         self._snapshot = NodeMetrics()
+        self._clock = clock
+        self._last_tick_s: float | None = None
+        self.hostname = hostname if hostname is not None else node_hostname()
+        self.stall_after_s = STALL_MIN_S
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        self._server: Any = None
+        ProcessCollector(registry=self.registry)
+        self._server: ThreadingHTTPServer | None = None
 
     def update(self, snapshot: NodeMetrics) -> None:
         """Replace the snapshot the next scrape renders (called once per tick)."""
         with self._lock:
             self._snapshot = snapshot
+            self._last_tick_s = self._clock()
 
-    def serve(self, listen: str) -> tuple[str, int]:
-        """Serve ``/metrics`` on ``HOST:PORT`` from a background thread; returns the bound address.
+    def health(self) -> tuple[bool, str]:
+        """Whether the control loop ticks: ``(healthy, one line saying so)``."""
+        with self._lock:
+            last = self._last_tick_s
+        if last is None:
+            return False, "stalled: the control loop has not ticked yet"
+        age_s = self._clock() - last
+        if age_s > self.stall_after_s:
+            return False, f"stalled: no control-loop tick for {age_s:.1f} s"
+        return True, f"ok: last control-loop tick {age_s:.3f} s ago"
+
+    def serve(self, listen: str, tick_period_s: float = 0.1) -> tuple[str, int]:
+        """Serve ``/metrics`` and ``/healthz`` on ``HOST:PORT`` from a background thread.
+
+        ``tick_period_s`` is the control loop's period: ``/healthz`` turns 503 after
+        :data:`STALL_TICKS` missed ticks (at least :data:`STALL_MIN_S`). Returns the bound address.
 
         Raises:
             OSError: the address cannot be bound (in use, or not a local address).
         """
+        self.stall_after_s = max(STALL_MIN_S, STALL_TICKS * tick_period_s)
         host, _, port = listen.rpartition(":")
-        server, _thread = start_http_server(int(port), addr=host, registry=self.registry)
+        host = host.strip("[]")
+        server = _server_class(host)((host, int(port)), _handler(self))
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         self._server = server
         bound_host, bound_port = server.server_address[:2]
         return str(bound_host), int(bound_port)
@@ -163,10 +223,65 @@ class Exporter(Collector):
         """Render the latest snapshot (prometheus_client calls this on every scrape)."""
         with self._lock:
             snap = self._snapshot
-        yield from _gpu_metrics(snap)
-        yield from _client_metrics(snap)
+        yield _build_info()
+        yield from _gpu_metrics(snap, self.hostname)
+        yield from _client_metrics(snap, self.hostname)
         yield from _admission_metrics(snap.admission)
         yield _event_metrics(snap)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+def _server_class(host: str) -> type[_Server]:
+    """IPv6 for an IPv6 address (``::1``, ``[::1]``), else IPv4, as prometheus_client chose."""
+    return _Server6 if ":" in host else _Server
+
+
+def _handler(exporter: Exporter) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        """``/metrics``, ``/healthz``, and 404 for anything else (no directory of pages)."""
+
+        timeout = HTTP_TIMEOUT_S
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+                self._reply(200, content_type, encoder(exporter.registry))
+            elif path == "/healthz":
+                ok, line = exporter.health()
+                self._reply(200 if ok else 503, "text/plain; charset=utf-8", (line + "\n").encode())
+            else:
+                body = b"not found: gpushare serves /metrics and /healthz\n"
+                self._reply(404, "text/plain; charset=utf-8", body)
+
+        def _reply(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            """Scrapes are not log events (every few seconds, forever)."""
+
+    return Handler
+
+
+def _build_info() -> GaugeMetricFamily:
+    info = GaugeMetricFamily(
+        "gpushare_build_info",
+        "Always 1: the daemon's version and Python (join on instance to label other series)",
+        labels=["version", "python"],
+    )
+    info.add_metric([__version__, platform.python_version()], 1.0)
+    return info
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -179,7 +294,11 @@ def _histogram(family: HistogramMetricFamily, labels: list[str], h: HistogramSna
     family.add_metric(labels, buckets, h.sum_s)
 
 
-def _gpu_metrics(snap: NodeMetrics) -> Iterator[_Family]:
+def _gpu_labels(obs: Observation, hostname: str) -> list[str]:
+    return [str(obs.gpu_index), obs.gpu_uuid, hostname, obs.sample.name or ""]
+
+
+def _gpu_metrics(snap: NodeMetrics, hostname: str) -> Iterator[_Family]:
     up = _gauge(
         "gpushare_mps_daemon_up", "1 when the GPU's MPS control daemon answers", _GPU_LABELS
     )
@@ -220,7 +339,7 @@ def _gpu_metrics(snap: NodeMetrics) -> Iterator[_Family]:
         labels=_GPU_LABELS,
     )
     for obs in snap.observations:
-        labels = [str(obs.gpu_index), obs.gpu_uuid]
+        labels = _gpu_labels(obs, hostname)
         up.add_metric(labels, 1.0 if obs.mps_state in (MpsState.UP, MpsState.FAULT) else 0.0)
         fault.add_metric(labels, 1.0 if obs.mps_state is MpsState.FAULT else 0.0)
         lost.add_metric(labels, 1.0 if obs.sample.lost else 0.0)
@@ -242,7 +361,28 @@ def _gpu_metrics(snap: NodeMetrics) -> Iterator[_Family]:
     yield step
 
 
-def _client_metrics(snap: NodeMetrics) -> Iterator[_Family]:
+def _client_state_metrics(snap: NodeMetrics, hostname: str) -> GaugeMetricFamily:
+    # Every live state of both classes on every GPU, zeros included: bounded (10 per GPU), and a
+    # query for frozen clients finds a 0 rather than nothing when none is frozen.
+    family = _gauge(
+        "gpushare_clients",
+        "Live clients on the GPU by class and state",
+        [*_GPU_LABELS, "class", "state"],
+    )
+    live = [st for st in ClientState if st.is_live]
+    for obs in snap.observations:
+        counts: dict[tuple[ClientClass, ClientState], int] = {}
+        for c in obs.clients:
+            if c.state.is_live:
+                counts[(c.cls, c.state)] = counts.get((c.cls, c.state), 0) + 1
+        for cls in ClientClass:
+            for state in live:
+                labels = [*_gpu_labels(obs, hostname), cls.value, state.value]
+                family.add_metric(labels, float(counts.get((cls, state), 0)))
+    return family
+
+
+def _client_metrics(snap: NodeMetrics, hostname: str) -> Iterator[_Family]:
     sm = _gauge("gpushare_client_sm_limit_ratio", "The client's MPS SM share", _CLIENT_LABELS)
     mem_limit = _gauge(
         "gpushare_client_pinned_memory_limit_bytes", "The client's MPS memory cap", _CLIENT_LABELS
@@ -289,8 +429,7 @@ def _client_metrics(snap: NodeMetrics) -> Iterator[_Family]:
                 continue
             stats = snap.clients.get(c.client_id, _NO_STATS)
             labels = [
-                str(obs.gpu_index),
-                obs.gpu_uuid,
+                *_gpu_labels(obs, hostname),
                 c.client_id,
                 stats.name or "",
                 c.cls.value,
@@ -316,6 +455,7 @@ def _client_metrics(snap: NodeMetrics) -> Iterator[_Family]:
                 evictions.add_metric(labels, float(stats.evictions))
     yield from (sm, mem_limit, mem_used, p99, slo, frozen, thawed, thawed_ratio, restarts)
     yield evictions
+    yield _client_state_metrics(snap, hostname)
 
 
 _NO_STATS = ClientStats()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import socket
 import types
 import typing
@@ -345,8 +346,44 @@ def from_params(cls: type[T], params: dict[str, Any]) -> T:
                 ErrorCode.INVALID_PARAMS,
                 f"parameter {name!r} must be {_describe(hints[name])}, got {type(value).__name__}",
             )
+        if (problem := value_problem(value)) is not None:
+            raise ProtocolError(ErrorCode.INVALID_PARAMS, f"parameter {name!r} {problem}")
         kwargs[name] = _coerce(hints[name], value)
     return cls(**kwargs)
+
+
+# SQLite stores 64-bit integers; a larger one reached it as an internal error.
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
+
+
+def value_problem(value: Any) -> str | None:
+    """Why a well-typed param value still cannot be used, or ``None``.
+
+    Integers must fit 64 bits, numbers be finite, and text be UTF-8 without NUL (a lone
+    surrogate such as ``"\ud800"`` cannot be encoded, and NUL cannot be in an argv or a path),
+    in lists and objects too. Each of these reached a handler as an internal error.
+    """
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return None if _INT_MIN <= value <= _INT_MAX else "is out of range (a 64-bit integer)"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else "must be a finite number"
+    if isinstance(value, str):
+        if "\0" in value:
+            return "must not contain NUL"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "must be UTF-8 text (it has a lone surrogate)"
+        return None
+    if isinstance(value, list):
+        return next((p for v in value if (p := value_problem(v)) is not None), None)
+    if isinstance(value, dict):
+        return next(
+            (p for k, v in value.items() if (p := value_problem(k) or value_problem(v))), None
+        )
+    return None
 
 
 def _coerce(hint: Any, value: Any) -> Any:

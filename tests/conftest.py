@@ -10,6 +10,9 @@ import structlog
 
 from tests.support.helpers import MPS_MISSING, find_mps_control
 
+# The unprivileged accounts of the abuse suite (`accounts`), available to every test.
+pytest_plugins = ["tests.support.accounts"]
+
 
 @pytest.fixture(autouse=True)
 def _reset_structlog() -> Iterator[None]:

@@ -175,6 +175,7 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_a_shipped_scenario(
         _clean_env(),
     )
     assert Path(where.stdout.strip()).is_relative_to(target)
+    _has_the_probe_dependencies_and_nothing_more(target, outside)
     if shutil.which("cc") is not None:
         # What `gpushare install` does with it: compile the shipped source on the host.
         lib = tmp_path / "libgpushare_inflight.so"
@@ -195,3 +196,21 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_a_shipped_scenario(
     )
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert "would create  /etc/gpushare/gpushare.toml" in dry.stdout
+
+
+def _has_the_probe_dependencies_and_nothing_more(target: Path, cwd: Path) -> None:
+    """CUDA 12 bindings and the NVRTC wheel that compiles the probe; no cuda-core, no numpy."""
+    listed = _run(
+        [target / "bin" / "python", "-m", "pip", "list", "--format=freeze"], cwd, _clean_env()
+    )
+    dists = {line.split("==")[0].lower() for line in listed.stdout.splitlines()}
+    assert {"cuda-bindings", "nvidia-cuda-nvrtc-cu12"} <= dists, dists
+    assert not dists & {"numpy", "cuda-core", "cuda-python"}, dists
+    # The wheel's NVRTC is found where pip put it: the probe kernel compiles, with no GPU.
+    check = _run(
+        [target / "bin" / "python", "-c", "from gpushare.node import probe_host;"
+         "c = probe_host.nvrtc_check(); print(c.ok, c.detail)"],
+        cwd,
+        _clean_env(),
+    )  # fmt: skip
+    assert check.stdout.startswith("True NVRTC 12."), check.stdout + check.stderr

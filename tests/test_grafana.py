@@ -3,7 +3,8 @@
 gpushare's names are collected from the exporter's real registry (what a scrape of the daemon
 serves), expanded by type as the exposition spells samples (``_total`` for counters, ``_bucket``,
 ``_sum`` and ``_count`` for histograms). DCGM names must be among dcgm-exporter's default fields
-(etc/default-counters.csv and etc/dcp-metrics-included.csv of NVIDIA/dcgm-exporter).
+(etc/default-counters.csv and etc/dcp-metrics-included.csv of NVIDIA/dcgm-exporter). That a real
+Prometheus returns data for each query is tests/test_prometheus_real.py.
 """
 
 import json

@@ -1,10 +1,11 @@
-"""gpushare.inflight.GaugePoller's thread: asleep while it has nothing to poll, prompt once it has."""
+"""gpushare.inflight.GaugePoller's workers: none while it has nothing to poll, prompt once it has."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+from gpushare.daemon.threads import Supervisor
 from gpushare.inflight import GaugePoller, Rejections
 
 SPEC = "prometheus:http://127.0.0.1:9/metrics#inflight"
@@ -18,7 +19,10 @@ def test_an_idle_poller_sleeps_and_polls_a_gauge_added_later_at_once() -> None:
         counts.append((client_id, count))
         got.set()
 
-    poller = GaugePoller(0.01, on_count, Rejections(), fetch=lambda _src, _t: "inflight 3\n")
+    threads = Supervisor()
+    poller = GaugePoller(
+        0.01, on_count, Rejections(), fetch=lambda _src, _t: "inflight 3\n", threads=threads
+    )
     poller.start()
     try:
         # Thirty periods with no gauge: a poller that woke every period would count ~30.
@@ -37,13 +41,18 @@ def test_an_idle_poller_sleeps_and_polls_a_gauge_added_later_at_once() -> None:
         assert poller.wakeups - idle_from <= 1
     finally:
         poller.close()
-    assert poller._thread is not None and not poller._thread.is_alive()
+    assert poller.alive() == 0 and threads.health() == []
 
 
-def test_close_wakes_an_idle_poller() -> None:
-    poller = GaugePoller(10.0, lambda *_: None, Rejections(), fetch=lambda _src, _t: "")
+def test_close_ends_a_poller_waiting_out_a_long_period() -> None:
+    threads = Supervisor()
+    poller = GaugePoller(
+        10.0, lambda *_: None, Rejections(), fetch=lambda _src, _t: "", threads=threads
+    )
     poller.start()
+    poller.add("web", SPEC)
+    assert poller.alive() == 1
     t0 = time.monotonic()
     poller.close()
-    assert poller._thread is not None and not poller._thread.is_alive()
+    assert poller.alive() == 0 and threads.health() == []
     assert time.monotonic() - t0 < 2.0

@@ -57,3 +57,22 @@ def test_exceptions_are_structured(capsys):
         structlog.get_logger().exception("tick_failed")
     record = json.loads(capsys.readouterr().err)
     assert record["exception"][0]["exc_type"] == "RuntimeError"
+
+
+def _handler_that_fails(env):
+    secret = env["SECRET"]
+    raise RuntimeError(f"failed after reading {len(secret)} characters")
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_tracebacks_show_no_local_variables(capsys, as_json):
+    """A handler's locals hold what a user submitted (its environment, with passwords)."""
+    configure_logging("info", json=as_json)
+    secret = "-".join(["xyz", "do", "not", "log"])  # made at run time: not in any source line
+    try:
+        _handler_that_fails({"SECRET": secret})
+    except RuntimeError:
+        structlog.get_logger().exception("api_handler_failed")
+    err = capsys.readouterr().err
+    assert "_handler_that_fails" in err  # the traceback is there...
+    assert secret not in err  # ...without the frames' variables

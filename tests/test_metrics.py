@@ -1,5 +1,7 @@
 """The Prometheus exporter over a real HTTP server on loopback."""
 
+import socket
+import urllib.error
 import urllib.request
 
 import pytest
@@ -28,13 +30,20 @@ from gpushare.model import (
 )
 
 PROBE = ProbeReading(latency_ms=2.5, baseline_ms=2.0, ratio=1.25)
+HOST = (("Hostname", "node-a"), ("modelName", "NVIDIA H200"))
+GPU = (("UUID", "GPU-aaaa"), ("gpu", "0"), *HOST)
+
+
+def _labels(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    """Labels as _scrape keys them: sorted by name."""
+    return tuple(sorted(pairs))
 
 
 def _obs(clients, *, probe=PROBE, state=MpsState.UP, uuid="GPU-aaaa"):
     return Observation(
         gpu_uuid=uuid,
         gpu_index=0,
-        sample=GpuSample(index=0, uuid=uuid),
+        sample=GpuSample(index=0, uuid=uuid, name="NVIDIA H200"),
         probe=probe,
         clients=tuple(clients),
         mps_state=state,
@@ -57,7 +66,7 @@ def _client(cid, cls, *, state=ClientState.RUNNING, p99=None, held=False, uid=10
 
 @pytest.fixture
 def exporter():
-    exp = Exporter()
+    exp = Exporter(hostname="node-a")
     yield exp
     exp.close()
 
@@ -89,29 +98,27 @@ def test_gpu_and_client_series(exporter):
         )
     )
     m = _scrape(exporter)
-    gpu = (("UUID", "GPU-aaaa"), ("gpu", "0"))
+    gpu = _labels(*GPU)
     assert m[("gpushare_evictions_total", gpu)] == 0
     assert m[("gpushare_offline_duty_ratio", gpu)] == 0.35
     assert m[("gpushare_offline_sm_limit_ratio", gpu)] == 0.5
     assert m[("gpushare_probe_latency_p99_seconds", gpu)] == 0.0025
     assert m[("gpushare_throttle_events_total", gpu)] == 4
     assert m[("gpushare_mps_daemon_up", gpu)] == 1
-    on = (
-        ("UUID", "GPU-aaaa"),
+    on = _labels(
+        *GPU,
         ("class", "online"),
         ("client", "on1"),
-        ("gpu", "0"),
         ("name", ""),
         ("user", "alice"),
     )
     assert m[("gpushare_client_latency_p99_seconds", on)] == 0.031
     assert m[("gpushare_client_slo_p99_seconds", on)] == 0.04
     assert m[("gpushare_client_pinned_memory_limit_bytes", on)] == 8 << 30
-    off = (
-        ("UUID", "GPU-aaaa"),
+    off = _labels(
+        *GPU,
         ("class", "offline"),
         ("client", "off1"),
-        ("gpu", "0"),
         ("name", ""),
         ("user", "alice"),
     )
@@ -129,7 +136,7 @@ def test_missing_readings_are_absent_not_zero(exporter):
     )
     m = _scrape(exporter)
     assert not any(name == "gpushare_probe_latency_p99_seconds" for name, _ in m)
-    assert m[("gpushare_mps_daemon_up", (("UUID", "GPU-aaaa"), ("gpu", "0")))] == 0
+    assert m[("gpushare_mps_daemon_up", _labels(*GPU))] == 0
 
 
 def test_snapshot_replacement_drops_departed_clients(exporter):
@@ -184,25 +191,25 @@ def _full_snapshot(*, name="train", user="alice", uuid="GPU-aaaa"):
 def test_controller_queue_and_offline_progress_series(exporter):
     exporter.update(_full_snapshot())
     m = _scrape(exporter)
-    gpu = (("UUID", "GPU-aaaa"), ("gpu", "0"))
+    gpu = _labels(*GPU)
     assert m[("gpushare_evictions_total", gpu)] == 2
-    assert m[("gpushare_controller_step_seconds_bucket", (*gpu, ("le", "0.001")))] == 1
-    assert m[("gpushare_controller_step_seconds_bucket", (*gpu, ("le", "0.01")))] == 2
-    assert m[("gpushare_controller_step_seconds_bucket", (*gpu, ("le", "+Inf")))] == 3
+    assert m[("gpushare_controller_step_seconds_bucket", _labels(*GPU, ("le", "0.001")))] == 1
+    assert m[("gpushare_controller_step_seconds_bucket", _labels(*GPU, ("le", "0.01")))] == 2
+    assert m[("gpushare_controller_step_seconds_bucket", _labels(*GPU, ("le", "+Inf")))] == 3
     assert m[("gpushare_controller_step_seconds_count", gpu)] == 3
     assert m[("gpushare_controller_step_seconds_sum", gpu)] == pytest.approx(0.5024)
     assert m[("gpushare_admission_queue_length", ())] == 4
     assert m[("gpushare_admission_queue_oldest_wait_seconds", ())] == 12
     assert m[("gpushare_admission_wait_seconds_bucket", (("le", "1.0"),))] == 0
     assert m[("gpushare_admission_wait_seconds_bucket", (("le", "60.0"),))] == 1
-    off = (("UUID", "GPU-aaaa"), ("class", "offline"), ("client", "off1"), ("gpu", "0"),
-           ("name", "train"), ("user", "alice"))  # fmt: skip
+    off = _labels(*GPU, ("class", "offline"), ("client", "off1"), ("name", "train"),
+                  ("user", "alice"))  # fmt: skip
     assert m[("gpushare_client_thawed_seconds_total", off)] == 42.5
     assert m[("gpushare_client_thawed_ratio", off)] == 0.25
     assert m[("gpushare_client_restarts_total", off)] == 3
     assert m[("gpushare_client_evictions_total", off)] == 1
-    on = (("UUID", "GPU-aaaa"), ("class", "online"), ("client", "on1"), ("gpu", "0"),
-          ("name", "web"), ("user", "alice"))  # fmt: skip
+    on = _labels(*GPU, ("class", "online"), ("client", "on1"), ("name", "web"),
+                 ("user", "alice"))  # fmt: skip
     assert m[("gpushare_client_latency_p99_seconds", on)] == 0.031
     # Thawed time is an offline notion: online clients are never duty-cycled.
     assert ("gpushare_client_thawed_seconds_total", on) not in m
@@ -322,3 +329,107 @@ def test_event_counts_by_kind_and_gpu(exporter):
     )
     node = (("UUID", ""), ("gpu", ""), ("kind", "daemon_started"), ("severity", "info"))
     assert m[("gpushare_events_total", node)] == 1
+
+
+def _get(host: str, port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_healthz_follows_the_control_loop_and_other_paths_are_404():
+    now = [100.0]
+    exp = Exporter(hostname="node-a", clock=lambda: now[0])
+    try:
+        host, port = exp.serve("127.0.0.1:0", tick_period_s=0.1)
+        assert exp.stall_after_s == 5.0  # 50 ticks of 100 ms, but never under 5 s
+        code, body = _get(host, port, "/healthz")
+        assert (code, body) == (503, "stalled: the control loop has not ticked yet\n")
+        exp.update(NodeMetrics())
+        now[0] += 4.0
+        assert _get(host, port, "/healthz")[0] == 200
+        now[0] += 2.0  # 6 s without a tick
+        assert _get(host, port, "/healthz") == (503, "stalled: no control-loop tick for 6.0 s\n")
+        exp.update(NodeMetrics())
+        assert _get(host, port, "/healthz")[0] == 200
+        for path in ("/", "/metricsx", "/metrics/x", "/favicon.ico", "/healthz/x"):
+            code, body = _get(host, port, path)
+            assert code == 404 and "gpushare_" not in body, path
+        code, body = _get(host, port, "/metrics?x=1")
+        assert code == 200 and "gpushare_build_info" in body
+    finally:
+        exp.close()
+
+
+def test_build_info_client_states_and_the_process_collector(exporter, monkeypatch):
+    exporter.update(
+        NodeMetrics(
+            observations=[
+                _obs(
+                    [
+                        _client("on1", ClientClass.ONLINE),
+                        _client("off1", ClientClass.OFFLINE, state=ClientState.FROZEN),
+                        _client("off2", ClientClass.OFFLINE, state=ClientState.FROZEN),
+                        _client("gone", ClientClass.OFFLINE, state=ClientState.EXITED),
+                    ]
+                )
+            ]
+        )
+    )
+    m = _scrape(exporter)
+    from gpushare import __version__
+
+    build = [labels for name, labels in m if name == "gpushare_build_info"]
+    assert len(build) == 1 and ("version", __version__) in build[0]
+    states = {
+        (dict(labels)["class"], dict(labels)["state"]): v
+        for (name, labels), v in m.items()
+        if name == "gpushare_clients"
+    }
+    assert states[("offline", "frozen")] == 2
+    assert states[("online", "running")] == 1
+    assert states[("offline", "running")] == 0  # zeros are series: a query finds 0, not nothing
+    assert len(states) == 10 and ("offline", "exited") not in states
+    assert m[("gpushare_clients", _labels(*GPU, ("class", "online"), ("state", "frozen")))] == 0
+    assert m[("process_resident_memory_bytes", ())] > 0
+    assert ("process_cpu_seconds_total", ()) in m
+    # Hostname is chosen as dcgm-exporter chooses it.
+    monkeypatch.setenv("NODE_NAME", "k8s-node-7")
+    assert Exporter().hostname == "k8s-node-7"
+    monkeypatch.delenv("NODE_NAME")
+    assert Exporter().hostname == socket.gethostname()
+
+
+def test_a_connection_that_sends_nothing_is_dropped(monkeypatch):
+    """Any local user can connect; an idle connection must not hold a server thread forever."""
+    import gpushare.metrics as metrics
+
+    monkeypatch.setattr(metrics, "HTTP_TIMEOUT_S", 0.5)
+    exp = Exporter(hostname="node-a")
+    try:
+        host, port = exp.serve("127.0.0.1:0")
+        with socket.create_connection((host, port), timeout=10) as idle:
+            idle.settimeout(10)
+            assert idle.recv(1) == b""  # closed by the server after 0.5 s, not by our timeout
+        assert _get(host, port, "/metrics")[0] == 200
+    finally:
+        exp.close()
+
+
+@pytest.mark.parametrize("listen", ["::1:0", "[::1]:0"])
+def test_an_ipv6_listen_address(listen):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 in this Python")
+    exp = Exporter(hostname="node-a")
+    try:
+        try:
+            host, port = exp.serve(listen)
+        except OSError as exc:
+            pytest.skip(f"::1 cannot be bound here: {exc}")
+        assert host == "::1"
+        with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        exp.close()

@@ -22,6 +22,7 @@ from gpushare import protocol
 from gpushare.cli import completion
 from gpushare.cli.render import mps_down, render_clients, render_status
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
+from gpushare.sim.simenv import rate_problem as sim_rate_problem
 from gpushare.sim.simenv import workload_env as sim_workload_env
 from gpushare.units import parse_duration, parse_size
 
@@ -187,6 +188,8 @@ def submit(
         raise _bad(str(exc)) from None
     if (rps is not None or sim_burst is not None) and sim_profile is None:
         raise _bad("--rps and --sim-burst describe a simulated workload: give --sim-profile too")
+    if (rate_error := sim_rate_problem(rps, None)) is not None:
+        raise _bad(rate_error)  # the daemon refuses it too (SimWorkload.validate)
     if params["detach"]:
         params["env"] = dict(os.environ)
         if sim_profile is not None:

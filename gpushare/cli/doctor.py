@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpushare import config
 
@@ -38,11 +38,16 @@ class CheckResult:
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """A raw fact a :class:`Host` reports: whether something works, and what was seen."""
+    """A raw fact a :class:`Host` reports: whether something works, and what was seen.
+
+    ``checked`` is false when the host could not show the fact at all (no driver to read): the
+    line then says what was not checked, as a WARN, instead of failing on what was not seen.
+    """
 
     ok: bool
     detail: str
     hint: str = ""
+    checked: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +71,11 @@ class Host(Protocol):
         ...
 
     def cuda_driver(self) -> Probe:
-        """The CUDA driver through cuda-python (what the latency probe needs)."""
+        """The driver's version and the CUDA version it supports (what the latency probe needs)."""
+        ...
+
+    def cuda_bindings(self) -> Probe:
+        """The cuda-bindings installed, and whether the driver runs their CUDA major."""
         ...
 
     def nvrtc(self) -> Probe:
@@ -114,27 +123,7 @@ def run_checks(
             nvml.hint or ("" if nvml.ok else "install the NVIDIA driver; NVML ships with it"),
         )
     )
-    cuda = host.cuda_driver()
-    cuda_status = Status.OK if cuda.ok else (Status.FAIL if cfg.probe.enabled else Status.WARN)
-    results.append(
-        CheckResult(
-            "CUDA driver",
-            cuda_status,
-            cuda.detail,
-            ""
-            if cuda.ok
-            else cuda.hint or "the latency probe needs libcuda from the NVIDIA driver",
-        )
-    )
-    nvrtc = host.nvrtc()
-    results.append(
-        CheckResult(
-            "NVRTC",
-            Status.OK if nvrtc.ok else (Status.FAIL if cfg.probe.enabled else Status.WARN),
-            nvrtc.detail,
-            "" if nvrtc.ok else nvrtc.hint or "the latency probe compiles its kernel with NVRTC",
-        )
-    )
+    results.extend(_cuda(host, cfg))
     results.extend(_mps(host, cfg))
     freezer = host.cgroup_freezer()
     results.append(
@@ -172,6 +161,27 @@ def _python(host: Host) -> CheckResult:
     if version >= (3, 10, 0):
         return CheckResult("Python", Status.OK, text)
     return CheckResult("Python", Status.FAIL, text, "gpushare needs Python 3.10 or newer")
+
+
+def _cuda(host: Host, cfg: config.Config) -> list[CheckResult]:
+    """The latency probe's needs: the driver, bindings it can run, NVRTC; FAIL only if enabled."""
+    lines = (
+        (
+            "CUDA driver",
+            host.cuda_driver(),
+            "the latency probe needs libcuda from the NVIDIA driver",
+        ),
+        ("CUDA bindings", host.cuda_bindings(), "the latency probe needs cuda-bindings"),
+        ("NVRTC", host.nvrtc(), "the latency probe compiles its kernel with NVRTC"),
+    )
+    out = []
+    for name, fact, default_hint in lines:
+        if fact.ok:
+            out.append(CheckResult(name, Status.OK, fact.detail))
+            continue
+        bad = Status.FAIL if cfg.probe.enabled and fact.checked else Status.WARN
+        out.append(CheckResult(name, bad, fact.detail, fact.hint or default_hint))
+    return out
 
 
 def _mps(host: Host, cfg: config.Config) -> list[CheckResult]:
@@ -291,3 +301,34 @@ def directory_facts(path: Path) -> DirFacts:
 def python_version() -> tuple[int, int, int]:
     """The running interpreter's version (shared by the real host)."""
     return sys.version_info[0], sys.version_info[1], sys.version_info[2]
+
+
+def daemon_threads_check(daemon: Mapping[str, Any] | None) -> CheckResult | None:
+    """The running daemon's receiver and poller threads (``status``'s ``daemon.threads``).
+
+    FAIL when one is not alive (request gating or app latency is off on the node), WARN when one
+    has been restarted (a bug some input reaches: the daemon's log has the traceback). ``None``
+    when no daemon answered, or it is too old to say.
+    """
+    if daemon is None or not isinstance(daemon.get("threads"), list):
+        return None
+    threads = [t for t in daemon["threads"] if isinstance(t, dict)]
+    dead = [str(t.get("name")) for t in threads if not t.get("alive")]
+    restarts = int(daemon.get("thread_restarts") or 0)
+    if dead:
+        return CheckResult(
+            "daemon threads",
+            Status.FAIL,
+            f"not running: {', '.join(dead)}",
+            "restart gpushare (systemctl restart gpushare) and report the traceback in its log",
+        )
+    if restarts:
+        failed = sorted({str(t.get("last_error")) for t in threads if t.get("restarts")})
+        return CheckResult(
+            "daemon threads",
+            Status.WARN,
+            f"{len(threads)} running; {restarts} restart(s) after a failure"
+            + (f" ({', '.join(failed)})" if failed else ""),
+            "the daemon's log has each traceback (journalctl -u gpushare -g thread_died)",
+        )
+    return CheckResult("daemon threads", Status.OK, f"{len(threads)} running, none restarted")

@@ -11,7 +11,7 @@ import logging
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import structlog
 import typer
@@ -21,14 +21,20 @@ from gpushare.cli.doctor import (
     DirFacts,
     Probe,
     Status,
+    daemon_threads_check,
     directory_facts,
     load_config_for_doctor,
     python_version,
     render,
     run_checks,
 )
-from gpushare.node import mps, nvml_diag, probe
+from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
+from gpushare.node import mps, nvml_diag, probe_host
 from gpushare.node.cgroups.choice import freezer_check
+
+
+def _probe(check: probe_host.HostCheck) -> Probe:
+    return Probe(check.ok, check.detail, check.hint, check.checked)
 
 
 class RealHost:
@@ -36,6 +42,7 @@ class RealHost:
 
     def __init__(self, cfg: config.Config) -> None:
         self._cfg = cfg
+        self._driver_facts: probe_host.DriverFacts | None = None
 
     def python_version(self) -> tuple[int, int, int]:
         """The running interpreter's version."""
@@ -46,12 +53,21 @@ class RealHost:
         return Probe(*nvml_diag.host_status())
 
     def cuda_driver(self) -> Probe:
-        """The CUDA driver through cuda-python."""
-        return Probe(*probe.driver_status())
+        """The driver's version and CUDA version, read from libcuda without the bindings."""
+        return _probe(probe_host.driver_check(self._driver()))
+
+    def cuda_bindings(self) -> Probe:
+        """The cuda-bindings installed, against the CUDA version the driver supports."""
+        return _probe(probe_host.bindings_check(self._driver()))
 
     def nvrtc(self) -> Probe:
         """NVRTC compiling the probe kernel."""
-        return Probe(*probe.nvrtc_status())
+        return _probe(probe_host.nvrtc_check())
+
+    def _driver(self) -> probe_host.DriverFacts:
+        if self._driver_facts is None:
+            self._driver_facts = probe_host.driver_facts()
+        return self._driver_facts
 
     def mps_binary(self, name: str) -> Probe:
         """Whether the MPS control binary is found and runs."""
@@ -95,11 +111,24 @@ def doctor(
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     cfg, config_line = load_config_for_doctor(config_path or paths.default_config_file())
     results = run_checks(RealHost(cfg), cfg, config_line)
+    threads = daemon_threads_check(_daemon_status(cfg))
+    if threads is not None:
+        results.append(threads)
     if as_json:
         typer.echo(json.dumps([{**asdict(r), "status": r.status.value} for r in results], indent=2))
     else:
         typer.echo(render(results))
     raise typer.Exit(code=1 if any(r.status is Status.FAIL for r in results) else 0)
+
+
+def _daemon_status(cfg: config.Config) -> dict[str, Any] | None:
+    """The running daemon's ``status.daemon``; ``None`` when none answers within a second."""
+    try:
+        with ApiClient.connect(cfg.paths.resolved("socket"), timeout_s=1.0, name="doctor") as api:
+            found = api.call("status", {}).get("daemon")
+    except (OSError, DaemonUnreachableError, ApiError, AttributeError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def register(app: typer.Typer) -> None:

@@ -29,8 +29,7 @@ from gpushare.daemon.opstats import gate_status, latency_status
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
-from gpushare.inflight import parse_inflight_from
-from gpushare.latency.prometheus import parse_latency_from
+from gpushare.daemon.threads import threads_status
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.node.procs.identity import process_start_time
@@ -152,6 +151,7 @@ class Api:
                     "simulated": bool(getattr(s.gpu, "simulated", False)),
                     # Request-boundary datagrams and gauge polls refused, by reason.
                     "inflight_rejections": s.gate.rejections.snapshot(),
+                    **threads_status(s.threads, s.datagram_drops()),
                 },
                 "gpus": gpus,
                 "clients": clients,
@@ -382,7 +382,7 @@ class Api:
 
     def _resolve_gpu(self, key: str) -> GpuSample:
         for g in self.s.samples:
-            if key == g.uuid or (key.isdigit() and int(key) == g.index):
+            if key == g.uuid or (key.isascii() and key.isdigit() and int(key) == g.index):
                 return g
         known = ", ".join(f"{g.index} ({g.uuid})" for g in self.s.samples) or "none"
         raise _fail(E.NOT_FOUND, f"no GPU {key!r} on this node; GPUs: {known}")
@@ -459,8 +459,8 @@ class Api:
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 applies to --online clients only")
             if not (req.slo_p99_ms > 0 and math.isfinite(req.slo_p99_ms)):
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 must be a positive duration")
-        _check_online_source("--latency-from", req.latency_from, cls, parse_latency_from)
-        _check_online_source("--inflight-from", req.inflight_from, cls, parse_inflight_from)
+        _check_online_source("--latency-from", req.latency_from, cls, self.s.latency.check_spec)
+        _check_online_source("--inflight-from", req.inflight_from, cls, self.s.gauges.check_spec)
         if req.queue is not None:
             if cls is not ClientClass.OFFLINE:
                 raise _fail(E.INVALID_PARAMS, "--queue applies to --offline clients only")

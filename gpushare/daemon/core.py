@@ -157,7 +157,7 @@ class Daemon:
         self._start_latency()
         if self.metrics is not None and cfg.metrics.enabled:
             try:
-                host, port = self.metrics.serve(cfg.metrics.listen)
+                host, port = self.metrics.serve(cfg.metrics.listen, cfg.control.period_s)
                 log.info("metrics_listening", host=host, port=port)
             except OSError as exc:
                 # Metrics are for dashboards; a port clash must not take the node down.
@@ -210,6 +210,7 @@ class Daemon:
             reject=gate.rejections.reject,
             thread_nice=GATE_THREAD_NICE,
             thread_realtime=state.config.gate.realtime_threads,
+            threads=state.threads,
         )
         gate.start(thread_nice=GATE_THREAD_NICE, thread_realtime=state.config.gate.realtime_threads)
         state.gauges.start()
@@ -222,6 +223,7 @@ class Daemon:
             )
             return
         self._latency_rx = rx
+        state.datagram_drops = lambda: dict(rx.drops)
         self.state.latency.start()
 
     def request_stop(self) -> None:

@@ -236,6 +236,7 @@ class Lifecycle:
         self.kill_at.pop(client_id, None)
         self.on_exit.pop(client_id, None)
         self.s.latency.forget(client_id)
+        self.s.gauges.forget(client_id)  # its poll's connection ends with it
         try:
             self.s.pauser.release(client_id)
         except PAUSE_ERRORS as exc:

@@ -1,7 +1,12 @@
 """Composition root of ``gpushare daemon``: config, logging, adapters, signals, run, exit status.
 
 Signal handlers only record (conventions rule 9): SIGTERM/SIGINT ask the loop to stop, SIGHUP asks
-it to reload. The loop acts on them between ticks. On stop the daemon closes its socket, leaves
+it to reload. The loop acts on them between ticks. A :class:`StopDeadline` makes sure a stop
+happens even when the loop cannot act (a tick stuck in a simulated node, a driver call that does
+not return): it hears the signal on a thread of its own, through ``signal.set_wakeup_fd`` (the
+interpreter writes the signal number there at once, whatever the main thread is doing), and ends
+the process :data:`STOP_DEADLINE_S` later, under the unit's ``TimeoutStopSec``, or at a second
+SIGTERM/SIGINT. On stop the daemon closes its socket, leaves
 every workload running (they are not its to kill; the next daemon re-adopts them) and exits 0;
 it stops MPS only when ``daemon.stop_mps_on_exit`` says so, except in ``--simulate`` mode, whose
 real MPS control daemons (:func:`simulated_mps`) always stop with the simulated GPUs.
@@ -9,11 +14,15 @@ real MPS control daemons (:func:`simulated_mps`) always stop with the simulated 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import select
 import signal
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -47,6 +56,75 @@ class StartupError(Exception):
     """The daemon cannot start; the message says what to fix."""
 
 
+#: A stop that has not ended the process this long after SIGTERM ends it at once. Under the
+#: shipped unit's TimeoutStopSec (60 s; tests/daemon/test_stop_deadline.py reads it), so
+#: systemd never needs its SIGKILL, and after MPS's own stop timeouts (a clean stop takes ~1 s).
+STOP_DEADLINE_S = 45.0
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+class StopDeadline:
+    """Ends the process ``deadline_s`` after a stop signal (at once after a second one)."""
+
+    def __init__(self, deadline_s: float = STOP_DEADLINE_S) -> None:
+        self.deadline_s = deadline_s
+        self._done = threading.Event()
+        self._fds: tuple[int, int] | None = None
+        self._old_fd = -1
+
+    def install(self) -> None:
+        """Listen for stop signals (from the main thread, after their handlers are set)."""
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(write_fd, False)
+        self._old_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._fds = (read_fd, write_fd)
+        threading.Thread(
+            target=self._watch, args=(read_fd,), name="stop-deadline", daemon=True
+        ).start()
+
+    def _watch(self, read_fd: int) -> None:
+        stops = 0
+        due: float | None = None
+        try:
+            while not self._done.is_set():
+                wait_s = None if due is None else max(0.0, due - time.monotonic())
+                ready, _, _ = select.select([read_fd], [], [], wait_s)
+                if self._done.is_set():
+                    return
+                if not ready:
+                    self._overdue(f"still running {self.deadline_s:g} s after the stop signal")
+                data = os.read(read_fd, 64)
+                if not data:
+                    return
+                stops += sum(1 for signum in data if signum in _STOP_SIGNALS)
+                if stops >= 2:
+                    self._overdue("a second stop signal")
+                if stops == 1 and due is None:
+                    due = time.monotonic() + self.deadline_s
+        finally:
+            os.close(read_fd)
+
+    def _overdue(self, why: str) -> None:
+        log.error("stop_overdue", reason=why, exit_code=1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Workloads keep running (they are not the daemon's to kill) and the registry's WAL is
+        # safe at any point: the next start re-adopts them, as after a crash.
+        os._exit(1)
+
+    def uninstall(self) -> None:
+        """The process is ending normally: stop watching."""
+        self._done.set()
+        if self._fds is None:
+            return
+        read_fd, write_fd = self._fds
+        self._fds = None
+        signal.set_wakeup_fd(self._old_fd)
+        with contextlib.suppress(OSError):
+            os.write(write_fd, b"\0")  # wakes the watcher, which closes its end
+        os.close(write_fd)
+
+
 def install_signals(daemon: Daemon) -> None:
     """Route SIGTERM/SIGINT to a stop request and SIGHUP to a reload request."""
 
@@ -68,6 +146,15 @@ def serve(daemon: Daemon) -> int:
         StartupError: the socket cannot be bound.
     """
     install_signals(daemon)
+    deadline = StopDeadline()
+    deadline.install()
+    try:
+        return _serve(daemon)
+    finally:
+        deadline.uninstall()
+
+
+def _serve(daemon: Daemon) -> int:
     try:
         daemon.start()
     except BaseException as exc:

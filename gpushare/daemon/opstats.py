@@ -203,6 +203,8 @@ def latency_status(
         "p99_ms": p99.p99_ms if p99 is not None else None,
         "samples": p99.samples if p99 is not None else 0,
         "reason": p99.reason if p99 is not None else "no latency reports",
+        # May quote what the client's own URL returned: the view of another user drops it.
+        "error_detail_owner_only": p99.error_detail_owner_only if p99 is not None else None,
         "slo_p99_ms": slo_p99_ms,
         "ratio": None,
         "source": None,

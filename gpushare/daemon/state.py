@@ -11,7 +11,7 @@ inside a transition.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -21,6 +21,7 @@ from gpushare.control.policy import Policy
 from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
+from gpushare.daemon.threads import Supervisor
 from gpushare.inflight import GaugePoller
 from gpushare.latency.app import AppLatency
 from gpushare.latency.p99 import LatencyP99
@@ -81,8 +82,14 @@ class NodeState:
         #: queues block; ``gpushare.daemon.launcher.queue_env``).
         self.shallow_library = shallow_library
         self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()
+        #: The receiver and poller threads, restarted when they die (``status`` shows them).
+        self.threads = Supervisor()
+        #: Latency datagrams dropped, by reason (the daemon's receiver sets it when it starts).
+        self.datagram_drops: Callable[[], dict[str, int]] = dict
         lat = config.latency
-        self.latency = AppLatency(lat.window_s, lat.min_samples, lat.scrape_period_s)
+        self.latency = AppLatency(
+            lat.window_s, lat.min_samples, lat.scrape_period_s, threads=self.threads
+        )
         #: Request gating: every freeze goes through its arbiter (duty, holds and gates).
         self.gate = Gatekeeper(
             config.gate, pauser, online_gpu=self._online_gpu, clock=clock.monotonic,
@@ -90,8 +97,9 @@ class NodeState:
         )  # fmt: skip
         #: The --inflight-from gauges, polled into the gates.
         self.gauges = GaugePoller(
-            config.gate.gauge_period_s, self.gate.on_gauge, self.gate.rejections
-        )
+            config.gate.gauge_period_s, self.gate.on_gauge, self.gate.rejections,
+            threads=self.threads,
+        )  # fmt: skip
         self.lock = threading.RLock()
         #: The last tick's readings.
         self.samples: list[GpuSample] = []

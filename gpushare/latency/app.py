@@ -1,8 +1,9 @@
 """Both latency sources together: :class:`AppLatency`, the per-client p99s each tick reads.
 
 Datagrams land in its :class:`~gpushare.latency.p99.P99Tracker` (through
-:mod:`gpushare.latency.receiver`); histograms are scraped on a thread of its own
-(:mod:`gpushare.latency.prometheus`).
+:mod:`gpushare.latency.receiver`); each histogram is scraped on a supervised thread of its own
+(:mod:`gpushare.latency.endpoints`, :mod:`gpushare.latency.prometheus`), so one slow endpoint
+delays no other client's scrape, and a forgotten client's connection is cut at once.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from collections.abc import Callable
 
 import structlog
 
+from gpushare.daemon.threads import Supervisor
+from gpushare.latency.endpoints import EndpointWorkers
 from gpushare.latency.p99 import LatencyP99, P99Tracker
 from gpushare.latency.prometheus import (
+    Cancel,
     PrometheusScraper,
     PrometheusSource,
-    fetch_local,
     parse_latency_from,
 )
 
@@ -28,7 +31,8 @@ log = structlog.get_logger(__name__)
 class AppLatency:
     """Both sources together: per-client p99 for :func:`gpushare.observe.build_observations`.
 
-    The scrapes run on a thread of their own (``start``), so a slow endpoint never delays a tick.
+    The scrapes run on threads of their own (``start``), one per endpoint, so a slow endpoint
+    never delays a tick or another client's scrape.
     """
 
     def __init__(
@@ -38,7 +42,8 @@ class AppLatency:
         scrape_period_s: float,
         *,
         clock: Callable[[], float] = time.monotonic,
-        fetch: Callable[[PrometheusSource, float], str] = fetch_local,
+        fetch: Callable[[PrometheusSource, float], str] | None = None,
+        threads: Supervisor | None = None,
     ) -> None:
         self.tracker = P99Tracker(window_s, min_samples)
         self.window_s = window_s
@@ -48,14 +53,15 @@ class AppLatency:
         self._fetch = fetch
         self._lock = threading.Lock()
         self._scrapers: dict[str, PrometheusScraper] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._workers = EndpointWorkers(
+            "latency-scrape", scrape_period_s, self._scrape_one, threads or Supervisor()
+        )
 
     def add_prometheus(self, client_id: str, spec: str) -> PrometheusSource:
         """Scrape a client's histogram from now on.
 
         Raises:
-            ValueError: a malformed or non-local ``--latency-from`` spec.
+            ValueError: a malformed or non-local ``--latency-from`` spec, or too many endpoints.
         """
         source = parse_latency_from(spec)
         scraper = PrometheusScraper(
@@ -67,38 +73,55 @@ class AppLatency:
         )
         with self._lock:
             self._scrapers[client_id] = scraper
+        try:
+            self._workers.add(client_id)
+        except ValueError:
+            with self._lock:
+                self._scrapers.pop(client_id, None)
+            raise
+        return source
+
+    def check_spec(self, spec: str) -> PrometheusSource:
+        """Parse a ``--latency-from`` spec and check there is room to scrape one more.
+
+        Raises:
+            ValueError: a malformed or non-local spec, or too many endpoints.
+        """
+        source = parse_latency_from(spec)
+        self._workers.check_room("")
         return source
 
     def forget(self, client_id: str) -> None:
-        """Stop tracking a client (it exited)."""
+        """Stop tracking a client (it exited); a scrape under way is cut off."""
         self.tracker.forget(client_id)
+        self._workers.forget(client_id)
         with self._lock:
             self._scrapers.pop(client_id, None)
 
     def scrape_all(self) -> None:
-        """Scrape every registered endpoint once (the thread calls this every period)."""
+        """Scrape every registered endpoint once, in turn (tests; the workers scrape alone)."""
         with self._lock:
-            scrapers = list(self._scrapers.items())
-        for client_id, scraper in scrapers:
-            if not scraper.scrape(self._clock()):
-                log.debug("latency_scrape_failed", client_id=client_id, error=scraper.last_error)
+            client_ids = list(self._scrapers)
+        for client_id in client_ids:
+            self._scrape_one(client_id, Cancel())
+
+    def _scrape_one(self, client_id: str, cancel: Cancel) -> None:
+        with self._lock:
+            scraper = self._scrapers.get(client_id)
+        if scraper is not None and not scraper.scrape(self._clock(), cancel):
+            log.debug("latency_scrape_failed", client_id=client_id, error=scraper.last_error)
 
     def start(self) -> None:
-        """Start the scraping thread."""
-        self._thread = threading.Thread(target=self._run, name="latency-scraper", daemon=True)
-        self._thread.start()
+        """Start scraping: a worker per endpoint, now and as they are added."""
+        self._workers.start()
 
-    def _run(self) -> None:
-        deadline = time.monotonic()
-        while not self._stop.wait(max(0.0, deadline - time.monotonic())):
-            self.scrape_all()
-            deadline = max(deadline + self.scrape_period_s, time.monotonic())
+    def scrapers_alive(self) -> int:
+        """Endpoint workers whose thread runs."""
+        return self._workers.alive()
 
     def close(self) -> None:
-        """Stop the scraping thread."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
+        """Stop every scrape (those under way are cut off)."""
+        self._workers.close()
 
     def p99s(self, now: float | None = None) -> dict[str, LatencyP99]:
         """Every known client's p99; a scraped client's histogram wins over its datagrams."""

@@ -3,6 +3,12 @@
 One JSON datagram, version 1, carries latency reports (``"s"``, seconds), a count of requests in
 flight (``"n"``), or both, with the id the sender claims (``"id"``): :func:`decode_message` parses
 and checks it; :mod:`gpushare.latency.receiver` decides whom to credit.
+
+Any local user can send anything to this socket, so parsing is bounded before JSON sees a byte:
+the size (:data:`MAX_DATAGRAM_BYTES`), the nesting (:data:`MAX_NESTING`), the length of a number
+(:data:`MAX_NUMBER_CHARS`) and of the id, and the count of values. Every way a datagram can be
+wrong raises :class:`DatagramError` (a ``ValueError``) with a short ``reason`` to count it by; no
+input makes the parser raise anything else (``tests/test_datagram_fuzz.py``).
 """
 
 from __future__ import annotations
@@ -10,9 +16,29 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 # A count above this is not a number of requests one process has in flight.
 MAX_INFLIGHT_COUNT = 1_000_000
+#: The client sends at most 32 values (``client.FLUSH_MAX_VALUES``, ~25 bytes each) and an id:
+#: well under this. A longer datagram is refused unread.
+MAX_DATAGRAM_BYTES = 4096
+#: A good datagram is an object holding one list: depth 2.
+MAX_NESTING = 2
+#: Digits of one number, sign, point and exponent included (a float's repr needs at most 24).
+MAX_NUMBER_CHARS = 32
+#: Latency values in one datagram.
+MAX_VALUES = 256
+#: Characters of the claimed client id.
+MAX_ID_CHARS = 128
+
+
+class DatagramError(ValueError):
+    """A datagram that is refused; ``reason`` is a short, fixed label to count it by."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,38 +50,104 @@ class Message:
     inflight: int | None
 
 
+def nesting_depth(data: bytes) -> int:
+    """The deepest nesting of ``[``/``{`` outside JSON strings (for a bounded parse)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def _number(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        if len(text) > MAX_NUMBER_CHARS:
+            raise DatagramError("number too long", f"{len(text)} characters")
+        return kind(text)
+
+    return parse
+
+
+def _no_constant(name: str) -> None:
+    raise DatagramError("not a finite number", name)
+
+
+def _load(data: bytes) -> Any:
+    if len(data) > MAX_DATAGRAM_BYTES:
+        raise DatagramError("oversized", f"{len(data)} bytes, over {MAX_DATAGRAM_BYTES}")
+    # Counting brackets is cheap; only a datagram with many is scanned for its real depth.
+    if data.count(b"[") + data.count(b"{") > MAX_NESTING and nesting_depth(data) > MAX_NESTING:
+        raise DatagramError("nested too deep", f"over {MAX_NESTING} levels")
+    try:
+        return json.loads(
+            data,
+            parse_int=_number(int),
+            parse_float=_number(float),
+            parse_constant=_no_constant,
+        )
+    except DatagramError:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise DatagramError("not JSON", type(exc).__name__) from None
+
+
+def _claimed_id(msg: dict[str, Any]) -> str:
+    client_id = msg.get("id", "")
+    if not isinstance(client_id, str):
+        raise DatagramError("bad client id", "not a string")
+    if len(client_id) > MAX_ID_CHARS or not client_id.isprintable():
+        raise DatagramError("bad client id", "too long or not printable")
+    try:
+        client_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DatagramError("bad client id", "a lone surrogate") from None
+    return client_id
+
+
 def decode_message(data: bytes) -> Message:
     """Parse a datagram of :func:`gpushare.client.encode_latency` or ``encode_inflight``.
 
     Raises:
-        ValueError: not a version-1 message, or a bad value in it.
+        DatagramError: not a version-1 message, a bad value in it, or over a bound.
     """
-    try:
-        msg = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"not JSON: {exc}") from None
+    msg = _load(data)
     if not isinstance(msg, dict) or msg.get("v") != 1:
-        raise ValueError("not a version 1 gpushare datagram")
-    client_id = msg.get("id", "")
-    if not isinstance(client_id, str):
-        raise ValueError("the client id must be a string")
+        raise DatagramError("not version 1", "not a version 1 gpushare datagram")
+    client_id = _claimed_id(msg)
     if "s" not in msg and "n" not in msg:
-        raise ValueError('neither latency ("s") nor requests in flight ("n")')
+        raise DatagramError("empty", 'neither latency ("s") nor requests in flight ("n")')
     values = msg.get("s", [])
     if not isinstance(values, list):
         values = [values]
+    if len(values) > MAX_VALUES:
+        raise DatagramError("too many values", f"{len(values)}, over {MAX_VALUES}")
     for v in values:
+        # Bounded length, so int -> float cannot overflow; inf comes from a long exponent.
         ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
         if not ok:
-            raise ValueError(f"latency must be a finite number >= 0, got {v!r}")
+            raise DatagramError("bad latency", f"must be a finite number >= 0, got {v!r}")
     count = msg.get("n")
     if count is not None and (
         not isinstance(count, int)
         or isinstance(count, bool)
         or not 0 <= count <= MAX_INFLIGHT_COUNT
     ):
-        raise ValueError(
-            f"requests in flight must be an integer in [0, {MAX_INFLIGHT_COUNT}], got {count!r}"
+        raise DatagramError(
+            "bad in-flight count",
+            f"requests in flight must be an integer in [0, {MAX_INFLIGHT_COUNT}], got {count!r}",
         )
     return Message(client_id, tuple(float(v) for v in values), count)
 

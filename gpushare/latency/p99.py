@@ -22,13 +22,16 @@ class LatencyP99:
 
     ``source`` is where it came from: ``"app"`` (datagrams of ``report_latency``) or
     ``"prometheus"`` (a ``--latency-from`` histogram);
-    :meth:`gpushare.latency.app.AppLatency.p99s` sets it.
+    :meth:`gpushare.latency.app.AppLatency.p99s` sets it. ``reason`` is shown to every user;
+    ``error_detail_owner_only`` may quote text fetched from the client's own URL and must be
+    shown to that client's owner (and root) only.
     """
 
     p99_ms: float | None
     samples: int
     reason: str | None = None
     source: str | None = None
+    error_detail_owner_only: str | None = None
 
 
 class P99Tracker:

@@ -11,14 +11,18 @@ quantile is interpolated linearly inside its bucket (:func:`bucket_quantile`).
 
 from __future__ import annotations
 
-import http.client
+import contextlib
 import itertools
 import math
 import re
+import socket
+import threading
+import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,6 +31,13 @@ from gpushare.latency.p99 import P99, LatencyP99
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 METRIC_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 MAX_SCRAPE_BYTES = 8 << 20
+_MAX_HEAD_BYTES = 64 << 10
+#: A localhost endpoint accepts at once or not at all.
+CONNECT_TIMEOUT_S = 0.25
+#: The longest wait for the next bytes of a reply (the total is the caller's ``timeout_s``).
+READ_TIMEOUT_S = 0.5
+# An owner-only error detail is cut to this (it may quote the endpoint's reply).
+_MAX_DETAIL_CHARS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +96,7 @@ def parse_histogram(text: str, metric: str) -> tuple[dict[float, float], float |
     """
     buckets: dict[float, float] = {}
     total: float | None = None
-    for family in text_string_to_metric_families(text):
+    for family in metric_families(text):
         for s in family.samples:
             if s.name == metric + "_bucket" and "le" in s.labels:
                 le = float(s.labels["le"])
@@ -185,30 +196,201 @@ class HistogramWindow:
         return LatencyP99(value * 1000.0, n)
 
 
-def fetch_local(source: PrometheusSource, timeout_s: float) -> str:
-    """GET the exposition text; no redirects are followed (they could leave localhost).
+class Cancel:
+    """Ends a fetch under way from another thread: its connection is shut down at once.
+
+    One per endpoint worker (:mod:`gpushare.latency.endpoints`); once cancelled, every later
+    fetch with it fails before connecting, so a forgotten client's endpoint is not reached again.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.cancelled = False
+
+    def hold(self, sock: socket.socket) -> None:
+        """Remember the connection of the fetch under way.
+
+        Raises:
+            OSError: already cancelled.
+        """
+        with self._lock:
+            if self.cancelled:
+                raise OSError("the poll was cancelled")
+            self._sock = sock
+
+    def release(self) -> None:
+        """The fetch under way ended."""
+        with self._lock:
+            self._sock = None
+
+    def cancel(self) -> None:
+        """Shut the connection under way down (its blocked read returns) and refuse later ones."""
+        with self._lock:
+            self.cancelled = True
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class FetchError(OSError):
+    """A fetch that failed.
+
+    ``public`` is safe for every user to see; ``str()`` may quote the endpoint's own reply, which
+    only its client's owner (and root) may see.
+    """
+
+    def __init__(self, public: str, detail: str | None = None) -> None:
+        super().__init__(detail or public)
+        self.public = public
+
+
+def fetch_local(
+    source: PrometheusSource,
+    timeout_s: float,
+    *,
+    connect_timeout_s: float | None = None,
+    read_timeout_s: float | None = None,
+    cancel: Cancel | None = None,
+) -> str:
+    """GET the exposition text within ``timeout_s`` in all; no redirects are followed.
+
+    HTTP/1.0 with ``Connection: close``: the reply ends at the connection's end (no chunked
+    encoding to decode), and ``Content-Length`` is honoured where sent. Each read waits at most
+    ``read_timeout_s`` and the whole fetch ``timeout_s``, so an endpoint that trickles a byte at
+    a time (slowloris) holds its own worker for ``timeout_s`` at most, and a ``cancel`` ends it
+    at once.
 
     Raises:
-        OSError: connection failure, a non-200 status, or a body over the size limit.
+        FetchError: connection failure, a timeout, a non-200 status, or a body over the size
+            limit.
     """
-    conn = http.client.HTTPConnection(source.host, source.port, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    connect_s = min(connect_timeout_s or timeout_s, timeout_s)
+    read_s = min(read_timeout_s or timeout_s, timeout_s)
     try:
-        conn.request("GET", source.path, headers={"Accept": "text/plain"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise OSError(f"GET {source.url}: HTTP {resp.status} {resp.reason}")
-        body = resp.read(MAX_SCRAPE_BYTES + 1)
-        if len(body) > MAX_SCRAPE_BYTES:
-            raise OSError(f"GET {source.url}: body larger than {MAX_SCRAPE_BYTES} bytes")
-        return body.decode("utf-8", errors="replace")
-    except http.client.HTTPException as exc:
-        raise OSError(f"GET {source.url}: {exc}") from exc
+        sock = socket.create_connection((source.host, source.port), timeout=connect_s)
+    except OSError as exc:
+        raise FetchError(f"GET {source.url}: cannot connect ({_why(exc)})") from None
+    try:
+        if cancel is not None:
+            cancel.hold(sock)
+        request = (
+            f"GET {source.path} HTTP/1.0\r\nHost: {source.host}:{source.port}\r\n"
+            "Accept: text/plain\r\nConnection: close\r\n\r\n"
+        )
+        sock.sendall(request.encode("ascii", "replace"))
+        raw = _read_reply(sock, source, deadline, read_s, timeout_s)
+    except OSError as exc:
+        if isinstance(exc, FetchError):
+            raise
+        raise FetchError(f"GET {source.url}: {_why(exc)}") from None
     finally:
-        conn.close()
+        if cancel is not None:
+            cancel.release()
+        sock.close()
+    return _body(raw, source)
+
+
+def fetch_with_timeouts(
+    source: PrometheusSource,
+    timeout_s: float,
+    fetch: Callable[[PrometheusSource, float], str] | None,
+    cancel: Cancel | None,
+) -> str:
+    """``fetch`` (tests pass one) or :func:`fetch_local` with its connect and read timeouts.
+
+    Raises:
+        OSError: the fetch failed (:class:`FetchError` from :func:`fetch_local`).
+    """
+    if fetch is not None:
+        return fetch(source, timeout_s)
+    return fetch_local(
+        source,
+        timeout_s,
+        connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout_s),
+        read_timeout_s=min(READ_TIMEOUT_S, timeout_s),
+        cancel=cancel,
+    )
+
+
+def metric_families(text: str) -> list[Any]:
+    """The exposition's metric families, parsed.
+
+    Raises:
+        ValueError: not the text format (the message may quote the text: owner-only).
+    """
+    try:
+        return list(text_string_to_metric_families(text))
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a third-party parser reading a user's text
+        raise ValueError(f"not the Prometheus text format ({type(exc).__name__})") from None
+
+
+def _why(exc: OSError) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return exc.strerror or type(exc).__name__
+
+
+def _read_reply(
+    sock: socket.socket, source: PrometheusSource, deadline: float, read_s: float, total_s: float
+) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    limit = MAX_SCRAPE_BYTES + _MAX_HEAD_BYTES
+    want: int | None = None  # the reply's length once its head says it
+    while want is None or size < want:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise FetchError(f"GET {source.url}: no full reply within {total_s:g} s")
+        sock.settimeout(min(read_s, left))
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise FetchError(f"GET {source.url}: body larger than {MAX_SCRAPE_BYTES} bytes")
+        if want is None:
+            want = _reply_length(b"".join(chunks))
+    return b"".join(chunks)
+
+
+def _reply_length(head_so_far: bytes) -> int | None:
+    head, sep, _ = head_so_far.partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            return len(head) + len(sep) + int(value.strip()[:12])
+    return None
+
+
+def _body(raw: bytes, source: PrometheusSource) -> str:
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split()
+    if not sep or len(status) < 2 or not status[0].startswith(b"HTTP/"):
+        raise FetchError(f"GET {source.url}: not an HTTP reply")
+    code = status[1][:3].decode("ascii", "replace")
+    if code != "200":
+        # Only the code: the reason phrase is the endpoint's text.
+        raise FetchError(f"GET {source.url}: HTTP {code}")
+    if len(body) > MAX_SCRAPE_BYTES:
+        raise FetchError(f"GET {source.url}: body larger than {MAX_SCRAPE_BYTES} bytes")
+    return body.decode("utf-8", errors="replace")
 
 
 class PrometheusScraper:
-    """One online client's Prometheus histogram, scraped into a :class:`HistogramWindow`."""
+    """One online client's Prometheus histogram, scraped into a :class:`HistogramWindow`.
+
+    A failure leaves two texts: ``last_error``, generic and safe for every user's ``status``, and
+    ``last_error_detail``, which may quote what the endpoint sent (a parse error copies the
+    offending line) and is for the client's owner only (``LatencyP99.error_detail_owner_only``).
+    """
 
     def __init__(
         self,
@@ -217,32 +399,51 @@ class PrometheusScraper:
         min_samples: int,
         *,
         timeout_s: float = 1.0,
-        fetch: Callable[[PrometheusSource, float], str] = fetch_local,
+        fetch: Callable[[PrometheusSource, float], str] | None = None,
     ) -> None:
         self.source = source
         self.window = HistogramWindow(window_s, min_samples)
         self.timeout_s = timeout_s
         self._fetch = fetch
         self.last_error: str | None = None
+        self.last_error_detail: str | None = None
 
-    def scrape(self, now: float) -> bool:
-        """Fetch and record one scrape; on failure keep ``last_error`` and return False."""
+    def scrape(self, now: float, cancel: Cancel | None = None) -> bool:
+        """Fetch and record one scrape; on failure keep ``last_error`` and return False.
+
+        ``cancel`` cuts the fetch off from another thread (:class:`Cancel`).
+        """
         try:
-            text = self._fetch(self.source, self.timeout_s)
+            text = fetch_with_timeouts(self.source, self.timeout_s, self._fetch, cancel)
+        except OSError as exc:
+            public = exc.public if isinstance(exc, FetchError) else f"GET {self.source.url} failed"
+            return self._failed(f"scrape failed: {public}", f"scrape failed: {exc}")
+        try:
             buckets, total = parse_histogram(text, self.source.metric)
-        except (OSError, ValueError) as exc:
-            self.last_error = f"scrape failed: {exc}"
-            return False
+        except ValueError as exc:
+            return self._failed(
+                f"scrape failed: {self.source.url} did not answer in the Prometheus text format",
+                f"scrape failed: {exc}",
+            )
         if not buckets and total is None:
-            self.last_error = f"no histogram {self.source.metric!r} at {self.source.url}"
-            return False
+            why = f"no histogram {self.source.metric!r} at {self.source.url}"
+            return self._failed(why, why)
         self.window.add(now, buckets, total)
-        self.last_error = None
+        self.last_error = self.last_error_detail = None
         return True
+
+    def _failed(self, public: str, detail: str) -> bool:
+        self.last_error, self.last_error_detail = public, detail[:_MAX_DETAIL_CHARS]
+        return False
 
     def p99(self, now: float) -> LatencyP99:
         """The p99 over the window; a failing endpoint says why."""
         result = self.window.p99(now)
         if result.p99_ms is None and self.last_error is not None:
-            return LatencyP99(None, result.samples, self.last_error)
+            return LatencyP99(
+                None,
+                result.samples,
+                self.last_error,
+                error_detail_owner_only=self.last_error_detail,
+            )
         return result

@@ -6,6 +6,12 @@ kernel-verified pid/uid/gid (``SCM_CREDENTIALS``); an ``identify`` callback (the
 or rejects it. Accepted latencies go to a :class:`~gpushare.latency.p99.P99Tracker`; requests in
 flight to request gating (``on_inflight``). :func:`renice_thread` lets this thread, and the gate's
 timer, wake ahead of busy offline processes.
+
+Every local user can write to the socket, so no datagram may stop the thread: parsing is bounded
+(:mod:`gpushare.latency.datagrams`), a truncated (oversized) datagram is refused unread, every
+datagram is handled inside its own ``try`` and a failure is counted by reason in
+:attr:`LatencyReceiver.drops`; the thread itself is a supervised one
+(:class:`gpushare.daemon.threads.Supervisor`), restarted if it ever dies.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from pathlib import Path
 
 import structlog
 
-from gpushare.latency.datagrams import decode_message
+from gpushare.daemon.threads import SupervisedThread, Supervisor
+from gpushare.latency.datagrams import MAX_DATAGRAM_BYTES, DatagramError, decode_message
 from gpushare.latency.p99 import P99Tracker
 
 log = structlog.get_logger(__name__)
@@ -97,6 +104,7 @@ class LatencyReceiver:
         thread_nice: the receiving thread's nice value (:func:`renice_thread`), so a request
             start is read at once even when offline processes keep every CPU busy.
         thread_realtime: ``SCHED_FIFO`` for it instead, where allowed (:func:`renice_thread`).
+        threads: the supervisor the receiving thread runs under (a private one by default).
     """
 
     def __init__(
@@ -112,6 +120,7 @@ class LatencyReceiver:
         reject: Callable[..., None] | None = None,
         thread_nice: int | None = None,
         thread_realtime: bool = False,
+        threads: Supervisor | None = None,
     ) -> None:
         self.path = Path(path)
         self.tracker = tracker
@@ -123,11 +132,15 @@ class LatencyReceiver:
         self._reject = reject
         self._thread_nice = thread_nice
         self._thread_realtime = thread_realtime
+        self._threads = threads if threads is not None else Supervisor()
         self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._thread: SupervisedThread | None = None
         self.accepted = 0  # reports (values), not datagrams
         self.rejected = 0  # datagrams
+        #: Datagrams refused or failed, by reason (``"oversized"``, ``"malformed: not JSON"``,
+        #: ``"malformed: nested too deep"``, ``"internal error"``, ...).
+        self.drops: dict[str, int] = {}
 
     def start(self) -> None:
         """Bind the socket and start the receiving thread.
@@ -154,8 +167,7 @@ class LatencyReceiver:
             sock.close()
             raise OSError(exc.errno, f"cannot bind the latency socket {self.path}: {exc}") from exc
         self._sock = sock
-        self._thread = threading.Thread(target=self._run, name="latency-receiver", daemon=True)
-        self._thread.start()
+        self._thread = self._threads.spawn("latency-receiver", self._run, self._stop)
         log.info("latency_socket_listening", path=str(self.path))
 
     def _run(self) -> None:
@@ -167,14 +179,27 @@ class LatencyReceiver:
         cmsg_space = socket.CMSG_SPACE(_UCRED.itemsize * 3)
         while not self._stop.is_set():
             try:
-                data, ancdata, _flags, _addr = sock.recvmsg(65536, cmsg_space)
+                data, ancdata, flags, _addr = sock.recvmsg(MAX_DATAGRAM_BYTES + 1, cmsg_space)
             except TimeoutError:
                 continue
             except OSError:
                 if self._stop.is_set():
                     return
-                raise
-            self.handle(data, _credentials(ancdata))
+                raise  # the supervisor logs it and starts the thread again
+            self.receive(data, ancdata, flags)
+
+    def receive(self, data: bytes, ancdata: Iterable[tuple[int, int, bytes]], flags: int) -> None:
+        """Handle one received datagram; never raises (a failure is a counted drop)."""
+        try:
+            creds = _credentials(ancdata)
+            if flags & socket.MSG_TRUNC or len(data) > MAX_DATAGRAM_BYTES:
+                self._rejected("oversized", pid=creds[0] if creds else None)
+                return
+            self.handle(data, creds)
+        except Exception:
+            # A bug reached by one datagram costs that datagram, not the node's gating.
+            self._rejected("internal error")
+            log.exception("latency_datagram_failed")
 
     def handle(self, data: bytes, creds: tuple[int, int, int] | None) -> str | None:
         """Process one datagram; returns the client it was credited to, or ``None``."""
@@ -185,8 +210,8 @@ class LatencyReceiver:
             return None
         try:
             msg = decode_message(data)
-        except ValueError as exc:
-            self._rejected("malformed datagram", error=str(exc), pid=pid)
+        except DatagramError as exc:
+            self._rejected("malformed datagram", drop=f"malformed: {exc.reason}", pid=pid)
             return None
         client = self.identify(Sender(pid=pid, uid=uid, gid=gid, claimed_id=msg.claimed_id))
         if client is None:
@@ -208,8 +233,10 @@ class LatencyReceiver:
                 return client if msg.latencies_s else None
         return client
 
-    def _rejected(self, reason: str, **context: object) -> None:
+    def _rejected(self, reason: str, *, drop: str | None = None, **context: object) -> None:
         self.rejected += 1
+        key = drop or reason
+        self.drops[key] = self.drops.get(key, 0) + 1
         if self._reject is not None:
             self._reject(reason, **context)
         log.debug("latency_datagram_rejected", reason=reason, **context)
@@ -218,7 +245,9 @@ class LatencyReceiver:
         """Stop the thread, close and remove the socket."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2.0)
+            self._thread.join(timeout_s=2.0)
+            self._threads.remove(self._thread)
+            self._thread = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None

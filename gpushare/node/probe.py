@@ -9,7 +9,8 @@ events and the run time the kernel measured itself (``%globaltimer`` around a ``
 It supports the cuda-bindings 13.x layout (``cuda.bindings.driver``) and the 12.x one
 (``cuda.cuda``) and says which it uses (:func:`load_bindings`). On a sticky CUDA error (700, 719,
 807, 810) the context is unusable, so it exits with :data:`EXIT_STICKY` and the parent restarts it
-with backoff. :func:`driver_status` and :func:`nvrtc_status` are ``gpushare doctor``'s CUDA lines.
+with backoff. ``gpushare doctor``'s CUDA lines (driver, bindings, NVRTC) are
+:mod:`gpushare.node.probe_host`.
 
 The parent side needs no cuda-python and lives beside this module:
 :class:`gpushare.node.probe_manager.ProbeManager` (the :class:`gpushare.node.base.LatencyProbe` the
@@ -127,8 +128,9 @@ def load_bindings() -> Bindings:
         return Bindings(driver12, nvrtc12, "cuda.cuda", version)
     except ImportError as exc:
         raise ProbeUnavailableError(
-            "cuda-python is not installed: `pip install 'cuda-bindings==13.*'` (driver >= 580) "
-            "or `pip install 'cuda-bindings==12.*'` (older drivers)"
+            "cuda-bindings is not installed: `pip install 'cuda-bindings>=12.8,<13' "
+            "'nvidia-cuda-nvrtc-cu12>=12.8,<13'` (driver >= 525), or the 13.x pair "
+            "(driver >= 580; README.md, CUDA and the driver)"
         ) from exc
 
 
@@ -423,6 +425,12 @@ def worker_main(
         _emit(out, "unavailable", reason=str(exc))
         return EXIT_UNAVAILABLE
     _emit(out, "hello", bindings=b.name, bindings_version=b.version, pid=os.getpid())
+    # Imported here: probe_host (the doctor's checks) imports this module.
+    from gpushare.node import probe_host
+
+    if (why := probe_host.mismatch(b)) is not None:
+        _emit(out, "unavailable", reason=why)
+        return EXIT_UNAVAILABLE
     worker = ProbeWorker(
         b, args.gpu, args.cycles, blocks=args.blocks, inject_fault=args.inject_fault
     )
@@ -476,63 +484,6 @@ def _main() -> int:
     if "--watch-stdin" in sys.argv[1:]:
         threading.Thread(target=_watch_parent, args=(stop,), daemon=True).start()
     return worker_main(sys.argv[1:], stop=stop)
-
-
-def nvrtc_status() -> tuple[bool, str, str]:
-    """Whether NVRTC compiles the probe kernel: ``(ok, what was seen, hint)``.
-
-    The probe compiles its kernel at start; the driver does not ship NVRTC (the CUDA toolkit or
-    the ``nvidia-cuda-nvrtc`` wheel does). Compiling needs no GPU, so this is a real compile for
-    ``sm_75``, the oldest architecture current toolkits target. ``gpushare doctor`` shows it.
-    """
-    try:
-        b = load_bindings()
-        cubin = compile_cubin(b.nvrtc, 7, 5)
-    except ProbeUnavailableError as exc:
-        return False, str(exc), ""
-    except driver_missing_errors() as exc:
-        return (
-            False,
-            f"libnvrtc not found ({exc})",
-            "install NVRTC: the CUDA toolkit, or `pip install nvidia-cuda-nvrtc` matching "
-            "the cuda-bindings major version",
-        )
-    except ProbeError as exc:
-        return False, str(exc), "the NVRTC and cuda-bindings versions must match"
-    return True, f"probe kernel compiled ({len(cubin)}-byte CUBIN for sm_75)", ""
-
-
-def driver_status() -> tuple[bool, str, str]:
-    """Whether the CUDA driver answers through cuda-python: ``(ok, what was seen, hint)``.
-
-    This is what the latency probe needs; ``gpushare doctor`` shows it.
-    """
-    try:
-        b = load_bindings()
-        cu = b.driver
-        _check("cuInit", cu.cuInit(0))
-        version = _check("cuDriverGetVersion", cu.cuDriverGetVersion())
-        count = _check("cuDeviceGetCount", cu.cuDeviceGetCount())
-    except ProbeUnavailableError as exc:
-        return False, str(exc), ""
-    except driver_missing_errors() as exc:
-        return (
-            False,
-            f"libcuda not found ({exc})",
-            "install the NVIDIA driver; it ships libcuda.so.1",
-        )
-    except ProbeError as exc:
-        return (
-            False,
-            str(exc),
-            "check `nvidia-smi`; a driver/library version mismatch needs a reboot",
-        )
-    major, minor = int(version) // 1000, (int(version) % 1000) // 10
-    return (
-        True,
-        f"CUDA {major}.{minor} driver, {count} device(s), bindings {b.name} {b.version}",
-        "",
-    )
 
 
 if __name__ == "__main__":

@@ -303,6 +303,27 @@ class SimNode:
             compute_mode=compute_mode,
         )
 
+    def forget_history(self) -> None:
+        """Drop what no reading can use again, for a node that runs for days.
+
+        A probe reading looks back over the probe window and, for the baseline, over the baseline
+        window: a sample launched before both, and already taken in by the quiet samples, is
+        never read again. A trainer's iteration times are kept for the same span, for whoever
+        looks at its progress. The virtual-time runner never calls this (its results read the
+        whole run), so its runs are unchanged.
+        """
+        pc = self.cfg.probe
+        lo = self.loop.now - max(pc.window_s, pc.baseline_window_s)
+        for uuid, probe in self.probes.items():
+            samples = probe.samples
+            quiet = self._quiet[uuid]
+            n = min(bisect.bisect_left(samples, lo, key=lambda s: s[0]), quiet.seen)
+            if n:
+                del samples[:n]
+                quiet.seen -= n
+        for job in self.offline:
+            del job.iterations[: bisect.bisect_left(job.iterations, lo)]
+
     def probe_reading(self, gpu_uuid: str) -> ProbeReading:
         """The probe's reading, by the rules of ``gpushare.node.probe_window.ProbeWindow``.
 
@@ -350,20 +371,21 @@ class _QuietSamples:
     """
 
     def __init__(self) -> None:
-        self._seen = 0
+        #: How many of the probe's samples have been taken in (an index into its list).
+        self.seen = 0
         self._by_time: deque[tuple[float, float]] = deque()
         self._sorted: list[float] = []
         self.last_s: float | None = None
 
     def take(self, samples: list[tuple[float, float, bool]]) -> None:
         """Add the quiet ones among the samples not seen yet."""
-        for k in range(self._seen, len(samples)):
+        for k in range(self.seen, len(samples)):
             t, lat, offline = samples[k]
             if not offline:
                 self._by_time.append((t, lat))
                 bisect.insort(self._sorted, lat)
                 self.last_s = t
-        self._seen = len(samples)
+        self.seen = len(samples)
 
     def since(self, lo: float) -> list[float]:
         """The sorted latencies of the quiet samples launched at or after ``lo``."""

@@ -34,10 +34,16 @@ from gpushare.sim import data
 from gpushare.sim.gating import BoundarySender
 from gpushare.sim.node import SimNode, launch_costs
 from gpushare.sim.scenario import GpuSpec, Scenario
-from gpushare.sim.simenv import ENV_BURST, ENV_PROFILE, ENV_RPS
+from gpushare.sim.simenv import ENV_BURST, ENV_PROFILE, ENV_RPS, rate_problem
 from gpushare.sim.workloads import OfflineTrainer, OnlineServer, bursty_poisson_arrivals
 
 ORION = "orion-v100-kernels"
+#: One :meth:`RealTimeSimNode.advance` simulates in steps of this much virtual time, and stops
+#: (behind the wall clock, to catch up at the next call) once it has run this long, so no
+#: workload can hold the node's lock, and so the daemon's tick and API, for long. A node that
+#: keeps up with the wall clock never reaches it.
+ADVANCE_STEP_S = 0.005
+ADVANCE_BUDGET_S = 1.0
 
 #: Simulated workload profiles by the name ``--sim-profile`` takes: class and kernel profile.
 SIM_PROFILES: dict[str, tuple[ClientClass, str]] = {
@@ -85,10 +91,8 @@ class SimWorkload:
             )
         if cls is ClientClass.ONLINE and (self.rps is None or not self.rps > 0):
             raise SimProfileError(f"--sim-profile {self.profile} needs --rps > 0")
-        if self.burst is not None and (
-            self.burst[0] < 0 or self.burst[1] <= 0 or self.burst[2] <= 0
-        ):
-            raise SimProfileError("--sim-burst is AT_S:FOR_S:FACTOR with positive numbers")
+        if (problem := rate_problem(self.rps, self.burst)) is not None:
+            raise SimProfileError(problem)
         try:
             data.load_profile(entry[1])
         except data.DataError as exc:
@@ -159,7 +163,8 @@ class RealTimeSimNode:
         #: client, ``at_s`` on ``clock``: what the service would report with
         #: ``gpushare.client.report_latency`` (the daemon's simulated mode records it directly).
         self.on_latency: Callable[[str, float, float], None] | None = None
-        self._reported: dict[str, int] = {}
+        #: How far the simulation was behind the wall clock when the last advance stopped.
+        self.behind_s = 0.0
         #: Request boundaries of the simulated online clients on their way to the daemon
         #: (:meth:`start_boundaries`): ``(client_id, pid, requests in flight, at_s on clock)``.
         self._boundaries: queue.SimpleQueue[tuple[str, int, int, float] | None] | None = None
@@ -203,16 +208,27 @@ class RealTimeSimNode:
         return [g.uuid for g in self.node.gpus]
 
     def advance(self) -> None:
-        """Run the simulation up to the wall clock."""
+        """Run the simulation up to the wall clock, or for :data:`ADVANCE_BUDGET_S` at most."""
         with self.lock:
-            self.node.loop.run_until(max(self.node.loop.now, self._clock() - self._t0))
-            if self.on_latency is not None:
-                for server in self.node.online:
-                    done = server.completed
-                    start = self._reported.get(server.cid, 0)
-                    for arrival, latency in done[start:]:
+            loop = self.node.loop
+            target = max(loop.now, self._clock() - self._t0)
+            began = time.perf_counter()
+            while loop.now < target:
+                loop.run_until(min(target, loop.now + ADVANCE_STEP_S))
+                if time.perf_counter() - began > ADVANCE_BUDGET_S:
+                    self.behind_s = target - loop.now
+                    break
+            else:
+                self.behind_s = 0.0
+            for server in self.node.online:
+                if self.on_latency is not None:
+                    for arrival, latency in server.completed:
                         self.on_latency(server.cid, latency, self._t0 + arrival + latency)
-                    self._reported[server.cid] = len(done)
+                # Once reported, a request is the daemon's to keep (in its own windows): a node
+                # that runs for days keeps none (the virtual-time runner reads them at the end).
+                server.completed.clear()
+                server.served.clear()
+            self.node.forget_history()
 
     def add_client(
         self,
@@ -330,7 +346,6 @@ class RealTimeSimNode:
                     self.node.offline.remove(c)
                 elif isinstance(c, OnlineServer):
                     self.node.online.remove(c)
-                    self._reported.pop(client_id, None)
 
     # --- the node Protocols, advanced to the wall clock on every call ----------------------------
 

@@ -82,6 +82,14 @@ def test_python_dash_m_works_without_gpu():
 
 
 def test_import_touches_no_gpu_library():
-    code = "import sys, gpushare, gpushare.cli.app; print([m for m in sys.modules if m.startswith(('pynvml', 'cuda'))])"
+    # cuda-bindings 12.x installs a .pth file that imports the empty `cuda` namespace package in
+    # every interpreter of the environment, gpushare or not: that module loads nothing. Its
+    # submodules (the bindings, pathfinder) and the libraries themselves must stay unloaded.
+    code = (
+        "import sys, gpushare, gpushare.cli.app; "
+        "print([m for m in sys.modules if m.startswith(('pynvml', 'cuda.'))]); "
+        "print(getattr(sys.modules.get('cuda'), '__file__', None)); "
+        "print([l for l in open('/proc/self/maps') if 'libcuda' in l or 'libnvrtc' in l or 'nvidia-ml' in l])"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+    assert proc.stdout.split("\n")[:3] == ["[]", "None", "[]"], proc.stdout + proc.stderr

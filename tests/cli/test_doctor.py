@@ -68,12 +68,12 @@ def test_missing_nvrtc_fails_only_when_probe_enabled_and_names_the_fix():
 
 
 def test_real_nvrtc_check_compiles_the_probe_kernel():
-    from gpushare.node import probe
+    from gpushare.node import probe_host
 
-    ok, detail, hint = probe.nvrtc_status()
-    # The dev extra installs the NVRTC wheel: the real compile runs here, no GPU needed.
-    assert ok, (detail, hint)
-    assert "CUBIN for sm_75" in detail
+    check = probe_host.nvrtc_check()
+    # gpushare depends on the NVRTC wheel: the real compile runs here, no GPU needed.
+    assert check.ok, (check.detail, check.hint)
+    assert "CUBIN for sm_75" in check.detail
 
 
 def test_missing_mps_binary_fails_and_skips_multiuser():

@@ -37,7 +37,7 @@ from gpushare.node.procs.facts import process_cgroup
 from gpushare.paths import repo_root
 from tests.support import slurm_cluster
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.daemon_helpers import python_for_others, wait_for
+from tests.support.daemon_helpers import install_package_for_others, python_for_others, wait_for
 
 GPU = "GPU-8a2f1c3e-1111-2222-3333-444455556666"
 
@@ -321,10 +321,14 @@ def slurm_harness() -> Iterator[Harness]:
     (base / "gpushare.toml").write_text(
         f'[paths]\nruntime_dir = "{base}/run"\nsocket = "{base}/api.sock"\n'
     )
-    # The gpushare command the scripts run: the checkout's, with the test's config.
+    # The gpushare command the scripts run: the checkout's package, with the test's config. The
+    # TaskProlog runs as the job's user, who may not enter the clone (a checkout under root's home
+    # or a 0700 mktemp -d), so the package is installed as an admin would: copied under this
+    # root-owned 0755 directory, not read from the clone.
+    lib = install_package_for_others(base / "lib")
     launcher = base / "gpushare"
     launcher.write_text(
-        f"#!/bin/sh\nexport GPUSHARE_CONFIG={base}/gpushare.toml PYTHONPATH={repo_root()}\n"
+        f"#!/bin/sh\nexport GPUSHARE_CONFIG={base}/gpushare.toml PYTHONPATH={lib}\n"
         f"exec {python or sys.executable} -c 'from gpushare.cli.fast import main; main()' \"$@\"\n"
     )
     launcher.chmod(0o755)
@@ -375,6 +379,24 @@ def _has_nobody() -> bool:
 
 def _env_of(text: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def test_the_job_user_needs_nothing_inside_the_clone(slurm_harness: Harness):
+    """Root may keep the clone where no one else can enter (a 0700 mktemp -d): the scripts the
+    job's user runs, and the package they import, must lie outside it, readable by everyone."""
+    launcher = (slurm_harness.base / "gpushare").read_text()
+    (pythonpath,) = re.findall(r"PYTHONPATH=(\S+)", launcher)
+    used = [Path(pythonpath), slurm_harness.base / "task-prolog", Path(pythonpath) / "gpushare"]
+    for path in used:
+        assert not path.resolve().is_relative_to(repo_root()), path
+        assert all(p.stat().st_mode & 0o005 == 0o005 for p in [path, *path.parents]), path
+    if slurm_harness.user is not None:
+        ran = subprocess.run(
+            ["runuser", "-u", slurm_harness.user, "--", str(slurm_harness.base / "gpushare"),
+             "slurm", "--help"],
+            capture_output=True, text=True, timeout=30, cwd="/", check=False,
+        )  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
 
 
 def test_an_offline_batch_job_gets_its_mps_environment_and_is_registered_then_released(

@@ -457,7 +457,12 @@ listen = "127.0.0.1:{port}"
             if line.startswith("gpushare_client_sm_limit_ratio") and r["client_id"] in line
         )  # fmt: skip
         assert client_line.endswith(" 0.4")
-        assert f'gpushare_throttle_events_total{{UUID="{GPU0}",gpu="0"}} 1.0' in text
+        throttles = [
+            s for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "gpushare_throttle_events_total" and s.labels["UUID"] == GPU0
+        ]  # fmt: skip
+        assert [(s.labels["gpu"], s.value) for s in throttles] == [("0", 1.0)]
+        assert {"Hostname", "modelName"} <= set(throttles[0].labels)
         m = {
             (s.name, s.labels.get("client")): s
             for fam in text_string_to_metric_families(text)

@@ -13,7 +13,10 @@ class FakeHost:
     version: tuple[int, int, int] = (3, 11, 7)
     nvml_probe: Probe = field(default_factory=lambda: Probe(True, "driver 550.54.15, 2 GPUs"))
     cuda_probe: Probe = field(
-        default_factory=lambda: Probe(True, "CUDA 12.4 driver, cuda-bindings 12.x")
+        default_factory=lambda: Probe(True, "driver 550.54.15 supports CUDA 12.4, 2 device(s)")
+    )
+    bindings_probe: Probe = field(
+        default_factory=lambda: Probe(True, "cuda-bindings 12.9.10, needs driver >= 525.60.13")
     )
     nvrtc_probe: Probe = field(
         default_factory=lambda: Probe(True, "probe kernel compiled (3368-byte CUBIN for sm_75)")
@@ -38,6 +41,9 @@ class FakeHost:
 
     def cuda_driver(self) -> Probe:
         return self.cuda_probe
+
+    def cuda_bindings(self) -> Probe:
+        return self.bindings_probe
 
     def nvrtc(self) -> Probe:
         return self.nvrtc_probe

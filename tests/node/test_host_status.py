@@ -2,7 +2,7 @@
 
 import ctypes.util
 
-from gpushare.node import nvml, nvml_diag, probe
+from gpushare.node import nvml, nvml_diag, probe_host
 from tests.fakes import fake_nvml
 
 
@@ -25,12 +25,12 @@ def test_nvml_host_status_with_gpus(monkeypatch):
 
 
 def test_cuda_driver_status_matches_this_host():
-    ok, detail, hint = probe.driver_status()
+    check = probe_host.driver_check()
     if ctypes.util.find_library("cuda") is None:
-        # No NVIDIA driver here (CI): the line names the missing library and the fix.
-        assert not ok
-        assert "libcuda" in detail
-        assert "driver" in hint
+        # No NVIDIA driver here (CI): the line says what it could not check and names the fix.
+        assert (check.ok, check.checked) == (False, False)
+        assert "libcuda" in check.detail and "not checked" in check.detail
+        assert "driver" in check.hint
     else:
-        assert ok, detail
-        assert "CUDA" in detail
+        assert check.ok, check.detail
+        assert "supports CUDA" in check.detail

@@ -245,6 +245,23 @@ def python_for_others() -> str | None:
     return None
 
 
+def install_package_for_others(lib: Path) -> Path:
+    """Copy the checkout's ``gpushare`` package under ``lib`` for other users to import; returns ``lib``.
+
+    A test whose child runs as another user (a Slurm TaskProlog as the job's user) must not read
+    the clone: root may keep it where no one else can enter (its home, a 0700 ``mktemp -d``). The
+    copy is what an admin's install gives that user, a root-owned tree they can read; ``lib``'s
+    parent must be such a directory (the caller creates and removes it).
+    """
+    target = lib / "gpushare"
+    shutil.copytree(
+        REPO / "gpushare", target, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc")
+    )
+    for path in [lib, *lib.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return lib
+
+
 def call_as(uid: int, gid: int, sock: Path, method: str, params: dict[str, Any]) -> dict[str, Any]:
     """Make one API call from a child process running as ``uid``/``gid`` (the test runs as root)."""
     python = python_for_others()
@@ -264,4 +281,11 @@ def call_as(uid: int, gid: int, sock: Path, method: str, params: dict[str, Any])
     return json.loads(out.stdout)
 
 
-__all__ = ["ApiError", "DaemonProc", "call_as", "cpu_ticks", "wait_for"]
+__all__ = [
+    "ApiError",
+    "DaemonProc",
+    "call_as",
+    "cpu_ticks",
+    "install_package_for_others",
+    "wait_for",
+]
