@@ -613,6 +613,7 @@ static int make_room(int bound, int graph, sigset_t *saved, int *masked)
 {
     int64_t awake = 0, last = 0;
     int waited = 0, ok = 0;
+    unsigned seen = g_sweep_no;
     sigset_t async; /* blocked while the lock is held between naps: see below */
     if (graph)
         g_draining++;
@@ -623,7 +624,10 @@ static int make_room(int bound, int graph, sigset_t *saved, int *masked)
             ok = 1;
             break;
         }
-        int retired = sweep();
+        /* With several waiters, one sweep a poll is enough: skip ours if another thread swept
+         * since we last looked (has_room above saw what it retired). */
+        int retired = g_sweep_no == seen ? sweep() : 0;
+        seen = g_sweep_no;
         if (retired < 0)
             break;
         if (retired > 0) {
