@@ -226,7 +226,12 @@ def _inflight(host: Host, cfg: config.Config) -> CheckResult:
         )
     lib = host.inflight_bound()
     if lib.ok:
-        return CheckResult("in-flight bound", Status.OK, lib.detail)
+        # What the queue mode cannot promise (docs/controller.md, "Shallow offline queues").
+        limits = (
+            "bounds kernel and graph launches only: async copies and memsets, host functions and "
+            "NCCL collectives waiting on other processes still run ahead after a freeze"
+        )
+        return CheckResult("in-flight bound", Status.OK, f"{lib.detail}; {limits}")
     return CheckResult(
         "in-flight bound",
         Status.WARN,

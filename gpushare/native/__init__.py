@@ -25,18 +25,22 @@ INFLIGHT_ENV = "GPUSHARE_MAX_INFLIGHT"
 
 STATS_ENV = "GPUSHARE_INFLIGHT_STATS"
 """A path: at exit each process that launched a kernel appends one JSON line there (``pid``,
-``launches``, ``waits``, ``max_inflight``, ``bound``, ``captured_passthrough``,
-``passthrough_reason``: null while the bound held to the end, else why it was off)."""
+``launches``, ``waits``, ``give_ups``, ``graph_launches``, ``max_inflight``, ``bound``,
+``captured_passthrough``, ``passthrough_reason``: null while the bound held to the end, else why it
+was off). Only a regular file, created 0600, never through a symbolic link; put it in a directory
+only its owner can write. A process that ends with ``_exit`` (Python's fork children) writes none."""
 
 WAIT_LIMIT_ENV = "GPUSHARE_INFLIGHT_WAIT_LIMIT_MS"
-"""Optional, default 5000: after waiting this long (awake) for one earlier kernel the bound turns
-off for the process, so a kernel that waits on a later launch cannot hang the job."""
+"""Optional, default 5000: after waiting this long (awake) with every slot pending, that one launch
+goes through unbounded (a give-up, counted in the stats) and the bound is back as soon as a launch
+in flight completes, so a kernel that waits on a later launch cannot hang the job."""
 
 CONTROL_ENV = "GPUSHARE_INFLIGHT_CONTROL"
-"""Optional path to a file holding the bound as a 4-byte little-endian int at offset 0
-(0 = unbounded), mapped read-only and read at every launch, so the bound changes without a
-restart; it overrides :data:`INFLIGHT_ENV`. Rewrite the 4 bytes in place (``os.pwrite`` at 0),
-never truncate the file: a client reading past the end of its mapping dies of SIGBUS."""
+"""Optional path to a regular file (not a symbolic link) holding the bound as a 4-byte
+little-endian int at offset 0 (0 = unbounded), mapped read-only and read at every launch, so the
+bound changes without a restart; it overrides :data:`INFLIGHT_ENV`. Rewrite the 4 bytes in place
+(``os.pwrite`` at 0), never truncate the file: a client reading past the end of its mapping dies
+of SIGBUS."""
 
 
 def library_path() -> Path:

@@ -1,8 +1,10 @@
 """Build the in-flight bound (``inflight.c``) with the host's C compiler.
 
 One place says how: ``make native`` (through ``scripts/build-native.sh``), ``gpushare install`` and
-the tests all compile it here. ``python -m gpushare.native.build [--strict] [OUT]`` builds it next
-to :mod:`gpushare.native` or into ``OUT``.
+the tests all compile it here. ``python -m gpushare.native.build [--strict] [--sanitize=NAME] [OUT]``
+builds it next to :mod:`gpushare.native` or into ``OUT``; ``--sanitize`` (``asan``: AddressSanitizer
+with UndefinedBehaviorSanitizer, ``tsan``: ThreadSanitizer) makes the instrumented variants the
+tests run, never one to install.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ STRICT_FLAGS = ("-Werror",)
 """Added by ``make native`` and the tests: a warning fails the build here, never on an operator's
 host, whose newer compiler may warn about what this one did not."""
 
+SANITIZERS: dict[str, tuple[str, ...]] = {
+    "asan": ("-fsanitize=address,undefined", "-fno-sanitize-recover=all"),
+    "tsan": ("-fsanitize=thread",),
+}
+"""Extra flags of each instrumented variant (-O2 kept: the dlsym forward must stay a tail call)."""
+
+_RUNTIMES = {"asan": ("libasan.so", "libubsan.so"), "tsan": ("libtsan.so",)}
+
 _TIMEOUT_S = 120.0
 
 
@@ -33,8 +43,44 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC") or "cc")
 
 
-def build(out: Path | None = None, *, strict: bool = False) -> tuple[bool, str]:
+def sanitizer_runtimes(name: str) -> tuple[Path, ...] | None:
+    """The shared runtimes a program must preload, first, to run a ``name`` variant.
+
+    ``None`` when the compiler lacks one (it answers ``-print-file-name`` with the bare name).
+    """
+    cc = compiler()
+    if cc is None or name not in _RUNTIMES:
+        return None
+    found = []
+    for lib in _RUNTIMES[name]:
+        try:
+            done = subprocess.run(
+                [cc, f"-print-file-name={lib}"],
+                capture_output=True,
+                text=True,
+                timeout=_TIMEOUT_S,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        path = Path(done.stdout.strip())
+        if done.returncode != 0 or not path.is_absolute() or not path.is_file():
+            return None
+        found.append(path.resolve())
+    return tuple(found)
+
+
+def build(
+    out: Path | None = None,
+    *,
+    strict: bool = False,
+    sanitize: str | None = None,
+    source: Path = SOURCE,
+) -> tuple[bool, str]:
     """Compile the interposer into ``out`` (default: :func:`library_path`); ``strict``: -Werror.
+
+    ``sanitize`` names an instrumented variant (:data:`SANITIZERS`); ``source`` another version
+    of ``inflight.c`` (the tests build an older one to show that a new test fails on it).
 
     Returns:
         Whether it was built, and a line saying what happened or why not (no compiler, the
@@ -42,6 +88,8 @@ def build(out: Path | None = None, *, strict: bool = False) -> tuple[bool, str]:
         preloads the old library or the new one, never half of one.
     """
     target = out if out is not None else library_path()
+    if sanitize is not None and sanitize not in SANITIZERS:
+        return False, f"unknown sanitizer {sanitize!r} (one of {', '.join(SANITIZERS)})"
     cc = compiler()
     if cc is None:
         return False, (
@@ -53,9 +101,10 @@ def build(out: Path | None = None, *, strict: bool = False) -> tuple[bool, str]:
         cc,
         *FLAGS,
         *(STRICT_FLAGS if strict else ()),
+        *(SANITIZERS[sanitize] if sanitize is not None else ()),
         "-o",
         str(tmp),
-        str(SOURCE),
+        str(source),
         "-ldl",
         "-lpthread",
     ]
@@ -72,10 +121,14 @@ def build(out: Path | None = None, *, strict: bool = False) -> tuple[bool, str]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m gpushare.native.build [--strict] [OUT]``: 0 when built or there is no compiler."""
+    """``python -m gpushare.native.build [--strict] [--sanitize=NAME] [OUT]``.
+
+    Returns 0 when built or there is no compiler.
+    """
     strict = "--strict" in argv
-    rest = [a for a in argv if a != "--strict"]
-    ok, line = build(Path(rest[0]) if rest else None, strict=strict)
+    sanitize = next((a.split("=", 1)[1] for a in argv if a.startswith("--sanitize=")), None)
+    rest = [a for a in argv if a != "--strict" and not a.startswith("--sanitize=")]
+    ok, line = build(Path(rest[0]) if rest else None, strict=strict, sanitize=sanitize)
     print(f"build-native: {line}")
     return 0 if ok or compiler() is None else 1
 

@@ -1,100 +1,24 @@
 """The shallow-queue interposer (gpushare/native/inflight.c) against a fake libcuda.
 
-``fake_cuda.c`` is built as ``libcuda.so.1`` with a fake GPU that runs "kernels" (sleeps) in
-order and counts the kernels enqueued and not yet done; ``launcher_prog.c`` reaches the launch
-entry points the ways real programs do and prints what the fake GPU saw. Every bound checked here
-is the fake's count, not the interposer's own bookkeeping.
+Fixtures and the runner are in conftest.py; every bound checked here is the fake GPU's count, not
+the interposer's own bookkeeping.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from gpushare import native
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-CC = shutil.which(os.environ.get("CC", "cc"))
+from tests.native.conftest import Built, assert_all_ran_in_order, base_env, run, without_tsan
 
 # Long enough kernels that an unbounded burst of launches is all queued at once (each launch
 # costs a few microseconds), short enough that a test takes well under a second.
 KERNEL_US = 200
 BURST = 40
-
-
-@dataclass(frozen=True)
-class Built:
-    library: Path
-    prog: Path
-    fake_dir: Path
-
-
-@pytest.fixture(scope="session")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    if CC is None:
-        pytest.skip("no C compiler (cc) on PATH: apt-get install gcc to test the interposer")
-    d = tmp_path_factory.mktemp("inflight")
-    lib = d / native.LIBRARY_NAME
-    # The interposer exactly as `make native` builds it, into our own directory.
-    subprocess.run(["sh", str(ROOT / "scripts" / "build-native.sh"), str(lib)], check=True)
-    flags = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"]
-    # -Bsymbolic: the fake's own references (the pointers its cuGetProcAddress hands out) bind
-    # inside it, as the real driver's do, so LD_PRELOAD does not reach them by accident.
-    fake = [CC, *flags, "-fPIC", "-shared", "-Wl,-soname,libcuda.so.1", "-Wl,-Bsymbolic"]
-    fake += ["-o", str(d / "libcuda.so.1"), str(HERE / "fake_cuda.c"), "-lpthread"]
-    subprocess.run(fake, check=True)
-    prog = d / "launcher_prog"
-    link = [f"-L{d}", "-l:libcuda.so.1", f"-Wl,-rpath,{d}", "-ldl", "-lpthread"]
-    subprocess.run([CC, *flags, "-o", str(prog), str(HERE / "launcher_prog.c"), *link], check=True)
-    return Built(library=lib, prog=prog, fake_dir=d)
-
-
-@dataclass(frozen=True)
-class Run:
-    fake: dict[str, int | bool]
-    stderr: str
-    stats: dict[str, object] | None
-
-
-def run(
-    b: Built,
-    *args: str | int,
-    bound: str | None = "2",
-    preload: bool = True,
-    stats: Path | None = None,
-    extra_env: dict[str, str] | None = None,
-) -> Run:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
-    env.pop("LD_PRELOAD", None)
-    if preload:
-        env["LD_PRELOAD"] = str(b.library)
-    if bound is not None:
-        env[native.INFLIGHT_ENV] = bound
-    if stats is not None:
-        env[native.STATS_ENV] = str(stats)
-    env.update(extra_env or {})
-    p = subprocess.run(
-        [str(b.prog), *map(str, args)], env=env, capture_output=True, text=True, timeout=30
-    )
-    assert p.returncode == 0, p.stderr
-    return Run(
-        fake=json.loads(p.stdout),
-        stderr=p.stderr,
-        stats=json.loads(stats.read_text()) if stats is not None and stats.exists() else None,
-    )
-
-
-def assert_all_ran_in_order(fake: dict[str, int | bool]) -> None:
-    assert fake["kernels_done"] == fake["expected"]
-    assert fake["order_ok"] is True
-    assert fake["launch_errors"] == 0
 
 
 def test_without_the_preload_the_whole_burst_is_in_flight(built: Built) -> None:
@@ -114,30 +38,44 @@ def test_bound_holds_and_every_kernel_runs_in_order(built: Built) -> None:
     assert r.stderr == ""
 
 
+@without_tsan
 def test_bound_one_is_as_shallow_as_launch_blocking(built: Built) -> None:
     r = run(built, "direct", "kernel", 20, KERNEL_US, bound="1")
     assert r.fake["max_inflight"] == 1
     assert_all_ran_in_order(r.fake)
 
 
+@without_tsan
 @pytest.mark.parametrize(
     "reach",
-    ["direct", "gpa", "gpa-self", "dlsym-gpa", "dlsym-gpa-v1", "dlsym", "ptsz", "rtld-next"],
+    [
+        "direct",
+        "gpa",
+        "gpa-ptsz",
+        "gpa-self",
+        "dlsym-gpa",
+        "dlsym-gpa-v1",
+        "dlsym",
+        "ptsz",
+        "rtld-next",
+    ],
 )
 def test_every_way_of_reaching_a_launch_is_bounded(built: Built, reach: str) -> None:
     r = run(built, reach, "kernel", BURST, KERNEL_US)
     assert r.fake["max_inflight"] == 2
     assert_all_ran_in_order(r.fake)
     # The variant asked for is the variant that ran: per-thread flag -> the driver's _ptsz.
-    legacy, ptsz = (0, BURST) if reach == "ptsz" else (BURST, 0)
+    legacy, ptsz = (0, BURST) if reach in ("ptsz", "gpa-ptsz") else (BURST, 0)
     assert (r.fake["calls_legacy"], r.fake["calls_ptsz"]) == (legacy, ptsz)
 
 
+@without_tsan
 @pytest.mark.parametrize("api", ["ex", "coop", "graph"])
 @pytest.mark.parametrize("reach", ["direct", "dlsym-gpa", "ptsz"])
 def test_ex_cooperative_and_graph_launches_are_bounded(built: Built, api: str, reach: str) -> None:
     r = run(built, reach, api, BURST, KERNEL_US, bound="3")
-    assert r.fake["max_inflight"] == 3
+    # A graph launch drains (inflight.c): one graph at a time, here of one kernel node.
+    assert r.fake["max_inflight"] == (1 if api == "graph" else 3)
     assert_all_ran_in_order(r.fake)
 
 
@@ -170,6 +108,7 @@ def test_a_capture_elsewhere_is_not_invalidated_by_the_waits(built: Built) -> No
     assert_all_ran_in_order(r.fake)
 
 
+@without_tsan
 @pytest.mark.parametrize("value", [None, "", "abc", "0", "-1", "2x", " 2", "1025", "99999999999"])
 def test_a_bad_bound_passes_everything_through_and_says_so_once(
     built: Built, tmp_path: Path, value: str | None
@@ -203,6 +142,7 @@ def test_stats_file_counts_launches_and_waits(built: Built, tmp_path: Path) -> N
     assert BURST // 2 <= waits <= BURST - 2
 
 
+@without_tsan
 def test_a_failing_event_turns_the_bound_off_without_breaking_the_job(
     built: Built, tmp_path: Path
 ) -> None:
@@ -272,6 +212,7 @@ def test_the_control_file_sets_the_bound_and_changes_it_without_a_restart(
     assert r.stats["passthrough_reason"] is None
 
 
+@without_tsan
 @pytest.mark.parametrize(
     ("first", "then", "before", "after"), [(0, 2, "burst", 2), (2, 0, 2, "burst")]
 )
@@ -304,6 +245,7 @@ def test_a_control_value_of_zero_is_unbounded(
     assert r.stderr == ""  # GPUSHARE_MAX_INFLIGHT is not needed with a control file
 
 
+@without_tsan
 def test_an_unusable_control_file_falls_back_to_the_environment(
     built: Built, tmp_path: Path
 ) -> None:
@@ -317,17 +259,12 @@ def test_an_unusable_control_file_falls_back_to_the_environment(
     assert str(short) in lines[0]
 
 
+@without_tsan
 def test_processes_that_launch_nothing_leave_the_stats_alone(built: Built, tmp_path: Path) -> None:
     # The job's shell and the tools it runs inherit LD_PRELOAD and the stats path.
     stats = tmp_path / "stats.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
-    env.update(
-        {
-            "LD_PRELOAD": str(built.library),
-            native.INFLIGHT_ENV: "2",
-            native.STATS_ENV: str(stats),
-        }
-    )
+    env = base_env(built, preload=True)
+    env.update({native.INFLIGHT_ENV: "2", native.STATS_ENV: str(stats)})
     script = f"{built.prog} direct kernel {BURST} {KERNEL_US} >/dev/null && /bin/true"
     subprocess.run(["/bin/sh", "-c", script], env=env, check=True, timeout=30)
     lines = stats.read_text().splitlines()
@@ -340,7 +277,8 @@ def test_processes_that_launch_nothing_leave_the_stats_alone(built: Built, tmp_p
 def test_a_kernel_waiting_on_a_later_launch_does_not_hang_the_job(
     built: Built, tmp_path: Path
 ) -> None:
-    # k = 1 holds back the launch the first kernel waits for: the bound must give up, not hang.
+    # k = 1 holds back the launch the first kernel waits for: the wait must give up (that launch
+    # goes through), not hang; the bound stays on.
     stats = tmp_path / "stats.json"
     r = run(
         built,
@@ -357,7 +295,12 @@ def test_a_kernel_waiting_on_a_later_launch_does_not_hang_the_job(
     assert len(lines) == 1, lines
     assert "200 ms without finishing" in lines[0]
     assert r.stats is not None
-    assert "without finishing" in str(r.stats["passthrough_reason"])
+    assert r.stats["passthrough_reason"] is None
+    # At most one give-up per pair (its second launch is what its first kernel waits for); a
+    # pair launched while an earlier give-up is unresolved goes through without waiting.
+    give_ups = r.stats["give_ups"]
+    assert isinstance(give_ups, int)
+    assert 1 <= give_ups <= 5
 
 
 def test_a_bound_that_fits_the_dependency_keeps_it(built: Built) -> None:
