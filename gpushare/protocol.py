@@ -345,7 +345,13 @@ def from_params(cls: type[T], params: dict[str, Any]) -> T:
                 ErrorCode.INVALID_PARAMS,
                 f"parameter {name!r} must be {_describe(hints[name])}, got {type(value).__name__}",
             )
-        kwargs[name] = _coerce(hints[name], value)
+        try:
+            kwargs[name] = _coerce(hints[name], value)
+        except OverflowError:
+            # An integer of hundreds of digits is valid JSON but no float.
+            raise ProtocolError(
+                ErrorCode.INVALID_PARAMS, f"parameter {name!r} is too large for a number"
+            ) from None
     return cls(**kwargs)
 
 

@@ -9,6 +9,7 @@ import pytest
 import structlog
 
 from tests.support.helpers import MPS_MISSING, find_mps_control
+from tests.support.trusted import SKIP_REASON, trusted_base, trusted_dir
 
 
 @pytest.fixture(autouse=True)
@@ -26,3 +27,12 @@ def mps_control() -> Path:
     if found is None:
         pytest.skip(MPS_MISSING)
     return found
+
+
+@pytest.fixture
+def trusted_tmp() -> Iterator[Path]:
+    """A temporary directory the daemon may trust (tests/support/trusted.py), removed after."""
+    if trusted_base() is None:
+        pytest.skip(SKIP_REASON)
+    with trusted_dir() as path:
+        yield path

@@ -29,6 +29,7 @@ class FakeHost:
     dirs: dict[Path, DirFacts] = field(default_factory=dict)
     booted_systemd: bool = True
     asked_binary: list[str] = field(default_factory=list)
+    untrusted_files: dict[Path, str] = field(default_factory=dict)
 
     def python_version(self) -> tuple[int, int, int]:
         return self.version
@@ -60,3 +61,6 @@ class FakeHost:
 
     def systemd(self) -> bool:
         return self.booted_systemd
+
+    def untrusted(self, path: Path, what: str) -> str | None:
+        return self.untrusted_files.get(path)
