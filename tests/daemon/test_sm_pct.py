@@ -1,0 +1,71 @@
+"""``submit``'s SM share over the real socket: only a finite percentage in [1, 100] is a share.
+
+JSON as any local user can write it (NaN, Infinity, 1e999 and a 400-digit integer are all read by
+the daemon's parser): each is refused with one line and changes nothing; 5e-324 was accepted and
+shown as 0 %.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpushare.protocol import ErrorCode
+from tests.support.daemon_helpers import DaemonProc
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = DaemonProc(gpus=1)
+    d.start()
+    try:
+        yield d
+    finally:
+        d.cleanup()
+
+
+def _raw_submit(d: DaemonProc, sm_text: str) -> dict:
+    line = (
+        '{"id": 7, "method": "submit", "params": {"cls": "offline", "argv": ["sleep", "30"], '
+        '"detach": true, "cwd": "/", "env": {"PATH": "/usr/bin:/bin"}, '
+        f'"sm_pct": {sm_text}}}}}\n'
+    )
+    with d.api() as api:
+        api._sock.sendall(line.encode())
+        reply = api._reader.read_line()
+    assert reply is not None
+    return json.loads(reply)
+
+
+@pytest.mark.parametrize(
+    ("sm_text", "says"),
+    [
+        ("5e-324", "--sm must be a percentage in (0, 100] of at least 1"),
+        ("0.5", "--sm must be a percentage in (0, 100] of at least 1"),
+        ("0", "--sm must be a percentage in (0, 100] of at least 1"),
+        ("100.5", "--sm must be a percentage in (0, 100] of at least 1"),
+        ("NaN", "got nan"),
+        ("Infinity", "got inf"),
+        ("-Infinity", "got -inf"),
+        ("1e999", "got inf"),
+        ("1" + "0" * 400, "parameter 'sm_pct' is too large for a number"),
+    ],
+)
+def test_a_share_that_is_no_percentage_is_refused_in_one_line(
+    daemon: DaemonProc, sm_text: str, says: str
+) -> None:
+    before = daemon.call("list", {"all": True})["clients"]
+    reply = _raw_submit(daemon, sm_text)
+    assert reply["error"]["code"] == ErrorCode.INVALID_PARAMS.value, reply
+    message = reply["error"]["message"]
+    assert says in message and "\n" not in message
+    assert daemon.call("list", {"all": True})["clients"] == before
+
+
+def test_one_percent_is_a_share(daemon: DaemonProc) -> None:
+    reply = _raw_submit(daemon, "1")
+    assert "result" in reply, reply
+    cid = reply["result"]["client_id"]
+    assert reply["result"]["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "1"
+    daemon.call("cancel", {"client_id": cid})
