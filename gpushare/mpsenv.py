@@ -84,11 +84,13 @@ a few hundred SMs; 1 % is also ``control.offline_sm_pct_min``'s floor."""
 
 def sm_pct_problem(sm_pct: float) -> str | None:
     """Why ``sm_pct`` is no SM share (one line), or None: finite, within [1, 100]."""
-    if not math.isfinite(sm_pct) or not SM_PCT_MIN <= sm_pct <= 100:
+    if not (math.isfinite(sm_pct) and 0 < sm_pct <= 100):
         shown = f"{sm_pct:g}" if math.isfinite(sm_pct) else str(sm_pct)
+        return f"--sm must be a percentage in (0, 100], got {shown}"
+    if sm_pct < SM_PCT_MIN:
         return (
-            f"--sm must be a percentage in (0, 100] of at least {SM_PCT_MIN:g} (MPS rounds a "
-            f"share down to whole SMs), got {shown}"
+            f"--sm must be at least {SM_PCT_MIN:g} (MPS rounds a share down to whole SMs), "
+            f"got {sm_pct:g}"
         )
     return None
 

@@ -215,9 +215,10 @@ class MpsControl:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         # Root runs the front end at every command (the health check: every few seconds), so a
         # binary swapped after start by a user who can write a directory above it is refused.
-        binary = find_binary(self.control_binary) or self.control_binary
-        if os.path.isabs(binary) and (why := trust.refusal(binary, what=CONTROL_ROLE)) is not None:
+        found = find_binary(self.control_binary)
+        if found is not None and (why := trust.refusal(found, what=CONTROL_ROLE)) is not None:
             raise MpsSetupError(f"refusing to run it: {why}", command=line)
+        binary = found or self.control_binary  # missing: the error below names the fix
         try:
             done = run([binary], input=line + "\n", timeout_s=timeout, env=self._env())
         except (FileNotFoundError, PermissionError) as exc:
