@@ -41,7 +41,10 @@ def _raw_submit(d: DaemonProc, sm_text: str) -> dict:
 @pytest.mark.parametrize(
     ("sm_text", "says"),
     [
-        ("5e-324", "--sm must be at least 1 (MPS rounds a share down to whole SMs), got 4.94066e-324"),
+        (
+            "5e-324",
+            "--sm must be at least 1 (MPS rounds a share down to whole SMs), got 4.94066e-324",
+        ),
         ("0.5", "--sm must be at least 1 (MPS rounds a share down to whole SMs), got 0.5"),
         ("0", "--sm must be a percentage in (0, 100], got 0"),
         ("100.5", "--sm must be a percentage in (0, 100], got 100.5"),
