@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from gpushare import trust
 from gpushare.model import ClientClass, MpsState, Observation
 
 # Controller steps take microseconds to milliseconds; admission waits seconds to hours.
@@ -167,6 +168,7 @@ class Exporter(Collector):
         yield from _client_metrics(snap)
         yield from _admission_metrics(snap.admission)
         yield _event_metrics(snap)
+        yield _trust_metrics()
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -352,3 +354,16 @@ def _event_metrics(snap: NodeMetrics) -> CounterMetricFamily:
     for (kind, severity, uuid), n in sorted(snap.events.items()):
         events.add_metric([index.get(uuid, ""), uuid, kind, severity], float(n))
     return events
+
+
+def _trust_metrics() -> CounterMetricFamily:
+    # Read from the process's checker, not the tick's snapshot: a refusal happens at a launch or
+    # an MPS command, between ticks. The roles are fixed strings of the daemon's code.
+    refused = CounterMetricFamily(
+        "gpushare_untrusted_file_refusals",
+        "Uses of a file refused because a user other than root could change it (gpushare.trust)",
+        labels=["file"],
+    )
+    for role, n in sorted(trust.refusals().items()):
+        refused.add_metric([role], float(n))
+    return refused

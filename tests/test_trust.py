@@ -10,8 +10,10 @@ import os
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from gpushare import native, trust
+from gpushare.metrics import Exporter
 from gpushare.trust import TrustCheck
 
 NOBODY = 65534  # an unprivileged uid: ownership alone matters, no account is needed
@@ -104,3 +106,11 @@ def test_the_in_flight_library_must_be_trusted_too(trusted_tmp: Path) -> None:
     why = native.unusable_reason(lib) or ""
     assert why.startswith(f"the in-flight library {lib} is not trusted: {lib} is owned by uid")
     assert f"chown root:root {lib} && chmod go-w {lib}" in why
+
+
+def test_refusals_are_exported_as_a_counter(tmp_path: Path) -> None:
+    before = trust.refusals().get("the MPS server binary", 0)
+    assert trust.refusal(tmp_path, what="the MPS server binary") is not None  # under /tmp
+    text = generate_latest(Exporter().registry).decode()
+    line = f'gpushare_untrusted_file_refusals_total{{file="the MPS server binary"}} {before + 1}.0'
+    assert line in text.splitlines()
