@@ -106,7 +106,7 @@ class TrustCheck:
             components = list(dict.fromkeys([*_chain(literal), *_chain(resolved)]))
             stats = [(c, os.stat(c)) for c in components]
         except OSError as exc:
-            self._count(what)
+            self.count(what)
             return f"{what} {literal}: {exc.strerror or exc}"
         key: _Key = tuple((s.st_dev, s.st_ino, s.st_mtime_ns, s.st_ctime_ns) for _, s in stats)
         with self._lock:
@@ -122,10 +122,11 @@ class TrustCheck:
                     self._cache.clear()
                 self._cache[literal] = (key, why)
         if why is not None:
-            self._count(what)
+            self.count(what)
         return why
 
-    def _count(self, what: str) -> None:
+    def count(self, what: str) -> None:
+        """Count one refused use of a file of role ``what`` (a refusal found by another walk)."""
         with self._lock:
             self._refused[what] += 1
 
@@ -147,3 +148,31 @@ def refusal(path: Path | str, *, what: str) -> str | None:
 def refusals() -> dict[str, int]:
     """:meth:`TrustCheck.refusals` of the process's checker (``status`` shows it)."""
     return CHECK.refusals()
+
+
+def tree_refusal(root: Path, *, what: str) -> str | None:
+    """:func:`refusal` for ``root`` and for every file and directory below it; None: all pass.
+
+    For an installation (``gpushare doctor``): root runs the package's modules and their cached
+    bytecode, and Slurm's Prolog runs its command. Links below ``root`` are not followed.
+    """
+    why = refusal(root, what=what)
+    if why is not None:
+        return why
+    for top, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            path = Path(top) / name
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # gone meanwhile: nothing left to run
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            found = _problem(path, st)
+            if found is not None:
+                CHECK.count(what)
+                return (
+                    f"{what} {root} is not trusted: {found[0]}; a user who can change it could "
+                    f"run code as root or as another user (fix: {found[1]})"
+                )
+    return None

@@ -114,3 +114,16 @@ def test_refusals_are_exported_as_a_counter(tmp_path: Path) -> None:
     text = generate_latest(Exporter().registry).decode()
     line = f'gpushare_untrusted_file_refusals_total{{file="the MPS server binary"}} {before + 1}.0'
     assert line in text.splitlines()
+
+
+def test_a_tree_is_trusted_only_when_every_file_in_it_is_roots(trusted_tmp: Path) -> None:
+    # What doctor asks of gpushare's own package: a user's .pyc in __pycache__ would run as root.
+    pkg = trusted_tmp / "gpushare"
+    module = _file(pkg / "__pycache__", "core.cpython-311.pyc", 0o644)
+    assert trust.tree_refusal(pkg, what="the gpushare package") is None
+    os.chown(module, NOBODY, NOBODY)
+    why = trust.tree_refusal(pkg, what="the gpushare package") or ""
+    assert why.startswith(
+        f"the gpushare package {pkg} is not trusted: {module} is owned by uid {NOBODY}, not root"
+    )
+    assert why.endswith(f"(fix: chown root:root {module} && chmod go-w {module})")

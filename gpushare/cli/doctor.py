@@ -91,6 +91,10 @@ class Host(Protocol):
         """Whether a cgroup v2 hierarchy with a writable freezer exists."""
         ...
 
+    def package(self) -> Probe:
+        """Whether gpushare's own files (what the daemon and Slurm's Prolog run) are root's only."""
+        ...
+
     def untrusted(self, path: Path, what: str) -> str | None:
         """Why the daemon would not trust the file ``path`` (gpushare.trust); None: it would."""
         ...
@@ -172,6 +176,17 @@ def run_checks(
         )
     )
     results.append(_inflight(host, cfg))
+    package = host.package()
+    results.append(
+        CheckResult(
+            "gpushare package",
+            Status.OK if package.ok else Status.FAIL,
+            package.detail,
+            ""
+            if package.ok
+            else package.hint or "install gpushare as root, where only root writes",
+        )
+    )
     results.append(_directory(host, "runtime directory", cfg.paths.runtime_dir))
     results.append(_directory(host, "state directory", cfg.paths.state_dir))
     has_systemd = host.systemd()

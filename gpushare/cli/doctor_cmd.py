@@ -71,6 +71,12 @@ class RealHost:
         untrusted = native.untrusted_reason(lib)
         return Probe(untrusted is None, untrusted or str(lib), untrusted=untrusted is not None)
 
+    def package(self) -> Probe:
+        """The package directory of gpushare and everything in it (gpushare.trust)."""
+        where = Path(native.__file__).resolve().parent.parent
+        why = trust.tree_refusal(where, what="the gpushare package")
+        return Probe(why is None, why or f"{where} (root's, not writable by others)")
+
     def cgroup_freezer(self) -> Probe:
         """Whether the freezer works under the configured client cgroup base."""
         ok, detail = freezer_check(self._cfg.paths.cgroup_base)

@@ -185,3 +185,14 @@ def test_render_shows_hints_only_for_problems():
     assert "never shown" not in text
     assert "hint: install it" in text
     assert text.splitlines()[0].startswith("NVML                ")
+
+
+def test_a_package_another_user_could_change_fails() -> None:
+    host = FakeHost(package_probe=Probe(False, "the gpushare package /x is not trusted: ..."))
+    r = _by_name(run_checks(host, config.Config(), None))["gpushare package"]
+    assert r.status is Status.FAIL
+    assert r.detail == "the gpushare package /x is not trusted: ..."
+    assert r.hint == "install gpushare as root, where only root writes"
+    assert _by_name(run_checks(FakeHost(), config.Config(), None))["gpushare package"].status is (
+        Status.OK
+    )

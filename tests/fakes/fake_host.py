@@ -30,6 +30,9 @@ class FakeHost:
     booted_systemd: bool = True
     asked_binary: list[str] = field(default_factory=list)
     untrusted_files: dict[Path, str] = field(default_factory=dict)
+    package_probe: Probe = field(
+        default_factory=lambda: Probe(True, "/opt/gs/gpushare (root's, not writable by others)")
+    )
 
     def python_version(self) -> tuple[int, int, int]:
         return self.version
@@ -52,6 +55,9 @@ class FakeHost:
 
     def inflight_bound(self) -> Probe:
         return self.inflight_probe
+
+    def package(self) -> Probe:
+        return self.package_probe
 
     def cgroup_freezer(self) -> Probe:
         return self.freezer_probe
