@@ -53,12 +53,34 @@ def fix_for(path: Path | str, *, sticky: bool = False) -> str:
     return f"chown root:root {path} && chmod go-w {path}"
 
 
-def _chain(path: Path) -> list[Path]:
-    """``path`` and every directory above it, from ``/`` down."""
-    return [*reversed(path.parents), path]
+def _chain(path: str) -> list[str]:
+    """``path`` (absolute, normalised) and every directory above it, from ``/`` down."""
+    out, current = ["/"], ""
+    for part in path.split("/"):
+        if part:
+            current += "/" + part
+            out.append(current)
+    return out
 
 
-def _problem(component: Path, st: os.stat_result) -> tuple[str, str] | None:
+def _stats(literal: str) -> list[tuple[str, os.stat_result]]:
+    """Each component of ``literal``, and where a link is met of its target's chain, with stats.
+
+    Strings and one ``lstat`` per component: the launch path runs this at every launch, and
+    ``os.path.realpath`` (several times the cost) is needed only where a component is a link.
+
+    Raises:
+        OSError: a component is missing or cannot be read.
+    """
+    stats = [(c, os.lstat(c)) for c in _chain(literal)]
+    if not any(stat.S_ISLNK(st.st_mode) for _, st in stats):
+        return stats
+    resolved = os.path.realpath(literal, strict=True)
+    components = dict.fromkeys([*_chain(literal), *_chain(resolved)])
+    return [(c, os.stat(c)) for c in components]
+
+
+def _problem(component: Path | str, st: os.stat_result) -> tuple[str, str] | None:
     """What is wrong with one component, and the fix; None when it passes."""
     if st.st_uid != ROOT_UID:
         return f"{component} is owned by uid {st.st_uid}, not root", fix_for(component)
@@ -73,7 +95,7 @@ def _problem(component: Path, st: os.stat_result) -> tuple[str, str] | None:
     return None
 
 
-def _verdict(what: str, literal: Path, stats: list[tuple[Path, os.stat_result]]) -> str | None:
+def _verdict(what: str, literal: str, stats: list[tuple[str, os.stat_result]]) -> str | None:
     """The refusal line for the first component that fails the rule; None when all pass."""
     for component, st in stats:
         found = _problem(component, st)
@@ -91,7 +113,7 @@ class TrustCheck:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._cache: dict[Path, tuple[_Key, str | None]] = {}
+        self._cache: dict[str, tuple[_Key, str | None]] = {}
         self._refused: Counter[str] = Counter()
 
     def refusal(self, path: Path | str, *, what: str) -> str | None:
@@ -100,11 +122,9 @@ class TrustCheck:
         ``what`` names the file's role (``"the in-flight library"``): it labels the line, the log
         and the refusal counter.
         """
-        literal = Path(os.path.abspath(path))
+        literal = os.path.abspath(path)
         try:
-            resolved = Path(os.path.realpath(literal, strict=True))
-            components = list(dict.fromkeys([*_chain(literal), *_chain(resolved)]))
-            stats = [(c, os.stat(c)) for c in components]
+            stats = _stats(literal)
         except OSError as exc:
             self.count(what)
             return f"{what} {literal}: {exc.strerror or exc}"
@@ -116,7 +136,7 @@ class TrustCheck:
         else:
             why = _verdict(what, literal, stats)
             if why is not None:
-                log.warning("untrusted_file", what=what, path=str(literal), reason=why)
+                log.warning("untrusted_file", what=what, path=literal, reason=why)
             with self._lock:
                 if len(self._cache) >= _CACHE_MAX:
                     self._cache.clear()
