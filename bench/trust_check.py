@@ -49,7 +49,8 @@ def main() -> int:
     walk = [_per_call_us(lambda: trust.tree_refusal(package, what="bench"), 20) for _ in range(5)]
     files = sum(1 for _ in package.rglob("*"))
     result = {
-        "path": str(lib),
+        # Relative to the clone: the JSON is committed, this machine's paths are not its business.
+        "path": str(lib.relative_to(ROOT)) if lib.is_relative_to(ROOT) else lib.name,
         "components": depth,
         "refused": check.refusal(lib, what="bench"),
         "launch_check_us_median": statistics.median(cached),
