@@ -12,6 +12,7 @@ its old mode.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,14 @@ RESTART_KEYS = (
     "gate.realtime_threads",
 )
 """Keys (or whole tables) the daemon reads once, at start: the socket, the MPS supervisors, the
-probe, the latency receiver, the exporter and the gates' threads are built from them."""
+probe, the latency receiver, the exporter and the gates' threads are built from them. Also
+``gpus.<key>.shared``: the MPS control daemons run for the GPUs shared at start."""
 
 LIVE_KEYS = ("mps.max_clients",)
 """Exceptions inside a :data:`RESTART_KEYS` table: read at each admission, so a reload applies."""
+
+_GPU_SHARED = re.compile(r"^gpus\.[^.]+\.shared$")
+"""``gpus.<key>.shared``: MPS is started at start for the shared GPUs only."""
 
 
 class ReloadRefusedError(Exception):
@@ -48,12 +53,18 @@ class ReloadRefusedError(Exception):
 def restart_keys(old: Config, new: Config) -> list[str]:
     """The keys that differ between ``old`` and ``new`` and take effect only after a restart."""
     before, after = _flat(config_mod.to_dict(old)), _flat(config_mod.to_dict(new))
-    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    changed = {k for k in before.keys() | after.keys() if _get(before, k) != _get(after, k)}
     return sorted(
         k
         for k in changed
-        if k not in LIVE_KEYS and any(k == p or k.startswith(p + ".") for p in RESTART_KEYS)
+        if _GPU_SHARED.match(k)
+        or (k not in LIVE_KEYS and any(k == p or k.startswith(p + ".") for p in RESTART_KEYS))
     )
+
+
+def _get(flat: Mapping[str, Any], key: str) -> Any:
+    # A GPU without a table of its own is shared (GpuOverride's default).
+    return flat.get(key, True if _GPU_SHARED.match(key) else None)
 
 
 def load_for_reload(path: Path, current: Config) -> Config:
@@ -91,7 +102,7 @@ def untrusted_config(path: Path) -> str | None:
 def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, Mapping) and key != "gpus":
+        if isinstance(value, Mapping):
             out.update(_flat(value, f"{prefix}{key}."))
         else:
             out[prefix + key] = value

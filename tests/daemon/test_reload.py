@@ -150,11 +150,16 @@ def _last_event(d: Daemon) -> tuple[str, str]:
     return e.kind, e.message
 
 
-def test_reload_applies_a_key_it_can(daemon: Daemon, tmp_path: Path) -> None:
+def test_reload_applies_the_keys_it_can(daemon: Daemon, tmp_path: Path) -> None:
     assert daemon.config_path is not None
-    daemon.config_path.write_text(_text(tmp_path).replace('"2s"', '"1s"'))
+    daemon.config_path.write_text(
+        _text(tmp_path).replace('"2s"', '"1s"')
+        + '[mps]\nmax_clients = 8\n[gpus."0"]\noffline_sm_pct_max = 50\n'
+    )
     assert daemon.reload() is True
     assert daemon.config.daemon.cancel_grace_s == 1.0
+    assert daemon.config.mps.max_clients == 8
+    assert daemon.config.gpu_override(0, "GPU-x").offline_sm_pct_max == 50.0
     assert _last_event(daemon)[0] == "config_reloaded"
 
 
@@ -168,6 +173,8 @@ def test_reload_applies_a_key_it_can(daemon: Daemon, tmp_path: Path) -> None:
          "paths.latency_socket, paths.mps_log_dir, paths.mps_pipe_dir, paths.runtime_dir, "
          "paths.socket"),
         (lambda t: t.replace('"0666"', '"0600"').replace('"2s"', '"1s"'), "daemon.socket_mode"),
+        (lambda t: t + '[gpus."0"]\nshared = false\n', "gpus.0.shared"),
+        (lambda t: t + "[mps]\nmax_clients = 8\nhealth_period = \"1s\"\n", "mps.health_period"),
     ],
 )  # fmt: skip
 def test_reload_refuses_a_file_that_changes_a_key_read_only_at_start(
