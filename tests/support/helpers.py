@@ -27,7 +27,11 @@ def _mps_root() -> Path:
     """
     control = MPS_CACHE / "usr" / "bin" / "nvidia-cuda-mps-control"
     base = trusted_base()
-    if base is None or not control.exists() or TrustCheck().refusal(control, what="the cached MPS binary") is None:
+    if (
+        base is None
+        or not control.exists()
+        or TrustCheck().refusal(control, what="the cached MPS binary") is None
+    ):
         return MPS_CACHE
     copy = base / TRUSTED_MPS_COPY
     if not (copy / "usr" / "bin" / "nvidia-cuda-mps-control").exists():
