@@ -12,6 +12,7 @@ valid. Nothing is applied until the whole file has been validated, so a bad relo
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sys
 import types
@@ -37,6 +38,13 @@ else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 CONFIG_VERSION = 1
+CONFIG_ROLE = "the config file"
+"""How :mod:`gpushare.trust` names the config file in its lines and its refusal counter."""
+POLICY_NAMES = (
+    "gpushare", "exclusive", "time-slicing", "mps", "mps-priority", "static-split", "tgs",
+    "tally-like",
+)  # fmt: skip
+"""Every ``control.policy`` (``gpushare.control.registry`` builds them; a test keeps both equal)."""
 GPU_KEY_RE = re.compile(r"^(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-]+)$")
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -147,7 +155,8 @@ class MpsConfig:
     restart_backoff_min_s: float = _duration(0.2, above=True)
     restart_backoff_max_s: float = _duration(30.0, above=True)
     quit_timeout_s: float = _duration(10.0)
-    default_active_thread_pct: float = _num(100.0, minimum=0.0, maximum=100.0, above=True)
+    # At least 1: MPS rounds a share down to whole SMs (gpushare.mpsenv.SM_PCT_MIN).
+    default_active_thread_pct: float = _num(100.0, minimum=1.0, maximum=100.0)
     max_clients: int = _num(48, minimum=1, maximum=128)
 
 
@@ -276,7 +285,7 @@ class AdoptRule:
     slo_p99_s: float | None = field(
         default=None, metadata={"kind": "duration", "min": 0.0, "above": True}
     )
-    sm_pct: float | None = field(default=None, metadata={"min": 0.0, "max": 100.0, "above": True})
+    sm_pct: float | None = field(default=None, metadata={"min": 1.0, "max": 100.0, "above": False})
     mem_bytes: int | None = field(default=None, metadata={"kind": "size", "min": 1 << 20})
 
 
@@ -371,6 +380,12 @@ def _check_cross_field(config: Config, file: Path | str | None) -> None:
         )
     if control.comfort_ratio > control.violation_ratio:
         raise ConfigError(file, "control.comfort_ratio", "must not exceed control.violation_ratio")
+    if control.policy not in POLICY_NAMES:
+        raise ConfigError(
+            file,
+            "control.policy",
+            f"unknown policy {control.policy!r}; valid policies: {', '.join(POLICY_NAMES)}",
+        )
     if control.policy == "tally-like":
         raise ConfigError(
             file,
@@ -504,6 +519,12 @@ def _convert(
         raise ConfigError(file, key, f"{exc}, got {_show(value)}") from None
     except ValueError as exc:
         raise ConfigError(file, key, str(exc)) from None
+    except OverflowError:
+        raise ConfigError(file, key, f"too large: {_show(value)}") from None
+    if isinstance(result, float) and not math.isfinite(result):
+        # TOML spells nan and inf; a long enough digit string becomes inf too. Every comparison
+        # with NaN is false, so a range check alone would let it through.
+        raise ConfigError(file, key, f"expected a finite number, got {_show(value)}")
     _check_range(f, result, file, key)
     return result
 

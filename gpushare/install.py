@@ -287,8 +287,19 @@ def _write(target: Path, text: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
-    tmp.chmod(0o644)
+    _root_owned(tmp, 0o644)
     os.replace(tmp, target)
+
+
+def _root_owned(path: Path, mode: int) -> None:
+    """``mode`` (never group- or other-writable) and, when installing as root, owned by root.
+
+    The daemon trusts only such files (gpushare.trust); a dry run or a test as another user keeps
+    its own uid.
+    """
+    path.chmod(mode & ~0o022)
+    if os.geteuid() == 0:
+        os.chown(path, 0, 0)
 
 
 def _install_config(host: _Host) -> tuple[Step, config.Config | None]:
@@ -381,8 +392,16 @@ def _build_inflight(opts: Options, cfg: config.Config) -> Step:
     what = "the in-flight bound for shallow offline queues"
     if opts.dry_run:
         return Step(str(lib), result, f"{what}, compiled from {native_build.SOURCE.name}")
-    ok, line = native_build.build(lib)
+    # Created as root's and not writable by others from the first byte (a umask of 0 would leave
+    # a window in which another user could open it for writing): clients of every user, root's
+    # among them, preload it, and the daemon refuses it otherwise (gpushare.trust).
+    umask = os.umask(0o022)
+    try:
+        ok, line = native_build.build(lib)
+    finally:
+        os.umask(umask)
     if ok:
+        _root_owned(lib, 0o755)
         return Step(str(lib), result, what)
     if native_build.compiler() is None:
         # Not a failure: shallow queues still work, blocking; the daemon warns at start.

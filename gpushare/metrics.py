@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from gpushare import __version__
+from gpushare import __version__, trust
 from gpushare.model import ClientClass, ClientState, MpsState, Observation
 
 # Controller steps take microseconds to milliseconds; admission waits seconds to hours.
@@ -228,6 +228,7 @@ class Exporter(Collector):
         yield from _client_metrics(snap, self.hostname)
         yield from _admission_metrics(snap.admission)
         yield _event_metrics(snap)
+        yield _trust_metrics()
 
 
 class _Server(ThreadingHTTPServer):
@@ -492,3 +493,16 @@ def _event_metrics(snap: NodeMetrics) -> CounterMetricFamily:
     for (kind, severity, uuid), n in sorted(snap.events.items()):
         events.add_metric([index.get(uuid, ""), uuid, kind, severity], float(n))
     return events
+
+
+def _trust_metrics() -> CounterMetricFamily:
+    # Read from the process's checker, not the tick's snapshot: a refusal happens at a launch or
+    # an MPS command, between ticks. The roles are fixed strings of the daemon's code.
+    refused = CounterMetricFamily(
+        "gpushare_untrusted_file_refusals",
+        "Uses of a file refused because a user other than root could change it (gpushare.trust)",
+        labels=["file"],
+    )
+    for role, n in sorted(trust.refusals().items()):
+        refused.add_metric([role], float(n))
+    return refused

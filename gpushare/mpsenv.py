@@ -75,6 +75,26 @@ class MpsLimits:
     priority: int
 
 
+SM_PCT_MIN = 1.0
+"""The smallest SM share gpushare hands to MPS. MPS takes (0, 100] and rounds a share down to its
+hardware granularity (one SM's part of the GPU, 100/N % for N SMs), so a share far under one SM
+(5e-324, shown as 0 %) would give a client one SM or none. Every GPU gpushare targets has at most
+a few hundred SMs; 1 % is also ``control.offline_sm_pct_min``'s floor."""
+
+
+def sm_pct_problem(sm_pct: float) -> str | None:
+    """Why ``sm_pct`` is no SM share (one line), or None: finite, within [1, 100]."""
+    if not (math.isfinite(sm_pct) and 0 < sm_pct <= 100):
+        shown = f"{sm_pct:g}" if math.isfinite(sm_pct) else str(sm_pct)
+        return f"--sm must be a percentage in (0, 100], got {shown}"
+    if sm_pct < SM_PCT_MIN:
+        return (
+            f"--sm must be at least {SM_PCT_MIN:g} (MPS rounds a share down to whole SMs), "
+            f"got {sm_pct:g}"
+        )
+    return None
+
+
 def check_limits(
     cls: ClientClass, sm_pct: float | None, mem_bytes: int | None, slo_p99_s: float | None
 ) -> None:
@@ -84,8 +104,8 @@ def check_limits(
         ValueError: an SM share outside (0, 100], a memory cap under 1M, or an SLO that is not a
             positive duration or is given for an offline client.
     """
-    if sm_pct is not None and not (math.isfinite(sm_pct) and 0 < sm_pct <= 100):
-        raise ValueError(f"--sm must be a percentage in (0, 100], got {sm_pct:g}")
+    if sm_pct is not None and (problem := sm_pct_problem(sm_pct)) is not None:
+        raise ValueError(problem)
     if mem_bytes is not None and mem_bytes < MIN_MEM_BYTES:
         raise ValueError("--mem must be at least 1M (MPS counts pinned memory in MiB)")
     if slo_p99_s is not None:

@@ -348,7 +348,13 @@ def from_params(cls: type[T], params: dict[str, Any]) -> T:
             )
         if (problem := value_problem(value)) is not None:
             raise ProtocolError(ErrorCode.INVALID_PARAMS, f"parameter {name!r} {problem}")
-        kwargs[name] = _coerce(hints[name], value)
+        try:
+            kwargs[name] = _coerce(hints[name], value)
+        except OverflowError:
+            # An integer of hundreds of digits is valid JSON but no float.
+            raise ProtocolError(
+                ErrorCode.INVALID_PARAMS, f"parameter {name!r} is too large for a number"
+            ) from None
     return cls(**kwargs)
 
 

@@ -48,6 +48,8 @@ class Probe:
     detail: str
     hint: str = ""
     checked: bool = True
+    #: Not ok because another user could change the file (gpushare.trust): a FAIL, never a WARN.
+    untrusted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +100,14 @@ class Host(Protocol):
         """Whether a cgroup v2 hierarchy with a writable freezer exists."""
         ...
 
+    def package(self) -> Probe:
+        """Whether gpushare's own files (what the daemon and Slurm's Prolog run) are root's only."""
+        ...
+
+    def untrusted(self, path: Path, what: str) -> str | None:
+        """Why the daemon would not trust the file ``path`` (gpushare.trust); None: it would."""
+        ...
+
     def directory(self, path: Path) -> DirFacts:
         """Facts about a runtime or state directory."""
         ...
@@ -108,12 +118,28 @@ class Host(Protocol):
 
 
 def run_checks(
-    host: Host, cfg: config.Config, config_problem: CheckResult | None
+    host: Host,
+    cfg: config.Config,
+    config_problem: CheckResult | None,
+    config_path: Path | None = None,
 ) -> list[CheckResult]:
-    """Run every check against ``host`` for the effective config, in table order."""
+    """Run every check against ``host`` for the effective config, in table order.
+
+    ``config_problem`` is :func:`load_config_for_doctor`'s line for ``config_path``; an OK line
+    becomes a FAIL when the daemon would refuse the file as not trusted.
+    """
     results = [_python(host)]
     if config_problem is not None:
-        results.append(config_problem)
+        why = None
+        if config_problem.status is Status.OK and config_path is not None:
+            why = host.untrusted(config_path, config.CONFIG_ROLE)
+        results.append(
+            config_problem
+            if why is None
+            else CheckResult(
+                "config", Status.FAIL, why, "the daemon refuses to start or reload with it"
+            )
+        )
     nvml = host.nvml()
     results.append(
         CheckResult(
@@ -139,6 +165,17 @@ def run_checks(
         )
     )
     results.append(_inflight(host, cfg))
+    package = host.package()
+    results.append(
+        CheckResult(
+            "gpushare package",
+            Status.OK if package.ok else Status.FAIL,
+            package.detail,
+            ""
+            if package.ok
+            else package.hint or "install gpushare as root, where only root writes",
+        )
+    )
     results.append(_directory(host, "runtime directory", cfg.paths.runtime_dir))
     results.append(_directory(host, "state directory", cfg.paths.state_dir))
     has_systemd = host.systemd()
@@ -232,6 +269,15 @@ def _inflight(host: Host, cfg: config.Config) -> CheckResult:
             "NCCL collectives waiting on other processes still run ahead after a freeze"
         )
         return CheckResult("in-flight bound", Status.OK, f"{lib.detail}; {limits}")
+    if lib.untrusted:
+        # The daemon refuses it at each launch (blocking queues instead), but a file that other
+        # users can change next to a root daemon is a hole to close, not a slower fallback.
+        return CheckResult(
+            "in-flight bound",
+            Status.FAIL,
+            lib.detail,
+            lib.hint or "the daemon refuses to preload it; shallow queues block instead",
+        )
     return CheckResult(
         "in-flight bound",
         Status.WARN,
@@ -267,7 +313,7 @@ def load_config_for_doctor(path: Path) -> tuple[config.Config, CheckResult]:
             "run gpushare install (it writes the documented default there)",
         )
     try:
-        return config.load(path), CheckResult("config", Status.OK, str(path))
+        cfg = config.load(path)
     except config.ConfigError as exc:
         return config.Config(), CheckResult(
             "config",
@@ -275,6 +321,7 @@ def load_config_for_doctor(path: Path) -> tuple[config.Config, CheckResult]:
             str(exc),
             f"fix the file; `gpushare config check {path}` re-checks it",
         )
+    return cfg, CheckResult("config", Status.OK, str(path))
 
 
 def render(results: Sequence[CheckResult]) -> str:

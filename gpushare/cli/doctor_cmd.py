@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import structlog
 import typer
 
-from gpushare import config, native, paths
+from gpushare import config, native, paths, trust
 from gpushare.cli.doctor import (
     DirFacts,
     Probe,
@@ -79,9 +79,19 @@ class RealHost:
         return mps.supports_multiuser(path) if path else None
 
     def inflight_bound(self) -> Probe:
-        """Whether every user's job can preload the in-flight bound (built, and readable)."""
-        why = native.unusable_reason()
-        return Probe(why is None, why or str(native.library_path()))
+        """Whether every user's job can preload the in-flight bound (built, readable, trusted)."""
+        lib = native.library_path()
+        why = native.unreadable_reason(lib)
+        if why is not None:
+            return Probe(False, why)
+        untrusted = native.untrusted_reason(lib)
+        return Probe(untrusted is None, untrusted or str(lib), untrusted=untrusted is not None)
+
+    def package(self) -> Probe:
+        """The package directory of gpushare and everything in it (gpushare.trust)."""
+        where = Path(native.__file__).resolve().parent.parent
+        why = trust.tree_refusal(where, what="the gpushare package")
+        return Probe(why is None, why or f"{where} (root's, not writable by others)")
 
     def cgroup_freezer(self) -> Probe:
         """Whether the freezer works under the configured client cgroup base."""
@@ -91,6 +101,10 @@ class RealHost:
     def directory(self, path: Path) -> DirFacts:
         """Facts about a runtime or state directory."""
         return directory_facts(path)
+
+    def untrusted(self, path: Path, what: str) -> str | None:
+        """:func:`gpushare.trust.refusal`: the rule the daemon applies to the file."""
+        return trust.refusal(path, what=what)
 
     def systemd(self) -> bool:
         """Booted with systemd: sd_booted(3) checks for this directory."""
@@ -109,8 +123,9 @@ def doctor(
     """
     # The adapters log their failures; the table already says them, with the fix.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
-    cfg, config_line = load_config_for_doctor(config_path or paths.default_config_file())
-    results = run_checks(RealHost(cfg), cfg, config_line)
+    path = config_path or paths.default_config_file()
+    cfg, config_line = load_config_for_doctor(path)
+    results = run_checks(RealHost(cfg), cfg, config_line, path)
     threads = daemon_threads_check(_daemon_status(cfg))
     if threads is not None:
         results.append(threads)

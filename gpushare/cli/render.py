@@ -222,6 +222,10 @@ def render_status(status: dict[str, Any]) -> str:
     node = " (simulated GPUs)" if simulated else ""
     head = f"gpushare {status['daemon']['version']}{node}: {status['daemon']['summary']}"
     whys = [w for w in (_why(g) for g in status["gpus"]) if w]
+    if refused := status["daemon"].get("trust_refusals"):
+        # gpushare.trust: a file another user could change was not used; doctor names the fix.
+        counts = ", ".join(f"{role} ({n}x)" for role, n in sorted(refused.items()))
+        head += f"\nrefused as not trusted: {counts}; `gpushare doctor` names the fix"
     gpus = _table(rows) + ("\n" + "\n".join(whys) if whys else "")
     return "\n".join([head, "", gpus, "", render_clients(status["clients"])])
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from gpushare import __version__, mpsenv, pods, protocol
+from gpushare import __version__, mpsenv, pods, protocol, trust
 from gpushare.control.promise import PlacedClient, may_promise, promised_bytes
 from gpushare.daemon import placement
 from gpushare.daemon.adopter import Adoptions
@@ -158,6 +158,8 @@ class Api:
                     # Request-boundary datagrams and gauge polls refused, by reason.
                     "inflight_rejections": s.gate.rejections.snapshot(),
                     **threads_status(s.threads, s.datagram_drops()),
+                    # Uses of a file refused by gpushare.trust (not root's), by the file's role.
+                    "trust_refusals": trust.refusals(),
                 },
                 "gpus": gpus,
                 "clients": clients,
@@ -458,8 +460,8 @@ class Api:
             raise _fail(E.INVALID_PARAMS, "no command given: gpushare submit ... -- CMD ARGS")
         if any("\0" in a for a in req.argv):
             raise _fail(E.INVALID_PARAMS, "arguments must not contain NUL bytes")
-        if req.sm_pct is not None and not (0 < req.sm_pct <= 100 and math.isfinite(req.sm_pct)):
-            raise _fail(E.INVALID_PARAMS, f"--sm must be in (0, 100], got {req.sm_pct:g}")
+        if req.sm_pct is not None and (problem := mpsenv.sm_pct_problem(req.sm_pct)) is not None:
+            raise _fail(E.INVALID_PARAMS, problem)
         if req.mem_bytes is not None and req.mem_bytes < (1 << 20):
             raise _fail(E.INVALID_PARAMS, "--mem must be at least 1M")
         if req.slo_p99_ms is not None:

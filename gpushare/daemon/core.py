@@ -21,18 +21,17 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from gpushare import __version__, native
-from gpushare import config as config_mod
 from gpushare.config import Config
 from gpushare.control.policy import Policy
 from gpushare.control.registry import make_policy
 from gpushare.daemon import launcher
+from gpushare.daemon import reload as reload_mod
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.api import Api
 from gpushare.daemon.lifecycle import Lifecycle
@@ -281,35 +280,20 @@ class Daemon:
         state = self.state
         self._notify("RELOADING=1", f"MONOTONIC_USEC={int(time.monotonic() * 1e6)}")
         try:
-            new = config_mod.load(self.config_path)
-        except config_mod.ConfigError as exc:
-            log.error("config_reload_failed", error=str(exc))  # noqa: TRY400 - expected, no trace
+            new = reload_mod.load_for_reload(self.config_path, state.config)
+            policy = state.policy
+            if new.control != state.config.control:
+                policy = make_policy(new.control.policy, new.control)
+        except (reload_mod.ReloadRefusedError, ValueError) as exc:
+            why = f"control.policy: {exc}" if isinstance(exc, ValueError) else str(exc)
+            log.error("config_reload_failed", error=why)  # noqa: TRY400 - expected, no trace
             state.registry.add_event(
                 "config_reload_failed",
-                f"config not reloaded, the old one stays in force: {exc}",
+                f"config not reloaded, the old one stays in force: {why}",
                 severity="error",
             )
             self._notify("READY=1")
             return False
-        policy = state.policy
-        if new.control != state.config.control:
-            try:
-                policy = make_policy(new.control.policy, new.control)
-            except ValueError as exc:
-                state.registry.add_event(
-                    "config_reload_failed",
-                    f"config not reloaded, the old one stays in force: control.policy: {exc}",
-                    severity="error",
-                )
-                self._notify("READY=1")
-                return False
-        if new.paths != state.config.paths:
-            state.registry.add_event(
-                "config_reload_partial",
-                "[paths] changed: takes effect only after a restart of gpushare",
-                severity="warning",
-            )
-            new = replace(new, paths=state.config.paths)
         with state.lock:
             state.config = new
             # The gates read their config at each event; the rate limit and the gauge period

@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from gpushare import native
 from gpushare.config import GateConfig
 from gpushare.native import INFLIGHT_ENV, LIBRARY_NAME
 from gpushare.node.procs.exits import ExitWatcher
@@ -167,25 +168,43 @@ def choose_queue(mode: str | None, *, gating_on: bool) -> tuple[str, str]:
     return "deep", "--queue deep" if mode == "deep" else "default queue (deep)"
 
 
-def queue_env(queue: str, gate: GateConfig, library: str | None) -> tuple[dict[str, str], str]:
+def queue_env(
+    queue: str,
+    gate: GateConfig,
+    library: str | None,
+    *,
+    vet: Callable[[str], str | None] | None = None,
+) -> tuple[dict[str, str], str]:
     """The variables of an effective queue mode (:func:`choose_queue`), and how it is kept shallow.
 
     ``library`` is the built in-flight bound (:func:`gpushare.native.library_path`), ``None`` when
-    clients could not preload it (:func:`gpushare.native.unusable_reason`): ``[gate]
-    shallow_queue = "bounded"`` then falls back to ``CUDA_LAUNCH_BLOCKING`` (a freeze still bites
-    within a kernel; only the throughput is lower) and says why.
+    clients could not preload it at daemon start (:func:`gpushare.native.unusable_reason`).
+    ``vet`` (the daemon passes :func:`library_refusal`) asks again now, at this launch: a library
+    that was root's at start may have been replaced since by a user who can write a directory
+    above it, and it would run in this client with its submitter's rights (root's, too). In both
+    cases ``[gate] shallow_queue = "bounded"`` falls back to ``CUDA_LAUNCH_BLOCKING`` (a freeze
+    still bites within a kernel; only the throughput is lower) and says why.
     The preload is joined in front of the workload's own ``LD_PRELOAD`` by
     :func:`gpushare.mpsenv.workload_env`.
     """
     if queue != "shallow":
         return {}, "deep"
     if gate.shallow_queue == "bounded":
-        if library is not None:
+        refused = None if library is None or vet is None else vet(library)
+        if library is not None and refused is None:
             k = gate.inflight_kernels
             env = {"LD_PRELOAD": library, INFLIGHT_ENV: str(k)}
             return env, f"at most {k} kernels in flight ({LIBRARY_NAME})"
-        return dict(BLOCKING_ENV), f"CUDA_LAUNCH_BLOCKING=1: {CANNOT_PRELOAD}"
+        return dict(BLOCKING_ENV), f"CUDA_LAUNCH_BLOCKING=1: {refused or CANNOT_PRELOAD}"
     return dict(BLOCKING_ENV), "CUDA_LAUNCH_BLOCKING=1"
+
+
+def library_refusal(library: str) -> str | None:
+    """Why ``library`` may not be preloaded at this launch (:func:`gpushare.native.unusable_reason`).
+
+    A refusal is counted (``status``: ``trust_refusals``) and logged once per state of the files.
+    """
+    return native.unusable_reason(Path(library))
 
 
 CANNOT_PRELOAD = (

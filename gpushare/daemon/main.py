@@ -31,6 +31,7 @@ import structlog
 
 from gpushare import config as config_mod
 from gpushare.control.registry import make_policy
+from gpushare.daemon import reload as reload_mod
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry, RegistryError
 from gpushare.daemon.server import ServerError
@@ -392,6 +393,11 @@ def main(config_path: Path, log_level: str | None = None, simulate: int | None =
         cfg = config_mod.load(config_path)
     except config_mod.ConfigError as exc:
         print(f"gpushare: {exc}", file=sys.stderr)
+        return 2
+    # Also simulated: the config still says where root writes and which clients it starts.
+    untrusted = reload_mod.untrusted_config(config_path)
+    if untrusted is not None:
+        print(f"gpushare: {untrusted}", file=sys.stderr)
         return 2
     configure_logging(log_level or cfg.daemon.log_level)
     try:

@@ -53,15 +53,41 @@ def built() -> bool:
     return library_path().is_file()
 
 
+LIBRARY_ROLE = "the in-flight library"
+"""How :mod:`gpushare.trust` names the library in its lines and its refusal counter."""
+
+
 def unusable_reason(lib: Path | None = None) -> str | None:
     """Why clients could not preload the interposer (``None``: they can).
+
+    :func:`unreadable_reason`, else :func:`untrusted_reason`. The daemon asks at start and again
+    at every launch, since a file that passed at start can be replaced later.
+    """
+    lib = lib if lib is not None else library_path()
+    return unreadable_reason(lib) or untrusted_reason(lib)
+
+
+def untrusted_reason(lib: Path) -> str | None:
+    """Why the interposer may not be trusted (:mod:`gpushare.trust`); ``None``: it may.
+
+    It runs inside every shallow client, root's included, so a library, or a directory above it,
+    that a user other than root can change would run that user's code with another user's rights.
+    """
+    # Imported here: ``python3 -m gpushare.native.build`` runs this package without the daemon's
+    # dependencies (scripts/build-native.sh uses the system Python).
+    from gpushare import trust
+
+    return trust.refusal(lib, what=LIBRARY_ROLE)
+
+
+def unreadable_reason(lib: Path) -> str | None:
+    """Why some users' jobs could not load the interposer; ``None``: every user's can.
 
     Not built, or not readable by every user: a client runs as the user who submitted it, and the
     dynamic loader of a process that cannot open an ``LD_PRELOAD`` entry skips it with one line
     on stderr, so that job would run unbounded. A clone under a private home directory is the
     usual case.
     """
-    lib = lib if lib is not None else library_path()
     if not lib.is_file():
         return f"{lib} is not built (`make native` in a clone, or `gpushare install`)"
     for path in (lib, *lib.parents):

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from gpushare import config
+from gpushare.cli import doctor_cmd
 from gpushare.cli.doctor import (
     CheckResult,
     DirFacts,
@@ -154,6 +155,26 @@ def test_config_problems(tmp_path: Path):
     assert line.status is Status.OK and cfg.probe.enabled is False
 
 
+def test_a_valid_config_the_daemon_would_not_trust_fails(tmp_path: Path, trusted_tmp: Path):
+    # The real rule (RealHost): a file under /tmp fails, the same file in a root-only directory
+    # passes.
+    details = {}
+    for where, status in ((tmp_path, Status.FAIL), (trusted_tmp, Status.OK)):
+        path = where / "gpushare.toml"
+        path.write_text("[probe]\nenabled = false\n")
+        cfg, line = load_config_for_doctor(path)
+        assert line.status is Status.OK
+        r = _by_name(run_checks(doctor_cmd.RealHost(cfg), cfg, line, path))["config"]
+        assert r.status is status, r
+        details[status] = r.detail
+    shared = tmp_path / "gpushare.toml"
+    assert details[Status.FAIL].startswith(
+        f"the config file {shared} is not trusted: /tmp is a shared sticky directory"
+    )
+    assert "move it out of /tmp" in details[Status.FAIL]
+    assert details[Status.OK] == str(trusted_tmp / "gpushare.toml")
+
+
 def test_render_shows_hints_only_for_problems():
     text = render(
         [
@@ -164,3 +185,14 @@ def test_render_shows_hints_only_for_problems():
     assert "never shown" not in text
     assert "hint: install it" in text
     assert text.splitlines()[0].startswith("NVML                ")
+
+
+def test_a_package_another_user_could_change_fails() -> None:
+    host = FakeHost(package_probe=Probe(False, "the gpushare package /x is not trusted: ..."))
+    r = _by_name(run_checks(host, config.Config(), None))["gpushare package"]
+    assert r.status is Status.FAIL
+    assert r.detail == "the gpushare package /x is not trusted: ..."
+    assert r.hint == "install gpushare as root, where only root writes"
+    assert _by_name(run_checks(FakeHost(), config.Config(), None))["gpushare package"].status is (
+        Status.OK
+    )

@@ -71,8 +71,8 @@ def test_real_host_finds_and_runs_the_mps_binary(mps_control: Path):
     )
 
 
-def test_real_host_mps_binary_that_does_not_run(tmp_path: Path):
-    fake = tmp_path / "nvidia-cuda-mps-control"
+def test_real_host_mps_binary_that_does_not_run(trusted_tmp: Path):
+    fake = trusted_tmp / "nvidia-cuda-mps-control"
     fake.write_text("#!/bin/sh\necho 'segmentation fault' >&2\nexit 139\n")
     fake.chmod(0o755)
     probe = doctor_cmd.RealHost(config.Config()).mps_binary(str(fake))

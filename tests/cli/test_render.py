@@ -235,3 +235,13 @@ def test_the_queue_column_says_what_was_asked_and_how_it_runs():
     assert queue_cell({"asked": "auto", "now": "deep", "shallow": None}) == "auto (deep)"
     assert queue_cell({"asked": "auto", "now": None, "shallow": None}) == "auto"  # not running
     assert queue_cell(None) == "N/A"  # an older daemon
+
+
+def test_status_says_when_an_untrusted_file_was_refused():
+    status = _status([_gpu()], [])
+    assert "not trusted" not in render_status(status)
+    status["daemon"]["trust_refusals"] = {"the in-flight library": 3}
+    lines = render_status(status).splitlines()
+    assert lines[1] == (
+        "refused as not trusted: the in-flight library (3x); `gpushare doctor` names the fix"
+    )

@@ -19,7 +19,6 @@ import socketserver
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from gpushare.paths import repo_root
 from tests.support import slurm_cluster
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from tests.support.daemon_helpers import install_package_for_others, python_for_others, wait_for
+from tests.support.trusted import make_trusted_dir
 
 GPU = "GPU-8a2f1c3e-1111-2222-3333-444455556666"
 
@@ -314,8 +314,7 @@ def slurm_harness() -> Iterator[Harness]:
     if (reason := slurm_cluster.skip_reason()) is not None:
         pytest.skip(reason)
     python = python_for_others()
-    base = Path(tempfile.mkdtemp(prefix="gss-", dir="/tmp"))
-    base.chmod(0o755)
+    base = make_trusted_dir("gss-")  # the daemon refuses a config under /tmp
     (base / "out").mkdir(mode=0o777)
     (base / "out").chmod(0o1777)
     (base / "gpushare.toml").write_text(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from gpushare.mpsenv import workload_env
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend
 from tests.fakes.fake_mpsnode import FakeMpsNode
+from tests.support.trusted import SKIP_REASON, make_trusted_dir, trusted_base
 
 runner = CliRunner()
 
@@ -168,10 +168,11 @@ shallow_queue = "bounded"
 
 
 def test_the_bound_is_usable_only_where_every_user_can_load_it() -> None:
-    # Under /tmp (searchable by all), not pytest's private tmp_path.
-    base = Path(tempfile.mkdtemp(prefix="gs-native-", dir="/tmp"))
+    # Root's and searchable by all (gpushare.trust refuses /tmp), not pytest's private tmp_path.
+    if trusted_base() is None:
+        pytest.skip(SKIP_REASON)
+    base = make_trusted_dir("gs-native-")
     try:
-        base.chmod(0o755)
         lib = base / "pkg" / native.LIBRARY_NAME
         assert "is not built" in (native.unusable_reason(lib) or "")
         lib.parent.mkdir(mode=0o755)

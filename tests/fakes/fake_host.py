@@ -32,6 +32,10 @@ class FakeHost:
     dirs: dict[Path, DirFacts] = field(default_factory=dict)
     booted_systemd: bool = True
     asked_binary: list[str] = field(default_factory=list)
+    untrusted_files: dict[Path, str] = field(default_factory=dict)
+    package_probe: Probe = field(
+        default_factory=lambda: Probe(True, "/opt/gs/gpushare (root's, not writable by others)")
+    )
 
     def python_version(self) -> tuple[int, int, int]:
         return self.version
@@ -58,6 +62,9 @@ class FakeHost:
     def inflight_bound(self) -> Probe:
         return self.inflight_probe
 
+    def package(self) -> Probe:
+        return self.package_probe
+
     def cgroup_freezer(self) -> Probe:
         return self.freezer_probe
 
@@ -66,3 +73,6 @@ class FakeHost:
 
     def systemd(self) -> bool:
         return self.booted_systemd
+
+    def untrusted(self, path: Path, what: str) -> str | None:
+        return self.untrusted_files.get(path)

@@ -347,36 +347,37 @@ def test_parsers_never_crash(text: str) -> None:
 
 
 def _front_end(tmp_path: Path, body: str) -> mps.MpsControl:
+    # tmp_path is trusted_tmp: root runs the front end only from a root-only directory.
     script = tmp_path / "fake-control"
     script.write_text("#!/bin/sh\ncat >/dev/null\n" + body + "\n")
     script.chmod(0o755)
     return mps.MpsControl(script, tmp_path, timeout_s=0.5)
 
 
-def test_empty_reply_means_connection_broke(tmp_path: Path) -> None:
-    ctl = _front_end(tmp_path, "exit 0")
+def test_empty_reply_means_connection_broke(trusted_tmp: Path) -> None:
+    ctl = _front_end(trusted_tmp, "exit 0")
     with pytest.raises(DaemonNotReachable, match="no reply"):
         ctl.get_default_active_thread_percentage()
     # Commands whose normal reply is empty still succeed.
     assert ctl.get_server_list() == ()
 
 
-def test_nonzero_exit_and_stderr_message(tmp_path: Path) -> None:
-    ctl = _front_end(tmp_path, "echo 'Cannot find MPS control daemon process' >&2; exit 1")
+def test_nonzero_exit_and_stderr_message(trusted_tmp: Path) -> None:
+    ctl = _front_end(trusted_tmp, "echo 'Cannot find MPS control daemon process' >&2; exit 1")
     with pytest.raises(DaemonNotReachable, match="Cannot find"):
         ctl.get_server_list()
-    ctl = _front_end(tmp_path, "exit 3")
+    ctl = _front_end(trusted_tmp, "exit 3")
     with pytest.raises(DaemonNotReachable, match="exited 3"):
         ctl.get_server_list()
 
 
-def test_timeout_is_typed(tmp_path: Path) -> None:
-    ctl = _front_end(tmp_path, "exec sleep 5")
+def test_timeout_is_typed(trusted_tmp: Path) -> None:
+    ctl = _front_end(trusted_tmp, "exec sleep 5")
     with pytest.raises(mps.CommandTimeout):
         ctl.get_server_list()
 
 
-def test_multiline_command_refused(tmp_path: Path) -> None:
-    ctl = _front_end(tmp_path, "exit 0")
+def test_multiline_command_refused(trusted_tmp: Path) -> None:
+    ctl = _front_end(trusted_tmp, "exit 0")
     with pytest.raises(InvalidValue, match="one line"):
         ctl.command("get_server_list\nquit")

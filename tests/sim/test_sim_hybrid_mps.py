@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from gpushare.sim.hybrid_mps import HybridMpsNode, merge_state
 from gpushare.sim.realtime import RealTimeMpsNode, RealTimeSimNode
 from tests.support.cgroup_helpers import remove_tree
 from tests.support.sim_daemon_helpers import SimDaemon, run_daemon, sim_config, sim_daemon
+from tests.support.trusted import make_trusted_dir
 
 UUID = "GPU-sim-0000"
 
@@ -187,8 +187,10 @@ def test_absent_binary_means_simulated_mps_with_the_reason(tmp_path: Path) -> No
     assert not (tmp_path / "run" / "mps" / UUID).exists()  # nothing was started
 
 
-def test_installed_but_broken_binary_fails_startup_naming_the_fix(tmp_path: Path) -> None:
-    broken = tmp_path / "nvidia-cuda-mps-control"
+def test_installed_but_broken_binary_fails_startup_naming_the_fix(
+    tmp_path: Path, trusted_tmp: Path
+) -> None:
+    broken = trusted_tmp / "nvidia-cuda-mps-control"
     broken.write_text("#!/bin/sh\necho 'cannot execute: Exec format error' >&2\nexit 126\n")
     broken.chmod(0o755)
     cfg = _config(tmp_path, str(broken))
@@ -360,7 +362,7 @@ def test_a_second_daemon_on_the_same_directories_leaves_the_first_alone(
 
 @pytest.mark.mps
 def test_a_failed_start_leaves_no_control_daemon(mps_control: Path) -> None:
-    base = Path(tempfile.mkdtemp(prefix="gsh-", dir="/tmp"))
+    base = make_trusted_dir("gsh-")  # the daemon refuses a config under /tmp
     cgroup_dir = None
     try:
         # The control daemon starts, then the API socket cannot be set up.

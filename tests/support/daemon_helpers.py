@@ -20,6 +20,7 @@ from gpushare.client import ApiClient, ApiError
 from gpushare.node.procs.identity import is_same_process
 from gpushare.paths import repo_root
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from tests.support.trusted import make_trusted_dir, trusted_base
 
 REPO = repo_root()
 
@@ -57,7 +58,9 @@ class DaemonProc:
         self.base = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
         self.base.chmod(0o755)
         self.socket = self.base / "run" / "api.sock"
-        self.config_path = self.base / "gpushare.toml"
+        # The daemon reloads only a config no other user can change (gpushare.trust): /tmp is not.
+        self.config_dir = make_trusted_dir("gs-cfg-") if trusted_base() else self.base
+        self.config_path = self.config_dir / "gpushare.toml"
         self.db = self.base / "state" / "gpushare.db"
         self.extra_toml = extra_toml
         self.daemon_toml = daemon_toml  # lines for the [daemon] table
@@ -184,6 +187,7 @@ enabled = false
         if self.cgroup_dir is not None:
             remove_tree(self.cgroup_dir)
         shutil.rmtree(self.base, ignore_errors=True)
+        shutil.rmtree(self.config_dir, ignore_errors=True)
 
 
 def duty_gpu_daemon(extra_toml: str, pauser: str) -> tuple[DaemonProc, Path]:

@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from gpushare.paths import repo_root
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from tests.support.trusted import make_trusted_dir
 
 GPUSHARE = [sys.executable, "-c", "from gpushare.cli.app import main; main()"]
 CANCEL_GRACE_S = 1.0
@@ -115,7 +115,8 @@ def sim_daemon(
     ``after(base)`` runs last, also when the start failed: for what the daemon may leave behind
     (control daemons).
     """
-    base = Path(tempfile.mkdtemp(prefix="gss-", dir="/tmp"))  # short: Unix socket path limit
+    # Short (Unix socket path limit) and root's: the daemon refuses a config under /tmp.
+    base = make_trusted_dir("gss-")
     cgroup_dir = sim_config(base, mps_control, daemon=daemon, rest=rest)
     env = socket_env(base)
     proc = subprocess.Popen(

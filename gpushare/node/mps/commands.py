@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import structlog
 
+from gpushare import trust
 from gpushare.node.exec import run
 from gpushare.node.mps.errors import (
     CommandFailed,
@@ -57,6 +58,9 @@ from gpushare.node.mps.parse import (
 log = structlog.get_logger(__name__)
 
 SERVER_BINARY = "nvidia-cuda-mps-server"
+CONTROL_ROLE = "the MPS control binary"
+SERVER_ROLE = "the MPS server binary"
+"""How :mod:`gpushare.trust` names the two binaries in its lines and its refusal counter."""
 #: The command the supervisor's health check and :func:`binary_status` send (harmless, read-only).
 HEALTH_COMMAND = "get_default_active_thread_percentage"
 # Variables the control daemon reads as its own defaults: a stale value from the caller's
@@ -209,8 +213,14 @@ class MpsControl:
         if "\n" in line or "\r" in line:
             raise InvalidValue(f"a control command is one line, got {line!r}")
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        # Root runs the front end at every command (the health check: every few seconds), so a
+        # binary swapped after start by a user who can write a directory above it is refused.
+        found = find_binary(self.control_binary)
+        if found is not None and (why := trust.refusal(found, what=CONTROL_ROLE)) is not None:
+            raise MpsSetupError(f"refusing to run it: {why}", command=line)
+        binary = found or self.control_binary  # missing: the error below names the fix
         try:
-            done = run([self.control_binary], input=line + "\n", timeout_s=timeout, env=self._env())
+            done = run([binary], input=line + "\n", timeout_s=timeout, env=self._env())
         except (FileNotFoundError, PermissionError) as exc:
             raise MpsSetupError(
                 f"cannot run {self.control_binary}: {exc}; install nvidia-cuda-mps or set "
@@ -473,12 +483,27 @@ class MpsControl:
 # The binary
 
 
-def find_binary(control_binary: str | Path) -> str | None:
+def find_binary(control_binary: str | Path, path: str | None = None) -> str | None:
     """Where ``mps.control_binary`` resolves (an absolute path, or a name on PATH); None if absent.
 
-    The one lookup :func:`binary_status`, ``gpushare doctor`` and the daemon share.
+    The one lookup :func:`binary_status`, ``gpushare doctor`` and the daemon share; ``path`` is
+    the search path (default: ``$PATH``).
     """
-    return shutil.which(str(control_binary))
+    return shutil.which(str(control_binary), path=path)
+
+
+def binary_refusal(control_binary: str | Path, path: str | None = None) -> str | None:
+    """Why root may not run the control binary or the server it starts (:mod:`gpushare.trust`).
+
+    None when both are trusted or are not found (a missing binary has its own error). ``path`` is
+    the search path the control daemon gets, where it finds ``nvidia-cuda-mps-server``.
+    """
+    control = find_binary(control_binary, path)
+    server = shutil.which(SERVER_BINARY, path=path)
+    for role, found in ((CONTROL_ROLE, control), (SERVER_ROLE, server)):
+        if found is not None and (why := trust.refusal(found, what=role)) is not None:
+            return why
+    return None
 
 
 _VERSION_RE = re.compile(rb"(?<![\d.])(\d{3}\.\d{2,3}(?:\.\d{2})?)(?![\d.])")
@@ -509,6 +534,9 @@ def binary_status(control_binary: str | Path) -> tuple[bool, str, str]:
     path = find_binary(control_binary)
     if path is None:
         return False, f"{control_binary} not found (PATH or absolute path)", ""
+    # Not run at all when untrusted: doctor runs as root too.
+    if (why := binary_refusal(path)) is not None:
+        return False, why, "the daemon refuses to start MPS with it"
     with tempfile.TemporaryDirectory(prefix="gpushare-doctor-") as pipe_dir:
         env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe_dir}
         try:

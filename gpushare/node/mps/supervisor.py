@@ -29,10 +29,12 @@ from gpushare.node.mps.commands import (
     DAEMON_ENV_DROP,
     HEALTH_COMMAND,
     MpsControl,
+    binary_refusal,
     check_device,
     check_mps_size,
     check_pct,
     check_priority,
+    find_binary,
     supports_multiuser,
 )
 from gpushare.node.mps.errors import (
@@ -401,7 +403,14 @@ class MpsSupervisor:
     def _spawn(self) -> None:
         self._prepare_dirs()  # the pipe directory may have been removed under a running daemon
         self._remove_pipe_entries()  # stale sockets/FIFO of a dead daemon
-        argv = [self.config.mps.control_binary, "-f"]
+        env = self._daemon_env()
+        # Checked at every (re)start: the control daemon and the servers it starts run as root.
+        why = binary_refusal(self.config.mps.control_binary, env["PATH"])
+        if why is not None:
+            raise MpsSetupError(f"refusing to start MPS: {why}")
+        # The file just checked, not a second PATH lookup that could find another.
+        found = find_binary(self.config.mps.control_binary, env["PATH"])
+        argv = [found or self.config.mps.control_binary, "-f"]
         if self._multiuser:
             argv.append("-multiuser-server")
         try:
@@ -410,7 +419,7 @@ class MpsSupervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                env=self._daemon_env(),
+                env=env,
                 cwd="/",
                 # Its own session: a Ctrl-C or SIGTERM to gpushare's process group must not kill MPS
                 # under running clients; gpushare stops it with quit.
