@@ -23,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -36,6 +35,7 @@ from typing import Any
 import pytest
 
 from gpushare.paths import repo_root
+from tests.support import trusted
 from tests.test_grafana import _queries
 
 REPO = repo_root()
@@ -285,7 +285,9 @@ def _logs(stack: Stack) -> str:
 def stack() -> Iterator[Stack]:
     if (reason := _skip_reason()) is not None:
         pytest.skip(reason)
-    s = Stack(Path(tempfile.mkdtemp(prefix="gsp-", dir="/tmp")))
+    if trusted.trusted_base() is None:
+        pytest.skip(trusted.SKIP_REASON)
+    s = Stack(trusted.make_trusted_dir("gsp-"))  # the daemon refuses a config under /tmp
     try:
         s.start_daemon()
         submits = [
