@@ -189,8 +189,8 @@ def queue_env(queue: str, gate: GateConfig, library: str | None) -> tuple[dict[s
 
 
 CANNOT_PRELOAD = (
-    f"{LIBRARY_NAME} cannot be preloaded here (`gpushare doctor` says why; `make native` in a "
-    "clone or `gpushare install` builds it)"
+    f"{LIBRARY_NAME} cannot be preloaded here (`gpushare doctor` says why; "
+    "`sudo gpushare install` builds it)"
 )
 """Why a bounded shallow queue runs as a blocking one, in each launch's ``offline_queue`` line."""
 

@@ -59,7 +59,7 @@ def unusable_reason(lib: Path | None = None) -> str | None:
     """
     lib = lib if lib is not None else library_path()
     if not lib.is_file():
-        return f"{lib} is not built (`make native` in a clone, or `gpushare install`)"
+        return f"{lib} is not built: `sudo gpushare install` builds it (needs a C compiler)"
     for path in (lib, *lib.parents):
         try:
             mode = path.stat().st_mode

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gpushare import install, native
+from gpushare import install, native, shipped
 from gpushare.cli.app import app
 from gpushare.native import build as native_build
 
@@ -66,11 +66,11 @@ def test_install_writes_everything_once_and_a_second_run_changes_nothing(
     else:
         assert built[0] == "skipped"
     cfg = tmp_path / "etc/gpushare/gpushare.toml"
-    assert cfg.read_text() == install.shipped("gpushare.toml")
+    assert cfg.read_text() == shipped.text(shipped.CONFIG)
     assert cfg.stat().st_mode & 0o777 == 0o644
     unit = tmp_path / "etc/systemd/system/gpushare.service"
-    assert unit.read_text() == install.shipped("gpushare.service")
-    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o755
+    assert unit.read_text() == shipped.text(shipped.UNIT)
+    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o700
     link = tmp_path / "usr/bin/gpushare"
     assert link.is_symlink() and Path(os.readlink(link)) == install.console_script()
     assert any(

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.paths import repo_root
+from gpushare import shipped
 
-UNIT = repo_root() / "gpushare" / "host_files" / "gpushare.service"
+UNIT = shipped.path(shipped.UNIT)
 
 
 def _settings(text: str) -> dict[str, dict[str, list[str]]]:
@@ -33,7 +33,9 @@ def test_unit_has_the_settings_the_design_needs():
     svc = s["Service"]
     assert svc["Type"] == ["notify"]
     assert svc["ExecStart"][0].split()[1] == "daemon"  # foreground daemon command
-    assert "-HUP" in svc["ExecReload"][0]
+    # The config is checked first: a bad file fails `systemctl reload` and is never signalled.
+    assert svc["ExecReload"][0].split()[1:4] == ["config", "check", "--quiet"]
+    assert "-HUP" in svc["ExecReload"][1]
     assert svc["Restart"] == ["on-failure"]
     assert "StartLimitBurst" in s["Unit"]
     assert "WatchdogSec" in svc
