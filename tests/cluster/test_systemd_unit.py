@@ -142,7 +142,8 @@ def test_the_units_exposure_is_at_most_6(tmp_path: Path):
 
 @needs_analyze
 def test_every_remaining_exposure_item_is_justified_in_the_security_docs(tmp_path: Path):
-    docs = "\n".join(p.read_text() for p in SECURITY_DOCS if p.is_file())
+    # A "|" in a table cell is written "\\|" in Markdown.
+    docs = "\n".join(p.read_text() for p in SECURITY_DOCS if p.is_file()).replace("\\|", "|")
     _, exposed = _exposure(_runnable_unit(tmp_path))
     assert exposed, "systemd-analyze listed no exposure item: the parsing above is broken"
     missing = [item for item in exposed if f"`{item}`" not in docs]
