@@ -29,9 +29,9 @@ class BuildPyWithHostFiles(build_py):
             return
         target = Path(self.build_lib) / "gpushare" / "_shipped"
         for folder in HOST_DIRS:
-            for src in sorted((HERE / folder).glob("*")):
+            for src in sorted((HERE / folder).rglob("*")):
                 if src.is_file():
-                    dst = target / folder / src.name
+                    dst = target / src.relative_to(HERE)
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(src, dst)
 
