@@ -80,13 +80,7 @@ class Api:
         self.loop = loop
         self.adoptions = adoptions
         self._started_mono = state.clock.monotonic()
-        self.cordon = CordonApi(
-            state.cordons,
-            shared_gpus=lambda: [g for g in state.samples if state.shared(g)],
-            resolve_gpu=self._resolve_gpu,
-            admin_group=lambda: state.config.daemon.admin_group,
-            event=lambda kind, message: state.registry.add_event(kind, message),
-        )
+        self.cordon = CordonApi.of(state, self._resolve_gpu)
 
     def methods(self) -> dict[str, Handler]:
         """The explicit dispatch table of the API (``hello`` is answered by the server)."""
@@ -503,19 +497,14 @@ class Api:
             shared = [g for g in self.s.samples if self.s.shared(g)]
             if not shared:
                 raise _fail(E.UNAVAILABLE, "no shared GPU on this node (see [gpus] in the config)")
-            candidates = [g for g in shared if self.s.cordons.get(g.uuid) is None]
-            if not candidates:
-                raise _fail(E.UNAVAILABLE, "every shared GPU is draining: nothing new starts; "
-                            "`gpushare undrain` ends it")  # fmt: skip
+            candidates = self.cordon.admitting(shared)
         else:
             chosen = self._resolve_gpu(req.gpu)
             if not self.s.shared(chosen):
                 raise _fail(
                     E.INVALID_PARAMS, f"GPU {req.gpu} is not shared by gpushare (gpus.shared)"
                 )
-            if (cordon := self.s.cordons.get(chosen.uuid)) is not None:
-                raise _fail(E.UNAVAILABLE, cordon.describe(chosen.index))
-            candidates = [chosen]
+            candidates = self.cordon.admitting([chosen], named=True)
         loads = self._loads(candidates)
         problems: list[str] = []
         fitting: list[tuple[GpuSample, float]] = []

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -37,6 +37,9 @@ from gpushare import protocol
 from gpushare.daemon.server import Caller
 from gpushare.model import GpuSample, QueuedJob
 from gpushare.node.procs.users import user_in_group, user_name
+
+if TYPE_CHECKING:
+    from gpushare.daemon.state import NodeState
 
 log = structlog.get_logger(__name__)
 
@@ -209,6 +212,31 @@ class CordonApi:
         self._resolve = resolve_gpu
         self._admin_group = admin_group
         self._event = event
+
+    @classmethod
+    def of(cls, state: NodeState, resolve_gpu: Callable[[str], GpuSample]) -> CordonApi:
+        """The handlers for the daemon's shared state."""
+        return cls(
+            state.cordons,
+            shared_gpus=lambda: [g for g in state.samples if state.shared(g)],
+            resolve_gpu=resolve_gpu,
+            admin_group=lambda: state.config.daemon.admin_group,
+            event=lambda kind, message: state.registry.add_event(kind, message),
+        )
+
+    def admitting(self, gpus: Sequence[GpuSample], *, named: bool = False) -> list[GpuSample]:
+        """The GPUs of ``gpus`` a submit may go to (``named``: the one its ``--gpu`` names).
+
+        Raises:
+            ProtocolError: every one is drained (UNAVAILABLE; the line says who, why, the fix).
+        """
+        open_gpus = [g for g in gpus if self.cordons.get(g.uuid) is None]
+        if open_gpus:
+            return open_gpus
+        if named and (c := self.cordons.get(gpus[0].uuid)) is not None:
+            raise _fail(E.UNAVAILABLE, c.describe(gpus[0].index))
+        raise _fail(E.UNAVAILABLE, "every shared GPU is draining: nothing new starts; "
+                    "`gpushare undrain` ends it")  # fmt: skip
 
     def _targets(self, caller: Caller, gpu: str | None, what: str) -> list[GpuSample]:
         if not is_admin(caller, self._admin_group()):

@@ -172,6 +172,10 @@ class Daemon:
             why = f"{native.unusable_reason() or launcher.CANNOT_PRELOAD}: {launcher.FALLBACK}"
             state.registry.add_event("shallow_queue_blocking", why, severity="warning")
             log.warning("shallow_queue_blocking", reason=why)
+        if state.cordons.load_error is not None:
+            state.registry.add_event(
+                "drained_file_unreadable", state.cordons.load_error, severity="warning"
+            )
         state.registry.add_event(
             "daemon_started", f"gpushare {__version__} started (pid {os.getpid()})"
         )
