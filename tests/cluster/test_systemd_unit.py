@@ -107,6 +107,25 @@ def test_unit_has_the_settings_the_design_needs():
     assert s["Unit"]["Documentation"] == ["man:gpushare(8) man:gpushare.toml(5)"]
 
 
+def test_exec_reload_checks_the_config_first_and_fails_on_a_bad_one(tmp_path: Path):
+    # systemd runs ExecReload= lines in order and stops at the first that fails: with a bad file
+    # `systemctl reload` fails and SIGHUP is never sent (issue 27.8).
+    check, hup = _settings(_runnable_unit(tmp_path).read_text())["Service"]["ExecReload"]
+    assert hup == "/bin/kill -HUP $MAINPID"
+    good = tmp_path / "good.toml"
+    good.write_text(shipped.text(shipped.CONFIG))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[control]\nperiod = -1\n")
+    runs = {}
+    for cfg in (good, bad):
+        argv = check.replace("/etc/gpushare/gpushare.toml", str(cfg)).split()
+        runs[cfg] = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert (runs[good].returncode, runs[good].stdout) == (0, "")  # --quiet: nothing in the journal
+    assert runs[bad].returncode == 2
+    assert "control.period" in runs[bad].stderr
+    assert len(runs[bad].stderr.strip().splitlines()) == 1
+
+
 @needs_analyze
 def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path):
     proc = _analyze("verify", str(_runnable_unit(tmp_path)))
@@ -268,9 +287,12 @@ def test_the_daemon_and_another_users_workload_run_under_the_units_sandbox():
     env = socket_env(base)
     argv = [*GPUSHARE, "daemon", "--simulate", "1", "--config", str(base / "gpushare.toml")]
     log = base / "daemon.log"
+    err = log.open("wb")
+    # As systemd runs it: stderr is the journal stream it names.
+    st = os.fstat(err.fileno())
     proc = subprocess.Popen(
-        unit_sandbox.sandbox_argv(UNIT, argv), env=env, cwd=repo_root(),
-        stdout=subprocess.DEVNULL, stderr=log.open("wb"),
+        unit_sandbox.sandbox_argv(UNIT, argv), cwd=repo_root(), stdout=subprocess.DEVNULL,
+        stderr=err, env={**env, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"},
     )  # fmt: skip
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -308,9 +330,12 @@ def test_the_daemon_and_another_users_workload_run_under_the_units_sandbox():
         _wait(lambda: json.loads(cli("status", "--json").stdout)["clients"] == [], 20, "cancel")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        errors = [line for line in log.read_text().splitlines()
-                  if '"level": "error"' in line or "Traceback" in line]  # fmt: skip
+        lines = log.read_text().splitlines()
+        errors = [x for x in lines if x.startswith(("<2>", "<3>")) or "Traceback" in x]
         assert errors == []
+        # journald's priorities: `journalctl -p warning` would show only <4> and lower numbers.
+        started = next(line for line in lines if '"event": "daemon_started"' in line)
+        assert started.startswith("<6>{")
     finally:
         if proc.poll() is None:
             proc.kill()
