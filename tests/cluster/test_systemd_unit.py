@@ -333,6 +333,8 @@ def test_the_daemon_and_another_users_workload_run_under_the_units_sandbox():
         lines = log.read_text().splitlines()
         errors = [x for x in lines if x.startswith(("<2>", "<3>")) or "Traceback" in x]
         assert errors == []
+        # CAP_SYS_NICE: the gate threads got SCHED_FIFO (refusals are logged at debug).
+        assert [x for x in lines if "thread_refused" in x] == []
         # journald's priorities: `journalctl -p warning` would show only <4> and lower numbers.
         started = next(line for line in lines if '"event": "daemon_started"' in line)
         assert started.startswith("<6>{")
