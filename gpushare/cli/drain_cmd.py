@@ -78,7 +78,8 @@ def undrain(gpu: GpuOpt = None, socket: SocketOpt = None) -> None:
     params: dict[str, Any] = {} if gpu is None else {"gpu": gpu}
     result = _call(socket, protocol.UNDRAIN, params)
     if result["undrained"]:
-        typer.echo(f"{_gpus(result['undrained'])} admit work again")
+        verb = "admits" if len(result["undrained"]) == 1 else "admit"
+        typer.echo(f"{_gpus(result['undrained'])} {verb} work again")
     else:
         typer.echo("no GPU was draining")
 

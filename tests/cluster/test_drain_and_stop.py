@@ -186,7 +186,7 @@ def test_a_drained_gpu_refuses_new_work_keeps_running_work_and_stays_drained_on_
 
     done = node.cli("undrain")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "GPU 0 admit work again"
+    assert done.stdout.strip() == "GPU 0 admits work again"
     assert node.status()["gpus"][0]["drain"] is None
     assert _submit(node)["state"] in ("running", "starting")
 
