@@ -194,7 +194,7 @@ needs_sandbox = pytest.mark.skipif(
 )
 
 _PROBE = r"""
-import ctypes, errno, json, os, resource, socket, sys
+import ctypes, errno, json, os, platform, resource, socket, sys
 libc = ctypes.CDLL(None, use_errno=True)
 out = {}
 def attempt(name, f):
@@ -208,6 +208,7 @@ def opened_for_writing(path):  # opened, never written
 def call(rc):
     if rc == -1:
         raise OSError(ctypes.get_errno(), "")
+    return rc
 def setuid_bit():
     path = os.path.join(sys.argv[1], "suid")
     open(path, "w").close()
@@ -222,6 +223,10 @@ attempt("AF_PACKET", lambda: socket.socket(17, socket.SOCK_RAW).close())
 attempt("AF_INET", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close())
 attempt("personality", lambda: call(libc.personality(0x0040000)))
 attempt("chmod u+s", setuid_bit)
+if platform.machine() == "x86_64":
+    attempt("perf_event_open", lambda: call(libc.syscall(298, None, 0, -1, -1, 0)))
+    pidfd = os.pidfd_open(os.getpid())
+    attempt("pidfd_getfd", lambda: os.close(call(libc.syscall(438, pidfd, 0, 0))))
 out["umask"] = oct(os.umask(0o022))
 out["CapBnd"] = next(l.split()[1] for l in open("/proc/self/status") if l.startswith("CapBnd"))
 print(json.dumps(out))
@@ -250,6 +255,9 @@ def test_the_hand_made_sandbox_enforces_the_units_directives(tmp_path: Path):
     assert got["AF_INET"] == "ok"
     assert got["personality"] == "EPERM"  # LockPersonality=yes
     assert got["chmod u+s"] == "EPERM"  # RestrictSUIDSGID=yes
+    if "perf_event_open" in got:  # x86_64 numbers
+        assert got["perf_event_open"] == "EPERM"  # @debug is refused...
+        assert got["pidfd_getfd"] == "ok"  # ...but for pidfd_getfd
     assert got["umask"] == "0o77"  # UMask=0077
     kept = {"chown", "dac_override", "dac_read_search", "fowner", "kill", "setgid", "setuid",
             "sys_ptrace", "sys_nice", "sys_admin"}  # fmt: skip
