@@ -262,9 +262,8 @@ def install(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _ru
         steps.append(Step("systemd", "skipped", "the config is invalid: fix it, then run again"))
     elif not opts.systemd:
         steps.append(Step("systemd", "skipped", "--no-systemd"))
-    elif any(s.what == "systemd" for s in blockers):
-        pass  # a dry run on a host without systemd: the blocker step says so
-    else:
+    elif not any(s.what == "systemd" for s in blockers):
+        # (A dry run on a host without systemd has said so in its blocker step.)
         steps.append(_enable(host))
     return Report("install", str(opts.root), opts.dry_run, tuple(steps),
                   ok=all(s.result != "failed" for s in steps) and cfg is not None)  # fmt: skip
