@@ -1,6 +1,6 @@
 """The daemon's configuration: one TOML file loaded into frozen dataclasses.
 
-Defaults live in the dataclasses below and nowhere else; ``gpushare/host_files/gpushare.toml`` documents
+Defaults live in the dataclasses below and nowhere else; ``etc/gpushare/gpushare.toml`` documents
 every key and loads to exactly these defaults (a test checks it). Field names carry their unit
 (``period_s``, ``online_memory_reserve_bytes``); the TOML key is the name without the unit suffix
 and takes a human spelling (``period = "100ms"``, ``online_memory_reserve = "2G"``).
@@ -134,6 +134,10 @@ class DaemonConfig:
     idle_timeout_s: float = _duration(600.0, above=True)
     request_timeout_s: float = _duration(10.0, above=True)
     stop_mps_on_exit: bool = False
+    # What offline work does while the daemon is down (docs/security.md, "on_stop"): "thaw" lets
+    # it run unthrottled (nothing protects online work then), "freeze" keeps it frozen (no
+    # offline progress, and no job can checkpoint, until the daemon is back).
+    on_stop: Literal["thaw", "freeze"] = "thaw"
     cancel_grace_s: float = _duration(10.0)
     # Adoption ([[adopt]] rules, scheduler jobs): how often the host's processes are scanned, and
     # how old a process must be before it is decided (bench/adopt_scan.py: a first look at a

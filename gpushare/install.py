@@ -2,12 +2,16 @@
 
 Install, in order, each step idempotent (a second run reports ``unchanged``):
 
-1. the directories ``/etc/gpushare`` and ``/var/lib/gpushare`` (0755);
+1. the directories ``/etc/gpushare`` (0755) and ``/var/lib/gpushare`` (0700: the registry holds
+   submitted environments; a looser existing one is tightened);
 2. ``/etc/gpushare/gpushare.toml``, the documented default, unless a file is there: an edited file
    is never overwritten (``kept``), and it is validated; an invalid one stops the install before
    systemd is told anything;
-3. ``/etc/systemd/system/gpushare.service`` (gpushare's own file: replaced when it differs; local
-   changes belong in ``gpushare.service.d/`` drop-ins, which are never touched);
+3. the host files, gpushare's own (replaced when they differ; local changes to the unit belong in
+   ``gpushare.service.d/`` drop-ins, which are never touched): ``/etc/systemd/system/gpushare.service``,
+   ``/etc/sysusers.d/gpushare.conf``, ``/etc/tmpfiles.d/gpushare.conf`` and the man pages
+   ``gpushare(8)`` and ``gpushare.toml(5)`` under ``/usr/local/share/man`` (the unit's
+   ``Documentation=``);
 4. ``/usr/bin/gpushare``, a symlink to the console script of the installation that runs this;
 5. the admin group (``daemon.admin_group``, ``gpushare`` by default) with ``groupadd --system``;
 6. the in-flight bound a bounded shallow offline queue preloads (``gpushare.native``), compiled from
@@ -22,6 +26,8 @@ it; ``/var/lib/gpushare`` (the client registry) and an edited config stay unless
 
 Everything is relative to ``root`` (``/`` on a host), so the whole sequence runs against a
 temporary directory in tests: ``groupadd --prefix`` and ``systemctl --root`` work on files there.
+A dry run needs nothing of the host: what a real run would lack (root, systemd, groupadd) is
+reported in its steps instead of stopping it.
 """
 
 from __future__ import annotations
@@ -36,17 +42,28 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from gpushare import config, native, paths
+from gpushare import config, native, paths, shipped
 from gpushare.native import build as native_build
 
 UNIT_NAME = "gpushare.service"
 CONFIG_DIR = Path("/etc/gpushare")
 UNIT_FILE = Path("/etc/systemd/system") / UNIT_NAME
 DROP_IN_DIR = Path("/etc/systemd/system") / f"{UNIT_NAME}.d"
+#: Where each shipped host file goes (besides the config, which is never overwritten).
+HOST_FILES = (
+    (shipped.UNIT, UNIT_FILE, "the unit"),
+    (shipped.SYSUSERS, Path("/etc/sysusers.d/gpushare.conf"), "sysusers.d: the admin group"),
+    (shipped.TMPFILES, Path("/etc/tmpfiles.d/gpushare.conf"), "tmpfiles.d: state and run dirs"),
+    (shipped.MAN_PAGES[0], Path("/usr/local/share/man/man8/gpushare.8"), "man page gpushare(8)"),
+    (
+        shipped.MAN_PAGES[1],
+        Path("/usr/local/share/man/man5/gpushare.toml.5"),
+        "man page gpushare.toml(5)",
+    ),
+)
 BIN_LINK = Path("/usr/bin/gpushare")
 SYSTEMD_RUNNING = Path("/run/systemd/system")
 _COMMAND_TIMEOUT_S = 120.0
@@ -107,11 +124,6 @@ class Report:
             word = _WOULD.get(s.result, s.result) if self.dry_run else s.result
             lines.append(f"{word:<13} {s.what}" + (f"  ({s.detail})" if s.detail else ""))
         return "\n".join(lines) + "\n"
-
-
-def shipped(name: str) -> str:
-    """The text of a file shipped in the package (``gpushare.toml``, ``gpushare.service``)."""
-    return (resources.files("gpushare") / "host_files" / name).read_text(encoding="utf-8")
 
 
 def console_script() -> Path | None:
@@ -177,29 +189,46 @@ def _run(argv: Sequence[str]) -> tuple[int, str]:
     return done.returncode, (done.stderr or done.stdout).strip()
 
 
-def _preflight(opts: Options, command: str) -> None:
+def _preflight(opts: Options, command: str) -> list[Step]:
+    """What stops ``command`` on this host; a dry run gets it as steps, a real run as an error.
+
+    Raises:
+        InstallError: a precondition fails and this is not a dry run.
+    """
     if not opts.root.is_dir():
         raise InstallError(f"--root {opts.root} is not a directory: create it first")
-    on_host = opts.root.resolve() == Path("/")
-    if on_host and os.geteuid() != 0 and not opts.dry_run:
+    if lost := shipped.missing():
         raise InstallError(
-            f"gpushare {command} changes /etc and /usr/bin and must run as root: "
-            f"sudo gpushare {command} (or --dry-run to see what it would do)"
+            f"this gpushare installation lacks {', '.join(lost)}: reinstall it "
+            "(pip install --force-reinstall gpushare)"
         )
+    on_host = opts.root.resolve() == Path("/")
+    problems: list[tuple[str, str]] = []
+    if on_host and os.geteuid() != 0:
+        problems.append((
+            "root",
+            f"gpushare {command} changes /etc and /usr/bin and must run as root: "
+            f"sudo gpushare {command} (or --dry-run to see what it would do)",
+        ))  # fmt: skip
     if opts.systemd:
         if shutil.which("systemctl") is None:
-            raise InstallError(
+            problems.append((
+                "systemd",
                 "systemctl not found: gpushare runs as a systemd service; "
-                f"use --no-systemd to {command} the files only"
-            )
-        if on_host and not SYSTEMD_RUNNING.is_dir():
-            raise InstallError(
+                f"use --no-systemd to {command} the files only",
+            ))  # fmt: skip
+        elif on_host and not SYSTEMD_RUNNING.is_dir():
+            problems.append((
+                "systemd",
                 f"systemd is not running on this host ({SYSTEMD_RUNNING} is missing): use "
-                f"--no-systemd to {command} the files only and run `gpushare daemon` yourself"
-            )
+                f"--no-systemd to {command} the files only and run `gpushare daemon` yourself",
+            ))  # fmt: skip
     tool = "groupadd" if command == "install" else "groupdel"
     if shutil.which(tool) is None:
-        raise InstallError(f"{tool} not found: install the passwd package (shadow utilities)")
+        problems.append((tool, f"{tool} not found: install the passwd package (shadow utilities)"))
+    if problems and not opts.dry_run:
+        raise InstallError(problems[0][1])
+    return [Step(what, "skipped", f"a real run would stop here: {why}") for what, why in problems]
 
 
 def install(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _run) -> Report:
@@ -209,7 +238,7 @@ def install(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _ru
         InstallError: a precondition fails (not root, no systemd, no console script); nothing
             was changed.
     """
-    _preflight(opts, "install")
+    blockers = _preflight(opts, "install")
     script = console_script()
     if script is None:
         raise InstallError(
@@ -217,10 +246,14 @@ def install(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _ru
             "first (python3 -m venv /opt/gpushare && /opt/gpushare/bin/pip install gpushare)"
         )
     host = _Host(opts, run)
-    steps = [_ensure_dir(host, CONFIG_DIR), _ensure_dir(host, paths.STATE_DIR)]
+    steps = [
+        *blockers,
+        _ensure_dir(host, CONFIG_DIR, 0o755),
+        _ensure_dir(host, paths.STATE_DIR, 0o700),
+    ]
     config_step, cfg = _install_config(host)
     steps.append(config_step)
-    steps.append(_install_unit(host))
+    steps.extend(_install_file(host, name, dest, what) for name, dest, what in HOST_FILES)
     steps.append(_link_bin(host, script))
     if cfg is not None:
         steps.append(_add_group(host, cfg.daemon.admin_group))
@@ -229,7 +262,8 @@ def install(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _ru
         steps.append(Step("systemd", "skipped", "the config is invalid: fix it, then run again"))
     elif not opts.systemd:
         steps.append(Step("systemd", "skipped", "--no-systemd"))
-    else:
+    elif not any(s.what == "systemd" for s in blockers):
+        # (A dry run on a host without systemd has said so in its blocker step.)
         steps.append(_enable(host))
     return Report("install", str(opts.root), opts.dry_run, tuple(steps),
                   ok=all(s.result != "failed" for s in steps) and cfg is not None)  # fmt: skip
@@ -241,18 +275,18 @@ def uninstall(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _
     Raises:
         InstallError: a precondition fails (not root, no systemd); nothing was changed.
     """
-    _preflight(opts, "uninstall")
+    steps = _preflight(opts, "uninstall")
     host = _Host(opts, run)
     group = _admin_group(host)  # read before the config may go
-    steps: list[Step] = []
-    if opts.systemd:
+    systemd = opts.systemd and not any(s.what == "systemd" for s in steps)
+    if systemd:
         steps.append(_disable(host))
-    steps.append(_remove_file(host, UNIT_FILE, "the unit"))
+    steps.extend(_remove_file(host, dest, what) for _name, dest, what in HOST_FILES)
     if opts.purge:
         steps.append(_remove_tree(host, DROP_IN_DIR, "the unit's drop-ins"))
     elif host.at(DROP_IN_DIR).exists():
         steps.append(Step(str(DROP_IN_DIR), "kept", "local drop-ins; --purge removes them"))
-    if opts.systemd and host.on_host:
+    if systemd and host.on_host:
         steps.append(_systemctl(host, "daemon-reload"))
     steps.append(_remove_config(host))
     steps.append(_unlink_bin(host))
@@ -273,14 +307,20 @@ def uninstall(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _
 # --------------------------------------------------------------------------------------- install
 
 
-def _ensure_dir(host: _Host, path: Path) -> Step:
+def _ensure_dir(host: _Host, path: Path, mode: int) -> Step:
     target = host.at(path)
     if target.is_dir():
-        return Step(str(path), "unchanged")
+        current = target.stat().st_mode & 0o777
+        if current & ~mode == 0:
+            return Step(str(path), "unchanged")
+        # Tighten only: a mode the operator made stricter stays.
+        if not host.opts.dry_run:
+            target.chmod(current & mode)
+        return Step(str(path), "updated", f"mode {current:04o} -> {current & mode:04o}")
     if not host.opts.dry_run:
-        target.mkdir(parents=True, mode=0o755)
-        target.chmod(0o755)
-    return Step(str(path), "created", "directory, mode 0755")
+        target.mkdir(parents=True, mode=mode)
+        target.chmod(mode)
+    return Step(str(path), "created", f"directory, mode {mode:04o}")
 
 
 def _write(target: Path, text: str) -> None:
@@ -305,7 +345,7 @@ def _root_owned(path: Path, mode: int) -> None:
 def _install_config(host: _Host) -> tuple[Step, config.Config | None]:
     path = paths.CONFIG_FILE
     target = host.at(path)
-    default = shipped("gpushare.toml")
+    default = shipped.text(shipped.CONFIG)
     if not target.exists():
         if not host.opts.dry_run:
             _write(target, default)
@@ -322,19 +362,20 @@ def _install_config(host: _Host) -> tuple[Step, config.Config | None]:
     return Step(str(path), "kept", "edited: not overwritten; it is valid"), cfg
 
 
-def _install_unit(host: _Host) -> Step:
-    target = host.at(UNIT_FILE)
-    text = shipped("gpushare.service")
+def _install_file(host: _Host, name: str, dest: Path, what: str) -> Step:
+    """A shipped host file, gpushare's own: replaced when it differs."""
+    target = host.at(dest)
+    text = shipped.text(name)
     if target.exists() and target.read_text(encoding="utf-8") == text:
-        return Step(str(UNIT_FILE), "unchanged")
+        return Step(str(dest), "unchanged", what)
     result: Result = "updated" if target.exists() else "created"
     if not host.opts.dry_run:
         _write(target, text)
-    detail = ""
-    if result == "updated":
+    detail = what
+    if result == "updated" and dest == UNIT_FILE:
         detail = ("local changes belong in gpushare.service.d/ drop-ins; "
                   "systemctl restart gpushare uses it (workloads keep running)")  # fmt: skip
-    return Step(str(UNIT_FILE), result, detail)
+    return Step(str(dest), result, detail)
 
 
 def _link_bin(host: _Host, script: Path) -> Step:
@@ -459,7 +500,7 @@ def _remove_config(host: _Host) -> Step:
     path = paths.CONFIG_FILE
     target = host.at(path)
     if target.exists():
-        edited = target.read_bytes() != shipped("gpushare.toml").encode()
+        edited = target.read_bytes() != shipped.text(shipped.CONFIG).encode()
         if edited and not host.opts.purge:
             return Step(str(path), "kept", "edited; --purge removes it")
         step = _remove_file(host, path, "edited" if edited else "the shipped default")

@@ -43,6 +43,9 @@ PAUSE = "pause"
 RESUME = "resume"
 ADOPT = "adopt"
 RELEASE = "release"
+#: ``gpushare drain``/``undrain`` (root and the admin group; gpushare/daemon/cordon.py).
+DRAIN = "drain"
+UNDRAIN = "undrain"
 
 READ_METHODS = frozenset({HELLO, STATUS, LIST, EVENTS})
 """Methods anyone may call; the others are checked against the caller's rights."""

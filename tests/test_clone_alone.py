@@ -136,6 +136,9 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_a_shipped_scenario(
     names = zipfile.ZipFile(wheel).namelist()
     assert "gpushare/native/inflight.c" in names
     assert not [n for n in names if n.endswith(".so")]
+    # The host files at the repository's top travel in the wheel (gpushare/shipped.py).
+    assert "gpushare/_shipped/systemd/gpushare.service" in names
+    assert "gpushare/_shipped/etc/gpushare/gpushare.toml" in names
     target = tmp_path / "venv"
     try:
         venv.create(target, with_pip=True)
@@ -186,16 +189,19 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_a_shipped_scenario(
         )
         assert made.returncode == 0, made.stdout + made.stderr
         assert lib.is_file()
-    # The files `gpushare install` writes travel in the wheel too.
+    # The files `gpushare install` writes travel in the wheel too, and a dry run needs no
+    # systemd on the host (issue 28.6: no --no-systemd here).
     root = tmp_path / "root"
     root.mkdir()
     dry = _run(
-        [target / "bin" / "gpushare", "install", "--root", root, "--dry-run", "--no-systemd"],
+        [target / "bin" / "gpushare", "install", "--root", root, "--dry-run"],
         outside,
         _clean_env(),
     )
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert "would create  /etc/gpushare/gpushare.toml" in dry.stdout
+    assert "would create  /etc/systemd/system/gpushare.service" in dry.stdout
+    assert "would create  /usr/local/share/man/man8/gpushare.8" in dry.stdout
 
 
 def _has_the_probe_dependencies_and_nothing_more(target: Path, cwd: Path) -> None:

@@ -5,11 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from gpushare import config
+from gpushare import config, shipped
 from gpushare.config import Config, ConfigError
-from gpushare.paths import repo_root
 
-SHIPPED = repo_root() / "gpushare" / "host_files" / "gpushare.toml"
+SHIPPED = shipped.path(shipped.CONFIG)
 
 
 def test_shipped_file_loads_to_exactly_the_defaults():

@@ -76,3 +76,46 @@ def test_tracebacks_show_no_local_variables(capsys, as_json):
     err = capsys.readouterr().err
     assert "_handler_that_fails" in err  # the traceback is there...
     assert secret not in err  # ...without the frames' variables
+
+
+_EMIT = """
+import structlog
+from gpushare.logs import configure_logging
+configure_logging("debug")
+log = structlog.get_logger()
+log.debug("d"); log.info("i"); log.warning("w"); log.error("e"); log.critical("c")
+"""
+
+
+def _emit_with(tmp_path, journal_stream):
+    """Run a process whose stderr is a file, with $JOURNAL_STREAM as systemd would set it."""
+    import os
+    import subprocess
+    import sys
+
+    err = tmp_path / "stderr"
+    with err.open("wb") as f:
+        st = os.fstat(f.fileno())
+        value = journal_stream(st)
+        env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+        if value is not None:
+            env["JOURNAL_STREAM"] = value
+        subprocess.run([sys.executable, "-c", _EMIT], stderr=f, env=env, check=True, timeout=60)
+    return err.read_text().splitlines()
+
+
+def test_under_the_journal_each_line_carries_its_syslog_priority(tmp_path):
+    # journald stores a stderr line at the priority of its "<N>" prefix (sd-daemon(3)): without
+    # one, every line is "info" and `journalctl -p warning` shows nothing (issue 28.3).
+    lines = _emit_with(tmp_path, lambda st: f"{st.st_dev}:{st.st_ino}")
+    got = [(line[: line.index(">") + 1], json.loads(line[line.index(">") + 1 :])["event"])
+           for line in lines]  # fmt: skip
+    assert got == [("<7>", "d"), ("<6>", "i"), ("<4>", "w"), ("<3>", "e"), ("<2>", "c")]
+
+
+def test_stderr_that_is_not_the_journal_stream_gets_plain_json(tmp_path):
+    # The variable is inherited by a process that redirected its stderr: the fd decides.
+    lines = _emit_with(tmp_path, lambda st: f"{st.st_dev}:{st.st_ino + 1}")
+    assert [json.loads(line)["event"] for line in lines] == ["d", "i", "w", "e", "c"]
+    lines = _emit_with(tmp_path, lambda st: None)
+    assert [json.loads(line)["event"] for line in lines] == ["d", "i", "w", "e", "c"]

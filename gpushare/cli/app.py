@@ -18,6 +18,7 @@ from gpushare.cli import (
     config_cmd,
     daemon_cmd,
     doctor_cmd,
+    drain_cmd,
     env_cmd,
     install_cmd,
     sim_cmd,
@@ -33,6 +34,7 @@ app = typer.Typer(
 app.add_typer(config_cmd.app, name="config")
 clients_cmd.register(app)
 daemon_cmd.register(app)
+drain_cmd.register(app)
 doctor_cmd.register(app)
 env_cmd.register(app)
 install_cmd.register(app)

@@ -24,6 +24,12 @@ def check(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the effective config as JSON.")
     ] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", "-q", help="Print nothing when it is valid (the unit's ExecReload)."
+        ),
+    ] = False,
 ) -> None:
     """Validate a config file and print the effective configuration; exit 2 if it is invalid."""
     target = path or paths.default_config_file()
@@ -32,6 +38,8 @@ def check(
     except config.ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None
+    if quiet:
+        return
     if as_json:
         typer.echo(json.dumps(config.to_dict(cfg), indent=2))
     else:

@@ -284,7 +284,7 @@ def _inflight(host: Host, cfg: config.Config) -> CheckResult:
         lib.detail,
         lib.hint
         or "shallow offline queues fall back to CUDA_LAUNCH_BLOCKING=1 (less offline throughput); "
-        "build it with `gpushare install` or `make native` (needs a C compiler)",
+        "build it with `sudo gpushare install` (needs a C compiler: apt-get install gcc)",
     )
 
 

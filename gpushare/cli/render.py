@@ -219,6 +219,10 @@ def render_status(status: dict[str, Any]) -> str:
         ])  # fmt: skip
         if g["error"]:
             rows.append(["", f"error: {g['error']}", "", "", "", "", "", "", "", "", "", ""])
+        if (drain := g.get("drain")) is not None:  # absent from an older daemon's status
+            why = f": {drain['reason']}" if drain["reason"] else ""
+            rows.append(["", f"draining (by {drain['by']}{why}): nothing new starts here",
+                         "", "", "", "", "", "", "", "", "", ""])  # fmt: skip
     node = " (simulated GPUs)" if simulated else ""
     head = f"gpushare {status['daemon']['version']}{node}: {status['daemon']['summary']}"
     whys = [w for w in (_why(g) for g in status["gpus"]) if w]

@@ -23,6 +23,7 @@ from gpushare import __version__, mpsenv, pods, protocol, trust
 from gpushare.control.promise import PlacedClient, may_promise, promised_bytes
 from gpushare.daemon import placement
 from gpushare.daemon.adopter import Adoptions
+from gpushare.daemon.cordon import CordonApi
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.opstats import gate_status, latency_status
@@ -79,6 +80,7 @@ class Api:
         self.loop = loop
         self.adoptions = adoptions
         self._started_mono = state.clock.monotonic()
+        self.cordon = CordonApi.of(state, self._resolve_gpu)
 
     def methods(self) -> dict[str, Handler]:
         """The explicit dispatch table of the API (``hello`` is answered by the server)."""
@@ -97,6 +99,8 @@ class Api:
             protocol.RESUME: self.resume,
             protocol.ADOPT: self.adopt,
             protocol.RELEASE: self.release,
+            protocol.DRAIN: self.cordon.drain,
+            protocol.UNDRAIN: self.cordon.undrain,
         }
 
     # ----------------------------------------------------------------------------- rights
@@ -241,6 +245,7 @@ class Api:
             "client_slots_max": s.max_clients(x),
             "error": x.error,
             "lost": x.lost,
+            "drain": self.cordon.view(x.uuid),
         }
 
     def _client_dict(self, r: ClientRecord, sample: GpuSample | None, now: float) -> dict[str, Any]:
@@ -499,16 +504,17 @@ class Api:
     ) -> tuple[GpuSample, float]:
         """The GPU a submit goes to and its SM share; refuses what does not fit."""
         if req.gpu == "any":
-            candidates = [g for g in self.s.samples if self.s.shared(g)]
-            if not candidates:
+            shared = [g for g in self.s.samples if self.s.shared(g)]
+            if not shared:
                 raise _fail(E.UNAVAILABLE, "no shared GPU on this node (see [gpus] in the config)")
+            candidates = self.cordon.admitting(shared)
         else:
             chosen = self._resolve_gpu(req.gpu)
             if not self.s.shared(chosen):
                 raise _fail(
                     E.INVALID_PARAMS, f"GPU {req.gpu} is not shared by gpushare (gpus.shared)"
                 )
-            candidates = [chosen]
+            candidates = self.cordon.admitting([chosen], named=True)
         loads = self._loads(candidates)
         problems: list[str] = []
         fitting: list[tuple[GpuSample, float]] = []

@@ -44,6 +44,7 @@ from gpushare.inflight import SenderLimiter
 from gpushare.latency.app import AppLatency
 from gpushare.latency.receiver import LatencyReceiver, Sender, verified_identify
 from gpushare.metrics import Exporter
+from gpushare.model import ClientClass
 from gpushare.node import notify as sd
 from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
 from gpushare.node.clock import SystemClock
@@ -175,6 +176,10 @@ class Daemon:
             why = f"{native.unusable_reason() or launcher.CANNOT_PRELOAD}: {launcher.FALLBACK}"
             state.registry.add_event("shallow_queue_blocking", why, severity="warning")
             log.warning("shallow_queue_blocking", reason=why)
+        if state.cordons.load_error is not None:
+            state.registry.add_event(
+                "drained_file_unreadable", state.cordons.load_error, severity="warning"
+            )
         state.registry.add_event(
             "daemon_started", f"gpushare {__version__} started (pid {os.getpid()})"
         )
@@ -252,8 +257,12 @@ class Daemon:
         if self.server is not None:
             self.server.close()
         self.adoptions.stop()
-        # Duty-cycle and gate freezes end with the daemon; a user's or controller's hold stays.
-        self.lifecycle.release_duty_freezes()
+        # daemon.on_stop: duty-cycle and gate freezes end with the daemon ("thaw"), or every
+        # offline client stays frozen until it is back ("freeze"); a user's hold stays either way.
+        if state.config.daemon.on_stop == "freeze":
+            self._freeze_offline_for_stop()
+        else:
+            self.lifecycle.release_duty_freezes()
         state.gauges.close()
         state.gate.close()
         self.lifecycle.stop_watching()
@@ -272,6 +281,31 @@ class Daemon:
             stop(quit_daemon=state.config.daemon.stop_mps_on_exit)
         state.registry.add_event("daemon_stopped", "gpushare stopped; workloads left running")
         log.info("daemon_stopped")
+
+    def _freeze_offline_for_stop(self) -> None:
+        """``daemon.on_stop = "freeze"``: freeze every live offline client before the daemon stops.
+
+        The next daemon thaws them as it re-adopts them (``Lifecycle.readopt``) and its controller
+        decides from there. Under the gates' arbiter the daemon's own freeze outlasts the gates'
+        release at :meth:`shutdown`.
+        """
+        state = self.state
+        with state.lock:
+            ids = [
+                r.id
+                for r in state.registry.clients()
+                if r.state.is_live and r.cls is ClientClass.OFFLINE and r.pid is not None
+            ]
+            self.lifecycle.freeze_all(ids)
+            frozen = [cid for cid in ids if cid in self.lifecycle.paused]
+        if ids:
+            state.registry.add_event(
+                "offline_frozen_at_stop",
+                f"{len(frozen)} of {len(ids)} offline clients stay frozen while gpushare is "
+                'stopped (daemon.on_stop = "freeze")',
+                severity="info" if len(frozen) == len(ids) else "warning",
+            )
+        log.info("offline_frozen_at_stop", clients=frozen, failed=sorted(set(ids) - set(frozen)))
 
     def reload(self) -> bool:
         """Re-read the config file; keep the old config with an error event if the new one is bad."""

@@ -208,8 +208,8 @@ def library_refusal(library: str) -> str | None:
 
 
 CANNOT_PRELOAD = (
-    f"{LIBRARY_NAME} cannot be preloaded here (`gpushare doctor` says why; `make native` in a "
-    "clone or `gpushare install` builds it)"
+    f"{LIBRARY_NAME} cannot be preloaded here (`gpushare doctor` says why; "
+    "`sudo gpushare install` builds it)"
 )
 """Why a bounded shallow queue runs as a blocking one, in each launch's ``offline_queue`` line."""
 

@@ -22,6 +22,7 @@ import structlog
 
 from gpushare import mpsenv
 from gpushare.control import admission
+from gpushare.daemon.cordon import held_by_drain
 from gpushare.daemon.drain import DrainTracker
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.opstats import LastAction, Tracked
@@ -434,9 +435,12 @@ class ControlLoop:
             if r.state is S.QUEUED
         ]
         max_clients = {x.uuid: s.max_clients(x) for x in s.samples}
+        # A drained GPU (gpushare drain) starts nothing new: its jobs wait, and say why.
+        drained = s.cordons.drained()
+        open_gpus = {u: o for u, o in observations.items() if u not in drained}
         planned = admission.plan(
             jobs,
-            observations,
+            open_gpus,
             {u: s.default_sm(ClientClass.OFFLINE, u) for u in observations},
             now,
             max_clients=max_clients,
@@ -444,6 +448,7 @@ class ControlLoop:
             probe_slots=1 if s.config.probe.enabled else 0,
         )
         waiting = dict(planned.waiting)
+        waiting.update(held_by_drain(jobs, waiting, s.samples, drained, open_gpus))
         for action in planned.admits:
             try:
                 self.apply(action, now)

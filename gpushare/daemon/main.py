@@ -276,7 +276,10 @@ def simulated_mps(cfg: config_mod.Config, rt: RealTimeSimNode) -> tuple[MpsNode,
 
     name = cfg.mps.control_binary
     if mps_mod.find_binary(name) is None:
-        reason = f"{name} not found; run scripts/get-mps-control.sh or set mps.control_binary"
+        reason = (
+            f"{name} not found; install it (Debian/Ubuntu: apt-get install nvidia-cuda-mps; "
+            "a clone: scripts/get-mps-control.sh) or set mps.control_binary"
+        )
         return rt.mps_node(), {"mps": "simulated", "reason": reason}
     sock = cfg.paths.resolved("socket")
     if _serving(sock):

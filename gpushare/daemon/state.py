@@ -18,6 +18,8 @@ import structlog
 
 from gpushare.config import Config
 from gpushare.control.policy import Policy
+from gpushare.daemon.cordon import FILE_NAME as CORDON_FILE
+from gpushare.daemon.cordon import Cordons
 from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
@@ -116,6 +118,8 @@ class NodeState:
         self._shared_for: Config | None = None
         #: Thawed time, evictions, step timings and each GPU's last action, for status and metrics.
         self.ops = OpStats()
+        #: GPUs that admit nothing new (``gpushare drain``), kept in the state directory.
+        self.cordons = Cordons(config.paths.state_dir / CORDON_FILE)
 
     def _online_gpu(self, client_id: str) -> str | None:
         """The GPU of a live online client (the gates ask for one the last tick did not list)."""

@@ -89,7 +89,7 @@ def unreadable_reason(lib: Path) -> str | None:
     usual case.
     """
     if not lib.is_file():
-        return f"{lib} is not built (`make native` in a clone, or `gpushare install`)"
+        return f"{lib} is not built: `sudo gpushare install` builds it (needs a C compiler)"
     for path in (lib, *lib.parents):
         try:
             mode = path.stat().st_mode

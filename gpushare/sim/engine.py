@@ -33,7 +33,10 @@ GROUP = "gpushare.sim.gpu"
 SHARED_LIB = GROUP.rsplit(".", 1)[1] + "__mypyc"
 #: The build's record of the sources it was compiled from (see :func:`record`).
 RECORD = "SOURCE_SHA256"
-BUILD_HINT = "from a checkout, `make engine` builds the compiled engine (several times faster)"
+BUILD_HINT = (
+    "the pure-Python engine gives the same results, only slower; nothing to fix (a clone of the "
+    "repository builds the compiled one with `make engine`)"
+)
 
 
 @dataclass(frozen=True, slots=True)

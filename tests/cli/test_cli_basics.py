@@ -7,12 +7,11 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from gpushare import __version__, config
+from gpushare import __version__, config, shipped
 from gpushare.cli.app import app
-from gpushare.paths import repo_root
 
 runner = CliRunner()
-SHIPPED = repo_root() / "gpushare" / "host_files" / "gpushare.toml"
+SHIPPED = shipped.path(shipped.CONFIG)
 
 
 def test_version():

@@ -4,12 +4,13 @@ import ctypes
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from gpushare import install, native
+from gpushare import install, native, shipped
 from gpushare.cli.app import app
 from gpushare.native import build as native_build
 
@@ -66,11 +67,11 @@ def test_install_writes_everything_once_and_a_second_run_changes_nothing(
     else:
         assert built[0] == "skipped"
     cfg = tmp_path / "etc/gpushare/gpushare.toml"
-    assert cfg.read_text() == install.shipped("gpushare.toml")
+    assert cfg.read_text() == shipped.text(shipped.CONFIG)
     assert cfg.stat().st_mode & 0o777 == 0o644
     unit = tmp_path / "etc/systemd/system/gpushare.service"
-    assert unit.read_text() == install.shipped("gpushare.service")
-    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o755
+    assert unit.read_text() == shipped.text(shipped.UNIT)
+    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o700
     link = tmp_path / "usr/bin/gpushare"
     assert link.is_symlink() and Path(os.readlink(link)) == install.console_script()
     assert any(
@@ -78,6 +79,8 @@ def test_install_writes_everything_once_and_a_second_run_changes_nothing(
     )
     wants = tmp_path / "etc/systemd/system/multi-user.target.wants/gpushare.service"
     assert os.readlink(wants) == "/etc/systemd/system/gpushare.service"
+    for name, dest, _what in install.HOST_FILES:
+        assert (tmp_path / dest.relative_to("/")).read_text() == shipped.text(name)
 
     before = _snapshot(tmp_path)
     code, out, err = _cli("install", "--root", str(tmp_path), "--json")
@@ -230,3 +233,69 @@ def test_a_missing_root_directory_is_refused(tmp_path: Path):
 
 def _no_commands(argv):
     raise AssertionError(f"no command may run: {argv}")
+
+
+def test_dry_run_works_on_a_host_without_systemd_and_says_what_a_real_run_needs(monkeypatch):
+    # Issue 28.6: `gpushare install --dry-run` without --no-systemd on a host without systemd
+    # (this test machine has no /run/systemd/system either) shows the plan instead of refusing.
+    monkeypatch.setattr(install, "SYSTEMD_RUNNING", Path("/nonexistent/systemd/system"))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    code, out, err = _cli("install", "--dry-run", "--json")
+    assert code == 0, err
+    steps = _steps(out)
+    assert steps["root"][0] == "skipped"
+    assert "must run as root: sudo gpushare install" in steps["root"][1]
+    assert steps["systemd"][0] == "skipped"
+    assert "use --no-systemd to install the files only" in steps["systemd"][1]
+    assert steps["/etc/systemd/system/gpushare.service"][0] in ("created", "updated", "unchanged")
+    # A real run still refuses, with the same fix.
+    code, out, err = _cli("install")
+    assert code == 1
+    assert "must run as root" in err
+
+
+@needs_groupadd
+def test_sysusers_and_tmpfiles_create_the_group_and_the_directories(tmp_path: Path):
+    if shutil.which("systemd-sysusers") is None or shutil.which("systemd-tmpfiles") is None:
+        pytest.skip("systemd-sysusers/systemd-tmpfiles are not installed (apt-get install systemd)")
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/group").write_text("root:x:0:\n")
+    (tmp_path / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    sysusers = tmp_path / "sysusers.conf"
+    sysusers.write_text(shipped.text(shipped.SYSUSERS))
+    done = subprocess.run(["systemd-sysusers", f"--root={tmp_path}", str(sysusers)],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert any(
+        line.startswith("gpushare:") for line in (tmp_path / "etc/group").read_text().splitlines()
+    )
+    tmpfiles = tmp_path / "tmpfiles.conf"
+    tmpfiles.write_text(shipped.text(shipped.TMPFILES))
+    (tmp_path / "var/lib").mkdir(parents=True)
+    (tmp_path / "var/lib/gpushare").mkdir(mode=0o755)  # an old install's
+    done = subprocess.run(["systemd-tmpfiles", "--create", f"--root={tmp_path}", str(tmpfiles)],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "run/gpushare").stat().st_mode & 0o777 == 0o755
+
+
+@needs_groupadd
+def test_install_tightens_a_state_directory_others_could_read(tmp_path: Path):
+    state = tmp_path / "var/lib/gpushare"
+    state.mkdir(parents=True)
+    state.chmod(0o755)
+    code, out, err = _cli("install", "--root", str(tmp_path), "--no-systemd", "--json")
+    assert code == 0, err
+    assert _steps(out)["/var/lib/gpushare"] == ("updated", "mode 0755 -> 0700")
+    assert state.stat().st_mode & 0o777 == 0o700
+
+
+@needs_groupadd
+def test_uninstall_removes_the_host_files_and_man_pages(tmp_path: Path):
+    assert _cli("install", "--root", str(tmp_path), "--no-systemd")[0] == 0
+    assert (tmp_path / "usr/local/share/man/man8/gpushare.8").is_file()
+    code, _out, err = _cli("uninstall", "--root", str(tmp_path), "--no-systemd")
+    assert code == 0, err
+    for _name, dest, _what in install.HOST_FILES:
+        assert not (tmp_path / dest.relative_to("/")).exists()

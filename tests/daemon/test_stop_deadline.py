@@ -26,7 +26,7 @@ from gpushare.paths import repo_root
 from tests.support import sim_daemon_helpers as helpers
 from tests.support.sim_daemon_helpers import SimDaemon
 
-UNIT = repo_root() / "gpushare" / "host_files" / "gpushare.service"
+UNIT = repo_root() / "systemd" / "gpushare.service"
 
 
 def timeout_stop_s() -> float:

@@ -424,6 +424,9 @@ class MpsSupervisor:
                 # Its own session: a Ctrl-C or SIGTERM to gpushare's process group must not kill MPS
                 # under running clients; gpushare stops it with quit.
                 start_new_session=True,
+                # As before the unit's UMask=0077: MPS creates its pipes and per-user server
+                # directories for clients of other users.
+                umask=0o022,
             )
         except OSError as exc:
             raise MpsSetupError(

@@ -63,6 +63,8 @@ LAUNCH_FAILURES = {
     127: "the command was not found in the user's PATH",
 }
 _ENV_DIRS = "/usr/bin:/bin"
+#: The umask a workload starts with: a login's usual one, whatever the daemon's own (UMask=0077).
+WORKLOAD_UMASK = 0o022
 
 
 def launch_failure(exit_code: int | None) -> str | None:
@@ -175,6 +177,8 @@ def spawn(
             env=clean_env(env),
             close_fds=True,
             start_new_session=new_session,
+            # The unit's UMask=0077 is for the daemon's own files; a workload gets the usual one.
+            umask=WORKLOAD_UMASK,
             user=uid if as_root and not join else None,
             group=gid if as_root and not join else None,
             extra_groups=supplementary if as_root and not join else None,
