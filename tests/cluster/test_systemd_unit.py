@@ -31,7 +31,7 @@ from tests.support.sim_daemon_helpers import GPUSHARE, sim_config, socket_env
 
 UNIT = shipped.path(shipped.UNIT)
 MAN_DIR = shipped.path(shipped.MAN_PAGES[0]).parents[1]
-SECURITY_DOCS = [repo_root() / "docs" / "security.md", repo_root() / "docs" / "security-unit.md"]
+SECURITY_DOCS = [repo_root() / "docs" / "security.md"]
 needs_analyze = pytest.mark.skipif(
     shutil.which("systemd-analyze") is None,
     reason="systemd-analyze is not installed (apt-get install systemd)",
