@@ -12,7 +12,6 @@ import pwd
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
 from gpushare.paths import repo_root
+from tests.support import trusted
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree
 from tests.support.daemon_helpers import call_as, python_for_others
 from tests.support.sim_daemon_helpers import GPUSHARE, sim_config, socket_env
@@ -33,7 +33,8 @@ class Node:
     """A simulated-GPU daemon that can be stopped and started again on the same state."""
 
     def __init__(self, daemon: str = "", rest: str = "") -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="gsd-", dir="/tmp"))  # short socket path
+        # Not /tmp: the daemon refuses a config below a directory other users may write.
+        self.base = trusted.make_trusted_dir("gsd-")
         self.base.chmod(0o755)
         self.cgroup_dir = sim_config(self.base, NO_MPS, daemon=daemon, rest=rest)
         self.env = socket_env(self.base)

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 
 from gpushare import shipped
 from gpushare.paths import repo_root
-from tests.support import unit_sandbox
+from tests.support import trusted, unit_sandbox
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree
 from tests.support.daemon_helpers import call_as, python_for_others
 from tests.support.helpers import find_mps_control
@@ -283,7 +282,7 @@ def test_the_daemon_and_another_users_workload_run_under_the_units_sandbox():
     if python_for_others() is None:
         pytest.skip("no Python interpreter another uid may run")
     nobody = pwd.getpwnam("nobody")
-    base = Path(tempfile.mkdtemp(prefix="gsu-", dir="/tmp"))  # short: Unix socket path limit
+    base = trusted.make_trusted_dir("gsu-")  # not /tmp: the daemon refuses a config there
     base.chmod(0o755)
     cgroup_dir = sim_config(base, mps_control, daemon='log_level = "debug"')
     # What systemd would create for StateDirectory= (0700) and RuntimeDirectory= (0755).
