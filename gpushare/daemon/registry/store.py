@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import stat
 import time
 from pathlib import Path
 
@@ -209,7 +210,8 @@ def _create_private(path: Path, busy_timeout_s: float) -> bool:
                 f"cannot open the state database file {path.with_name(name)}: {exc.strerror}"
             ) from exc
         try:
-            os.fchmod(fd, 0o600)
+            if stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
+                os.fchmod(fd, 0o600)
         except OSError as exc:
             raise RegistryError(
                 f"cannot make {path.with_name(name)} private (0600): {exc.strerror}"
