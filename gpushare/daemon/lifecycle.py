@@ -428,9 +428,11 @@ class Lifecycle:
         """Move a queued or restarting client to STARTING on its GPU with its SM share."""
         sample = self.s.sample(gpu_uuid)
         sm = sm_pct if sm_pct is not None else self.s.default_sm(rec.cls, gpu_uuid)
+        # No pid until the spawn is recorded: a daemon that dies before knows it never started
+        # (the old process of a restart is gone), so the launch is queued again (readopt.py).
         moved = self.s.transition(
             rec.id, S.STARTING, reason=reason, gpu_uuid=gpu_uuid, sm_pct=sm,
-            gpu_index=sample.index if sample else rec.gpu_index,
+            gpu_index=sample.index if sample else rec.gpu_index, pid=None, start_time=None,
         )  # fmt: skip
         return moved or self.s.registry.get(rec.id)
 

@@ -21,6 +21,7 @@ from gpushare.node.adopted import AdoptingPauser
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mpsnode import FakeMpsNode
+from tests.support import crash_points
 
 
 def _mps_node(cfg: config.Config) -> Any:
@@ -81,6 +82,7 @@ def main() -> int:
         policy=make_policy(cfg.control.policy, cfg.control),
         config_path=path,
     )
+    crash_points.install(daemon)
     try:
         return serve(daemon)
     except StartupError as exc:
