@@ -158,7 +158,7 @@ def _reset_registry(dp: DaemonProc, *, forget_everything: bool) -> None:
         Path(f"{dp.db}{side}").unlink(missing_ok=True)
     dp.db.write_bytes(b"not a database " * 100)
     if forget_everything:
-        (dp.db.parent / "client-ids").unlink()
+        (dp.db.parent / "client-ids").unlink(missing_ok=True)
         for log in (dp.db.parent / "clients").iterdir():
             log.unlink()
 
