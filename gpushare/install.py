@@ -217,7 +217,8 @@ def install(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _ru
             "first (python3 -m venv /opt/gpushare && /opt/gpushare/bin/pip install gpushare)"
         )
     host = _Host(opts, run)
-    steps = [_ensure_dir(host, CONFIG_DIR), _ensure_dir(host, paths.STATE_DIR)]
+    # The state directory as the daemon keeps it (daemon/statedir.py): closed to listing.
+    steps = [_ensure_dir(host, CONFIG_DIR), _ensure_dir(host, paths.STATE_DIR, 0o711)]
     config_step, cfg = _install_config(host)
     steps.append(config_step)
     steps.append(_install_unit(host))
@@ -273,14 +274,14 @@ def uninstall(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _
 # --------------------------------------------------------------------------------------- install
 
 
-def _ensure_dir(host: _Host, path: Path) -> Step:
+def _ensure_dir(host: _Host, path: Path, mode: int = 0o755) -> Step:
     target = host.at(path)
     if target.is_dir():
         return Step(str(path), "unchanged")
     if not host.opts.dry_run:
-        target.mkdir(parents=True, mode=0o755)
-        target.chmod(0o755)
-    return Step(str(path), "created", "directory, mode 0755")
+        target.mkdir(parents=True, mode=mode)
+        target.chmod(mode)
+    return Step(str(path), "created", f"directory, mode {mode:04o}")
 
 
 def _write(target: Path, text: str) -> None:

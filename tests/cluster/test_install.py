@@ -70,7 +70,8 @@ def test_install_writes_everything_once_and_a_second_run_changes_nothing(
     assert cfg.stat().st_mode & 0o777 == 0o644
     unit = tmp_path / "etc/systemd/system/gpushare.service"
     assert unit.read_text() == install.shipped("gpushare.service")
-    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o755
+    # Closed to listing: the registry and the client logs (issue 27).
+    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o711
     link = tmp_path / "usr/bin/gpushare"
     assert link.is_symlink() and Path(os.readlink(link)) == install.console_script()
     assert any(

@@ -41,6 +41,7 @@ def test_unit_has_the_settings_the_design_needs():
     assert svc["RuntimeDirectoryMode"] == ["0755"]
     assert svc["RuntimeDirectoryPreserve"] == ["yes"]
     assert svc["StateDirectory"] == ["gpushare"]
+    assert svc["StateDirectoryMode"] == ["0711"]  # the registry's WAL is never world-readable
     assert svc["ConfigurationDirectory"] == ["gpushare"]
     assert svc["Delegate"] == ["yes"]
     assert svc["KillMode"] == ["process"]
