@@ -205,6 +205,8 @@ def test_a_disk_filling_while_running_keeps_every_change_in_memory_then_writes_i
     reg.update(a, pid=101, start_time=2.0)
     reg.transition(a, S.RUNNING)
     reg.transition(b, S.EXITED, exit_code=0)
+    reg.keep_setting("offline_share", {"GPU-0": 70.0})
+    assert reg.setting("offline_share") == {"GPU-0": 70.0}
     assert reg.unwritten()["cause"].startswith("its file system is full")
     assert [(r.id, r.state, r.pid) for r in reg.clients()] == [(a, S.RUNNING, 101)]
     assert reg.get(b).state is S.EXITED
@@ -219,6 +221,7 @@ def test_a_disk_filling_while_running_keeps_every_change_in_memory_then_writes_i
     reg = Registry.open(db)
     assert [(r.id, r.state, r.pid) for r in reg.clients()] == [(a, S.RUNNING, 101)]
     assert reg.get(b).state is S.EXITED and reg.get(a).restarts == 0
+    assert reg.setting("offline_share") == {"GPU-0": 70.0}
     kinds = [e.kind for e in reg.events(limit=10_000)]
     assert kinds.count("offline_duty") == 300
     assert kinds[-1] == "registry_write_resumed"

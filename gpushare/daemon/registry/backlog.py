@@ -22,13 +22,15 @@ class Backlog:
     def __init__(self, max_events: int = MAX_EVENTS) -> None:
         #: The newest unwritten record of each client changed since the database failed.
         self.rows: dict[str, ClientRecord] = {}
+        #: Settings kept across restarts (``Registry.keep_setting``), the newest value of each.
+        self.settings: dict[str, Any] = {}
         self._events: deque[EventRow] = deque(maxlen=max_events)
         self.dropped = 0
         self.cause = ""
         self.since = 0.0
 
     def __bool__(self) -> bool:
-        return bool(self.rows or self._events or self.cause)
+        return bool(self.rows or self.settings or self._events or self.cause)
 
     def started(self, cause: str) -> None:
         """The first write that failed: remember why and when."""
@@ -79,6 +81,7 @@ class Backlog:
     def clear(self) -> None:
         """Everything was written."""
         self.rows.clear()
+        self.settings.clear()
         self._events.clear()
         self.dropped = 0
         self.cause = ""

@@ -19,10 +19,16 @@ import contextlib
 import errno
 import os
 import re
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from gpushare.daemon.registry.records import RegistryError
+from gpushare.daemon.registry.store import transient
+
+log = structlog.get_logger(__name__)
 
 MARK_NAME = "client-ids"
 BLOCK = 64
@@ -130,3 +136,43 @@ class IdMark:
         mark = Mark(self.epoch, number + BLOCK - 1)
         write(self.state_dir, mark)
         self.reserved = mark.reserved
+
+
+def for_database(
+    conn: sqlite3.Connection, state_dir: Path, mark: Mark | None, id_floor: int
+) -> IdMark:
+    """The id mark for this database: numbers continue above every one used on the host."""
+    row = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'clients'").fetchone()
+    db_seq = int(row[0]) if row is not None else 0
+    fresh = db_seq == 0
+    if mark is None:
+        epoch = 1
+        reserved = max(db_seq, id_floor)
+    else:
+        # A database that starts with no client while the mark exists is a new one: the registry
+        # was reset (moved aside, removed); its epoch counts up.
+        epoch = mark.epoch + 1 if fresh and mark.reserved > 0 else mark.epoch
+        reserved = max(db_seq, id_floor, mark.reserved)
+    id_mark = IdMark(state_dir, Mark(epoch, reserved))
+    if mark is None or epoch != mark.epoch or reserved != mark.reserved:
+        try:
+            write(state_dir, Mark(epoch, reserved))
+        except OSError as exc:
+            # What the file holds is all that is reserved: the first new id writes it again.
+            id_mark.reserved = mark.reserved if mark is not None else 0
+            log.warning("client_id_mark_unwritten", dir=str(state_dir), error=str(exc))
+    if db_seq < reserved:
+        # Also written before the first new client (Registry._keep_above_floor) if this fails.
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("DELETE FROM sqlite_sequence WHERE name = 'clients'")
+            conn.execute(
+                "INSERT INTO sqlite_sequence (name, seq) VALUES ('clients', ?)", (reserved,)
+            )
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            if not transient(exc):
+                raise
+    return id_mark
