@@ -58,7 +58,11 @@ def _renamed(dp: DaemonProc) -> int:
 
 
 def _running(dp: DaemonProc, cid: str, not_pid: int | None = None) -> bool:
-    c = dp.client(cid)
+    """Whether the client runs (a client the registry no longer knows is lost too)."""
+    try:
+        c = dp.client(cid)
+    except KeyError:
+        return False
     return c["state"] == "running" and c["pid"] not in (None, not_pid)
 
 
