@@ -285,6 +285,61 @@ def test_a_disk_filling_during_a_burst_loses_no_client_and_no_event(tmp_path: Pa
         dp.cleanup()
 
 
+def _settled(dp: DaemonProc, cid: str) -> dict[str, Any]:
+    """The client once the controller has stopped restarting it (it follows the offline share)."""
+    seen: list[tuple[Any, ...]] = []
+
+    def still() -> dict[str, Any] | None:
+        c = dp.client(cid)
+        seen.append((c["state"], c["pid"], c["restarts"]))
+        return (
+            c if len(seen) > 15 and len(set(seen[-15:])) == 1 and c["state"] == "running" else None
+        )
+
+    return wait_for(still, 20.0, f"{cid} to settle")
+
+
+def test_a_restart_while_the_disk_is_full_is_carried_through_and_kept(dp_factory: Any) -> None:
+    # Issue 27: a restartable job caught mid-restart by a full disk stayed RESTARTING, no process.
+    _needs_cgroups()
+    if (reason := tmpfs_skip_reason()) is not None:
+        pytest.skip(reason)
+    flag = Path(f"/tmp/gs-restart-now-{uuid.uuid4().hex[:8]}")
+    dp = dp_factory(gpus=1, env={"GPUSHARE_TEST_RESTART_ONCE": str(flag)})
+    marker = f"gs-full-{uuid.uuid4().hex[:8]}"
+    try:
+        with small_tmpfs(dp.base / "state", "4m") as state:
+            dp.start()
+            cid = dp.submit_detached(["sh", "-c", CHECKPOINTING, marker], restartable=True)[
+                "client_id"
+            ]
+            before = _settled(dp, cid)
+            fill(state)
+            flag.touch()
+
+            def relaunched() -> dict[str, Any] | None:
+                c = dp.client(cid)
+                ok = c["state"] == "running" and c["pid"] not in (None, before["pid"])
+                return c if ok else None
+
+            c = wait_for(relaunched, 15.0, "the restart to be carried through on a full disk")
+            assert _marked(marker) == [c["pid"]] and c["restarts"] == before["restarts"] + 1
+            free(state)
+            wait_for(lambda: "registry_write_resumed" in [e["kind"] for e in dp.events()], 10.0,
+                     "the backlog to be written")  # fmt: skip
+            dp.kill9()
+            dp.env = {}
+            dp.start()
+            after = dp.client(cid)
+            assert (after["state"], after["pid"], after["restarts"]) == (
+                "running", c["pid"], c["restarts"]
+            )  # fmt: skip
+            assert _lost(dp) == []
+            dp.cleanup()
+    finally:
+        flag.unlink(missing_ok=True)
+
+
 @pytest.mark.parametrize("fault", ["full", "read-only"])
 def test_a_state_directory_that_cannot_be_written_stops_the_start_in_one_line(
     dp_factory: Any, fault: str

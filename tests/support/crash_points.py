@@ -1,8 +1,8 @@
 """kill -9 of a test daemon at one step of a client restart (``GPUSHARE_TEST_CRASH_AT=<step>``).
 
 Installed by tests/support/daemon_proc.py into the real daemon's objects: the production code has
-no fault hooks. ``GPUSHARE_TEST_RESTART_ONCE=1`` has the controller ask for one restart of the
-first running restartable client (the real controller restarts clients when the offline share
+no fault hooks. ``GPUSHARE_TEST_RESTART_ONCE=1`` (or a file's path: once it exists) has the
+controller ask for one restart of the first running restartable client (the real controller restarts clients when the offline share
 moves, which a fake GPU cannot be made to do on cue).
 
 Steps, in the order a restart takes them:
@@ -20,6 +20,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from gpushare.daemon.core import Daemon
@@ -76,13 +77,15 @@ def install(daemon: Daemon) -> None:
 
 
 def _restart_once(daemon: Daemon) -> None:
+    """Ask one restart; with a path instead of ``1``, only once that file exists."""
     policy = daemon.state.policy
     step = policy.step
     asked = [False]
+    flag = os.environ["GPUSHARE_TEST_RESTART_ONCE"]
 
     def step_and_restart(state: Any, obs: Observation, now: float) -> tuple[Any, Sequence[Action]]:
         state, actions = step(state, obs, now)
-        if asked[0]:
+        if asked[0] or (flag != "1" and not Path(flag).exists()):
             return state, actions
         for rec in daemon.registry.clients(check=False):
             # Running for a second: the submit that started it has had its answer.
