@@ -144,6 +144,9 @@ class DaemonConfig:
     # process reads it in full, later scans its stat alone: gpushare/daemon/factcache.py).
     adopt_scan_period_s: float = _duration(2.0, above=True)
     adopt_min_age_s: float = _duration(1.0)
+    # The event log is pruned of events older than this and of the oldest beyond this many.
+    events_max_age_s: float = _duration(30 * 86400.0, minimum=60.0)
+    events_max_rows: int = _num(100_000, minimum=100, maximum=100_000_000)
 
 
 @dataclass(frozen=True, slots=True)

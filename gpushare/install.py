@@ -2,8 +2,8 @@
 
 Install, in order, each step idempotent (a second run reports ``unchanged``):
 
-1. the directories ``/etc/gpushare`` (0755) and ``/var/lib/gpushare`` (0700: the registry holds
-   submitted environments; a looser existing one is tightened);
+1. the directories ``/etc/gpushare`` (0755) and ``/var/lib/gpushare`` (0711: the registry holds
+   submitted environments, and nobody else may list it; a looser existing one is tightened);
 2. ``/etc/gpushare/gpushare.toml``, the documented default, unless a file is there: an edited file
    is never overwritten (``kept``), and it is validated; an invalid one stops the install before
    systemd is told anything;
@@ -248,8 +248,9 @@ def install(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _ru
     host = _Host(opts, run)
     steps = [
         *blockers,
+        # The state directory as the daemon keeps it (daemon/statedir.py): closed to listing.
         _ensure_dir(host, CONFIG_DIR, 0o755),
-        _ensure_dir(host, paths.STATE_DIR, 0o700),
+        _ensure_dir(host, paths.STATE_DIR, 0o711),
     ]
     config_step, cfg = _install_config(host)
     steps.append(config_step)

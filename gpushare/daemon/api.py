@@ -27,7 +27,7 @@ from gpushare.daemon.cordon import CordonApi
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.opstats import gate_status, latency_status
-from gpushare.daemon.registry import ClientRecord
+from gpushare.daemon.registry import ClientRecord, RegistryUnavailableError
 from gpushare.daemon.rights import as_seen, is_privileged
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
@@ -402,6 +402,12 @@ class Api:
         known = ", ".join(f"{g.index} ({g.uuid})" for g in self.s.samples) or "none"
         raise _fail(E.NOT_FOUND, f"no GPU {key!r} on this node; GPUs: {known}")
 
+    def _add_client(self, **fields: Any) -> ClientRecord:
+        try:
+            return self.s.registry.add_client(**fields)
+        except RegistryUnavailableError as exc:  # a full disk: the clients running stay controlled
+            raise _fail(E.UNAVAILABLE, str(exc)) from None
+
     def submit(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``submit``: validate against the node, register, and adopt (foreground) or spawn."""
         req = protocol.from_params(protocol.SubmitRequest, params)
@@ -409,7 +415,7 @@ class Api:
         detach = req.detach or req.restartable
         with self.s.lock:
             sample, sm = self._place(req, cls, caller.uid)
-            rec = self.s.registry.add_client(
+            rec = self._add_client(
                 cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid,
                 user=user_name(caller.uid), state=S.STARTING, priority=self.s.priority(cls),
                 name=req.name, gpu_request=req.gpu, gpu_uuid=sample.uuid, gpu_index=sample.index,

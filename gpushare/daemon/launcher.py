@@ -39,7 +39,8 @@ def spawn_detached(
     Raises:
         OSError: the program, the working directory or the log cannot be used.
     """
-    log_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+    # Made root's 0711 at start (daemon/statedir.py); a log dir removed since comes back 0711.
+    log_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
     log_path = log_dir / f"{client_id}.log"
     proc = spawn(
         argv,

@@ -26,12 +26,12 @@ from gpushare import mpsenv
 from gpushare.control.controller import failure_backoff_s
 from gpushare.daemon import launcher
 from gpushare.daemon.gating import DAEMON
+from gpushare.daemon.readopt import readopt
 from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.model import ClientClass, ClientState, Evict, RecoverMps, RestartClient
 from gpushare.node.base import Process
 from gpushare.node.cgroups.route import FreezeRoute
-from gpushare.node.procs.facts import read_environ
 from gpushare.node.procs.spawning import launch_failure
 
 log = structlog.get_logger(__name__)
@@ -110,61 +110,14 @@ class Lifecycle:
     # ----------------------------------------------------------------------------- adoption
 
     def readopt(self) -> None:
-        """Take back every recorded live client whose process still runs; mark the rest lost."""
+        """Take back the recorded clients after a daemon restart (:mod:`gpushare.daemon.readopt`)."""
         assert self._watching
-        registry = self.s.registry
-        with self.s.lock:
-            for rec in registry.clients():
-                if rec.state is S.QUEUED:
-                    continue
-                alive = rec.start_time is not None and rec.pid is not None
-                if alive and self.s.procs.alive(rec.pid or 0, rec.start_time or 0.0):
-                    if rec.adopted_by is not None:
-                        # Paused where it is again: its own cgroup, or signals.
-                        try:
-                            route = self.adopt_in_place(
-                                rec.id, rec.pid or 0, rec.start_time, owner_uid=rec.uid
-                            )
-                        except PAUSE_ERRORS as exc:
-                            route, why = None, f"cannot be paused any more: {exc}"
-                        else:
-                            why = "its process is gone"
-                        if route is None:
-                            registry.transition(rec.id, S.LOST, reason=f"{why} (re-adoption)")
-                            continue
-                        registry.update(rec.id, pause_mechanism=route.mechanism.value)
-                    else:
-                        self.adopt_pid(
-                            rec.id, rec.pid or 0, start_time=rec.start_time, owner_uid=rec.uid
-                        )
-                    if rec.latency_from is not None:
-                        self.s.latency.add_prometheus(rec.id, rec.latency_from)
-                    if rec.inflight_from is not None:
-                        self.s.gauges.add(rec.id, rec.inflight_from)
-                    if rec.queue is not None and rec.pid is not None:
-                        # The queue it was launched with is in its environment.
-                        try:
-                            env = read_environ(rec.pid, launcher.SHALLOW_MARKERS) or {}
-                        except PermissionError:
-                            env = {}  # not root: taken as deep (an auto client may restart once)
-                        if (how := launcher.shallow_how(env)) is not None:
-                            self.shallow[rec.id] = how
-                    if rec.held:
-                        self.set_paused(rec.id, True)
-                    else:
-                        # It may have been frozen by a duty cycle when the daemon died.
-                        self.thaw_quietly(rec.id)
-                    registry.add_event(
-                        "client_readopted",
-                        f"client {rec.id} (pid {rec.pid}) re-adopted after a daemon restart",
-                        client_id=rec.id,
-                        gpu_uuid=rec.gpu_uuid,
-                    )
-                    if rec.state is S.STARTING:
-                        registry.transition(rec.id, S.RUNNING)
-                else:
-                    why = "no process was recorded" if rec.pid is None else "its process is gone"
-                    registry.transition(rec.id, S.LOST, reason=f"{why} while the daemon was down")
+        readopt(self)
+
+    def resume_restart(self, rec: ClientRecord, reason: str) -> None:
+        """Carry on a restart the daemon stopped during: relaunch at exit, SIGKILL after the grace."""
+        self.on_exit[rec.id] = _OnExit("restart", reason)
+        self.kill_at[rec.id] = self.s.clock.monotonic() + self.s.config.daemon.cancel_grace_s
 
     def adopt_pid(
         self,
@@ -476,9 +429,11 @@ class Lifecycle:
         """Move a queued or restarting client to STARTING on its GPU with its SM share."""
         sample = self.s.sample(gpu_uuid)
         sm = sm_pct if sm_pct is not None else self.s.default_sm(rec.cls, gpu_uuid)
+        # No pid until the spawn is recorded: a daemon that dies before knows it never started
+        # (the old process of a restart is gone), so the launch is queued again (readopt.py).
         moved = self.s.transition(
             rec.id, S.STARTING, reason=reason, gpu_uuid=gpu_uuid, sm_pct=sm,
-            gpu_index=sample.index if sample else rec.gpu_index,
+            gpu_index=sample.index if sample else rec.gpu_index, pid=None, start_time=None,
         )  # fmt: skip
         return moved or self.s.registry.get(rec.id)
 

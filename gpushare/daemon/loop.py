@@ -274,7 +274,7 @@ class ControlLoop:
         )
         state = self.policy_state.get(uuid)
         if uuid not in self.policy_state:
-            state = s.policy.initial_state(uuid, now)
+            state = s.initial_policy_state(uuid, now)
         t0 = time.perf_counter()
         state, actions = s.policy.step(state, obs, now)
         s.ops.stepped(uuid, time.perf_counter() - t0)
@@ -634,7 +634,7 @@ class ControlLoop:
             elif isinstance(action, SetOfflineShare):
                 if s.offline_share.get(action.gpu_uuid) != action.sm_pct:
                     self._acted(action.gpu_uuid, "set_offline_share", action.reason)
-                    s.offline_share[action.gpu_uuid] = action.sm_pct
+                    s.set_offline_share(action.gpu_uuid, action.sm_pct)
                     s.registry.add_event(
                         "offline_share_changed",
                         f"offline SM share {mpsenv.format_pct(action.sm_pct)}%: {action.reason}",

@@ -33,8 +33,9 @@ from gpushare import config as config_mod
 from gpushare.control.registry import make_policy
 from gpushare.daemon import reload as reload_mod
 from gpushare.daemon.core import Daemon
-from gpushare.daemon.registry import Registry, RegistryError
+from gpushare.daemon.registry import RegistryError
 from gpushare.daemon.server import ServerError
+from gpushare.daemon.statedir import open_registry
 from gpushare.logs import configure_logging
 from gpushare.metrics import Exporter
 from gpushare.model import PauseMechanism
@@ -193,7 +194,7 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
         StartupError: an adapter or the registry cannot be set up.
     """
     try:
-        registry = Registry.open(cfg.paths.resolved("database"))
+        registry = open_registry(cfg)
     except RegistryError as exc:
         raise StartupError(str(exc)) from exc
     gpu = NvmlBackend()
@@ -322,7 +323,7 @@ def build_simulated(cfg: config_mod.Config, config_path: Path | None, gpus: int)
     from gpushare.sim.realtime import RealTimeSimNode
 
     try:
-        registry = Registry.open(cfg.paths.resolved("database"))
+        registry = open_registry(cfg)
     except RegistryError as exc:
         raise StartupError(str(exc)) from exc
     try:

@@ -10,6 +10,8 @@ inside a transition.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import structlog
 
 from gpushare.config import Config
+from gpushare.control.gpu_state import GpuState
 from gpushare.control.policy import Policy
 from gpushare.daemon.cordon import FILE_NAME as CORDON_FILE
 from gpushare.daemon.cordon import Cordons
@@ -109,7 +112,9 @@ class NodeState:
         self.mps_states: dict[str, MpsState] = {}
         #: The levers the controller sets per GPU (absent: 1.0 and the configured default).
         self.duty: dict[str, float] = {}
-        self.offline_share: dict[str, float] = {}
+        # Kept in the registry: the clients running after a daemon restart started with it, and
+        # a default in its place would have them restarted to apply it (issue 27).
+        self.offline_share: dict[str, float] = _kept_shares(registry.setting(_SHARE_SETTING))
         #: Why each queued job was not started at the last admission round, by client id
         #: (``status``/``list`` show it as ``waiting``). Replaced every round, emptied when
         #: nothing is queued: it never holds more than the queue.
@@ -135,6 +140,19 @@ class NodeState:
         except TransitionError as exc:
             log.warning("transition_refused", client_id=client_id, to=to.value, error=str(exc))
             return None
+
+    def set_offline_share(self, gpu_uuid: str, sm_pct: float) -> None:
+        """Set a GPU's offline share and keep it across daemon restarts."""
+        self.offline_share[gpu_uuid] = sm_pct
+        self.registry.keep_setting(_SHARE_SETTING, self.offline_share)
+
+    def initial_policy_state(self, gpu_uuid: str, now: float) -> Any:
+        """The policy's state for a GPU it has not seen, with the offline share kept from before."""
+        state = self.policy.initial_state(gpu_uuid, now)
+        kept = self.offline_share.get(gpu_uuid)
+        if kept is not None and isinstance(state, GpuState):
+            state = dataclasses.replace(state, share_pct=kept)
+        return state
 
     def _paused_edge(self, client_ids: Sequence[str], frozen: bool, now: float) -> None:
         for client_id in client_ids:
@@ -187,3 +205,17 @@ class NodeState:
         """The MPS client slots of this GPU."""
         override = self.config.gpu_override(sample.index, sample.uuid)
         return override.max_clients or self.config.mps.max_clients
+
+
+_SHARE_SETTING = "offline_share"
+
+
+def _kept_shares(value: Any) -> dict[str, float]:
+    """The kept offline shares; what is not a map of GPU to a percentage is ignored."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        str(gpu): float(pct)
+        for gpu, pct in value.items()
+        if isinstance(pct, int | float) and math.isfinite(pct) and 0.0 < pct <= 100.0
+    }

@@ -71,7 +71,8 @@ def test_install_writes_everything_once_and_a_second_run_changes_nothing(
     assert cfg.stat().st_mode & 0o777 == 0o644
     unit = tmp_path / "etc/systemd/system/gpushare.service"
     assert unit.read_text() == shipped.text(shipped.UNIT)
-    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o700
+    # Closed to listing: the registry and the client logs (issue 27).
+    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o711
     link = tmp_path / "usr/bin/gpushare"
     assert link.is_symlink() and Path(os.readlink(link)) == install.console_script()
     assert any(
@@ -276,7 +277,7 @@ def test_sysusers_and_tmpfiles_create_the_group_and_the_directories(tmp_path: Pa
     done = subprocess.run(["systemd-tmpfiles", "--create", f"--root={tmp_path}", str(tmpfiles)],
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "var/lib/gpushare").stat().st_mode & 0o777 == 0o711
     assert (tmp_path / "run/gpushare").stat().st_mode & 0o777 == 0o755
 
 
@@ -287,8 +288,8 @@ def test_install_tightens_a_state_directory_others_could_read(tmp_path: Path):
     state.chmod(0o755)
     code, out, err = _cli("install", "--root", str(tmp_path), "--no-systemd", "--json")
     assert code == 0, err
-    assert _steps(out)["/var/lib/gpushare"] == ("updated", "mode 0755 -> 0700")
-    assert state.stat().st_mode & 0o777 == 0o700
+    assert _steps(out)["/var/lib/gpushare"] == ("updated", "mode 0755 -> 0711")
+    assert state.stat().st_mode & 0o777 == 0o711
 
 
 @needs_groupadd

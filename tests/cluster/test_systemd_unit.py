@@ -96,7 +96,7 @@ def test_unit_has_the_settings_the_design_needs():
     assert svc["RuntimeDirectoryPreserve"] == ["yes"]
     assert svc["StateDirectory"] == ["gpushare"]
     # The registry holds submitted environments (issue 27, "Secrets readable").
-    assert svc["StateDirectoryMode"] == ["0700"]
+    assert svc["StateDirectoryMode"] == ["0711"]
     assert svc["UMask"] == ["0077"]
     assert int(svc["LimitNOFILE"][0]) >= 65536
     assert svc["ConfigurationDirectory"] == ["gpushare"]
@@ -285,8 +285,8 @@ def test_the_daemon_and_another_users_workload_run_under_the_units_sandbox():
     base = trusted.make_trusted_dir("gsu-")  # not /tmp: the daemon refuses a config there
     base.chmod(0o755)
     cgroup_dir = sim_config(base, mps_control, daemon='log_level = "debug"')
-    # What systemd would create for StateDirectory= (0700) and RuntimeDirectory= (0755).
-    (base / "state").mkdir(mode=0o700)
+    # What systemd would create for StateDirectory= (0711) and RuntimeDirectory= (0755).
+    (base / "state").mkdir(mode=0o711)
     (base / "run").mkdir(mode=0o755)
     out = base / "out"
     out.mkdir()

@@ -14,10 +14,10 @@ from gpushare import config as config_mod
 from gpushare import native
 from gpushare.cli.app import app
 from gpushare.config import ConfigError, GateConfig
-from gpushare.daemon import registry as registry_mod
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.launcher import SHALLOW_MARKERS, choose_queue, queue_env, shallow_how
 from gpushare.daemon.registry import Registry
+from gpushare.daemon.registry import store as registry_store
 from gpushare.model import ClientClass, ClientState
 from gpushare.mpsenv import workload_env
 from gpushare.node.signal_pauser import SignalPauser
@@ -105,8 +105,8 @@ def test_submit_refuses_bad_queue_and_gauge_arguments_before_calling_the_daemon(
 def test_an_older_database_gains_the_new_columns(tmp_path: Path) -> None:
     db = tmp_path / "state.db"
     conn = sqlite3.connect(db)
-    old_schema = registry_mod._SCHEMA.replace("    inflight_from TEXT,\n    queue TEXT,\n", "")
-    assert old_schema != registry_mod._SCHEMA
+    old_schema = registry_store.SCHEMA.replace("    inflight_from TEXT,\n    queue TEXT,\n", "")
+    assert old_schema != registry_store.SCHEMA
     conn.executescript(old_schema)
     conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', '1')")
     conn.commit()

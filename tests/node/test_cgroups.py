@@ -922,3 +922,32 @@ def test_the_daemons_pauser_stack_passes_members_and_owner_of_through(
     kid = next(p for p in pauser.members("job") if p != shell.pid)
     assert pauser.owner_of(kid) == "job"
     assert list(pauser.pids("job")) == [shell.pid]  # the tracked list catches up at its re-read
+
+
+@needs_cgroup
+def test_a_populated_cgroup_this_pauser_did_not_make_is_never_joined(
+    cg_base: Path, children: Children
+) -> None:
+    # Issue 27: after a registry reset, a new c1 joined the live cgroup of an old c1 (another
+    # user's), so its pause froze and its cancel killed the old client's processes.
+    before = CgroupPauser(cg_base, pids_rescan_s=0.0)  # the daemon before its restart
+    old = children.start(SLEEPER)
+    before.attach("c1", old.pid)
+    after = CgroupPauser(cg_base, pids_rescan_s=0.0)  # the daemon after it
+    new = children.start(SLEEPER)
+    with pytest.raises(PauserError, match="did not start for c1"):
+        after.attach("c1", new.pid)
+    with pytest.raises(PauserError, match="did not start for c1"):
+        after.open_procs_fd("c1")
+    assert after.members("c1") == [old.pid]
+    # The recorded process itself is taken back (re-adoption), and then the cgroup is its.
+    after.attach("c1", old.pid)
+    os.close(after.open_procs_fd("c1"))
+    # An empty leftover is made anew: a frozen one would freeze whatever joins it.
+    after.kill("c1")
+    old.wait(timeout=5)
+    (after.path("c1") / "cgroup.freeze").write_text("1")
+    fresh = CgroupPauser(cg_base, pids_rescan_s=0.0)
+    fresh.attach("c1", new.pid)
+    assert (fresh.path("c1") / "cgroup.freeze").read_text().strip() == "0"
+    assert fresh.members("c1") == [new.pid]

@@ -164,17 +164,38 @@ def test_spawned_nobody_cannot_read_root_only_file(world_dir: Path) -> None:
 def test_spawn_log_file_gets_stdout_and_stderr_owned_by_user(tmp_path: Path) -> None:
     uid, gid = _nobody()
     log_path = tmp_path / "client.log"
-    log_path.write_text("earlier run\n")
     argv = ["sh", "-c", "echo to-stdout; echo to-stderr >&2; exit 7"]
     proc = spawn(argv, uid=uid, gid=gid, cwd="/", env=_env(), log_path=log_path)
     assert proc.wait(timeout=10) == 7
-    assert log_path.read_text() == "earlier run\nto-stdout\nto-stderr\n"
     info = log_path.stat()
-    assert (info.st_uid, info.st_gid) == (uid, gid)
-    # The file existed, so its mode stays as it was; a fresh one is created 0640.
-    fresh = tmp_path / "fresh.log"
-    spawn(["true"], uid=uid, gid=gid, cwd="/", env=_env(), log_path=fresh).wait(timeout=10)
-    assert stat.S_IMODE(fresh.stat().st_mode) == 0o640
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (uid, gid, 0o600)
+    # A relaunch of the same user's client appends to the log it left.
+    spawn(argv, uid=uid, gid=gid, cwd="/", env=_env(), log_path=log_path).wait(timeout=10)
+    assert log_path.read_text() == "to-stdout\nto-stderr\n" * 2
+
+
+@needs_root
+def test_a_log_the_daemon_did_not_make_for_this_user_is_never_used(tmp_path: Path) -> None:
+    # Issue 27: after a registry reset a new c1 of another user was handed root's c1.log, chowned.
+    uid, gid = _nobody()
+    old = tmp_path / "c1.log"
+    old.write_text("root's output\n")
+    old.chmod(0o600)
+    with pytest.raises(SpawnError, match="not this user's"):
+        spawn(["true"], uid=uid, gid=gid, cwd="/", env=_env(), log_path=old)
+    info = old.stat()
+    assert (info.st_uid, stat.S_IMODE(info.st_mode), old.read_text()) == (
+        0,
+        0o600,
+        "root's output\n",
+    )
+    # Nor through a symlink, nor a hard link to someone else's file.
+    (tmp_path / "link.log").symlink_to(old)
+    (tmp_path / "hard.log").hardlink_to(old)
+    for name in ("link.log", "hard.log"):
+        with pytest.raises(SpawnError):
+            spawn(["true"], uid=0, gid=0, cwd="/", env=_env(), log_path=tmp_path / name)
+    assert old.read_text() == "root's output\n"
 
 
 def test_spawn_strips_notify_vars_and_keeps_env(tmp_path: Path) -> None:

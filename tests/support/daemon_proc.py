@@ -14,12 +14,14 @@ from gpushare import config
 from gpushare.control.registry import make_policy
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.main import StartupError, make_pauser, serve
-from gpushare.daemon.registry import Registry
+from gpushare.daemon.registry import Registry, RegistryError
+from gpushare.daemon.statedir import open_registry
 from gpushare.logs import configure_logging
 from gpushare.node.adopted import AdoptingPauser
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mpsnode import FakeMpsNode
+from tests.support import crash_points
 
 
 def _mps_node(cfg: config.Config) -> Any:
@@ -56,6 +58,15 @@ def _pauser(cfg: config.Config) -> Any:
     return AdoptingPauser(make_pauser(cfg).pauser)
 
 
+def _registry(cfg: config.Config) -> Registry:
+    """The registry as the daemon opens it; its one-line refusal on stderr (exit 1) like the daemon's."""
+    try:
+        return open_registry(cfg)
+    except RegistryError as exc:
+        print(f"gpushare: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def main() -> int:
     path = Path(sys.argv[1])
     if lib := os.environ.get("GPUSHARE_TEST_INFLIGHT_LIBRARY"):
@@ -68,7 +79,7 @@ def main() -> int:
     gpu, probe = _gpu_and_probe(int(os.environ.get("GPUSHARE_TEST_GPUS", "2")))
     daemon = Daemon(
         cfg,
-        registry=Registry.open(cfg.paths.resolved("database")),
+        registry=_registry(cfg),
         gpu=gpu,
         mps=_mps_node(cfg),
         pauser=_pauser(cfg),
@@ -76,6 +87,7 @@ def main() -> int:
         policy=make_policy(cfg.control.policy, cfg.control),
         config_path=path,
     )
+    crash_points.install(daemon)
     try:
         return serve(daemon)
     except StartupError as exc:

@@ -77,6 +77,9 @@ class CgroupPauser:
         self.pids_rescan_s = pids_rescan_s
         self._tracker = PidTracker(pids_rescan_s)
         self._paths: dict[str, Path] = {}
+        # Clients whose cgroup this pauser made (or re-adopted with its recorded process): the
+        # only populated cgroups a process is ever put into (_claim).
+        self._own: set[str] = set()
         self._base_rel: str | None = None  # the base as /proc/PID/cgroup writes it
         try:
             base.mkdir(exist_ok=True)
@@ -125,7 +128,7 @@ class CgroupPauser:
         check_pid(pid, owner_uid)
         created = not path.is_dir()
         try:
-            path.mkdir(exist_ok=True)
+            self._claim(client_id, path, pid)
             write_value(path / "cgroup.procs", str(pid))
         except OSError as exc:
             if created:
@@ -153,12 +156,41 @@ class CgroupPauser:
         path = self.path(client_id)
         self._tracker.invalidate(client_id)  # the child joins after this returns
         try:
-            path.mkdir(exist_ok=True)
+            self._claim(client_id, path)
             return os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
         except OSError as exc:
             raise PauserError(
                 f"cannot open {path / 'cgroup.procs'}: {exc.strerror or exc}"
             ) from exc
+
+    def _claim(self, client_id: str, path: Path, pid: int | None = None) -> None:
+        """Make the client's cgroup, or take one that is already this client's.
+
+        A cgroup of that name that this pauser did not make holds processes of no client it
+        knows (an earlier client of the same id, before a registry reset): joining it would let
+        the new client freeze and kill them. It is refused unless it holds ``pid`` (a re-adopted
+        client's own process); an empty one is made anew, so no frozen state carries over.
+
+        Raises:
+            PauserError: the cgroup holds processes that are not this client's.
+            OSError: it cannot be made.
+        """
+        try:
+            path.mkdir()
+        except FileExistsError:
+            if client_id not in self._own:
+                inside = set(walk_pids(path))
+                if inside and (pid is None or pid not in inside):
+                    raise PauserError(
+                        f"{path} already holds processes {sorted(inside)} that this daemon did "
+                        f"not start for {client_id}; not joined (kill them or remove the cgroup)"
+                    ) from None
+                if not inside:
+                    for sub in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
+                        _rmdir(sub)
+                    _rmdir(path)
+                    path.mkdir()
+        self._own.add(client_id)
 
     def _sweep_descendants(self, path: Path, pid: int) -> int:
         moved = 0
@@ -401,6 +433,7 @@ class CgroupPauser:
         self._tracker.forget(client_id)
         if not path.is_dir():
             self._paths.pop(client_id, None)
+            self._own.discard(client_id)
             return
         left = self.members(client_id)
         if left:
@@ -410,6 +443,7 @@ class CgroupPauser:
             _rmdir(sub)
         _rmdir(path)
         self._paths.pop(client_id, None)
+        self._own.discard(client_id)
         log.debug("cgroup_released", client_id=client_id)
 
     def clients(self) -> dict[str, list[int]]:

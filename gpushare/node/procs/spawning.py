@@ -7,9 +7,11 @@ stdout+stderr into a log file owned by the user.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import shutil
+import stat
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,31 +30,57 @@ class SpawnError(OSError):
 
 
 def open_log(log_path: Path, uid: int, gid: int) -> int:
-    """Open (append, create 0640) a client log file owned by ``uid:gid``; return the descriptor.
+    """Open a client log for appending: created 0600 and owned by ``uid:gid``; return the descriptor.
 
-    Refuses to follow a symlink at the final component, so a user cannot point the daemon's
-    root-opened log at a file of their choosing.
+    Created exclusively and never through a symlink, so a user cannot point the daemon's
+    root-opened log at a file of their choosing. An existing log is used only when it is what a
+    launch of this user left (a relaunch of the same client appends): a regular file with one
+    link, owned by ``uid``. Any other file there (another user's log left by an earlier client of
+    the same name) is refused, never chowned.
 
     Raises:
-        SpawnError: the file cannot be opened or handed to the user.
+        SpawnError: the file cannot be opened, is not this user's log, or cannot be handed over.
     """
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    root = os.geteuid() == 0
+    created = True
     try:
-        fd = os.open(
-            log_path,
-            os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o640,
-        )
+        try:
+            fd = os.open(log_path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            created = False
+            fd = os.open(log_path, flags)
     except OSError as exc:
         raise SpawnError(
             exc.errno, f"cannot open client log {log_path}: {exc.strerror}; check client_log_dir"
         ) from exc
     try:
-        if os.geteuid() == 0:
-            os.fchown(fd, uid, gid)
+        if created:
+            if root:
+                os.fchown(fd, uid, gid)
+        else:
+            _check_users_log(fd, log_path, uid if root else None)
+    except SpawnError:
+        os.close(fd)
+        raise
     except OSError as exc:
         os.close(fd)
-        raise SpawnError(exc.errno, f"cannot chown client log {log_path}: {exc.strerror}") from exc
+        raise SpawnError(
+            exc.errno, f"cannot hand client log {log_path} over: {exc.strerror}"
+        ) from exc
     return fd
+
+
+def _check_users_log(fd: int, log_path: Path, uid: int | None) -> None:
+    """Refuse an existing log that a launch of ``uid`` did not leave; else make it 0600."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or (uid is not None and st.st_uid != uid):
+        raise SpawnError(
+            errno.EEXIST,
+            f"client log {log_path} already exists and is not this user's (owner uid "
+            f"{st.st_uid}); it is left as it is and not used",
+        )
+    os.fchmod(fd, 0o600)
 
 
 # GNU env's exit statuses when it cannot chdir or exec (coreutils env(1)); spawn runs the workload
@@ -121,7 +149,7 @@ def spawn(
         groups: supplementary groups; ``None`` means :func:`user_groups`.
         cwd: the working directory (the submitter's), absolute.
         env: the complete environment of the child.
-        log_path: where output goes; created 0640 and owned by ``uid:gid``.
+        log_path: where output goes; created 0600 and owned by ``uid:gid`` (:func:`open_log`).
         new_session: start a new session (and process group), so the client can be paused and
             killed as a group and does not get the daemon's terminal signals.
         cgroup_procs_fd: an open ``cgroup.procs`` of the client's cgroup
