@@ -19,11 +19,18 @@ A baseline without the holder comes first. A real daemon (tests/support/daemon_p
 and MPS, everything else real) runs under /tmp; the two accounts are made and removed by
 tests/support/accounts.py. Needs root.
 
-    .venv/bin/python bench/abuse.py [--connections 10000] [--calls 300]
-        [--rows default,held] [--out bench/results/abuse.json]
+Fuzz part: ``bench/fuzz.py`` (10^5 datagrams and 10^5 API frames from an unprivileged account
+against a live simulated daemon: crashes, dead threads, tracebacks, RSS before and after). Faults
+part: ``bench/registry_faults.py`` (kill -9 at every step of a restart, a locked database, a full
+disk and a read-only state directory at start and while running, a damaged database: clients
+lost, good databases renamed, ids reused). Each runs as its own script too; here their JSON is
+folded in.
 
-The JSON holds one key per part (``socket`` here); a run replaces its own part and keeps the
-others'.
+    .venv/bin/python bench/abuse.py [--parts socket,fuzz,faults] [--connections 10000]
+        [--calls 300] [--rows default,held] [--out bench/results/abuse.json]
+
+The JSON holds one key per part (``socket``, ``fuzz``, ``faults``); a run replaces the parts it
+ran and keeps the others'.
 """
 
 from __future__ import annotations
@@ -175,13 +182,55 @@ def run_row(
         d.cleanup()
 
 
+def run_script(name: str, args: list[str], out: Path) -> dict[str, Any]:
+    """Run another bench of this folder and return the JSON it wrote to ``out``."""
+    print(f"== bench/{name} {' '.join(args)}", flush=True)
+    subprocess.run([sys.executable, str(REPO / "bench" / name), *args], check=True)
+    data: dict[str, Any] = json.loads(out.read_text())
+    data["command"] = f"bench/{name} {' '.join(args)}".strip()
+    return data
+
+
+def other_parts(wanted: list[str]) -> dict[str, dict[str, Any]]:
+    """The fuzz and faults parts, run by their own benches, with their one-line summaries."""
+    parts: dict[str, dict[str, Any]] = {}
+    results = REPO / "bench" / "results"
+    if "fuzz" in wanted:
+        f = parts["fuzz"] = run_script("fuzz.py", [], results / "fuzz.json")
+        print(f"fuzz: crashed {f['daemon_crashed']}, dead threads {f['dead_threads']}, "
+              f"restarts {f['thread_restarts']}, tracebacks {f['tracebacks_in_log']}, "
+              f"RSS {f['rss_kib_before']} -> {f['rss_kib_after']} KiB")  # fmt: skip
+    if "faults" in wanted:
+        f = parts["faults"] = run_script("registry_faults.py", ["--rounds", "3"],
+                                         results / "registry_faults.json")  # fmt: skip
+        print(f"faults: {f['faults_injected']} injected, clients lost {f['clients_lost']}, "
+              f"good databases renamed {f['good_databases_renamed']}, "
+              f"ids reused {f['client_ids_reused']}")  # fmt: skip
+    return parts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="socket,fuzz,faults", help="socket, fuzz, faults")
     ap.add_argument("--connections", type=int, default=10_000)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--rows", default="default,held", help="which rows: default, held or both")
     args = ap.parse_args()
+    parts = args.parts.split(",")
+    result: dict[str, Any] = {"bench": "abuse"}
+    if args.out.exists():
+        result = json.loads(args.out.read_text())
+    if "socket" in parts:
+        result["socket"] = socket_part(args)
+    result.update(other_parts(parts))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+def socket_part(args: argparse.Namespace) -> dict[str, Any]:
+    """Idle connections held by one account while another asks for ``status``."""
     reason = accounts.skip_reason()
     python = python_for_others()
     if reason is not None or python is None:
@@ -220,19 +269,12 @@ def main() -> None:
     base = rows[0].get("baseline_victim")
     if base is not None:
         print(f"baseline (no holder): victim p50 {base['p50_ms']} ms, p99 {base['p99_ms']} ms")
-    part = {
+    return {
         "command": "bench/abuse.py " + " ".join(sys.argv[1:]),
         "host": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version()},
         "bound_p99_ms": 200.0,
         "rows": rows,
     }
-    result: dict[str, Any] = {"bench": "abuse"}
-    if args.out.exists():
-        result = json.loads(args.out.read_text())
-    result["socket"] = part
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
