@@ -334,6 +334,8 @@ class Adoptions:
         self._scan_lock = threading.Lock()
         self._problems: set[str] = set()  # each reported once (the process is found again)
         self._registrations_lock = threading.Lock()
+        self._failed_scans = 0
+        self._last_error: str | None = None
 
     def start(self) -> None:
         """Start scanning (after re-adoption, so that recorded clients are not adopted twice)."""
@@ -350,8 +352,15 @@ class Adoptions:
         while not self._stop.wait(self.s.config.daemon.adopt_scan_period_s):
             try:
                 self.scan_once()
-            except Exception:  # the scan must not die with one odd process; say what happened
+            except Exception as exc:  # the scan must not die with one odd process; say so
+                self._failed_scans += 1
+                self._last_error = type(exc).__name__
                 log.exception("adoption_scan_failed")
+
+    def health(self) -> tuple[bool, int, str | None]:
+        """The scan thread's ``(alive, failed scans, last_error)`` (``daemon.threads``)."""
+        alive = self._thread is not None and self._thread.is_alive()
+        return alive, self._failed_scans, self._last_error
 
     def rules(self) -> list[Rule]:
         """Registered jobs first (the more specific), then the config's ``[[adopt]]`` rules."""

@@ -159,6 +159,10 @@ class Daemon:
             ),
         )
         self.server.start()
+        # Every thread the node's protection needs, in status and doctor (docs/security.md).
+        state.threads.watch("api-io", self.server.health)
+        state.threads.watch("adoption", self.adoptions.health)
+        state.threads.watch("exit-watcher", state.procs.health)
         self._start_latency()
         if self.metrics is not None and cfg.metrics.enabled:
             try:
@@ -222,6 +226,7 @@ class Daemon:
             threads=state.threads,
         )
         gate.start(thread_nice=GATE_THREAD_NICE, thread_realtime=state.config.gate.realtime_threads)
+        state.threads.watch("gate-timer", gate.timer_health)
         state.gauges.start()
         try:
             rx.start()

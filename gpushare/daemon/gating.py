@@ -120,6 +120,8 @@ class Gatekeeper:
         self._closes: dict[str, int] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._timer_restarts = 0
+        self._timer_error: str | None = None
         # Online processes -> client, refreshed every tick: the receiver identifies a sender
         # without the daemon's lock (a tick holds it for milliseconds).
         self._online_pids: dict[int, str] = {}
@@ -391,9 +393,24 @@ class Gatekeeper:
         self._thread = threading.Thread(target=self._run, name="gate-timer", daemon=True)
         self._thread.start()
 
+    def timer_health(self) -> tuple[bool, int, str | None]:
+        """The timer thread's ``(alive, restarts, last_error)`` (``daemon.threads`` in status)."""
+        alive = self._thread is not None and self._thread.is_alive()
+        return alive, self._timer_restarts, self._timer_error
+
     def _run(self) -> None:
         if self._thread_nice is not None:
             renice_thread(self._thread_nice, realtime=self._thread_realtime)
+        while not self._stop:
+            try:
+                self._time_gates()
+            except Exception as exc:  # a bug must not leave every gate without its timer
+                self._timer_restarts += 1
+                self._timer_error = type(exc).__name__
+                log.exception("gate_timer_failed", restarts=self._timer_restarts)
+                time.sleep(min(5.0, 0.01 * 2 ** min(self._timer_restarts, 9)))
+
+    def _time_gates(self) -> None:
         with self._lock:
             while not self._stop:
                 now = self._clock()

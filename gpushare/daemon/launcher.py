@@ -70,6 +70,12 @@ class HostProcesses:
         if self._watcher is not None:
             self._watcher.stop()
 
+    def health(self) -> tuple[bool, int, str | None]:
+        """The exit watcher's ``(alive, restarts, last_error)``; not alive before :meth:`start`."""
+        if self._watcher is None:
+            return False, 0, None
+        return self._watcher.health()
+
     def spawn(
         self,
         argv: Sequence[str],

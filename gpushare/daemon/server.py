@@ -150,6 +150,7 @@ class ApiServer:
         self._wake_r, self._wake_w = -1, -1
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
+        self._io_error: str | None = None
         # Daemon threads, not an executor's: a handler stuck at exit must not outlive SIGTERM.
         self._jobs: queue.SimpleQueue[tuple[_Conn, bytes, bool] | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
@@ -233,6 +234,15 @@ class ApiServer:
             probe.close()
         raise ServerError(f"another gpushare daemon is serving {self.path}; stop it first")
 
+    def health(self) -> tuple[bool, int, str | None]:
+        """The I/O thread's ``(alive, restarts, last_error)``.
+
+        It is not restarted (it owns every connection): a dead one is a FAIL in ``doctor`` and a
+        daemon to restart.
+        """
+        alive = self._thread is not None and self._thread.is_alive()
+        return alive, 0, self._io_error
+
     def close(self) -> None:
         """Stop accepting, close every connection and remove the socket file."""
         if not self._running.is_set():
@@ -275,7 +285,8 @@ class ApiServer:
                 if now >= next_sweep:
                     self._sweep(now)
                     next_sweep = now + _SWEEP_EVERY_S
-        except Exception:  # a bug here must not leave the socket silently dead: say so
+        except Exception as exc:  # a bug here must not leave the socket silently dead: say so
+            self._io_error = type(exc).__name__
             log.exception("api_io_failed")
             raise
         finally:

@@ -102,8 +102,17 @@ class SupervisedThread:
         )
 
 
+WatchProbe = Callable[[], tuple[bool, int, "str | None"]]
+"""How a thread the supervisor does not start reports itself: ``(alive, restarts, last_error)``."""
+
+
 class Supervisor:
-    """Starts and keeps the daemon's receiver and poller threads; see the module docstring."""
+    """Starts and keeps the daemon's receiver and poller threads; see the module docstring.
+
+    Threads that keep themselves alive in their own loop (the gate timer, the exit watcher, the
+    adoption scan, the API's I/O loop) are :meth:`watch`-ed instead, so that ``status`` and
+    ``doctor`` show every thread the node's protection depends on.
+    """
 
     def __init__(
         self,
@@ -119,6 +128,12 @@ class Supervisor:
         self._threads: dict[str, SupervisedThread] = {}
         #: Restarts of threads since removed (a forgotten endpoint's worker), so totals only grow.
         self._gone_restarts = 0
+        self._watched: dict[str, WatchProbe] = {}
+
+    def watch(self, name: str, probe: WatchProbe) -> None:
+        """Show a thread that restarts itself (see the class docstring) under ``name``."""
+        with self._lock:
+            self._watched[name] = probe
 
     def spawn(self, name: str, body: Callable[[], None], stop: threading.Event) -> SupervisedThread:
         """Start ``body`` on a supervised thread called ``name``.
@@ -144,15 +159,22 @@ class Supervisor:
                 self._gone_restarts += thread.restarts
 
     def health(self) -> list[ThreadHealth]:
-        """Every listed thread's health, by name."""
+        """Every listed and watched thread's health, by name."""
         with self._lock:
-            threads = sorted(self._threads.values(), key=lambda t: t.name)
-        return [t.health() for t in threads]
+            threads = list(self._threads.values())
+            watched = list(self._watched.items())
+        found = [t.health() for t in threads]
+        for name, probe in watched:
+            alive, restarts, last_error = probe()
+            found.append(ThreadHealth(name, alive, restarts, last_error, None))
+        return sorted(found, key=lambda h: h.name)
 
     def total_restarts(self) -> int:
-        """Restarts of every thread so far, removed ones included."""
+        """Restarts of every thread so far, removed and watched ones included."""
         with self._lock:
-            return self._gone_restarts + sum(t.restarts for t in self._threads.values())
+            listed = self._gone_restarts + sum(t.restarts for t in self._threads.values())
+            watched = list(self._watched.values())
+        return listed + sum(probe()[1] for probe in watched)
 
     def dead(self) -> list[str]:
         """Threads that ended while their stop was not set (a supervisor bug; should be none)."""

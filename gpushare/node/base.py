@@ -141,6 +141,10 @@ class ProcessHost(Protocol):
         """Stop reporting exits."""
         ...
 
+    def health(self) -> tuple[bool, int, str | None]:
+        """The exit watcher's ``(alive, restarts, last_error)`` (``daemon.threads`` in status)."""
+        ...
+
     def spawn(
         self,
         argv: Sequence[str],

@@ -306,6 +306,10 @@ class SimProcesses:
         """A simulated process is gone as soon as it is killed."""
         return True
 
+    def health(self) -> tuple[bool, int, str | None]:
+        """Exits are events of the simulation: no thread to fail."""
+        return True, 0, None
+
     def signal(self, pid: int, sig: int, pids: Sequence[int]) -> None:
         """The workload exits on any signal (by it: status ``-sig``)."""
         if pid in self.node.processes:

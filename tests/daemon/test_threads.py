@@ -8,6 +8,7 @@ supervised thread (``daemon.threads``) and ``doctor`` turns a dead one into a FA
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -15,8 +16,10 @@ from collections.abc import Iterator
 import pytest
 
 from gpushare.cli.doctor import Status, daemon_threads_check
+from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.threads import Supervisor
 from gpushare.inflight import GaugePoller, Rejections
+from gpushare.node.procs.exits import ExitWatcher
 from tests.support.daemon_helpers import DaemonProc, wait_for
 
 
@@ -109,3 +112,68 @@ def test_status_shows_the_receiver_alive_after_hostile_datagrams(daemon: DaemonP
         "malformed: number too long": 1,
         "malformed: nested too deep": 1,
     }
+
+
+def test_status_shows_every_thread_the_nodes_protection_needs(daemon: DaemonProc) -> None:
+    # On b0c0ecb the gate timer, the exit watcher, the adoption scan and the API's I/O loop were
+    # plain threads: one that died took gating, exit reports or adoption with it, unseen.
+    wanted = ("api-io", "adoption", "exit-watcher", "gate-timer", "latency-receiver")
+
+    def threads() -> dict[str, dict[str, object]] | None:
+        found = {t["name"]: t for t in daemon.call("status")["daemon"]["threads"]}
+        # The API answers before the latency socket is opened: wait for the whole start.
+        return found if all(n in found and found[n]["alive"] for n in wanted) else None
+
+    names = wait_for(threads, 10.0, "every thread alive")
+    assert all(names[n]["restarts"] == 0 for n in wanted)
+
+
+def test_the_gate_timer_survives_a_failure_and_counts_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpushare.control import gate
+    from tests.daemon.test_gating import CFG, GPU, FakePauser
+
+    gk = Gatekeeper(CFG, FakePauser())
+    real = gate.due_at
+    failures = [1]
+
+    def due_at_failing_once(*args: object, **kwargs: object) -> float | None:
+        if failures:
+            failures.pop()
+            raise ZeroDivisionError("a bug some timing reaches")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gate, "due_at", due_at_failing_once)
+    gk.update_clients({"web": GPU}, {GPU: ["train-1"]}, 0.0)
+    gk.set_enabled(GPU, True, 0.0)
+    gk.start()
+    try:
+        gk.on_inflight("web", None, 1, time.monotonic())  # the timer now has a gate to time
+        wait_for(lambda: gk.timer_health()[1] == 1, 5.0, "the timer's failure counted")
+        alive, restarts, last_error = gk.timer_health()
+        assert alive and restarts == 1 and last_error == "ZeroDivisionError"
+    finally:
+        gk.close()
+
+
+def test_the_exit_watcher_survives_a_failure_and_still_reports_exits() -> None:
+    reported: list[tuple[int, int | None]] = []
+    w = ExitWatcher(lambda pid, code: reported.append((pid, code)))
+    real = w._watch
+    calls = [0]
+
+    def failing_once() -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise OSError("a pidfd gone bad")
+        real()
+
+    w._watch = failing_once  # type: ignore[method-assign]
+    w.start()
+    try:
+        wait_for(lambda: w.health()[1] == 1, 5.0, "the watcher's failure counted")
+        proc = subprocess.Popen(["sh", "-c", "exit 7"])
+        w.watch(proc)
+        wait_for(lambda: reported == [(proc.pid, 7)], 5.0, "the exit reported after the failure")
+        assert w.health() == (True, 1, "OSError")
+    finally:
+        w.stop()

@@ -12,6 +12,7 @@ import queue
 import select
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -57,6 +58,9 @@ class ExitWatcher:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="exit-watcher", daemon=True)
         self._started = False
+        #: Times the watching loop failed and was run again, and the last failure's type.
+        self.restarts = 0
+        self.last_error: str | None = None
 
     def start(self) -> ExitWatcher:
         """Start the watcher thread; returns ``self``."""
@@ -140,7 +144,21 @@ class ExitWatcher:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
 
+    def health(self) -> tuple[bool, int, str | None]:
+        """The watcher thread's ``(alive, restarts, last_error)``."""
+        return self._thread.is_alive(), self.restarts, self.last_error
+
     def _run(self) -> None:
+        while not self._stopping:
+            try:
+                self._watch()
+            except Exception as exc:  # exits unreported would leave clients "running" for good
+                self.restarts += 1
+                self.last_error = type(exc).__name__
+                log.exception("exit_watcher_failed", restarts=self.restarts)
+                time.sleep(min(5.0, 0.01 * 2 ** min(self.restarts, 9)))
+
+    def _watch(self) -> None:
         while not self._stopping:
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
