@@ -66,11 +66,16 @@ class ErrorCode(IntEnum):
     BUSY = 14
 
     def exit_code(self) -> int:
-        """The CLI exit status: 2 bad input, 4 permission denied, 1 any other failure."""
+        """The CLI exit status: 2 bad input, 4 permission denied, 5 no capacity, 1 otherwise.
+
+        The table of every status is gpushare.cli.exitcodes (README "Exit status").
+        """
         if self in _BAD_INPUT:
             return 2
         if self is ErrorCode.PERMISSION_DENIED:
-            return 4
+            return EXIT_PERMISSION_DENIED
+        if self is ErrorCode.NO_CAPACITY:
+            return EXIT_NO_CAPACITY
         return 1
 
 
@@ -87,6 +92,12 @@ _BAD_INPUT = frozenset(
 
 EXIT_UNREACHABLE = 3
 """CLI exit status when the daemon's socket is missing or refuses the connection."""
+
+EXIT_PERMISSION_DENIED = 4
+"""CLI exit status when the caller may not do what it asked (or may not use the socket)."""
+
+EXIT_NO_CAPACITY = 5
+"""CLI exit status when no GPU can hold a submit now (an ``--offline`` one queues instead)."""
 
 
 class ProtocolError(Exception):

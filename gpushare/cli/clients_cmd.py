@@ -21,8 +21,8 @@ import typer
 from gpushare import protocol
 from gpushare.cli import completion
 from gpushare.cli.render import mps_down, render_clients, render_status
+from gpushare.cli.term import emit
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
-from gpushare.sim.simenv import workload_env as sim_workload_env
 from gpushare.units import parse_duration, parse_size
 
 SocketOpt = Annotated[
@@ -38,7 +38,7 @@ def _connect(socket: str | None) -> ApiClient:
         return ApiClient.connect(socket)
     except DaemonUnreachableError as exc:
         typer.echo(str(exc), err=True)
-        raise typer.Exit(code=protocol.EXIT_UNREACHABLE) from None
+        raise typer.Exit(code=exc.exit_code) from None
     except ApiError as exc:
         typer.echo(f"gpushare: {exc.message}", err=True)
         raise typer.Exit(code=exc.code.exit_code()) from None
@@ -49,7 +49,7 @@ def _call(api: ApiClient, method: str, params: dict[str, Any] | None = None) -> 
         return api.call(method, params)
     except DaemonUnreachableError as exc:
         typer.echo(str(exc), err=True)
-        raise typer.Exit(code=protocol.EXIT_UNREACHABLE) from None
+        raise typer.Exit(code=exc.exit_code) from None
     except ApiError as exc:
         typer.echo(f"gpushare: {exc.message}", err=True)
         raise typer.Exit(code=exc.code.exit_code()) from None
@@ -190,6 +190,8 @@ def submit(
     if params["detach"]:
         params["env"] = dict(os.environ)
         if sim_profile is not None:
+            from gpushare.sim.simenv import workload_env as sim_workload_env
+
             params["env"].update(sim_workload_env(sim_profile, rps, sim_burst))
     elif sim_profile is not None:
         raise _bad("--sim-profile needs --detach (or GPUSHARE_SIM_PROFILE in the environment)")
@@ -240,7 +242,7 @@ def status(
                 _watch(api, params, max(0.1, watch), as_json)
             return
         result = _call(api, protocol.STATUS, params)
-        typer.echo(json.dumps(result, indent=2) if as_json else render_status(result))
+        emit(json.dumps(result, indent=2) if as_json else render_status(result))
     if mps_down(result):
         raise typer.Exit(code=1)
 
@@ -251,12 +253,12 @@ def _watch(api: ApiClient, params: dict[str, Any], every_s: float, as_json: bool
         result = _call(api, protocol.STATUS, params)
         if as_json:
             # One document per line while watching: a script reads a stream of snapshots.
-            typer.echo(json.dumps(result, separators=(",", ":")))
+            emit(json.dumps(result, separators=(",", ":")))
         elif tty:
-            typer.echo("\x1b[H\x1b[2J" + render_status(result))  # redraw in place
+            emit("\x1b[H\x1b[2J" + render_status(result))  # redraw in place
         else:
             stamp = datetime.now(timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
-            typer.echo(f"--- {stamp}\n{render_status(result)}\n")
+            emit(f"--- {stamp}\n{render_status(result)}\n")
         sys.stdout.flush()
         time.sleep(every_s)
 
@@ -268,7 +270,7 @@ def list_clients(
 ) -> None:
     """List clients (live and queued; --all for every one)."""
     result = call_once(socket, protocol.LIST, {"all": all_})
-    typer.echo(json.dumps(result, indent=2) if as_json else render_clients(result["clients"]))
+    emit(json.dumps(result, indent=2) if as_json else render_clients(result["clients"]))
 
 
 def cancel(
@@ -328,7 +330,7 @@ def events(
         while True:
             page = _call(api, protocol.EVENTS, {"since_id": last, "limit": limit})
             for e in page["events"]:
-                typer.echo(json.dumps(e) if as_json else _event_line(e))
+                emit(json.dumps(e) if as_json else _event_line(e))
             last = page["last_id"]
             if len(page["events"]) == limit:
                 continue

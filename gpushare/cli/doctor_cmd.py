@@ -7,28 +7,21 @@ MPS binary from ``node/mps/``, ...); the checks themselves live in :mod:`gpushar
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import structlog
 import typer
 
-from gpushare import config, native, paths
-from gpushare.cli.doctor import (
-    DirFacts,
-    Probe,
-    Status,
-    directory_facts,
-    load_config_for_doctor,
-    python_version,
-    render,
-    run_checks,
-)
-from gpushare.node import mps, nvml_diag, probe
-from gpushare.node.cgroups.choice import freezer_check
+from gpushare import paths
+from gpushare.cli.doctor import DirFacts, Probe, directory_facts, python_version
+
+if TYPE_CHECKING:
+    from gpushare import config
+
+DOCTOR_SCHEMA_VERSION = 1
+"""``doctor --json``: ``{"schema_version": 1, "ok": bool, "checks": [...]}`` (docs/status-schema.md)."""
 
 
 class RealHost:
@@ -43,32 +36,47 @@ class RealHost:
 
     def nvml(self) -> Probe:
         """NVML init, driver version and GPU count."""
+        # Each adapter is imported where it is used: `gpushare doctor -h` needs none of them.
+        from gpushare.node import nvml_diag
+
         return Probe(*nvml_diag.host_status())
 
     def cuda_driver(self) -> Probe:
         """The CUDA driver through cuda-python."""
+        from gpushare.node import probe
+
         return Probe(*probe.driver_status())
 
     def nvrtc(self) -> Probe:
         """NVRTC compiling the probe kernel."""
+        from gpushare.node import probe
+
         return Probe(*probe.nvrtc_status())
 
     def mps_binary(self, name: str) -> Probe:
         """Whether the MPS control binary is found and runs."""
+        from gpushare.node import mps
+
         return Probe(*mps.binary_status(name))
 
     def mps_multiuser(self, name: str) -> bool | None:
         """Whether the binary supports ``-multiuser-server``."""
+        from gpushare.node import mps
+
         path = shutil.which(name)
         return mps.supports_multiuser(path) if path else None
 
     def inflight_bound(self) -> Probe:
         """Whether every user's job can preload the in-flight bound (built, and readable)."""
+        from gpushare import native
+
         why = native.unusable_reason()
         return Probe(why is None, why or str(native.library_path()))
 
     def cgroup_freezer(self) -> Probe:
         """Whether the freezer works under the configured client cgroup base."""
+        from gpushare.node.cgroups.choice import freezer_check
+
         ok, detail = freezer_check(self._cfg.paths.cgroup_base)
         return Probe(ok, detail)
 
@@ -91,15 +99,24 @@ def doctor(
 
     Exits 0 only when nothing a production host needs is missing.
     """
+    import logging
+
+    import structlog
+
+    from gpushare.cli.doctor import Status, load_config_for_doctor, render, run_checks
+
     # The adapters log their failures; the table already says them, with the fix.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     cfg, config_line = load_config_for_doctor(config_path or paths.default_config_file())
     results = run_checks(RealHost(cfg), cfg, config_line)
+    failed = any(r.status is Status.FAIL for r in results)
     if as_json:
-        typer.echo(json.dumps([{**asdict(r), "status": r.status.value} for r in results], indent=2))
+        checks = [{**asdict(r), "status": r.status.value} for r in results]
+        doc = {"schema_version": DOCTOR_SCHEMA_VERSION, "ok": not failed, "checks": checks}
+        typer.echo(json.dumps(doc, indent=2))
     else:
         typer.echo(render(results))
-    raise typer.Exit(code=1 if any(r.status is Status.FAIL for r in results) else 0)
+    raise typer.Exit(code=1 if failed else 0)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,13 +11,11 @@ running daemon's status, else through NVML.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import typing
 from pathlib import Path
 from typing import Annotated
 
-import structlog
 import typer
 
 from gpushare import config, mpsenv
@@ -87,6 +85,10 @@ def env(
     into /etc/systemd/system/UNIT.service.d/gpushare.conf; a container: --format docker into an
     --env-file; a Slurm TaskProlog: --format slurm.
     """
+    import logging
+
+    import structlog
+
     # stdout is the product (eval "$(gpushare env ...)"); each failure is this command's message.
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),

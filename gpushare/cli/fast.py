@@ -39,6 +39,7 @@ def run_status(opts: dict[str, str | bool]) -> int:
     """``gpushare status`` without Typer; returns the exit status."""
     from gpushare import protocol
     from gpushare.cli.render import mps_down, render_status
+    from gpushare.cli.term import emit
     from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
 
     sock = opts.get("socket")
@@ -48,11 +49,11 @@ def run_status(opts: dict[str, str | bool]) -> int:
             result = api.call(protocol.STATUS, params)
     except DaemonUnreachableError as exc:
         print(exc, file=sys.stderr)
-        return protocol.EXIT_UNREACHABLE
+        return exc.exit_code
     except ApiError as exc:
         print(f"gpushare: {exc.message}", file=sys.stderr)
         return exc.code.exit_code()
-    print(json.dumps(result, indent=2) if opts.get("json") else render_status(result))
+    emit(json.dumps(result, indent=2) if opts.get("json") else render_status(result))
     return 1 if mps_down(result) else 0
 
 
@@ -70,4 +71,10 @@ def main() -> None:
             raise SystemExit(run_status(opts))
     from gpushare.cli.app import main as typer_main
 
-    typer_main()
+    try:
+        typer_main(args)
+    except BrokenPipeError:
+        # Output that went through print() or typer.echo rather than term.emit.
+        from gpushare.cli.term import closed_pipe
+
+        raise closed_pipe() from None

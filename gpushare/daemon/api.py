@@ -109,10 +109,11 @@ class Api:
                 return
             if user_in_group(caller.uid, admin):
                 return
+        who = f"root or members of group {admin!r}" if admin else "root"
         raise _fail(
             E.PERMISSION_DENIED,
             f"{user_name(caller.uid)} may not {what} {rec.id}, which belongs to "
-            f"{rec.user}; only its owner, root or members of group {admin!r} may",
+            f"{rec.user}; only its owner or {who} may",
         )
 
     def _get(self, client_id: str) -> ClientRecord:
