@@ -15,6 +15,25 @@ import typer
 from gpushare.cli import completion
 
 
+def shipped_scenarios() -> list[tuple[str, str]]:
+    """(name, description) of every shipped scenario; reads only their ``[scenario]`` tables.
+
+    Without the simulator's modules: ``gpushare sim --list`` is a listing, not a simulation.
+    """
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent / "scenarios"
+    out = []
+    for path in sorted(root.rglob("*.toml")):
+        try:
+            head = tomllib.loads(path.read_text(encoding="utf-8"))["scenario"]
+            about = str(head.get("description", ""))
+        except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as exc:
+            about = f"(unreadable: {exc})"
+        out.append((str(path.relative_to(root).with_suffix("")), about))
+    return out
+
+
 def sim(
     scenarios: Annotated[
         list[Path] | None,
@@ -49,8 +68,6 @@ def sim(
 ) -> None:
     """Run sharing policies on simulated GPUs in virtual time and compare what they do."""
     if list_shipped:
-        from gpushare.cli.sim_run import shipped_scenarios
-
         for name, about in shipped_scenarios():
             typer.echo(f"{name:<48} {about}")
         return

@@ -15,9 +15,9 @@ import sys
 import time
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+    pass
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -200,19 +200,6 @@ def write_outputs(result: runner.ScenarioResult, out: Path) -> list[str]:
     else:
         lines.extend(f"wrote {p}" for p in plots)
     return lines
-
-
-def shipped_scenarios() -> list[tuple[str, str]]:
-    """(name, description) of every shipped scenario; reads only their ``[scenario]`` tables."""
-    out = []
-    for name in scenario.shipped():
-        try:
-            head = tomllib.loads(scenario.find(name).read_text(encoding="utf-8"))["scenario"]
-            about = str(head.get("description", ""))
-        except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as exc:
-            about = f"(unreadable: {exc})"
-        out.append((name, about))
-    return out
 
 
 def report_runs(
