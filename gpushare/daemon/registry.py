@@ -174,6 +174,8 @@ class ClientRecord:
     # client's --queue mode (None: deep).
     inflight_from: str | None = None
     queue: str | None = None
+    expected_s: float | None = None
+    """An offline job's declared length (``submit --time``): the queue starts shorter jobs first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -634,6 +636,9 @@ def _prepare(conn: sqlite3.Connection) -> None:
     for column in ("adopted_by", *_ADDED_COLUMNS):
         if column not in have:
             conn.execute(f"ALTER TABLE clients ADD COLUMN {column} TEXT")
+    for column in _ADDED_REAL_COLUMNS:
+        if column not in have:
+            conn.execute(f"ALTER TABLE clients ADD COLUMN {column} REAL")
     conn.execute(
         "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
         (str(SCHEMA_VERSION),),
@@ -646,6 +651,8 @@ def _prepare(conn: sqlite3.Connection) -> None:
 
 
 _ADDED_COLUMNS = ("inflight_from", "queue")
+# Numbers added later (expected_s: submit --time, for the queue's order).
+_ADDED_REAL_COLUMNS = ("expected_s",)
 
 
 def _move_aside(path: Path) -> Path:
@@ -671,7 +678,7 @@ def _record(row: sqlite3.Row) -> ClientRecord:
         sm_ceiling=row["sm_ceiling"], sm_pct=row["sm_pct"],
         mem_bytes=row["mem_bytes"], priority=row["priority"], slo_p99_ms=row["slo_p99_ms"],
         latency_from=row["latency_from"],
-        inflight_from=row["inflight_from"], queue=row["queue"],
+        inflight_from=row["inflight_from"], queue=row["queue"], expected_s=row["expected_s"],
         restartable=bool(row["restartable"]), checkpoint_signal=row["checkpoint_signal"],
         detach=bool(row["detach"]), env=json.loads(row["env"]), cwd=row["cwd"],
         state=ClientState(row["state"]), reason=row["reason"], pid=row["pid"],
