@@ -174,6 +174,12 @@ class SubmitRequest:
     latency_from: str | None = None
     inflight_from: str | None = None
     queue: str | None = None
+    no_queue: bool = False
+    """Offline: refuse at once (NO_CAPACITY) rather than wait in the queue when no GPU fits."""
+    expected_s: float | None = None
+    """Offline: the job's expected length (``--time``); the queue starts shorter jobs first."""
+    wait_for: str | None = None
+    """Foreground offline: the client id of this caller's queued submit, asked again to start it."""
 
 
 QUEUE_MODES = ("shallow", "deep", "auto")
@@ -237,15 +243,21 @@ class HelloResult:
 
 @dataclass(frozen=True, slots=True)
 class SubmitResult:
-    """``submit`` answer: the client id and the exact environment its workload runs with."""
+    """``submit`` answer: the client id and the exact environment its workload runs with.
+
+    A queued offline submit (``state`` ``queued``) has no GPU yet (``gpu_uuid`` null), its place in
+    the queue (``position``, 1 is next) and why it waits (``waiting``).
+    """
 
     client_id: str
-    gpu_uuid: str
+    gpu_uuid: str | None
     state: str
     env: dict[str, str]
     log_path: str | None = None
     pid: int | None = None
     unset_env: list[str] = field(default_factory=list)
+    position: int | None = None
+    waiting: str | None = None
 
 
 # Framing.

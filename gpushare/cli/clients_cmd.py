@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -23,7 +24,7 @@ from gpushare.cli import completion
 from gpushare.cli.render import mps_down, render_clients, render_status
 from gpushare.cli.term import emit
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
-from gpushare.units import parse_duration, parse_size
+from gpushare.units import format_duration, parse_duration, parse_size
 
 SocketOpt = Annotated[
     str | None,
@@ -150,9 +151,31 @@ def submit(
         str | None,
         typer.Option("--sim-burst", help="Simulated burst AT_S:FOR_S:FACTOR (--sim-profile)."),
     ] = None,
+    no_queue: Annotated[
+        bool,
+        typer.Option(
+            "--no-queue",
+            help="Offline: refuse at once (exit 5) when no GPU can hold the job now, "
+            "instead of waiting in the queue.",
+        ),
+    ] = False,
+    time_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--time",
+            metavar="DURATION",
+            help="Offline: how long the job is expected to run, e.g. 2h; the queue starts "
+            "shorter jobs first.",
+        ),
+    ] = None,
     socket: SocketOpt = None,
 ) -> None:
-    """Run a command as an MPS client with gpushare's limits (foreground unless --detach)."""
+    """Run a command as an MPS client with gpushare's limits (foreground unless --detach).
+
+    An --offline job that no GPU can hold now waits in the queue (--detach: it returns at once,
+    queued, with its place; in the foreground, it waits and says so); an --online one is refused
+    at once with exit 5.
+    """
     if online == offline:
         raise _bad("give exactly one of --online or --offline")
     if not cmd:
@@ -161,6 +184,8 @@ def submit(
         raise _bad(f"--queue must be one of {', '.join(protocol.QUEUE_MODES)}, got {queue!r}")
     if queue is not None and not offline:
         raise _bad("--queue applies to --offline jobs (online clients are never frozen)")
+    if (no_queue or time_limit is not None) and not offline:
+        raise _bad("--no-queue and --time apply to --offline jobs (online clients never queue)")
     if inflight_from is not None and not online:
         raise _bad("--inflight-from applies to --online clients (their requests gate offline work)")
     params: dict[str, Any] = {
@@ -180,11 +205,17 @@ def submit(
         params["inflight_from"] = inflight_from
     if queue is not None:
         params["queue"] = queue
+    if no_queue:
+        params["no_queue"] = True
     try:
+        if time_limit is not None:
+            params["expected_s"] = parse_duration(time_limit)
         params["mem_bytes"] = parse_size(mem) if mem is not None else None
         params["slo_p99_ms"] = parse_duration(slo_p99) * 1e3 if slo_p99 is not None else None
     except ValueError as exc:
         raise _bad(str(exc)) from None
+    if not 0 < params.get("expected_s", 1.0) < 1e9:
+        raise _bad("--time must be a positive duration, e.g. 90m or 2h")
     if (rps is not None or sim_burst is not None) and sim_profile is None:
         raise _bad("--rps and --sim-burst describe a simulated workload: give --sim-profile too")
     if params["detach"]:
@@ -198,6 +229,11 @@ def submit(
     else:
         params["pid"] = os.getpid()
     result = call_once(socket, protocol.SUBMIT, params)
+    if result["state"] == "queued":
+        if params["detach"]:
+            typer.echo(queued_line(result))
+            return
+        result = wait_in_queue(socket, result)
     if params["detach"]:
         typer.echo(
             f"{result['client_id']} started on {result['gpu_uuid']} (pid {result['pid']}); "
@@ -213,6 +249,50 @@ def submit(
     except OSError as exc:
         typer.echo(f"gpushare: cannot run {cmd[0]!r}: {exc.strerror or exc}", err=True)
         raise typer.Exit(code=127 if isinstance(exc, FileNotFoundError) else 126) from None
+
+
+def queued_line(result: dict[str, Any]) -> str:
+    """``c7 queued (position 2): GPU 0: needs 6G ...``: what a queued submit prints."""
+    where = f" (position {result['position']})" if result.get("position") else ""
+    why = f": {result['waiting']}" if result.get("waiting") else ""
+    return f"{result['client_id']} queued{where}{why}"
+
+
+WAIT_POLL_S = 1.0
+"""How often a foreground submit waiting in the queue asks the daemon (it keeps its place
+while it asks: gpushare/daemon/submitq.py)."""
+
+
+def wait_in_queue(socket: str | None, result: dict[str, Any]) -> dict[str, Any]:
+    """Wait in the queue, one progress line on stderr, until the daemon starts the job here.
+
+    Ctrl-C takes the job out of the queue (exit 130).
+    """
+    client_id = result["client_id"]
+    tty = sys.stderr.isatty()
+    shown = ""
+    t0 = time.monotonic()
+    try:
+        while result["state"] == "queued":
+            line = f"{queued_line(result)} (waiting {format_duration(time.monotonic() - t0)})"
+            if tty:
+                sys.stderr.write("\r\x1b[K" + line[: shutil.get_terminal_size().columns - 1])
+                sys.stderr.flush()
+            elif queued_line(result) != shown:  # piped: a line when something changes
+                sys.stderr.write(line + "\n")
+            shown = queued_line(result)
+            time.sleep(WAIT_POLL_S)
+            params = {"cls": "offline", "argv": ["-"], "wait_for": client_id}
+            result = call_once(socket, protocol.SUBMIT, params)
+    except KeyboardInterrupt:
+        with contextlib.suppress(typer.Exit):
+            call_once(socket, protocol.CANCEL, {"client_id": client_id})
+        sys.stderr.write(f"\n{client_id}: left the queue\n")
+        raise typer.Exit(code=130) from None
+    if tty:
+        sys.stderr.write("\r\x1b[K")
+    sys.stderr.write(f"{client_id}: started on {result['gpu_uuid']}\n")
+    return result
 
 
 def status(
