@@ -29,6 +29,10 @@ API_VERSION = 1
 """Bumped on any incompatible change to a method, its parameters or its result."""
 
 STATUS_SCHEMA_VERSION = 2
+LIST_SCHEMA_VERSION = 1
+"""``gpushare list --json``: ``{"schema_version": 1, "clients": [...]}`` (docs/status-schema.md)."""
+EVENTS_SCHEMA_VERSION = 1
+"""``gpushare events --json``: one event per line, each with ``"schema_version": 1``."""
 """Version of the ``status`` result (``gpushare status --json``), documented in docs/status-schema.md."""
 
 # Method names. The daemon dispatches only names that appear in its explicit METHODS table.

@@ -21,8 +21,8 @@ import typer
 
 from gpushare import protocol
 from gpushare.cli import completion
-from gpushare.cli.render import mps_down, render_clients, render_status
-from gpushare.cli.term import emit
+from gpushare.cli.render import mps_down, render_list, render_status
+from gpushare.cli.term import emit, use_colour
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
 from gpushare.units import format_duration, parse_duration, parse_size
 
@@ -295,8 +295,27 @@ def wait_in_queue(socket: str | None, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+OutputOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--output",
+        "-o",
+        metavar="FORMAT",
+        help="wide: every column, ids and UUIDs whole; json: as --json.",
+    ),
+]
+
+
+def _output(output: str | None, as_json: bool) -> tuple[bool, bool]:
+    """(wide, json) from ``-o`` and ``--json``."""
+    if output not in (None, "wide", "json"):
+        raise _bad(f"-o/--output must be wide or json, got {output!r}")
+    return output == "wide", as_json or output == "json"
+
+
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="JSON (docs/status-schema.md).")] = False,
+    output: OutputOpt = None,
     watch: Annotated[
         float | None,
         typer.Option(
@@ -314,43 +333,101 @@ def status(
     socket: SocketOpt = None,
 ) -> None:
     """Show GPUs and clients; exit 1 when a shared GPU's MPS is down."""
+    wide, as_json = _output(output, as_json)
     params = {"gpu": gpu} if gpu is not None else {}
+    colour = use_colour()
     with _connect(socket) as api:
         if watch is not None:
             # Ctrl-C or a closed pipe is the usual way out of --watch, not a failure.
             with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
-                _watch(api, params, max(0.1, watch), as_json)
+                _watch(api, params, max(0.1, watch), as_json, wide=wide, colour=colour)
             return
         result = _call(api, protocol.STATUS, params)
-        emit(json.dumps(result, indent=2) if as_json else render_status(result))
+        emit(
+            json.dumps(result, indent=2)
+            if as_json
+            else render_status(result, wide=wide, colour=colour)
+        )
     if mps_down(result):
         raise typer.Exit(code=1)
 
 
-def _watch(api: ApiClient, params: dict[str, Any], every_s: float, as_json: bool) -> None:
+def _watch(
+    api: ApiClient, params: dict[str, Any], every_s: float, as_json: bool, *, wide: bool,
+    colour: bool,
+) -> None:  # fmt: skip
     tty = sys.stdout.isatty()
     while True:
         result = _call(api, protocol.STATUS, params)
+        text = "" if as_json else render_status(result, wide=wide, colour=colour)
         if as_json:
             # One document per line while watching: a script reads a stream of snapshots.
             emit(json.dumps(result, separators=(",", ":")))
         elif tty:
-            emit("\x1b[H\x1b[2J" + render_status(result))  # redraw in place
+            emit("\x1b[H\x1b[2J" + text)  # redraw in place
         else:
             stamp = datetime.now(timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
-            emit(f"--- {stamp}\n{render_status(result)}\n")
-        sys.stdout.flush()
+            emit(f"--- {stamp}\n{text}\n")
         time.sleep(every_s)
 
 
+def _matches(c: dict[str, Any], user: str | None, states: set[str], cls: str | None,
+             gpu: str | None) -> bool:  # fmt: skip
+    if user is not None and user not in (c["user"], str(c["uid"])):
+        return False
+    if states and c["state"] not in states:
+        return False
+    if cls is not None and c["class"] != cls:
+        return False
+    if gpu is not None:
+        uuid = c.get("gpu_uuid") or ""
+        return gpu == str(c["gpu_index"]) or (len(gpu) > 4 and uuid.startswith(gpu))
+    return True
+
+
 def list_clients(
-    all_: Annotated[bool, typer.Option("--all", help="Include ended clients.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON output.")] = False,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="Include ended clients.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="JSON (docs/status-schema.md, list).")
+    ] = False,
+    output: OutputOpt = None,
+    user: Annotated[str | None, typer.Option("--user", "-u", help="Only this user's.")] = None,
+    state: Annotated[
+        str | None,
+        typer.Option("--state", "-t", help="Only these states, e.g. queued,running."),
+    ] = None,
+    cls: Annotated[
+        str | None, typer.Option("--class", metavar="CLASS", help="online or offline.")
+    ] = None,
+    gpu: Annotated[
+        str | None, typer.Option("--gpu", help="Only this GPU (index or UUID prefix).")
+    ] = None,
     socket: SocketOpt = None,
 ) -> None:
     """List clients (live and queued; --all for every one)."""
-    result = call_once(socket, protocol.LIST, {"all": all_})
-    emit(json.dumps(result, indent=2) if as_json else render_clients(result["clients"]))
+    wide, as_json = _output(output, as_json)
+    if cls not in (None, "online", "offline"):
+        raise _bad(f"--class must be online or offline, got {cls!r}")
+    states = {x.strip() for x in (state or "").split(",") if x.strip()}
+    known = {"queued", "starting", "running", "throttled", "frozen", "restarting", "exited",
+             "failed", "lost"}  # fmt: skip
+    if states - known:
+        raise _bad(
+            f"--state: unknown {', '.join(sorted(states - known))}; one of {', '.join(sorted(known))}"
+        )
+    # Ended clients are asked for when a filter names an ended state, as squeue -t does.
+    ended = bool(states & {"exited", "failed", "lost"})
+    result = call_once(socket, protocol.LIST, {"all": all_ or ended})
+    clients = [c for c in result["clients"] if _matches(c, user, states, cls, gpu)]
+    if as_json:
+        emit(
+            json.dumps(
+                {"schema_version": protocol.LIST_SCHEMA_VERSION, "clients": clients}, indent=2
+            )
+        )
+    else:
+        width = shutil.get_terminal_size((100, 24)).columns if sys.stdout.isatty() else 100
+        emit(render_list(clients, wide=wide, colour=use_colour(), width=width))
 
 
 def cancel(
@@ -410,7 +487,11 @@ def events(
         while True:
             page = _call(api, protocol.EVENTS, {"since_id": last, "limit": limit})
             for e in page["events"]:
-                emit(json.dumps(e) if as_json else _event_line(e))
+                emit(
+                    json.dumps({"schema_version": protocol.EVENTS_SCHEMA_VERSION, **e})
+                    if as_json
+                    else _event_line(e)
+                )
             last = page["last_id"]
             if len(page["events"]) == limit:
                 continue

@@ -242,7 +242,8 @@ class Views:
             recs = self.s.registry.clients(include_final=include_final)
             where = queue_positions(recs, self.s.clock.monotonic(), now)
             return {
+                "schema_version": protocol.LIST_SCHEMA_VERSION,
                 "clients": [
                     self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now, where) for r in recs
-                ]
+                ],
             }

@@ -442,7 +442,7 @@ def test_cli_unreachable_socket_exit_3(tmp_path: Path) -> None:
 
 def test_cli_status_list_events(daemon: DaemonProc) -> None:
     cid = daemon.submit_detached(["sleep", "30"], name="listed")["client_id"]
-    r = run_cli(daemon, "status")
+    r = run_cli(daemon, "status", "-o", "wide")  # UUIDs whole: -o wide
     assert r.returncode == 0, r.stderr
     assert fake_uuid(0) in r.stdout
     assert "listed" in r.stdout
@@ -535,7 +535,7 @@ def test_app_reported_latency_reaches_status(daemon: DaemonProc) -> None:
     assert (lat["source"], lat["slo_p99_ms"]) == ("app", 40.0)
     assert lat["ratio"] == pytest.approx(50.0 / 40.0)
     assert lat["samples"] > 0
-    r = run_cli(daemon, "status", "--gpu", "1")
+    r = run_cli(daemon, "status", "--gpu", "1", "-o", "wide")  # ratio and source: -o wide
     row = next(line for line in r.stdout.splitlines() if line.startswith(cid + " "))
     assert "50ms" in row and "40ms" in row and "1.25" in row and "app" in row
     slo = daemon.call("status", {"gpu": "1"})["gpus"][0]["online_slo"]
