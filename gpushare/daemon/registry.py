@@ -427,7 +427,8 @@ class Registry:
             if to is not current.state:
                 msg = f"client {client_id}: {current.state.value} -> {to.value}"
                 self._event(
-                    conn, at, f"client_{to.value}", "info", client_id, current.gpu_uuid,
+                    conn, at, f"client_{to.value}", _TRANSITION_SEVERITY.get(to, "info"),
+                    client_id, current.gpu_uuid,
                     msg + (f" ({reason})" if reason else ""),
                     {"from": current.state.value, "to": to.value, "reason": reason},
                 )  # fmt: skip
@@ -651,6 +652,8 @@ def _prepare(conn: sqlite3.Connection) -> None:
 
 
 _ADDED_COLUMNS = ("inflight_from", "queue")
+# A client that failed or was lost is a warning in the event log, not news (issue 29).
+_TRANSITION_SEVERITY = {ClientState.FAILED: "warning", ClientState.LOST: "warning"}
 # Numbers added later (expected_s: submit --time, for the queue's order).
 _ADDED_REAL_COLUMNS = ("expected_s",)
 
