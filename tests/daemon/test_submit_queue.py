@@ -128,3 +128,27 @@ def test_a_foreground_submit_waits_with_a_progress_line_then_runs_in_place(
     assert (word, cid) == ("ran", "c4")
     # The submitting process itself became the workload (adopted in place, then exec).
     assert _clients(d)["c4"]["pid"] == int(pid) == fg.pid
+
+
+def test_list_filters_by_state_class_user_and_gpu(one_gpu: DaemonProc) -> None:
+    d = one_gpu
+    _fill(d)
+    assert _offline(d).stdout.startswith("c4 queued")
+    assert _offline(d).stdout.startswith("c5 queued")
+
+    def ids(*args: str) -> list[str]:
+        r = _cli(d, "list", "--json", *args)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["schema_version"] == 1
+        return sorted(c["id"] for c in doc["clients"])
+
+    assert ids("--state", "queued") == ["c4", "c5"]
+    assert ids("--state", "running,queued", "--class", "offline") == ["c1", "c2", "c3", "c4", "c5"]
+    assert ids("--class", "online") == []
+    assert ids("--user", "root", "--gpu", "0", "--state", "running") == ["c1", "c2", "c3"]
+    assert ids("--user", "nobody") == []
+    bad = _cli(d, "list", "--state", "sleeping")
+    assert bad.returncode == 2 and "unknown sleeping" in bad.stderr
+    table = _cli(d, "list", "--state", "queued").stdout.splitlines()
+    assert table[0].split()[-4:] == ["EXIT", "RESTARTS", "AGE", "REASON"]
