@@ -82,6 +82,12 @@ class Views:
                     "simulated": bool(getattr(s.gpu, "simulated", False)),
                     # Request-boundary datagrams and gauge polls refused, by reason.
                     "inflight_rejections": s.gate.rejections.snapshot(),
+                    # Where workloads reach this daemon (gpushare env uses these, not its own
+                    # config: the daemon asked may run with another one).
+                    "paths": {
+                        "mps_pipe_dir": str(s.config.paths.resolved("mps_pipe_dir")),
+                        "latency_socket": str(s.config.paths.resolved("latency_socket")),
+                    },
                 },
                 "gpus": gpus,
                 "clients": clients,
