@@ -49,6 +49,13 @@ COMMANDS: tuple[tuple[str, ...], ...] = (
 )
 
 
+def tree_commit(tree: Path) -> str:
+    """The tree's commit (``git describe``), recorded instead of its path on this machine."""
+    r = subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty"],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    return r.stdout.strip() or "unknown"
+
+
 def _run(tree: Path, args: tuple[str, ...], env: dict[str, str]) -> tuple[float, int]:
     t0 = time.perf_counter()
     r = subprocess.run(
@@ -96,7 +103,7 @@ def main() -> None:
         "load_avg": os.getloadavg(),
         "python": sys.version.split()[0],
         "runs": args.runs,
-        "trees": {n: str(t) for n, t in trees.items()},
+        "trees": {n: tree_commit(t) for n, t in trees.items()},
         "target_ms": TARGET_MS,
         "commands": rows,
     }

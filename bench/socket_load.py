@@ -108,6 +108,13 @@ def submit_wall(tree: Path, sock: Path, runs: int) -> float:
     return round(statistics.median(times) * 1e3, 1)
 
 
+def tree_commit(tree: Path) -> str:
+    """The tree's commit (``git describe``), recorded instead of its path on this machine."""
+    r = subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty"],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    return r.stdout.strip() or "unknown"
+
+
 def run_tree(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     d = TreeDaemon(tree, args.gpus)
     try:
@@ -121,7 +128,7 @@ def run_tree(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
         ]
     finally:
         d.cleanup()
-    return {"tree": str(tree), "load": rows, "submit_process_median_ms": submit_ms}
+    return {"tree": tree_commit(tree), "load": rows, "submit_process_median_ms": submit_ms}
 
 
 def main() -> None:
