@@ -66,8 +66,8 @@ def test_colour_on_a_terminal_none_with_no_color_or_a_pipe(
     assert not ESC.search(_in_terminal(daemon, *args, env={"NO_COLOR": "1"}))
     piped = _piped(daemon, *args)
     assert not ESC.search(piped)
-    # The same table either way, except the ages that move between runs.
-    strip = lambda t: [re.sub(r"\b\d+[smhd]\b", "AGE", x).rstrip() for x in t.splitlines()]  # noqa: E731
-    assert strip(plain)[-2:] == strip(piped)[-2:]
+    # The same table either way (its first columns: readings and ages move between runs).
+    rows = lambda t: [line.split()[:7] for line in t.splitlines()[-2:]]  # noqa: E731
+    assert rows(plain) == rows(piped)
     if args == ("status",):
         assert max(len(line) for line in plain.splitlines()) <= 100
