@@ -11,7 +11,6 @@ running daemon's status, else through NVML.
 from __future__ import annotations
 
 import json
-import sys
 import typing
 from pathlib import Path
 from typing import Annotated
@@ -88,15 +87,6 @@ def env(
     into /etc/systemd/system/UNIT.service.d/gpushare.conf; a container: --format docker into an
     --env-file; a Slurm TaskProlog: --format slurm.
     """
-    import logging
-
-    import structlog
-
-    # stdout is the product (eval "$(gpushare env ...)"); each failure is this command's message.
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
     if online == offline:
         raise _fail("give exactly one of --online or --offline")
     if fmt not in mpsenv.FORMATS:

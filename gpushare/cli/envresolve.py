@@ -76,9 +76,20 @@ def _daemon_gpus(answer: dict[str, Any] | str) -> list[Gpu] | str:
 
 
 def _nvml_gpus() -> list[Gpu] | str:
+    import logging
+    import sys
+
+    import structlog
+
     from gpushare.node import nvml
     from gpushare.node.nvml_errors import NvmlError
 
+    # The adapter logs its failures; for `gpushare env` (stdout is the product) and a TaskProlog
+    # the reason returned here is the message, said once.
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
     backend = nvml.NvmlBackend(events=False, init_timeout_s=10.0, call_timeout_s=5.0)
     try:
         return list(enumerate(backend.gpu_uuids()))
