@@ -31,6 +31,7 @@ from gpushare.daemon.views import Views, resolve_gpu
 from gpushare.inflight import parse_inflight_from
 from gpushare.latency.prometheus import parse_latency_from
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
+from gpushare.node.procs.facts import process_cgroup
 from gpushare.node.procs.identity import process_start_time
 from gpushare.node.procs.users import user_in_group, user_name
 from gpushare.units import format_size
@@ -252,10 +253,7 @@ class Api:
             )  # fmt: skip
             if not detach:
                 assert caller.pid > 0
-                start_time = process_start_time(caller.pid)
-                rec = self.life.adopt_foreground(
-                    rec.id, caller.pid, start_time, owner_uid=caller.uid
-                )
+                rec = self._take_caller(rec.id, caller)
         if detach:
             # Spawned outside the lock: concurrent submits fork in parallel; the STARTING
             # record already holds its MPS slot and memory against other submits.
@@ -272,6 +270,30 @@ class Api:
                 log_path=rec.log_path, pid=rec.pid, unset_env=list(mpsenv.UNSET_ENV),
             )  # fmt: skip
             return protocol.as_dict(result)
+
+    def _take_caller(self, client_id: str, caller: Caller) -> ClientRecord:
+        """Adopt a foreground submitter, which then execs the workload: RUNNING.
+
+        Inside a Slurm job or a container it stays in its cgroup and is paused there (as the
+        adopter takes processes); anywhere else it moves into a cgroup of gpushare's own.
+        """
+        start_time = process_start_time(caller.pid)
+        where = submitq.managed_cgroup(process_cgroup(caller.pid))
+        if where is None:
+            return self.life.adopt_foreground(
+                client_id, caller.pid, start_time, owner_uid=caller.uid
+            )
+        route = self.life.adopt_in_place(client_id, caller.pid, start_time, owner_uid=caller.uid)
+        if route is None:
+            return self.s.registry.transition(
+                client_id, S.EXITED, reason="the submitting process exited before its adoption"
+            )
+        log.info("foreground_in_place", client_id=client_id, pid=caller.pid, cgroup=where)
+        self.s.registry.update(client_id, pause_mechanism=route.mechanism.value)
+        return self.s.registry.transition(
+            client_id, S.RUNNING, pid=caller.pid, start_time=start_time,
+            started_at=self.s.clock.time(), reason=f"runs in place, in {where}",
+        )  # fmt: skip
 
     # ----------------------------------------------------------------------------- the queue
 
@@ -334,9 +356,7 @@ class Api:
                 rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls, None, queue=rec.queue,
                 announce=True,
             )  # fmt: skip
-            rec = self.life.adopt_foreground(
-                rec.id, caller.pid, process_start_time(caller.pid), owner_uid=caller.uid
-            )
+            rec = self._take_caller(rec.id, caller)
             self.loop.waiters.forget(rec.id)
             log.info("client_submitted", client_id=rec.id, cls=rec.cls.value, gpu=rec.gpu_uuid,
                      uid=caller.uid, detach=False, queued=True)  # fmt: skip

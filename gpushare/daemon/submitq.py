@@ -16,10 +16,12 @@ environment. A waiter that stops asking (its process gone) is ended, so that it 
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from gpushare import pods
 from gpushare.control.admission import positions
 from gpushare.daemon.registry import ClientRecord
 from gpushare.model import ClientClass, ClientState, QueuedJob
@@ -28,6 +30,26 @@ S = ClientState
 
 WAITER_GRACE_S = 30.0
 """How long a foreground queued job keeps its place without its submitter asking about it."""
+
+
+_SLURM_JOB = re.compile(r"/slurm[^/]*(/.*)?/job_\d+(/|$)")
+
+
+def managed_cgroup(path: str | None) -> str | None:
+    """Whether a caller's cgroup belongs to something else that accounts for it, and what.
+
+    A Slurm job's step (slurmstepd puts tasks under ``.../slurmstepd.scope/job_<id>/...``) or a
+    container (docker, containerd, cri-o, podman; a Kubernetes pod): a foreground submit from
+    there is adopted where it is, as the adopter does, so that the job's limits and accounting
+    keep it. ``None`` for any other cgroup (a login shell's): gpushare gives it one of its own.
+    """
+    if not path or path == "/":
+        return None
+    if _SLURM_JOB.search(path):
+        return f"the Slurm job's cgroup {path}"
+    if pods.container_of_cgroup(path) is not None:
+        return f"its container's cgroup {path}"
+    return None
 
 
 def queued_jobs(
