@@ -119,6 +119,7 @@ def _table(
     out = []
     for n, r in enumerate(rows):
         cells = [c.ljust(w) for c, w in zip(r, widths, strict=True)]
+        cells[-1] = cells[-1].rstrip()  # no padding after the last column, painted or not
         if n == 0:
             cells = [paint(c, "head") for c in cells]
         elif n - 1 < len(kinds):
@@ -309,9 +310,10 @@ def render_list(
         return "no clients"
     paint = painter(colour)
     at = time.time() if now is None else now
-    head = ["ID", "NAME", "USER", "CLASS", "GPU", "PID", "STATE", "EXIT", "RESTARTS", "AGE"]
+    head = ["ID", "NAME", "USER", "CLASS", "GPU", "PID", "STATE", "EXIT", "AGE"]
     if wide:
         head[5:5] = ["GPU UUID", "SM", "MEM USED/LIMIT"]
+        head[-1:-1] = ["RESTARTS"]
     rows = [[*head, "REASON"]]
     kinds = []
     for c in clients:
@@ -324,12 +326,14 @@ def render_list(
             )
         code = c.get("exit_code")
         row = [ident, name, user, str(c["class"]), _gpu_cell(c), _pid(c), _state(c),
-               "-" if code is None else str(code), _count(c.get("restarts")), _client_age(c, at)]  # fmt: skip
+               "-" if code is None else str(code), _client_age(c, at)]  # fmt: skip
         if wide:
             row[5:5] = [c.get("gpu_uuid") or "-", _pct(c["sm_pct"]), _mem(c)]
-        reason = (
-            c.get("waiting") if c["state"] == "queued" and c.get("waiting") else c.get("reason")
-        )
+            row[-1:-1] = [_count(c.get("restarts"))]
+        reason = c.get("reason")
+        if c["state"] == "queued" and c.get("waiting"):
+            # What the admission round said; "cannot start:" is what queued means already.
+            reason = str(c["waiting"]).removeprefix("cannot start: ")
         rows.append([*row, reason or "-"])
         kinds.append([""] * (9 if wide else 6) + [_kind(_state(c))])
     if not wide:

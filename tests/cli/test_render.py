@@ -235,7 +235,7 @@ def test_list_shows_state_exit_age_and_reason():
     assert [cell(text, "c7", h) for h in ("STATE", "EXIT", "AGE")] == ["failed", "3", "60m"]
     assert cell(text, "c7", "REASON").startswith("exit code 3 (probably: CUDA")
     assert [cell(text, "c8", h) for h in ("GPU", "PID", "STATE")] == ["-", "-", "queued(2)"]
-    assert cell(text, "c8", "REASON") == "cannot start: GPU 0: needs 6G"
+    assert cell(text, "c8", "REASON") == "GPU 0: needs 6G"
     assert "N/A/-" not in text
     assert max(len(line) for line in text.splitlines()) <= WIDTH
 

@@ -151,4 +151,4 @@ def test_list_filters_by_state_class_user_and_gpu(one_gpu: DaemonProc) -> None:
     bad = _cli(d, "list", "--state", "sleeping")
     assert bad.returncode == 2 and "unknown sleeping" in bad.stderr
     table = _cli(d, "list", "--state", "queued").stdout.splitlines()
-    assert table[0].split()[-4:] == ["EXIT", "RESTARTS", "AGE", "REASON"]
+    assert table[0].split()[-3:] == ["EXIT", "AGE", "REASON"]
