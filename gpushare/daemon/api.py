@@ -126,12 +126,12 @@ class Api:
     def status(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``status``: GPUs and clients (schema in docs/status-schema.md; :mod:`.views`)."""
         req = protocol.from_params(protocol.StatusRequest, params)
-        return self.views.status(req.gpu)
+        return self.views.status(req.gpu, caller.uid)
 
     def list(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``list``: clients (live and queued, or all; :mod:`.views`)."""
         req = protocol.from_params(protocol.ListRequest, params)
-        return self.views.clients(include_final=req.all)
+        return self.views.clients(include_final=req.all, viewer=caller.uid)
 
     def events(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``events``: the event log after ``since_id``."""

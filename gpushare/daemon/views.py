@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpushare import __version__, pods, protocol
@@ -50,9 +51,61 @@ class Views:
         self.life = lifecycle
         self.loop = loop
         self._started_mono = started_mono
+        self._cache_lock = threading.Lock()
+        self._cache: dict[tuple[object, ...], tuple[object, dict[str, Any]]] = {}
+        self._building: set[tuple[object, ...]] = set()
 
-    def status(self, gpu: str | None) -> dict[str, Any]:
-        """``status``: GPUs and clients (schema in docs/status-schema.md)."""
+    def status(self, gpu: str | None, viewer: int = 0) -> dict[str, Any]:
+        """``status``: GPUs and clients (schema in docs/status-schema.md).
+
+        Built once per control tick and state of the registry, and shared by every caller asking
+        the same (``viewer``: the caller's uid, for answers that may differ by caller); callers
+        must not change it. 48 monitors polling at once then wait for one build under the state
+        lock instead of 48 (bench/socket_load.py). A submit, a transition or any other change of a
+        client record makes the next answer a new one at once; readings (gate, probe) are as of
+        the tick.
+        """
+        return self._shared(("status", gpu, viewer), lambda: self._status(gpu))
+
+    def _shared(
+        self, key: tuple[object, ...], build: Callable[[], dict[str, Any]]
+    ) -> dict[str, Any]:
+        stamp = self._stamp()
+        with self._cache_lock:
+            hit = self._cache.get(key)
+            if hit is not None and (hit[0] == stamp or key in self._building):
+                # Fresh, or being rebuilt by another caller: the last answer (one build old)
+                # rather than a queue of builds behind the state lock.
+                return hit[1]
+            self._building.add(key)
+        try:
+            answer = build()
+        finally:
+            with self._cache_lock:
+                self._building.discard(key)
+        with self._cache_lock:
+            if len(self._cache) > 64:
+                self._cache.clear()  # many GPUs x viewers: start again rather than grow
+            self._cache[key] = (stamp, answer)
+        return answer
+
+    def _stamp(self) -> tuple[object, ...]:
+        """What an answer depends on that can change between ticks: when it differs, rebuild.
+
+        The tick (readings, duty), every live record (a new object on any change), the events
+        written (a client added or ended), the clients held frozen and each GPU's request gate
+        (both move at once on a request boundary, between ticks).
+        """
+        s, now = self.s, self.s.clock.monotonic()
+        recs = s.registry.clients()
+        gates = tuple((g.enabled, g.closed, g.inflight)
+                      for g in (s.gate.view(x.uuid, now) for x in s.samples))  # fmt: skip
+        return (
+            self.loop.ticks, tuple(map(id, recs)), sum(s.registry.event_counts().values()),
+            frozenset(self.life.paused), gates,
+        )  # fmt: skip
+
+    def _status(self, gpu: str | None) -> dict[str, Any]:
         s = self.s
         with s.lock:
             samples = list(s.samples)
@@ -240,8 +293,11 @@ class Views:
         out["window_s"] = s.config.latency.window_s
         return out
 
-    def clients(self, *, include_final: bool) -> dict[str, Any]:
-        """``list``: clients (live and queued, or all)."""
+    def clients(self, *, include_final: bool, viewer: int = 0) -> dict[str, Any]:
+        """``list``: clients (live and queued, or all); shared as :meth:`status` is."""
+        return self._shared(("list", include_final, viewer), lambda: self._clients(include_final))
+
+    def _clients(self, include_final: bool) -> dict[str, Any]:
         with self.s.lock:
             by_uuid = {s.uuid: s for s in self.s.samples}
             now = self.s.clock.time()
