@@ -179,6 +179,7 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
             time.sleep(0.1)
         t_submit = time.monotonic()
         refused = 0
+        queue_flag = True
         with ApiClient.connect(sock, name="bench") as api:
             for i in range(clients):
                 if refused:
@@ -187,20 +188,25 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
                 # Without --spread the daemon places every client: idle sleeps use no GPU memory,
                 # so free memory ties and the fewest-clients rule spreads them (docs/design.md D12).
                 where = str(i % gpus) if args.spread else "any"
+                request = {
+                    "cls": "offline",
+                    "argv": ["sleep", "600"],
+                    "name": f"idle-{i}",
+                    "gpu": where,
+                    "detach": True,
+                    "env": {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                    "cwd": "/",
+                    # Refused, not queued, when the node is full: the figure is of idle clients.
+                    **({"no_queue": True} if queue_flag else {}),
+                }
                 try:
-                    api.call(
-                        protocol.SUBMIT,
-                        {
-                            "cls": "offline",
-                            "argv": ["sleep", "600"],
-                            "name": f"idle-{i}",
-                            "gpu": where,
-                            "detach": True,
-                            "env": {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-                            "cwd": "/",
-                        },
-                    )
+                    api.call(protocol.SUBMIT, request)
                 except ApiError as exc:
+                    if "unknown parameter" in exc.message and queue_flag:
+                        queue_flag = False  # a daemon from before the queue: it refuses anyway
+                        request.pop("no_queue")
+                        api.call(protocol.SUBMIT, request)
+                        continue
                     if exc.code is not protocol.ErrorCode.NO_CAPACITY:
                         raise
                     refused = 1

@@ -37,12 +37,29 @@ _MAX_RESPONSE_BYTES = 64 << 20
 class DaemonUnreachableError(Exception):
     """The socket is missing or refuses connections: the daemon is not running there."""
 
+    #: The CLI's exit status for this failure (gpushare.cli.exitcodes).
+    exit_code = protocol.EXIT_UNREACHABLE
+
     def __init__(self, path: Path, reason: str) -> None:
         self.path = path
         self.reason = reason
         super().__init__(
             f"cannot reach gpushare at {path}: is gpushare.service running? "
             "(systemctl status gpushare)"
+        )
+
+
+class DaemonAccessError(DaemonUnreachableError):
+    """The socket exists but this user may not connect to it (its mode or group)."""
+
+    exit_code = protocol.EXIT_PERMISSION_DENIED
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(path, reason)
+        self.args = (
+            f"permission denied on {path}: this user may not connect to gpushare's socket; "
+            'ask an admin to set [daemon] socket_mode = "0666" in the config (or to add '
+            "you to the socket's group) and restart gpushare",
         )
 
 
@@ -99,12 +116,14 @@ class ApiClient:
         sock.settimeout(timeout_s)
         try:
             sock.connect(str(target))
-        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
+        except PermissionError as exc:
+            sock.close()
+            raise DaemonAccessError(target, str(exc)) from None
+        except (OSError, ValueError) as exc:
+            # Missing, refused, not a socket, a path too long for AF_UNIX, a daemon that does not
+            # accept in time: all mean that gpushare cannot be reached there.
             sock.close()
             raise DaemonUnreachableError(target, str(exc)) from None
-        except OSError:
-            sock.close()
-            raise
         client = cls(sock, target)
         try:
             client.hello = client.call(
@@ -137,7 +156,8 @@ class ApiClient:
                 protocol.encode({"id": req_id, "method": method, "params": params or {}})
             )
             line = self._reader.read_line()
-        except (BrokenPipeError, ConnectionResetError) as exc:
+        except OSError as exc:
+            # Reset, closed, or no answer within the timeout (a hung or overloaded daemon).
             raise DaemonUnreachableError(self.path, str(exc)) from None
         if line is None:
             raise DaemonUnreachableError(self.path, "the daemon closed the connection")

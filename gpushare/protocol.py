@@ -30,6 +30,10 @@ API_VERSION = 1
 """Bumped on any incompatible change to a method, its parameters or its result."""
 
 STATUS_SCHEMA_VERSION = 2
+LIST_SCHEMA_VERSION = 1
+"""``gpushare list --json``: ``{"schema_version": 1, "clients": [...]}`` (docs/status-schema.md)."""
+EVENTS_SCHEMA_VERSION = 1
+"""``gpushare events --json``: one event per line, each with ``"schema_version": 1``."""
 """Version of the ``status`` result (``gpushare status --json``), documented in docs/status-schema.md."""
 
 # Method names. The daemon dispatches only names that appear in its explicit METHODS table.
@@ -70,11 +74,16 @@ class ErrorCode(IntEnum):
     BUSY = 14
 
     def exit_code(self) -> int:
-        """The CLI exit status: 2 bad input, 4 permission denied, 1 any other failure."""
+        """The CLI exit status: 2 bad input, 4 permission denied, 5 no capacity, 1 otherwise.
+
+        The table of every status is gpushare.cli.exitcodes (README "Exit status").
+        """
         if self in _BAD_INPUT:
             return 2
         if self is ErrorCode.PERMISSION_DENIED:
-            return 4
+            return EXIT_PERMISSION_DENIED
+        if self is ErrorCode.NO_CAPACITY:
+            return EXIT_NO_CAPACITY
         return 1
 
 
@@ -91,6 +100,12 @@ _BAD_INPUT = frozenset(
 
 EXIT_UNREACHABLE = 3
 """CLI exit status when the daemon's socket is missing or refuses the connection."""
+
+EXIT_PERMISSION_DENIED = 4
+"""CLI exit status when the caller may not do what it asked (or may not use the socket)."""
+
+EXIT_NO_CAPACITY = 5
+"""CLI exit status when no GPU can hold a submit now (an ``--offline`` one queues instead)."""
 
 
 class ProtocolError(Exception):
@@ -167,6 +182,12 @@ class SubmitRequest:
     latency_from: str | None = None
     inflight_from: str | None = None
     queue: str | None = None
+    no_queue: bool = False
+    """Offline: refuse at once (NO_CAPACITY) rather than wait in the queue when no GPU fits."""
+    expected_s: float | None = None
+    """Offline: the job's expected length (``--time``); the queue starts shorter jobs first."""
+    wait_for: str | None = None
+    """Foreground offline: the client id of this caller's queued submit, asked again to start it."""
 
 
 QUEUE_MODES = ("shallow", "deep", "auto")
@@ -230,15 +251,21 @@ class HelloResult:
 
 @dataclass(frozen=True, slots=True)
 class SubmitResult:
-    """``submit`` answer: the client id and the exact environment its workload runs with."""
+    """``submit`` answer: the client id and the exact environment its workload runs with.
+
+    A queued offline submit (``state`` ``queued``) has no GPU yet (``gpu_uuid`` null), its place in
+    the queue (``position``, 1 is next) and why it waits (``waiting``).
+    """
 
     client_id: str
-    gpu_uuid: str
+    gpu_uuid: str | None
     state: str
     env: dict[str, str]
     log_path: str | None = None
     pid: int | None = None
     unset_env: list[str] = field(default_factory=list)
+    position: int | None = None
+    waiting: str | None = None
 
 
 # Framing.

@@ -6,7 +6,10 @@
 # would), so status shows the GPU's request gate (REQUESTS: open/closed/off) and the requests IN
 # FLIGHT, and the jobs, launched with --queue auto, run shallow queues while gating is on;
 # everything is stopped and
-# the simulator's summary table for the same scenario (the shipped scenario `demo`, gpushare/scenarios/demo.toml) is printed.
+# the simulator's summary table for the same scenario (the shipped scenario `demo`, gpushare/scenarios/demo.toml) is printed,
+# then the same at a tight SLO (`demo-tight`, 1.1x the service's p99 alone), where gpushare keeps
+# the SLO and MPS with priority does not. The status snapshots show the throttling as it happens:
+# OFFLINE (open, duty, closed), each job's THAWED share of the last minute and its state.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
@@ -111,6 +114,22 @@ echo "== stopping"
 cleanup
 trap - EXIT
 echo
-echo "== the same scenario in the simulator (gpushare sim demo)"
+echo "== the same scenario in the simulator (gpushare sim demo): a loose SLO, 60 ms"
 "$BIN/gpushare" sim demo --out "$OUT/sim" --no-progress \
     --policy gpushare --policy exclusive --policy mps --policy mps-priority --policy time-slicing
+echo
+echo "== a tight SLO (1.1x the service's p99 alone): where MPS priority alone is not enough"
+"$BIN/gpushare" sim demo-tight --out "$OUT/sim" --no-progress \
+    --policy gpushare --policy mps-priority | tee "$OUT/tight.txt"
+"$BIN/python" - "$OUT/sim/demo-tight.json" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+slo = next(iter(doc["slo_ms"].values()))
+rows = {r["policy"]: r for r in doc["rows"]}
+for name in ("gpushare", "mps-priority"):
+    r = rows[name]
+    p99, offline = r["online_p99_ms"], r["offline_norm"]
+    verdict = "keeps" if p99 <= slo else "misses"
+    print(f"  {name:<13} p99 {p99:.1f} ms {verdict} the {slo:.1f} ms SLO "
+          f"(offline work: {offline:.2f} of its speed alone)")
+PY

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -20,11 +21,10 @@ import typer
 
 from gpushare import protocol
 from gpushare.cli import completion
-from gpushare.cli.render import mps_down, render_clients, render_status
+from gpushare.cli.render import mps_down, render_list, render_status
+from gpushare.cli.term import emit, use_colour
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
-from gpushare.sim.simenv import rate_problem as sim_rate_problem
-from gpushare.sim.simenv import workload_env as sim_workload_env
-from gpushare.units import parse_duration, parse_size
+from gpushare.units import format_duration, parse_duration, parse_size
 
 SocketOpt = Annotated[
     str | None,
@@ -39,7 +39,7 @@ def _connect(socket: str | None) -> ApiClient:
         return ApiClient.connect(socket)
     except DaemonUnreachableError as exc:
         typer.echo(str(exc), err=True)
-        raise typer.Exit(code=protocol.EXIT_UNREACHABLE) from None
+        raise typer.Exit(code=exc.exit_code) from None
     except ApiError as exc:
         typer.echo(f"gpushare: {exc.message}", err=True)
         raise typer.Exit(code=exc.code.exit_code()) from None
@@ -50,7 +50,7 @@ def _call(api: ApiClient, method: str, params: dict[str, Any] | None = None) -> 
         return api.call(method, params)
     except DaemonUnreachableError as exc:
         typer.echo(str(exc), err=True)
-        raise typer.Exit(code=protocol.EXIT_UNREACHABLE) from None
+        raise typer.Exit(code=exc.exit_code) from None
     except ApiError as exc:
         typer.echo(f"gpushare: {exc.message}", err=True)
         raise typer.Exit(code=exc.code.exit_code()) from None
@@ -151,9 +151,31 @@ def submit(
         str | None,
         typer.Option("--sim-burst", help="Simulated burst AT_S:FOR_S:FACTOR (--sim-profile)."),
     ] = None,
+    no_queue: Annotated[
+        bool,
+        typer.Option(
+            "--no-queue",
+            help="Offline: refuse at once (exit 5) when no GPU can hold the job now, "
+            "instead of waiting in the queue.",
+        ),
+    ] = False,
+    time_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--time",
+            metavar="DURATION",
+            help="Offline: how long the job is expected to run, e.g. 2h; the queue starts "
+            "shorter jobs first.",
+        ),
+    ] = None,
     socket: SocketOpt = None,
 ) -> None:
-    """Run a command as an MPS client with gpushare's limits (foreground unless --detach)."""
+    """Run a command as an MPS client with gpushare's limits (foreground unless --detach).
+
+    An --offline job that no GPU can hold now waits in the queue (--detach: it returns at once,
+    queued, with its place; in the foreground, it waits and says so); an --online one is refused
+    at once with exit 5.
+    """
     if online == offline:
         raise _bad("give exactly one of --online or --offline")
     if not cmd:
@@ -162,6 +184,8 @@ def submit(
         raise _bad(f"--queue must be one of {', '.join(protocol.QUEUE_MODES)}, got {queue!r}")
     if queue is not None and not offline:
         raise _bad("--queue applies to --offline jobs (online clients are never frozen)")
+    if (no_queue or time_limit is not None) and not offline:
+        raise _bad("--no-queue and --time apply to --offline jobs (online clients never queue)")
     if inflight_from is not None and not online:
         raise _bad("--inflight-from applies to --online clients (their requests gate offline work)")
     params: dict[str, Any] = {
@@ -181,24 +205,40 @@ def submit(
         params["inflight_from"] = inflight_from
     if queue is not None:
         params["queue"] = queue
+    if no_queue:
+        params["no_queue"] = True
     try:
+        if time_limit is not None:
+            params["expected_s"] = parse_duration(time_limit)
         params["mem_bytes"] = parse_size(mem) if mem is not None else None
         params["slo_p99_ms"] = parse_duration(slo_p99) * 1e3 if slo_p99 is not None else None
     except ValueError as exc:
         raise _bad(str(exc)) from None
+    if not 0 < params.get("expected_s", 1.0) < 1e9:
+        raise _bad("--time must be a positive duration, e.g. 90m or 2h")
     if (rps is not None or sim_burst is not None) and sim_profile is None:
         raise _bad("--rps and --sim-burst describe a simulated workload: give --sim-profile too")
-    if (rate_error := sim_rate_problem(rps, None)) is not None:
-        raise _bad(rate_error)  # the daemon refuses it too (SimWorkload.validate)
+    if rps is not None:
+        from gpushare.sim.simenv import rate_problem as sim_rate_problem
+
+        if (rate_error := sim_rate_problem(rps, None)) is not None:
+            raise _bad(rate_error)  # the daemon refuses it too (SimWorkload.validate)
     if params["detach"]:
         params["env"] = dict(os.environ)
         if sim_profile is not None:
+            from gpushare.sim.simenv import workload_env as sim_workload_env
+
             params["env"].update(sim_workload_env(sim_profile, rps, sim_burst))
     elif sim_profile is not None:
         raise _bad("--sim-profile needs --detach (or GPUSHARE_SIM_PROFILE in the environment)")
     else:
         params["pid"] = os.getpid()
     result = call_once(socket, protocol.SUBMIT, params)
+    if result["state"] == "queued":
+        if params["detach"]:
+            typer.echo(queued_line(result))
+            return
+        result = wait_in_queue(socket, result)
     if params["detach"]:
         typer.echo(
             f"{result['client_id']} started on {result['gpu_uuid']} (pid {result['pid']}); "
@@ -216,8 +256,71 @@ def submit(
         raise typer.Exit(code=127 if isinstance(exc, FileNotFoundError) else 126) from None
 
 
+def queued_line(result: dict[str, Any]) -> str:
+    """``c7 queued (position 2): GPU 0: needs 6G ...``: what a queued submit prints."""
+    where = f" (position {result['position']})" if result.get("position") else ""
+    why = f": {result['waiting']}" if result.get("waiting") else ""
+    return f"{result['client_id']} queued{where}{why}"
+
+
+WAIT_POLL_S = 1.0
+"""How often a foreground submit waiting in the queue asks the daemon (it keeps its place
+while it asks: gpushare/daemon/submitq.py)."""
+
+
+def wait_in_queue(socket: str | None, result: dict[str, Any]) -> dict[str, Any]:
+    """Wait in the queue, one progress line on stderr, until the daemon starts the job here.
+
+    Ctrl-C takes the job out of the queue (exit 130).
+    """
+    client_id = result["client_id"]
+    tty = sys.stderr.isatty()
+    shown = ""
+    t0 = time.monotonic()
+    try:
+        while result["state"] == "queued":
+            line = f"{queued_line(result)} (waiting {format_duration(time.monotonic() - t0)})"
+            if tty:
+                sys.stderr.write("\r\x1b[K" + line[: shutil.get_terminal_size().columns - 1])
+                sys.stderr.flush()
+            elif queued_line(result) != shown:  # piped: a line when something changes
+                sys.stderr.write(line + "\n")
+            shown = queued_line(result)
+            time.sleep(WAIT_POLL_S)
+            params = {"cls": "offline", "argv": ["-"], "wait_for": client_id}
+            result = call_once(socket, protocol.SUBMIT, params)
+    except KeyboardInterrupt:
+        with contextlib.suppress(typer.Exit):
+            call_once(socket, protocol.CANCEL, {"client_id": client_id})
+        sys.stderr.write(f"\n{client_id}: left the queue\n")
+        raise typer.Exit(code=130) from None
+    if tty:
+        sys.stderr.write("\r\x1b[K")
+    sys.stderr.write(f"{client_id}: started on {result['gpu_uuid']}\n")
+    return result
+
+
+OutputOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--output",
+        "-o",
+        metavar="FORMAT",
+        help="wide: every column, ids and UUIDs whole; json: as --json.",
+    ),
+]
+
+
+def _output(output: str | None, as_json: bool) -> tuple[bool, bool]:
+    """(wide, json) from ``-o`` and ``--json``."""
+    if output not in (None, "wide", "json"):
+        raise _bad(f"-o/--output must be wide or json, got {output!r}")
+    return output == "wide", as_json or output == "json"
+
+
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="JSON (docs/status-schema.md).")] = False,
+    output: OutputOpt = None,
     watch: Annotated[
         float | None,
         typer.Option(
@@ -235,43 +338,101 @@ def status(
     socket: SocketOpt = None,
 ) -> None:
     """Show GPUs and clients; exit 1 when a shared GPU's MPS is down."""
+    wide, as_json = _output(output, as_json)
     params = {"gpu": gpu} if gpu is not None else {}
+    colour = use_colour()
     with _connect(socket) as api:
         if watch is not None:
             # Ctrl-C or a closed pipe is the usual way out of --watch, not a failure.
             with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
-                _watch(api, params, max(0.1, watch), as_json)
+                _watch(api, params, max(0.1, watch), as_json, wide=wide, colour=colour)
             return
         result = _call(api, protocol.STATUS, params)
-        typer.echo(json.dumps(result, indent=2) if as_json else render_status(result))
+        emit(
+            json.dumps(result, indent=2)
+            if as_json
+            else render_status(result, wide=wide, colour=colour)
+        )
     if mps_down(result):
         raise typer.Exit(code=1)
 
 
-def _watch(api: ApiClient, params: dict[str, Any], every_s: float, as_json: bool) -> None:
+def _watch(
+    api: ApiClient, params: dict[str, Any], every_s: float, as_json: bool, *, wide: bool,
+    colour: bool,
+) -> None:  # fmt: skip
     tty = sys.stdout.isatty()
     while True:
         result = _call(api, protocol.STATUS, params)
+        text = "" if as_json else render_status(result, wide=wide, colour=colour)
         if as_json:
             # One document per line while watching: a script reads a stream of snapshots.
-            typer.echo(json.dumps(result, separators=(",", ":")))
+            emit(json.dumps(result, separators=(",", ":")))
         elif tty:
-            typer.echo("\x1b[H\x1b[2J" + render_status(result))  # redraw in place
+            emit("\x1b[H\x1b[2J" + text)  # redraw in place
         else:
             stamp = datetime.now(timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
-            typer.echo(f"--- {stamp}\n{render_status(result)}\n")
-        sys.stdout.flush()
+            emit(f"--- {stamp}\n{text}\n")
         time.sleep(every_s)
 
 
+def _matches(c: dict[str, Any], user: str | None, states: set[str], cls: str | None,
+             gpu: str | None) -> bool:  # fmt: skip
+    if user is not None and user not in (c["user"], str(c["uid"])):
+        return False
+    if states and c["state"] not in states:
+        return False
+    if cls is not None and c["class"] != cls:
+        return False
+    if gpu is not None:
+        uuid = c.get("gpu_uuid") or ""
+        return gpu == str(c["gpu_index"]) or (len(gpu) > 4 and uuid.startswith(gpu))
+    return True
+
+
 def list_clients(
-    all_: Annotated[bool, typer.Option("--all", help="Include ended clients.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON output.")] = False,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="Include ended clients.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="JSON (docs/status-schema.md, list).")
+    ] = False,
+    output: OutputOpt = None,
+    user: Annotated[str | None, typer.Option("--user", "-u", help="Only this user's.")] = None,
+    state: Annotated[
+        str | None,
+        typer.Option("--state", "-t", help="Only these states, e.g. queued,running."),
+    ] = None,
+    cls: Annotated[
+        str | None, typer.Option("--class", metavar="CLASS", help="online or offline.")
+    ] = None,
+    gpu: Annotated[
+        str | None, typer.Option("--gpu", help="Only this GPU (index or UUID prefix).")
+    ] = None,
     socket: SocketOpt = None,
 ) -> None:
     """List clients (live and queued; --all for every one)."""
-    result = call_once(socket, protocol.LIST, {"all": all_})
-    typer.echo(json.dumps(result, indent=2) if as_json else render_clients(result["clients"]))
+    wide, as_json = _output(output, as_json)
+    if cls not in (None, "online", "offline"):
+        raise _bad(f"--class must be online or offline, got {cls!r}")
+    states = {x.strip() for x in (state or "").split(",") if x.strip()}
+    known = {"queued", "starting", "running", "throttled", "frozen", "restarting", "exited",
+             "failed", "lost"}  # fmt: skip
+    if states - known:
+        raise _bad(
+            f"--state: unknown {', '.join(sorted(states - known))}; one of {', '.join(sorted(known))}"
+        )
+    # Ended clients are asked for when a filter names an ended state, as squeue -t does.
+    ended = bool(states & {"exited", "failed", "lost"})
+    result = call_once(socket, protocol.LIST, {"all": all_ or ended})
+    clients = [c for c in result["clients"] if _matches(c, user, states, cls, gpu)]
+    if as_json:
+        emit(
+            json.dumps(
+                {"schema_version": protocol.LIST_SCHEMA_VERSION, "clients": clients}, indent=2
+            )
+        )
+    else:
+        width = shutil.get_terminal_size((100, 24)).columns if sys.stdout.isatty() else 100
+        emit(render_list(clients, wide=wide, colour=use_colour(), width=width))
 
 
 def cancel(
@@ -331,7 +492,11 @@ def events(
         while True:
             page = _call(api, protocol.EVENTS, {"since_id": last, "limit": limit})
             for e in page["events"]:
-                typer.echo(json.dumps(e) if as_json else _event_line(e))
+                emit(
+                    json.dumps({"schema_version": protocol.EVENTS_SCHEMA_VERSION, **e})
+                    if as_json
+                    else _event_line(e)
+                )
             last = page["last_id"]
             if len(page["events"]) == limit:
                 continue

@@ -10,7 +10,12 @@ import typer
 
 from gpushare import config, paths
 
-app = typer.Typer(help="Inspect and validate the configuration.", no_args_is_help=True)
+app = typer.Typer(
+    help="Inspect and validate the configuration.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
 
 
 @app.command("check")
@@ -44,3 +49,8 @@ def check(
         typer.echo(json.dumps(config.to_dict(cfg), indent=2))
     else:
         typer.echo(f"# {target}: OK\n" + config.to_toml(cfg), nl=False)
+
+
+def register(root: typer.Typer) -> None:
+    """Add ``gpushare config`` to the root application."""
+    root.add_typer(app, name="config")

@@ -7,33 +7,25 @@ MPS binary from ``node/mps/``, ...); the checks themselves live in :mod:`gpushar
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import structlog
 import typer
 
-from gpushare import config, native, paths, trust
-from gpushare.cli.doctor import (
-    DirFacts,
-    Probe,
-    Status,
-    daemon_threads_check,
-    directory_facts,
-    load_config_for_doctor,
-    python_version,
-    render,
-    run_checks,
-)
-from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
-from gpushare.node import mps, nvml_diag, probe_host
-from gpushare.node.cgroups.choice import freezer_check
+from gpushare import paths
+from gpushare.cli.doctor import DirFacts, Probe, directory_facts, python_version
+
+if TYPE_CHECKING:
+    from gpushare import config
+    from gpushare.node import probe_host
+
+DOCTOR_SCHEMA_VERSION = 1
+"""``doctor --json``: ``{"schema_version": 1, "ok": bool, "checks": [...]}`` (docs/status-schema.md)."""
 
 
-def _probe(check: probe_host.HostCheck) -> Probe:
+def _probe(check: probe_host.HostCheck) -> Probe:  # each adapter is imported where it is used
     return Probe(check.ok, check.detail, check.hint, check.checked)
 
 
@@ -50,36 +42,53 @@ class RealHost:
 
     def nvml(self) -> Probe:
         """NVML init, driver version and GPU count."""
+        # Each adapter is imported where it is used: `gpushare doctor -h` needs none of them.
+        from gpushare.node import nvml_diag
+
         return Probe(*nvml_diag.host_status())
 
     def cuda_driver(self) -> Probe:
         """The driver's version and CUDA version, read from libcuda without the bindings."""
+        from gpushare.node import probe_host
+
         return _probe(probe_host.driver_check(self._driver()))
 
     def cuda_bindings(self) -> Probe:
         """The cuda-bindings installed, against the CUDA version the driver supports."""
+        from gpushare.node import probe_host
+
         return _probe(probe_host.bindings_check(self._driver()))
 
     def nvrtc(self) -> Probe:
         """NVRTC compiling the probe kernel."""
+        from gpushare.node import probe_host
+
         return _probe(probe_host.nvrtc_check())
 
     def _driver(self) -> probe_host.DriverFacts:
+        from gpushare.node import probe_host
+
         if self._driver_facts is None:
             self._driver_facts = probe_host.driver_facts()
         return self._driver_facts
 
     def mps_binary(self, name: str) -> Probe:
         """Whether the MPS control binary is found and runs."""
+        from gpushare.node import mps
+
         return Probe(*mps.binary_status(name))
 
     def mps_multiuser(self, name: str) -> bool | None:
         """Whether the binary supports ``-multiuser-server``."""
+        from gpushare.node import mps
+
         path = shutil.which(name)
         return mps.supports_multiuser(path) if path else None
 
     def inflight_bound(self) -> Probe:
         """Whether every user's job can preload the in-flight bound (built, readable, trusted)."""
+        from gpushare import native
+
         lib = native.library_path()
         why = native.unreadable_reason(lib)
         if why is not None:
@@ -89,12 +98,16 @@ class RealHost:
 
     def package(self) -> Probe:
         """The package directory of gpushare and everything in it (gpushare.trust)."""
+        from gpushare import native, trust
+
         where = Path(native.__file__).resolve().parent.parent
         why = trust.tree_refusal(where, what="the gpushare package")
         return Probe(why is None, why or f"{where} (root's, not writable by others)")
 
     def cgroup_freezer(self) -> Probe:
         """Whether the freezer works under the configured client cgroup base."""
+        from gpushare.node.cgroups.choice import freezer_check
+
         ok, detail = freezer_check(self._cfg.paths.cgroup_base)
         return Probe(ok, detail)
 
@@ -104,6 +117,8 @@ class RealHost:
 
     def untrusted(self, path: Path, what: str) -> str | None:
         """:func:`gpushare.trust.refusal`: the rule the daemon applies to the file."""
+        from gpushare import trust
+
         return trust.refusal(path, what=what)
 
     def systemd(self) -> bool:
@@ -121,6 +136,18 @@ def doctor(
 
     Exits 0 only when nothing a production host needs is missing.
     """
+    import logging
+
+    import structlog
+
+    from gpushare.cli.doctor import (
+        Status,
+        daemon_threads_check,
+        load_config_for_doctor,
+        render,
+        run_checks,
+    )
+
     # The adapters log their failures; the table already says them, with the fix.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     path = config_path or paths.default_config_file()
@@ -129,15 +156,20 @@ def doctor(
     threads = daemon_threads_check(_daemon_status(cfg))
     if threads is not None:
         results.append(threads)
+    failed = any(r.status is Status.FAIL for r in results)
     if as_json:
-        typer.echo(json.dumps([{**asdict(r), "status": r.status.value} for r in results], indent=2))
+        checks = [{**asdict(r), "status": r.status.value} for r in results]
+        doc = {"schema_version": DOCTOR_SCHEMA_VERSION, "ok": not failed, "checks": checks}
+        typer.echo(json.dumps(doc, indent=2))
     else:
         typer.echo(render(results))
-    raise typer.Exit(code=1 if any(r.status is Status.FAIL for r in results) else 0)
+    raise typer.Exit(code=1 if failed else 0)
 
 
 def _daemon_status(cfg: config.Config) -> dict[str, Any] | None:
     """The running daemon's ``status.daemon``; ``None`` when none answers within a second."""
+    from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
+
     try:
         with ApiClient.connect(cfg.paths.resolved("socket"), timeout_s=1.0, name="doctor") as api:
             found = api.call("status", {}).get("daemon")

@@ -11,19 +11,19 @@ running daemon's status, else through NVML.
 from __future__ import annotations
 
 import json
-import logging
-import sys
 import typing
 from pathlib import Path
 from typing import Annotated
 
-import structlog
 import typer
 
 from gpushare import config, mpsenv
 from gpushare.cli.envresolve import (
     UNSET,
     GpuLookupError,
+    ask_daemon,
+    daemon_paths,
+    daemon_socket,
     gpu_sources,
     load_config,
     resolve_gpu,
@@ -87,11 +87,6 @@ def env(
     into /etc/systemd/system/UNIT.service.d/gpushare.conf; a container: --format docker into an
     --env-file; a Slurm TaskProlog: --format slurm.
     """
-    # stdout is the product (eval "$(gpushare env ...)"); each failure is this command's message.
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
     if online == offline:
         raise _fail("give exactly one of --online or --offline")
     if fmt not in mpsenv.FORMATS:
@@ -113,13 +108,19 @@ def env(
         cfg = load_config(config_path)
     except config.ConfigError as exc:
         raise _fail(f"{exc}; fix the file or pass --config") from None
+    # The daemon asked gives the paths (it may run with another config than this host's file);
+    # when none answers, the config's are all there is.
+    answer = ask_daemon(daemon_socket(cfg, socket))
     try:
-        index, uuid = resolve_gpu(gpu, gpu_sources(cfg, socket))
+        index, uuid = resolve_gpu(gpu, gpu_sources(cfg, socket, answer))
     except GpuLookupError as exc:
         raise _fail(str(exc), exc.exit_code) from None
     if not cfg.gpu_override(index if index is not None else -1, uuid).shared:
         raise _fail(f'GPU {gpu or uuid} is not shared by gpushare (gpus."…".shared = false)')
-    variables = workload_env(cfg, cls, uuid, sm_pct=sm, mem_bytes=mem_bytes, slo_p99_s=slo_s)
+    variables = workload_env(
+        cfg, cls, uuid, sm_pct=sm, mem_bytes=mem_bytes, slo_p99_s=slo_s,
+        daemon=daemon_paths(answer),
+    )  # fmt: skip
     if as_json:
         out = {"gpu": {"index": index, "uuid": uuid}, "env": variables, "unset": UNSET}
         typer.echo(json.dumps(out, indent=2))

@@ -7,8 +7,9 @@ of a job) does not pay for Typer's import.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from gpushare import config, mpsenv, paths, protocol
 from gpushare.model import ClientClass
@@ -48,7 +49,8 @@ def offline_priority(cfg: config.Config) -> int:
     return int(getattr(policy, "offline_mps_priority", ClientClass.OFFLINE.mps_priority))
 
 
-def _daemon_gpus(socket: str | Path) -> list[Gpu] | str:
+def ask_daemon(socket: str | Path) -> dict[str, Any] | str:
+    """The daemon's ``status``, or why it did not answer."""
     from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
 
     try:
@@ -56,13 +58,38 @@ def _daemon_gpus(socket: str | Path) -> list[Gpu] | str:
             status = api.call(protocol.STATUS)
     except (DaemonUnreachableError, ApiError, OSError) as exc:
         return f"the daemon at {socket} did not answer ({exc})"
-    return [(int(g["index"]), str(g["uuid"])) for g in status.get("gpus", [])]
+    return status if isinstance(status, dict) else f"the daemon at {socket} gave no status"
+
+
+def daemon_paths(status: dict[str, Any] | str) -> dict[str, str]:
+    """The paths a daemon's status gives workloads (empty: an older daemon, or no answer)."""
+    if isinstance(status, str):
+        return {}
+    found = (status.get("daemon") or {}).get("paths") or {}
+    return {str(k): str(v) for k, v in found.items() if isinstance(v, str)}
+
+
+def _daemon_gpus(answer: dict[str, Any] | str) -> list[Gpu] | str:
+    if isinstance(answer, str):
+        return answer
+    return [(int(g["index"]), str(g["uuid"])) for g in answer.get("gpus", [])]
 
 
 def _nvml_gpus() -> list[Gpu] | str:
+    import logging
+    import sys
+
+    import structlog
+
     from gpushare.node import nvml
     from gpushare.node.nvml_errors import NvmlError
 
+    # The adapter logs its failures; for `gpushare env` (stdout is the product) and a TaskProlog
+    # the reason returned here is the message, said once.
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
     backend = nvml.NvmlBackend(events=False, init_timeout_s=10.0, call_timeout_s=5.0)
     try:
         return list(enumerate(backend.gpu_uuids()))
@@ -72,12 +99,24 @@ def _nvml_gpus() -> list[Gpu] | str:
         backend.close()
 
 
+def daemon_socket(cfg: config.Config, socket: str | Path | None = None) -> str | Path:
+    """The socket ``gpushare env`` asks: ``--socket``, ``$GPUSHARE_SOCKET``, the config's."""
+    return socket or os.environ.get(paths.ENV_SOCKET) or cfg.paths.resolved("socket")
+
+
 def gpu_sources(
-    cfg: config.Config, socket: str | Path | None = None
+    cfg: config.Config,
+    socket: str | Path | None = None,
+    answer: dict[str, Any] | str | None = None,
 ) -> list[Callable[[], list[Gpu] | str]]:
-    """Where GPUs are looked up, in order: the running daemon's status, then NVML."""
-    sock = socket or os.environ.get(paths.ENV_SOCKET) or cfg.paths.resolved("socket")
-    return [lambda: _daemon_gpus(sock), _nvml_gpus]
+    """Where GPUs are looked up, in order: the running daemon's status, then NVML.
+
+    ``answer`` is the daemon's status when the caller already asked (:func:`ask_daemon`).
+    """
+    sock = daemon_socket(cfg, socket)
+    if answer is None:
+        return [lambda: _daemon_gpus(ask_daemon(sock)), _nvml_gpus]
+    return [lambda: _daemon_gpus(answer), _nvml_gpus]
 
 
 def resolve_gpu(key: str | None, sources: Sequence[Callable[[], list[Gpu] | str]]) -> Gpu:
@@ -128,8 +167,14 @@ def workload_env(
     sm_pct: float | None,
     mem_bytes: int | None,
     slo_p99_s: float | None,
+    daemon: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The variables (MPS limits and markers) for one workload class on one GPU."""
+    """The variables (MPS limits and markers) for one workload class on one GPU.
+
+    ``daemon``: the paths the running daemon gave (:func:`daemon_paths`); each one it gives
+    wins over the local config's, which may not be the one that daemon runs with.
+    """
+    given = daemon or {}
     sm = sm_pct if sm_pct is not None else mpsenv.default_sm_pct(
         cls, cfg.control.offline_sm_pct_default
     )  # fmt: skip
@@ -141,7 +186,9 @@ def workload_env(
     )
     env = mpsenv.mps_env(
         limits=limits,
-        pipe_dir=mpsenv.pipe_dir(cfg.paths.resolved("mps_pipe_dir"), gpu_uuid),
-        latency_socket=cfg.paths.resolved("latency_socket"),
+        pipe_dir=mpsenv.pipe_dir(
+            Path(given.get("mps_pipe_dir") or cfg.paths.resolved("mps_pipe_dir")), gpu_uuid
+        ),
+        latency_socket=Path(given.get("latency_socket") or cfg.paths.resolved("latency_socket")),
     )
     return {**mpsenv.marker_env(cls, slo_p99_s), **env}

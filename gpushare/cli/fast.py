@@ -2,7 +2,7 @@
 
 ``gpushare status`` is what people and monitoring scripts run most; through Typer it pays for
 Typer's and Pydantic's imports and per-parameter adapters (about 0.3 s), so the common forms
-(``status [--json] [--gpu G] [--socket S]``) are answered here with the standard library and the
+(``status [--json] [-o wide|json] [--gpu G] [--socket S]``) are answered here with the standard library and the
 API client only. Anything else, including ``--help`` and any form this parser does not know, goes
 to the Typer application unchanged, which stays the reference for options and messages.
 ``gpushare slurm ...`` (Slurm's Prolog, TaskProlog and Epilog) is always answered here.
@@ -14,7 +14,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-_VALUE_OPTS = ("--gpu", "--socket")
+_VALUE_OPTS = ("--gpu", "--socket", "--output")
+_OUTPUTS = ("wide", "json")
 
 
 def _parse_status(args: Sequence[str]) -> dict[str, str | bool] | None:
@@ -25,12 +26,15 @@ def _parse_status(args: Sequence[str]) -> dict[str, str | bool] | None:
             opts["json"] = True
             continue
         name, eq, value = arg.partition("=")
+        name = "--output" if name == "-o" else name
         if name not in _VALUE_OPTS or name[2:] in opts:
             return None
         if not eq:
             value = next(it, "")
             if not value or value.startswith("-"):
                 return None
+        if name == "--output" and value not in _OUTPUTS:
+            return None  # the Typer path says what is wrong
         opts[name[2:]] = value
     return opts
 
@@ -39,6 +43,7 @@ def run_status(opts: dict[str, str | bool]) -> int:
     """``gpushare status`` without Typer; returns the exit status."""
     from gpushare import protocol
     from gpushare.cli.render import mps_down, render_status
+    from gpushare.cli.term import emit, use_colour
     from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
 
     sock = opts.get("socket")
@@ -48,11 +53,14 @@ def run_status(opts: dict[str, str | bool]) -> int:
             result = api.call(protocol.STATUS, params)
     except DaemonUnreachableError as exc:
         print(exc, file=sys.stderr)
-        return protocol.EXIT_UNREACHABLE
+        return exc.exit_code
     except ApiError as exc:
         print(f"gpushare: {exc.message}", file=sys.stderr)
         return exc.code.exit_code()
-    print(json.dumps(result, indent=2) if opts.get("json") else render_status(result))
+    if opts.get("json") or opts.get("output") == "json":
+        emit(json.dumps(result, indent=2))
+    else:
+        emit(render_status(result, wide=opts.get("output") == "wide", colour=use_colour()))
     return 1 if mps_down(result) else 0
 
 
@@ -70,4 +78,10 @@ def main() -> None:
             raise SystemExit(run_status(opts))
     from gpushare.cli.app import main as typer_main
 
-    typer_main()
+    try:
+        typer_main(args)
+    except BrokenPipeError:
+        # Output that went through print() or typer.echo rather than term.emit.
+        from gpushare.cli.term import closed_pipe
+
+        raise closed_pipe() from None

@@ -1,5 +1,10 @@
 """Rendering of ``status`` and ``list`` answers as tables (no Typer: the fast path uses it too).
 
+Like nvidia-smi, squeue and kubectl: the default view fits 100 columns (GPU index and model;
+per client its pid, state, restarts and age; long ids and names clipped), ``-o wide`` has every
+column with UUIDs and names whole, and ``--json`` everything. States and readings that need
+attention are coloured on a terminal only (:func:`gpushare.cli.term.use_colour`).
+
 Values the daemon could not read are ``None`` in JSON and print as ``N/A``, never as 0. Fields a
 daemon of schema version 1 does not send (a CLI upgraded before the daemon was restarted) print as
 ``N/A`` too, rather than failing.
@@ -7,12 +12,44 @@ daemon of schema version 1 does not send (a CLI upgraded before the daemon was r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpushare.units import format_duration
 
 NA = "N/A"
+WIDTH = 100
+"""The default view fits this many columns (``-o wide`` has no limit)."""
+ID_CHARS = 8
+NAME_CHARS = 10
+USER_CHARS = 8
+MODEL_CHARS = 14
+
+Paint = Callable[[str, str], str]
+"""Colours a padded cell by the kind of value it shows (``ok``, ``warn``, ``bad``, ``info``)."""
+
+_ANSI = {"ok": "32", "warn": "33", "bad": "31", "info": "36", "dim": "2", "head": "1"}
+_STATE_COLOUR = {
+    "running": "ok", "throttled": "warn", "frozen": "warn", "restarting": "warn",
+    "starting": "info", "queued": "info", "failed": "bad", "lost": "bad", "exited": "dim",
+    "up": "ok", "down": "bad", "fault": "bad", "degraded": "bad", "ok": "ok",
+    "closed": "warn", "cycling": "warn",
+}  # fmt: skip
+
+
+def painter(colour: bool) -> Paint:
+    """A cell painter: ANSI colours when ``colour``, else the text unchanged."""
+
+    def paint(text: str, kind: str) -> str:
+        code = _ANSI.get(kind)
+        return f"\x1b[{code}m{text}\x1b[0m" if colour and code and text.strip() else text
+
+    return paint
+
+
+def _plain(text: str, kind: str) -> str:
+    return text
 
 
 def _gib(value: int | None) -> str:
@@ -28,6 +65,17 @@ def _dur(value: float | None) -> str:
     return NA if value is None else format_duration(round(value))
 
 
+def age(seconds: float | None) -> str:
+    """Kubectl's AGE: ``45s``, ``12m``, ``5h``, ``3d``."""
+    if seconds is None:
+        return NA
+    s = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size * (2 if unit != "m" else 1):
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
 def _ms(value: float | None) -> str:
     # Latencies: three significant digits are what a p99 over a window can claim.
     return NA if value is None else f"{value:.3g}ms"
@@ -41,50 +89,128 @@ def _count(value: int | None) -> str:
     return NA if value is None else str(value)
 
 
+def clip(text: str, n: int) -> str:
+    """At most ``n`` characters, the cut marked with ``~`` (as kubectl and squeue shorten)."""
+    return text if len(text) <= n else text[: n - 1] + "~"
+
+
+def short_uuid(uuid: str | None) -> str:
+    """``GPU-1a2b3c4d`` for ``GPU-1a2b3c4d-...`` (nvidia-smi -L's is whole: ``-o wide``)."""
+    if not uuid:
+        return "-"
+    return uuid if len(uuid) <= 12 else uuid[:12] + "~"
+
+
 def _mem(c: dict[str, Any]) -> str:
     limit = c["mem_limit_bytes"]
-    return f"{_gib(c['mem_used_bytes'])}/{'-' if limit is None else _gib(limit)}"
+    # Nothing can be in use before it runs or after it ended: "-", not N/A (not read).
+    used = (
+        _gib(c["mem_used_bytes"])
+        if c["state"] not in ("queued", "exited", "failed", "lost")
+        else "-"
+    )
+    return f"{used}/{'-' if limit is None else _gib(limit)}"
 
 
-def _table(rows: Sequence[Sequence[str]]) -> str:
+def _table(
+    rows: Sequence[Sequence[str]], paint: Paint = _plain, kinds: Sequence[Sequence[str]] = ()
+) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)  # fmt: skip
-
-
-def _common(c: dict[str, Any]) -> list[str]:
-    return [c["id"], c["name"] or "-", c["user"],
-            NA if c["gpu_index"] is None else str(c["gpu_index"]), _pct(c["sm_pct"]), _mem(c)]  # fmt: skip
+    out = []
+    for n, r in enumerate(rows):
+        cells = [c.ljust(w) for c, w in zip(r, widths, strict=True)]
+        cells[-1] = cells[-1].rstrip()  # no padding after the last column, painted or not
+        if n == 0:
+            cells = [paint(c, "head") for c in cells]
+        elif n - 1 < len(kinds):
+            kind = [*kinds[n - 1], *[""] * len(cells)]
+            cells = [paint(c, k) if k else c for c, k in zip(cells, kind, strict=False)]
+        out.append("  ".join(cells).rstrip())
+    return "\n".join(out)
 
 
 def _state(c: dict[str, Any]) -> str:
-    return str(c["state"]) + (" (held)" if c["held"] else "")
+    state = str(c["state"])
+    if state == "queued" and c.get("queue_position"):
+        return f"queued({c['queue_position']})"
+    return state + (" (held)" if c["held"] else "")
 
 
-def _online_table(clients: Sequence[dict[str, Any]]) -> str:
-    rows = [["ID", "NAME", "USER", "GPU", "SM", "MEM USED/LIMIT", "P99", "SLO", "P99/SLO",
-             "SOURCE", "STATE", "UPTIME"]]  # fmt: skip
+def _kind(state: str) -> str:
+    words = state.split("(")[0].split()
+    return _STATE_COLOUR.get(words[0], "") if words else ""
+
+
+def _client_age(c: dict[str, Any], now: float) -> str:
+    at = c.get("submitted_at")
+    return age(now - at) if isinstance(at, int | float) else NA
+
+
+def _gpu_cell(c: dict[str, Any]) -> str:
+    if c["gpu_index"] is None:
+        return "-" if c["state"] == "queued" else NA
+    return str(c["gpu_index"])
+
+
+def _pid(c: dict[str, Any]) -> str:
+    pid = c.get("pid")
+    return "-" if pid is None else str(pid)
+
+
+def _head(c: dict[str, Any], wide: bool) -> list[str]:
+    ident, name, user = str(c["id"]), c["name"] or "-", str(c["user"])
+    if not wide:
+        ident, name, user = clip(ident, ID_CHARS), clip(name, NAME_CHARS), clip(user, USER_CHARS)
+    sm = "-" if c["state"] == "queued" and c["sm_pct"] is None else _pct(c["sm_pct"])
+    return [ident, name, user, _gpu_cell(c), _pid(c), sm, _mem(c)]
+
+
+def _heads(wide: bool) -> list[str]:
+    return ["ID", "NAME", "USER", "GPU", "PID", "SM", "MEM USED/LIMIT" if wide else "MEM"]
+
+
+def _online_table(clients: Sequence[dict[str, Any]], wide: bool, paint: Paint, now: float) -> str:
+    head = _heads(wide)
+    if wide:
+        head += ["P99", "SLO", "P99/SLO", "SOURCE", "STATE", "RESTARTS", "UPTIME", "AGE"]
+    else:
+        head += ["P99/SLO", "STATE", "RESTARTS", "AGE"]
+    rows: list[list[str]] = [head]
+    kinds = []
     for c in clients:
         lat = c.get("latency") or {}
-        rows.append([
-            *_common(c), _ms(lat.get("p99_ms")), _ms(c["slo_p99_ms"]), _ratio(lat.get("ratio")),
-            lat.get("source") or NA, _state(c), _dur(c["uptime_s"]),
-        ])  # fmt: skip
-    return _table(rows)
+        ratio = lat.get("ratio")
+        p99, slo = _ms(lat.get("p99_ms")), _ms(c["slo_p99_ms"])
+        if wide:
+            mid = [p99, slo, _ratio(ratio), lat.get("source") or NA]
+            tail = [_state(c), _count(c.get("restarts")), _dur(c["uptime_s"])]
+        else:
+            mid = [f"{p99}/{slo}"]
+            tail = [_state(c), _count(c.get("restarts"))]
+        rows.append([*_head(c, wide), *mid, *tail, _client_age(c, now)])
+        over = "bad" if isinstance(ratio, float | int) and ratio > 1.0 else ""
+        kinds.append([""] * (9 if wide else 7) + [over] + [""] * (1 if wide else 0)
+                     + [_kind(_state(c))])  # fmt: skip
+    return _table(rows, paint, kinds)
 
 
-def _offline_table(clients: Sequence[dict[str, Any]]) -> str:
-    rows = [["ID", "NAME", "USER", "GPU", "SM", "MEM USED/LIMIT", "THAWED 1M", "RESTARTS",
-             "EVICTIONS", "STATE", "UPTIME", "PAUSE", "QUEUE"]]  # fmt: skip
+def _offline_table(clients: Sequence[dict[str, Any]], wide: bool, paint: Paint, now: float) -> str:
+    rows: list[list[str]] = [[*_heads(wide), "THAWED 1M" if wide else "THAWED", "RESTARTS"] + (
+        ["EVICTIONS", "STATE", "UPTIME", "AGE", "PAUSE", "QUEUE"] if wide else ["STATE", "AGE"])]  # fmt: skip
+    kinds = []
     for c in clients:
         off = c.get("offline") or {}
         ratio = off.get("thawed_ratio_1m")
-        rows.append([
-            *_common(c), _pct(None if ratio is None else ratio * 100.0),
-            _count(c.get("restarts")), _count(off.get("evictions")), _state(c),
-            _dur(c["uptime_s"]), c["pause_mechanism"] or NA, _queue(off.get("queue")),
-        ])  # fmt: skip
-    return _table(rows)
+        row = [*_head(c, wide), _pct(None if ratio is None else ratio * 100.0),
+               _count(c.get("restarts"))]  # fmt: skip
+        if wide:
+            row += [_count(off.get("evictions")), _state(c), _dur(c["uptime_s"]),
+                    _client_age(c, now), c["pause_mechanism"] or NA, _queue(off.get("queue"))]  # fmt: skip
+        else:
+            row += [_state(c), _client_age(c, now)]
+        rows.append(row)
+        kinds.append([""] * (10 if wide else 9) + [_kind(_state(c))])
+    return _table(rows, paint, kinds)
 
 
 def _queue(q: dict[str, Any] | None) -> str:
@@ -102,23 +228,35 @@ def _queue(q: dict[str, Any] | None) -> str:
     return f"{asked} ({now})"
 
 
-def render_clients(clients: Sequence[dict[str, Any]]) -> str:
-    """The client tables of ``status`` and ``list``: online clients, then offline ones.
+def render_clients(
+    clients: Sequence[dict[str, Any]],
+    *,
+    wide: bool = False,
+    colour: bool = False,
+    now: float | None = None,
+) -> str:
+    """The client tables of ``status``: online clients, then offline ones (queued among them).
 
-    Online rows show the p99 over the latency window against the SLO, their ratio and where the
-    number came from; offline rows how much of the last minute the client was thawed, its restarts
-    and evictions. Notes under the tables say who adopted a client and how it is paused, and why
-    a queued job waits (its ``waiting``, clipped to :data:`WAITING_CHARS`).
+    Online rows show the p99 over the latency window against the SLO and their ratio; offline
+    rows how much of the last minute the client was thawed and its restarts. Notes under the
+    tables say who adopted a client and how it is paused, and why a queued job waits (its
+    ``waiting``, clipped to :data:`WAITING_CHARS`).
     """
+    paint = painter(colour)
+    at = time.time() if now is None else now
     online = [c for c in clients if c["class"] == "online"]
     offline = [c for c in clients if c["class"] != "online"]
     parts = []
     if online:
-        parts.append("online clients\n" + _online_table(online))
+        parts.append("online clients\n" + _online_table(online, wide, paint, at))
     if offline:
-        parts.append("offline clients\n" + _offline_table(offline))
+        parts.append("offline clients\n" + _offline_table(offline, wide, paint, at))
     if not parts:
         return "no clients"
+    return "\n\n".join(parts) + "".join(f"\n{n}" for n in _notes(clients, wide))
+
+
+def _notes(clients: Sequence[dict[str, Any]], wide: bool) -> list[str]:
     notes: list[str] = []
     for c in clients:
         # Adopted clients (gpushare did not start them): who adopted them, and how they are
@@ -131,19 +269,18 @@ def render_clients(clients: Sequence[dict[str, Any]]) -> str:
         # A queued job: why admission did not start it (memory, a slot, a backoff, another
         # user's MPS server), under the table so that a long reason does not widen it.
         if c.get("waiting"):
-            notes.append(f"{c['id']}: queued: {_clip(c['waiting'])}")
-    return "\n\n".join(parts) + "".join(f"\n{n}" for n in notes)
+            notes.append(f"{c['id']}: queued: {c['waiting']}")
+    return notes if wide else [fit(n) for n in notes]
 
 
-WAITING_CHARS = 200
-"""The most of a queued job's reason a note shows (one GPU's reason is about 100 characters);
-``--json`` has all of it."""
+MORE = "... (-o wide)"
 
 
-def _clip(text: str) -> str:
-    if len(text) <= WAITING_CHARS:
-        return text
-    return text[: WAITING_CHARS - 3].rstrip() + "... (all of it: --json)"
+def fit(line: str, width: int = WIDTH) -> str:
+    """A note or a reason line cut to ``width`` columns, saying where the rest is."""
+    if len(line) <= width:
+        return line
+    return line[: width - len(MORE)].rstrip() + MORE
 
 
 def _container(found: dict[str, Any] | None) -> str:
@@ -155,6 +292,56 @@ def _container(found: dict[str, Any] | None) -> str:
             f", {found['runtime']})" if found.get("runtime") else ")"
         )
     return where
+
+
+def render_list(
+    clients: Sequence[dict[str, Any]],
+    *,
+    wide: bool = False,
+    colour: bool = False,
+    now: float | None = None,
+    width: int = WIDTH,
+) -> str:
+    """``gpushare list``: one row per client, like squeue: state, exit status, age and reason.
+
+    The default view clips REASON so that a row fits ``width`` columns; ``-o wide`` has it all.
+    """
+    if not clients:
+        return "no clients"
+    paint = painter(colour)
+    at = time.time() if now is None else now
+    head = ["ID", "NAME", "USER", "CLASS", "GPU", "PID", "STATE", "EXIT", "AGE"]
+    if wide:
+        head[5:5] = ["GPU UUID", "SM", "MEM USED/LIMIT"]
+        head[-1:-1] = ["RESTARTS"]
+    rows = [[*head, "REASON"]]
+    kinds = []
+    for c in clients:
+        ident, name, user = str(c["id"]), c["name"] or "-", str(c["user"])
+        if not wide:
+            ident, name, user = (
+                clip(ident, ID_CHARS),
+                clip(name, NAME_CHARS),
+                clip(user, USER_CHARS),
+            )
+        code = c.get("exit_code")
+        row = [ident, name, user, str(c["class"]), _gpu_cell(c), _pid(c), _state(c),
+               "-" if code is None else str(code), _client_age(c, at)]  # fmt: skip
+        if wide:
+            row[5:5] = [c.get("gpu_uuid") or "-", _pct(c["sm_pct"]), _mem(c)]
+            row[-1:-1] = [_count(c.get("restarts"))]
+        reason = c.get("reason")
+        if c["state"] == "queued" and c.get("waiting"):
+            # What the admission round said; "cannot start:" is what queued means already.
+            reason = str(c["waiting"]).removeprefix("cannot start: ")
+        rows.append([*row, reason or "-"])
+        kinds.append([""] * (9 if wide else 6) + [_kind(_state(c))])
+    if not wide:
+        # REASON is last: clipped to what is left of the width, like squeue's NODELIST(REASON).
+        used = sum(max(len(r[i]) for r in rows) + 2 for i in range(len(head)))
+        room = max(12, width - used)
+        rows = [r[:-1] + [clip(r[-1], room)] for r in rows]
+    return _table(rows, paint, kinds)
 
 
 def _gate(gpu: dict[str, Any]) -> str:
@@ -171,8 +358,8 @@ def _why(gpu: dict[str, Any]) -> str | None:
     last = gate.get("last_action")
     if not last:
         return None
-    age = last.get("age_s")
-    when = "" if age is None else f", {format_duration(max(0, round(age)))} ago"
+    age_s = last.get("age_s")
+    when = "" if age_s is None else f", {format_duration(max(0, round(age_s)))} ago"
     return f"GPU {gpu['index']} offline {_gate(gpu)}: {last['kind']}{when}: {last['reason']}"
 
 
@@ -199,11 +386,23 @@ def _request_gate(gpu: dict[str, Any]) -> tuple[str, str]:
     return state, str(gate["inflight"])
 
 
-def render_status(status: dict[str, Any]) -> str:
-    """The human ``status`` view: one row per GPU, then one per client."""
-    rows = [["GPU", "UUID", "MEMORY USED/TOTAL", "UTIL", "MPS", "ONLINE SLO", "PROBE",
-             "SLOTS", "OFFLINE", "OFFLINE SM", "REQUESTS", "IN FLIGHT"]]  # fmt: skip
+def _model(gpu: dict[str, Any]) -> str:
+    name = str(gpu.get("name") or NA)
+    return name.removeprefix("NVIDIA ")
+
+
+def _gpu_rows(status: dict[str, Any], wide: bool) -> tuple[list[list[str]], list[list[str]]]:
     simulated = bool(status["daemon"].get("simulated"))
+    if wide:
+        head = ["GPU", "NAME", "MEMORY USED/TOTAL", "UTIL", "MPS", "ONLINE SLO", "SLOTS", "OFFLINE",
+                "OFFLINE SM", "REQUESTS"]  # fmt: skip
+    else:
+        head = ["GPU", "NAME", "MEMORY", "UTIL", "MPS", "SLO", "SLOTS", "OFFLINE", "SM", "GATE"]
+    if wide:
+        head[2:2] = ["UUID"]
+        head[7:7] = ["PROBE"]
+        head.append("IN FLIGHT")
+    rows, kinds = [head], []
     for g in status["gpus"]:
         probe = g["probe"]
         probe_text = (
@@ -211,27 +410,50 @@ def render_status(status: dict[str, Any]) -> str:
             else NA if probe["latency_ms"] is None
             else f"{probe['latency_ms']:.2f}ms"
         )  # fmt: skip
-        rows.append([
-            str(g["index"]), g["uuid"], f"{_gib(g['mem_used_bytes'])}/{_gib(g['mem_total_bytes'])}",
-            _pct(g["gpu_util_pct"]), _mps(g, simulated), g["online_slo"]["state"], probe_text,
-            f"{g['client_slots_used']}/{g['client_slots_max']}", _gate(g),
-            _pct(g["offline_sm_pct"]), *_request_gate(g),
-        ])  # fmt: skip
+        gate, inflight = _request_gate(g)
+        slo = g["online_slo"]["state"]
+        row = [str(g["index"]), _model(g) if wide else clip(_model(g), MODEL_CHARS),
+               f"{_gib(g['mem_used_bytes'])}/{_gib(g['mem_total_bytes'])}",
+               _pct(g["gpu_util_pct"]), _mps(g, simulated),
+               slo if wide or slo != "no_online_clients" else "-",
+               f"{g['client_slots_used']}/{g['client_slots_max']}", _gate(g),
+               _pct(g["offline_sm_pct"]), gate]  # fmt: skip
+        if wide:
+            row[2:2] = [g["uuid"]]
+            row[7:7] = [probe_text]
+            row.append(inflight)
+        rows.append(row)
+        off = 8 if wide else 7
+        kind = [""] * 4 + [_kind(str(g["mps_state"] or ""))] + [_kind(slo)]
+        kind += [""] * (off - 6) + [_kind(_gate(g).split()[0])]
+        kinds.append(kind)
         if g["error"]:
-            rows.append(["", f"error: {g['error']}", "", "", "", "", "", "", "", "", "", ""])
+            rows.append(["", f"error: {g['error']}"] + [""] * (len(head) - 2))
+            kinds.append(["", "bad"])
         if (drain := g.get("drain")) is not None:  # absent from an older daemon's status
             why = f": {drain['reason']}" if drain["reason"] else ""
-            rows.append(["", f"draining (by {drain['by']}{why}): nothing new starts here",
-                         "", "", "", "", "", "", "", "", "", ""])  # fmt: skip
+            note = f"draining (by {drain['by']}{why}): nothing new starts here"
+            rows.append(["", note] + [""] * (len(head) - 2))
+            kinds.append(["", "warn"])
+    return rows, kinds
+
+
+def render_status(
+    status: dict[str, Any], *, wide: bool = False, colour: bool = False, now: float | None = None
+) -> str:
+    """The human ``status`` view: one row per GPU, then one per client."""
+    simulated = bool(status["daemon"].get("simulated"))
+    rows, kinds = _gpu_rows(status, wide)
     node = " (simulated GPUs)" if simulated else ""
     head = f"gpushare {status['daemon']['version']}{node}: {status['daemon']['summary']}"
-    whys = [w for w in (_why(g) for g in status["gpus"]) if w]
     if refused := status["daemon"].get("trust_refusals"):
         # gpushare.trust: a file another user could change was not used; doctor names the fix.
         counts = ", ".join(f"{role} ({n}x)" for role, n in sorted(refused.items()))
         head += f"\nrefused as not trusted: {counts}; `gpushare doctor` names the fix"
-    gpus = _table(rows) + ("\n" + "\n".join(whys) if whys else "")
-    return "\n".join([head, "", gpus, "", render_clients(status["clients"])])
+    whys = [w if wide else fit(w) for w in (_why(g) for g in status["gpus"]) if w]
+    gpus = _table(rows, painter(colour), kinds) + ("\n" + "\n".join(whys) if whys else "")
+    clients = render_clients(status["clients"], wide=wide, colour=colour, now=now)
+    return "\n".join([head, "", gpus, "", clients])
 
 
 def mps_down(status: dict[str, Any]) -> bool:

@@ -125,15 +125,7 @@ def plan(
         _gpu_view(obs, shares, max_clients, multiuser, probe_slots, now)
         for _, obs in sorted(observations.items(), key=lambda kv: (kv[1].gpu_index, kv[0]))
     ]
-    ordered = sorted(
-        queue,
-        key=lambda j: (
-            j.expected_duration_s is None,
-            j.expected_duration_s if j.expected_duration_s is not None else math.inf,
-            j.submitted_at_s,
-            j.client_id,
-        ),
-    )
+    ordered = queue_order(queue)
     admits: list[Admit] = []
     waiting: dict[str, str] = {}
     for job in ordered:
@@ -183,6 +175,35 @@ def plan(
         )
         _place(job, gpu, sm_pct)
     return AdmissionPlan(tuple(admits), waiting)
+
+
+def queue_order(queue: Sequence[QueuedJob]) -> list[QueuedJob]:
+    """The order admission tries queued jobs in.
+
+    Shortest declared length first, then the jobs without one; each group by submission time
+    (then by id, so that the order is total).
+    """
+    return sorted(
+        queue,
+        key=lambda j: (
+            j.expected_duration_s is None,
+            j.expected_duration_s if j.expected_duration_s is not None else math.inf,
+            j.submitted_at_s,
+            _id_number(j.client_id),
+            j.client_id,
+        ),
+    )
+
+
+def positions(queue: Sequence[QueuedJob]) -> dict[str, int]:
+    """Each queued job's place in :func:`queue_order`, 1 being the next one tried."""
+    return {j.client_id: n for n, j in enumerate(queue_order(queue), start=1)}
+
+
+def _id_number(client_id: str) -> int:
+    # c9 before c10: ids are c<number> (a simulator's scenario may name its own: those sort last).
+    digits = client_id[1:]
+    return int(digits) if digits.isdigit() else 1 << 62
 
 
 def _gpu_view(

@@ -12,26 +12,24 @@ from __future__ import annotations
 import contextlib
 import grp
 import math
-import os
 import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
 
-from gpushare import __version__, mpsenv, pods, protocol, trust
+from gpushare import mpsenv, protocol
 from gpushare.control.promise import PlacedClient, may_promise, promised_bytes
-from gpushare.daemon import placement
+from gpushare.daemon import placement, submitq
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.cordon import CordonApi
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
-from gpushare.daemon.opstats import gate_status, latency_status
 from gpushare.daemon.registry import ClientRecord, RegistryUnavailableError
 from gpushare.daemon.rights import as_seen, is_privileged
 from gpushare.daemon.server import Caller
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
-from gpushare.daemon.threads import threads_status
+from gpushare.daemon.views import Views, resolve_gpu
 from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.node.procs.identity import process_start_time
@@ -79,8 +77,8 @@ class Api:
         self.life = lifecycle
         self.loop = loop
         self.adoptions = adoptions
-        self._started_mono = state.clock.monotonic()
         self.cordon = CordonApi.of(state, self._resolve_gpu)
+        self.views = Views(state, lifecycle, loop, state.clock.monotonic(), self.cordon)
 
     def methods(self) -> dict[str, Handler]:
         """The explicit dispatch table of the API (``hello`` is answered by the server)."""
@@ -118,10 +116,11 @@ class Api:
                 return
             if user_in_group(caller.uid, admin):
                 return
+        who = f"root or members of group {admin!r}" if admin else "root"
         raise _fail(
             E.PERMISSION_DENIED,
             f"{user_name(caller.uid)} may not {what} {rec.id}, which belongs to "
-            f"{rec.user}; only its owner, root or members of group {admin!r} may",
+            f"{rec.user}; only its owner or {who} may",
         )
 
     def _get(self, client_id: str) -> ClientRecord:
@@ -133,196 +132,14 @@ class Api:
     # ----------------------------------------------------------------------------- reading
 
     def status(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
-        """``status``: GPUs and clients (schema in docs/status-schema.md)."""
+        """``status``: GPUs and clients (schema in docs/status-schema.md; :mod:`.views`)."""
         req = protocol.from_params(protocol.StatusRequest, params)
-        s = self.s
-        with s.lock:
-            samples = list(s.samples)
-            if req.gpu is not None:
-                samples = [self._resolve_gpu(req.gpu)]
-            uuids = {x.uuid for x in samples}
-            recs = [r for r in s.registry.clients() if r.gpu_uuid in uuids or (
-                r.state is S.QUEUED and req.gpu is None)]  # fmt: skip
-            by_uuid = {x.uuid: x for x in samples}
-            now = s.clock.time()
-            clients = [self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now) for r in recs]
-            gpus = [self._gpu_dict(x, recs) for x in samples]
-            return {
-                "schema_version": protocol.STATUS_SCHEMA_VERSION,
-                "daemon": {
-                    "version": __version__,
-                    "pid": os.getpid(),
-                    "uptime_s": round(s.clock.monotonic() - self._started_mono, 3),
-                    "ready": self.loop.ready,
-                    "policy": s.policy.name,
-                    "pause_mechanism": s.pauser.mechanism.value,
-                    "summary": self.loop.summary(),
-                    # Optional attributes of the adapters: only the simulated node sets them.
-                    "simulated": bool(getattr(s.gpu, "simulated", False)),
-                    # Request-boundary datagrams and gauge polls refused, by reason.
-                    "inflight_rejections": s.gate.rejections.snapshot(),
-                    **threads_status(s.threads, s.datagram_drops()),
-                    # Uses of a file refused by gpushare.trust (not root's), by the file's role.
-                    "trust_refusals": trust.refusals(),
-                },
-                "gpus": gpus,
-                "clients": clients,
-            }
-
-    def _gate_dict(self, gpu_uuid: str) -> dict[str, Any]:
-        g = self.s.gate.view(gpu_uuid, self.s.clock.monotonic())
-        return {
-            "enabled": g.enabled,
-            "closed": g.closed,
-            "inflight": g.inflight,
-            "signalled_clients": g.signalled_clients,
-            "busy_fraction": g.busy_fraction,
-            "closes": g.closes,
-            "delay_ms": round(g.delay_s * 1000.0, 3),
-        }
-
-    def _gpu_dict(self, x: GpuSample, recs: Sequence[ClientRecord]) -> dict[str, Any]:
-        s = self.s
-        shared = s.shared(x)
-        live = [r for r in recs if r.gpu_uuid == x.uuid and r.state.is_live]
-        probe_on = s.config.probe.enabled and shared
-        reading = s.probe.reading(x.uuid) if s.probe is not None and shared else None
-        mps_state = s.mps_states.get(x.uuid)
-        online = [r for r in live if r.cls is ClientClass.ONLINE]
-        ratio = reading.ratio if reading is not None else None
-        # App-reported p99 against each declared SLO first; the probe speaks for the rest.
-        app = [(r, s.p99.get(r.id)) for r in online if r.slo_p99_ms is not None]
-        known = [(r, p.p99_ms) for r, p in app if p is not None and p.p99_ms is not None]
-        violated = [r.id for r, p99 in known if p99 > (r.slo_p99_ms or math.inf)]
-        # The probe stands in only for online clients whose own p99 is unknown: it is no request,
-        # and with request gating it meets offline work between requests by design, so it reads
-        # high while every request is well inside its SLO (the controller does not follow it then
-        # either). A client's own p99 against its own SLO is the verdict where there is one.
-        judged = {r.id for r, _ in known}
-        probe_counts = any(r.id not in judged for r in online)
-        slo: dict[str, Any] = {"probe_ratio": ratio, "violating_clients": violated, "reason": None}
-        if not online:
-            slo["state"] = "no_online_clients"
-        elif violated or (
-            probe_counts and ratio is not None and ratio > s.config.control.probe_slo_ratio
-        ):
-            slo["state"] = "degraded"
-        elif known or ratio is not None:
-            slo["state"] = "ok"
-        else:
-            slo["state"] = "unknown"
-            slo["reason"] = reading.reason if reading is not None else "probe disabled"
-        return {
-            "index": x.index,
-            "uuid": x.uuid,
-            "name": x.name,
-            "shared": shared,
-            "mem_total_bytes": x.mem_total_bytes,
-            "mem_used_bytes": x.mem_used_bytes,
-            "mem_free_bytes": x.mem_free_bytes,
-            "mem_reserve_bytes": s.reserve(x),
-            "gpu_util_pct": x.gpu_util_pct,
-            "sm_active_pct": x.sm_active_pct,
-            "mps_state": mps_state.value if mps_state is not None else None,
-            "mps_backend": getattr(s.mps, "backend", None),
-            "duty": s.duty.get(x.uuid, 1.0),
-            "gate": gate_status(
-                s.duty.get(x.uuid, 1.0), s.ops.last_action(x.uuid), self.s.clock.monotonic()
-            )
-            if shared
-            else None,
-            "offline_sm_pct": s.default_sm(ClientClass.OFFLINE, x.uuid),
-            "request_gate": self._gate_dict(x.uuid) if shared else None,
-            "online_slo": slo,
-            "probe": {
-                "enabled": probe_on,
-                "latency_ms": reading.latency_ms if reading else None,
-                "baseline_ms": reading.baseline_ms if reading else None,
-                "ratio": reading.ratio if reading else None,
-                "reason": reading.reason if reading else "probe disabled",
-            },
-            "client_slots_used": len(live) + (1 if probe_on else 0),
-            "client_slots_max": s.max_clients(x),
-            "error": x.error,
-            "lost": x.lost,
-            "drain": self.cordon.view(x.uuid),
-        }
-
-    def _client_dict(self, r: ClientRecord, sample: GpuSample | None, now: float) -> dict[str, Any]:
-        used = None
-        if sample is not None and r.pid is not None:
-            used = next((p.used_bytes for p in sample.processes if p.pid == r.pid), None)
-        latency = offline = None
-        if r.cls is ClientClass.ONLINE and r.state.is_live:
-            latency = self._latency(r)
-        elif r.cls is ClientClass.OFFLINE:
-            offline = self.s.ops.offline_fields(r.id, r.state, self.s.clock.monotonic())
-            # What the submitter asked (null: deep) and, while it runs, the queue it has and how
-            # a shallow one is kept ("4 in flight", "blocking").
-            shallow = self.life.shallow.get(r.id) if r.state.is_live else None
-            now_q = None if not r.state.is_live else "shallow" if shallow else "deep"
-            offline["queue"] = {"asked": r.queue, "now": now_q, "shallow": shallow}
-        uptime = None
-        if r.started_at is not None and r.state.is_live:
-            uptime = round(now - r.started_at, 3)
-        # The last admission round's reason (the loop writes it under the same lock); none
-        # before the first round that saw the job.
-        waiting = self.s.waiting.get(r.id) if r.state is S.QUEUED else None
-        return {
-            "id": r.id, "name": r.name, "user": r.user, "uid": r.uid, "class": r.cls.value,
-            "gpu_uuid": r.gpu_uuid, "gpu_index": r.gpu_index, "sm_pct": r.sm_pct,
-            "mem_limit_bytes": r.mem_bytes, "mem_used_bytes": used, "state": r.state.value,
-            "reason": r.reason, "waiting": waiting, "pid": r.pid, "uptime_s": uptime,
-            "exit_code": r.exit_code, "pause_mechanism": r.pause_mechanism, "held": r.held, "restartable": r.restartable,
-            "detached": r.detach, "slo_p99_ms": r.slo_p99_ms, "argv": list(r.argv),
-            "log_path": r.log_path, "restarts": r.restarts, "submitted_at": r.submitted_at,
-            "latency": latency, "offline": offline,
-            "started_at": r.started_at, "ended_at": r.ended_at,
-            "adopted_by": r.adopted_by, "pause_reason": self._pause_reason(r),
-            "container": self._container(r),
-        }  # fmt: skip
-
-    @staticmethod
-    def _container(r: ClientRecord) -> dict[str, Any] | None:
-        # An adopted process's container and Kubernetes pod, named by its cgroup path.
-        if r.adopted_by is None or r.pid is None or not r.state.is_live:
-            return None
-        found = pods.container_of_cgroup(process_cgroup(r.pid) or "/")
-        if found is None:
-            return None
-        return {"id": found.container_id, "runtime": found.runtime or None,
-                "pod_uid": found.pod_uid, "qos": found.qos}  # fmt: skip
-
-    def _pause_reason(self, r: ClientRecord) -> str | None:
-        # How an adopted client is paused where it is, and why that way (None: launched).
-        route = getattr(self.s.pauser, "route", None)
-        found = route(r.id) if r.adopted_by is not None and callable(route) else None
-        return found.reason if found is not None else None
-
-    def _latency(self, r: ClientRecord) -> dict[str, Any]:
-        s = self.s
-        reading = None
-        if s.probe is not None and r.gpu_uuid is not None:
-            reading = s.probe.reading(r.gpu_uuid)  # as online_slo reads it
-        out = latency_status(
-            s.p99.get(r.id),
-            r.slo_p99_ms,
-            reading.ratio if reading is not None else None,
-            s.config.control.probe_slo_ratio,
-        )
-        out["window_s"] = s.config.latency.window_s
-        return out
+        return self.views.status(req.gpu, caller.uid)
 
     def list(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
-        """``list``: clients (live and queued, or all)."""
+        """``list``: clients (live and queued, or all; :mod:`.views`)."""
         req = protocol.from_params(protocol.ListRequest, params)
-        with self.s.lock:
-            by_uuid = {s.uuid: s for s in self.s.samples}
-            now = self.s.clock.time()
-            recs = self.s.registry.clients(include_final=req.all)
-            return {
-                "clients": [self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now) for r in recs]
-            }
+        return self.views.clients(include_final=req.all, viewer=caller.uid)
 
     def events(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``events``: the event log after ``since_id``."""
@@ -396,11 +213,7 @@ class Api:
             return {"client_id": rec.id, "state": self.s.registry.get(rec.id).state.value}
 
     def _resolve_gpu(self, key: str) -> GpuSample:
-        for g in self.s.samples:
-            if key == g.uuid or (key.isascii() and key.isdigit() and int(key) == g.index):
-                return g
-        known = ", ".join(f"{g.index} ({g.uuid})" for g in self.s.samples) or "none"
-        raise _fail(E.NOT_FOUND, f"no GPU {key!r} on this node; GPUs: {known}")
+        return resolve_gpu(self.s.samples, key)
 
     def _add_client(self, **fields: Any) -> ClientRecord:
         try:
@@ -411,10 +224,25 @@ class Api:
     def submit(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``submit``: validate against the node, register, and adopt (foreground) or spawn."""
         req = protocol.from_params(protocol.SubmitRequest, params)
+        if req.wait_for is not None:
+            return self._wait_for(caller, req.wait_for)
         cls = self._check_submit(req, caller)
         detach = req.detach or req.restartable
         with self.s.lock:
-            sample, sm = self._place(req, cls, caller.uid)
+            try:
+                sample, sm = self._place(req, cls, caller.uid)
+                if (
+                    cls is ClientClass.OFFLINE
+                    and not req.no_queue
+                    and submitq.waiting_ahead(self.s.registry.clients())
+                ):
+                    # It fits, but jobs already wait: it takes its place by the admission rules.
+                    raise _fail(E.NO_CAPACITY, "offline jobs are already waiting for a GPU")
+            except protocol.ProtocolError as exc:
+                if (cls is not ClientClass.OFFLINE or exc.code is not E.NO_CAPACITY
+                        or req.no_queue or self._never_fits(req)):  # fmt: skip
+                    raise
+                return self._enqueue(req, cls, caller, detach, exc.message)
             rec = self._add_client(
                 cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid,
                 user=user_name(caller.uid), state=S.STARTING, priority=self.s.priority(cls),
@@ -441,10 +269,7 @@ class Api:
             )  # fmt: skip
             if not detach:
                 assert caller.pid > 0
-                start_time = process_start_time(caller.pid)
-                rec = self.life.adopt_foreground(
-                    rec.id, caller.pid, start_time, owner_uid=caller.uid
-                )
+                rec = self._take_caller(rec.id, caller)
         if detach:
             # Spawned outside the lock: concurrent submits fork in parallel; the STARTING
             # record already holds its MPS slot and memory against other submits.
@@ -459,6 +284,101 @@ class Api:
             result = protocol.SubmitResult(
                 client_id=rec.id, gpu_uuid=sample.uuid, state=rec.state.value, env=env,
                 log_path=rec.log_path, pid=rec.pid, unset_env=list(mpsenv.UNSET_ENV),
+            )  # fmt: skip
+            return protocol.as_dict(result)
+
+    def _take_caller(self, client_id: str, caller: Caller) -> ClientRecord:
+        """Adopt a foreground submitter, which then execs the workload: RUNNING.
+
+        Inside a Slurm job or a container it stays in its cgroup and is paused there (as the
+        adopter takes processes); anywhere else it moves into a cgroup of gpushare's own.
+        """
+        start_time = process_start_time(caller.pid)
+        where = submitq.managed_cgroup(process_cgroup(caller.pid))
+        if where is None:
+            return self.life.adopt_foreground(
+                client_id, caller.pid, start_time, owner_uid=caller.uid
+            )
+        route = self.life.adopt_in_place(client_id, caller.pid, start_time, owner_uid=caller.uid)
+        if route is None:
+            return self.s.registry.transition(
+                client_id, S.EXITED, reason="the submitting process exited before its adoption"
+            )
+        log.info("foreground_in_place", client_id=client_id, pid=caller.pid, cgroup=where)
+        self.s.registry.update(client_id, pause_mechanism=route.mechanism.value)
+        return self.s.registry.transition(
+            client_id, S.RUNNING, pid=caller.pid, start_time=start_time,
+            started_at=self.s.clock.time(), reason=f"runs in place, in {where}",
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------------------- the queue
+
+    def _never_fits(self, req: protocol.SubmitRequest) -> bool:
+        """Whether no GPU could ever hold this offline job (then it is refused, not queued)."""
+        if req.gpu == "any":
+            gpus = [g for g in self.s.samples if self.s.shared(g)]
+        else:
+            gpus = [self._resolve_gpu(req.gpu)]
+        need = req.mem_bytes or 0
+        return not any(
+            g.mem_total_bytes is None or need + self.s.reserve(g) <= g.mem_total_bytes for g in gpus
+        )
+
+    def _enqueue(
+        self, req: protocol.SubmitRequest, cls: ClientClass, caller: Caller, detach: bool, why: str
+    ) -> dict[str, Any]:
+        """Record an offline submit ``queued``: admission starts it when a GPU can hold it."""
+        s = self.s
+        rec = self._add_client(
+            cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid, user=user_name(caller.uid),
+            state=S.QUEUED, priority=s.priority(cls), name=req.name, gpu_request=req.gpu,
+            sm_ceiling=req.sm_pct, mem_bytes=req.mem_bytes, restartable=req.restartable,
+            checkpoint_signal=req.checkpoint_signal, detach=detach,
+            env=req.env if detach else {}, cwd=req.cwd,
+            pause_mechanism=s.pauser.mechanism.value,
+        )  # fmt: skip
+        if req.queue is not None or req.expected_s is not None:
+            rec = s.registry.update(rec.id, queue=req.queue, expected_s=req.expected_s)
+        if not detach:
+            self.loop.waiters.asked(rec.id, caller.pid, s.clock.monotonic())
+        # Shown by status until the next admission round says why, in its own words.
+        s.waiting = {**s.waiting, rec.id: why}
+        log.info("client_queued", client_id=rec.id, uid=caller.uid, detach=detach, why=why)
+        return self._queued_answer(rec)
+
+    def _queued_answer(self, rec: ClientRecord) -> dict[str, Any]:
+        s = self.s
+        where = submitq.queue_positions(s.registry.clients(), s.clock.monotonic(), s.clock.time())
+        result = protocol.SubmitResult(
+            client_id=rec.id, gpu_uuid=None, state=S.QUEUED.value, env={},
+            position=where.get(rec.id), waiting=s.waiting.get(rec.id),
+        )  # fmt: skip
+        return protocol.as_dict(result)
+
+    def _wait_for(self, caller: Caller, client_id: str) -> dict[str, Any]:
+        """A foreground submitter asks again: still queued, or adopted now with its environment."""
+        s = self.s
+        with s.lock:
+            rec = self._get(client_id)
+            if rec.uid != caller.uid or rec.detach:
+                raise _fail(E.PERMISSION_DENIED, f"{client_id} is not a foreground job of yours")
+            if rec.state is S.QUEUED:
+                self.loop.waiters.asked(rec.id, caller.pid, s.clock.monotonic())
+                return self._queued_answer(rec)
+            if rec.state is not S.STARTING or rec.pid is not None or rec.gpu_uuid is None:
+                raise _fail(E.CONFLICT, f"client {rec.id} is {rec.state.value}: {rec.reason}")
+            sm = rec.sm_pct if rec.sm_pct is not None else s.default_sm(rec.cls, rec.gpu_uuid)
+            env = self.life.mps_env(
+                rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls, None, queue=rec.queue,
+                announce=True,
+            )  # fmt: skip
+            rec = self._take_caller(rec.id, caller)
+            self.loop.waiters.forget(rec.id)
+            log.info("client_submitted", client_id=rec.id, cls=rec.cls.value, gpu=rec.gpu_uuid,
+                     uid=caller.uid, detach=False, queued=True)  # fmt: skip
+            result = protocol.SubmitResult(
+                client_id=rec.id, gpu_uuid=rec.gpu_uuid, state=rec.state.value, env=env,
+                pid=rec.pid, unset_env=list(mpsenv.UNSET_ENV),
             )  # fmt: skip
             return protocol.as_dict(result)
 
@@ -497,12 +417,10 @@ class Api:
         if req.detach or req.restartable:
             if req.cwd is None or not req.cwd.startswith("/"):
                 raise _fail(E.INVALID_PARAMS, "a detached submit needs an absolute cwd")
-        elif req.pid != caller.pid:
-            raise _fail(
-                E.INVALID_PARAMS,
-                "a foreground submit must come from the process that will exec the workload "
-                f"(pid {req.pid} given, the connection is pid {caller.pid})",
-            )
+        elif caller.pid <= 0:
+            # The workload is the connecting process itself (SO_PEERCRED, in the daemon's PID
+            # namespace): the pid the CLI gives is its own namespace's and is not used.
+            raise _fail(E.INVALID_PARAMS, "a foreground submit needs the caller's pid")
         return cls
 
     def _place(

@@ -28,6 +28,7 @@ from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.opstats import LastAction, Tracked
 from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
+from gpushare.daemon.submitq import ForegroundWaiters, queued_jobs
 from gpushare.metrics import Exporter, GpuControl, NodeMetrics
 from gpushare.model import (
     Action,
@@ -44,7 +45,6 @@ from gpushare.model import (
     MpsEventKind,
     MpsState,
     Observation,
-    QueuedJob,
     RecoverMps,
     RestartClient,
     SetDuty,
@@ -80,6 +80,8 @@ class ControlLoop:
     ) -> None:
         self.s = state
         self.life = lifecycle
+        #: The submitters of queued foreground jobs (gpushare.daemon.submitq).
+        self.waiters = ForegroundWaiters()
         self._notify = notify
         self.metrics = metrics
         self._reload_config = reload
@@ -190,7 +192,9 @@ class ControlLoop:
                     mine = tuple(views[r.id] for r in by_gpu.get(sample.uuid, ()))
                     self._gpu_views[sample.uuid] = mine
                 observations[sample.uuid] = self._tick_gpu(sample, mine, gpu_events, now)
-            if any(r.state is S.QUEUED for r in records):
+            # Queued jobs, or admitted foreground ones not yet taken by their submitter.
+            if any(r.state is S.QUEUED or (r.state is S.STARTING and r.pid is None)
+                   for r in records):  # fmt: skip
                 self._admit(observations, now)
             elif s.waiting:
                 s.waiting = {}
@@ -420,20 +424,12 @@ class ControlLoop:
         Why each other job waits is kept for ``status`` and ``list`` (``NodeState.waiting``).
         """
         s = self.s
-        jobs = [
-            QueuedJob(
-                client_id=r.id,
-                uid=r.uid,
-                mem_bytes=r.mem_bytes,
-                sm_pct=r.sm_ceiling,
-                gpu=None if r.gpu_request in (None, "any") else r.gpu_request,
-                submitted_at_s=now - max(0.0, self.s.clock.time() - r.submitted_at),
-                restartable=r.restartable,
-                not_before_s=self.life.not_before.get(r.id, 0.0),
-            )
-            for r in s.registry.clients()
-            if r.state is S.QUEUED
-        ]
+        records = s.registry.clients()
+        for client_id in self.waiters.gone(records, now):
+            # A foreground job whose submitter stopped asking (Ctrl-C, killed): it holds no place.
+            self.waiters.forget(client_id)
+            s.transition(client_id, S.EXITED, reason="its foreground submit stopped waiting")
+        jobs = queued_jobs(records, now, s.clock.time(), self.life.not_before)
         max_clients = {x.uuid: s.max_clients(x) for x in s.samples}
         # A drained GPU (gpushare drain) starts nothing new: its jobs wait, and say why.
         drained = s.cordons.drained()
@@ -648,7 +644,11 @@ class ControlLoop:
                 life.evict(action, now)
             elif isinstance(action, Admit):
                 rec = s.registry.get(action.client_id)
-                if rec.state is S.QUEUED:
+                if rec.state is S.QUEUED and not rec.detach:
+                    # Its submitter execs it: STARTING on this GPU, adopted when it asks again.
+                    s.ops.admitted(rec.id, self.s.clock.time())
+                    life.prepare_launch(rec, action.gpu_uuid, action.sm_pct, action.reason)
+                elif rec.state is S.QUEUED:
                     s.ops.admitted(rec.id, self.s.clock.time())
                     life.launch_detached(rec, action.gpu_uuid, action.sm_pct, action.reason)
             elif isinstance(action, RecoverMps):

@@ -245,7 +245,8 @@ def as_seen(
         return rec.uid if rec is not None else None
 
     def seen(caller: C, params: dict[str, Any]) -> Any:
-        result = handler(caller, params)
+        # A copy: the handler's answer may be shared with other callers (daemon/views.py).
+        result = dict(handler(caller, params))
         viewer = Viewer(caller, admin_group(), argv_hidden=hides_others())
         if isinstance(result.get("clients"), list):
             result["clients"] = viewer.clients(result["clients"], url_sourced)

@@ -39,7 +39,7 @@ def test_any_fail_exits_1_and_json_lists_it(tmp_path, fake_host):
     fake_host.mps_probe = Probe(False, "nvidia-cuda-mps-control not found")
     result = runner.invoke(app, ["doctor", "--json", "--config", str(_config_file(tmp_path))])
     assert result.exit_code == 1
-    lines = {r["name"]: r for r in json.loads(result.output)}
+    lines = {r["name"]: r for r in json.loads(result.output)["checks"]}
     assert lines["MPS control binary"]["status"] == "FAIL"
     assert lines["MPS control binary"]["hint"]
 
@@ -104,7 +104,7 @@ def test_real_host_directories(tmp_path: Path):
 def test_full_real_run_reports_every_line(tmp_path: Path, mps_control: Path):
     f = _config_file(tmp_path, f'[mps]\ncontrol_binary = "{mps_control}"\n')
     result = runner.invoke(app, ["doctor", "--json", "--config", str(f)])
-    lines = {r["name"]: r for r in json.loads(result.output)}
+    lines = {r["name"]: r for r in json.loads(result.output)["checks"]}
     assert lines["MPS control binary"]["status"] == Status.OK.value
     assert lines["runtime directory"]["status"] == Status.OK.value
     expected_exit = 1 if any(r["status"] == "FAIL" for r in lines.values()) else 0

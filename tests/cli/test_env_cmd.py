@@ -124,7 +124,9 @@ def test_blanks_slurm_would_drop_are_refused():
         (["--online", "--offline", "--gpu", UUID], "exactly one of --online or --offline"),
         (["--offline", "--gpu", UUID, "--sm", "0"], "--sm must be a percentage in (0, 100]"),
         (["--offline", "--gpu", UUID, "--sm", "101"], "--sm must be a percentage in (0, 100]"),
-        (["--offline", "--gpu", UUID, "--sm", "nan"], "--sm must be a percentage in (0, 100]"),
+        (["--offline", "--gpu", UUID, "--sm", "nan"], "'nan' is not a finite number"),
+        (["--offline", "--gpu", UUID, "--sm", "1e999"], "'1e999' is not a finite number"),
+        (["--offline", "--gpu", UUID, "--sm", "5e-324"], "'5e-324' is too small"),
         (["--offline", "--gpu", UUID, "--mem", "lots"], "--mem: expected a size"),
         (["--offline", "--gpu", UUID, "--mem", "512K"], "--mem must be at least 1M"),
         (["--offline", "--gpu", UUID, "--slo-p99", "40ms"], "applies to --online workloads only"),
@@ -224,3 +226,25 @@ def test_the_pure_parts_match_what_the_daemon_launches_with():
     assert mpsenv.priority(ClientClass.OFFLINE, 1) == 1
     assert mpsenv.default_sm_pct(ClientClass.ONLINE, 40.0) == 100.0
     assert mpsenv.default_sm_pct(ClientClass.OFFLINE, 40.0) == 40.0
+
+
+def test_paths_come_from_the_daemon_asked_not_the_local_config(tmp_path: Path) -> None:
+    # A daemon on a non-default socket with its own runtime directory; this host's config names
+    # another: the workload must reach the daemon's MPS and latency socket (b0c0ecb printed the
+    # local config's pipe directory).
+    d = DaemonProc(gpus=1)
+    try:
+        d.start()
+        local = _config(tmp_path)  # runtime_dir under tmp_path, not the daemon's
+        result = runner.invoke(
+            app, ["env", "--offline", "--gpu", "0", "--json", "--config", str(local),
+                  "--socket", str(d.socket)],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        out = json.loads(result.stdout)
+        uuid = out["gpu"]["uuid"]
+        assert out["env"]["CUDA_MPS_PIPE_DIRECTORY"] == f"{d.base}/run/mps/{uuid}"
+        assert out["env"]["GPUSHARE_LATENCY_SOCKET"] == f"{d.base}/run/latency.sock"
+        assert str(tmp_path) not in result.stdout
+    finally:
+        d.cleanup()

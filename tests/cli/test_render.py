@@ -1,11 +1,33 @@
-"""The human status view: missing readings print N/A (never 0), percentages are readable."""
+"""The human status view: missing readings print N/A (never 0), percentages are readable.
 
-from gpushare.cli.render import mps_down, render_clients, render_status
+Cells are read by their column's header (:func:`cell`), so a test says which column it means.
+"""
+
+import re
+
+from gpushare.cli.render import WIDTH, mps_down, render_clients, render_list, render_status
+
+
+def cell(text: str, first: str, header: str) -> str:
+    """The cell under ``header`` in the row starting with ``first`` (the table above it)."""
+    lines = text.splitlines()
+    n = next(i for i, line in enumerate(lines) if line.startswith(first + " ") or line == first)
+    head = next(
+        lines[i]
+        for i in range(n - 1, -1, -1)
+        if re.search(rf"(^|  ){re.escape(header)}(  |$)", lines[i])
+    )
+    start = re.search(rf"(^|  ){re.escape(header)}(  |$)", head).start() + (
+        0 if head.startswith(header) else 2
+    )
+    rest = [m.start() for m in re.finditer(r"  (?=\S)", head) if m.start() > start]
+    end = rest[0] + 2 if rest else None
+    return lines[n][start:end].strip()
 
 
 def _gpu(**over):
     g = {
-        "index": 0, "uuid": "GPU-aaaa", "shared": True, "mem_used_bytes": 10 << 30,
+        "index": 0, "uuid": "GPU-aaaa", "name": "NVIDIA H100 80GB HBM3", "shared": True, "mem_used_bytes": 10 << 30,
         "mem_total_bytes": 16 << 30, "gpu_util_pct": 15.9368, "mps_state": "up",
         "online_slo": {"state": "ok"}, "probe": {"enabled": True, "latency_ms": 0.274},
         "client_slots_used": 4, "client_slots_max": 48, "duty": 0.15, "offline_sm_pct": 33.333,
@@ -30,55 +52,51 @@ def _status(gpus, clients):
 
 
 def test_gpu_row_rounds_readings():
-    text = render_status(_status([_gpu()], []))
-    row = text.splitlines()[3]
-    assert "15.9%" in row
-    assert "33.3%" in row
-    assert "0.27ms" in row
-    assert "0.15" in row
+    text = render_status(_status([_gpu()], []), wide=True)
+    assert cell(text, "0", "UTIL") == "15.9%"
+    assert cell(text, "0", "OFFLINE SM") == "33.3%"
+    assert cell(text, "0", "PROBE") == "0.27ms"
+    assert cell(text, "0", "OFFLINE") == "duty 0.15"
     assert "15.9368" not in text
 
 
 def test_request_gate_columns_show_the_gate_and_requests_in_flight():
     gate = {"enabled": True, "closed": True, "inflight": 3, "signalled_clients": 1,
             "busy_fraction": 0.4, "closes": 12}  # fmt: skip
-    text = render_status(_status([_gpu(request_gate=gate)], []))
-    _, _, header, row = text.splitlines()[:4]
-    assert header.split()[-3:] == ["REQUESTS", "IN", "FLIGHT"]
-    assert row.split()[-2:] == ["closed", "3"]
-    text = render_status(_status([_gpu(request_gate={**gate, "closed": False, "inflight": 0})], []))
-    assert text.splitlines()[3].split()[-2:] == ["open", "0"]
-    off = {**gate, "enabled": False, "closed": False}
-    text = render_status(_status([_gpu(request_gate=off)], []))
-    assert text.splitlines()[3].split()[-2:] == ["off", "3"]
-    text = render_status(_status([_gpu()], []))  # an older daemon: no request gate in its status
-    assert text.splitlines()[3].split()[-2:] == ["N/A", "N/A"]
+
+    def gate_cells(g):
+        text = render_status(_status([g], []), wide=True)
+        return [cell(text, "0", "REQUESTS"), cell(text, "0", "IN FLIGHT")]
+
+    assert gate_cells(_gpu(request_gate=gate)) == ["closed", "3"]
+    assert gate_cells(_gpu(request_gate={**gate, "closed": False, "inflight": 0})) == ["open", "0"]
+    assert gate_cells(_gpu(request_gate={**gate, "enabled": False, "closed": False})) == [
+        "off",
+        "3",
+    ]
+    assert gate_cells(_gpu()) == ["N/A", "N/A"]  # an older daemon: no request gate in its status
     # A gate delay: offline work runs beside the first 16 ms of each busy spell.
     delayed = {**gate, "closed": False, "inflight": 1, "delay_ms": 16.0}
+    assert gate_cells(_gpu(request_gate=delayed)) == ["open+16ms", "1"]
+    assert gate_cells(_gpu(request_gate={**delayed, "enabled": False})) == ["off", "1"]
+    assert gate_cells(_gpu(shared=False, request_gate=None)) == ["-", "-"]
+    # The default view has the gate's state in GATE.
     text = render_status(_status([_gpu(request_gate=delayed)], []))
-    assert text.splitlines()[3].split()[-2:] == ["open+16ms", "1"]
-    text = render_status(_status([_gpu(request_gate={**delayed, "enabled": False})], []))
-    assert text.splitlines()[3].split()[-2:] == ["off", "1"]
-    text = render_status(_status([_gpu(shared=False, request_gate=None)], []))
-    assert text.splitlines()[3].split()[-2:] == ["-", "-"]
+    assert cell(text, "0", "GATE") == "open+16ms"
 
 
 def test_missing_readings_are_na_not_zero():
     text = render_status(_status([_gpu(gpu_util_pct=None, mps_state=None)], [_client()]))
-    gpu_row = text.splitlines()[3]
-    assert gpu_row.split()[3:5] == ["N/A", "N/A"]
-    client_row = text.splitlines()[-1]
-    assert "N/A" in client_row
-    assert " 0%" not in client_row
-    assert "frozen (held)" in client_row
-    assert "1m" in client_row or "61s" in client_row
+    assert [cell(text, "0", "UTIL"), cell(text, "0", "MPS")] == ["N/A", "N/A"]
+    assert cell(text, "c1", "THAWED") == "N/A"
+    assert cell(text, "c1", "STATE") == "frozen (held)"
+    assert " 0%" not in text.splitlines()[-1]
 
 
 def test_no_clients_and_errors():
     text = render_status(_status([_gpu(error="nvml call timed out")], []))
     assert "error: nvml call timed out" in text
     assert text.endswith("no clients")
-    assert render_clients([]) == "no clients"
 
 
 def test_mps_down_only_for_shared_gpus():
@@ -92,7 +110,7 @@ def test_an_adopted_client_says_who_adopted_it_and_how_it_is_paused():
         id="c2", pause_mechanism="signal", adopted_by="slurm job 42",
         pause_reason="SIGSTOP/SIGCONT: /sys/fs/cgroup/x also holds pid 7, which is not part of the client",
     )  # fmt: skip
-    text = render_clients([_client(adopted_by=None), adopted])
+    text = render_clients([_client(adopted_by=None), adopted], wide=True)
     assert text.splitlines()[-1] == (
         "c2: adopted by slurm job 42; paused by SIGSTOP/SIGCONT: /sys/fs/cgroup/x also holds pid 7, "
         "which is not part of the client"
@@ -106,7 +124,7 @@ def test_an_adopted_pod_is_named():
         container={"id": "3f1b5a0c9d8e" + "0" * 52, "runtime": "containerd",
                    "pod_uid": "7a5c3b2e-1f4d-4c8a-9b6e-2d3f4a5b6c7d", "qos": "burstable"},
     )  # fmt: skip
-    assert render_clients([c]).splitlines()[-1] == (
+    assert render_clients([c], wide=True).splitlines()[-1] == (
         "c1: adopted by rule 'marker' (/etc/gpushare/gpushare.toml) in pod "
         "7a5c3b2e-1f4d-4c8a-9b6e-2d3f4a5b6c7d (container 3f1b5a0c9d8e, containerd)"
     )
@@ -130,60 +148,96 @@ def _v2_status():
     return _status(gpus, [web, api, train])
 
 
-def _row(text, first):
-    return next(line for line in text.splitlines() if line.startswith(first + " "))
-
-
 def test_online_rows_show_p99_against_slo_and_source():
-    text = render_status(_v2_status())
-    web = _row(text, "c1").split()
-    assert web[6:10] == ["31.2ms", "40ms", "0.78", "app"]
-    api = _row(text, "c2").split()
+    text = render_status(_v2_status(), wide=True)
+    cols = ["P99", "SLO", "P99/SLO", "SOURCE"]
+    assert [cell(text, "c1", h) for h in cols] == ["31.2ms", "40ms", "0.78", "app"]
     # The client's own p99 is unknown: the probe's ratio speaks for it, and says so.
-    assert api[6:10] == ["N/A", "25ms", "1.40", "probe"]
+    assert [cell(text, "c2", h) for h in cols] == ["N/A", "25ms", "1.40", "probe"]
+    short = render_status(_v2_status())
+    assert cell(short, "c1", "P99/SLO") == "31.2ms/40ms"
 
 
 def test_offline_rows_show_thawed_fraction_restarts_evictions():
-    text = render_status(_v2_status())
-    head = next(line for line in text.splitlines() if "THAWED 1M" in line).split()
-    row = _row(text, "c3").split()
-    assert head[:3] == ["ID", "NAME", "USER"]
-    assert row[6:10] == ["30%", "2", "1", "throttled"]
+    text = render_status(_v2_status(), wide=True)
+    cols = ["THAWED 1M", "RESTARTS", "EVICTIONS", "STATE"]
+    assert [cell(text, "c3", h) for h in cols] == ["30%", "2", "1", "throttled"]
     assert text.index("online clients") < text.index("offline clients")
 
 
+def test_every_client_shows_its_pid_restarts_and_age():
+    st = _v2_status()
+    for c in st["clients"]:
+        c.update(pid=4242, restarts=c.get("restarts", 0), submitted_at=1000.0)
+    text = render_status(st, now=1000.0 + 7320)
+    for cid in ("c1", "c2", "c3"):
+        assert cell(text, cid, "PID") == "4242"
+        assert cell(text, cid, "AGE") == "2h"
+        assert cell(text, cid, "RESTARTS") in ("0", "2")
+
+
 def test_gpu_gate_and_why():
-    text = render_status(_v2_status())
+    text = render_status(_v2_status(), wide=True)
     lines = text.splitlines()
-    assert "duty 0.35" in lines[3]
-    assert lines[4].split()[8] == "open"
+    assert cell(text, "0", "OFFLINE") == "duty 0.35"
+    assert cell(text, "1", "OFFLINE") == "open"
     assert (
         "GPU 0 offline duty 0.35: set_duty, 12s ago: duty 0.35: probe ratio 1.40 over violation "
         "ratio 1.2" in lines
     )
     assert not any(line.startswith("GPU 1 offline") for line in lines)  # no action yet: no why
-    unshared = render_status(_status([_gpu(shared=False, duty=1.0, gate=None)], []))
-    assert unshared.splitlines()[3].split()[8] == "-"
+    unshared = render_status(_status([_gpu(shared=False, duty=1.0, gate=None)], []), wide=True)
+    assert cell(unshared, "0", "OFFLINE") == "-"
 
 
 def test_schema_1_answers_render_with_na():
     # A CLI upgraded before the daemon restarted gets answers without the new fields.
     on = _client(id="c1", **{"class": "online"}, slo_p99_ms=40.0, held=False, state="running")
-    text = render_status(_status([_gpu()], [on, _client(id="c2")]))
-    assert _row(text, "c1").split()[6:10] == ["N/A", "40ms", "N/A", "N/A"]
-    assert _row(text, "c2").split()[6:9] == ["N/A", "N/A", "N/A"]
+    text = render_status(_status([_gpu()], [on, _client(id="c2")]), wide=True)
+    cols = ["P99", "SLO", "P99/SLO", "SOURCE"]
+    assert [cell(text, "c1", h) for h in cols] == ["N/A", "40ms", "N/A", "N/A"]
+    assert [cell(text, "c2", h) for h in ["THAWED 1M", "RESTARTS", "EVICTIONS"]] == ["N/A"] * 3
     assert "offline 0.15" not in text
-    assert "duty 0.15" in text.splitlines()[3]
+    assert cell(text, "0", "OFFLINE") == "duty 0.15"
 
 
-def test_list_splits_classes():
+def test_the_default_view_fits_100_columns_and_wide_has_it_all():
     st = _v2_status()
-    text = render_clients(st["clients"])
-    assert text.splitlines()[0] == "online clients"
-    assert "offline clients" in text
-    assert render_clients([c for c in st["clients"] if c["class"] == "offline"]).startswith(
-        "offline clients"
-    )
+    st["gpus"][0]["uuid"] = "GPU-5c3a9e4f-8f3b-2d1e-7a6c-0b9d8e7f6a5b"
+    long_name = "a-rather-long-service-name-for-the-frontend"
+    st["clients"][0].update(name=long_name, pid=4194303, restarts=12, submitted_at=0.0)
+    st["clients"][2]["waiting"] = "cannot start: " + "GPU 0: needs 40.00GiB; " * 20
+    text = render_status(st, now=1e6)
+    assert max(len(line) for line in text.splitlines()) <= WIDTH, text
+    assert "H100 80GB HBM3" in text and "NVIDIA" not in text  # the model, as nvidia-smi -L
+    assert long_name not in text and "GPU-5c3a9e4f-8f3b" not in text
+    wide = render_status(st, wide=True, now=1e6)
+    assert long_name in wide and "GPU-5c3a9e4f-8f3b-2d1e-7a6c-0b9d8e7f6a5b" in wide
+    assert st["clients"][2]["waiting"] in wide
+
+
+def test_colour_only_when_asked():
+    st = _v2_status()
+    assert "\x1b[" not in render_status(st)
+    coloured = render_status(st, colour=True)
+    assert "\x1b[33mthrottled" in coloured  # attention: yellow
+    assert "\x1b[31m" in coloured  # c2's p99 over its SLO: red
+    # Colour never moves a column: the text without escapes is the plain view.
+    assert re.sub(r"\x1b\[[0-9;]*m", "", coloured) == render_status(st)
+
+
+def test_list_shows_state_exit_age_and_reason():
+    ended = _client(id="c7", state="failed", held=False, exit_code=3, submitted_at=0.0,
+                    reason="exit code 3 (probably: CUDA out of memory; see /var/log/c7.log)")  # fmt: skip
+    waiting = _client(id="c8", state="queued", held=False, queue_position=2, submitted_at=50.0,
+                      waiting="cannot start: GPU 0: needs 6G", gpu_index=None, pid=None)  # fmt: skip
+    text = render_list([ended, waiting], now=3600.0)
+    assert [cell(text, "c7", h) for h in ("STATE", "EXIT", "AGE")] == ["failed", "3", "60m"]
+    assert cell(text, "c7", "REASON").startswith("exit code 3 (probably: CUDA")
+    assert [cell(text, "c8", h) for h in ("GPU", "PID", "STATE")] == ["-", "-", "queued(2)"]
+    assert cell(text, "c8", "REASON") == "GPU 0: needs 6G"
+    assert "N/A/-" not in text
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
 
 
 def test_a_queued_job_says_why_it_waits_under_the_table():
@@ -191,39 +245,26 @@ def test_a_queued_job_says_why_it_waits_under_the_table():
         "cannot start: GPU 0: needs 4.00GiB, 2.00GiB free beside the 2.00GiB online reserve; "
         "GPU 1: no MPS client slot free"
     )
-    queued = _client(id="c4", state="queued", held=False, uptime_s=None, waiting=why)
+    queued = _client(id="c4", state="queued", held=False, uptime_s=None, waiting=why,
+                     queue_position=1, gpu_index=None, sm_pct=None)  # fmt: skip
     running = _client(id="c3", state="running", held=False, waiting=None)
-    text = render_status(_status([_gpu()], [running, queued]))
+    text = render_status(_status([_gpu()], [running, queued]), wide=True)
     lines = text.splitlines()
     # The row stays a table row: the reason is a note of its own, in full.
-    assert _row(text, "c4").split()[-4:] == ["queued", "N/A", "cgroup", "N/A"]
-    assert why not in _row(text, "c4")
+    assert [cell(text, "c4", h) for h in ("GPU", "SM", "STATE")] == ["-", "-", "queued(1)"]
     assert lines[-1] == f"c4: queued: {why}"
     assert not any(line.startswith("c3: queued") for line in lines)
-    # `list` renders the same clients the same way.
-    assert render_clients([running, queued]).splitlines()[-1] == f"c4: queued: {why}"
+    # The default view cuts the note to the width and says where the rest is.
+    short = render_clients([running, queued]).splitlines()[-1]
+    assert short.startswith("c4: queued: cannot start: GPU 0") and short.endswith("(-o wide)")
+    assert len(short) <= WIDTH
     # A daemon without the field, or a job no admission round has seen yet: no note.
     assert "queued:" not in render_clients([_client(id="c5", state="queued", held=False)])
 
 
-def test_a_long_waiting_reason_is_clipped_and_points_at_json():
-    why = "cannot start: " + "; ".join(
-        f"GPU {i}: needs 40.00GiB, 8.00GiB free beside the 2.00GiB online reserve" for i in range(8)
-    )
-    text = render_clients([_client(id="c9", state="queued", held=False, waiting=why)])
-    note = text.splitlines()[-1]
-    assert note.startswith("c9: queued: cannot start: GPU 0: needs 40.00GiB")
-    assert note.endswith("... (all of it: --json)")
-    assert len(note) < len(why)
-    assert "GPU 7" not in note
-
-
 def test_the_queue_column_says_what_was_asked_and_how_it_runs():
     def queue_cell(queue):
-        text = render_clients([_client(offline={"queue": queue})])
-        header, row = text.splitlines()[1:3]
-        assert header.split()[-1] == "QUEUE"
-        return row[header.index("QUEUE") :].strip()
+        return cell(render_clients([_client(offline={"queue": queue})], wide=True), "c1", "QUEUE")
 
     assert queue_cell({"asked": None, "now": "deep", "shallow": None}) == "deep"
     assert queue_cell({"asked": "shallow", "now": "shallow", "shallow": "4 in flight"}) == (

@@ -382,7 +382,7 @@ enabled = true
     )
     _submit(d, ["sleep", "30"])
     with pytest.raises(ProtocolError) as info:
-        _submit(d, ["sleep", "30"])
+        _submit(d, ["sleep", "30"], no_queue=True)
     assert info.value.code is ErrorCode.NO_CAPACITY
     assert "client slots" in info.value.message
     assert "latency probe" in info.value.message

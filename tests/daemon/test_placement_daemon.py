@@ -94,13 +94,13 @@ def test_a_burst_spreads_over_idle_gpus_and_named_or_unfitting_gpus_behave_as_be
     assert _gpu_of(res.stdout) == "GPU-sim-0001"
     # Named, it is refused with the message it always had.
     res = d.cli("submit", "--offline", "--detach", "--gpu", "3", "--mem", "4G", "--", "sleep", "1")
-    assert res.returncode == 1
+    assert res.returncode == 5  # no capacity (gpushare.cli.exitcodes)
     assert res.stderr.strip() == (
         "gpushare: GPU 3: needs 18G with 14G kept for online clients, 16G free"
     )
     # Nowhere fits: every GPU's reason; GPU 1's counts the 4G promised to the client just placed.
     res = d.cli("submit", "--offline", "--detach", "--mem", "15G", "--", "sleep", "1")
-    assert res.returncode == 1
+    assert res.returncode == 5  # no capacity (gpushare.cli.exitcodes)
     assert res.stderr.strip() == (
         "gpushare: GPU 0: needs 17G with 2G kept for online clients, 16G free; "
         "GPU 1: needs 17G with 2G kept for online clients, 12G free after 4G promised to "
@@ -134,7 +134,7 @@ def test_a_promise_holds_memory_until_nvml_shows_it(sim4: SimDaemon) -> None:
         api.call(protocol.SUBMIT, _request(gpu="0", mem_bytes=2 * GIB))  # 2G + 2G reserve fit
         with pytest.raises(ApiError) as info:
             # Main's rule took this too: 12G free in NVML's reading, 5G needed.
-            api.call(protocol.SUBMIT, _request(gpu="0", mem_bytes=3 * GIB))
+            api.call(protocol.SUBMIT, _request(gpu="0", mem_bytes=3 * GIB, no_queue=True))
         assert info.value.code is ErrorCode.NO_CAPACITY
         assert info.value.message == (
             "GPU 0: needs 5G with 2G kept for online clients, 2G free after 10G promised to "
@@ -162,7 +162,7 @@ def test_declared_memory_spreads_and_is_held_until_shown(fake2: DaemonProc) -> N
     # Equal free memory in NVML's reading; the first's 8G, promised, sends the second elsewhere.
     assert (first["gpu_uuid"], second["gpu_uuid"]) == (fake_uuid(0), fake_uuid(1))
     with pytest.raises(ApiError) as info:
-        d.submit_detached(["sleep", "30"], gpu="0", mem_bytes=8 << 30)
+        d.submit_detached(["sleep", "30"], gpu="0", mem_bytes=8 << 30, no_queue=True)
     assert info.value.code is ErrorCode.NO_CAPACITY
     assert info.value.message == (
         "GPU 0: needs 10G with 2G kept for online clients, 7G free after 8G promised to "

@@ -55,7 +55,7 @@ def test_error_codes_map_to_exit_codes() -> None:
     assert P.ErrorCode.INVALID_PARAMS.exit_code() == 2
     assert P.ErrorCode.NOT_FOUND.exit_code() == 2
     assert P.ErrorCode.PERMISSION_DENIED.exit_code() == 4
-    assert P.ErrorCode.NO_CAPACITY.exit_code() == 1
+    assert P.ErrorCode.NO_CAPACITY.exit_code() == 5
     assert P.EXIT_UNREACHABLE == 3
 
 

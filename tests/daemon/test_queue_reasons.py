@@ -82,7 +82,10 @@ def test_a_job_queued_for_memory_shows_why_until_it_starts(dp: DaemonProc) -> No
     assert (listed["state"], listed["waiting"]) == ("queued", why)
     # The human views give it under the client tables.
     assert f"{job}: queued: {why}" in _gpushare(dp, "status").splitlines()
-    assert f"{job}: queued: {why}" in _gpushare(dp, "list").splitlines()
+    assert f"{job}: queued: {why}" in _gpushare(dp, "status", "-o", "wide").splitlines()
+    assert why.removeprefix("cannot start: ").startswith(
+        _gpushare(dp, "list").splitlines()[1].split("   ")[-1].rstrip("~")
+    )
 
     # Memory comes back: admission starts the job, and no reason is left behind.
     mem_used.write_text(str(1 * GIB))

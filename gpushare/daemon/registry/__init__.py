@@ -73,6 +73,10 @@ OPEN_BUSY_TIMEOUT_S = 10.0
 """How long opening waits for another process's lock before it fails (one line, nothing moved)."""
 
 
+# A client that failed or was lost is a warning in the event log, not news (issue 29).
+_TRANSITION_SEVERITY = {ClientState.FAILED: "warning", ClientState.LOST: "warning"}
+
+
 class Registry(Writer):
     """Clients and events in one SQLite database; safe to share between threads.
 
@@ -279,7 +283,8 @@ class Registry(Writer):
             if to is not current.state:
                 msg = f"client {client_id}: {current.state.value} -> {to.value}"
                 row = EventRow(
-                    at, f"client_{to.value}", "info", client_id, current.gpu_uuid,
+                    at, f"client_{to.value}", _TRANSITION_SEVERITY.get(to, "info"),
+                    client_id, current.gpu_uuid,
                     msg + (f" ({reason})" if reason else ""),
                     {"from": current.state.value, "to": to.value, "reason": reason},
                 )  # fmt: skip

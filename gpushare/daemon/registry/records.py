@@ -98,6 +98,8 @@ class ClientRecord:
     # client's --queue mode (None: deep).
     inflight_from: str | None = None
     queue: str | None = None
+    expected_s: float | None = None
+    """An offline job's declared length (``submit --time``): the queue starts shorter jobs first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +198,7 @@ def record(row: sqlite3.Row) -> ClientRecord:
         sm_ceiling=row["sm_ceiling"], sm_pct=row["sm_pct"],
         mem_bytes=row["mem_bytes"], priority=row["priority"], slo_p99_ms=row["slo_p99_ms"],
         latency_from=row["latency_from"],
-        inflight_from=row["inflight_from"], queue=row["queue"],
+        inflight_from=row["inflight_from"], queue=row["queue"], expected_s=row["expected_s"],
         restartable=bool(row["restartable"]), checkpoint_signal=row["checkpoint_signal"],
         detach=bool(row["detach"]), env=json.loads(row["env"]), cwd=row["cwd"],
         state=ClientState(row["state"]), reason=row["reason"], pid=row["pid"],

@@ -89,6 +89,8 @@ CREATE TABLE IF NOT EXISTS events (
 # Columns added after schema 1 shipped: an older database gains them (NULL) and stays version 1
 # (adopted_by: launched; inflight_from, queue: none asked).
 _ADDED_COLUMNS = ("adopted_by", "inflight_from", "queue")
+# Numbers added later (expected_s: submit --time, for the queue's order).
+_ADDED_REAL_COLUMNS = ("expected_s",)
 _SIDE_FILES = ("-wal", "-shm")
 
 # Primary result codes (sqlite3.h) for which a failed write is worth retrying later: the data is
@@ -247,6 +249,9 @@ def prepare(conn: sqlite3.Connection) -> None:
     for column in _ADDED_COLUMNS:
         if column not in have:
             conn.execute(f"ALTER TABLE clients ADD COLUMN {column} TEXT")
+    for column in _ADDED_REAL_COLUMNS:
+        if column not in have:
+            conn.execute(f"ALTER TABLE clients ADD COLUMN {column} REAL")
     conn.execute(
         "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
         (str(SCHEMA_VERSION),),
