@@ -60,7 +60,8 @@ def test_without_a_gpu_it_stops_at_the_first_gpu_call(tmp_path: Path) -> None:
     ]
     assert result["steps"][1]["step"] == "doctor"
     # The doctor ran before the GPU call, and its CUDA lines are in the JSON.
-    lines = {line["name"]: line for line in result["steps"][1]["result"]}
+    doctor = result["steps"][1]["result"]  # doctor --json, versioned: {schema_version, ok, checks}
+    lines = {line["name"]: line for line in doctor["checks"]}
     assert lines["CUDA bindings"]["detail"].startswith("cuda-bindings 12.")
     assert lines["NVRTC"]["status"] == "OK"
     assert set(result["calibration"]["inference_p99_ms"]) == {

@@ -210,6 +210,14 @@ control_binary = "/nonexistent/gpushare-test/nvidia-cuda-mps-control"
         url = f"http://127.0.0.1:{self.metrics_port}/healthz"
         _wait("the daemon's /healthz", lambda: _get(url).startswith("ok"))
 
+    def probe_baseline_ms(self) -> float | None:
+        """The first GPU's probe baseline in ``status`` (None until one is learned)."""
+        done = self.cli("status", "--json")
+        if done.returncode != 0:
+            return None
+        baseline = json.loads(done.stdout)["gpus"][0]["probe"]["baseline_ms"]
+        return float(baseline) if baseline is not None else None
+
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [*GPUSHARE, *args],
@@ -299,6 +307,8 @@ def stack() -> Iterator[Stack]:
         for args in submits:
             done = s.cli("submit", *args, "--", "sleep", "120")
             assert done.returncode == 0, done.stderr + _logs(s)
+            # The probe learns its baseline while no offline work runs: before the trainer.
+            _wait("the probe's baseline", lambda: s.probe_baseline_ms(), timeout_s=30)
         # A restartable job that fails goes back to the queue for its backoff (60 s here).
         flaky = ("--offline", "--restartable", "--detach", "--name", "flaky", "--", "false")
         done = s.cli("submit", *flaky)
