@@ -87,6 +87,7 @@ class Daemon:
             shallow_library=(
                 str(native.library_path()) if native.unusable_reason() is None else None
             ),
+            library_vet=launcher.library_refusal,
         )  # fmt: skip
         self.config_path = config_path
         self.metrics = metrics

@@ -560,7 +560,7 @@ class Lifecycle:
             gating = self.s.gate.view(gpu_uuid, self.s.clock.monotonic()).enabled
             mode, why = launcher.choose_queue(queue, gating_on=gating)
             queue_vars, how = launcher.queue_env(
-                mode, self.s.config.gate, self.s.shallow_library, vet=launcher.library_refusal
+                mode, self.s.config.gate, self.s.shallow_library, vet=self.s.library_vet
             )
             env.update(queue_vars)
             if (shallow := launcher.shallow_how(queue_vars)) is not None:

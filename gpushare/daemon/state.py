@@ -73,6 +73,7 @@ class NodeState:
         clock: Clock,
         procs: ProcessHost,
         shallow_library: str | None,
+        library_vet: Callable[[str], str | None] | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -86,6 +87,9 @@ class NodeState:
         #: The in-flight bound a bounded shallow queue preloads (``None``: clients could not preload it, so shallow
         #: queues block; ``gpushare.daemon.launcher.queue_env``).
         self.shallow_library = shallow_library
+        #: Asked at each launch whether the library may be preloaded now (``gpushare.trust``); a
+        #: simulated node preloads nothing, so it has none.
+        self.library_vet = library_vet
         self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()
         #: The receiver and poller threads, restarted when they die (``status`` shows them).
         self.threads = Supervisor()

@@ -12,7 +12,6 @@ import re
 import socket
 import subprocess
 import sys
-import sysconfig
 import threading
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from gpushare import protocol
 from gpushare.cli.app import COMMANDS
 from gpushare.cli.exitcodes import EXIT_CODES
 from gpushare.paths import repo_root
-from tests.support.daemon_helpers import python_for_others
+from tests.support.daemon_helpers import python_for_others, site_for_others
 
 REPO = repo_root()
 NOBODY = 65534
@@ -41,12 +40,13 @@ def _as_nobody(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
     python = python_for_others()
     if python is None:
         pytest.skip("no Python interpreter that the nobody account may execute")
-    # The same minor version as ours, so this environment's packages import there too.
-    site = sysconfig.get_paths()["purelib"]
+    # The same minor version as ours, so this environment's packages import there too; copied
+    # where nobody can read them (the clone may be in a 0700 directory).
+    site = site_for_others()
     return subprocess.run(
         [python, "-m", "gpushare", *args], cwd="/", capture_output=True, text=True, timeout=60,
         check=False, user=NOBODY, group=NOBODY, extra_groups=[],
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO}:{site}", **(env or {})},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), **(env or {})},
     )  # fmt: skip
 
 

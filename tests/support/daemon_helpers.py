@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import importlib.metadata
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -263,6 +266,54 @@ def install_package_for_others(lib: Path) -> Path:
     )
     for path in [lib, *lib.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
+    return lib
+
+
+# What the CLI never imports: the probe's CUDA parts (hundreds of MB).
+_GPU_DISTS = frozenset({"cuda-bindings", "cuda-pathfinder", "nvidia-cuda-nvrtc-cu12"})
+_SITE_FOR_OTHERS: list[Path] = []
+
+
+def _dependencies(name: str, found: dict[str, importlib.metadata.Distribution]) -> None:
+    key = name.lower().replace("_", "-")
+    if key in found or key in _GPU_DISTS:
+        return
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return
+    found[key] = dist
+    for req in dist.requires or []:
+        if "extra ==" not in req:
+            _dependencies(re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0], found)
+
+
+def site_for_others() -> Path:
+    """A root-owned tree another user may import the gpushare CLI from, made once per session.
+
+    The package and its run-time dependencies (without the probe's CUDA wheels), copied as an
+    admin's install would give them: the clone and its virtual environment may lie where no one
+    else can enter (root's home, a 0700 ``mktemp -d``). Removed when the test session ends.
+    """
+    if _SITE_FOR_OTHERS:
+        return _SITE_FOR_OTHERS[0]
+    lib = make_trusted_dir("gs-site-") / "lib"
+    install_package_for_others(lib)
+    found: dict[str, importlib.metadata.Distribution] = {}
+    _dependencies("gpushare", found)
+    found.pop("gpushare", None)
+    for dist in found.values():
+        for file in dist.files or []:
+            src = Path(str(dist.locate_file(file)))
+            if file.parts[0] == ".." or not src.is_file():
+                continue  # scripts outside site-packages
+            dst = lib / file
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+    for path in [lib, *lib.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    atexit.register(shutil.rmtree, lib.parent, True)
+    _SITE_FOR_OTHERS.append(lib)
     return lib
 
 
