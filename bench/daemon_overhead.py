@@ -46,7 +46,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -60,6 +59,7 @@ from gpushare import protocol  # noqa: E402
 from gpushare.client import ApiClient, ApiError  # noqa: E402
 from gpushare.node.cgroups.discovery import own_cgroup  # noqa: E402
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree  # noqa: E402
+from tests.support.trusted import make_trusted_dir  # noqa: E402
 
 GPUSHARE = [sys.executable, "-c", "from gpushare.cli.app import main; main()"]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -134,7 +134,7 @@ class TickCounter:
 
 
 def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any]:
-    base = Path(tempfile.mkdtemp(prefix="gsb-", dir="/tmp"))  # short: Unix socket path limit
+    base = make_trusted_dir("gsb-")  # not /tmp: the daemon refuses a config there
     own = own_cgroup()
     assert own is not None
     cgroup_dir = own / f"gs-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -25,12 +25,15 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.support.trusted import make_trusted_dir  # noqa: E402
+
 OUT = REPO / "bench" / "results" / "fuzz.json"
 METHODS = ["hello", "status", "list", "events", "submit", "cancel", "pause", "resume", "adopt",
            "release", "reload", "nope", "", "\ud800"]  # fmt: skip
@@ -217,8 +220,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--user", default="nobody", help="the unprivileged account sending frames")
     args = parser.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="gsf-", dir="/tmp"))
-    base.chmod(0o755)
+    base = make_trusted_dir("gsf-")  # not /tmp: the daemon refuses a config there
     proc = start_daemon(base)
     sock = base / "run" / "gpushare.sock"
     try:
