@@ -133,6 +133,9 @@ class DaemonConfig:
     max_inflight_per_uid: int = _num(4, minimum=1, maximum=256)
     idle_timeout_s: float = _duration(600.0, above=True)
     request_timeout_s: float = _duration(10.0, above=True)
+    # Offline jobs one uid may have queued at once (root and the admin group: no limit): a queued
+    # job is a record the daemon keeps, so without a limit one user grows it without bound.
+    max_queued_per_uid: int = _num(100, minimum=1, maximum=1_000_000)
     stop_mps_on_exit: bool = False
     # What offline work does while the daemon is down (docs/security.md, "on_stop"): "thaw" lets
     # it run unthrottled (nothing protects online work then), "freeze" keeps it frozen (no

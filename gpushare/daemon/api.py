@@ -329,6 +329,17 @@ class Api:
     ) -> dict[str, Any]:
         """Record an offline submit ``queued``: admission starts it when a GPU can hold it."""
         s = self.s
+        limit = s.config.daemon.max_queued_per_uid
+        if not is_privileged(caller, s.config.daemon.admin_group):
+            mine = sum(
+                1 for r in s.registry.clients() if r.uid == caller.uid and r.state is S.QUEUED
+            )
+            if mine >= limit:
+                raise _fail(
+                    E.NO_CAPACITY,
+                    f"{why}; and {user_name(caller.uid)} already has {mine} jobs queued, the most "
+                    f"one user may (daemon.max_queued_per_uid = {limit}): cancel one or wait",
+                )
         rec = self._add_client(
             cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid, user=user_name(caller.uid),
             state=S.QUEUED, priority=s.priority(cls), name=req.name, gpu_request=req.gpu,

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.daemon_helpers import REPO, DaemonProc, wait_for
+from tests.support.accounts import Account
+from tests.support.daemon_helpers import REPO, DaemonProc, call_as, wait_for
 
 
 @pytest.fixture
@@ -152,3 +153,27 @@ def test_list_filters_by_state_class_user_and_gpu(one_gpu: DaemonProc) -> None:
     assert bad.returncode == 2 and "unknown sleeping" in bad.stderr
     table = _cli(d, "list", "--state", "queued").stdout.splitlines()
     assert table[0].split()[-3:] == ["EXIT", "AGE", "REASON"]
+
+
+def test_one_user_may_queue_only_so_many_jobs(accounts: tuple[Account, Account, Account]) -> None:
+    # docs/security.md §4: a queued job is a record the daemon keeps; without a per-uid limit one
+    # user's submits (a loop, or 10^6 fuzzed frames) grow the daemon without bound.
+    a, b, _ = accounts
+    d = DaemonProc(gpus=1, daemon_toml="max_queued_per_uid = 2").start()
+    try:
+        _fill(d)  # root's three jobs hold the GPU: every further job queues
+        job = {"cls": "offline", "argv": ["sleep", "60"], "detach": True, "cwd": "/",
+               "env": {"PATH": os.environ["PATH"]}, "mem_bytes": 4 << 30}  # fmt: skip
+        for _ in range(2):
+            assert call_as(a.uid, a.gid, d.socket, "submit", job)["result"]["state"] == "queued"
+        refused = call_as(a.uid, a.gid, d.socket, "submit", job)
+        assert refused["error"] == "NO_CAPACITY", refused
+        assert "max_queued_per_uid = 2" in refused["message"]
+        # another user, and root, are not held back by it
+        assert call_as(b.uid, b.gid, d.socket, "submit", job)["result"]["state"] == "queued"
+        assert _offline(d).returncode == 0 and _offline(d).returncode == 0
+        assert _offline(d).returncode == 0  # root: no limit
+        queued = [c for c in _clients(d).values() if c["state"] == "queued"]
+        assert sorted(str(c["user"]) for c in queued).count(a.name) == 2
+    finally:
+        d.cleanup()
