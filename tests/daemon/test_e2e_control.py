@@ -213,8 +213,10 @@ def test_memory_pressure_evicts_a_restartable_offline_client_and_requeues_it() -
         old_pid = e2e.pid(small)
         start_time = process_start_time(old_pid)
         assert start_time is not None
-        gpu = e2e.dp.call("status")["gpus"][0]
-        assert gpu["mem_free_bytes"] == 16 * GIB - 1 * GIB - 5 * GIB
+        # Readings are as of the last tick, and a submit takes a tenth of a second: wait for one.
+        free = 16 * GIB - 1 * GIB - 5 * GIB
+        wait_for(lambda: e2e.dp.call("status")["gpus"][0]["mem_free_bytes"] == free, 10.0,
+                 "a tick to read both clients' memory")  # fmt: skip
 
         # The online side grows: 1 GiB free, under the 2 GiB reserve. The restartable client
         # goes first though the other is larger, and one eviction restores the reserve.
