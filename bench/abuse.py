@@ -50,44 +50,9 @@ sys.path.insert(0, str(REPO))
 
 from tests.support import accounts  # noqa: E402
 from tests.support.daemon_helpers import DaemonProc, python_for_others  # noqa: E402
+from tests.support.holder import HOLDER  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "abuse.json"
-
-HOLDER = r"""
-import json, resource, select, socket, sys, time
-path, n = sys.argv[1], int(sys.argv[2])
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-socks, failed, t0 = [], 0, time.monotonic()
-for _ in range(n):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.setblocking(False)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            s.connect(path)
-            socks.append(s)
-            break
-        except BlockingIOError:  # the listen backlog is full: wait for the daemon to accept
-            if time.monotonic() > deadline:
-                failed += 1
-                s.close()
-                break
-            time.sleep(0.001)
-        except OSError:
-            failed += 1
-            s.close()
-            break
-opened_s = time.monotonic() - t0
-time.sleep(2.0)
-poller = select.poll()
-for s in socks:
-    poller.register(s, select.POLLIN)
-refused = len(poller.poll(0))
-print(json.dumps({"connected": len(socks), "failed": failed, "refused": refused,
-                  "open_s": round(opened_s, 3)}), flush=True)
-sys.stdin.read()
-"""
 
 # Each call on a new connection (hello, then status), as `gpushare status` makes it.
 PROBE = r"""
@@ -162,7 +127,7 @@ def run_row(
         if name == "default":
             row["baseline_victim"] = probe(python, victim, d.socket, calls)
         h = subprocess.Popen(
-            [python, "-c", HOLDER, str(d.socket), str(n)], cwd="/", user=holder.uid,
+            [python, "-c", HOLDER, str(d.socket), str(n), "2.0"], cwd="/", user=holder.uid,
             group=holder.gid, extra_groups=[], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True,
         )  # fmt: skip

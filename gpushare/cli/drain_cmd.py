@@ -26,18 +26,10 @@ SocketOpt = Annotated[
 
 
 def _call(socket: str | None, method: str, params: dict[str, Any]) -> Any:
-    from gpushare import protocol
-    from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
+    # Imported here: registering the commands costs the CLI's start-up nothing.
+    from gpushare.cli.clients_cmd import call_once
 
-    try:
-        with ApiClient.connect(socket) as api:
-            return api.call(method, params)
-    except DaemonUnreachableError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(code=protocol.EXIT_UNREACHABLE) from None
-    except ApiError as exc:
-        typer.echo(f"gpushare: {exc.message}", err=True)
-        raise typer.Exit(code=exc.code.exit_code()) from None
+    return call_once(socket, method, params)
 
 
 def _gpus(indices: list[Any]) -> str:

@@ -34,50 +34,27 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from gpushare import protocol
-from gpushare.config import DaemonConfig
 from gpushare.daemon.dispatch import Caller, Dispatcher, Handler, peer_credentials
+from gpushare.daemon.limits import Limits, server_limits
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["ApiServer", "Caller", "Handler", "Limits", "ServerError", "peer_credentials"]
+__all__ = [
+    "ApiServer", "Caller", "Handler", "Limits", "ServerError", "peer_credentials", "server_limits"
+]  # fmt: skip
 
 _ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _ACCEPT_BACKOFF_S = (0.05, 2.0)  # first and longest pause of accepting after EMFILE
 _WARN_EVERY_S = 60.0  # one warning per minute at most, for each kind of trouble
 _SWEEP_EVERY_S = 0.25  # how often timeouts are checked; their resolution
 _READ_CHUNK = 65536
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """How much of the socket each uid may use (the ``[daemon]`` keys of the same names)."""
-
-    max_connections: int = 1024
-    """Connections in all beyond which only root and the admin group are accepted."""
-    admin_reserve_connections: int = 64
-    """Connections past ``max_connections`` kept for root and the admin group."""
-    max_connections_per_uid: int = 64
-    api_workers: int = 8
-    """Threads running handlers, so requests in flight in all."""
-    admin_reserve_workers: int = 2
-    """Workers other users never occupy: root's and the admin group's requests always find one."""
-    max_inflight_per_uid: int = 4
-    idle_timeout_s: float = 600.0
-    request_timeout_s: float = 10.0
-    """Time to send a whole request once it is started, and to read a whole answer."""
-
-
-def server_limits(cfg: DaemonConfig) -> Limits:
-    """The socket's limits as the ``[daemon]`` table sets them."""
-    # The fields are named as the config's keys; a new limit is a field in both.
-    return Limits(**{f.name: getattr(cfg, f.name) for f in fields(Limits)})
 
 
 class ServerError(Exception):

@@ -30,42 +30,7 @@ from gpushare import config, protocol
 from gpushare.daemon.server import ApiServer, Caller, Limits, server_limits
 from tests.support.accounts import Account
 from tests.support.daemon_helpers import DaemonProc, call_as, python_for_others, wait_for
-
-# Opens N connections, says nothing on them, reports how many the daemon refused, then holds the
-# rest until its stdin closes. Standard library only: it runs as another uid.
-HOLDER = r"""
-import json, resource, select, socket, sys, time
-path, n = sys.argv[1], int(sys.argv[2])
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-socks, failed = [], 0
-for _ in range(n):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.setblocking(False)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            s.connect(path)
-            socks.append(s)
-            break
-        except BlockingIOError:  # the listen backlog is full: wait for the daemon to accept
-            if time.monotonic() > deadline:
-                failed += 1
-                s.close()
-                break
-            time.sleep(0.001)
-        except OSError:
-            failed += 1
-            s.close()
-            break
-time.sleep(1.0)
-poller = select.poll()
-for s in socks:
-    poller.register(s, select.POLLIN)
-refused = len(poller.poll(0))
-print(json.dumps({"connected": len(socks), "failed": failed, "refused": refused}), flush=True)
-sys.stdin.read()
-"""
+from tests.support.holder import HOLDER
 
 
 def _hold(account: Account, path: Path, n: int) -> subprocess.Popen[str]:
