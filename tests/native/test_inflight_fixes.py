@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 
 from gpushare import native
-from tests.native.conftest import CC, FLAGS, HERE, Built, assert_all_ran_in_order, run, without_tsan
+from tests.native.conftest import (
+    CC,
+    FLAGS,
+    HERE,
+    Built,
+    assert_all_ran_in_order,
+    run,
+    without_asan,
+    without_tsan,
+)
 
 KERNEL_US = 200
 BURST = 40
@@ -177,6 +186,7 @@ def test_a_cancelled_waiter_does_not_hang_the_process(built: Built) -> None:
     assert_all_ran_in_order(r.fake)
 
 
+@without_asan
 def test_a_longjmp_out_of_a_wait_does_not_hang_the_process(built: Built, tmp_path: Path) -> None:
     # SIGALRM's handler siglongjmps out of a launch waiting in the library; then one more launch,
     # and the exit (which writes the stats) must not hang either.
