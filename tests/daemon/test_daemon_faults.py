@@ -323,7 +323,14 @@ def test_a_restart_while_the_disk_is_full_is_carried_through_and_kept(dp_factory
                 return c if ok else None
 
             c = wait_for(relaunched, 15.0, "the restart to be carried through on a full disk")
-            assert _marked(marker) == [c["pid"]] and c["restarts"] == before["restarts"] + 1
+            assert c["restarts"] == before["restarts"] + 1
+            # The new process may still be between fork and exec (its command line is the
+            # daemon's until then), so wait for the marker rather than read it once.
+            wait_for(
+                lambda: _marked(marker) == [c["pid"]],
+                10.0,
+                f"only {c['pid']} to run ({_marked(marker)})",
+            )
             free(state)
             wait_for(lambda: "registry_write_resumed" in [e["kind"] for e in dp.events()], 10.0,
                      "the backlog to be written")  # fmt: skip
