@@ -132,11 +132,13 @@ def gpu_of(device_id: str) -> str:
 
 
 def preferred(available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-    """A preferred set of ``size`` ids: all on one GPU, the must-includes' GPU first.
+    """A preferred set of ``size`` ids, all on one GPU: the must-includes' GPU, else bin-packed.
 
-    Packs onto the GPU that already has to be used, else the one with the most free ids (an
-    offline share spread over two GPUs cannot be one MPS client). Falls back to any ids when no
-    single GPU has enough: the kubelet decides then, and Allocate says why it refuses.
+    Bin-packing (the GPU with the fewest free ids that still has enough) keeps GPUs whole for
+    large requests and puts the containers of one pod, which the kubelet admits one after the
+    other, on the same GPU, where they are one client (an offline share spread over two GPUs
+    cannot be one MPS client). Falls back to any ids when no single GPU has enough: the kubelet
+    decides then, and Allocate says why it refuses.
     """
     chosen = list(dict.fromkeys(must_include))
     if len(chosen) >= size:
@@ -146,13 +148,13 @@ def preferred(available: Sequence[str], must_include: Sequence[str], size: int) 
         if dev not in chosen:
             by_gpu.setdefault(dev.partition(ID_SEP)[0], []).append(dev)
     wanted = {d.partition(ID_SEP)[0] for d in chosen}
-    order = sorted(by_gpu, key=lambda u: (u not in wanted, -len(by_gpu[u]), u))
-    for uuid in order:
-        fits = len(chosen) + len(by_gpu[uuid]) >= size
-        if fits and len(wanted) <= 1 and (not wanted or uuid in wanted):
-            return chosen + by_gpu[uuid][: size - len(chosen)]
-    rest = [d for u in order for d in by_gpu[u]]
-    return chosen + rest[: size - len(chosen)]
+    need = size - len(chosen)
+    fits = [u for u in by_gpu if len(by_gpu[u]) >= need and (not wanted or wanted == {u})]
+    if fits:
+        best = min(fits, key=lambda u: (len(by_gpu[u]), u))
+        return chosen + by_gpu[best][:need]
+    rest = [d for u in sorted(by_gpu) for d in by_gpu[u]]
+    return chosen + rest[:need]
 
 
 def sm_share(cls: ClientClass, count: int, settings: PluginSettings) -> float:

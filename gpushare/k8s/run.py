@@ -13,6 +13,7 @@ from gpushare.cli.envresolve import workload_env
 from gpushare.k8s.devices import DaemonPaths, PluginSettings
 from gpushare.k8s.plugin import DaemonGpus, DevicePlugin, EnvFor
 from gpushare.model import ClientClass
+from gpushare.pods import ENV_CLIENT_SCOPE, POD_SCOPE
 
 
 def env_builder(cfg: config.Config, settings: PluginSettings) -> EnvFor:
@@ -20,7 +21,8 @@ def env_builder(cfg: config.Config, settings: PluginSettings) -> EnvFor:
 
     ``gpushare env``'s variables (the MPS pipe directory, share, priority, markers, latency
     socket), and ``CUDA_VISIBLE_DEVICES=0``: the device plugin API can set a variable but not
-    unset one, and inside an MPS client its GPU is device 0 (what ``gpushare env`` unsets for).
+    unset one, and inside an MPS client its GPU is device 0 (what ``gpushare env`` unsets for);
+    ``GPUSHARE_CLIENT_SCOPE=pod``: the daemon makes every container of the pod one client.
     """
 
     def env_for(
@@ -32,7 +34,8 @@ def env_builder(cfg: config.Config, settings: PluginSettings) -> EnvFor:
         env = workload_env(
             cfg, cls, uuid, sm_pct=sm_pct, mem_bytes=None, slo_p99_s=slo, daemon=given
         )
-        return {**env, "CUDA_VISIBLE_DEVICES": "0"}
+        # Every container of the pod is one client, frozen through the pod's cgroup.
+        return {**env, "CUDA_VISIBLE_DEVICES": "0", ENV_CLIENT_SCOPE: POD_SCOPE}
 
     return env_for
 

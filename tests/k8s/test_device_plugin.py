@@ -13,21 +13,31 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.k8s.fake_kubelet import FakeKubelet
-from tests.support.daemon_helpers import REPO, DaemonProc
+from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from tests.support.daemon_helpers import REPO, DaemonProc, wait_for
 
 ONLINE = "gpushare.io/online"
 OFFLINE = "gpushare.io/offline"
+# The daemon adopts marked processes (what the plugin's environment carries); the scan sees the
+# whole host, so the rule also asks for a token of this test's own.
+TOKEN = {"GSTEST_K8S": uuid.uuid4().hex}
+RULE = (
+    f'[[adopt]]\nname = "pods"\nmarker = true\nenv = {{ GSTEST_K8S = "{TOKEN["GSTEST_K8S"]}" }}\n'
+)
+FAST = 'adopt_scan_period = "100ms"\nadopt_min_age = "200ms"'
 
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[tuple[DaemonProc, FakeKubelet, subprocess.Popen[bytes], Path]]:
-    daemon = DaemonProc().start()
+    daemon = DaemonProc(RULE, daemon_toml=FAST).start()
     kdir = Path(tempfile.mkdtemp(prefix="kl-", dir="/tmp"))
     kubelet = FakeKubelet(kdir)
     err = open(kdir.parent / f"{kdir.name}.plugin.log", "wb")  # noqa: SIM115
@@ -195,3 +205,69 @@ def test_every_gpu_unhealthy_while_the_daemon_is_down(node) -> None:
     kubelet.wait(lambda: set(ep.devices.values()) == {"Unhealthy"}, what="every device Unhealthy")
     daemon.start()
     kubelet.wait(lambda: set(ep.devices.values()) == {"Healthy"}, what="healthy again")
+
+
+POD_UID = "7a5c3b2e-1f4d-4c8a-9b6e-2d3f4a5b6c7e"
+
+
+def _run_in(cgroup: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    fd = os.open(cgroup / "cgroup.procs", os.O_WRONLY)
+    try:
+        proc = subprocess.Popen(
+            ["sleep", "60"], env={"PATH": os.environ["PATH"], **env},
+            preexec_fn=lambda: os.write(fd, b"0"),
+        )  # fmt: skip
+    finally:
+        os.close(fd)
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{proc.pid}/cmdline").read_bytes() != b"sleep\x0060\x00":
+        assert time.monotonic() < deadline, "sleep did not start"
+        time.sleep(0.005)
+    return proc
+
+
+def test_a_pods_two_containers_are_one_client(node) -> None:
+    daemon, kubelet, _plugin, _log = node
+    if (why := cgroup_skip_reason()) is not None:
+        pytest.skip(why)
+    # The kubelet admits a pod's containers one after the other; each gets its own Allocate.
+    ids1, r1 = kubelet.admit(OFFLINE, 2)
+    ids2, r2 = kubelet.admit(OFFLINE, 1)
+    gpu = ids1[0].partition("::")[0]
+    assert ids2[0].startswith(gpu), "bin-packed: the pod's containers share a GPU"
+    # The pod's cgroups as the kubelet (systemd driver) and containerd name them.
+    base = unique_base("gs-k8s-pod")
+    pod = base / f"kubepods-besteffort-pod{POD_UID.replace('-', '_')}.slice"
+    ctrs = [pod / f"cri-containerd-{n:064x}.scope" for n in (1, 2)]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for c in ctrs:
+            c.mkdir(parents=True)
+        procs = [_run_in(c, {**dict(r.envs), **TOKEN}) for c, r in zip(ctrs, (r1, r2), strict=True)]
+        pids = {p.pid for p in procs}
+
+        def mine() -> list[dict]:
+            return [c for c in daemon.call("status")["clients"] if c["pid"] in pids]
+
+        first = wait_for(mine, 10, "the pod adopted")
+        time.sleep(1.0)  # several more scans (100 ms each, 200 ms minimum age): no second client
+        clients = mine()
+        assert len(clients) == 1, clients
+        c = clients[0]
+        assert c["id"] == first[0]["id"]
+        assert (c["class"], c["gpu_uuid"]) == ("offline", gpu)
+        assert c["pause_mechanism"] == "cgroup", c["pause_reason"]
+        assert c["pause_reason"] == (
+            f"cgroup freezer on its pod's cgroup (GPUSHARE_CLIENT_SCOPE=pod): {pod}"
+        )
+        daemon.call("pause", {"client_id": c["id"]})
+        for cg in (pod, *ctrs):
+            assert "frozen 1" in (cg / "cgroup.events").read_text(), cg
+        daemon.call("resume", {"client_id": c["id"]})
+        for cg in ctrs:
+            wait_for(lambda cg=cg: "frozen 0" in (cg / "cgroup.events").read_text(), 5, "thawed")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(5)
+        remove_tree(base)

@@ -107,9 +107,11 @@ def test_device_nodes_when_asked() -> None:
     assert a.cdi_devices == ()
 
 
-def test_preferred_packs_one_gpu() -> None:
+def test_preferred_bin_packs_one_gpu() -> None:
     avail = [f"{A}::0", f"{B}::0", f"{B}::1", f"{B}::2", f"{A}::1"]
+    # A has 2 free, B 3: 2 fit best on A (B stays whole for a larger request), 3 only on B.
+    assert devices.preferred(avail, [], 2) == [f"{A}::0", f"{A}::1"]
     assert devices.preferred(avail, [], 3) == [f"{B}::0", f"{B}::1", f"{B}::2"]
-    assert devices.preferred(avail, [f"{A}::1"], 2) == [f"{A}::1", f"{A}::0"]
+    assert devices.preferred(avail, [f"{B}::2"], 2) == [f"{B}::2", f"{B}::0"]
     # No single GPU has 4: any 4, and Allocate says why it refuses them.
     assert len(devices.preferred(avail, [], 4)) == 4
