@@ -6,6 +6,7 @@ nothing, and a host without the ``kubernetes`` extra (grpcio, protobuf) is told 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -17,6 +18,10 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
+
+
+# An extended resource's domain: lower-case DNS labels joined by dots.
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+")
 
 
 def _fail(message: str) -> typer.Exit:
@@ -86,14 +91,16 @@ def device_plugin(
             check_limits(ClientClass.ONLINE, None, None, slo_s)
     except ValueError as exc:
         raise _fail(str(exc)) from None
+    if not _DNS_SUBDOMAIN.fullmatch(prefix) or len(prefix) > 253:
+        raise _fail(f"--resource-prefix must be a DNS name such as gpushare.io, got {prefix!r}")
     if not 0.1 <= poll_s <= 300:
         raise _fail(f"--poll must be within 100ms and 5m, got {poll}")
+    if not kubelet_dir.is_dir():
+        raise _fail(f"{kubelet_dir} is not a directory (mount the kubelet's device-plugins dir)")
     try:
         cfg = load_config(config_path)
     except config.ConfigError as exc:
         raise _fail(f"{exc}; fix the file or pass --config") from None
-    if not kubelet_dir.is_dir():
-        raise _fail(f"{kubelet_dir} is not a directory (mount the kubelet's device-plugins dir)")
     try:
         from gpushare.k8s.devices import PluginSettings
         from gpushare.k8s.run import serve
