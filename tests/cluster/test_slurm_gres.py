@@ -82,6 +82,9 @@ def test_a_gres_mps_job_gets_its_share_as_an_offline_client(recorded):  # noqa: 
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == f"{h.base}/run/mps/{GPU}"
     assert env["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    # Slurm's gres/mps set it for the task; the TaskProlog unsets it (the MPS server maps the GPU
+    # to device 0).
+    assert "CUDA_VISIBLE_DEVICES" not in env
     params, peer_uid = h.use_recorder().wait("adopt", job)
     assert peer_uid == 0
     assert (params["cls"], params["sm_pct"]) == ("offline", 30.0)
