@@ -264,6 +264,7 @@ class DevicePlugin:
         self._servers: list[grpc.Server] = []
         self.stop_event = threading.Event()
         self.registrations = 0
+        self._last_error: str | None = None
 
     def socket_of(self, cls: ClientClass) -> Path:
         """The plugin socket of a class."""
@@ -318,22 +319,30 @@ class DevicePlugin:
         polled = time.monotonic()
         watch: KubeletWatch | None = None
         while not self.stop_event.is_set():
-            why = "first start" if watch is None else watch.restarted(self.kubelet_dir)
-            if why is not None:
-                try:
-                    self.serve_and_register()
-                    watch = KubeletWatch.now(
-                        self.kubelet_dir, list(map(self.socket_of, ClientClass))
-                    )
-                    log.info("serving", why=why)
-                except grpc.RpcError as exc:
-                    log.warning("register_failed", why=why, error=exc.details())
+            watch = self._ensure_registered(watch)
             # The kubelet's socket is looked at every second (a stat), the daemon every poll_s.
             self.stop_event.wait(min(self.poll_s, 1.0))
             if time.monotonic() - polled >= self.poll_s:
                 self.refresh()
                 polled = time.monotonic()
         self.close()
+
+    def _ensure_registered(self, watch: KubeletWatch | None) -> KubeletWatch | None:
+        """Serve and register when first started or after a kubelet restart; the new watch."""
+        why = "first start" if watch is None else watch.restarted(self.kubelet_dir)
+        if why is None or not (self.kubelet_dir / KUBELET_SOCKET).exists():
+            return watch  # nothing changed, or no kubelet to register with yet
+        try:
+            self.serve_and_register()
+        except grpc.RpcError as exc:
+            error = f"{exc.code()}: {exc.details()}"
+            if error != self._last_error:  # once per distinct failure, not every second
+                log.warning("register_failed", why=why, error=error)
+                self._last_error = error
+            return watch
+        self._last_error = None
+        log.info("serving", why=why)
+        return KubeletWatch.now(self.kubelet_dir, [self.socket_of(c) for c in ClientClass])
 
     def close(self) -> None:
         """Stop every stream and server and remove the sockets."""
