@@ -40,14 +40,15 @@ from gpushare.daemon.registry import Registry
 from gpushare.daemon.rights import is_privileged
 from gpushare.daemon.server import ApiServer, server_limits
 from gpushare.daemon.state import NodeState, NoopPolicy
-from gpushare.inflight import SenderLimiter
 from gpushare.latency.app import AppLatency
+from gpushare.latency.inflight import SenderLimiter
 from gpushare.latency.receiver import LatencyReceiver, Sender, verified_identify
 from gpushare.metrics import Exporter
 from gpushare.model import ClientClass
 from gpushare.node import notify as sd
 from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
 from gpushare.node.clock import SystemClock
+from gpushare.node.procs.host import HostProcesses
 
 log = structlog.get_logger(__name__)
 
@@ -83,7 +84,7 @@ class Daemon:
     ) -> None:
         self.state = NodeState(
             config, registry=registry, gpu=gpu, mps=mps, pauser=pauser, probe=probe,
-            policy=policy, clock=clock or SystemClock(), procs=procs or launcher.HostProcesses(),
+            policy=policy, clock=clock or SystemClock(), procs=procs or HostProcesses(),
             shallow_library=(
                 str(native.library_path()) if native.unusable_reason() is None else None
             ),

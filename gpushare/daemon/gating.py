@@ -34,7 +34,7 @@ import structlog
 from gpushare.config import GateConfig
 from gpushare.control import gate
 from gpushare.control.gate import GateState
-from gpushare.inflight import Rejections
+from gpushare.latency.inflight import Rejections
 from gpushare.latency.receiver import renice_thread
 from gpushare.model import GateReading
 from gpushare.node.pauser_base import PauserError

@@ -25,6 +25,7 @@ from gpushare.control import admission
 from gpushare.daemon.cordon import held_by_drain
 from gpushare.daemon.drain import DrainTracker
 from gpushare.daemon.lifecycle import Lifecycle
+from gpushare.daemon.observe import build_observation
 from gpushare.daemon.opstats import LastAction, Tracked
 from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
@@ -53,7 +54,6 @@ from gpushare.model import (
     Thaw,
 )
 from gpushare.node import notify as sd
-from gpushare.observe import build_observation
 
 log = structlog.get_logger(__name__)
 

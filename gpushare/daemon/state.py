@@ -26,10 +26,10 @@ from gpushare.daemon.cordon import Cordons
 from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
-from gpushare.daemon.threads import Supervisor
-from gpushare.inflight import GaugePoller
 from gpushare.latency.app import AppLatency
+from gpushare.latency.inflight import GaugePoller
 from gpushare.latency.p99 import LatencyP99
+from gpushare.latency.threads import Supervisor
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
 from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
 from gpushare.node.pauser_base import PauserError

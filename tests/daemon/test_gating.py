@@ -20,14 +20,14 @@ from gpushare import client, paths
 from gpushare.config import GateConfig
 from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.opstats import OpStats
-from gpushare.inflight import (
+from gpushare.latency.datagrams import decode_message
+from gpushare.latency.inflight import (
     GaugePoller,
     Rejections,
     SenderLimiter,
     parse_gauge,
     parse_inflight_from,
 )
-from gpushare.latency.datagrams import decode_message
 from gpushare.latency.p99 import P99Tracker
 from gpushare.latency.receiver import LatencyReceiver, Sender
 from gpushare.node.cgroups.pauser import CgroupPauser
