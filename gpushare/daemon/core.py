@@ -303,7 +303,7 @@ class Daemon:
                 if r.state.is_live and r.cls is ClientClass.OFFLINE and r.pid is not None
             ]
             self.lifecycle.freeze_all(ids)
-            frozen = [cid for cid in ids if cid in self.lifecycle.paused]
+            frozen = [cid for cid in ids if self.lifecycle.is_paused(cid)]
         if ids:
             state.registry.add_event(
                 "offline_frozen_at_stop",

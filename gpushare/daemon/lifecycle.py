@@ -16,8 +16,10 @@ import contextlib
 import os
 import signal
 import sqlite3
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Literal
 
 import structlog
@@ -56,17 +58,53 @@ class Lifecycle:
 
     def __init__(self, state: NodeState) -> None:
         self.s = state
-        self.by_pid: dict[int, str] = {}
-        #: Clients the daemon has frozen (a duty-cycle freeze or a hold).
-        self.paused: set[str] = set()
-        self.on_exit: dict[str, _OnExit] = {}
-        #: Monotonic time at which a signalled client is SIGKILLed if it is still there.
-        self.kill_at: dict[str, float] = {}
-        #: Monotonic time before which a requeued failed job is not admitted again.
-        self.not_before: dict[str, float] = {}
+        self._by_pid: dict[int, str] = {}
+        # Clients the daemon has frozen (a duty-cycle freeze or a hold).
+        self._paused: set[str] = set()
+        self._on_exit: dict[str, _OnExit] = {}
+        # Monotonic time at which a signalled client is SIGKILLed if it is still there.
+        self._kill_at: dict[str, float] = {}
+        # Monotonic time before which a requeued failed job is not admitted again.
+        self._not_before: dict[str, float] = {}
         self._watching = False
-        #: Offline clients launched with a shallow queue, and how (``launcher.shallow_how``).
-        self.shallow: dict[str, str] = {}
+        # Offline clients launched with a shallow queue, and how (``launcher.shallow_how``).
+        self._shallow: dict[str, str] = {}
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def paused(self) -> frozenset[str]:
+        """The clients the daemon holds frozen now (a duty-cycle freeze or a hold)."""
+        return frozenset(self._paused)
+
+    def is_paused(self, client_id: str) -> bool:
+        """Whether the daemon holds the client frozen (a duty-cycle freeze or a hold)."""
+        return client_id in self._paused
+
+    def going(self) -> tuple[str, ...]:
+        """The clients told to go (cancel, evict, restart, recovery), in the order told."""
+        return tuple(self._on_exit)
+
+    def main_pids(self, clients: Mapping[str, object]) -> dict[int, str]:
+        """The watched main pid of each of ``clients`` (pid -> client)."""
+        return {pid: cid for pid, cid in self._by_pid.items() if cid in clients}
+
+    def retry_times(self) -> dict[str, float]:
+        """Per requeued failed job, the monotonic time before which it is not admitted again."""
+        return dict(self._not_before)
+
+    @property
+    def shallow(self) -> Mapping[str, str]:
+        """The offline clients launched with a shallow queue, and how (read-only)."""
+        return MappingProxyType(self._shallow)
+
+    def is_shallow(self, client_id: str) -> bool:
+        """Whether the client was launched with a shallow queue."""
+        return client_id in self._shallow
+
+    def note_shallow(self, client_id: str, how: str) -> None:
+        """A re-adopted client runs with a shallow queue (read from its environment)."""
+        self._shallow[client_id] = how
 
     # ----------------------------------------------------------------------------- watching
 
@@ -82,15 +120,15 @@ class Lifecycle:
 
     def exiting(self, client_id: str) -> bool:
         """Whether the client was told to go (cancel, evict, restart, recovery)."""
-        return client_id in self.on_exit
+        return client_id in self._on_exit
 
     def client_of_pid(self, pid: int) -> str | None:
         """The client a process belongs to (its main pid or any pid of its cgroup)."""
         with self.s.lock:
-            owner = self.by_pid.get(pid)
+            owner = self._by_pid.get(pid)
             if owner is not None:
                 return owner
-            for client_id in set(self.by_pid.values()):
+            for client_id in set(self._by_pid.values()):
                 if pid in self.s.pauser.pids(client_id):
                     return client_id
             # pids() may be a few seconds behind a fork (node/cgroups/pid_tracker.py); the cgroup
@@ -98,7 +136,7 @@ class Lifecycle:
             owner_of = getattr(self.s.pauser, "owner_of", None)
             if callable(owner_of):
                 found = owner_of(pid)
-                if isinstance(found, str) and found in self.by_pid.values():
+                if isinstance(found, str) and found in self._by_pid.values():
                     return found
         return None
 
@@ -116,8 +154,8 @@ class Lifecycle:
 
     def resume_restart(self, rec: ClientRecord, reason: str) -> None:
         """Carry on a restart the daemon stopped during: relaunch at exit, SIGKILL after the grace."""
-        self.on_exit[rec.id] = _OnExit("restart", reason)
-        self.kill_at[rec.id] = self.s.clock.monotonic() + self.s.config.daemon.cancel_grace_s
+        self._on_exit[rec.id] = _OnExit("restart", reason)
+        self._kill_at[rec.id] = self.s.clock.monotonic() + self.s.config.daemon.cancel_grace_s
 
     def adopt_pid(
         self,
@@ -143,7 +181,7 @@ class Lifecycle:
 
     def _watch(self, client_id: str, proc: Process, start_time: float | None) -> None:
         assert self._watching
-        self.by_pid[proc if isinstance(proc, int) else proc.pid] = client_id
+        self._by_pid[proc if isinstance(proc, int) else proc.pid] = client_id
         self.s.procs.watch(proc, start_time)
 
     def adopt_foreground(
@@ -184,10 +222,10 @@ class Lifecycle:
         """End an adopted client without touching its processes (thawed, no longer controlled)."""
         rec = self.s.registry.get(client_id)
         if rec.pid is not None:
-            self.by_pid.pop(rec.pid, None)
-        self.paused.discard(client_id)
-        self.kill_at.pop(client_id, None)
-        self.on_exit.pop(client_id, None)
+            self._by_pid.pop(rec.pid, None)
+        self._paused.discard(client_id)
+        self._kill_at.pop(client_id, None)
+        self._on_exit.pop(client_id, None)
         self.s.latency.forget(client_id)
         self.s.gauges.forget(client_id)  # its poll's connection ends with it
         try:
@@ -212,30 +250,30 @@ class Lifecycle:
         leaves a client frozen while its GPU's request gate holds it.
         """
         try:
-            if paused and client_id not in self.paused:
+            if paused and client_id not in self._paused:
                 self.s.gate.pause(client_id, DAEMON, True)
-                self.paused.add(client_id)
-            elif not paused and client_id in self.paused:
+                self._paused.add(client_id)
+            elif not paused and client_id in self._paused:
                 self.s.gate.pause(client_id, DAEMON, False)
-                self.paused.discard(client_id)
+                self._paused.discard(client_id)
         except PAUSE_ERRORS as exc:
             log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
 
     def freeze_all(self, ids: list[str]) -> None:
         """Freeze several clients: all requests first, then the waits (one freeze latency)."""
-        ids = [client_id for client_id in ids if client_id not in self.paused]
+        ids = [client_id for client_id in ids if client_id not in self._paused]
         try:
             self.s.gate.pause_many(ids, DAEMON, True)
         except PAUSE_ERRORS as exc:
             log.warning("freeze_many_failed", clients=ids, error=str(exc))
         for client_id in ids:
             if DAEMON in self.s.gate.reasons(client_id):
-                self.paused.add(client_id)
+                self._paused.add(client_id)
 
     def release_duty_freezes(self) -> None:
         """Thaw the clients frozen by the duty cycle; a user's or controller's hold stays."""
         with self.s.lock:
-            for client_id in list(self.paused):
+            for client_id in list(self._paused):
                 rec = self.s.registry.find(client_id)
                 if rec is not None and not rec.held:
                     self.set_paused(client_id, False)
@@ -263,13 +301,13 @@ class Lifecycle:
     def cancel(self, rec: ClientRecord, who: str) -> float:
         """SIGTERM a live client now and SIGKILL it after ``daemon.cancel_grace``; the grace."""
         grace = self.s.config.daemon.cancel_grace_s
-        self.on_exit[rec.id] = _OnExit("cancel", f"cancelled by {who}")
+        self._on_exit[rec.id] = _OnExit("cancel", f"cancelled by {who}")
         # A frozen process cannot act on SIGTERM: thaw it so it can shut down cleanly.
         self.set_paused(rec.id, False)
         if rec.held:
             self.thaw_quietly(rec.id)
         self.signal(rec, signal.SIGTERM)
-        self.kill_at[rec.id] = self.s.clock.monotonic() + grace
+        self._kill_at[rec.id] = self.s.clock.monotonic() + grace
         self.s.registry.add_event(
             "client_cancel", f"{who} cancelled {rec.id}; SIGKILL in {grace:g}s if it stays",
             client_id=rec.id, gpu_uuid=rec.gpu_uuid,
@@ -281,11 +319,11 @@ class Lifecycle:
         rec = self.s.registry.get(action.client_id)
         if rec.state not in RUNNING_STATES or not rec.restartable or rec.pid is None:
             return
-        self.on_exit[rec.id] = _OnExit("restart", action.reason, action.sm_pct)
+        self._on_exit[rec.id] = _OnExit("restart", action.reason, action.sm_pct)
         self.set_paused(rec.id, False)
         self.signal(rec, rec.checkpoint_signal)
         self.s.transition(rec.id, S.RESTARTING, reason=action.reason)
-        self.kill_at[rec.id] = now + self.s.config.daemon.cancel_grace_s
+        self._kill_at[rec.id] = now + self.s.config.daemon.cancel_grace_s
 
     def evict(self, action: Evict, now: float) -> None:
         """End a client's GPU work and its process (requeued when restartable and asked)."""
@@ -293,7 +331,7 @@ class Lifecycle:
         if rec.state not in RUNNING_STATES or rec.pid is None or rec.gpu_uuid is None:
             return
         requeue = action.requeue and rec.restartable
-        self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", action.reason)
+        self._on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", action.reason)
         self.s.ops.evicted(rec.id, rec.gpu_uuid)
         self.set_paused(rec.id, False)
         # MPS forbids killing a client with GPU work in flight: terminate_client first.
@@ -303,7 +341,7 @@ class Lifecycle:
             f"evicting {rec.id}: {action.reason} (terminate_client {'ok' if ok else 'failed'})",
             severity="warning", client_id=rec.id, gpu_uuid=rec.gpu_uuid,
         )  # fmt: skip
-        self.kill_at[rec.id] = now + self.s.config.control.evict_grace_s
+        self._kill_at[rec.id] = now + self.s.config.control.evict_grace_s
 
     def recover(self, action: RecoverMps, now: float) -> None:
         """Recover a GPU's faulted MPS server; its offline clients are made to go first."""
@@ -323,14 +361,14 @@ class Lifecycle:
                 rec.cls is ClientClass.OFFLINE
                 and rec.state in RUNNING_STATES
                 and rec.pid is not None
-                and rec.id not in self.on_exit
+                and rec.id not in self._on_exit
             ):
                 requeue = rec.restartable and rec.detach
                 why = f"MPS recovery: {action.reason}"
-                self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", why)
+                self._on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", why)
                 self.s.ops.evicted(rec.id, action.gpu_uuid)
                 self.set_paused(rec.id, False)
-                self.kill_at[rec.id] = now + grace
+                self._kill_at[rec.id] = now + grace
         self.s.mps.recover(action.gpu_uuid, pids[ClientClass.OFFLINE], pids[ClientClass.ONLINE])
 
     def signal(self, rec: ClientRecord, sig: int) -> None:
@@ -344,9 +382,9 @@ class Lifecycle:
 
     def kill_overdue(self, now: float) -> None:
         """SIGKILL the signalled clients whose grace is over."""
-        for client_id, at in list(self.kill_at.items()):
+        for client_id, at in list(self._kill_at.items()):
             if now >= at:
-                del self.kill_at[client_id]
+                del self._kill_at[client_id]
                 log.info("client_kill", client_id=client_id)
                 try:
                     self.s.pauser.kill(client_id)
@@ -356,20 +394,20 @@ class Lifecycle:
     def process_exited(self, pid: int, code: int | None) -> None:
         """The exit watcher's callback: record how the client ended and what comes next."""
         with self.s.lock:
-            client_id = self.by_pid.pop(pid, None)
+            client_id = self._by_pid.pop(pid, None)
             if client_id is None:
                 return
-            self.paused.discard(client_id)
-            self.kill_at.pop(client_id, None)
+            self._paused.discard(client_id)
+            self._kill_at.pop(client_id, None)
             self.s.latency.forget(client_id)
             self.s.gate.forget(client_id)
             self.s.gauges.forget(client_id)
-            self.shallow.pop(client_id, None)  # a relaunch decides its queue anew
+            self._shallow.pop(client_id, None)  # a relaunch decides its queue anew
             try:
                 self.s.pauser.release(client_id)
             except PAUSE_ERRORS as exc:
                 log.warning("pauser_release_failed", client_id=client_id, error=str(exc))
-            then = self.on_exit.pop(client_id, None)
+            then = self._on_exit.pop(client_id, None)
             rec = self.s.registry.get(client_id)
             log.info("client_process_exited", client_id=client_id, pid=pid, exit_code=code)
             transition = self.s.transition
@@ -398,7 +436,7 @@ class Lifecycle:
                 if rec.restartable and rec.detach and failures < control.max_client_failures:
                     # A restartable job goes back to the queue, after a growing backoff.
                     backoff = failure_backoff_s(failures, control)
-                    self.not_before[client_id] = self.s.clock.monotonic() + backoff
+                    self._not_before[client_id] = self.s.clock.monotonic() + backoff
                     transition(
                         client_id, S.QUEUED, reason=f"{why}; retry in {backoff:g}s",
                         exit_code=code, failures=failures, pid=None,
@@ -564,9 +602,9 @@ class Lifecycle:
             )
             env.update(queue_vars)
             if (shallow := launcher.shallow_how(queue_vars)) is not None:
-                self.shallow[client_id] = shallow
+                self._shallow[client_id] = shallow
             else:
-                self.shallow.pop(client_id, None)
+                self._shallow.pop(client_id, None)
             if announce:
                 log.info("offline_queue", client_id=client_id, queue=mode, reason=why, how=how)
         return {**mpsenv.marker_env(cls, slo), **env}

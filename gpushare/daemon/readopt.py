@@ -76,7 +76,7 @@ def _take_back(life: Lifecycle, rec: ClientRecord) -> None:
         except PermissionError:
             env = {}  # not root: taken as deep (an auto client may restart once)
         if (how := launcher.shallow_how(env)) is not None:
-            life.shallow[rec.id] = how
+            life.note_shallow(rec.id, how)
     if rec.held:
         life.set_paused(rec.id, True)
     else:
