@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from gpushare.daemon.drain import DrainTracker
+from gpushare.daemon.freeze import DUTY, HOLD
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.daemon.tick import Tick
@@ -54,21 +55,21 @@ class DutyCycle:
             if life.exiting(rec.id):
                 # Cancelled or evicted: it was thawed to act on its signal; freezing it again
                 # would turn a clean exit into the SIGKILL at the end of the grace.
-                life.set_paused(rec.id, False)
+                life.freeze_for(rec.id)
                 continue
             duty = self.s.duty.get(rec.gpu_uuid or "", 1.0)
             if rec.held:
                 want = S.FROZEN
-                life.set_paused(rec.id, True)
+                life.freeze_for(rec.id, HOLD)
             elif rec.cls is ClientClass.ONLINE or duty >= 1.0:
                 want = S.RUNNING
-                life.set_paused(rec.id, False)
+                life.freeze_for(rec.id)
             else:
                 want = S.THROTTLED
                 if duty <= 0.0:
-                    life.set_paused(rec.id, True)
+                    life.freeze_for(rec.id, DUTY)
                 else:
-                    life.set_paused(rec.id, False)
+                    life.freeze_for(rec.id)
                     self._edges[rec.gpu_uuid or ""] = tick.monotonic_s + duty * period
             if rec.state is not want:
                 why = f"offline duty {duty:g} on its GPU" if want is S.THROTTLED else None

@@ -1,8 +1,9 @@
 """The client lifecycle: launch, adopt, reap, restart, evict, recover, and the registry moves.
 
-:class:`Lifecycle` owns what the daemon knows of each client's process: the pid it watches, whether
-the daemon froze it, what to do when it exits (set by cancel, evict, restart and MPS recovery), when
-it is to be killed, and when a failed restartable job may run again. Launching is three steps so a
+:class:`Lifecycle` owns what the daemon knows of each client's process: the pid it watches, what to
+do when it exits (set by cancel, evict, restart and MPS recovery), when it is to be killed, and
+when a failed restartable job may run again. Why the daemon freezes a client it sets at the
+:class:`~gpushare.daemon.freeze.FreezeArbiter`, which owns it, and asks it back from there. Launching is three steps so a
 failure between them stays visible: :meth:`Lifecycle.prepare_launch` (the STARTING record),
 :meth:`Lifecycle.spawn` (the process, outside the lock) and :meth:`Lifecycle.finish_launch` (the
 registry write, then adoption: pauser attach and exit watch). Every method that changes state is
@@ -27,7 +28,7 @@ import structlog
 from gpushare import mpsenv
 from gpushare.control.controller import failure_backoff_s
 from gpushare.daemon import launcher
-from gpushare.daemon.gating import DAEMON
+from gpushare.daemon.freeze import DAEMON_REASONS, DUTY, HOLD
 from gpushare.daemon.readopt import readopt
 from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
@@ -59,8 +60,6 @@ class Lifecycle:
     def __init__(self, state: NodeState) -> None:
         self.s = state
         self._by_pid: dict[int, str] = {}
-        # Clients the daemon has frozen (a duty-cycle freeze or a hold).
-        self._paused: set[str] = set()
         self._on_exit: dict[str, _OnExit] = {}
         # Monotonic time at which a signalled client is SIGKILLed if it is still there.
         self._kill_at: dict[str, float] = {}
@@ -74,12 +73,12 @@ class Lifecycle:
 
     @property
     def paused(self) -> frozenset[str]:
-        """The clients the daemon holds frozen now (a duty-cycle freeze or a hold)."""
-        return frozenset(self._paused)
+        """The clients the daemon holds frozen now (a duty-cycle freeze, a hold, the stop)."""
+        return self.s.freeze.holding(DAEMON_REASONS)
 
     def is_paused(self, client_id: str) -> bool:
-        """Whether the daemon holds the client frozen (a duty-cycle freeze or a hold)."""
-        return client_id in self._paused
+        """Whether the daemon holds the client frozen (a duty-cycle freeze, a hold, the stop)."""
+        return self.s.freeze.has_any(client_id, DAEMON_REASONS)
 
     def going(self) -> tuple[str, ...]:
         """The clients told to go (cancel, evict, restart, recovery), in the order told."""
@@ -223,7 +222,9 @@ class Lifecycle:
         rec = self.s.registry.get(client_id)
         if rec.pid is not None:
             self._by_pid.pop(rec.pid, None)
-        self._paused.discard(client_id)
+        # Its freezes end with the daemon's control; the pauser is released just below, so
+        # nothing is requested.
+        self.s.freeze.forget(client_id)
         self._kill_at.pop(client_id, None)
         self._on_exit.pop(client_id, None)
         self.s.latency.forget(client_id)
@@ -243,40 +244,35 @@ class Lifecycle:
         except PAUSE_ERRORS as exc:
             log.warning("thaw_failed", client_id=client_id, error=str(exc))
 
-    def set_paused(self, client_id: str, paused: bool) -> None:
-        """Freeze or thaw a client unless it already is; a pauser failure is logged.
+    def freeze_for(self, client_id: str, *reasons: str) -> None:
+        """Make ``reasons`` the daemon's freeze reasons of a client (none: the daemon lets it run).
 
-        Through the gates' arbiter (:class:`~gpushare.daemon.gating.Gatekeeper`): a thaw here
-        leaves a client frozen while its GPU's request gate holds it.
+        Through the :class:`~gpushare.daemon.freeze.FreezeArbiter`, in one step: a reason that
+        replaces another never thaws the client in between, and a client with no reason left
+        from the daemon stays frozen while its GPU's request gate holds it. A pauser failure is
+        logged (the reasons stay as they were: the next tick tries again).
         """
+        want = frozenset(reasons)
         try:
-            if paused and client_id not in self._paused:
-                self.s.gate.pause(client_id, DAEMON, True)
-                self._paused.add(client_id)
-            elif not paused and client_id in self._paused:
-                self.s.gate.pause(client_id, DAEMON, False)
-                self._paused.discard(client_id)
+            self.s.freeze.change([client_id], add=want, drop=DAEMON_REASONS - want)
         except PAUSE_ERRORS as exc:
-            log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
+            log.warning("pause_failed", client_id=client_id, paused=bool(want), error=str(exc))
 
-    def freeze_all(self, ids: list[str]) -> None:
+    def freeze_all(self, ids: list[str], reason: str = DUTY) -> None:
         """Freeze several clients: all requests first, then the waits (one freeze latency)."""
-        ids = [client_id for client_id in ids if client_id not in self._paused]
+        ids = [client_id for client_id in ids if not self.is_paused(client_id)]
         try:
-            self.s.gate.pause_many(ids, DAEMON, True)
+            self.s.freeze.set(ids, reason, True)
         except PAUSE_ERRORS as exc:
             log.warning("freeze_many_failed", clients=ids, error=str(exc))
-        for client_id in ids:
-            if DAEMON in self.s.gate.reasons(client_id):
-                self._paused.add(client_id)
 
     def release_duty_freezes(self) -> None:
-        """Thaw the clients frozen by the duty cycle; a user's or controller's hold stays."""
+        """Thaw the clients the daemon froze; a user's or controller's hold stays."""
         with self.s.lock:
-            for client_id in list(self._paused):
+            for client_id in self.paused:
                 rec = self.s.registry.find(client_id)
                 if rec is not None and not rec.held:
-                    self.set_paused(client_id, False)
+                    self.freeze_for(client_id)
 
     def hold(self, client_id: str, held: bool, reason: str) -> None:
         """Hold a client frozen (a user's pause, a controller's Freeze) or release the hold."""
@@ -285,13 +281,13 @@ class Lifecycle:
             return
         self.s.registry.update(client_id, held=held)
         if held:
-            self.set_paused(client_id, True)
+            self.freeze_for(client_id, HOLD)
             self.s.transition(client_id, S.FROZEN, reason=reason)
         else:
             duty = self.s.duty.get(rec.gpu_uuid or "", 1.0)
             offline = rec.cls is ClientClass.OFFLINE
-            if not offline or duty > 0.0:
-                self.set_paused(client_id, False)
+            # An offline client at duty 0 stays frozen, now for the duty cycle.
+            self.freeze_for(client_id, *((DUTY,) if offline and duty <= 0.0 else ()))
             self.s.transition(
                 client_id, S.THROTTLED if offline and duty < 1.0 else S.RUNNING, reason=reason
             )
@@ -303,7 +299,7 @@ class Lifecycle:
         grace = self.s.config.daemon.cancel_grace_s
         self._on_exit[rec.id] = _OnExit("cancel", f"cancelled by {who}")
         # A frozen process cannot act on SIGTERM: thaw it so it can shut down cleanly.
-        self.set_paused(rec.id, False)
+        self.freeze_for(rec.id)
         if rec.held:
             self.thaw_quietly(rec.id)
         self.signal(rec, signal.SIGTERM)
@@ -320,7 +316,7 @@ class Lifecycle:
         if rec.state not in RUNNING_STATES or not rec.restartable or rec.pid is None:
             return
         self._on_exit[rec.id] = _OnExit("restart", action.reason, action.sm_pct)
-        self.set_paused(rec.id, False)
+        self.freeze_for(rec.id)
         self.signal(rec, rec.checkpoint_signal)
         self.s.transition(rec.id, S.RESTARTING, reason=action.reason)
         self._kill_at[rec.id] = now + self.s.config.daemon.cancel_grace_s
@@ -333,7 +329,7 @@ class Lifecycle:
         requeue = action.requeue and rec.restartable
         self._on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", action.reason)
         self.s.ops.evicted(rec.id, rec.gpu_uuid)
-        self.set_paused(rec.id, False)
+        self.freeze_for(rec.id)
         # MPS forbids killing a client with GPU work in flight: terminate_client first.
         ok = self.s.mps.terminate_client(rec.gpu_uuid, rec.pid)
         self.s.registry.add_event(
@@ -367,7 +363,7 @@ class Lifecycle:
                 why = f"MPS recovery: {action.reason}"
                 self._on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", why)
                 self.s.ops.evicted(rec.id, action.gpu_uuid)
-                self.set_paused(rec.id, False)
+                self.freeze_for(rec.id)
                 self._kill_at[rec.id] = now + grace
         self.s.mps.recover(action.gpu_uuid, pids[ClientClass.OFFLINE], pids[ClientClass.ONLINE])
 
@@ -397,10 +393,9 @@ class Lifecycle:
             client_id = self._by_pid.pop(pid, None)
             if client_id is None:
                 return
-            self._paused.discard(client_id)
             self._kill_at.pop(client_id, None)
             self.s.latency.forget(client_id)
-            self.s.gate.forget(client_id)
+            self.s.gate.forget(client_id)  # and its freeze reasons at the arbiter
             self.s.gauges.forget(client_id)
             self._shallow.pop(client_id, None)  # a relaunch decides its queue anew
             try:
