@@ -27,7 +27,7 @@ import structlog
 
 from gpushare import mpsenv
 from gpushare.control.controller import failure_backoff_s
-from gpushare.daemon import launcher
+from gpushare.daemon.clientenv import client_env
 from gpushare.daemon.freeze import DAEMON_REASONS, DUTY, HOLD
 from gpushare.daemon.readopt import readopt
 from gpushare.daemon.registry import ClientRecord, RegistryError
@@ -575,31 +575,19 @@ class Lifecycle:
     ) -> dict[str, str]:
         """The environment a client of this GPU starts with.
 
-        What ``gpushare env`` prints for the same class and limits (:mod:`gpushare.mpsenv`), plus
-        the client's id, and for an offline client its queue mode (``launcher.choose_queue``),
-        logged as ``offline_queue`` unless ``announce`` is false (a caller that only shows the
-        environment while :meth:`spawn` computes it again for the launch, which logs it).
+        :func:`gpushare.daemon.clientenv.client_env`; an offline client's queue mode is kept
+        (:attr:`shallow`) and logged as ``offline_queue`` unless ``announce`` is false (a caller
+        that only shows the environment while :meth:`spawn` computes it again, which logs it).
         """
-        env = mpsenv.mps_env(
-            client_id=client_id,
-            limits=mpsenv.MpsLimits(
-                gpu_uuid=gpu_uuid, sm_pct=sm, mem_bytes=mem, priority=self.s.priority(cls)
-            ),
-            pipe_dir=self.s.mps.pipe_dir(gpu_uuid),
-            latency_socket=self.s.config.paths.resolved("latency_socket"),
-        )
-        slo = slo_p99_ms / 1000 if slo_p99_ms is not None and cls is ClientClass.ONLINE else None
-        if cls is ClientClass.OFFLINE:
-            gating = self.s.gate.view(gpu_uuid, self.s.clock.monotonic()).enabled
-            mode, why = launcher.choose_queue(queue, gating_on=gating)
-            queue_vars, how = launcher.queue_env(
-                mode, self.s.config.gate, self.s.shallow_library, vet=self.s.library_vet
-            )
-            env.update(queue_vars)
-            if (shallow := launcher.shallow_how(queue_vars)) is not None:
-                self._shallow[client_id] = shallow
+        env, choice = client_env(self.s, client_id, gpu_uuid, sm, mem, cls, slo_p99_ms, queue=queue)
+        if choice is not None:
+            if choice.shallow_how is not None:
+                self._shallow[client_id] = choice.shallow_how
             else:
                 self._shallow.pop(client_id, None)
             if announce:
-                log.info("offline_queue", client_id=client_id, queue=mode, reason=why, how=how)
-        return {**mpsenv.marker_env(cls, slo), **env}
+                log.info(
+                    "offline_queue", client_id=client_id, queue=choice.mode, reason=choice.why,
+                    how=choice.how,
+                )  # fmt: skip
+        return env
