@@ -345,7 +345,7 @@ class Daemon:
             if policy is not state.policy:
                 # A new policy starts from its own initial state; the duty it sends first applies.
                 state.policy = policy
-                self.loop.policy_state.clear()
+                self.loop.restart_policy()
         state.registry.add_event("config_reloaded", f"config reloaded from {self.config_path}")
         log.info("config_reloaded", path=str(self.config_path))
         self._notify("READY=1")

@@ -110,6 +110,10 @@ class ControlLoop:
         """The one-line STATUS= summary (of ``records``, by default the registry's clients)."""
         return self.reporter.summary(records)
 
+    def restart_policy(self) -> None:
+        """Start every GPU's policy from its initial state at the next tick (a new policy)."""
+        self.policy_state.clear()
+
     def apply(self, action: Action, now: float) -> None:
         """Carry out one controller action at monotonic ``now`` (outside a tick: tests, tools)."""
         self.actuator.apply(action, Tick(now, self.s.clock.time()))
