@@ -23,6 +23,7 @@ from gpushare.control.gpu_state import GpuState
 from gpushare.control.policy import Policy
 from gpushare.daemon.cordon import FILE_NAME as CORDON_FILE
 from gpushare.daemon.cordon import Cordons
+from gpushare.daemon.freeze import FreezeArbiter
 from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
@@ -99,10 +100,12 @@ class NodeState:
         self.latency = AppLatency(
             lat.window_s, lat.min_samples, lat.scrape_period_s, threads=self.threads
         )
-        #: Request gating: every freeze goes through its arbiter (duty, holds and gates).
+        #: Why each client is frozen (duty, holds, gates, the stop): every freeze goes through it.
+        self.freeze = FreezeArbiter(pauser, clock=clock.monotonic, on_edge=self._paused_edge)
+        #: Request gating (its freezes go through the arbiter).
         self.gate = Gatekeeper(
             config.gate, pauser, online_gpu=self._online_gpu, clock=clock.monotonic,
-            on_edge=self._paused_edge,
+            arbiter=self.freeze,
         )  # fmt: skip
         #: The --inflight-from gauges, polled into the gates.
         self.gauges = GaugePoller(
