@@ -14,13 +14,13 @@ import pytest
 
 from gpushare import config
 from gpushare.daemon.freeze import DUTY, GATE, HOLD, FreezeArbiter
-from gpushare.daemon.launcher import HostProcesses
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.state import NodeState
 from gpushare.model import ClientClass, ClientState, PauseMechanism
 from gpushare.node.clock import SystemClock
 from gpushare.node.pauser_base import FreezeTimeoutError, PauserError
+from gpushare.node.procs.host import HostProcesses
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mps import FakeMpsNode
 
