@@ -79,9 +79,9 @@ def device_plugin(
 ) -> None:
     """Serve gpushare.io/online and gpushare.io/offline to the kubelet (runs until SIGTERM)."""
     from gpushare import config
-    from gpushare.cli.envresolve import daemon_socket, load_config
     from gpushare.model import ClientClass
     from gpushare.mpsenv import check_limits
+    from gpushare.roots.envresolve import daemon_socket, load_config
     from gpushare.units import parse_duration
 
     try:

@@ -9,7 +9,7 @@ it. A restarted kubelet removes every plugin socket and recreates its own: when 
 (:class:`KubeletWatch`), the servers are started again and registered again.
 
 What a container gets is :mod:`gpushare.k8s.devices`'; the environment is ``gpushare env``'s
-(:func:`gpushare.cli.envresolve.workload_env`).
+(:func:`gpushare.roots.envresolve.workload_env`).
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ from pathlib import Path
 from types import FrameType
 
 from gpushare import config
-from gpushare.cli.envresolve import workload_env
+from gpushare.control.pods import ENV_CLIENT_SCOPE, POD_SCOPE
 from gpushare.k8s.devices import DaemonPaths, PluginSettings
 from gpushare.k8s.plugin import DaemonGpus, DevicePlugin, EnvFor
 from gpushare.model import ClientClass
-from gpushare.pods import ENV_CLIENT_SCOPE, POD_SCOPE
+from gpushare.roots.envresolve import workload_env
 
 
 def env_builder(cfg: config.Config, settings: PluginSettings) -> EnvFor:

@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from gpushare import config, pods
-from gpushare.adoption import FACT_ENV, Rule, decide
+from gpushare import config
+from gpushare.control import pods
+from gpushare.control.adoption import FACT_ENV, Rule, decide
 from gpushare.model import ClientClass, PauseMechanism
 from gpushare.node.cgroups.discovery import cgroup2_mount
 from gpushare.node.cgroups.route import freeze_route

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.adoption import Rule, scan
 from gpushare.config import AdoptRule
+from gpushare.control.adoption import Rule, scan
+from gpushare.control.pods import pod_cgroup
 from gpushare.model import PauseMechanism, ProcessFacts
 from gpushare.node.cgroups.route import freeze_route
-from gpushare.pods import pod_cgroup
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
 UID_ = "7a5c3b2e_1f4d_4c8a_9b6e_2d3f4a5b6c7f"

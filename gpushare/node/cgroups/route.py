@@ -11,11 +11,11 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import NamedTuple
 
+from gpushare.control.pods import ENV_CLIENT_SCOPE, POD_SCOPE, pod_cgroup
 from gpushare.model import PauseMechanism
 from gpushare.node.cgroups.discovery import cgroup2_mount, is_delegated, is_within
 from gpushare.node.cgroups.files import walk_pids
 from gpushare.node.procs.facts import process_cgroup, read_environ
-from gpushare.pods import ENV_CLIENT_SCOPE, POD_SCOPE, pod_cgroup
 
 
 class FreezeRoute(NamedTuple):

@@ -18,12 +18,12 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import PurePosixPath
 
 from gpushare.config import AdoptRule
+from gpushare.control.pods import ENV_CLIENT_SCOPE, POD_SCOPE, pod_cgroup
 from gpushare.model import ClientClass, ProcessFacts
 from gpushare.mpsenv import ENV_CLASS, ENV_GPU_UUID, ENV_SLO_P99, check_limits
-from gpushare.pods import ENV_CLIENT_SCOPE, POD_SCOPE, pod_cgroup
 from gpushare.units import format_duration, format_size, parse_duration, parse_size
 
 ENV_SM = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
@@ -290,8 +290,8 @@ def _running_limits(
             "`gpushare env` prints"
         )
         return None, None, gpu
-    if gpu is None and Path(pipe).name.startswith(("GPU-", "MIG-")):
-        gpu = Path(pipe).name
+    if gpu is None and PurePosixPath(pipe).name.startswith(("GPU-", "MIG-")):
+        gpu = PurePosixPath(pipe).name
     sm = None
     if ENV_SM in env:
         try:
