@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Protocol
 
 import structlog
 
@@ -37,6 +36,7 @@ from gpushare.control.gate import GateState
 from gpushare.inflight import Rejections
 from gpushare.latency.receiver import renice_thread
 from gpushare.model import GateReading
+from gpushare.node.base import BatchPauser
 from gpushare.node.pauser_base import PauserError
 
 log = structlog.get_logger(__name__)
@@ -45,37 +45,11 @@ GATE = "gate"
 
 
 DAEMON = "daemon"
-_PAUSE_ERRORS = (OSError, PauserError)
 
 
-class BasicPauser(Protocol):
-    """What the arbiter needs of any pauser: freeze and thaw (waiting)."""
-
-    def freeze(self, client_id: str) -> None:
-        """Freeze and wait for the kernel's confirmation."""
-        ...
-
-    def thaw(self, client_id: str) -> None:
-        """Thaw."""
-        ...
-
-
-def _requester(pauser: BasicPauser) -> tuple[Callable[[Sequence[str], bool], list[str]], bool]:
-    """The pauser's non-waiting request, and whether it has one (else freeze/thaw, waiting)."""
-    request = getattr(pauser, "request_frozen", None)
-    if callable(request):
-        return request, True
-
-    def waiting(client_ids: Sequence[str], frozen: bool) -> list[str]:
-        failed: list[str] = []
-        for client_id in client_ids:
-            try:
-                (pauser.freeze if frozen else pauser.thaw)(client_id)
-            except _PAUSE_ERRORS:
-                failed.append(client_id)
-        return failed
-
-    return waiting, False
+def _requester(pauser: BatchPauser) -> tuple[Callable[[Sequence[str], bool], list[str]], bool]:
+    """The pauser's request, and whether it only asks (then a waiting pause confirms by freeze)."""
+    return pauser.request_frozen, not pauser.request_waits
 
 
 class Gatekeeper:
@@ -96,7 +70,7 @@ class Gatekeeper:
     def __init__(
         self,
         config: GateConfig,
-        pauser: BasicPauser,
+        pauser: BatchPauser,
         *,
         rejections: Rejections | None = None,
         clock: Callable[[], float] = time.monotonic,

@@ -31,7 +31,14 @@ from gpushare.inflight import GaugePoller
 from gpushare.latency.app import AppLatency
 from gpushare.latency.p99 import LatencyP99
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
-from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
+from gpushare.node.base import (
+    Clock,
+    DaemonGpuBackend,
+    DaemonMpsNode,
+    LatencyProbe,
+    NodePauser,
+    ProcessHost,
+)
 from gpushare.node.pauser_base import PauserError
 
 log = structlog.get_logger(__name__)
@@ -65,9 +72,9 @@ class NodeState:
         config: Config,
         *,
         registry: Registry,
-        gpu: GpuBackend,
-        mps: MpsNode,
-        pauser: Pauser,
+        gpu: DaemonGpuBackend,
+        mps: DaemonMpsNode,
+        pauser: NodePauser,
         probe: LatencyProbe | None,
         policy: Policy[Any] | None,
         clock: Clock,
@@ -165,9 +172,9 @@ class NodeState:
     def multiuser(self, gpu_uuid: str) -> bool:
         """Whether the GPU's MPS serves several users at once (docs/design.md D11)."""
         # Only the real MPS node knows whether its daemon runs -multiuser-server; without that
-        # knowledge assume the stricter legacy behaviour.
-        supervisor = getattr(self.mps, "supervisors", {}).get(gpu_uuid)
-        return bool(getattr(supervisor, "multiuser", False))
+        # knowledge (no supervisor: simulated, fakes) assume the stricter legacy behaviour.
+        supervisor = self.mps.supervisors.get(gpu_uuid)
+        return supervisor is not None and supervisor.multiuser
 
     def priority(self, cls: ClientClass) -> int:
         """The MPS priority a client of this class starts with."""

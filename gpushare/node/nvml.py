@@ -65,7 +65,7 @@ from gpushare.node.nvml_errors import (
 from gpushare.node.nvml_worker import Worker
 
 if TYPE_CHECKING:
-    from gpushare.node.base import ComputeModeControl, GpuBackend
+    from gpushare.node.base import ComputeModeControl, DaemonGpuBackend
 
 log = structlog.get_logger(__name__)
 
@@ -149,6 +149,9 @@ class NvmlBackend:
         fatal_xids: XIDs reported with ``fatal=True``.
         init_retry_s: after a failed init, how long ``sample`` waits before trying again.
     """
+
+    #: Real GPUs (``daemon.simulated`` in ``gpushare status --json``).
+    simulated = False
 
     def __init__(
         self,
@@ -810,7 +813,7 @@ def _handle_key(handle: Any) -> Any:
 
 if TYPE_CHECKING:  # the adapter implements the Protocols the daemon holds it by
 
-    def _conforms(b: NvmlBackend) -> tuple[GpuBackend, ComputeModeControl]:
+    def _conforms(b: NvmlBackend) -> tuple[DaemonGpuBackend, ComputeModeControl]:
         return b, b
 
 

@@ -22,6 +22,8 @@ class FakeGpuBackend:
     when it lists nobody). ``compute_mode`` is what NVML reads for every GPU.
     """
 
+    simulated = False
+
     def __init__(
         self, gpus: int = 2, mem_total_bytes: int = 16 * GIB, mem_used_bytes: int = 1 * GIB
     ) -> None:

@@ -18,12 +18,13 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpushare.model import MpsEvent, MpsEventKind, MpsState
+from gpushare.node.base import MultiuserInfo
 from gpushare.node.mps import DaemonNotReachable
 
 
@@ -40,6 +41,9 @@ class FakeGpu:
 
 class FakeMpsNode:
     """In-memory MPS for several GPUs; records every call in :attr:`calls`."""
+
+    backend = None
+    supervisors: Mapping[str, MultiuserInfo] = {}
 
     def __init__(self, gpu_uuids: Iterable[str], pipe_root: Path = Path("/tmp/fake-mps")) -> None:
         self.gpus: dict[str, FakeGpu] = {u: FakeGpu() for u in gpu_uuids}
@@ -165,6 +169,14 @@ class FakeMpsNode:
             self._step(gpu_uuid, f"client_terminated: client {pid}", client_pid=pid)
         gpu.state = MpsState.UP
         self._step(gpu_uuid, f"server_active: server {gpu.server_pid} back to ACTIVE")
+
+    def start(self) -> None:
+        """Nothing to start."""
+        self._enter("start")
+
+    def stop(self, *, quit_daemon: bool = True) -> None:
+        """Nothing to stop."""
+        self._enter("stop", quit_daemon)
 
     # Internals ------------------------------------------------------------------------------
 

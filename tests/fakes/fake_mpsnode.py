@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from gpushare.model import MpsEvent, MpsState
+from gpushare.node.base import MultiuserInfo
 
 
 class FakeMpsNode:
     """Every GPU's MPS is UP unless ``<root>/<uuid>.state`` names another MpsState value."""
+
+    backend = None
+    supervisors: Mapping[str, MultiuserInfo] = {}
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -38,6 +42,9 @@ class FakeMpsNode:
         self, gpu_uuid: str, offline_pids: Sequence[int], online_pids: Sequence[int]
     ) -> None:
         self.recovered.append((gpu_uuid, tuple(offline_pids), tuple(online_pids)))
+
+    def start(self) -> None:
+        pass
 
     def stop(self, *, quit_daemon: bool = True) -> None:
         self.stopped.append(quit_daemon)

@@ -394,6 +394,8 @@ def hanging_call(n: int = 2, index: int = 0, fname: str = "nvmlDeviceGetPowerUsa
 class FakeGpuBackend:
     """A :class:`~gpushare.node.base.GpuBackend` whose samples are set by the test."""
 
+    simulated = False
+
     def __init__(self, samples: Sequence[GpuSample]) -> None:
         self.samples = list(samples)
         self.events: list[GpuEvent] = []
