@@ -184,15 +184,10 @@ def test_build_observations_with_the_real_adapter_and_a_scripted_probe() -> None
     assert o1.clients[0].mem_used_bytes is None  # a lost GPU lists no processes
 
 
-class BrokenProbe:
-    def reading(self, gpu_uuid: str) -> ProbeReading:
-        raise RuntimeError("boom")
-
-
 def test_building_never_raises() -> None:
     obs = build_observations(
         samples=[sample()],
-        probe=BrokenProbe(),
+        probe=FakeProbe([(0.0, 0.05)], raises=RuntimeError("boom")),
         clients_by_gpu={U0: [view("web", ClientClass.ONLINE, 201)]},
         config=Config(),
         mps_states={U0: MpsState.UP},

@@ -54,6 +54,9 @@ class NoopPolicy:
     """A policy that never acts: offline work runs unthrottled. Used until a controller is wired."""
 
     name = "none"
+    offline_mps_priority = ClientClass.OFFLINE.mps_priority
+    gpu_mode = "mps"
+    preemption = None
 
     def initial_state(self, gpu_uuid: str, now: float) -> None:
         """No state."""
@@ -181,7 +184,7 @@ class NodeState:
         # The policy decides offline clients' MPS priority (baselines compare without it).
         if cls is ClientClass.ONLINE:
             return 0
-        return int(getattr(self.policy, "offline_mps_priority", cls.mps_priority))
+        return int(self.policy.offline_mps_priority)
 
     def default_sm(self, cls: ClientClass, gpu_uuid: str) -> float:
         """The SM share a client of this class gets on this GPU unless it asked for one."""

@@ -72,6 +72,14 @@ class LatencyProbe(Protocol):
         ...
 
 
+class SlotHoldingProbe(LatencyProbe, Protocol):
+    """A probe that says how many MPS client slots it holds (counted against the GPU's limit)."""
+
+    def mps_client_slots(self, gpu_uuid: str) -> int:
+        """MPS client slots the probe holds on this GPU now (0 where it holds none)."""
+        ...
+
+
 class Pauser(Protocol):
     """Freezes, thaws and kills a client's processes (:mod:`gpushare.node.cgroups`)."""
 

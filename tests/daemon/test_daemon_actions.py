@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,11 @@ from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
 from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
-    Action,
     Alert,
     ClientClass,
     ClientState,
     Evict,
     Freeze,
-    Observation,
     ProbeReading,
     RecoverMps,
     RestartClient,
@@ -53,32 +51,12 @@ from gpushare.node.signal_pauser import SignalPauser
 from gpushare.protocol import ErrorCode, ProtocolError
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mpsnode import FakeMpsNode
+from tests.fakes.fake_policy import ScriptedPolicy
 from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from tests.support.daemon_helpers import cpu_ticks, wait_for
 
 ROOT = Caller(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
 GPU0 = fake_uuid(0)
-
-
-class ScriptedPolicy:
-    """Returns the actions queued in ``pending`` at the next step, and records observations."""
-
-    name = "scripted"
-
-    def __init__(self) -> None:
-        self.pending: list[Action] = []
-        self.seen: list[Observation] = []
-
-    def initial_state(self, gpu_uuid: str, now: float) -> int:
-        return 0
-
-    def step(
-        self, state: int, observation: Observation, now: float
-    ) -> tuple[int, Sequence[Action]]:
-        self.seen.append(observation)
-        mine = [a for a in self.pending if getattr(a, "gpu_uuid", GPU0) == observation.gpu_uuid]
-        self.pending = [a for a in self.pending if a not in mine]
-        return state + 1, mine
 
 
 @pytest.fixture(params=["signal", "cgroup"])
@@ -104,7 +82,7 @@ evict_grace = "500ms"
 [probe]
 enabled = false
 """)
-    policy = ScriptedPolicy()
+    policy = ScriptedPolicy(GPU0)
     mps = FakeMpsNode(base / "mps")
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
@@ -439,7 +417,7 @@ enabled = false
 [metrics]
 listen = "127.0.0.1:{port}"
 """)
-    policy = ScriptedPolicy()
+    policy = ScriptedPolicy(GPU0)
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
         mps=FakeMpsNode(base / "mps"), pauser=SignalPauser(), policy=policy,
