@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 
+from bench.support import fake_nvml
+from bench.support.fake_nvml import GIB, uuid_of
 from gpushare.config import Config, ControlConfig, GpuOverride, MpsConfig
 from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
@@ -30,8 +32,7 @@ from gpushare.observe import (
     build_observations,
     offline_running,
 )
-from tests.fakes import fake_nvml
-from tests.fakes.fake_nvml import GIB, FakeGpuBackend, uuid_of
+from tests.fakes.fake_gpu import FakeGpuBackend
 from tests.fakes.fake_probe import FakeProbe
 
 U0, U1 = uuid_of(0), uuid_of(1)

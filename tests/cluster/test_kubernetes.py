@@ -23,6 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from bench.support.daemon_helpers import DaemonProc, wait_for
 from gpushare import config, pods
 from gpushare.adoption import FACT_ENV, Rule, decide
 from gpushare.model import ClientClass, PauseMechanism, ProcessFacts
@@ -33,7 +34,6 @@ from gpushare.node.procs.facts import process_facts
 from gpushare.node.procs.identity import descendants
 from gpushare.paths import repo_root
 from tests.fakes.fake_gpu import fake_uuid
-from tests.support.daemon_helpers import DaemonProc, wait_for
 
 K8S = repo_root() / "deploy" / "kubernetes"
 # The oldest Kubernetes release still supported upstream when this was written; the manifests use

@@ -22,6 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.daemon_helpers import cpu_ticks, wait_for
 from gpushare import config
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.drain import DEEP_DRAIN_S
@@ -52,8 +54,6 @@ from gpushare.protocol import ErrorCode, ProtocolError
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mpsnode import FakeMpsNode
 from tests.fakes.fake_policy import ScriptedPolicy
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.daemon_helpers import cpu_ticks, wait_for
 
 ROOT = Caller(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
 GPU0 = fake_uuid(0)

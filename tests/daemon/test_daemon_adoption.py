@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.daemon_helpers import DaemonProc, call_as, python_for_others, wait_for
 from gpushare import config
 from gpushare.adoption import FACT_ENV, Rule, decide
 from gpushare.daemon.adopter import Found
@@ -29,8 +31,6 @@ from gpushare.node.procs.facts import process_facts
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mpsnode import FakeMpsNode
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.daemon_helpers import DaemonProc, call_as, python_for_others, wait_for
 
 FAST = 'adopt_scan_period = "100ms"\nadopt_min_age = "200ms"'
 # The scan sees the whole host: the rules match only this test's processes (a token of its own in

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from gpushare import client, paths
 from gpushare.config import GateConfig
 from gpushare.daemon.gating import Gatekeeper
@@ -32,7 +33,6 @@ from gpushare.latency.p99 import P99Tracker
 from gpushare.latency.receiver import LatencyReceiver, Sender
 from gpushare.node.cgroups.pauser import CgroupPauser
 from tests.fakes.fake_pauser import FakePauser
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
 CFG = GateConfig(hold_s=0.002, inflight_timeout_s=0.5, max_datagrams_per_s=1000)
 GPU = "GPU-0"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from bench.support.trusted import SKIP_REASON, make_trusted_dir, trusted_base
 from gpushare import config as config_mod
 from gpushare import native
 from gpushare.cli.app import app
@@ -23,7 +24,6 @@ from gpushare.mpsenv import workload_env
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend
 from tests.fakes.fake_mpsnode import FakeMpsNode
-from tests.support.trusted import SKIP_REASON, make_trusted_dir, trusted_base
 
 runner = CliRunner()
 

@@ -23,6 +23,7 @@ import psutil
 import pytest
 import structlog
 
+from bench.support.helpers import mps_server_dir
 from gpushare.config import Config, MpsConfig, PathsConfig
 from gpushare.model import MpsEvent, MpsEventKind, MpsState
 from gpushare.node import mps
@@ -38,7 +39,6 @@ from gpushare.node.mps import (
     UnknownCommand,
 )
 from gpushare.node.mps import commands as mps_commands
-from tests.support.helpers import mps_server_dir
 
 pytestmark = pytest.mark.mps
 
@@ -619,8 +619,8 @@ def test_compute_mode_through_the_real_nvml_adapter(
     make_supervisor: Callable[..., MpsSupervisor],
 ) -> None:
     # The NVML adapter and the supervisor must agree on mode names end to end.
+    from bench.support import fake_nvml
     from gpushare.node.nvml import NvmlBackend
-    from tests.fakes import fake_nvml
 
     lib = fake_nvml.healthy(1)
     backend = NvmlBackend(nvml=lib, events=False)

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 from structlog.testing import capture_logs
 
+from bench.support import fake_nvml
+from bench.support.fake_nvml import GIB, MIB, FakeNvmlLib, uuid_of
 from gpushare.model import GpuEvent, SmPeriod
 from gpushare.node.nvml import NvmlBackend
 from gpushare.node.nvml_errors import NvmlError, NvmlInitError
-from tests.fakes import fake_nvml
-from tests.fakes.fake_nvml import GIB, MIB, FakeNvmlLib, uuid_of
 
 
 class Clock:

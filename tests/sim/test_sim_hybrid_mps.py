@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.cgroup_helpers import remove_tree
+from bench.support.trusted import make_trusted_dir
 from gpushare import config as config_mod
 from gpushare.cli.render import render_status
 from gpushare.daemon.main import StartupError, simulated_mps
@@ -25,9 +27,7 @@ from gpushare.model import MpsEvent, MpsEventKind, MpsState
 from gpushare.node.mps import DaemonNotReachable, MpsControl, MpsError
 from gpushare.sim.hybrid_mps import HybridMpsNode, merge_state
 from gpushare.sim.realtime import RealTimeMpsNode, RealTimeSimNode
-from tests.support.cgroup_helpers import remove_tree
 from tests.support.sim_daemon_helpers import SimDaemon, run_daemon, sim_config, sim_daemon
-from tests.support.trusted import make_trusted_dir
 
 UUID = "GPU-sim-0000"
 
