@@ -67,8 +67,7 @@ from gpushare.sim.hybrid_mps import HybridMpsNode
 from tests.fakes.fake_dutyprobe import DutyGpu, DutyProbe
 from tests.fakes.fake_gpu import FakeGpuBackend
 from tests.fakes.fake_host import FakeHost
-from tests.fakes.fake_mps import FakeMpsNode as ScriptedMpsNode
-from tests.fakes.fake_mpsnode import FakeMpsNode
+from tests.fakes.fake_mps import FakeMpsNode
 from tests.fakes.fake_pauser import FakePauser
 from tests.fakes.fake_policy import FixedPolicy, ScriptedPolicy
 from tests.fakes.fake_probe import FakeProbe
@@ -113,7 +112,6 @@ CLAIMS: list[tuple[type, tuple[type, ...]]] = [
     (adapters.SimMpsNode, _DAEMON_MPS),
     (realtime.RealTimeMpsNode, _DAEMON_MPS),
     (FakeMpsNode, _DAEMON_MPS),
-    (ScriptedMpsNode, _DAEMON_MPS),
     (MpsSupervisor, (MultiuserInfo,)),
     # Processes and clocks.
     (HostProcesses, (ProcessHost,)),

@@ -1,6 +1,6 @@
 """The daemon end to end: a real daemon process, real socket, SQLite, signals and workloads.
 
-Only the GPU (tests/fakes/fake_gpu.py) and the MPS side (tests/fakes/fake_mpsnode.py) are fakes.
+Only the GPU (tests/fakes/fake_gpu.py) and the MPS side (tests/fakes/fake_mps.py) are fakes.
 """
 
 from __future__ import annotations

@@ -263,8 +263,9 @@ class FakeProbe:
 
     ``reading`` reports the scripted latency at ``clock()`` as the window p99, against a fixed
     baseline. ``unavailable`` makes every reading say why, as the real probe does without a driver;
-    ``raises`` makes every reading raise it (a broken adapter). ``slots`` is what
-    :meth:`mps_client_slots` reports for every GPU.
+    ``raises`` makes every reading raise it (a broken adapter); ``fixed`` is returned as every
+    reading. ``slots`` is what :meth:`mps_client_slots` reports for every GPU, and
+    :attr:`offline` records what ``set_offline_running`` was told, by GPU.
     """
 
     def __init__(
@@ -275,6 +276,7 @@ class FakeProbe:
         clock: Callable[[], float] | None = None,
         unavailable: str | None = None,
         raises: Exception | None = None,
+        fixed: ProbeReading | None = None,
         slots: int = 0,
     ) -> None:
         self.script = script
@@ -283,6 +285,7 @@ class FakeProbe:
         self.clock = clock or (lambda: self.now)
         self.unavailable = unavailable
         self.raises = raises
+        self.fixed = fixed
         self.slots = slots
         self.offline: dict[str, list[bool]] = {}
         self.closed = False
@@ -299,6 +302,8 @@ class FakeProbe:
     def reading(self, gpu_uuid: str) -> ProbeReading:
         if self.raises is not None:
             raise self.raises
+        if self.fixed is not None:
+            return self.fixed
         if self.unavailable is not None:
             return ProbeReading(reason=f"unavailable: {self.unavailable}")
         latency = self.latency_at(self.clock())

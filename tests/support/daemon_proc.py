@@ -21,13 +21,13 @@ from gpushare.logs import configure_logging
 from gpushare.node.adopted import AdoptingPauser
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
-from tests.fakes.fake_mpsnode import FakeMpsNode
+from tests.fakes.fake_mps import FakeMpsNode
 
 
 def _mps_node(cfg: config.Config) -> Any:
     """The fake MPS node, or with GPUSHARE_TEST_REAL_MPS=1 the real one over the real binary."""
     if not os.environ.get("GPUSHARE_TEST_REAL_MPS"):
-        return FakeMpsNode(cfg.paths.resolved("mps_pipe_dir"))
+        return FakeMpsNode(pipe_root=cfg.paths.resolved("mps_pipe_dir"))
     from bench.support.helpers import mps_server_dir
     from gpushare.node.mps import MpsNodeManager
 
