@@ -64,6 +64,7 @@ from gpushare.node.signal_pauser import SignalPauser
 from gpushare.sim import adapters, realtime
 from gpushare.sim.daemon_node import SimulatedPauser
 from gpushare.sim.hybrid_mps import HybridMpsNode
+from tests.fakes.fake_compute_mode import FakeComputeMode
 from tests.fakes.fake_dutyprobe import DutyGpu, DutyProbe
 from tests.fakes.fake_gpu import FakeGpuBackend
 from tests.fakes.fake_host import FakeHost
@@ -96,6 +97,7 @@ CLAIMS: list[tuple[type, tuple[type, ...]]] = [
     (FakePauser, _NODE_PAUSER),
     # GPU backends.
     (NvmlBackend, (*_DAEMON_GPU, ComputeModeControl)),
+    (FakeComputeMode, (ComputeModeControl,)),
     (adapters.SimGpuBackend, _DAEMON_GPU),
     (realtime.RealTimeGpuBackend, _DAEMON_GPU),
     (FakeGpuBackend, _DAEMON_GPU),

@@ -54,8 +54,17 @@ class FakeMpsNode:
     supervisors: Mapping[str, MultiuserInfo] = {}
 
     def __init__(
-        self, gpu_uuids: Iterable[str] | None = None, pipe_root: Path = Path("/tmp/fake-mps")
+        self,
+        gpu_uuids: Iterable[str] | None = None,
+        pipe_root: Path = Path("/tmp/fake-mps"),
+        *,
+        name: str = "mps",
+        log: list[str] | None = None,
     ) -> None:
+        """``log``: a list, shared by several fakes, where each call appends ``"<name>.<method>"``
+        (the order in which a composite asked its parts)."""
+        self.name = name
+        self.log = log
         self.open = gpu_uuids is None
         self.gpus: dict[str, FakeGpu] = {u: FakeGpu() for u in gpu_uuids or ()}
         self.pipe_root = pipe_root
@@ -224,6 +233,8 @@ class FakeMpsNode:
 
     def _enter(self, method: str, *args: Any, soft: bool = False) -> bool:
         self.calls.append((method, args))
+        if self.log is not None:
+            self.log.append(f"{self.name}.{method}")
         if method not in self._failures:
             return False
         error = self._failures.pop(method)

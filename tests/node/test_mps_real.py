@@ -39,6 +39,7 @@ from gpushare.node.mps import (
     UnknownCommand,
 )
 from gpushare.node.mps import commands as mps_commands
+from tests.fakes.fake_compute_mode import FakeComputeMode
 
 pytestmark = pytest.mark.mps
 
@@ -520,21 +521,8 @@ def test_multiuser_detection(
             make_supervisor(GPU_B, config=make_config(multiuser="on")).start()
 
 
-class RecordingComputeMode:
-    def __init__(self, mode: str | None = "default") -> None:
-        self.mode = mode
-        self.calls: list[tuple[str, str]] = []
-
-    def get_compute_mode(self, gpu_uuid: str) -> str | None:
-        return self.mode
-
-    def set_compute_mode(self, gpu_uuid: str, mode: str) -> None:
-        self.calls.append((gpu_uuid, mode))
-        self.mode = mode
-
-
 def test_compute_mode_set_and_restored(make_supervisor: Callable[..., MpsSupervisor]) -> None:
-    cm = RecordingComputeMode("default")
+    cm = FakeComputeMode("default")
     s = make_supervisor(compute_mode=cm)
     s.start()
     assert cm.calls == [(GPU_A, "exclusive_process")]
@@ -545,7 +533,7 @@ def test_compute_mode_set_and_restored(make_supervisor: Callable[..., MpsSupervi
 def test_compute_mode_leave(
     make_supervisor: Callable[..., MpsSupervisor], make_config: Callable[..., Config]
 ) -> None:
-    cm = RecordingComputeMode("default")
+    cm = FakeComputeMode("default")
     s = make_supervisor(config=make_config(compute_mode="leave"), compute_mode=cm)
     s.start()
     s.stop()
