@@ -1,18 +1,21 @@
 """The Protocols every node adapter implements.
 
 The real adapters live in this package, the simulated node in :mod:`gpushare.sim`, and the fakes
-in ``tests/``.
+in ``tests/fakes/`` (one per Protocol).
 
 The daemon's run loop talks to the node only through these, which is what lets the same loop and
 controller run on a real host, on the simulator (in virtual time: :class:`Clock`) and in tests.
 
 A capability beyond a Protocol's core is a Protocol of its own (:class:`BatchPauser`,
 :class:`TrackingPauser`, :class:`SpawnPauser`, :class:`AdoptPauser`; :class:`ManagedMpsNode`,
-:class:`DescribedMpsNode`; :class:`SimulatedFlag`), and the daemon holds the union it calls
-(:class:`NodePauser`, :class:`DaemonMpsNode`). An adapter without a capability implements it
-with null behaviour (:class:`gpushare.node.pauser_defaults.PauserDefaults` for pausers), so no
-caller probes for a method: mypy sees every call. ``tests/test_conformance.py`` checks every
-adapter and fake against the Protocols it claims, signatures included.
+:class:`DescribedMpsNode`; :class:`SimulatedFlag`; :class:`SlotHoldingProbe`), and the daemon
+holds the union it calls (:class:`NodePauser`, :class:`DaemonMpsNode`, :class:`DaemonGpuBackend`).
+An adapter without a capability implements it with null behaviour (for pausers by inheriting
+:class:`gpushare.node.pauser_defaults.PauserDefaults`; elsewhere a constant or a no-op), so no
+caller probes for a method with ``getattr``: mypy sees every call. Each adapter's module has a
+``_conforms`` function that mypy checks, and ``tests/test_conformance.py`` checks every adapter and
+fake against the Protocols it claims, signatures included. (What a policy declares besides its
+step is on :class:`gpushare.control.policy.Policy`.)
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class GpuBackend(Protocol):
 class SimulatedFlag(Protocol):
     """An adapter that says whether what it reads is simulated (``daemon.simulated`` in status)."""
 
-    #: True for the simulated node's adapters, False for real hardware and fakes.
+    #: True for the real-time simulated node (``daemon --simulate``); False for real hardware,
+    #: the batch simulator (it serves no status) and fakes.
     simulated: bool
 
 
