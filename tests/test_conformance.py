@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
@@ -295,3 +296,62 @@ def test_every_protocol_of_node_base_has_an_implementation_here() -> None:
     }
     claimed = {proto for _, protos in CLAIMS for proto in protos}
     assert protocols - claimed == set()
+
+
+# ----------------------------------------------------------------------------- no probing
+
+
+def declared_capabilities() -> set[str]:
+    """Every member name of the node Protocols and of the Policy Protocol."""
+    from gpushare.node import base
+
+    protos = [
+        obj
+        for obj in vars(base).values()
+        if isinstance(obj, type) and getattr(obj, "_is_protocol", False)
+    ]
+    names = {name for proto in [*protos, Policy] for name in protocol_members(proto)}
+    # Every enum has a ``name`` too (cuda-python's status codes are read by it): not a capability.
+    return names - {"name"}
+
+
+def capability_probes(tree: ast.AST, declared: set[str]) -> list[str]:
+    """``getattr(x, "name", ...)`` / ``hasattr(x, "name")`` of a declared Protocol member."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in declared
+        ):
+            found.append(f"line {node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+    return found
+
+
+def test_no_module_probes_for_a_declared_capability() -> None:
+    """A capability is called through its Protocol, never looked up by name (mypy sees it)."""
+    declared = declared_capabilities()
+    assert {
+        "freeze_many",
+        "request_frozen",
+        "adopt",
+        "supervisors",
+        "offline_mps_priority",
+    } <= declared
+    package = Path(__file__).resolve().parent.parent / "gpushare"
+    offenders = {
+        str(path.relative_to(package.parent)): found
+        for path in sorted(package.rglob("*.py"))
+        if (found := capability_probes(ast.parse(path.read_text()), declared))
+    }
+    assert not offenders, f"getattr probes for capabilities the Protocols declare: {offenders}"
+
+
+def test_the_probe_check_sees_a_probe() -> None:
+    code = 'many = getattr(pauser, "freeze_many", None)\nx = getattr(obj, "unrelated")\n'
+    assert capability_probes(ast.parse(code), {"freeze_many"}) == [
+        "line 1: getattr(..., 'freeze_many')"
+    ]
