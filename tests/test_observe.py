@@ -262,3 +262,21 @@ def test_online_and_offline_are_made_once_and_stay_out_of_equality_and_repr() ->
     assert obs == fresh and hash(obs) == hash(fresh) and repr(obs) == repr(fresh)
     moved = dataclasses.replace(obs, clients=clients[1:])
     assert moved.online() == () and [c.client_id for c in moved.offline()] == ["train"]
+
+
+def test_the_probes_mps_slots_count_against_the_client_limit() -> None:
+    cfg = Config(mps=MpsConfig(max_clients=2))
+    clients = {U0: [view("web", ClientClass.ONLINE, 201)]}
+
+    def admissions(slots: int) -> bool:
+        (obs,) = build_observations(
+            samples=[sample()],
+            probe=FakeProbe([(0.0, 0.05)], slots=slots),
+            clients_by_gpu=clients,
+            config=cfg,
+            mps_states={U0: MpsState.UP},
+        )
+        return obs.admissions_open
+
+    assert admissions(0)  # 1 client of 2
+    assert not admissions(1)  # 1 client and the probe's context: full
