@@ -79,6 +79,8 @@ class GpushareController:
 
     name = "gpushare"
     offline_mps_priority = 1
+    gpu_mode = "mps"
+    preemption = None
 
     def __init__(self, config: ControlConfig) -> None:
         self.config = config

@@ -47,7 +47,14 @@ from gpushare.latency.receiver import LatencyReceiver, Sender, verified_identify
 from gpushare.metrics import Exporter
 from gpushare.model import ClientClass
 from gpushare.node import notify as sd
-from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
+from gpushare.node.base import (
+    Clock,
+    DaemonGpuBackend,
+    DaemonMpsNode,
+    LatencyProbe,
+    NodePauser,
+    ProcessHost,
+)
 from gpushare.node.clock import SystemClock
 from gpushare.node.procs.host import HostProcesses
 
@@ -72,9 +79,9 @@ class Daemon:
         config: Config,
         *,
         registry: Registry,
-        gpu: GpuBackend,
-        mps: MpsNode,
-        pauser: Pauser,
+        gpu: DaemonGpuBackend,
+        mps: DaemonMpsNode,
+        pauser: NodePauser,
         probe: LatencyProbe | None = None,
         policy: Policy[Any] | None = None,
         config_path: Path | None = None,
@@ -121,7 +128,7 @@ class Daemon:
         return self.state.registry
 
     @property
-    def mps(self) -> MpsNode:
+    def mps(self) -> DaemonMpsNode:
         """The MPS node."""
         return self.state.mps
 
@@ -284,9 +291,7 @@ class Daemon:
         state.gpu.close()
         # Supervision ends with the daemon; the MPS daemons themselves keep serving the running
         # clients unless the operator asked for them to stop too.
-        stop = getattr(state.mps, "stop", None)
-        if callable(stop):
-            stop(quit_daemon=state.config.daemon.stop_mps_on_exit)
+        state.mps.stop(quit_daemon=state.config.daemon.stop_mps_on_exit)
         state.registry.add_event("daemon_stopped", "gpushare stopped; workloads left running")
         log.info("daemon_stopped")
 

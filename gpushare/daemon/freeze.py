@@ -21,10 +21,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Protocol
 
 import structlog
 
+from gpushare.node.base import BatchPauser
 from gpushare.node.pauser_base import PauserError
 
 log = structlog.get_logger(__name__)
@@ -39,34 +39,9 @@ DAEMON_REASONS: frozenset[str] = frozenset({DUTY, HOLD, STOP})
 _PAUSE_ERRORS = (OSError, PauserError)
 
 
-class BasicPauser(Protocol):
-    """What the arbiter needs of any pauser: freeze and thaw (waiting)."""
-
-    def freeze(self, client_id: str) -> None:
-        """Freeze and wait for the kernel's confirmation."""
-        ...
-
-    def thaw(self, client_id: str) -> None:
-        """Thaw."""
-        ...
-
-
-def _requester(pauser: BasicPauser) -> tuple[Callable[[Sequence[str], bool], list[str]], bool]:
-    """The pauser's non-waiting request, and whether it has one (else freeze/thaw, waiting)."""
-    request = getattr(pauser, "request_frozen", None)
-    if callable(request):
-        return request, True
-
-    def waiting(client_ids: Sequence[str], frozen: bool) -> list[str]:
-        failed: list[str] = []
-        for client_id in client_ids:
-            try:
-                (pauser.freeze if frozen else pauser.thaw)(client_id)
-            except _PAUSE_ERRORS:
-                failed.append(client_id)
-        return failed
-
-    return waiting, False
+def _requester(pauser: BatchPauser) -> tuple[Callable[[Sequence[str], bool], list[str]], bool]:
+    """The pauser's request, and whether it only asks (then a waiting freeze confirms it)."""
+    return pauser.request_frozen, not pauser.request_waits
 
 
 class FreezeArbiter:
@@ -81,7 +56,7 @@ class FreezeArbiter:
 
     def __init__(
         self,
-        pauser: BasicPauser,
+        pauser: BatchPauser,
         *,
         clock: Callable[[], float] = time.monotonic,
         on_edge: Callable[[Sequence[str], bool, float], None] | None = None,

@@ -32,10 +32,11 @@ import structlog
 from gpushare.config import GateConfig
 from gpushare.control import gate
 from gpushare.control.gate import GateState
-from gpushare.daemon.freeze import GATE, BasicPauser, FreezeArbiter
+from gpushare.daemon.freeze import GATE, FreezeArbiter
 from gpushare.latency.inflight import Rejections
 from gpushare.latency.receiver import renice_thread
 from gpushare.model import GateReading
+from gpushare.node.base import BatchPauser
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +61,7 @@ class Gatekeeper:
     def __init__(
         self,
         config: GateConfig,
-        pauser: BasicPauser,
+        pauser: BatchPauser,
         *,
         rejections: Rejections | None = None,
         clock: Callable[[], float] = time.monotonic,

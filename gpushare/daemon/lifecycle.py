@@ -132,11 +132,9 @@ class Lifecycle:
                     return client_id
             # pids() may be a few seconds behind a fork (node/cgroups/pid_tracker.py); the cgroup
             # pauser can also name the owner of one pid from its /proc/PID/cgroup.
-            owner_of = getattr(self.s.pauser, "owner_of", None)
-            if callable(owner_of):
-                found = owner_of(pid)
-                if isinstance(found, str) and found in self._by_pid.values():
-                    return found
+            found = self.s.pauser.owner_of(pid)
+            if found is not None and found in self._by_pid.values():
+                return found
         return None
 
     def uid_of_client(self, client_id: str) -> int | None:
@@ -201,14 +199,9 @@ class Lifecycle:
             How it is paused, or ``None`` when it exited before it could be adopted.
         """
         assert self._watching
-        adopt = getattr(self.s.pauser, "adopt", None)
         try:
-            if callable(adopt):
-                route: FreezeRoute = adopt(client_id, pid, owner_uid=owner_uid)
-            else:  # a pauser without adopt (tests' fakes): attach as a launched client
-                self.s.pauser.attach(client_id, pid, owner_uid=owner_uid)
-                mechanism = self.s.pauser.mechanism
-                route = FreezeRoute(mechanism, None, f"{mechanism.value} (the daemon's pauser)")
+            # A pauser that cannot adopt where a process is attaches it (PauserDefaults.adopt).
+            route = self.s.pauser.adopt(client_id, pid, owner_uid=owner_uid)
         except PAUSE_ERRORS as exc:
             log.warning("adopt_failed", client_id=client_id, pid=pid, error=str(exc))
             if start_time is None or not self.s.procs.alive(pid, start_time):
@@ -373,8 +366,7 @@ class Lifecycle:
             return
         # Every process now: pids() may list one that exited since its last re-read
         # (node/cgroups/pid_tracker.py), and a signal must reach a just-forked one too.
-        members = getattr(self.s.pauser, "members", self.s.pauser.pids)
-        self.s.procs.signal(rec.pid, sig, members(rec.id))
+        self.s.procs.signal(rec.pid, sig, self.s.pauser.members(rec.id))
 
     def kill_overdue(self, now: float) -> None:
         """SIGKILL the signalled clients whose grace is over."""
@@ -482,11 +474,9 @@ class Lifecycle:
         )
         # With the cgroup freezer the child joins its cgroup before it execs, so a workload that
         # forks at once cannot leave a process outside the freezer's reach.
-        open_fd = getattr(self.s.pauser, "open_procs_fd", None)
         procs_fd: int | None = None
         try:
-            if callable(open_fd):
-                procs_fd = open_fd(rec.id)
+            procs_fd = self.s.pauser.open_procs_fd(rec.id)
             return self.s.procs.spawn(
                 rec.argv,
                 uid=rec.uid,

@@ -32,7 +32,14 @@ from gpushare.latency.inflight import GaugePoller
 from gpushare.latency.p99 import LatencyP99
 from gpushare.latency.threads import Supervisor
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
-from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
+from gpushare.node.base import (
+    Clock,
+    DaemonGpuBackend,
+    DaemonMpsNode,
+    LatencyProbe,
+    NodePauser,
+    ProcessHost,
+)
 from gpushare.node.pauser_base import PauserError
 
 log = structlog.get_logger(__name__)
@@ -48,6 +55,9 @@ class NoopPolicy:
     """A policy that never acts: offline work runs unthrottled. Used until a controller is wired."""
 
     name = "none"
+    offline_mps_priority = ClientClass.OFFLINE.mps_priority
+    gpu_mode = "mps"
+    preemption = None
 
     def initial_state(self, gpu_uuid: str, now: float) -> None:
         """No state."""
@@ -66,9 +76,9 @@ class NodeState:
         config: Config,
         *,
         registry: Registry,
-        gpu: GpuBackend,
-        mps: MpsNode,
-        pauser: Pauser,
+        gpu: DaemonGpuBackend,
+        mps: DaemonMpsNode,
+        pauser: NodePauser,
         probe: LatencyProbe | None,
         policy: Policy[Any] | None,
         clock: Clock,
@@ -168,16 +178,16 @@ class NodeState:
     def multiuser(self, gpu_uuid: str) -> bool:
         """Whether the GPU's MPS serves several users at once (docs/design.md D11)."""
         # Only the real MPS node knows whether its daemon runs -multiuser-server; without that
-        # knowledge assume the stricter legacy behaviour.
-        supervisor = getattr(self.mps, "supervisors", {}).get(gpu_uuid)
-        return bool(getattr(supervisor, "multiuser", False))
+        # knowledge (no supervisor: simulated, fakes) assume the stricter legacy behaviour.
+        supervisor = self.mps.supervisors.get(gpu_uuid)
+        return supervisor is not None and supervisor.multiuser
 
     def priority(self, cls: ClientClass) -> int:
         """The MPS priority a client of this class starts with."""
         # The policy decides offline clients' MPS priority (baselines compare without it).
         if cls is ClientClass.ONLINE:
             return 0
-        return int(getattr(self.policy, "offline_mps_priority", cls.mps_priority))
+        return int(self.policy.offline_mps_priority)
 
     def default_sm(self, cls: ClientClass, gpu_uuid: str) -> float:
         """The SM share a client of this class gets on this GPU unless it asked for one."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from bench.support.daemon_helpers import DaemonProc, wait_for
 from gpushare import config
 from gpushare.control import pods
 from gpushare.control.adoption import FACT_ENV, Rule, decide
@@ -28,7 +29,6 @@ from gpushare.node.cgroups.route import freeze_route
 from gpushare.node.procs.facts import process_facts
 from gpushare.node.procs.identity import descendants
 from tests.fakes.fake_gpu import fake_uuid
-from tests.support.daemon_helpers import DaemonProc, wait_for
 
 CID = "3f1b5a0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a"
 UID = "7a5c3b2e-1f4d-4c8a-9b6e-2d3f4a5b6c7d"

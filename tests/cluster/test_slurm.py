@@ -28,6 +28,9 @@ from typing import Any
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.daemon_helpers import install_package_for_others, python_for_others, wait_for
+from bench.support.trusted import make_trusted_dir
 from gpushare import config, protocol, slurm
 from gpushare.client import ApiClient
 from gpushare.model import ClientClass
@@ -35,9 +38,6 @@ from gpushare.node.cgroups.discovery import cgroup2_mount
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.paths import repo_root
 from tests.support import slurm_cluster
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.daemon_helpers import install_package_for_others, python_for_others, wait_for
-from tests.support.trusted import make_trusted_dir
 
 GPU = "GPU-8a2f1c3e-1111-2222-3333-444455556666"
 

@@ -13,6 +13,7 @@ import re
 
 import pytest
 
+from bench.support.daemon_helpers import wait_for
 from gpushare import slurm
 from gpushare.model import ClientClass
 from tests.cluster.test_slurm import (  # noqa: F401 - the fixtures are used by name
@@ -23,7 +24,6 @@ from tests.cluster.test_slurm import (  # noqa: F401 - the fixtures are used by 
     slurm_harness,
     with_daemon,
 )
-from tests.support.daemon_helpers import wait_for
 
 SLURM_GRES = "gpu:1,mps:100"
 

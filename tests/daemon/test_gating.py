@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from gpushare import client, paths
 from gpushare.config import GateConfig
 from gpushare.daemon.gating import Gatekeeper
@@ -31,7 +32,7 @@ from gpushare.latency.inflight import (
 from gpushare.latency.p99 import P99Tracker
 from gpushare.latency.receiver import LatencyReceiver, Sender
 from gpushare.node.cgroups.pauser import CgroupPauser
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from tests.fakes.fake_pauser import FakePauser
 
 CFG = GateConfig(hold_s=0.002, inflight_timeout_s=0.5, max_datagrams_per_s=1000)
 GPU = "GPU-0"
@@ -44,25 +45,6 @@ def wait_for(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-d
             return
         time.sleep(0.002)
     raise AssertionError("condition not met in time")
-
-
-class FakePauser:
-    """Records what the arbiter asks (request_frozen) and what is frozen now."""
-
-    def __init__(self) -> None:
-        self.frozen: set[str] = set()
-        self.calls: list[tuple[tuple[str, ...], bool]] = []
-
-    def request_frozen(self, client_ids: list[str], frozen: bool) -> list[str]:
-        self.calls.append((tuple(client_ids), frozen))
-        if frozen:
-            self.frozen.update(client_ids)
-        else:
-            self.frozen.difference_update(client_ids)
-        return []
-
-    def freeze(self, client_id: str) -> None:
-        self.frozen.add(client_id)
 
 
 @pytest.fixture

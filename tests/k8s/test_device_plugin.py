@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.daemon_helpers import REPO, DaemonProc, wait_for
 from tests.k8s.fake_kubelet import FakeKubelet
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.daemon_helpers import REPO, DaemonProc, wait_for
 
 ONLINE = "gpushare.io/online"
 OFFLINE = "gpushare.io/offline"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.daemon_helpers import REPO
 from gpushare import __version__
-from tests.support.daemon_helpers import REPO
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("GPUSHARE_TEST_IMAGE") != "1",

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from gpushare.config import AdoptRule
 from gpushare.control.adoption import Rule, scan
 from gpushare.control.pods import pod_cgroup
 from gpushare.model import PauseMechanism, ProcessFacts
 from gpushare.node.cgroups.route import freeze_route
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
 UID_ = "7a5c3b2e_1f4d_4c8a_9b6e_2d3f4a5b6c7f"
 POD = f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_}.slice"

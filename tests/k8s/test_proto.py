@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.daemon_helpers import REPO
 from gpushare.k8s.proto import api_pb2
-from tests.support.daemon_helpers import REPO
 
 PROTO = REPO / "gpushare" / "k8s" / "proto"
 
