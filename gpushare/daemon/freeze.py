@@ -36,7 +36,6 @@ STOP = "stop"
 #: The reasons the daemon itself sets (all but the gates').
 DAEMON_REASONS: frozenset[str] = frozenset({DUTY, HOLD, STOP})
 
-_PAUSE_ERRORS = (OSError, PauserError)
 
 
 def _requester(pauser: BatchPauser) -> tuple[Callable[[Sequence[str], bool], list[str]], bool]:

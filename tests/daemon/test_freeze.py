@@ -31,6 +31,8 @@ class RecordingPauser:
     """Records every request; ``fail`` makes requests for those clients fail."""
 
     mechanism = PauseMechanism.SIGNAL
+    #: Its requests only ask (as the cgroup pauser's do); a freeze confirms.
+    request_waits = False
 
     def __init__(self) -> None:
         self.calls: list[tuple[tuple[str, ...], bool]] = []
