@@ -37,7 +37,6 @@ STOP = "stop"
 DAEMON_REASONS: frozenset[str] = frozenset({DUTY, HOLD, STOP})
 
 
-
 def _requester(pauser: BatchPauser) -> tuple[Callable[[Sequence[str], bool], list[str]], bool]:
     """The pauser's request, and whether it only asks (then a waiting freeze confirms it)."""
     return pauser.request_frozen, not pauser.request_waits
