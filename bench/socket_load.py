@@ -4,7 +4,9 @@ Starts a real daemon (tests/support/daemon_proc.py: fake GPUs and MPS, everythin
 each tree under test (this one, and ``--against`` another, e.g. a worktree of b0c0ecb), one after
 the other in the same run: ``--gpus`` GPUs (default 8) with ``--clients`` sleeping offline
 clients (default 48) spread over them; then ``--callers`` threads (default 48), each on its own
-connection, call ``status`` (then ``list``) for ``--seconds`` each. Also times ``gpushare submit
+connection, call ``status`` (then ``list``) for ``--seconds`` each; ``--procs N`` spreads them over
+N processes, as separate monitors would be (each decodes its answers under its own interpreter
+lock; with one process, the bench's own decoding is part of every latency it measures). Also times ``gpushare submit
 --offline --detach -- true`` as a whole process (median of 10). Prints a table and writes
 bench/results/socket_load.json. Targets (issue 29): p99 <= 50 ms; submit <= 150 ms.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -58,12 +61,12 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def load(
-    sock: Path, method: str, params: dict[str, Any], callers: int, seconds: float
-) -> dict[str, Any]:
+def _callers(
+    sock: Path, method: str, params: dict[str, Any], n: int, seconds: float, barrier: Any
+) -> tuple[list[float], list[str]]:
+    """``n`` threads of this process, each on its own connection: their latencies and errors."""
     lat: list[float] = []
     lock = threading.Lock()
-    barrier = threading.Barrier(callers)
     errors: list[str] = []
 
     def worker() -> None:
@@ -81,16 +84,53 @@ def load(
         with lock:
             lat.extend(mine)
 
-    threads = [threading.Thread(target=worker) for _ in range(callers)]
-    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return lat, errors
+
+
+def _caller_process(
+    sock: Path, method: str, params: dict[str, Any], n: int, seconds: float, barrier: Any,
+    out: Any,
+) -> None:  # fmt: skip
+    out.put(_callers(sock, method, params, n, seconds, barrier))
+
+
+def load(
+    sock: Path, method: str, params: dict[str, Any], callers: int, seconds: float, procs: int = 1
+) -> dict[str, Any]:
+    """``callers`` concurrent callers of ``method``, as threads of ``procs`` processes.
+
+    Monitors polling a daemon are processes of their own, each decoding its answers with its own
+    interpreter lock; callers that are threads of one process wait for that one lock too, so with
+    one process the load generator's decoding adds to every latency it measures.
+    """
+    t0 = time.perf_counter()
+    if procs <= 1:
+        lat, errors = _callers(sock, method, params, callers, seconds, threading.Barrier(callers))
+    else:
+        ctx = multiprocessing.get_context("fork")
+        barrier, out = ctx.Barrier(callers), ctx.SimpleQueue()
+        shares = [callers // procs + (i < callers % procs) for i in range(procs)]
+        kids = [ctx.Process(target=_caller_process,
+                            args=(sock, method, params, n, seconds, barrier, out))
+                for n in shares]  # fmt: skip
+        for k in kids:
+            k.start()
+        lat, errors = [], []
+        for _ in kids:
+            got_lat, got_err = out.get()
+            lat += got_lat
+            errors += got_err
+        for k in kids:
+            k.join()
     wall = time.perf_counter() - t0
     return {
-        "method": method, "callers": callers, "requests": len(lat), "errors": len(errors),
-        "requests_per_s": round(len(lat) / wall, 1),
+        "method": method, "callers": callers, "processes": max(1, procs), "requests": len(lat),
+        "errors": len(errors), "requests_per_s": round(len(lat) / wall, 1),
         "p50_ms": round(_pct(lat, 0.50) * 1e3, 1), "p99_ms": round(_pct(lat, 0.99) * 1e3, 1),
     }  # fmt: skip
 
@@ -123,8 +163,8 @@ def run_tree(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
             d.submit_detached(["sleep", "600"], gpu=str(i % args.gpus), name=f"load-{i}")
         submit_ms = submit_wall(tree, d.socket, 10)
         rows = [
-            load(d.socket, "status", {}, args.callers, args.seconds),
-            load(d.socket, "list", {"all": False}, args.callers, args.seconds),
+            load(d.socket, "status", {}, args.callers, args.seconds, args.procs),
+            load(d.socket, "list", {"all": False}, args.callers, args.seconds, args.procs),
         ]
     finally:
         d.cleanup()
@@ -138,10 +178,15 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=48)
     ap.add_argument("--callers", type=int, default=48)
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument(
+        "--procs", type=int, default=1,
+        help="Processes the callers are spread over (1: threads of this one, as before).",
+    )  # fmt: skip
     args = ap.parse_args()
     trees = {"this": REPO, **({"against": args.against.resolve()} if args.against else {})}
     results = {name: run_tree(tree, args) for name, tree in trees.items()}
-    print(f"{args.gpus} GPUs, {args.clients} clients, {args.callers} concurrent callers")
+    print(f"{args.gpus} GPUs, {args.clients} clients, {args.callers} concurrent callers "
+          f"in {args.procs} process(es)")  # fmt: skip
     print(f"{'tree':<10}{'method':<8}{'reqs':>7}{'err':>5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}")
     for name, res in results.items():
         for r in res["load"]:
@@ -154,7 +199,7 @@ def main() -> None:
     OUT.write_text(json.dumps({
         "host_cpus": os.cpu_count(), "load_avg": os.getloadavg(), "python": sys.version.split()[0],
         "gpus": args.gpus, "clients": args.clients, "callers": args.callers,
-        "seconds": args.seconds, "results": results,
+        "seconds": args.seconds, "procs": args.procs, "results": results,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {OUT}")
 
