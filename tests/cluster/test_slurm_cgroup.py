@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 
 from gpushare.client import ApiClient
+from gpushare.node.cgroups.discovery import cgroup2_mount
+from gpushare.node.procs.facts import process_cgroup
 from tests.support import slurm_cluster
 from tests.support.cgroup_helpers import cgroup_skip_reason
 from tests.support.daemon_helpers import REPO, DaemonProc, wait_for
@@ -101,6 +103,12 @@ def test_a_foreground_submit_in_a_job_step_stays_in_the_steps_cgroup(
         ).decode()
         # Still in the step's cgroup, as Slurm made it, after the daemon took it as a client.
         assert f"/job_{job}/step_0" in _step_cgroup(pid), Path(f"/proc/{pid}/cgroup").read_text()
+        if _hybrid() and daemon.cgroup_dir is not None:
+            # Slurm tracks it in v1; in v2 it was nobody's, and gpushare gave it a cgroup of its own.
+            mount = cgroup2_mount()
+            assert mount is not None
+            ours = "/" + str(daemon.cgroup_dir.relative_to(mount))
+            assert (process_cgroup(pid) or "").startswith(ours + "/"), process_cgroup(pid)
         listed = cluster.run("scontrol", "listpids", job).stdout.split()
         assert str(pid) in listed, listed
         # Slurm ends the job by its cgroup: the client goes with it, and the daemon sees that.
