@@ -51,7 +51,7 @@ class _Progress:
         self._shown = ""
 
     def show(self, text: str, elapsed_s: float) -> None:
-        line = f"{text} (waiting {format_duration(elapsed_s)})"
+        line = f"{text} (waiting {format_duration(int(elapsed_s))})"  # whole seconds
         if self.tty:
             sys.stderr.write("\r\x1b[K" + line[: shutil.get_terminal_size().columns - 1])
             sys.stderr.flush()

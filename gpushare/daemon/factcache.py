@@ -6,15 +6,17 @@ Reading every process's ``stat``, ``status``, ``cgroup`` and ``environ`` at ever
 
 - the list of pids (``/proc`` itself): every scan. A new pid is read in full at once, so a new
   process is decided at the first scan that sees it, and a gone one is dropped.
-- ``/proc/<pid>/stat`` of a known pid: at least every ``verify_s`` (10 s, each pid at its own
-  random point of 5-15 s, so the reads spread over the scans), and at once when NVML's list of
-  the process's GPUs changes. Its start time and the address of the environment say whether the
+- ``/proc/<pid>/stat`` of a known pid: at every scan while the process is younger than
+  :data:`RECENT_S` (60 s: a forked child may exec its real program seconds after the fork, and its
+  children must not be decided before it is); then at least every ``verify_s`` (10 s, each pid at
+  its own random point of 5-15 s, so the reads spread over the scans), and at once when NVML's
+  list of the process's GPUs changes. Its start time and the address of the environment say whether the
   cached facts are still this process's: a reused pid has another start time, and an ``exec``
   (which replaces the environment) lays the new one out elsewhere; a changed name is taken as an
   ``exec`` too. Any of these, and the process is read again in full. The parent and the name come
   from this read. Reading every pid's ``stat`` at every scan (2 s) was most of the idle daemon's
-  scan (``bench/daemon_overhead.py``); a process that execs another program is seen within
-  ``verify_s`` instead, or at once when it comes onto a GPU (the default ``uses_gpu`` rule's
+  scan (``bench/daemon_overhead.py``); a process older than a minute that execs another program
+  is seen within ``verify_s`` instead, or at once when it comes onto a GPU (the default ``uses_gpu`` rule's
   case). A pid reused between two looks is caught before anything is done with it: adoption
   checks the start time of the process it takes
   (:func:`gpushare.node.procs.identity.is_same_process`).
@@ -50,6 +52,9 @@ DEFAULT_REFRESH_S = 30.0
 
 DEFAULT_VERIFY_S = 10.0
 """How often, on average, a known process's ``stat`` is read to check it is the same image."""
+
+RECENT_S = 60.0
+"""A process younger than this has its ``stat`` read at every scan (see :meth:`FactCache._trusted`)."""
 
 FactsOf = Callable[
     [int, Collection[str], Mapping[int, tuple[str, ...]] | None], ProcessFacts | None
@@ -128,7 +133,7 @@ class FactCache:
         for pid in pids:
             entry = entries.get(pid)
             gpus = None if gpu_pids is None else gpu_pids.get(pid, ())
-            if entry is not None and now < entry.verify_at and self._same_gpus(entry, gpus):
+            if entry is not None and self._trusted(entry, gpus, now):
                 if entry.facts is None:
                     continue  # a kernel thread
                 before = f = entry.facts
@@ -223,7 +228,13 @@ class FactCache:
         return now + self.verify_s * (0.5 + random.random())
 
     @staticmethod
-    def _same_gpus(entry: _Entry, gpus: tuple[str, ...] | None) -> bool:
-        # A process that comes onto a GPU (or leaves it) is looked at at once: it may have
+    def _trusted(entry: _Entry, gpus: tuple[str, ...] | None, now: float) -> bool:
+        """Whether a cached process is taken as it was without reading its ``stat`` now."""
+        f = entry.facts
+        if f is None:
+            return now < entry.verify_at  # a kernel thread
+        # A recent process is looked at every scan: a forked child may exec its real program
+        # seconds later (slurmstepd runs the TaskProlog in between), and its children must not
+        # be decided before it is. So is one that comes onto a GPU (or leaves it): it may have
         # exec'd into the program a uses_gpu rule is waiting for.
-        return entry.facts is None or entry.facts.gpu_uuids == gpus
+        return now < entry.verify_at and now - f.start_time >= RECENT_S and f.gpu_uuids == gpus

@@ -191,6 +191,18 @@ def test_a_known_process_is_checked_again_within_the_verify_period_new_ones_at_o
     assert changed and len(facts) == 2 and p.full_reads == 3
 
 
+def test_a_recent_process_is_checked_at_every_scan():
+    # Forked by slurmstepd, which runs the TaskProlog before the fork execs the job's script:
+    # the exec must be seen before the script's children are decided.
+    p = FakeProc()
+    cache = p.cache(verify_s=10.0)
+    _read(cache, now=130)  # 30 s old
+    p.facts = dataclasses.replace(p.facts, name="bash", environ={"GPUSHARE_CLASS": "offline"})
+    p.image = (100, 7, 8)
+    assert _read(cache, now=132) == [p.facts]
+    assert (cache.stamp_reads, p.full_reads) == (2, 2)
+
+
 def test_a_process_that_comes_onto_a_gpu_is_checked_at_once():
     p = FakeProc()
     cache = p.cache(verify_s=10.0)
