@@ -218,8 +218,9 @@ class Adopter:
         facts: list[ProcessFacts] = []
         if only is None:
             facts, changed = self.cache.read(
-                self._all_pids(), names, gpu_pids, now=now, min_age_s=self.min_age_s
-            )
+                self._all_pids(), names, gpu_pids, now=now, min_age_s=self.min_age_s,
+                clients=clients if isinstance(clients, set | frozenset) else set(clients),
+            )  # fmt: skip
             gpus = None if gpu_pids is None else dict(gpu_pids)  # a copy: the caller's may change
             inputs = (list(rules), frozenset(clients), gpus, self.min_age_s)
             last = self._last

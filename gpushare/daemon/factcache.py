@@ -110,6 +110,7 @@ class FactCache:
         *,
         now: float,
         min_age_s: float,
+        clients: Collection[int] = (),
     ) -> tuple[list[ProcessFacts], bool]:
         """The facts of ``pids`` (those still there), and whether any differ from the last read.
 
@@ -119,6 +120,8 @@ class FactCache:
             gpu_pids: :func:`gpushare.daemon.adopter.gpu_processes`.
             now: wall-clock seconds, the unit of :attr:`ProcessFacts.start_time`.
             min_age_s: younger processes are read in full and not kept.
+            clients: pids that are clients: the scan skips them, so once read they are taken as
+                they were until they are gone (no ``stat`` read).
         """
         wanted = frozenset(names)
         if not wanted <= self._names:
@@ -133,7 +136,9 @@ class FactCache:
         for pid in pids:
             entry = entries.get(pid)
             gpus = None if gpu_pids is None else gpu_pids.get(pid, ())
-            if entry is not None and self._trusted(entry, gpus, now):
+            if entry is not None and (
+                (pid in clients and entry.facts is not None) or self._trusted(entry, gpus, now)
+            ):
                 if entry.facts is None:
                     continue  # a kernel thread
                 before = f = entry.facts

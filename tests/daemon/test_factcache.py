@@ -203,6 +203,19 @@ def test_a_recent_process_is_checked_at_every_scan():
     assert (cache.stamp_reads, p.full_reads) == (2, 2)
 
 
+def test_a_client_is_not_looked_at_again_while_it_is_one():
+    p = FakeProc()
+    cache = p.cache(verify_s=0.0)  # every other process: its stat at every read
+    _read(cache, now=130)
+    for now in (132, 134, 160):
+        facts, _ = cache.read(
+            [PID], {"GPUSHARE_CLASS"}, None, now=now, min_age_s=1.0, clients={PID}
+        )
+        assert facts == [p.facts]
+    assert cache.stamp_reads == 1
+    assert _read(cache, now=162) == [p.facts] and cache.stamp_reads == 2  # no longer a client
+
+
 def test_a_process_that_comes_onto_a_gpu_is_checked_at_once():
     p = FakeProc()
     cache = p.cache(verify_s=10.0)
