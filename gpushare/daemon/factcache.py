@@ -139,16 +139,17 @@ class FactCache:
             if entry is not None and (
                 (pid in clients and entry.facts is not None) or self._trusted(entry, gpus, now)
             ):
-                if entry.facts is None:
+                kept = entry.facts
+                if kept is None:
                     continue  # a kernel thread
-                before = f = entry.facts
+                seen: ProcessFacts | None = kept
                 if now >= entry.refresh_at:
-                    f = self._refresh(pid, entry, f, gpu_pids, now)
-                    if f is None:
-                        changed = True
-                        continue
-                changed = changed or f is not before
-                out.append(f)
+                    seen = self._refresh(pid, entry, kept, gpu_pids, now)
+                if seen is None:
+                    changed = True
+                    continue
+                changed = changed or seen is not kept
+                out.append(seen)
                 continue
             self.stamp_reads += 1
             stamp = self._stamp_of(pid)

@@ -80,7 +80,7 @@ def test_an_answer_not_shared_is_viewed_each_time():
 
 def test_an_encoded_result_goes_out_as_encode_would_write_the_response():
     result = {"schema_version": 3, "clients": [{"id": "c1", "name": "é \u2028"}], "x": 1.5}
-    for req_id in (None, 7, "a\"b"):
+    for req_id in (None, 7, 'a"b'):
         want = protocol.encode(protocol.ok_response(req_id, result))
         assert response_line(req_id, encoded(result)) == want
         assert response_line(req_id, result) == want
