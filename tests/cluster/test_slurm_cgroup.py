@@ -4,7 +4,7 @@ The cluster of tests/support/slurm_cluster.py with ``proctrack/cgroup`` and ``ta
 step lives in a cgroup of Slurm's own, and Slurm's accounting and its kill of a job go by that
 cgroup. A step runs ``gpushare submit --offline -- sleep`` in the foreground against a real test
 daemon; the workload becomes a client and must still be in the step's cgroup, listed by
-``scontrol listpids`` and ended by ``scancel`` (issue 29, "Foreground submit in a real Slurm job
+``scontrol listpids`` and accounted by ``sstat``, and ended by ``scancel`` (issue 29, "Foreground submit in a real Slurm job
 step").
 
 Slurm 22.05 tracks with ``cgroup/v2`` only on a host with nothing but the unified hierarchy: on a
@@ -70,6 +70,13 @@ def _client(api: ApiClient) -> dict[str, object] | None:
     return running[0] if running else None
 
 
+def _sstat_pids(cluster: slurm_cluster.SlurmCluster, job: str) -> list[str]:
+    """The pids ``sstat`` accounts for in the job's step 0."""
+    out = cluster.run("sstat", "-j", f"{job}.0", "-i", "-a", "-n", "-P", "-o", "JobID").stdout
+    # -i (--pidformat) prints JobID|Nodelist|Pids, then the fields asked for.
+    return [pid for line in out.splitlines() for pid in line.split("|")[2].split(",") if pid]
+
+
 def _step_cgroup(pid: int) -> str:
     """The cgroup Slurm tracks the step by: v1's ``freezer`` line on a hybrid host, else v2's."""
     lines = dict(
@@ -111,6 +118,8 @@ def test_a_foreground_submit_in_a_job_step_stays_in_the_steps_cgroup(
             assert (process_cgroup(pid) or "").startswith(ours + "/"), process_cgroup(pid)
         listed = cluster.run("scontrol", "listpids", job).stdout.split()
         assert str(pid) in listed, listed
+        # Slurm's accounting gathers the step's usage from the same cgroup: the client is in it.
+        wait_for(lambda: str(pid) in _sstat_pids(cluster, job), 30.0, "sstat to list the client")
         # Slurm ends the job by its cgroup: the client goes with it, and the daemon sees that.
         assert cluster.run("scancel", job).returncode == 0
         wait_for(lambda: not Path(f"/proc/{pid}").exists(), 30.0, "Slurm to end the client")

@@ -116,8 +116,8 @@ def start(
 
     Args:
         cgroups: ``cgroup/v1`` or ``cgroup/v2``: track each step in a cgroup of its own
-            (``proctrack/cgroup``, :func:`cgroup_conf`); ``None``: by its process tree
-            (``proctrack/linuxproc``).
+            (``proctrack/cgroup``, :func:`cgroup_conf`), each step's usage gathered for
+            ``sstat``; ``None``: by its process tree (``proctrack/linuxproc``).
 
     Raises:
         AssertionError: a daemon exited or the node did not come up; the logs are in the message.
@@ -239,6 +239,11 @@ def _use_cgroups(conf: Path, plugin: str) -> None:
     text = conf.read_text()
     text = text.replace("ProctrackType=proctrack/linuxproc", "ProctrackType=proctrack/cgroup")
     text = text.replace("TaskPlugin=task/none", "TaskPlugin=task/cgroup")
+    # Accounting of each step's processes (sstat), which proctrack/cgroup lists.
+    text = text.replace(
+        "JobAcctGatherType=jobacct_gather/none",
+        "JobAcctGatherType=jobacct_gather/linux\nJobAcctGatherFrequency=1",
+    )
     conf.write_text(text)
     (conf.parent / "cgroup.conf").write_text(cgroup_conf(plugin, mount))
 
