@@ -310,7 +310,7 @@ control_binary = "/nonexistent/gpushare-test/nvidia-cuda-mps-control"
 
 
 @pytest.fixture(scope="module")
-def slurm_harness() -> Iterator[Harness]:
+def slurm_harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     if (reason := slurm_cluster.skip_reason()) is not None:
         pytest.skip(reason)
     python = python_for_others()
@@ -340,7 +340,11 @@ def slurm_harness() -> Iterator[Harness]:
         scripts[name].chmod(0o755)
     recorder = _serve(base / "api.sock")
     cluster = slurm_cluster.start(
-        prolog=scripts["prolog"], task_prolog=scripts["task-prolog"], epilog=scripts["epilog"]
+        prolog=scripts["prolog"],
+        task_prolog=scripts["task-prolog"],
+        epilog=scripts["epilog"],
+        # A module that sets SLURM_GRES gets a node with those GRES (tests/cluster/test_slurm_gres.py).
+        gres=getattr(request.module, "SLURM_GRES", None),
     )
     # Jobs run as nobody where nobody can run a Python with gpushare; else as root.
     user = "nobody" if python is not None and _has_nobody() else None

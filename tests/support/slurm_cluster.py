@@ -17,6 +17,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -110,11 +111,19 @@ class SlurmCluster:
 
 
 def start(
-    *, prolog: Path, task_prolog: Path, epilog: Path, cpus: int = 8, cgroups: str | None = None
+    *,
+    prolog: Path,
+    task_prolog: Path,
+    epilog: Path,
+    cpus: int = 8,
+    gres: str | None = None,
+    cgroups: str | None = None,
 ) -> SlurmCluster:
     """Start munged, slurmctld and slurmd; return once the node is idle.
 
     Args:
+        gres: the node's generic resources (``gpu:1,mps:100``), with :func:`fake_gpu_gres` lines
+            in ``<base>/gres.conf`` for a GPU that is a device file only.
         cgroups: ``cgroup/v1`` or ``cgroup/v2``: track each step in a cgroup of its own
             (``proctrack/cgroup``, :func:`cgroup_conf`), each step's usage gathered for
             ``sstat``; ``None``: by its process tree (``proctrack/linuxproc``).
@@ -133,6 +142,8 @@ def start(
     key.chmod(0o400)
     sock = base / "sock" / "munge"
     conf = base / "slurm.conf"
+    if gres is not None:
+        (base / "gres.conf").write_text(fake_gpu_gres(base))
     conf.write_text(
         f"""ClusterName=gpushare-test
 FirstJobId={random.randrange(10_000, 60_000_000)}
@@ -165,7 +176,9 @@ KillWait=2
 Prolog={prolog}
 TaskProlog={task_prolog}
 Epilog={epilog}
-NodeName={NODE} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+{f"GresTypes=gpu,mps{chr(10)}" if gres is not None else ""}\
+NodeName={NODE} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN\
+{f" Gres={gres}" if gres is not None else ""}
 PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
 """
     )
@@ -192,6 +205,21 @@ PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
         cluster.stop()
         raise
     return cluster
+
+
+def fake_gpu_gres(base: Path) -> str:
+    """gres.conf for one GPU whose device file is a character device with nothing behind it.
+
+    Slurm only names the file (and reads its device number for cgroup constraints); no driver is
+    opened. The node ``<base>/dev/nvidia0`` (NVIDIA's major 195) stays inside the cluster's own
+    directory, so the host's /dev is not touched.
+    """
+    dev = base / "dev"
+    dev.mkdir(exist_ok=True)
+    node = dev / "nvidia0"
+    if not node.exists():
+        os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(195, 0))
+    return f"Name=gpu File={node}\nName=mps Count=100 File={node}\n"
 
 
 def _wait(
