@@ -92,3 +92,35 @@ def test_the_dispatcher_sends_an_encoded_result_whole():
     assert greeted
     assert json.loads(line) == {"id": 4, "result": {"gpus": []}}
     assert line.endswith(b"}\n")
+
+
+def test_every_user_gets_the_one_answer_built_for_this_state():
+    """48 monitors of 48 users wait for one build per tick, not 48 (daemon/views.py)."""
+    from types import SimpleNamespace
+
+    from gpushare.daemon.views import Views
+
+    state = SimpleNamespace(
+        clock=SimpleNamespace(monotonic=lambda: 1.0),
+        registry=SimpleNamespace(clients=lambda: [], event_counts=lambda: {}),
+        gate=SimpleNamespace(view=lambda uuid, now: None),
+        samples=[],
+    )
+    views = Views(
+        state,  # type: ignore[arg-type]
+        SimpleNamespace(paused=set()),  # type: ignore[arg-type]
+        SimpleNamespace(ticks=7),  # type: ignore[arg-type]
+        0.0,
+        SimpleNamespace(view=lambda uuid: None),  # type: ignore[arg-type]
+    )
+    builds: list[str | None] = []
+
+    def build(gpu: str | None) -> dict[str, Any]:
+        builds.append(gpu)
+        return {"gpus": [], "clients": []}
+
+    views._status = build  # type: ignore[method-assign]
+    first = views.status(None, viewer=1000)
+    assert views.status(None, viewer=2000) is first
+    assert views.status(None, viewer=0) is first
+    assert builds == [None]
