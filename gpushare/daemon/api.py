@@ -84,13 +84,15 @@ class Api:
     def methods(self) -> dict[str, Handler]:
         """The explicit dispatch table of the API (``hello`` is answered by the server)."""
 
-        def seen(handler: Handler) -> Handler:
+        def seen(handler: Handler, *, shared: bool = False) -> Handler:
             # What others may not see of a client is taken out of every answer that shows one.
-            return as_seen(handler, lambda: self.s.config.daemon.admin_group, self.s.registry)
+            return as_seen(
+                handler, lambda: self.s.config.daemon.admin_group, self.s.registry, shared=shared
+            )
 
         return {
-            protocol.STATUS: seen(self.status),
-            protocol.LIST: seen(self.list),
+            protocol.STATUS: seen(self.status, shared=True),
+            protocol.LIST: seen(self.list, shared=True),
             protocol.EVENTS: seen(self.events),
             protocol.SUBMIT: self.submit,
             protocol.CANCEL: self.cancel,

@@ -68,13 +68,16 @@ class Views:
         """``status``: GPUs and clients (schema in docs/status-schema.md).
 
         Built once per control tick and state of the registry, and shared by every caller asking
-        the same (``viewer``: the caller's uid, for answers that may differ by caller); callers
-        must not change it. 48 monitors polling at once then wait for one build under the state
-        lock instead of 48 (bench/socket_load.py). A submit, a transition or any other change of a
-        client record makes the next answer a new one at once; readings (gate, probe) are as of
-        the tick.
+        the same, whoever it is (``viewer``, the caller's uid, changes nothing: what one user may
+        not see of another's clients is taken out afterwards, by :func:`.rights.as_seen`, which
+        also encodes each viewer's view once per answer); callers must not change it. 48 monitors
+        polling at once then wait for one build under the state lock instead of 48, and users
+        polling at once for one build instead of one each (bench/socket_load.py). A submit, a
+        transition or any other change of a client record makes the next answer a new one at
+        once; readings (gate, probe) are as of the tick.
         """
-        return self._shared(("status", gpu, viewer), lambda: self._status(gpu))
+        del viewer  # the same answer for everyone (see above)
+        return self._shared(("status", gpu), lambda: self._status(gpu))
 
     def _shared(
         self, key: tuple[object, ...], build: Callable[[], dict[str, Any]]
@@ -306,7 +309,8 @@ class Views:
 
     def clients(self, *, include_final: bool, viewer: int = 0) -> dict[str, Any]:
         """``list``: clients (live and queued, or all); shared as :meth:`status` is."""
-        return self._shared(("list", include_final, viewer), lambda: self._clients(include_final))
+        del viewer  # the same answer for everyone (see status)
+        return self._shared(("list", include_final), lambda: self._clients(include_final))
 
     def _clients(self, include_final: bool) -> dict[str, Any]:
         with self.s.lock:

@@ -106,16 +106,27 @@ class SlurmCluster:
                 if (read_environ(pid, ["SLURM_CONF"]) or {}).get("SLURM_CONF") == str(self.conf):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
+        _remove_empty_cgroups()
         shutil.rmtree(self.base, ignore_errors=True)
 
 
 def start(
-    *, prolog: Path, task_prolog: Path, epilog: Path, cpus: int = 8, gres: str | None = None
+    *,
+    prolog: Path,
+    task_prolog: Path,
+    epilog: Path,
+    cpus: int = 8,
+    gres: str | None = None,
+    cgroups: str | None = None,
 ) -> SlurmCluster:
     """Start munged, slurmctld and slurmd; return once the node is idle.
 
-    ``gres``: the node's generic resources (``gpu:1,mps:100``), with :func:`fake_gpu_gres` lines
-    in ``<base>/gres.conf`` for a GPU that is a device file only.
+    Args:
+        gres: the node's generic resources (``gpu:1,mps:100``), with :func:`fake_gpu_gres` lines
+            in ``<base>/gres.conf`` for a GPU that is a device file only.
+        cgroups: ``cgroup/v1`` or ``cgroup/v2``: track each step in a cgroup of its own
+            (``proctrack/cgroup``, :func:`cgroup_conf`), each step's usage gathered for
+            ``sstat``; ``None``: by its process tree (``proctrack/linuxproc``).
 
     Raises:
         AssertionError: a daemon exited or the node did not come up; the logs are in the message.
@@ -171,6 +182,8 @@ NodeName={NODE} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={cpu
 PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
 """
     )
+    if cgroups is not None:
+        _use_cgroups(conf, cgroups)
     cluster = SlurmCluster(base, conf)
     env = cluster.env
     logs = [base / "log" / n for n in ("munged.log", "slurmctld.log", "slurmd.log")]
@@ -223,3 +236,53 @@ def _wait(
             }
             raise AssertionError(f"waiting for {what}: exited {dead}; logs {tails}")
         time.sleep(0.1)
+
+
+# ------------------------------------------------------------------------- cgroup tracking
+
+
+def cgroup_conf(plugin: str, mount: Path) -> str:
+    """The ``cgroup.conf`` of a cluster whose steps live in cgroups (``plugin`` under ``mount``).
+
+    Slurm 22.05's ``cgroup/v2`` asks systemd (over D-Bus) for a scope for its step daemons; there
+    is no systemd here, so ``IgnoreSystemd`` has it make that cgroup itself. No resource is
+    constrained: the cgroups are for tracking (``proctrack/cgroup``), and on a hybrid host the
+    unified hierarchy may have no controller to constrain with.
+    """
+    return (
+        f"CgroupPlugin={plugin}\nCgroupMountpoint={mount}\n"
+        + ("IgnoreSystemd=yes\n" if plugin == "cgroup/v2" else "")
+        + "ConstrainCores=no\nConstrainRAMSpace=no\nConstrainSwapSpace=no\nConstrainDevices=no\n"
+    )
+
+
+def _use_cgroups(conf: Path, plugin: str) -> None:
+    # Kept apart from the template above so that other changes of slurm.conf merge cleanly.
+    from gpushare.node.cgroups.discovery import cgroup2_mount
+
+    # cgroup/v1 finds each controller's hierarchy under the mount point; v2 needs the unified one.
+    mount = cgroup2_mount() if plugin == "cgroup/v2" else Path("/sys/fs/cgroup")
+    if mount is None:
+        raise AssertionError("no cgroup v2 mount: see cgroup_skip_reason()")
+    text = conf.read_text()
+    text = text.replace("ProctrackType=proctrack/linuxproc", "ProctrackType=proctrack/cgroup")
+    text = text.replace("TaskPlugin=task/none", "TaskPlugin=task/cgroup")
+    # Accounting of each step's processes (sstat), which proctrack/cgroup lists.
+    text = text.replace(
+        "JobAcctGatherType=jobacct_gather/none",
+        "JobAcctGatherType=jobacct_gather/linux\nJobAcctGatherFrequency=1",
+    )
+    conf.write_text(text)
+    (conf.parent / "cgroup.conf").write_text(cgroup_conf(plugin, mount))
+
+
+def _remove_empty_cgroups() -> None:
+    # cgroup/v1 leaves its per-node directory (and, when a step daemon is killed, the step's) in
+    # each hierarchy; rmdir removes only empty ones, so another cluster's running jobs stay.
+    for top in Path("/sys/fs/cgroup").glob(f"*/slurm_{NODE}"):
+        for sub in sorted(top.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if sub.is_dir():
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
+        with contextlib.suppress(OSError):
+            top.rmdir()
