@@ -68,7 +68,7 @@ os.environ["GPUSHARE_SIM_ENGINE"] = "python"
 import dataclasses  # noqa: E402
 
 from gpushare import logs  # noqa: E402
-from gpushare.cli.sim_cmd import make_policies  # noqa: E402
+from gpushare.cli.sim_run import make_policies  # noqa: E402
 from gpushare.sim import data, engine, runner, scenario, validation, workloads  # noqa: E402
 from gpushare.sim.gpu import EventLoop, Gpu, Run, Stream  # noqa: E402
 

@@ -24,7 +24,7 @@ from gpushare.config import Config  # noqa: E402
 from gpushare.latency.p99 import LatencyP99  # noqa: E402
 from gpushare.model import ClientClass, ClientState, ClientView, Limits, MpsState  # noqa: E402
 from gpushare.node.nvml import NvmlBackend  # noqa: E402
-from gpushare.observe import build_observations  # noqa: E402
+from gpushare.observe import build_observation  # noqa: E402
 from tests.fakes import fake_nvml  # noqa: E402
 from tests.fakes.fake_nvml import FakeGpuBackend  # noqa: E402
 from tests.fakes.fake_probe import FakeProbe  # noqa: E402
@@ -81,15 +81,19 @@ def main() -> None:
     times = []
     for _ in range(iterations):
         t0 = time.perf_counter()
-        obs = build_observations(
-            samples=backend.sample(),
-            probe=probe,
-            clients_by_gpu=clients_by_gpu,
-            config=config,
-            app_p99=app_p99,
-            mps_states=mps_states,
-            gpu_events=backend.drain_events(),
-        )
+        events = backend.drain_events()
+        obs = [
+            build_observation(
+                sample=s,
+                probe=probe.reading(s.uuid),
+                clients=clients_by_gpu[s.uuid],
+                config=config,
+                app_p99=app_p99,
+                mps_state=mps_states[s.uuid],
+                gpu_events=events,
+            )
+            for s in backend.sample()
+        ]
         times.append(time.perf_counter() - t0)
     assert len(obs) == GPUS
     assert all(len(o.clients) == CLIENTS for o in obs)

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gpushare import logs  # noqa: E402
-from gpushare.cli.sim_cmd import make_policies  # noqa: E402
+from gpushare.cli.sim_run import make_policies  # noqa: E402
 from gpushare.sim import engine, runner, scenario  # noqa: E402
 from gpushare.sim.workloads import percentile  # noqa: E402
 from gpushare.units import parse_duration  # noqa: E402

@@ -210,8 +210,8 @@ class ClientView:
     """What the controller may know about one client on a GPU.
 
     ``p99_ms`` is the app-reported p99 over the latency window, ``None`` with ``p99_reason`` when
-    the client reports nothing. ``guarantee_sm_pct`` and ``ceiling_sm_pct`` are the shares a user
-    declared: an offline guarantee is honoured as a duty-cycle floor while online SLOs hold.
+    the client reports nothing. ``ceiling_sm_pct`` is the share a user declared (``--sm``): an
+    offline client's share never goes above it.
     ``queue`` is an offline client's ``submit --queue`` (``None``: deep) and ``shallow`` whether it
     runs with a shallow queue now (``CUDA_LAUNCH_BLOCKING=1``, docs/controller.md).
     """
@@ -227,7 +227,6 @@ class ClientView:
     p99_ms: float | None = None
     p99_reason: str | None = None
     restartable: bool = False
-    guarantee_sm_pct: float | None = None
     ceiling_sm_pct: float | None = None
     failures: int = 0
     started_at_s: float | None = None
@@ -441,28 +440,6 @@ Action = (
     | Admit
     | Alert
 )
-
-
-@dataclass(frozen=True, slots=True)
-class ClientSpec:
-    """What a user asked for at ``gpushare submit``."""
-
-    cls: ClientClass
-    argv: tuple[str, ...]
-    gpu: str = "any"
-    sm_pct: float | None = None
-    mem_bytes: int | None = None
-    slo_p99_ms: float | None = None
-    name: str | None = None
-    restartable: bool = False
-    checkpoint_signal: int = 10  # SIGUSR1
-    detach: bool = False
-    guarantee_sm_pct: float | None = None
-    ceiling_sm_pct: float | None = None
-    expected_duration_s: float | None = None
-    latency_from: str | None = None
-    env: tuple[tuple[str, str], ...] = field(default=())
-    cwd: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

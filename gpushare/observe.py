@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
 import structlog
 
@@ -20,7 +19,6 @@ from gpushare.config import Config
 from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
     ClientClass,
-    ClientState,
     ClientView,
     GateReading,
     GpuEvent,
@@ -35,10 +33,6 @@ log = structlog.get_logger(__name__)
 
 NO_APP_LATENCY = "no app latency source (report_latency or --latency-from)"
 NO_PROBE = "unavailable: no probe on this GPU"
-
-
-class _ProbeLike(Protocol):
-    def reading(self, gpu_uuid: str) -> ProbeReading: ...
 
 
 def build_observation(
@@ -189,87 +183,3 @@ def _with(view: ClientView, **changes: object) -> ClientView:
     values = {name: getattr(view, name) for name in _VIEW_FIELDS}
     values.update(changes)
     return ClientView(**values)
-
-
-def build_observations(
-    *,
-    samples: Sequence[GpuSample],
-    probe: _ProbeLike | Mapping[str, ProbeReading] | None,
-    clients_by_gpu: Mapping[str, Sequence[ClientView]],
-    config: Config,
-    app_p99: Mapping[str, LatencyP99] | None = None,
-    mps_states: Mapping[str, MpsState] | None = None,
-    mps_events: Mapping[str, Sequence[MpsEvent]] | None = None,
-    gpu_events: Sequence[GpuEvent] = (),
-    client_pids: Mapping[str, Sequence[int]] | None = None,
-) -> tuple[Observation, ...]:
-    """One observation per sampled GPU, in sample order; never raises.
-
-    Args:
-        samples: this tick's NVML samples (``GpuBackend.sample()``).
-        probe: a :class:`~gpushare.node.base.LatencyProbe` (or readings by GPU UUID, or ``None``).
-        clients_by_gpu: the registry's client views by GPU UUID.
-        config: the daemon config.
-        app_p99: app-reported p99 per client id.
-        mps_states: MPS health by GPU UUID (missing: ``UNKNOWN``, which closes admissions).
-        mps_events: MPS events since the last tick by GPU UUID.
-        gpu_events: GPU events since the last tick (``GpuBackend.drain_events()``).
-        client_pids: every pid of each client.
-    """
-    out = []
-    for sample in samples:
-        reading = _probe_reading(probe, sample.uuid)
-        slots = _probe_slots(probe, sample.uuid)
-        out.append(
-            build_observation(
-                sample=sample,
-                probe=reading,
-                clients=clients_by_gpu.get(sample.uuid, ()),
-                config=config,
-                app_p99=app_p99,
-                mps_state=(mps_states or {}).get(sample.uuid, MpsState.UNKNOWN),
-                mps_events=(mps_events or {}).get(sample.uuid, ()),
-                gpu_events=gpu_events,
-                client_pids=client_pids,
-                probe_mps_slots=slots,
-            )
-        )
-    return tuple(out)
-
-
-def _probe_reading(
-    probe: _ProbeLike | Mapping[str, ProbeReading] | None, uuid: str
-) -> ProbeReading | None:
-    if probe is None:
-        return None
-    if isinstance(probe, Mapping):
-        return probe.get(uuid)
-    try:
-        return probe.reading(uuid)
-    except Exception as exc:
-        log.exception("probe_reading_failed", gpu=uuid)
-        return ProbeReading(reason=f"unavailable: probe failed: {exc}")
-
-
-def _probe_slots(probe: object, uuid: str) -> int:
-    slots = getattr(probe, "mps_client_slots", None)
-    if not callable(slots):
-        return 0
-    try:
-        return int(slots(uuid))
-    except Exception:  # noqa: BLE001 - a slot count is advisory
-        return 1
-
-
-def offline_running(clients: Sequence[ClientView]) -> bool:
-    """Whether offline work may be running on a GPU (for ``LatencyProbe.set_offline_running``).
-
-    Frozen or held clients issue no new work; every other live offline client might.
-    """
-    return any(
-        c.cls is ClientClass.OFFLINE
-        and c.state.is_live
-        and c.state is not ClientState.FROZEN
-        and not c.held
-        for c in clients
-    )

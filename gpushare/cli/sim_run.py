@@ -9,15 +9,9 @@ simulation runs.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import sys
 import time
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - Python 3.10
-    pass
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,49 +20,33 @@ import typer
 
 from gpushare import logs
 from gpushare.config import ControlConfig
+from gpushare.control import registry
 from gpushare.control.policy import Policy
 from gpushare.sim import ENGINE, data, engine, report, runner, scenario
 
-REGISTRY_MODULE = "gpushare.control.registry"
-
 
 class PolicyError(Exception):
-    """A policy name is unknown or no policy registry is installed."""
+    """A policy name is unknown."""
 
 
 def policy_names() -> tuple[str, ...]:
-    """Every policy the registry offers.
-
-    Raises:
-        PolicyError: the controller package with its registry is not installed.
-    """
-    module = _registry()
-    return tuple(module.POLICY_NAMES)
+    """Every policy the registry offers."""
+    return registry.POLICY_NAMES
 
 
 def make_policies(names: Sequence[str], control: ControlConfig) -> list[tuple[str, Policy[Any]]]:
     """Build the named policies from the registry.
 
     Raises:
-        PolicyError: an unknown name (the message lists the valid ones) or no registry.
+        PolicyError: an unknown name (the message lists the valid ones).
     """
-    module = _registry()
     out = []
     for name in names:
         try:
-            out.append((name, module.make_policy(name, control)))
+            out.append((name, registry.make_policy(name, control)))
         except ValueError as exc:
             raise PolicyError(str(exc)) from None
     return out
-
-
-def _registry() -> Any:
-    try:
-        return importlib.import_module(REGISTRY_MODULE)
-    except ImportError as exc:
-        raise PolicyError(
-            f"no policy registry ({REGISTRY_MODULE}: {exc}); install gpushare with its controller"
-        ) from None
 
 
 class _Progress:
@@ -121,7 +99,7 @@ def run_files(
 
     Raises:
         scenario.ScenarioError: a bad scenario file.
-        PolicyError: an unknown policy or no registry.
+        PolicyError: an unknown policy.
         data.DataError: the data a scenario names is missing.
     """
     loaded = [scenario.load(f) for f in files]

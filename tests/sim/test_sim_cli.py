@@ -49,11 +49,11 @@ def test_sim_runs_policies_and_writes_outputs(tmp_path: Path) -> None:
 
 
 def test_every_registered_policy_runs_and_rows_are_consistent(tmp_path: Path) -> None:
-    from gpushare.cli import sim_cmd
+    from gpushare.cli import sim_run
 
     sc = tmp_path / "s.toml"
     sc.write_text(SCENARIO.replace('"3s"', '"2s"'))
-    (result,) = sim_cmd.run_files([sc], None, progress=False)
+    (result,) = sim_run.run_files([sc], None, progress=False)
     rows = report.summarise(result)
     assert [r.policy for r in rows] == list(POLICY_NAMES)
     for r in rows:
@@ -97,12 +97,12 @@ def test_a_bad_scenario_among_good_ones_runs_none_of_them(tmp_path: Path) -> Non
 
 
 def test_slo_factor_overrides_the_scenarios_slo(tmp_path: Path) -> None:
-    from gpushare.cli import sim_cmd
+    from gpushare.cli import sim_run
 
     sc = tmp_path / "s.toml"
     sc.write_text(SCENARIO.replace('"3s"', '"1s"'))
-    (default,) = sim_cmd.run_files([sc], ["exclusive"], progress=False)
-    (loose,) = sim_cmd.run_files([sc], ["exclusive"], progress=False, slo_factor=2.0)
+    (default,) = sim_run.run_files([sc], ["exclusive"], progress=False)
+    (loose,) = sim_run.run_files([sc], ["exclusive"], progress=False, slo_factor=2.0)
     assert default.alone is not None and loose.alone is not None
     alone_p99 = loose.alone.online[0].p99_ms
     assert default.slo_ms["inf"] == 1.1 * default.alone.online[0].p99_ms  # the scenario default
@@ -113,5 +113,5 @@ def test_slo_factor_overrides_the_scenarios_slo(tmp_path: Path) -> None:
     fixed.write_text(
         SCENARIO.replace('"3s"', '"1s"').replace("load = 0.5", "load = 0.5\nslo_p99_ms = 50.0")
     )
-    (kept,) = sim_cmd.run_files([fixed], ["exclusive"], progress=False, slo_factor=2.0)
+    (kept,) = sim_run.run_files([fixed], ["exclusive"], progress=False, slo_factor=2.0)
     assert kept.slo_ms["inf"] == 50.0
