@@ -11,7 +11,6 @@ nothing: the daemon's own control loop drives it through the node Protocols of
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
@@ -25,6 +24,7 @@ from gpushare.model import (
     ProcessMemory,
     SmPeriod,
 )
+from gpushare.node.probe_window import BASELINE_MIN_SAMPLES, probe_reading, stalled_ms
 from gpushare.sim import data
 from gpushare.sim.gpu import EventLoop, Gpu, GpuMode
 from gpushare.sim.scenario import GpuSpec, OnlineSpec, Scenario
@@ -35,17 +35,14 @@ from gpushare.sim.workloads import (
     ProbeClient,
     SimClient,
     bursty_poisson_arrivals,
-    percentile,
-    percentile_sorted,
     poisson_arrivals,
     rate_series_arrivals,
     request_alone_s,
     trace_arrivals,
 )
+from gpushare.stats import SortedWindow, percentile
 
 GPU_NAME = "Tesla V100-SXM2-16GB (simulated)"
-#: Quiet probe samples needed before a baseline is learned (as in gpushare.node.probe_window).
-PROBE_BASELINE_MIN_SAMPLES = 20
 
 #: Policies the simulator models by a GPU mode rather than by their actions.
 TIME_SLICE_POLICIES = frozenset({"time-slicing"})
@@ -325,13 +322,15 @@ class SimNode:
             del job.iterations[: bisect.bisect_left(job.iterations, lo)]
 
     def probe_reading(self, gpu_uuid: str) -> ProbeReading:
-        """The probe's reading, by the rules of ``gpushare.node.probe_window.ProbeWindow``.
+        """The probe's reading, with the rules of :mod:`gpushare.node.probe_window`.
 
-        Latency is the p99 over the probe window (a launch not yet back counts as stalled);
-        the baseline is the p99 of the samples taken while no offline work ran, over the baseline
-        window ending at the last such sample, once there are at least
-        :data:`PROBE_BASELINE_MIN_SAMPLES`; when offline work runs throughout, the last learned
-        baseline is kept.
+        Latency is the p99 over the probe window (a launch not yet back counts as stalled,
+        :func:`~gpushare.node.probe_window.stalled_ms`); the baseline is the p99 of the samples
+        taken while no offline work ran, over the baseline window ending at the last such sample,
+        once there are at least :data:`~gpushare.node.probe_window.BASELINE_MIN_SAMPLES`; when
+        offline work runs throughout, the last learned baseline is kept. Unlike the real window,
+        samples are stamped at launch, the baseline is learned when read (not at each sample) and
+        the run time is the probe kernel's fixed length.
         """
         probe = self.probes[gpu_uuid]
         now = self.loop.now
@@ -345,36 +344,25 @@ class SimNode:
         quiet_end = quiet.last_s
         if quiet_end is not None and quiet_end != probe.baseline_at_s:
             ordered = quiet.since(quiet_end - pc.baseline_window_s)
-            if len(ordered) >= PROBE_BASELINE_MIN_SAMPLES:
-                probe.baseline_ms = percentile_sorted(ordered, 99.0) * 1e3
+            if len(ordered) >= BASELINE_MIN_SAMPLES:
+                probe.baseline_ms = quiet.percentile(99.0) * 1e3
                 probe.baseline_at_s = quiet_end
         lat_ms = percentile(window, 99.0) * 1e3
         if probe.pending_since is not None:
-            stalled_ms = (now - samples[-1][0] - probe.period_s) * 1e3 if samples else 0.0
-            lat_ms = max(lat_ms, stalled_ms)
-        base = probe.baseline_ms
-        return ProbeReading(
-            latency_ms=lat_ms,
-            run_ms=probe.kernel_s * 1e3,
-            baseline_ms=base,
-            ratio=lat_ms / base if base else None,
-            samples=len(window),
-            reason=None if base else "no baseline yet: needs quiet samples",
-        )
+            lat_ms = stalled_ms(lat_ms, now, samples[-1][0], probe.period_s)
+        return probe_reading(lat_ms, probe.kernel_s * 1e3, probe.baseline_ms, len(window))
 
 
-class _QuietSamples:
-    """A probe's samples taken without offline work, sorted by latency, trimmed by launch time.
+class _QuietSamples(SortedWindow):
+    """A probe's samples taken without offline work, by launch time, kept sorted by latency.
 
-    What sorting the quiet samples launched since ``lo`` gives, kept incrementally: the probe
-    appends its samples in launch order, and ``lo`` never goes back.
+    The probe appends its samples in launch order; :meth:`take` brings in those not seen yet.
     """
 
     def __init__(self) -> None:
+        super().__init__()
         #: How many of the probe's samples have been taken in (an index into its list).
         self.seen = 0
-        self._by_time: deque[tuple[float, float]] = deque()
-        self._sorted: list[float] = []
         self.last_s: float | None = None
 
     def take(self, samples: list[tuple[float, float, bool]]) -> None:
@@ -382,17 +370,9 @@ class _QuietSamples:
         for k in range(self.seen, len(samples)):
             t, lat, offline = samples[k]
             if not offline:
-                self._by_time.append((t, lat))
-                bisect.insort(self._sorted, lat)
+                self.add(t, lat)
                 self.last_s = t
         self.seen = len(samples)
-
-    def since(self, lo: float) -> list[float]:
-        """The sorted latencies of the quiet samples launched at or after ``lo``."""
-        by_time, ordered = self._by_time, self._sorted
-        while by_time and by_time[0][0] < lo:
-            del ordered[bisect.bisect_left(ordered, by_time.popleft()[1])]
-        return ordered
 
 
 def stop_work(c: SimClient, state: ClientState = ClientState.EXITED) -> None:

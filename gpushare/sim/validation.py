@@ -21,10 +21,10 @@ from gpushare.sim.workloads import (
     DEFAULT_HOST_PER_KERNEL_S,
     OfflineTrainer,
     OnlineServer,
-    percentile,
     poisson_arrivals,
     request_alone_s,
 )
+from gpushare.stats import percentile
 
 ORION = "orion-v100-kernels"
 POINTS = "validation/points.csv"
