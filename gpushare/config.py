@@ -323,8 +323,36 @@ class Config:
     adopt: tuple[AdoptRule, ...] = (MARKER_RULE,)
 
     def gpu_override(self, index: int, uuid: str) -> GpuOverride:
-        """The override for a GPU; a UUID key wins over an index key."""
+        """The ``[gpus]`` entry of a GPU as written; a UUID key wins over an index key (entirely)."""
         return self.gpus.get(uuid) or self.gpus.get(str(index)) or GpuOverride()
+
+    def for_gpu(self, index: int, uuid: str) -> GpuConfig:
+        """One GPU's settings: its ``[gpus]`` entry over the node-wide ones (the one resolution)."""
+        o = self.gpu_override(index, uuid)
+        return GpuConfig(
+            shared=o.shared,
+            online_memory_reserve_bytes=(
+                self.control.online_memory_reserve_bytes
+                if o.online_memory_reserve_bytes is None
+                else o.online_memory_reserve_bytes
+            ),
+            offline_sm_pct_max=(
+                self.control.offline_sm_pct_max
+                if o.offline_sm_pct_max is None
+                else o.offline_sm_pct_max
+            ),
+            max_clients=self.mps.max_clients if o.max_clients is None else o.max_clients,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GpuConfig:
+    """One GPU's effective settings (:meth:`Config.for_gpu`): nothing left to fall back on."""
+
+    shared: bool
+    online_memory_reserve_bytes: int
+    offline_sm_pct_max: float
+    max_clients: int
 
 
 def load(path: Path | str) -> Config:

@@ -112,14 +112,7 @@ def _build(
     gate: GateReading | None,
     time_sliced: bool,
 ) -> Observation:
-    override = config.gpu_override(sample.index, sample.uuid)
-    reserve = override.online_memory_reserve_bytes
-    if reserve is None:
-        reserve = config.control.online_memory_reserve_bytes
-    sm_max = override.offline_sm_pct_max
-    if sm_max is None:
-        sm_max = config.control.offline_sm_pct_max
-    max_clients = override.max_clients or config.mps.max_clients
+    gpu = config.for_gpu(sample.index, sample.uuid)
 
     memory: dict[int, int | None] = {p.pid: p.used_bytes for p in sample.processes}
     views = tuple(
@@ -129,11 +122,11 @@ def _build(
     events = tuple(e for e in gpu_events if e.gpu_uuid == sample.uuid)
     live = sum(1 for c in views if c.state.is_live)
     admissions_open = (
-        override.shared
+        gpu.shared
         and not sample.lost
         and mps_state is MpsState.UP
         and not any(e.fatal for e in events)
-        and live + probe_mps_slots < max_clients
+        and live + probe_mps_slots < gpu.max_clients
     )
     return Observation(
         gpu_uuid=sample.uuid,
@@ -144,8 +137,8 @@ def _build(
         mps_state=mps_state,
         mps_events=tuple(e for e in mps_events if e.gpu_uuid == sample.uuid),
         gpu_events=events,
-        mem_reserve_bytes=reserve,
-        offline_sm_pct_max=sm_max,
+        mem_reserve_bytes=gpu.online_memory_reserve_bytes,
+        offline_sm_pct_max=gpu.offline_sm_pct_max,
         admissions_open=admissions_open,
         gate=gate,
         time_sliced=time_sliced,

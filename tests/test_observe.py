@@ -151,7 +151,7 @@ def test_per_gpu_overrides_by_uuid_win_over_index() -> None:
         for s in (sample(0), sample(1))
     )
     assert (o0.mem_reserve_bytes, o0.offline_sm_pct_max) == (GIB, 100.0)
-    # The UUID entry wins entirely (Config.gpu_override): its reserve is unset -> the default.
+    # The UUID entry wins entirely (Config.for_gpu): its reserve is unset -> the default.
     assert (o1.mem_reserve_bytes, o1.offline_sm_pct_max) == (GIB, 40.0)
 
 

@@ -515,8 +515,7 @@ class Api:
         state = self.s.mps_states.get(g.uuid) or self.s.mps.state(g.uuid)
         if state in (MpsState.FAULT, MpsState.DOWN):
             return f"MPS is {state.value} (see gpushare events)"
-        override = self.s.config.gpu_override(g.index, g.uuid)
-        top = override.offline_sm_pct_max or self.s.config.control.offline_sm_pct_max
+        top = self.s.config.for_gpu(g.index, g.uuid).offline_sm_pct_max
         if cls is ClientClass.OFFLINE and req.sm_pct is not None and req.sm_pct > top:
             return f"--sm {req.sm_pct:g} is above this GPU's offline maximum {top:g}"
         live = load.clients
