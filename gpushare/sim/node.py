@@ -132,7 +132,7 @@ class SimNode:
         self.offline: list[OfflineTrainer] = []
         #: When each offline job of the scenario reaches the queue, and its ``--queue``.
         self.submit_at: dict[str, float] = {}
-        self.queue_mode: dict[str, str] = {}
+        self.queue_mode: dict[str, str | None] = {}
         #: Offline jobs the scenario runs launch-blocking whatever their queue mode.
         self.always_blocking: set[str] = set()
         self.mem_peak_bytes = {gpu.uuid: 0 for gpu in self.gpus}

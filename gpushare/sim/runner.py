@@ -111,7 +111,7 @@ class SimDaemon:
                 mem_bytes=mem, restartable=job.restartable, detach=True, cwd="/",
                 pause_mechanism=s.pauser.mechanism.value, now=s.clock.time(),
             )  # fmt: skip
-            s.registry.update(job.cid, queue=self.node.queue_mode.get(job.cid, "auto"))
+            s.registry.update(job.cid, queue=self.node.queue_mode.get(job.cid))
 
     def report_latencies(self) -> None:
         """Hand the services' completed requests to the daemon, as ``report_latency`` would."""

@@ -109,8 +109,9 @@ class OfflineSpec:
     submit_s: float = 1.0
     launch_blocking: bool = False
     #: ``gpushare submit --queue``: ``auto`` (shallow while the GPU's request gating is on),
-    #: ``shallow`` (``CUDA_LAUNCH_BLOCKING=1``) or ``deep``.
-    queue: str = "auto"
+    #: ``shallow`` (``CUDA_LAUNCH_BLOCKING=1``) or ``deep``; ``None``, as a submit without
+    #: ``--queue``, runs :data:`gpushare.model.DEFAULT_QUEUE_MODE`.
+    queue: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,8 +363,8 @@ def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineS
             "launch_blocking", "queue",
         },
     )  # fmt: skip
-    queue = r.string(t, p, "queue", default="auto")
-    if queue not in QUEUE_MODES:
+    queue = r.opt_string(t, p, "queue")
+    if queue is not None and queue not in QUEUE_MODES:
         raise ScenarioError(
             r.file, p + "queue", f"expected one of {', '.join(QUEUE_MODES)}, got {queue!r}"
         )

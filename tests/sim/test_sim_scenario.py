@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from gpushare.daemon.launcher import choose_queue
+from gpushare.model import DEFAULT_QUEUE_MODE
 from gpushare.sim import scenario
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,6 +45,21 @@ def test_good_scenario_has_defaults_and_config_overrides() -> None:
     assert sc.online[0].load == 0.5
     assert sc.config.control.period_s == pytest.approx(0.05)
     assert sc.gpu.sm_count == 80
+
+
+def test_an_offline_job_without_a_queue_runs_the_daemons_default() -> None:
+    # One default for both: a scenario's job without ``queue`` is a submit without --queue.
+    (job,) = scenario.loads(GOOD).offline
+    assert job.queue is None
+    assert choose_queue(job.queue, gating_on=True) == (DEFAULT_QUEUE_MODE, "default queue (deep)")
+    (asked,) = scenario.loads(GOOD + 'queue = "auto"\n').offline
+    assert asked.queue == "auto"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_scenarios_say_their_queue(path: Path) -> None:
+    # They were written when the simulator's default was auto; saying so keeps their runs.
+    assert all(job.queue == "auto" for job in scenario.load(path).offline)
 
 
 @pytest.mark.parametrize(
