@@ -12,7 +12,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,27 +143,14 @@ def run_files(
 def _run_one(
     sc: scenario.Scenario, made: list[tuple[str, Policy[Any]]], bar: _Progress | None
 ) -> runner.ScenarioResult:
-    def tick(label: str) -> Callable[[float], None]:
-        return lambda frac: bar.update(label, frac) if bar is not None else None
-
-    alone, slo = (None, {})
-    if sc.online:
-        label = f"{sc.name} / alone"
-        alone = runner.run_policy(sc, None, name="alone", with_offline=False, progress=tick(label))
-        slo = {
-            spec.name: spec.slo_p99_ms or spec.slo_factor * res.p99_ms
-            for spec, res in zip(sc.online, alone.online, strict=True)
-        }
-        if bar is not None:
-            bar.finish_run(label, alone)
-    runs = []
-    for pname, policy in made:
-        label = f"{sc.name} / {pname}"
-        run = runner.run_policy(sc, policy, name=pname, slo_ms=slo, progress=tick(label))
-        runs.append(run)
-        if bar is not None:
-            bar.finish_run(label, run)
-    return runner.ScenarioResult(sc, alone, slo, runs)
+    if bar is None:
+        return runner.run_scenario(sc, made)
+    return runner.run_scenario(
+        sc,
+        made,
+        progress=lambda label, frac: bar.update(f"{sc.name} / {label}", frac),
+        on_run=lambda label, run: bar.finish_run(f"{sc.name} / {label}", run),
+    )
 
 
 def write_outputs(result: runner.ScenarioResult, out: Path) -> list[str]:

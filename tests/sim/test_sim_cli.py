@@ -115,3 +115,26 @@ def test_slo_factor_overrides_the_scenarios_slo(tmp_path: Path) -> None:
     )
     (kept,) = sim_run.run_files([fixed], ["exclusive"], progress=False, slo_factor=2.0)
     assert kept.slo_ms["inf"] == 50.0
+
+
+def test_the_cli_runs_a_scenario_through_the_runner_and_its_slo_rule(tmp_path: Path) -> None:
+    # One way to run a scenario: what `gpushare sim` reports is runner.run_scenario's result.
+    from gpushare.cli import sim_run
+    from gpushare.sim import runner, scenario
+
+    sc = tmp_path / "s.toml"
+    sc.write_text(SCENARIO.replace('"3s"', '"2s"'))
+    (via_cli,) = sim_run.run_files([sc], ["exclusive"], progress=False)
+    loaded = scenario.load(sc)
+    seen: list[str] = []
+    direct = runner.run_scenario(
+        loaded,
+        sim_run.make_policies(["exclusive"], loaded.config.control),
+        on_run=lambda label, run: seen.append(f"{label} {run.policy}"),
+    )
+    assert seen == ["alone alone", "exclusive exclusive"]
+    assert via_cli.slo_ms == direct.slo_ms
+    (spec,) = loaded.online
+    assert direct.alone is not None
+    assert direct.slo_ms[spec.name] == runner.slo_of(spec, direct.alone.online[0].p99_ms)
+    assert [r.online[0].p99_ms for r in via_cli.runs] == [r.online[0].p99_ms for r in direct.runs]
