@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import structlog
 
 from gpushare.config import Config
+from gpushare.control.fit import slot_free
 from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
     ClientClass,
@@ -126,7 +127,7 @@ def _build(
         and not sample.lost
         and mps_state is MpsState.UP
         and not any(e.fatal for e in events)
-        and live + probe_mps_slots < gpu.max_clients
+        and slot_free(gpu.max_clients, probe_mps_slots, live)
     )
     return Observation(
         gpu_uuid=sample.uuid,

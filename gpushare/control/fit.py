@@ -66,7 +66,7 @@ def misfit(room: Room, mem_bytes: int | None) -> str | None:
     """Why a client of ``mem_bytes`` (``None``: not declared) does not fit; ``None`` if it does."""
     if room.closed is not None:
         return room.closed
-    if room.live + room.probe_slots + 1 > room.max_clients:
+    if not slot_free(room.max_clients, room.probe_slots, room.live):
         probe = " + the latency probe" if room.probe_slots else ""
         return f"all {room.max_clients} MPS client slots are taken ({room.live} clients{probe})"
     if room.other_users:
@@ -88,6 +88,11 @@ def misfit(room: Room, mem_bytes: int | None) -> str | None:
     )
     free = size(max(0, room.available_bytes))
     return f"needs {size(mem + room.reserve_bytes)}{kept}, {free} free{promised}"
+
+
+def slot_free(max_clients: int, probe_slots: int, live: int) -> bool:
+    """Whether an MPS client slot is free beside the probe's and the live clients'."""
+    return live + probe_slots < max_clients
 
 
 def size(num_bytes: int) -> str:
