@@ -213,7 +213,7 @@ def test_a_bad_queue_mode_in_a_scenario_is_an_error_naming_the_key(tmp_path: Pat
     text = PAIR.read_text().replace('queue = "auto"', 'queue = "fast"')
     bad = tmp_path / "bad.toml"
     bad.write_text(text)
-    with pytest.raises(sc_mod.ScenarioError, match=r"queue.*shallow, deep, auto"):
+    with pytest.raises(sc_mod.ScenarioError, match=r"queue.*'shallow', 'deep', 'auto'"):
         sc_mod.load(bad)
 
 

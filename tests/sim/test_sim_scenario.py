@@ -79,7 +79,8 @@ def test_shipped_scenarios_say_their_queue(path: Path) -> None:
             "no such data file",
         ),
         (('name = "train"', 'name = "inf"'), "name", "unique"),
-        (("[[online]]", "[gpu]\ncount = 0\n[[online]]"), "gpu.count", "integer in [1, 64]"),
+        (("[[online]]", "[gpu]\ncount = 0\n[[online]]"), "gpu.count", "a value >= 1 and <= 64"),
+        (('name = "train"\n', ""), "offline[0].name", "missing; give a string"),
         (("[[online]]", '[control]\nperiod = "fast"\n[[online]]'), "control.period", ""),
         (("[[online]]", "[control]\nnot_a_key = 1\n[[online]]"), "control.not_a_key", "unknown"),
         (('name = "inf"', 'name = "inf"\nburst = ["1s", "2s"]'), "online[0].burst", "expected"),
@@ -115,6 +116,25 @@ def test_bad_scenario_names_the_key(mutation: tuple[str, str], key: str, words: 
     assert err.key == key
     assert str(err).startswith(f"bad.toml: {key}: ")
     assert words in err.reason
+
+
+def test_a_scenario_and_the_config_read_a_bad_value_alike() -> None:
+    # One machinery (gpushare.tomlschema): the same mistake, the same words, in both files.
+    from gpushare import config
+
+    cases = [
+        ('[gpu]\nmem_total = "lots"\n', '[control]\nonline_memory_reserve = "lots"\n'),
+        ("[gpu]\ncolour = 1\n", "[control]\ncolour = 1\n"),
+        ('[gpu]\nslice = "soon"\n', '[control]\nperiod = "soon"\n'),
+        ("[gpu]\nbw_beta = true\n", "[control]\nhard_ratio = true\n"),
+    ]
+    for in_scenario, in_config in cases:
+        with pytest.raises(scenario.ScenarioError) as sc_err:
+            scenario.loads(GOOD + in_scenario, "s.toml")
+        with pytest.raises(config.ConfigError) as cfg_err:
+            config.loads(in_config, "c.toml")
+        sc_words, cfg_words = sc_err.value.reason, cfg_err.value.reason
+        assert sc_words.split(";")[0] == cfg_words.split(";")[0], (sc_words, cfg_words)
 
 
 def test_burst_parses_and_raises_the_rate() -> None:
