@@ -85,6 +85,11 @@ def test_shipped_scenarios_say_their_queue(path: Path) -> None:
         (("[[online]]", "[control]\nnot_a_key = 1\n[[online]]"), "control.not_a_key", "unknown"),
         (('name = "inf"', 'name = "inf"\nburst = ["1s", "2s"]'), "online[0].burst", "expected"),
         (('name = "inf"', 'name = "inf"\nburst = ["1s", "0s", 3]'), "online[0].burst", "positive"),
+        (
+            ('name = "inf"', 'name = "inf"\nburst = ["soon", "1s", 3]'),
+            "online[0].burst",
+            "expected",
+        ),
         (('name = "inf"', 'name = "inf"\nload = -0.5'), "online[0].load", "above 0"),
         (('name = "inf"', 'name = "inf"\nload = 0'), "online[0].load", "above 0"),
         (('name = "inf"', 'name = "inf"\nload = 1'), "online[0].load", "below 1"),
