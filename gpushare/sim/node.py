@@ -11,7 +11,7 @@ nothing: the daemon's own control loop drives it through the node Protocols of
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -24,23 +24,18 @@ from gpushare.model import (
     ProcessMemory,
     SmPeriod,
 )
-from gpushare.node.probe_window import BASELINE_MIN_SAMPLES, probe_reading, stalled_ms
 from gpushare.sim import data
+from gpushare.sim.arrivals import arrivals_for
 from gpushare.sim.gpu import EventLoop, Gpu, GpuMode
-from gpushare.sim.scenario import GpuSpec, OnlineSpec, Scenario
+from gpushare.sim.probe import ProbeClient
+from gpushare.sim.scenario import GpuSpec, Scenario
 from gpushare.sim.tally import TallyScheduler, TallyServer, TallyTrainer
 from gpushare.sim.workloads import (
     OfflineTrainer,
     OnlineServer,
-    ProbeClient,
     SimClient,
-    bursty_poisson_arrivals,
-    poisson_arrivals,
-    rate_series_arrivals,
     request_alone_s,
-    trace_arrivals,
 )
-from gpushare.stats import SortedWindow, percentile
 
 GPU_NAME = "Tesla V100-SXM2-16GB (simulated)"
 
@@ -127,7 +122,6 @@ class SimNode:
             gpu.uuid: ProbeClient(gpu, period_s=self.cfg.probe.period_s, kernel_s=g.probe_kernel_s)
             for gpu in self.gpus
         }
-        self._quiet = {gpu.uuid: _QuietSamples() for gpu in self.gpus}
         self.online: list[OnlineServer] = []
         self.offline: list[OfflineTrainer] = []
         #: When each offline job of the scenario reaches the queue, and its ``--queue``.
@@ -311,68 +305,15 @@ class SimNode:
         """
         pc = self.cfg.probe
         lo = self.loop.now - max(pc.window_s, pc.baseline_window_s)
-        for uuid, probe in self.probes.items():
-            samples = probe.samples
-            quiet = self._quiet[uuid]
-            n = min(bisect.bisect_left(samples, lo, key=lambda s: s[0]), quiet.seen)
-            if n:
-                del samples[:n]
-                quiet.seen -= n
+        for probe in self.probes.values():
+            probe.forget_before(lo)
         for job in self.offline:
             del job.iterations[: bisect.bisect_left(job.iterations, lo)]
 
     def probe_reading(self, gpu_uuid: str) -> ProbeReading:
-        """The probe's reading, with the rules of :mod:`gpushare.node.probe_window`.
-
-        Latency is the p99 over the probe window (a launch not yet back counts as stalled,
-        :func:`~gpushare.node.probe_window.stalled_ms`); the baseline is the p99 of the samples
-        taken while no offline work ran, over the baseline window ending at the last such sample,
-        once there are at least :data:`~gpushare.node.probe_window.BASELINE_MIN_SAMPLES`; when
-        offline work runs throughout, the last learned baseline is kept. Unlike the real window,
-        samples are stamped at launch, the baseline is learned when read (not at each sample) and
-        the run time is the probe kernel's fixed length.
-        """
-        probe = self.probes[gpu_uuid]
-        now = self.loop.now
+        """The probe's reading now (:meth:`gpushare.sim.probe.ProbeClient.reading`)."""
         pc = self.cfg.probe
-        samples = probe.samples
-        window = [lat for t, lat, _ in _tail(samples, now - pc.window_s)]
-        if not window:
-            return ProbeReading(reason="no probe samples yet")
-        quiet = self._quiet[gpu_uuid]
-        quiet.take(samples)
-        quiet_end = quiet.last_s
-        if quiet_end is not None and quiet_end != probe.baseline_at_s:
-            ordered = quiet.since(quiet_end - pc.baseline_window_s)
-            if len(ordered) >= BASELINE_MIN_SAMPLES:
-                probe.baseline_ms = quiet.percentile(99.0) * 1e3
-                probe.baseline_at_s = quiet_end
-        lat_ms = percentile(window, 99.0) * 1e3
-        if probe.pending_since is not None:
-            lat_ms = stalled_ms(lat_ms, now, samples[-1][0], probe.period_s)
-        return probe_reading(lat_ms, probe.kernel_s * 1e3, probe.baseline_ms, len(window))
-
-
-class _QuietSamples(SortedWindow):
-    """A probe's samples taken without offline work, by launch time, kept sorted by latency.
-
-    The probe appends its samples in launch order; :meth:`take` brings in those not seen yet.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        #: How many of the probe's samples have been taken in (an index into its list).
-        self.seen = 0
-        self.last_s: float | None = None
-
-    def take(self, samples: list[tuple[float, float, bool]]) -> None:
-        """Add the quiet ones among the samples not seen yet."""
-        for k in range(self.seen, len(samples)):
-            t, lat, offline = samples[k]
-            if not offline:
-                self.add(t, lat)
-                self.last_s = t
-        self.seen = len(samples)
+        return self.probes[gpu_uuid].reading(self.loop.now, pc.window_s, pc.baseline_window_s)
 
 
 def stop_work(c: SimClient, state: ClientState = ClientState.EXITED) -> None:
@@ -381,41 +322,3 @@ def stop_work(c: SimClient, state: ClientState = ClientState.EXITED) -> None:
         c.stop(state)
     elif isinstance(c, OnlineServer) and c.state.is_live:
         c.stop()
-
-
-def _tail(
-    samples: list[tuple[float, float, bool]], lo: float
-) -> Iterator[tuple[float, float, bool]]:
-    """Samples launched at or after ``lo`` (they are in launch order)."""
-    i = len(samples)
-    while i > 0 and samples[i - 1][0] >= lo:
-        i -= 1
-    return iter(samples[i:])
-
-
-def arrivals_for(spec: OnlineSpec, standalone_s: float, seed: int, end_s: float) -> Iterator[float]:
-    """The arrival process of an online service."""
-    if spec.arrivals == "poisson":
-        rps = spec.rps if spec.rps is not None else (spec.load or 0.5) / standalone_s
-        if spec.burst is not None:
-            return bursty_poisson_arrivals(rps, spec.burst, seed, 0.0, end_s)
-        return poisson_arrivals(rps, seed, end_s)
-    assert spec.trace is not None
-    if spec.arrivals == "azure":
-        times = data.load_azure_arrivals(spec.trace)
-        span = times[-1] - times[0] or 1.0
-        mean_rps = len(times) / span * spec.trace_speedup
-        want = spec.rps if spec.rps is not None else (spec.load or 0.5) / standalone_s
-        scale = min(1.0, want / mean_rps) if mean_rps > 0 else 1.0
-        return trace_arrivals(
-            times,
-            start_s=spec.trace_start_s,
-            speedup=spec.trace_speedup,
-            rate_scale=scale,
-            end_s=end_s,
-        )
-    series = data.load_genai_qps(spec.trace)
-    start_bin = int(spec.trace_start_s // 60)
-    series = series[start_bin:] or series
-    peak = spec.rps if spec.rps is not None else (spec.load or 0.5) / standalone_s
-    return rate_series_arrivals(series, bin_s=spec.bin_s, peak_rps=peak, seed=seed, end_s=end_s)

@@ -143,7 +143,7 @@ def test_a_scenario_and_the_config_read_a_bad_value_alike() -> None:
 
 
 def test_burst_parses_and_raises_the_rate() -> None:
-    from gpushare.sim.node import arrivals_for
+    from gpushare.sim.arrivals import arrivals_for
 
     text = GOOD.replace('name = "inf"', 'name = "inf"\nrps = 10.0\nburst = ["2s", "1s", 5]')
     text = text.replace("[[offline]]", '[[offline]]\nsubmit = "60s"')

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpushare.sim.workloads import rate_series_arrivals
+from gpushare.sim.arrivals import rate_series_arrivals
 
 
 def test_a_quiet_bin_does_not_end_a_rate_series_early() -> None:
