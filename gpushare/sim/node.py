@@ -101,22 +101,7 @@ class SimNode:
         self.cfg: Config = scenario.config
         self.loop = EventLoop()
         g = scenario.gpu
-        self.gpus = [
-            Gpu(
-                self.loop,
-                uuid=f"GPU-sim-{i:04d}",
-                index=i,
-                sm_count=g.sm_count,
-                mem_total_bytes=g.mem_total_bytes,
-                parallel_fraction=g.parallel_fraction,
-                bw_beta=g.bw_beta,
-                mode=traits.gpu_mode,
-                slice_s=g.slice_s,
-                switch_s=g.switch_s,
-                wave_scale=g.wave_scale,
-            )
-            for i in range(g.count)
-        ]
+        self.gpus = [self._gpu(i) for i in range(g.count)]
         self.by_uuid = {gpu.uuid: gpu for gpu in self.gpus}
         self.probes = {
             gpu.uuid: ProbeClient(gpu, period_s=self.cfg.probe.period_s, kernel_s=g.probe_kernel_s)
@@ -134,64 +119,89 @@ class SimNode:
         self.processes: dict[int, SimClient] = {}
         self.on_process_exit: Callable[[int, int | None], None] | None = None
         self._pid = 1000
-        seed = scenario.seed
         tally = (
             {gpu.uuid: TallyScheduler() for gpu in self.gpus} if traits.kernel_preemption else {}
         )
-        server_cls = TallyServer if tally else OnlineServer
-        trainer_cls = TallyTrainer if tally else OfflineTrainer
         if with_online:
-            for k, spec in enumerate(scenario.online):
-                gpu = self.gpus[spec.gpu]
-                prof = data.load_profile(spec.profile, g.merge_online_us, g.sm_count)
-                server = server_cls(
-                    spec.name,
-                    gpu,
-                    prof,
-                    arrivals_for(
-                        spec,
-                        request_alone_s(prof, g.host_per_kernel_s),
-                        seed * 1000 + k,
-                        scenario.duration_s,
-                    ),
-                    sm_pct=spec.sm_pct,
-                    mem_bytes=spec.mem_bytes,
-                    slo_p99_ms=spec.slo_p99_ms,
-                    pid=self.next_pid(),
-                )
-                server.launch_blocking = spec.launch_blocking
-                server.launch_gap_s = g.launch_gap_s
-                server.set_host_cost(g.host_per_kernel_s)
-                if isinstance(server, TallyServer):
-                    server.tally = tally[gpu.uuid]
-                    server.tally.servers.append(server)
-                self.online.append(server)
+            self._add_online(tally)
         if with_offline:
-            for spec_off in scenario.offline:
-                gpu = self.gpus[spec_off.gpu]
-                prof = data.load_profile(spec_off.profile, g.merge_offline_us, g.sm_count)
-                trainer = trainer_cls(
-                    spec_off.name,
-                    gpu,
-                    prof,
-                    sm_pct=self.cfg.control.offline_sm_pct_default,
-                    mem_bytes=spec_off.mem_bytes,
-                    pinned_mem_bytes=spec_off.pinned_mem_bytes,
-                    restartable=spec_off.restartable,
-                )
-                trainer.priority = traits.offline_priority
-                trainer.launch_blocking = spec_off.launch_blocking
-                launch_costs(trainer, g)
-                if isinstance(trainer, TallyTrainer):
-                    # One kernel at a time through its own gate, with no launch gap.
-                    trainer.launch_blocking, trainer.launch_gap_s = True, 0.0
-                    trainer.tally = tally[gpu.uuid]
-                    trainer.tally.trainers.append(trainer)
-                self.offline.append(trainer)
-                self.submit_at[spec_off.name] = spec_off.submit_s
-                self.queue_mode[spec_off.name] = spec_off.queue
-                if spec_off.launch_blocking:
-                    self.always_blocking.add(spec_off.name)
+            self._add_offline(tally)
+
+    def _gpu(self, index: int) -> Gpu:
+        g = self.scenario.gpu
+        return Gpu(
+            self.loop,
+            uuid=f"GPU-sim-{index:04d}",
+            index=index,
+            sm_count=g.sm_count,
+            mem_total_bytes=g.mem_total_bytes,
+            parallel_fraction=g.parallel_fraction,
+            bw_beta=g.bw_beta,
+            mode=self.traits.gpu_mode,
+            slice_s=g.slice_s,
+            switch_s=g.switch_s,
+            wave_scale=g.wave_scale,
+        )
+
+    def _add_online(self, tally: dict[str, TallyScheduler]) -> None:
+        """The scenario's online services, each with its arrival process, in scenario order."""
+        scenario, g, seed = self.scenario, self.scenario.gpu, self.scenario.seed
+        server_cls = TallyServer if tally else OnlineServer
+        for k, spec in enumerate(scenario.online):
+            gpu = self.gpus[spec.gpu]
+            prof = data.load_profile(spec.profile, g.merge_online_us, g.sm_count)
+            server = server_cls(
+                spec.name,
+                gpu,
+                prof,
+                arrivals_for(
+                    spec,
+                    request_alone_s(prof, g.host_per_kernel_s),
+                    seed * 1000 + k,
+                    scenario.duration_s,
+                ),
+                sm_pct=spec.sm_pct,
+                mem_bytes=spec.mem_bytes,
+                slo_p99_ms=spec.slo_p99_ms,
+                pid=self.next_pid(),
+            )
+            server.launch_blocking = spec.launch_blocking
+            server.launch_gap_s = g.launch_gap_s
+            server.set_host_cost(g.host_per_kernel_s)
+            if isinstance(server, TallyServer):
+                server.tally = tally[gpu.uuid]
+                server.tally.servers.append(server)
+            self.online.append(server)
+
+    def _add_offline(self, tally: dict[str, TallyScheduler]) -> None:
+        """The scenario's offline jobs, waiting for their submit time."""
+        g, traits = self.scenario.gpu, self.traits
+        trainer_cls = TallyTrainer if tally else OfflineTrainer
+        for spec_off in self.scenario.offline:
+            gpu = self.gpus[spec_off.gpu]
+            prof = data.load_profile(spec_off.profile, g.merge_offline_us, g.sm_count)
+            trainer = trainer_cls(
+                spec_off.name,
+                gpu,
+                prof,
+                sm_pct=self.cfg.control.offline_sm_pct_default,
+                mem_bytes=spec_off.mem_bytes,
+                pinned_mem_bytes=spec_off.pinned_mem_bytes,
+                restartable=spec_off.restartable,
+            )
+            trainer.priority = traits.offline_priority
+            trainer.launch_blocking = spec_off.launch_blocking
+            launch_costs(trainer, g)
+            if isinstance(trainer, TallyTrainer):
+                # One kernel at a time through its own gate, with no launch gap.
+                trainer.launch_blocking, trainer.launch_gap_s = True, 0.0
+                trainer.tally = tally[gpu.uuid]
+                trainer.tally.trainers.append(trainer)
+            self.offline.append(trainer)
+            self.submit_at[spec_off.name] = spec_off.submit_s
+            self.queue_mode[spec_off.name] = spec_off.queue
+            if spec_off.launch_blocking:
+                self.always_blocking.add(spec_off.name)
 
     def next_pid(self) -> int:
         """A fresh pid for a simulated process."""
