@@ -178,7 +178,6 @@ class SimClient(StreamView):
         """Unpack a kernel profile into the flat per-kernel sequences the hot path reads."""
         self.profile = profile
         self._dur = profile.dur_s
-        self._width = profile.width
         self._mem = profile.mem
         self._n = len(profile)
         scale = self.gpu.wave_scale
@@ -293,7 +292,6 @@ class OnlineServer(SimClient):
         #: off its queue to its completion, queueing excluded. This is the latency Tally's
         #: benchmark records (docs/simulator.md section 4, "What Tally measures").
         self.served: list[tuple[float, float]] = []
-        self.arrived = 0
         #: Told ``(+1 | -1, now)`` when a request starts (arrives) and ends, as a service using
         #: ``gpushare.client.request_started``/``request_ended`` tells the daemon
         #: (:class:`gpushare.sim.gating.BoundarySender`); ``None``: the service says nothing.
@@ -312,7 +310,6 @@ class OnlineServer(SimClient):
             self._loop.at(t, self._arrive, t)
 
     def _arrive(self, arg: object) -> None:
-        self.arrived += 1
         if self.on_boundary is not None:
             self.on_boundary(1, self._loop.now)
         self.queue.append(float(arg))  # type: ignore[arg-type]
