@@ -20,10 +20,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpushare import paths
-from gpushare.tomlschema import Reader, TomlError, show, to_dict, toml_key, toml_value, type_name
+from gpushare.tomlschema import Reader, TomlError, show, toml_value, type_name
 from gpushare.tomlschema import duration as _duration
 from gpushare.tomlschema import num as _num
 from gpushare.tomlschema import size as _size
+
+# config.to_dict and config.toml_key, for config check and the tests that walk the keys.
+from gpushare.tomlschema import to_dict as to_dict
+from gpushare.tomlschema import toml_key as toml_key
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,9 +44,6 @@ POLICY_NAMES = (
 """Every ``control.policy`` (``gpushare.control.registry`` builds them; a test keeps both equal)."""
 GPU_KEY_RE = re.compile(r"^(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-]+)$")
 LogLevel = Literal["debug", "info", "warning", "error"]
-
-
-__all__ = ["Config", "ConfigError", "load", "loads", "to_dict", "to_toml", "toml_key"]
 
 
 class ConfigError(TomlError):
