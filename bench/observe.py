@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gpushare.config import Config  # noqa: E402
+from gpushare.daemon.observe import build_observation  # noqa: E402
 from gpushare.latency.p99 import LatencyP99  # noqa: E402
 from gpushare.model import ClientClass, ClientState, ClientView, Limits, MpsState  # noqa: E402
 from gpushare.node.nvml import NvmlBackend  # noqa: E402
-from gpushare.observe import build_observation  # noqa: E402
 from tests.fakes import fake_nvml  # noqa: E402
 from tests.fakes.fake_nvml import FakeGpuBackend  # noqa: E402
 from tests.fakes.fake_probe import FakeProbe  # noqa: E402

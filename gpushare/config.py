@@ -261,7 +261,7 @@ class AdoptRule:
     glob on its cgroup v2 path), ``user`` (a name or uid), ``uses_gpu`` (NVML lists it as a compute
     process), ``env`` (globs on environment variables). ``class = "marker"`` takes the class (and
     the SLO) from the process's own ``GPUSHARE_CLASS``/``GPUSHARE_SLO_P99``. The matcher is
-    :mod:`gpushare.adoption`.
+    :mod:`gpushare.control.adoption`.
     """
 
     name: str = ""

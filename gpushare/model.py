@@ -471,7 +471,7 @@ class ProcessFacts:
     unit: str | None
     """The systemd unit whose cgroup holds the process (``x.service``, ``session-3.scope``)."""
     environ: Mapping[str, str] | None
-    """The variables adoption reads (``gpushare.adoption.FACT_ENV`` and rules' ``env`` names);
+    """The variables adoption reads (``gpushare.control.adoption.FACT_ENV`` and rules' ``env`` names);
     ``None``: the environment could not be read (another user's process, the daemon not root)."""
     gpu_uuids: tuple[str, ...] | None
     """GPUs NVML lists the process on; ``None``: unknown (no NVML on this host)."""

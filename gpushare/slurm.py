@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gpushare import config, mpsenv, protocol
-from gpushare.cli import envresolve
 from gpushare.model import ClientClass
+from gpushare.roots import envresolve
 from gpushare.units import parse_duration, parse_size
 
 COMMENT_KEY = "gpushare"

@@ -18,7 +18,8 @@ from typing import Annotated
 import typer
 
 from gpushare import config, mpsenv
-from gpushare.cli.envresolve import (
+from gpushare.model import ClientClass
+from gpushare.roots.envresolve import (
     UNSET,
     GpuLookupError,
     ask_daemon,
@@ -29,7 +30,6 @@ from gpushare.cli.envresolve import (
     resolve_gpu,
     workload_env,
 )
-from gpushare.model import ClientClass
 from gpushare.units import parse_duration, parse_size
 
 

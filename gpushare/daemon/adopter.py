@@ -1,6 +1,6 @@
 """Adoption in the daemon: the rules in force, the periodic scan of the host's processes, the news.
 
-The matching is :mod:`gpushare.adoption` (pure); this module feeds it: the config's ``[[adopt]]``
+The matching is :mod:`gpushare.control.adoption` (pure); this module feeds it: the config's ``[[adopt]]``
 rules (with the config file's owner standing behind them: root's config may adopt anyone's
 processes), the scheduler jobs registered by ``adopt`` requests (their caller standing behind
 them), and the facts of every process on the host (:func:`gpushare.node.procs.facts.process_facts`).
@@ -30,9 +30,10 @@ from typing import Any
 
 import structlog
 
-from gpushare import adoption, protocol
-from gpushare.adoption import Decision, Rule
+from gpushare import protocol
 from gpushare.config import AdoptRule, Config
+from gpushare.control import adoption
+from gpushare.control.adoption import Decision, Rule
 from gpushare.daemon.factcache import FactCache
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.registry import Registration

@@ -19,9 +19,9 @@ from typing import Any
 import structlog
 
 from gpushare import mpsenv, protocol
-from gpushare.control import fit
+from gpushare.control import fit, placement
 from gpushare.control.promise import PlacedClient, may_promise, promised_bytes
-from gpushare.daemon import placement, submitq
+from gpushare.daemon import submitq
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.cordon import CordonApi
 from gpushare.daemon.lifecycle import Lifecycle
@@ -466,7 +466,7 @@ class Api:
                 code = E.UNAVAILABLE
             raise _fail(code, "; ".join(problems))
         # With several candidates: the most memory once promises are counted, then the fewest
-        # clients (gpushare/daemon/placement.py): a burst of submits spreads over idle GPUs.
+        # clients (gpushare/control/placement.py): a burst of submits spreads over idle GPUs.
         best = placement.choose([loads[g.uuid] for g, _ in fitting])
         return next(f for f in fitting if f[0].uuid == best.uuid)
 

@@ -23,13 +23,14 @@ from gpushare.control.gpu_state import GpuState
 from gpushare.control.policy import Policy
 from gpushare.daemon.cordon import FILE_NAME as CORDON_FILE
 from gpushare.daemon.cordon import Cordons
+from gpushare.daemon.freeze import FreezeArbiter
 from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
-from gpushare.daemon.threads import Supervisor
-from gpushare.inflight import GaugePoller
 from gpushare.latency.app import AppLatency
+from gpushare.latency.inflight import GaugePoller
 from gpushare.latency.p99 import LatencyP99
+from gpushare.latency.threads import Supervisor
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
 from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
 from gpushare.node.pauser_base import PauserError
@@ -99,10 +100,12 @@ class NodeState:
         self.latency = AppLatency(
             lat.window_s, lat.min_samples, lat.scrape_period_s, threads=self.threads
         )
-        #: Request gating: every freeze goes through its arbiter (duty, holds and gates).
+        #: Why each client is frozen (duty, holds, gates, the stop): every freeze goes through it.
+        self.freeze = FreezeArbiter(pauser, clock=clock.monotonic, on_edge=self._paused_edge)
+        #: Request gating (its freezes go through the arbiter).
         self.gate = Gatekeeper(
             config.gate, pauser, online_gpu=self._online_gpu, clock=clock.monotonic,
-            on_edge=self._paused_edge,
+            arbiter=self.freeze,
         )  # fmt: skip
         #: The --inflight-from gauges, polled into the gates.
         self.gauges = GaugePoller(

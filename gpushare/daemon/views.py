@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpushare import __version__, pods, protocol, trust
+from gpushare import __version__, protocol, trust
+from gpushare.control import pods
 from gpushare.daemon.cordon import CordonApi
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
@@ -21,7 +22,7 @@ from gpushare.daemon.opstats import gate_status, latency_status
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.state import NodeState
 from gpushare.daemon.submitq import queue_positions
-from gpushare.daemon.threads import threads_status
+from gpushare.latency.threads import threads_status
 from gpushare.model import ClientClass, ClientState, GpuSample
 from gpushare.node.procs.facts import process_cgroup
 

@@ -6,7 +6,8 @@
 bucket increases, as PromQL's ``histogram_quantile(0.99, increase(METRIC_bucket[window]))`` would:
 per-bucket counter resets are detected, buckets missing from some scrapes are dropped, and the
 quantile is interpolated linearly inside its bucket (:func:`gpushare.stats.bucket_quantile`).
-:mod:`gpushare.inflight` reuses the spec's parser and the fetch for its gauge of requests in flight.
+:mod:`gpushare.latency.inflight` reuses the spec's parser and the fetch for its gauge of requests
+in flight.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ class Clock(Protocol):
 
 
 class ProcessHost(Protocol):
-    """Starts, signals and watches clients' processes (:mod:`gpushare.daemon.launcher`)."""
+    """Starts, signals and watches clients' processes (:mod:`gpushare.node.procs.host`)."""
 
     def start(self, on_exit: Callable[[int, int | None], None]) -> None:
         """Begin reporting exits of watched processes as ``on_exit(pid, exit_code)``."""

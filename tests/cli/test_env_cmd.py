@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from gpushare import mpsenv
-from gpushare.cli import envresolve as env_cmd
 from gpushare.cli.app import app
 from gpushare.model import ClientClass
+from gpushare.roots import envresolve as env_cmd
 from tests.support.daemon_helpers import DaemonProc
 
 runner = CliRunner()

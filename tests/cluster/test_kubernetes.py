@@ -23,8 +23,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpushare import config, pods
-from gpushare.adoption import FACT_ENV, Rule, decide
+from gpushare import config
+from gpushare.control import pods
+from gpushare.control.adoption import FACT_ENV, Rule, decide
 from gpushare.model import ClientClass, PauseMechanism, ProcessFacts
 from gpushare.mpsenv import ENV_CLASS, check_limits
 from gpushare.node.cgroups.discovery import cgroup2_mount

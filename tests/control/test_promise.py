@@ -1,6 +1,6 @@
 """The memory promised to a GPU's clients that NVML does not show yet (gpushare/control/promise.py).
 
-The rule both placements count: ``submit`` (tests/daemon/test_placement.py) and the controller's
+The rule both placements count: ``submit`` (tests/control/test_placement.py) and the controller's
 admission of queued jobs (tests/control/test_admission.py).
 """
 

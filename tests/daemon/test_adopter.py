@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpushare import config, protocol
-from gpushare.adoption import Rule
+from gpushare.control.adoption import Rule
 from gpushare.daemon.adopter import Adopter, check_adopt, config_rules, registration_rules
 from gpushare.daemon.registry import Registration
 from gpushare.model import ClientClass

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from gpushare import config
-from gpushare.adoption import FACT_ENV, Rule, decide
+from gpushare.control.adoption import FACT_ENV, Rule, decide
 from gpushare.daemon.adopter import Found
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry

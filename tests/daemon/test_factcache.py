@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from gpushare import config
-from gpushare.adoption import Rule
+from gpushare.control.adoption import Rule
 from gpushare.daemon.adopter import Adopter
 from gpushare.daemon.factcache import FactCache
 from gpushare.model import ProcessFacts

@@ -2,7 +2,7 @@
 
 On ``gpushare daemon --simulate 4`` (real socket, real cgroups where the machine allows, simulated
 GPUs and MPS) and on the test daemon with fake GPUs (tests/support/daemon_proc.py). The rule itself
-is tested in tests/daemon/test_placement.py.
+is tested in tests/control/test_placement.py.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from typer.testing import CliRunner
 from gpushare import config
 from gpushare.cli.app import app
 from gpushare.control import registry as policies
-from gpushare.daemon import main as daemon_main
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
 from gpushare.node.signal_pauser import SignalPauser
+from gpushare.roots import daemon as daemon_main
 from tests.fakes.fake_gpu import FakeGpuBackend
 from tests.fakes.fake_mpsnode import FakeMpsNode
 

@@ -17,8 +17,8 @@ import pytest
 
 from gpushare.cli.doctor import Status, daemon_threads_check
 from gpushare.daemon.gating import Gatekeeper
-from gpushare.daemon.threads import Supervisor
-from gpushare.inflight import GaugePoller, Rejections
+from gpushare.latency.inflight import GaugePoller, Rejections
+from gpushare.latency.threads import Supervisor
 from gpushare.node.procs.exits import ExitWatcher
 from tests.support.daemon_helpers import DaemonProc, wait_for
 

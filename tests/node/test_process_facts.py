@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.adoption import FACT_ENV
+from gpushare.control.adoption import FACT_ENV
 from gpushare.model import PauseMechanism
 from gpushare.node.cgroups.discovery import cgroup2_mount
 from gpushare.node.cgroups.route import freeze_route

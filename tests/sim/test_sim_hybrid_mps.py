@@ -20,9 +20,9 @@ import pytest
 
 from gpushare import config as config_mod
 from gpushare.cli.render import render_status
-from gpushare.daemon.main import StartupError, simulated_mps
 from gpushare.model import MpsEvent, MpsEventKind, MpsState
 from gpushare.node.mps import DaemonNotReachable, MpsControl, MpsError
+from gpushare.roots.daemon import StartupError, simulated_mps
 from gpushare.sim.hybrid_mps import HybridMpsNode, merge_state
 from gpushare.sim.realtime import RealTimeMpsNode, RealTimeSimNode
 from tests.support.cgroup_helpers import remove_tree

@@ -126,7 +126,7 @@ def test_simulated_services_send_request_boundaries_to_the_daemons_gate(tmp_path
             rt.advance()
             time.sleep(0.005)  # the delivery thread's turn
             gate.poll(clock())
-            frozen_seen |= GATE in gate.reasons("train")
+            frozen_seen |= GATE in gate.arbiter.reasons("train")
         deadline = time.monotonic() + 5.0
         while gate.view(uuid, clock()).closes == 0 and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -13,12 +13,12 @@ from typing import Any
 from gpushare import config
 from gpushare.control.registry import make_policy
 from gpushare.daemon.core import Daemon
-from gpushare.daemon.main import StartupError, make_pauser, serve
 from gpushare.daemon.registry import Registry, RegistryError
 from gpushare.daemon.statedir import open_registry
 from gpushare.logs import configure_logging
 from gpushare.node.adopted import AdoptingPauser
 from gpushare.node.signal_pauser import SignalPauser
+from gpushare.roots.daemon import StartupError, make_pauser, serve
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mpsnode import FakeMpsNode
 from tests.support import crash_points

@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import PurePosixPath
 
 from gpushare.config import AdoptRule
 from gpushare.model import ClientClass, ProcessFacts
@@ -264,8 +264,8 @@ def _running_limits(
             "`gpushare env` prints"
         )
         return None, None, gpu
-    if gpu is None and Path(pipe).name.startswith(("GPU-", "MIG-")):
-        gpu = Path(pipe).name
+    if gpu is None and PurePosixPath(pipe).name.startswith(("GPU-", "MIG-")):
+        gpu = PurePosixPath(pipe).name
     sm = None
     if ENV_SM in env:
         try:

@@ -7,6 +7,11 @@ import dataclasses
 import pytest
 
 from gpushare.config import Config, ControlConfig, GpuOverride, MpsConfig
+from gpushare.daemon.observe import (
+    NO_APP_LATENCY,
+    NO_PROBE,
+    build_observation,
+)
 from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
     ClientClass,
@@ -23,11 +28,6 @@ from gpushare.model import (
     ProcessMemory,
 )
 from gpushare.node.nvml import NvmlBackend
-from gpushare.observe import (
-    NO_APP_LATENCY,
-    NO_PROBE,
-    build_observation,
-)
 from tests.fakes import fake_nvml
 from tests.fakes.fake_nvml import GIB, FakeGpuBackend, uuid_of
 from tests.fakes.fake_probe import FakeProbe

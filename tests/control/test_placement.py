@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from gpushare.daemon.placement import TIE_BYTES, GpuLoad, choose
+from gpushare.control.placement import TIE_BYTES, GpuLoad, choose
 
 GIB = 1 << 30
 

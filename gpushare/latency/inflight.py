@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 import structlog
 
-from gpushare.daemon.threads import Supervisor
 from gpushare.latency.datagrams import MAX_INFLIGHT_COUNT
 from gpushare.latency.endpoints import EndpointWorkers
 from gpushare.latency.prometheus import (
@@ -37,6 +36,7 @@ from gpushare.latency.prometheus import (
     metric_families,
     parse_latency_from,
 )
+from gpushare.latency.threads import Supervisor
 
 log = structlog.get_logger(__name__)
 

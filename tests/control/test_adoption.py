@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from gpushare import config
-from gpushare.adoption import Rule, decide, read_marker, scan
 from gpushare.config import AdoptRule, ConfigError
+from gpushare.control.adoption import Rule, decide, read_marker, scan
 from gpushare.model import ClientClass, ProcessFacts
 
 ROOT_CFG = "/etc/gpushare/gpushare.toml"
