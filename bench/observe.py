@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.support import fake_nvml  # noqa: E402
 from gpushare.config import Config  # noqa: E402
-from gpushare.daemon.observe import build_observations  # noqa: E402
+from gpushare.daemon.observe import build_observation  # noqa: E402
 from gpushare.latency.p99 import LatencyP99  # noqa: E402
 from gpushare.model import (  # noqa: E402
     ClientClass,
@@ -89,15 +89,17 @@ def main() -> None:
     times = []
     for _ in range(iterations):
         t0 = time.perf_counter()
-        obs = build_observations(
-            samples=samples,
-            probe=probe,
-            clients_by_gpu=clients_by_gpu,
-            config=config,
-            app_p99=app_p99,
-            mps_states=mps_states,
-            gpu_events=(),
-        )
+        obs = [
+            build_observation(
+                sample=s,
+                probe=probe[s.uuid],
+                clients=clients_by_gpu[s.uuid],
+                config=config,
+                app_p99=app_p99,
+                mps_state=mps_states[s.uuid],
+            )
+            for s in samples
+        ]
         times.append(time.perf_counter() - t0)
     assert len(obs) == GPUS
     assert all(len(o.clients) == CLIENTS for o in obs)

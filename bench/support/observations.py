@@ -57,7 +57,6 @@ def offline(
     uid: int = 1000,
     state: ClientState = ClientState.RUNNING,
     failures: int = 0,
-    guarantee: float | None = None,
     ceiling: float | None = None,
     mem_limit: int | None = None,
     started: float | None = None,
@@ -73,7 +72,6 @@ def offline(
         mem_used_bytes=mem,
         restartable=restartable,
         failures=failures,
-        guarantee_sm_pct=guarantee,
         ceiling_sm_pct=ceiling,
         started_at_s=started,
     )

@@ -18,9 +18,8 @@ modules: the duty cycle (5) in :mod:`gpushare.control.duty`, the offline share (
    deficit; a client already going away is not evicted twice.
 5. **Duty-cycle throttle** (fast lever): AIMD on the worst normalised online signal with a
    comfort band, an immediate freeze at the hard threshold, slow increases near the duty that last
-   broke the SLO, and offline guarantees as duty floors while SLOs hold. The probe yields to app
-   latency (counts only at the hard threshold) while every online client reports it and the app
-   SLOs have room. Online clients are never the target of any throttle action.
+   broke the SLO. The probe yields to app latency (counts only at the hard threshold) while every
+   online client reports it and the app SLOs have room. Online clients are never the target of any throttle action.
 6. **Request gating** (:class:`SetGating`): on while a live online client sends request
    boundaries and requests are not in flight over ``max_busy`` of the gate's window (the gate
    itself, :mod:`gpushare.control.gate`, freezes offline work during requests in the daemon's fast

@@ -4,9 +4,9 @@ The fifth section of :meth:`~gpushare.control.controller.GpushareController.step
 protection (``docs/controller.md``, "The control law (fast lever: duty cycle)"; the probe yielding
 to app latency is in "The signals"). :func:`duty_signals` picks the signals the duty follows;
 :func:`throttle` runs AIMD on the worst of them with a comfort band, an immediate freeze at the hard
-threshold, slow increases near the duty that last broke the SLO, and offline guarantees as duty
-floors (:func:`guarantee_floor`) while SLOs hold. Online clients are never the target of any
-throttle action. Plain functions of the control config and the GPU's state; pure: no I/O, no clock.
+threshold and slow increases near the duty that last broke the SLO. Online clients are never the
+target of any throttle action. Plain functions of the control config and the GPU's state; pure: no
+I/O, no clock.
 """
 
 from __future__ import annotations
@@ -106,13 +106,6 @@ def throttle(
     if signals.online and signals.worst is None and not gated and not state.unsignalled_alerted:
         actions.append(Alert(obs.gpu_uuid, Severity.WARNING, _UNSIGNALLED))
         state = replace(state, unsignalled_alerted=True)
-    if signals.worst is not None and signals.worst > cfg.violation_ratio:
-        floor = 0.0  # guarantees hold only while online SLOs hold
-    else:
-        floor, who = guarantee_floor(obs)
-        if duty < floor:
-            duty = floor
-            why += f"; raised to {who}'s guarantee floor"
     duty = round(min(1.0, max(0.0, duty)), _DUTY_DIGITS)
     why += entered
     unsignalled_alerted = state.unsignalled_alerted and not signals.count
@@ -209,21 +202,3 @@ def _law(
                 breach = None  # past the duty that broke the SLO, unharmed: conditions changed
         return duty, breach, comfortable, 0, why
     return duty, breach, 0, 0, f"{signals.describe()} inside the comfort band: duty held"
-
-
-def guarantee_floor(obs: Observation) -> tuple[float, str]:
-    """The largest duty floor the GPU's offline guarantees ask for, and whose it is.
-
-    A client capped at ``s`` % with a declared guarantee of ``g`` % needs a duty of at least
-    ``g / s`` (capped at 1); ``(0.0, "")`` when no offline client declares one.
-    """
-    floor, who = 0.0, ""
-    for client in obs.offline():
-        g = client.guarantee_sm_pct
-        if g is None or g <= 0 or client.limits.sm_pct <= 0:
-            continue
-        # A client capped at s% that runs d of the time gets about s*d% of the SMs.
-        needed = min(1.0, g / client.limits.sm_pct)
-        if needed > floor:
-            floor, who = needed, client.client_id
-    return floor, who

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gpushare import native
 from gpushare.config import GateConfig
+from gpushare.model import queue_mode
 from gpushare.native import INFLIGHT_ENV, LIBRARY_NAME
 
 BLOCKING_ENV = {"CUDA_LAUNCH_BLOCKING": "1"}
@@ -42,8 +43,8 @@ def shallow_how(env: Mapping[str, str]) -> str | None:
 def choose_queue(mode: str | None, *, gating_on: bool) -> tuple[str, str]:
     """The queue an offline client is launched with: ``("shallow" | "deep", why)``.
 
-    ``shallow`` and ``deep`` are what the submitter asked; ``None`` is ``deep`` (the behaviour
-    before queues could be chosen). ``auto`` is decided at every (re)launch: shallow while request
+    ``shallow`` and ``deep`` are what the submitter asked; ``None`` is
+    :data:`gpushare.model.DEFAULT_QUEUE_MODE`. ``auto`` is decided at every (re)launch: shallow while request
     gating is on for the client's GPU (a freeze must bite within a kernel for gating to protect a
     request), deep otherwise. Deep even with the cheap in-flight bound: without gating, the duty
     cycle's freezes are what throttle, and a deep queue running on past each of them is offline
@@ -55,13 +56,15 @@ def choose_queue(mode: str | None, *, gating_on: bool) -> tuple[str, str]:
     auto client whose queue does not match gating (``gpushare.control.restarts.shallow_restart``
     1 s after gating turns on, ``queue_restart`` a ``share_min_interval`` after it turns off).
     """
-    if mode == "shallow":
-        return "shallow", "--queue shallow"
-    if mode == "auto":
+    effective = queue_mode(mode)
+    how = f"--queue {mode}" if mode is not None else f"default queue ({effective})"
+    if effective == "shallow":
+        return "shallow", how
+    if effective == "auto":
         if gating_on:
-            return "shallow", "--queue auto: request gating is on for this GPU"
-        return "deep", "--queue auto: request gating is off for this GPU"
-    return "deep", "--queue deep" if mode == "deep" else "default queue (deep)"
+            return "shallow", f"{how}: request gating is on for this GPU"
+        return "deep", f"{how}: request gating is off for this GPU"
+    return "deep", how
 
 
 def queue_env(

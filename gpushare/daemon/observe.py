@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 import structlog
 
 from gpushare.config import Config
+from gpushare.control.fit import slot_free
 from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
     ClientClass,
-    ClientState,
     ClientView,
     GateReading,
     GpuEvent,
@@ -29,7 +29,6 @@ from gpushare.model import (
     Observation,
     ProbeReading,
 )
-from gpushare.node.base import SlotHoldingProbe
 
 log = structlog.get_logger(__name__)
 
@@ -114,14 +113,7 @@ def _build(
     gate: GateReading | None,
     time_sliced: bool,
 ) -> Observation:
-    override = config.gpu_override(sample.index, sample.uuid)
-    reserve = override.online_memory_reserve_bytes
-    if reserve is None:
-        reserve = config.control.online_memory_reserve_bytes
-    sm_max = override.offline_sm_pct_max
-    if sm_max is None:
-        sm_max = config.control.offline_sm_pct_max
-    max_clients = override.max_clients or config.mps.max_clients
+    gpu = config.for_gpu(sample.index, sample.uuid)
 
     memory: dict[int, int | None] = {p.pid: p.used_bytes for p in sample.processes}
     views = tuple(
@@ -131,11 +123,11 @@ def _build(
     events = tuple(e for e in gpu_events if e.gpu_uuid == sample.uuid)
     live = sum(1 for c in views if c.state.is_live)
     admissions_open = (
-        override.shared
+        gpu.shared
         and not sample.lost
         and mps_state is MpsState.UP
         and not any(e.fatal for e in events)
-        and live + probe_mps_slots < max_clients
+        and slot_free(gpu.max_clients, probe_mps_slots, live)
     )
     return Observation(
         gpu_uuid=sample.uuid,
@@ -146,8 +138,8 @@ def _build(
         mps_state=mps_state,
         mps_events=tuple(e for e in mps_events if e.gpu_uuid == sample.uuid),
         gpu_events=events,
-        mem_reserve_bytes=reserve,
-        offline_sm_pct_max=sm_max,
+        mem_reserve_bytes=gpu.online_memory_reserve_bytes,
+        offline_sm_pct_max=gpu.offline_sm_pct_max,
         admissions_open=admissions_open,
         gate=gate,
         time_sliced=time_sliced,
@@ -185,87 +177,3 @@ def _with(view: ClientView, **changes: object) -> ClientView:
     values = {name: getattr(view, name) for name in _VIEW_FIELDS}
     values.update(changes)
     return ClientView(**values)
-
-
-def build_observations(
-    *,
-    samples: Sequence[GpuSample],
-    probe: SlotHoldingProbe | Mapping[str, ProbeReading] | None,
-    clients_by_gpu: Mapping[str, Sequence[ClientView]],
-    config: Config,
-    app_p99: Mapping[str, LatencyP99] | None = None,
-    mps_states: Mapping[str, MpsState] | None = None,
-    mps_events: Mapping[str, Sequence[MpsEvent]] | None = None,
-    gpu_events: Sequence[GpuEvent] = (),
-    client_pids: Mapping[str, Sequence[int]] | None = None,
-) -> tuple[Observation, ...]:
-    """One observation per sampled GPU, in sample order; never raises.
-
-    Args:
-        samples: this tick's NVML samples (``GpuBackend.sample()``).
-        probe: a :class:`~gpushare.node.base.SlotHoldingProbe` (or readings by GPU UUID, or
-            ``None``: no slot is then counted).
-        clients_by_gpu: the registry's client views by GPU UUID.
-        config: the daemon config.
-        app_p99: app-reported p99 per client id.
-        mps_states: MPS health by GPU UUID (missing: ``UNKNOWN``, which closes admissions).
-        mps_events: MPS events since the last tick by GPU UUID.
-        gpu_events: GPU events since the last tick (``GpuBackend.drain_events()``).
-        client_pids: every pid of each client.
-    """
-    out = []
-    for sample in samples:
-        reading = _probe_reading(probe, sample.uuid)
-        slots = _probe_slots(probe, sample.uuid)
-        out.append(
-            build_observation(
-                sample=sample,
-                probe=reading,
-                clients=clients_by_gpu.get(sample.uuid, ()),
-                config=config,
-                app_p99=app_p99,
-                mps_state=(mps_states or {}).get(sample.uuid, MpsState.UNKNOWN),
-                mps_events=(mps_events or {}).get(sample.uuid, ()),
-                gpu_events=gpu_events,
-                client_pids=client_pids,
-                probe_mps_slots=slots,
-            )
-        )
-    return tuple(out)
-
-
-def _probe_reading(
-    probe: SlotHoldingProbe | Mapping[str, ProbeReading] | None, uuid: str
-) -> ProbeReading | None:
-    if probe is None:
-        return None
-    if isinstance(probe, Mapping):
-        return probe.get(uuid)
-    try:
-        return probe.reading(uuid)
-    except Exception as exc:
-        log.exception("probe_reading_failed", gpu=uuid)
-        return ProbeReading(reason=f"unavailable: probe failed: {exc}")
-
-
-def _probe_slots(probe: SlotHoldingProbe | Mapping[str, ProbeReading] | None, uuid: str) -> int:
-    if probe is None or isinstance(probe, Mapping):
-        return 0  # readings alone hold no slot
-    try:
-        return int(probe.mps_client_slots(uuid))
-    except Exception:  # noqa: BLE001 - a slot count is advisory
-        return 1
-
-
-def offline_running(clients: Sequence[ClientView]) -> bool:
-    """Whether offline work may be running on a GPU (for ``LatencyProbe.set_offline_running``).
-
-    Frozen or held clients issue no new work; every other live offline client might.
-    """
-    return any(
-        c.cls is ClientClass.OFFLINE
-        and c.state.is_live
-        and c.state is not ClientState.FROZEN
-        and not c.held
-        for c in clients
-    )

@@ -204,7 +204,7 @@ class NodeState:
         key = (sample.index, sample.uuid)
         found = self._shared.get(key)
         if found is None:
-            found = self._shared[key] = self.config.gpu_override(sample.index, sample.uuid).shared
+            found = self._shared[key] = self.config.for_gpu(sample.index, sample.uuid).shared
         return found
 
     def sample(self, gpu_uuid: str) -> GpuSample | None:
@@ -213,15 +213,11 @@ class NodeState:
 
     def reserve(self, sample: GpuSample) -> int:
         """The memory kept free for online clients on this GPU."""
-        override = self.config.gpu_override(sample.index, sample.uuid)
-        if override.online_memory_reserve_bytes is not None:
-            return override.online_memory_reserve_bytes
-        return self.config.control.online_memory_reserve_bytes
+        return self.config.for_gpu(sample.index, sample.uuid).online_memory_reserve_bytes
 
     def max_clients(self, sample: GpuSample) -> int:
         """The MPS client slots of this GPU."""
-        override = self.config.gpu_override(sample.index, sample.uuid)
-        return override.max_clients or self.config.mps.max_clients
+        return self.config.for_gpu(sample.index, sample.uuid).max_clients
 
 
 _SHARE_SETTING = "offline_share"

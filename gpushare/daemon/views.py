@@ -250,7 +250,7 @@ class Views:
             latency = self._latency(r)
         elif r.cls is ClientClass.OFFLINE:
             offline = self.s.ops.offline_fields(r.id, r.state, self.s.clock.monotonic())
-            # What the submitter asked (null: deep) and, while it runs, the queue it has and how
+            # What the submitter asked (null: model.DEFAULT_QUEUE_MODE) and, while it runs, the queue it has and how
             # a shallow one is kept ("4 in flight", "blocking").
             shallow = self.life.shallow.get(r.id) if r.state.is_live else None
             now_q = None if not r.state.is_live else "shallow" if shallow else "deep"

@@ -29,7 +29,7 @@ log = structlog.get_logger(__name__)
 
 
 class AppLatency:
-    """Both sources together: per-client p99 for :func:`gpushare.daemon.observe.build_observations`.
+    """Both sources together: per-client p99 for :func:`gpushare.daemon.observe.build_observation`.
 
     The scrapes run on threads of their own (``start``), one per endpoint, so a slow endpoint
     never delays a tick or another client's scrape.

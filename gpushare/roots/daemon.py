@@ -198,7 +198,7 @@ def build(cfg: config_mod.Config, config_path: Path | None) -> Daemon:
     except RegistryError as exc:
         raise StartupError(str(exc)) from exc
     gpu = NvmlBackend()
-    shared = [s.uuid for s in gpu.sample() if cfg.gpu_override(s.index, s.uuid).shared]
+    shared = [s.uuid for s in gpu.sample() if cfg.for_gpu(s.index, s.uuid).shared]
     # NVML sets EXCLUSIVE_PROCESS on each shared GPU while MPS runs (mps.compute_mode).
     mps = mps_mod.MpsNodeManager(cfg, shared, compute_mode=gpu)
     try:

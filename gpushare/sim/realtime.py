@@ -33,11 +33,12 @@ from gpushare.node.base import MultiuserInfo
 from gpushare.node.pauser_defaults import PauserDefaults
 from gpushare.sim import adapters as simnode
 from gpushare.sim import data
+from gpushare.sim.arrivals import bursty_poisson_arrivals
 from gpushare.sim.gating import BoundarySender
 from gpushare.sim.node import SimNode, launch_costs
 from gpushare.sim.scenario import GpuSpec, Scenario
 from gpushare.sim.simenv import ENV_BURST, ENV_PROFILE, ENV_RPS, rate_problem
-from gpushare.sim.workloads import OfflineTrainer, OnlineServer, bursty_poisson_arrivals
+from gpushare.sim.workloads import OfflineTrainer, OnlineServer
 
 ORION = "orion-v100-kernels"
 #: One :meth:`RealTimeSimNode.advance` simulates in steps of this much virtual time, and stops

@@ -13,8 +13,6 @@ from gpushare.daemon.observe import (
     NO_APP_LATENCY,
     NO_PROBE,
     build_observation,
-    build_observations,
-    offline_running,
 )
 from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
@@ -149,15 +147,16 @@ def test_per_gpu_overrides_by_uuid_win_over_index() -> None:
             U1: GpuOverride(offline_sm_pct_max=40.0),
         },
     )
-    o0, o1 = build_observations(
-        samples=[sample(0), sample(1)], probe=None, clients_by_gpu={}, config=cfg
+    o0, o1 = (
+        build_observation(sample=s, probe=None, clients=(), config=cfg)
+        for s in (sample(0), sample(1))
     )
     assert (o0.mem_reserve_bytes, o0.offline_sm_pct_max) == (GIB, 100.0)
-    # The UUID entry wins entirely (Config.gpu_override): its reserve is unset -> the default.
+    # The UUID entry wins entirely (Config.for_gpu): its reserve is unset -> the default.
     assert (o1.mem_reserve_bytes, o1.offline_sm_pct_max) == (GIB, 40.0)
 
 
-def test_build_observations_with_the_real_adapter_and_a_scripted_probe() -> None:
+def test_build_observation_with_the_real_adapter_and_a_scripted_probe() -> None:
     lib = fake_nvml.gpu_lost(n=2, lost=1)
     backend = NvmlBackend(nvml=lib, events=False)
     try:
@@ -170,12 +169,15 @@ def test_build_observations_with_the_real_adapter_and_a_scripted_probe() -> None
         U0: [view("web", ClientClass.ONLINE, 201)],
         U1: [view("t", ClientClass.OFFLINE, 202)],
     }
-    o0, o1 = build_observations(
-        samples=samples,
-        probe=probe,
-        clients_by_gpu=clients,
-        config=Config(),
-        mps_states={U0: MpsState.UP, U1: MpsState.UP},
+    o0, o1 = (
+        build_observation(
+            sample=s,
+            probe=probe.reading(s.uuid),
+            clients=clients[s.uuid],
+            config=Config(),
+            mps_state=MpsState.UP,
+        )
+        for s in samples
     )
     assert o0.probe.ratio == pytest.approx(4.0)
     assert o0.clients[0].mem_used_bytes == 2 * GIB
@@ -186,15 +188,6 @@ def test_build_observations_with_the_real_adapter_and_a_scripted_probe() -> None
 
 
 def test_building_never_raises() -> None:
-    obs = build_observations(
-        samples=[sample()],
-        probe=FakeProbe([(0.0, 0.05)], raises=RuntimeError("boom")),
-        clients_by_gpu={U0: [view("web", ClientClass.ONLINE, 201)]},
-        config=Config(),
-        mps_states={U0: MpsState.UP},
-    )
-    assert obs[0].probe.reason == "unavailable: probe failed: boom"
-    assert obs[0].admissions_open  # a broken probe is a missing reading, not a closed GPU
     # Garbage from a caller (a client view that is not one) still yields a closed observation.
     bad = build_observation(
         sample=sample(), probe=None, clients=[object()], config=Config(),  # type: ignore[list-item]
@@ -226,23 +219,15 @@ def test_the_gate_and_the_compute_mode_go_into_the_observation_also_a_failed_one
 def test_fake_backend_feeds_observations() -> None:
     backend = FakeGpuBackend.uniform(2, 3)
     backend.set(1, lost=True, error="gpu lost")
-    obs = build_observations(
-        samples=backend.sample(), probe={U0: ProbeReading(latency_ms=1.0)}, clients_by_gpu={},
-        config=Config(), mps_states={U0: MpsState.UP, U1: MpsState.UP},
-    )  # fmt: skip
+    readings = {U0: ProbeReading(latency_ms=1.0)}
+    obs = [
+        build_observation(sample=s, probe=readings.get(s.uuid), clients=(), config=Config(),
+                          mps_state=MpsState.UP)
+        for s in backend.sample()
+    ]  # fmt: skip
     assert [o.admissions_open for o in obs] == [True, False]
     assert obs[0].probe.latency_ms == 1.0
     assert obs[1].probe.reason == NO_PROBE
-
-
-def test_offline_running() -> None:
-    on = view("a", ClientClass.ONLINE, 1)
-    off = view("b", ClientClass.OFFLINE, 2)
-    assert not offline_running([on])
-    assert offline_running([on, off])
-    assert not offline_running([dataclasses.replace(off, state=ClientState.FROZEN)])
-    assert not offline_running([dataclasses.replace(off, held=True)])
-    assert not offline_running([dataclasses.replace(off, state=ClientState.EXITED)])
 
 
 def test_online_and_offline_are_made_once_and_stay_out_of_equality_and_repr() -> None:
@@ -266,15 +251,11 @@ def test_online_and_offline_are_made_once_and_stay_out_of_equality_and_repr() ->
 
 def test_the_probes_mps_slots_count_against_the_client_limit() -> None:
     cfg = Config(mps=MpsConfig(max_clients=2))
-    clients = {U0: [view("web", ClientClass.ONLINE, 201)]}
+    clients = (view("web", ClientClass.ONLINE, 201),)
 
     def admissions(slots: int) -> bool:
-        (obs,) = build_observations(
-            samples=[sample()],
-            probe=FakeProbe([(0.0, 0.05)], slots=slots),
-            clients_by_gpu=clients,
-            config=cfg,
-            mps_states={U0: MpsState.UP},
+        obs = build_observation(
+            sample=sample(), probe=None, clients=clients, config=cfg, probe_mps_slots=slots
         )
         return obs.admissions_open
 

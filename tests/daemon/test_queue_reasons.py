@@ -68,7 +68,7 @@ def test_a_job_queued_for_memory_shows_why_until_it_starts(dp: DaemonProc) -> No
     # evicts the restartable job and requeues it; its 4 GiB do not fit in the 5 GiB now free
     # beside the reserve, so admission leaves it queued and says so.
     mem_used.write_text(str(11 * GIB))
-    why = "cannot start: GPU 0: needs 4.00GiB, 3.00GiB free beside the 2.00GiB online reserve"
+    why = "cannot start: GPU 0: needs 6G with 2G kept for online clients, 5G free"
 
     def queued_with_reason() -> bool:
         c = dp.client(job)
@@ -128,10 +128,8 @@ enabled = false
         assert d.state.waiting == {}
         d.run(max_ticks=1)
         assert d.state.waiting == {
-            jobs[0]: "cannot start: GPU 0: needs 20.00GiB, 13.00GiB free beside the 2.00GiB "
-            "online reserve",
-            jobs[1]: "cannot start: GPU 0: needs 30.00GiB, 13.00GiB free beside the 2.00GiB "
-            "online reserve",
+            jobs[0]: "cannot start: GPU 0: needs 22G with 2G kept for online clients, 15G free",
+            jobs[1]: "cannot start: GPU 0: needs 32G with 2G kept for online clients, 15G free",
         }
         listed = {c["id"]: c["waiting"] for c in d.api.list(root, {})["clients"]}
         assert listed == d.state.waiting

@@ -210,10 +210,10 @@ def test_a_freeze_bites_within_one_kernel_only_with_a_shallow_queue(blocking: bo
 
 
 def test_a_bad_queue_mode_in_a_scenario_is_an_error_naming_the_key(tmp_path: Path) -> None:
-    text = PAIR.read_text().replace("restartable = true", 'restartable = true\nqueue = "fast"')
+    text = PAIR.read_text().replace('queue = "auto"', 'queue = "fast"')
     bad = tmp_path / "bad.toml"
     bad.write_text(text)
-    with pytest.raises(sc_mod.ScenarioError, match=r"queue.*shallow, deep, auto"):
+    with pytest.raises(sc_mod.ScenarioError, match=r"queue.*'shallow', 'deep', 'auto'"):
         sc_mod.load(bad)
 
 
