@@ -64,11 +64,11 @@ BESIDE_TP = (
 TP4 = TpSpec("bert-tp4", K + "bert_2_fwd.csv", (0, 1, 2, 3), load=LOAD)
 
 
-def scenarios(duration_s: float) -> list[tuple[GangScenario, str]]:
+def scenarios(duration_s: float, seed: int = 1) -> list[tuple[GangScenario, str]]:
     """The gang scenarios, each with a one-line description."""
-    n4 = base_scenario("n4", 4, ONE_GPU_4, duration_s=duration_s)
-    n8 = base_scenario("n8", 8, ONE_GPU_8, duration_s=duration_s)
-    n8tp = base_scenario("n8tp", 8, BESIDE_TP, duration_s=duration_s)
+    n4 = base_scenario("n4", 4, ONE_GPU_4, duration_s=duration_s, seed=seed)
+    n8 = base_scenario("n8", 8, ONE_GPU_8, duration_s=duration_s, seed=seed)
+    n8tp = base_scenario("n8tp", 8, BESIDE_TP, duration_s=duration_s, seed=seed)
     ddp = DdpSpec("ddp", TRAIN, (0, 1, 2, 3))
     ddp8 = DdpSpec("ddp", TRAIN, tuple(range(8)))
     out = [
@@ -161,6 +161,34 @@ def markdown(rows: list[dict[str, Any]], desc: dict[str, str]) -> str:
     return "\n".join(out)
 
 
+def frontier_markdown(rows: list[dict[str, Any]]) -> str:
+    """The frontier: per scenario and policy, worst online attainment / gang throughput per SLO."""
+    factors = sorted({r["slo_factor"] for r in rows})
+    cells: dict[tuple[str, str], dict[float, str]] = {}
+    for r in rows:
+        gang = "/".join(f"{x:.2f}" for x in r["gang_norm"])
+        cell = f"{r['online_min_attainment'] * 100:.2f} % / {gang}"
+        cells.setdefault((r["scenario"], r["policy"]), {})[r["slo_factor"]] = cell
+    head = "| scenario | policy | " + " | ".join(f"{f:g}x" for f in factors) + " |"
+    out = [head, "|---|---|" + "---|" * len(factors)]
+    for (sc, pol), by in cells.items():
+        out.append(f"| {sc} | {pol} | " + " | ".join(by.get(f, "-") for f in factors) + " |")
+    return "\n".join(out)
+
+
+def write_markdown(doc: dict[str, Any], out: Path) -> Path:
+    """Write ``doc``'s tables beside its JSON file as NAME.md; return that path."""
+    md = out.with_suffix(".md")
+    md.write_text(
+        f"Command: `{doc['command']}`\n\nWorst online attainment / gang throughput:\n\n"
+        + frontier_markdown(doc["rows"])
+        + "\n\n"
+        + markdown(doc["rows"], doc["scenarios"])
+        + "\n"
+    )
+    return md
+
+
 def main() -> None:
     """Run the gang scenarios and write their results."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -169,8 +197,14 @@ def main() -> None:
     ap.add_argument("--policy", action="append", help=f"policy (repeat; default {POLICIES})")
     ap.add_argument("--quick", action="store_true", help="10 s runs at 1.1x only")
     ap.add_argument("--no-gating", action="store_true", help="no service sends request boundaries")
+    ap.add_argument("--seed", type=int, default=1, help="the arrivals' seed (every scenario)")
+    ap.add_argument("--scenario", action="append", help="only these scenarios (repeat)")
     ap.add_argument("--out", type=Path, default=RESULTS / "gangs.json", help="JSON to write")
+    ap.add_argument("--render", type=Path, help="only rewrite the Markdown of this JSON file")
     args = ap.parse_args()
+    if args.render is not None:
+        print(f"wrote {write_markdown(json.loads(args.render.read_text()), args.render)}")
+        return
     logs.configure_logging("warning")
     factors = args.factor or ([1.1] if args.quick else list(FACTORS))
     duration = 10.0 if args.quick else args.duration
@@ -178,7 +212,9 @@ def main() -> None:
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     desc: dict[str, str] = {}
-    for sc, text in scenarios(duration):
+    for sc, text in scenarios(duration, args.seed):
+        if args.scenario and sc.name not in args.scenario:
+            continue
         desc[sc.name] = text
         for f in factors:
             for r in run_one(sc, f, policies, not args.no_gating):
@@ -194,6 +230,7 @@ def main() -> None:
         "command": command.strip(),
         "wall_s": time.perf_counter() - t0,
         "duration_s": duration,
+        "seed": args.seed,
         "engine": engine.loaded(),
         "gating": not args.no_gating,
         "scenarios": desc,
@@ -201,8 +238,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    md = args.out.with_suffix(".md")
-    md.write_text(f"Command: `{doc['command']}`\n\n" + markdown(rows, desc) + "\n")
+    md = write_markdown(doc, args.out)
     print(f"wrote {args.out} and {md} ({doc['wall_s']:.0f} s)")
 
 

@@ -89,3 +89,21 @@ def test_the_daemon_runs_a_gang_beside_online_services() -> None:
     # (the rank on GPU 0 runs only while BERT is idle).
     assert [r.gpu.index for r in gn.gangs[0][1].ranks] == [0, 1, 2, 3]
     assert 0.0 < g.norm < 1.0
+
+
+def test_every_shards_gate_protects_a_tp_server() -> None:
+    # A TP=2 server on GPUs 0-1 and a DDP job over all four GPUs: the shards' request boundaries
+    # close the gate on both of the server's GPUs, so its attainment holds where plain MPS with
+    # priorities (no gate) lets the ranks beside it break it.
+    base = base_scenario("t", 4, (), duration_s=4.0)
+    tp = TpSpec("tp", K + "bert_2_fwd.csv", (0, 1), load=0.5)
+    sc = GangScenario("t", base, ddp=(DdpSpec("ddp", TRAIN, (0, 1, 2, 3)),), tp=(tp,))
+    _, slo = slos(sc, 1.5)
+    att = {}
+    for name in ("gpushare", "mps-priority"):
+        run, _ = run_gang_policy(sc, make_policy(name, base.config.control), name=name, slo_ms=slo)
+        ((svc,), (g,)) = run.services, run.gangs
+        assert svc.gpus == (0, 1) and g.norm > 0.0
+        att[name] = svc.slo_attainment
+    assert att["gpushare"] >= 0.95
+    assert att["mps-priority"] < att["gpushare"] - 0.05
