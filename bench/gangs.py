@@ -29,8 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gpushare import logs  # noqa: E402
-from gpushare.control.gang import GpuForGang, place_gang  # noqa: E402
+from gpushare.control.gang import GangDuty, GpuForGang, place_gang  # noqa: E402
 from gpushare.control.placement import GpuLoad, choose  # noqa: E402
+from gpushare.control.policy import Policy  # noqa: E402
 from gpushare.control.registry import make_policy  # noqa: E402
 from gpushare.sim import engine  # noqa: E402
 from gpushare.sim.gang import DdpSpec, TpSpec  # noqa: E402
@@ -79,6 +80,11 @@ def scenarios(duration_s: float, seed: int = 1) -> list[tuple[GangScenario, str]
             "8 GPUs; BERT TP=4 on 0-3, 3 services on 4-6; DDP x8",
         ),
     ]
+    for i, (svc, *_) in enumerate(ONE_GPU_8):
+        # The ladder: the 4-rank gang on one service's GPU and three idle ones.
+        gpus4 = (i, 4, 5, 6)
+        sc = GangScenario(f"n8-ddp4-on-{svc}", n8, ddp=(DdpSpec("ddp", TRAIN, gpus4),))
+        out.append((sc, f"the n8 node; DDP x4 on GPUs {list(gpus4)} ({svc}'s GPU and 3 idle)"))
     for rule, gpus in placements(n8tp.gpu.mem_total_bytes).items():
         sc = GangScenario(
             f"n8-tp4-ddp4-{rule}", n8tp, ddp=(DdpSpec("ddp", TRAIN, gpus),), tp=(TP4,)
@@ -120,6 +126,44 @@ def placements(mem_total: int) -> dict[str, tuple[int, ...]]:
     return {"D12": tuple(sorted(d12)), "gang-rule": gang.gpus}
 
 
+#: Scenarios run only when named with --scenario (the ladder: what one service's GPU costs a gang).
+LADDER_PREFIX = "n8-ddp4-on-"
+
+
+def measured_placement(thawed: list[float], mem_total: int) -> tuple[int, ...]:
+    """The gang rule with each GPU's measured share of time offline work was let run.
+
+    ``thawed[g]`` is how long the daemon kept the rank on GPU ``g`` thawed in the n8-tp4-ddp8 run
+    (its gate open), so ``1 - thawed`` stands for the busy fraction the rule takes: what the
+    daemon's gate can measure on a GPU, gate delays included, where the offered load cannot.
+    """
+    used = {g: 0 for g in range(8)}
+    services: dict[int, dict[str, float]] = {g: {} for g in range(8)}
+    for g in TP4.gpus:
+        used[g] += TP4.mem_bytes
+        services[g][TP4.name] = 1.0 - min(1.0, thawed[g])
+    for name, _, g, _ in BESIDE_TP:
+        used[g] += 2 * GIB
+        services[g][name] = 1.0 - min(1.0, thawed[g])
+    rank_mem = DdpSpec("x", TRAIN, ()).mem_bytes
+    gpus = [GpuForGang(g, mem_total - used[g], services[g]) for g in range(8)]
+    placed = place_gang(gpus, 4, rank_mem)
+    assert placed is not None
+    return placed.gpus
+
+
+#: gpushare's controller with every gang rank given the gang's smallest duty (measured, rejected).
+GANG_DUTY = "gpushare+gang-duty"
+
+
+def make_pol(name: str, sc: GangScenario) -> Policy[Any]:
+    """A policy of the registry, or :data:`GANG_DUTY`."""
+    if name == GANG_DUTY:
+        gangs = [[f"GPU-sim-{g:04d}" for g in d.gpus] for d in sc.ddp]
+        return GangDuty(make_policy("gpushare", sc.base.config.control), gangs)
+    return make_policy(name, sc.base.config.control)
+
+
 def run_one(
     sc: GangScenario, factor: float, policies: list[str], boundaries: bool
 ) -> list[dict[str, Any]]:
@@ -127,7 +171,7 @@ def run_one(
     _, slo = slos(sc, factor)
     rows = []
     for pol in policies:
-        policy = make_policy(pol, sc.base.config.control)
+        policy = make_pol(pol, sc)
         run, _ = run_gang_policy(sc, policy, name=pol, slo_ms=slo, boundaries=boundaries)
         worst = min(run.services, key=lambda s: s.slo_attainment)
         rows.append(
@@ -194,7 +238,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=20.0, help="virtual seconds per run")
     ap.add_argument("--factor", type=float, action="append", help="SLO factor (repeat)")
-    ap.add_argument("--policy", action="append", help=f"policy (repeat; default {POLICIES})")
+    ap.add_argument(
+        "--policy", action="append", help=f"policy (repeat; default {POLICIES}; or {GANG_DUTY})"
+    )
     ap.add_argument("--quick", action="store_true", help="10 s runs at 1.1x only")
     ap.add_argument("--no-gating", action="store_true", help="no service sends request boundaries")
     ap.add_argument("--seed", type=int, default=1, help="the arrivals' seed (every scenario)")
@@ -215,6 +261,8 @@ def main() -> None:
     for sc, text in scenarios(duration, args.seed):
         if args.scenario and sc.name not in args.scenario:
             continue
+        if not args.scenario and sc.name.startswith(LADDER_PREFIX):
+            continue
         desc[sc.name] = text
         for f in factors:
             for r in run_one(sc, f, policies, not args.no_gating):
@@ -225,6 +273,26 @@ def main() -> None:
                     + ", ".join(f"{x:.3f}" for x in r["gang_norm"]),
                     flush=True,
                 )
+    # The gang rule fed with what the gate measured: each factor's n8-tp4-ddp8 gpushare run.
+    probes = {
+        r["slo_factor"]: r["run"]["thawed"][0]
+        for r in rows
+        if r["scenario"] == "n8-tp4-ddp8" and r["policy"] == "gpushare"
+    }
+    base = scenarios(duration, args.seed)[2][0]
+    for f, thawed in probes.items():
+        gpus = measured_placement(thawed, base.base.gpu.mem_total_bytes)
+        sc = GangScenario(
+            "n8-tp4-ddp4-measured", base.base, ddp=(DdpSpec("ddp", TRAIN, gpus),), tp=(TP4,)
+        )
+        desc[sc.name] = (
+            "as D12/gang-rule; DDP x4 placed by the gang rule on measured gate-open shares"
+        )
+        for r in run_one(sc, f, policies, not args.no_gating):
+            r["placement"] = list(gpus)
+            rows.append(r)
+            print(f"{r['scenario']:22s} {f:4g}x {r['policy']:13s} GPUs {list(gpus)} worst online "
+                  f"{r['online_min_attainment'] * 100:6.2f} %, gang {r['gang_norm'][0]:.3f}", flush=True)  # fmt: skip
     command = "python bench/gangs.py " + " ".join(sys.argv[1:])
     doc = {
         "command": command.strip(),

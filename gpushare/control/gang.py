@@ -4,11 +4,12 @@ A DDP training job (``torchrun --nproc_per_node=N``) runs one rank per GPU and e
 iteration with an all-reduce that waits for the slowest rank; a frozen rank stalls every rank.
 So a gang makes progress only while it may run on **all** its GPUs at once. On a GPU with an
 online service that tells the daemon of its requests, the gate lets offline work run while no
-request is in flight: a fraction ``1 - rho`` of the time, ``rho`` being the service's busy
-fraction. Requests of different services arrive independently, so a gang across GPUs of several
-services runs about ``prod(1 - rho_s)`` of the time (less: each iteration waits for its slowest
-rank); the GPUs of one tensor-parallel server are busy at the same moments, so they cost the gang
-one factor, not one per GPU.
+request is in flight (under a looser SLO, also beside short spells): a fraction ``1 - rho`` of
+the time, ``rho`` being the share of time the gate holds offline work frozen. Requests of
+different services arrive independently, so the windows in which a gang across GPUs of several
+services may run on all of them at once are about ``prod(1 - rho_s)`` of the time (the gang does
+somewhat better, since a rank that waits keeps the work it did); the GPUs of one tensor-parallel
+server are busy at the same moments, so they cost the gang one factor, not one per GPU.
 
 :func:`place_gang` is the admission rule: the ``n`` GPUs that fit the ranks' memory and maximise
 the gang's predicted run fraction (docs/design.md D14). :func:`gang_duty` is the duty rule: a
@@ -38,8 +39,11 @@ RHO_MAX = 0.99
 class GpuForGang:
     """What the gang placement needs to know of one GPU.
 
-    ``services`` maps each online service with a client on this GPU to its busy fraction (the
-    share of time it has a request in flight, 0..1); a tensor-parallel server has the same key
+    ``services`` maps each online service with a client on this GPU to its busy fraction (0..1):
+    the share of time this GPU's gate keeps offline work frozen for it, as the gate measures it
+    (at a tight SLO, the share of time the service has a request in flight; under a looser one
+    less, since the gate then lets offline work run beside short spells). The offered load stands
+    in for it only at a tight SLO (docs/design.md §7). A tensor-parallel server has the same key
     on each of its GPUs. ``available_bytes`` is the memory a new client may still take.
     """
 

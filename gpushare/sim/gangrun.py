@@ -83,6 +83,9 @@ class GangRun:
     gangs: tuple[GangResult, ...]
     #: Each GPU's mean offline duty over the measured window (1: never duty-cycled).
     duty_mean: tuple[float, ...] = ()
+    #: Per rank of each DDP job (in order), the share of its life the daemon kept it thawed
+    #: (its gate open and its duty on): what its GPU's online service left to offline work.
+    thawed: tuple[tuple[float, ...], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (with each gang's normalised throughput)."""
@@ -161,6 +164,7 @@ def run_gang_policy(
         node.start()
         end = sc.base.duration_s
         duty: dict[str, list[tuple[float, float]]] = {}
+        thawed: tuple[tuple[float, ...], ...] = ()
         if policy is None:
             period = node.cfg.control.period_s
             t = 0.0
@@ -174,6 +178,7 @@ def run_gang_policy(
                 for shard in server.shards:
                     shard.on_boundary = BoundarySender(sim.gates.send, shard).boundary
             sim.run(end)
+            thawed = tuple(_thawed(sim, gang) for _, gang in gn.gangs)
             sim.close()
             duty = sim.duty_series
         run = _results(gn, name, slo_ms or {})
@@ -182,7 +187,18 @@ def run_gang_policy(
         for gpu in node.gpus:
             ds = [d for t, d in duty.get(gpu.uuid, []) if t >= warm]
             means.append(sum(ds) / len(ds) if ds else 1.0)
-        return dataclasses.replace(run, duty_mean=tuple(means)), gn
+        return dataclasses.replace(run, duty_mean=tuple(means), thawed=thawed), gn
+
+
+def _thawed(sim: SimDaemon, gang: DdpGang) -> tuple[float, ...]:
+    now = sim.node.loop.now
+    out = []
+    for r in gang.ranks:
+        total = sim.state.ops.thaw.total_s(r.cid, now)
+        life = now - r.started_at_s if r.started_at_s is not None else 0.0
+        # The thaw log counts from the launch, the life from the process's start: clamp at 1.
+        out.append(min(1.0, total / life) if total is not None and life > 0 else math.nan)
+    return tuple(out)
 
 
 def _service_of(gn: GangNode, c: OnlineServer) -> str:

@@ -107,7 +107,7 @@ def test_gang_duty_wrapper_sends_the_gangs_smallest_duty() -> None:
     # g1's own duty is 1 (it sends nothing), but the gang's slowest GPU holds 0.3.
     _, a1 = policy.step(1.0, obs("g1"), 0.0)
     assert [(a.gpu_uuid, a.duty) for a in a1 if isinstance(a, SetDuty)] == [("g1", 0.3)]
-    assert "gang duty" in a1[0].reason  # type: ignore[union-attr]
+    assert "gang duty" in a1[0].reason
     # A GPU outside every gang keeps the inner policy's own actions.
     _, a2 = policy.step(1.0, obs("g2"), 0.0)
     assert [(a.gpu_uuid, a.duty) for a in a2 if isinstance(a, SetDuty)] == [("g2", 0.5)]
