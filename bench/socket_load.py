@@ -27,8 +27,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.support.daemon_helpers import REPO, DaemonProc, wait_for
 from gpushare.client import ApiClient, ApiError
-from tests.support.daemon_helpers import REPO, DaemonProc, wait_for
 
 OUT = REPO / "bench" / "results" / "socket_load.json"
 

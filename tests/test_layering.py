@@ -55,8 +55,11 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sim", ("gpushare.sim",)),
     # Composition roots: where real or simulated parts are wired into something that runs.
     ("roots", ("gpushare.roots",)),
-    # Entry points: the command line, the Slurm TaskProlog, the installer.
-    ("entry", ("gpushare.cli", "gpushare.slurm", "gpushare.install", "gpushare.__main__")),
+    # Entry points: the command line, the Slurm TaskProlog, the installer, the kubelet device plugin.
+    (
+        "entry",
+        ("gpushare.cli", "gpushare.slurm", "gpushare.install", "gpushare.__main__", "gpushare.k8s"),
+    ),
 )
 RANK = {name: i for i, (name, _) in enumerate(ROOMS)}
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from gpushare.config import AdoptRule
+from gpushare.control.pods import ENV_CLIENT_SCOPE, POD_SCOPE, pod_cgroup
 from gpushare.model import ClientClass, ProcessFacts
 from gpushare.mpsenv import ENV_CLASS, ENV_GPU_UUID, ENV_SLO_P99, check_limits
 from gpushare.units import format_duration, format_size, parse_duration, parse_size
@@ -28,7 +29,9 @@ from gpushare.units import format_duration, format_size, parse_duration, parse_s
 ENV_SM = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 ENV_MEM = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 ENV_PIPE = "CUDA_MPS_PIPE_DIRECTORY"
-FACT_ENV: tuple[str, ...] = (ENV_CLASS, ENV_SLO_P99, ENV_GPU_UUID, ENV_SM, ENV_MEM, ENV_PIPE)
+FACT_ENV: tuple[str, ...] = (
+    ENV_CLASS, ENV_SLO_P99, ENV_GPU_UUID, ENV_SM, ENV_MEM, ENV_PIPE, ENV_CLIENT_SCOPE,
+)  # fmt: skip
 """The environment variables adoption always reads; rules' ``env`` conditions add their own.
 
 Only these are kept from ``/proc/<pid>/environ``: the rest of a process's environment may hold
@@ -134,14 +137,20 @@ def scan(rules: Sequence[Rule], processes: Sequence[ProcessFacts]) -> Scan:
     """Decide every process, fold descendants of adopted ones into them, report idle rules.
 
     A process forked by an adopted one (a data loader, a worker) is part of that client: its
-    pid maps to the ancestor's in :attr:`Scan.members` and it gets no decision of its own.
+    pid maps to the ancestor's in :attr:`Scan.members` and it gets no decision of its own. So is
+    an adopted process of a pod whose first adopted process asked for pod scope
+    (:func:`pod_key`): the containers of one pod are one client.
     """
     by_pid = {p.pid: p for p in processes}
     raw = {p.pid: decide(rules, p) for p in processes}
     members: dict[int, int] = {}
     decisions: list[Decision] = []
+    pod_roots: dict[str, int] = {}
     for p in processes:
         root = _adopted_ancestor(p, by_pid, raw)
+        pod = pod_key(p) if raw[p.pid].adopt else None
+        if root is None and pod is not None:
+            root = pod_roots.get(pod)
         if root is not None:
             members[p.pid] = root
             continue
@@ -151,10 +160,27 @@ def scan(rules: Sequence[Rule], processes: Sequence[ProcessFacts]) -> Scan:
         decisions.append(d)
         if d.adopt:
             members[p.pid] = p.pid
+            if pod is not None:
+                pod_roots[pod] = p.pid
+    # A descendant of a process folded into its pod's client belongs to that client too.
+    members = {pid: members.get(root, root) for pid, root in members.items()}
     deciding = {d.rule for d in raw.values()}
     gpu_known = any(p.gpu_uuids is not None for p in processes)
     unmatched = tuple(_unmatched(r, gpu_known) for r in rules if r.spec.name not in deciding)
     return Scan(tuple(decisions), members, unmatched)
+
+
+def pod_key(facts: ProcessFacts) -> str | None:
+    """The pod cgroup a process is a client with, when it asks for pod scope and is in a pod.
+
+    ``GPUSHARE_CLIENT_SCOPE=pod`` (the device plugin sets it) in a container's cgroup directly
+    inside a pod's: every adopted process of that pod folds into one client, frozen through the
+    pod's cgroup (:func:`gpushare.node.cgroups.route.freeze_route`).
+    """
+    env = facts.environ or {}
+    if env.get(ENV_CLIENT_SCOPE) != POD_SCOPE or facts.cgroup is None:
+        return None
+    return pod_cgroup(facts.cgroup)
 
 
 def _adopted_ancestor(

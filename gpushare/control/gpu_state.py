@@ -70,7 +70,7 @@ class GpuState:
         gate_delay_recent: ``(at_s, worst app signal)`` of the last few seconds, gated (a raise
             needs their tail, not one window's, to leave room).
         gate_delay_history: ``(first_at_s, worst app signal)`` per ``_DELAY_BUCKET_S`` over
-            the last ``_DELAY_MEMORY_S`` (controller.py), kept while gating goes off and on: a
+            the last ``_DELAY_MEMORY_S`` (gatedelay.py), kept while gating goes off and on: a
             burst seen once keeps capping the room, and its span says how long the tail is known.
     """
 

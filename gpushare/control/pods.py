@@ -94,3 +94,24 @@ def container_of_proc_cgroup(text: str) -> Container | None:
         if found is not None:
             return found
     return None
+
+
+ENV_CLIENT_SCOPE = "GPUSHARE_CLIENT_SCOPE"
+"""``pod``: every container of the process's pod is one client (the device plugin sets it)."""
+POD_SCOPE = "pod"
+
+
+def pod_cgroup(path: str) -> str | None:
+    """The pod's cgroup path when ``path`` is a container's cgroup directly in a pod's, else None.
+
+    ``/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod<uid>.slice/cri-containerd-<id>.scope``
+    gives ``/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod<uid>.slice``.
+    """
+    head, _sep, leaf = path.rstrip("/").rpartition("/")
+    found, parent = container_of_cgroup(path), container_of_cgroup(head)
+    if found is None or found.container_id is None or found.pod_uid is None or not leaf:
+        return None
+    if parent is None or parent.container_id is not None or parent.pod_uid != found.pod_uid:
+        return None
+    pod_part = head.rpartition("/")[2]
+    return head if _POD_CGROUPFS.match(pod_part) or _POD_SYSTEMD.match(pod_part) else None

@@ -384,10 +384,8 @@ class Adoptions:
                 # A client's cgroup also holds what left its process tree (a daemonized child);
                 # cheap to list. A process group is not (a walk of /proc per client), and its
                 # members that matter are the main process's descendants, skipped anyway.
-                mechanism_of = getattr(s.pauser, "mechanism_of", None)
                 for r in live:
-                    how = mechanism_of(r.id) if callable(mechanism_of) else s.pauser.mechanism
-                    if how is PauseMechanism.CGROUP:
+                    if s.pauser.mechanism_of(r.id) is PauseMechanism.CGROUP:
                         pids.update(s.pauser.pids(r.id))
                 samples = list(s.samples)
             self.adopter.min_age_s = s.config.daemon.adopt_min_age_s

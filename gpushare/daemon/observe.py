@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
 import structlog
 
@@ -30,15 +29,12 @@ from gpushare.model import (
     Observation,
     ProbeReading,
 )
+from gpushare.node.base import SlotHoldingProbe
 
 log = structlog.get_logger(__name__)
 
 NO_APP_LATENCY = "no app latency source (report_latency or --latency-from)"
 NO_PROBE = "unavailable: no probe on this GPU"
-
-
-class _ProbeLike(Protocol):
-    def reading(self, gpu_uuid: str) -> ProbeReading: ...
 
 
 def build_observation(
@@ -194,7 +190,7 @@ def _with(view: ClientView, **changes: object) -> ClientView:
 def build_observations(
     *,
     samples: Sequence[GpuSample],
-    probe: _ProbeLike | Mapping[str, ProbeReading] | None,
+    probe: SlotHoldingProbe | Mapping[str, ProbeReading] | None,
     clients_by_gpu: Mapping[str, Sequence[ClientView]],
     config: Config,
     app_p99: Mapping[str, LatencyP99] | None = None,
@@ -207,7 +203,8 @@ def build_observations(
 
     Args:
         samples: this tick's NVML samples (``GpuBackend.sample()``).
-        probe: a :class:`~gpushare.node.base.LatencyProbe` (or readings by GPU UUID, or ``None``).
+        probe: a :class:`~gpushare.node.base.SlotHoldingProbe` (or readings by GPU UUID, or
+            ``None``: no slot is then counted).
         clients_by_gpu: the registry's client views by GPU UUID.
         config: the daemon config.
         app_p99: app-reported p99 per client id.
@@ -238,7 +235,7 @@ def build_observations(
 
 
 def _probe_reading(
-    probe: _ProbeLike | Mapping[str, ProbeReading] | None, uuid: str
+    probe: SlotHoldingProbe | Mapping[str, ProbeReading] | None, uuid: str
 ) -> ProbeReading | None:
     if probe is None:
         return None
@@ -251,12 +248,11 @@ def _probe_reading(
         return ProbeReading(reason=f"unavailable: probe failed: {exc}")
 
 
-def _probe_slots(probe: object, uuid: str) -> int:
-    slots = getattr(probe, "mps_client_slots", None)
-    if not callable(slots):
-        return 0
+def _probe_slots(probe: SlotHoldingProbe | Mapping[str, ProbeReading] | None, uuid: str) -> int:
+    if probe is None or isinstance(probe, Mapping):
+        return 0  # readings alone hold no slot
     try:
-        return int(slots(uuid))
+        return int(probe.mps_client_slots(uuid))
     except Exception:  # noqa: BLE001 - a slot count is advisory
         return 1
 

@@ -140,8 +140,7 @@ class Views:
                     "policy": s.policy.name,
                     "pause_mechanism": s.pauser.mechanism.value,
                     "summary": self.loop.summary(),
-                    # Optional attributes of the adapters: only the simulated node sets them.
-                    "simulated": bool(getattr(s.gpu, "simulated", False)),
+                    "simulated": s.gpu.simulated,
                     # Request-boundary datagrams and gauge polls refused, by reason.
                     "inflight_rejections": s.gate.rejections.snapshot(),
                     **threads_status(s.threads, s.datagram_drops()),
@@ -213,7 +212,7 @@ class Views:
             "gpu_util_pct": x.gpu_util_pct,
             "sm_active_pct": x.sm_active_pct,
             "mps_state": mps_state.value if mps_state is not None else None,
-            "mps_backend": getattr(s.mps, "backend", None),
+            "mps_backend": s.mps.backend,
             "duty": s.duty.get(x.uuid, 1.0),
             "gate": gate_status(
                 s.duty.get(x.uuid, 1.0), s.ops.last_action(x.uuid), self.s.clock.monotonic()
@@ -288,8 +287,7 @@ class Views:
 
     def _pause_reason(self, r: ClientRecord) -> str | None:
         # How an adopted client is paused where it is, and why that way (None: launched).
-        route = getattr(self.s.pauser, "route", None)
-        found = route(r.id) if r.adopted_by is not None and callable(route) else None
+        found = self.s.pauser.route(r.id) if r.adopted_by is not None else None
         return found.reason if found is not None else None
 
     def _latency(self, r: ClientRecord) -> dict[str, Any]:

@@ -63,7 +63,7 @@ from gpushare.node.nvml_readers import gpm_sm_active, processes, sm_periods
 from gpushare.node.nvml_worker import Worker
 
 if TYPE_CHECKING:
-    from gpushare.node.base import ComputeModeControl, GpuBackend
+    from gpushare.node.base import ComputeModeControl, DaemonGpuBackend
 
 log = structlog.get_logger(__name__)
 
@@ -97,6 +97,9 @@ class NvmlBackend:
         fatal_xids: XIDs reported with ``fatal=True``.
         init_retry_s: after a failed init, how long ``sample`` waits before trying again.
     """
+
+    #: Real GPUs (``daemon.simulated`` in ``gpushare status --json``).
+    simulated = False
 
     def __init__(
         self,
@@ -495,7 +498,7 @@ def _int_or_none(value: Any) -> int | None:
 
 if TYPE_CHECKING:  # the adapter implements the Protocols the daemon holds it by
 
-    def _conforms(b: NvmlBackend) -> tuple[GpuBackend, ComputeModeControl]:
+    def _conforms(b: NvmlBackend) -> tuple[DaemonGpuBackend, ComputeModeControl]:
         return b, b
 
 

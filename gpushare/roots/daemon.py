@@ -42,7 +42,7 @@ from gpushare.model import PauseMechanism
 from gpushare.node import mps as mps_mod
 from gpushare.node import notify as sd
 from gpushare.node.adopted import AdoptingPauser
-from gpushare.node.base import MpsNode
+from gpushare.node.base import DaemonMpsNode
 from gpushare.node.cgroups import choice as pauser_choice
 from gpushare.node.cgroups.discovery import default_base_dir, move_self_to_leaf
 from gpushare.node.nvml import NvmlBackend
@@ -253,13 +253,13 @@ def _serving(path: Path) -> bool:
     return True
 
 
-def _stop_mps(mps: object, *, quit_daemon: bool) -> None:
-    stop = getattr(mps, "stop", None)
-    if callable(stop):
-        stop(quit_daemon=quit_daemon)
+def _stop_mps(mps: DaemonMpsNode, *, quit_daemon: bool) -> None:
+    mps.stop(quit_daemon=quit_daemon)
 
 
-def simulated_mps(cfg: config_mod.Config, rt: RealTimeSimNode) -> tuple[MpsNode, dict[str, str]]:
+def simulated_mps(
+    cfg: config_mod.Config, rt: RealTimeSimNode
+) -> tuple[DaemonMpsNode, dict[str, str]]:
     """The MPS of the simulated node: real control daemons when the binary is installed.
 
     The binary is looked up as the real daemon and ``gpushare doctor`` do (``mps.control_binary``,

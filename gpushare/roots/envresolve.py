@@ -46,7 +46,7 @@ def offline_priority(cfg: config.Config) -> int:
     from gpushare.control.registry import make_policy
 
     policy = make_policy(cfg.control.policy, cfg.control)
-    return int(getattr(policy, "offline_mps_priority", ClientClass.OFFLINE.mps_priority))
+    return int(policy.offline_mps_priority)
 
 
 def ask_daemon(socket: str | Path) -> dict[str, Any] | str:

@@ -14,9 +14,10 @@ import bisect
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from gpushare.config import Config
+from gpushare.control.policy import Policy
 from gpushare.model import (
     ClientClass,
     ClientState,
@@ -55,9 +56,9 @@ TIME_SLICE_POLICIES = frozenset({"time-slicing"})
 class PolicyTraits:
     """How a policy wants the node set up, beyond its actions.
 
-    ``offline_mps_priority`` (a policy attribute; 1 when absent) is the MPS priority offline clients
-    start with: plain MPS runs everyone at 0. A policy named in :data:`TIME_SLICE_POLICIES` (or with
-    ``gpu_mode = "time_slice"``) runs the GPU in the driver's time-sliced compute mode instead of
+    ``offline_mps_priority`` (declared by every :class:`~gpushare.control.policy.Policy`; 1 unless
+    0 or 1) is the MPS priority offline clients start with: plain MPS runs everyone at 0. A policy
+    with ``gpu_mode = "time_slice"`` (or named in :data:`TIME_SLICE_POLICIES`) runs the GPU in the driver's time-sliced compute mode instead of
     MPS (``[gpu] slice``, ms long); the simulated NVML reads it as compute mode ``"default"``, and
     the time-slicing policy, seeing ``Observation.time_sliced``, then sends no duty.
     """
@@ -68,16 +69,14 @@ class PolicyTraits:
     kernel_preemption: bool = False
 
     @classmethod
-    def of(cls, policy: object) -> PolicyTraits:
-        """Read the traits a policy declares, defaulting the rest."""
-        mode = getattr(policy, "gpu_mode", None)
-        if mode is None and getattr(policy, "name", None) in TIME_SLICE_POLICIES:
-            mode = "time_slice"
-        prio = getattr(policy, "offline_mps_priority", 1)
+    def of(cls, policy: Policy[Any]) -> PolicyTraits:
+        """Read the traits a policy declares."""
+        sliced = policy.gpu_mode == "time_slice" or policy.name in TIME_SLICE_POLICIES
+        prio = policy.offline_mps_priority
         return cls(
-            gpu_mode="time_slice" if mode == "time_slice" else "mps",
+            gpu_mode="time_slice" if sliced else "mps",
             offline_priority=int(prio) if prio in (0, 1) else 1,
-            kernel_preemption=getattr(policy, "preemption", None) == "kernel",
+            kernel_preemption=policy.preemption == "kernel",
         )
 
 

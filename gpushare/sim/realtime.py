@@ -29,6 +29,8 @@ from gpushare.model import (
     PauseMechanism,
     ProbeReading,
 )
+from gpushare.node.base import MultiuserInfo
+from gpushare.node.pauser_defaults import PauserDefaults
 from gpushare.sim import adapters as simnode
 from gpushare.sim import data
 from gpushare.sim.gating import BoundarySender
@@ -411,8 +413,11 @@ class RealTimeLatencyProbe:
         """Nothing to stop."""
 
 
-class RealTimePauser:
-    """Freezes and thaws simulated clients at the wall clock (no process is touched)."""
+class RealTimePauser(PauserDefaults):
+    """Freezes and thaws simulated clients at the wall clock (no process is touched).
+
+    The core :class:`~gpushare.node.base.Pauser`; the other capabilities are the null ones.
+    """
 
     mechanism = PauseMechanism.CGROUP
 
@@ -462,6 +467,17 @@ class RealTimeMpsNode:
 
     def __init__(self, rt: RealTimeSimNode) -> None:
         self.rt = rt
+
+    @property
+    def supervisors(self) -> Mapping[str, MultiuserInfo]:
+        """No real control daemon: none (single-user MPS is assumed)."""
+        return {}
+
+    def start(self) -> None:
+        """The simulated MPS is always up."""
+
+    def stop(self, *, quit_daemon: bool = True) -> None:
+        """Nothing to stop."""
 
     def pipe_dir(self, gpu_uuid: str) -> Path:
         """A per-GPU pipe directory name."""

@@ -155,7 +155,7 @@ def collect(
     }
     return RunResult(
         scenario=scenario.name,
-        policy=name or str(getattr(policy, "name", "none")),
+        policy=name or (policy.name if policy is not None else "none"),
         virtual_s=end,
         wall_s=wall,
         online=online,

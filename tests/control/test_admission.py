@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from bench.support.observations import GIB, gpu_uuid, job, observation, offline, online
 from gpushare.control.admission import admit, plan
 from gpushare.model import ClientState, MpsState, Observation
-from tests.fakes.fake_observations import GIB, gpu_uuid, job, observation, offline, online
 
 
 def gpus(*observations: Observation) -> dict[str, Observation]:

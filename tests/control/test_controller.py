@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.support.observations import GIB, GPU, observation, offline, online, with_p99
 from gpushare.config import ControlConfig
 from gpushare.control.controller import GpushareController, GpuState, failure_backoff_s
 from gpushare.model import (
@@ -30,7 +31,6 @@ from gpushare.model import (
     Severity,
     Thaw,
 )
-from tests.fakes.fake_observations import GIB, GPU, observation, offline, online, with_p99
 
 CFG = ControlConfig()
 # The share tests below are about what the share is computed from, not when a quiet period starts

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.support.daemon_helpers import wait_for
 from gpushare import config
 from gpushare.control.adoption import Rule
 from gpushare.daemon.adopter import Adopter
@@ -19,7 +20,6 @@ from gpushare.daemon.factcache import FactCache
 from gpushare.model import ProcessFacts
 from gpushare.node.procs.facts import Stamp, process_facts, process_stamp, read_environ
 from gpushare.node.procs.identity import process_identity
-from tests.support.daemon_helpers import wait_for
 
 PID = 4242
 

@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 
+from bench.support import fake_nvml
+from bench.support.fake_nvml import GIB, uuid_of
 from gpushare.config import Config, ControlConfig, GpuOverride, MpsConfig
 from gpushare.daemon.observe import (
     NO_APP_LATENCY,
@@ -30,8 +32,7 @@ from gpushare.model import (
     ProcessMemory,
 )
 from gpushare.node.nvml import NvmlBackend
-from tests.fakes import fake_nvml
-from tests.fakes.fake_nvml import GIB, FakeGpuBackend, uuid_of
+from tests.fakes.fake_gpu import FakeGpuBackend
 from tests.fakes.fake_probe import FakeProbe
 
 U0, U1 = uuid_of(0), uuid_of(1)
@@ -184,15 +185,10 @@ def test_build_observations_with_the_real_adapter_and_a_scripted_probe() -> None
     assert o1.clients[0].mem_used_bytes is None  # a lost GPU lists no processes
 
 
-class BrokenProbe:
-    def reading(self, gpu_uuid: str) -> ProbeReading:
-        raise RuntimeError("boom")
-
-
 def test_building_never_raises() -> None:
     obs = build_observations(
         samples=[sample()],
-        probe=BrokenProbe(),
+        probe=FakeProbe([(0.0, 0.05)], raises=RuntimeError("boom")),
         clients_by_gpu={U0: [view("web", ClientClass.ONLINE, 201)]},
         config=Config(),
         mps_states={U0: MpsState.UP},
@@ -266,3 +262,21 @@ def test_online_and_offline_are_made_once_and_stay_out_of_equality_and_repr() ->
     assert obs == fresh and hash(obs) == hash(fresh) and repr(obs) == repr(fresh)
     moved = dataclasses.replace(obs, clients=clients[1:])
     assert moved.online() == () and [c.client_id for c in moved.offline()] == ["train"]
+
+
+def test_the_probes_mps_slots_count_against_the_client_limit() -> None:
+    cfg = Config(mps=MpsConfig(max_clients=2))
+    clients = {U0: [view("web", ClientClass.ONLINE, 201)]}
+
+    def admissions(slots: int) -> bool:
+        (obs,) = build_observations(
+            samples=[sample()],
+            probe=FakeProbe([(0.0, 0.05)], slots=slots),
+            clients_by_gpu=clients,
+            config=cfg,
+            mps_states={U0: MpsState.UP},
+        )
+        return obs.admissions_open
+
+    assert admissions(0)  # 1 client of 2
+    assert not admissions(1)  # 1 client and the probe's context: full

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason
+from bench.support.daemon_helpers import REPO, DaemonProc, duty_gpu_daemon, wait_for
 from gpushare import config
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
@@ -26,9 +28,7 @@ from gpushare.daemon.server import Caller
 from gpushare.model import ClientClass, ClientState
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import GIB, FakeGpuBackend
-from tests.fakes.fake_mpsnode import FakeMpsNode
-from tests.support.cgroup_helpers import cgroup_skip_reason
-from tests.support.daemon_helpers import REPO, DaemonProc, duty_gpu_daemon, wait_for
+from tests.fakes.fake_mps import FakeMpsNode
 
 IDLE = "import time\nwhile True: time.sleep(0.05)"
 
@@ -118,7 +118,7 @@ enabled = false
 """)
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(gpus=1),
-        mps=FakeMpsNode(base / "mps"), pauser=SignalPauser(), policy=None, notify=lambda *f: True,
+        mps=FakeMpsNode(pipe_root=base / "mps"), pauser=SignalPauser(), policy=None, notify=lambda *f: True,
     )  # fmt: skip
     d.start()
     try:

@@ -17,6 +17,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -108,8 +109,13 @@ class SlurmCluster:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def start(*, prolog: Path, task_prolog: Path, epilog: Path, cpus: int = 8) -> SlurmCluster:
+def start(
+    *, prolog: Path, task_prolog: Path, epilog: Path, cpus: int = 8, gres: str | None = None
+) -> SlurmCluster:
     """Start munged, slurmctld and slurmd; return once the node is idle.
+
+    ``gres``: the node's generic resources (``gpu:1,mps:100``), with :func:`fake_gpu_gres` lines
+    in ``<base>/gres.conf`` for a GPU that is a device file only.
 
     Raises:
         AssertionError: a daemon exited or the node did not come up; the logs are in the message.
@@ -125,6 +131,8 @@ def start(*, prolog: Path, task_prolog: Path, epilog: Path, cpus: int = 8) -> Sl
     key.chmod(0o400)
     sock = base / "sock" / "munge"
     conf = base / "slurm.conf"
+    if gres is not None:
+        (base / "gres.conf").write_text(fake_gpu_gres(base))
     conf.write_text(
         f"""ClusterName=gpushare-test
 FirstJobId={random.randrange(10_000, 60_000_000)}
@@ -157,7 +165,9 @@ KillWait=2
 Prolog={prolog}
 TaskProlog={task_prolog}
 Epilog={epilog}
-NodeName={NODE} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+{f"GresTypes=gpu,mps{chr(10)}" if gres is not None else ""}\
+NodeName={NODE} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN\
+{f" Gres={gres}" if gres is not None else ""}
 PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
 """
     )
@@ -182,6 +192,21 @@ PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
         cluster.stop()
         raise
     return cluster
+
+
+def fake_gpu_gres(base: Path) -> str:
+    """gres.conf for one GPU whose device file is a character device with nothing behind it.
+
+    Slurm only names the file (and reads its device number for cgroup constraints); no driver is
+    opened. The node ``<base>/dev/nvidia0`` (NVIDIA's major 195) stays inside the cluster's own
+    directory, so the host's /dev is not touched.
+    """
+    dev = base / "dev"
+    dev.mkdir(exist_ok=True)
+    node = dev / "nvidia0"
+    if not node.exists():
+        os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(195, 0))
+    return f"Name=gpu File={node}\nName=mps Count=100 File={node}\n"
 
 
 def _wait(

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.trusted import make_trusted_dir, trusted_base
 from gpushare.client import ApiClient, ApiError
 from gpushare.node.procs.identity import is_same_process
 from gpushare.paths import repo_root
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.trusted import make_trusted_dir, trusted_base
 
 REPO = repo_root()
 

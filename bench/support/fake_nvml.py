@@ -1,11 +1,11 @@
-"""Fakes for NVML: a pynvml-shaped library for the real adapter, and a fake GpuBackend.
+"""A fake of the pynvml library for the real adapter (an outside library's fake: benches use it too).
 
 ``FakeNvmlLib`` follows nvml.md §4/§10: functions named and shaped like pynvml's, errors carrying
 NVML's codes, a missing symbol raising FUNCTION_NOT_FOUND as pynvml does. ``NvmlBackend(nvml=lib)``
 runs the real adapter against it. The scenario builders are named after real failures.
 
-``FakeGpuBackend`` implements :class:`gpushare.node.base.GpuBackend` directly for tests and benches
-of the code above the adapter (observation building, the daemon loop).
+:func:`uniform_samples` builds the samples such a node reads; the fake of the
+:class:`gpushare.node.base.GpuBackend` Protocol itself is ``tests/fakes/fake_gpu.py``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from gpushare.model import GpuEvent, GpuSample, ProcessMemory
+from gpushare.model import GpuSample, ProcessMemory
 
 NOT_SUPPORTED = 3
 NOT_FOUND = 6
@@ -391,55 +391,31 @@ def hanging_call(n: int = 2, index: int = 0, fname: str = "nvmlDeviceGetPowerUsa
     return lib
 
 
-class FakeGpuBackend:
-    """A :class:`~gpushare.node.base.GpuBackend` whose samples are set by the test."""
-
-    def __init__(self, samples: Sequence[GpuSample]) -> None:
-        self.samples = list(samples)
-        self.events: list[GpuEvent] = []
-        self.closed = False
-        self.sample_calls = 0
-
-    @classmethod
-    def uniform(cls, gpus: int, clients_per_gpu: int, *, first_pid: int = 10_000) -> FakeGpuBackend:
-        """``gpus`` healthy GPUs, each with an MPS client process per client (1 GiB each)."""
-        samples = []
-        for i in range(gpus):
-            procs = tuple(
-                ProcessMemory(pid=first_pid + i * clients_per_gpu + j, used_bytes=GIB)
-                for j in range(clients_per_gpu)
+def uniform_samples(gpus: int, clients_per_gpu: int, *, first_pid: int = 10_000) -> list[GpuSample]:
+    """``gpus`` healthy GPUs, each with an MPS client process per client (1 GiB each)."""
+    samples = []
+    for i in range(gpus):
+        procs = tuple(
+            ProcessMemory(pid=first_pid + i * clients_per_gpu + j, used_bytes=GIB)
+            for j in range(clients_per_gpu)
+        )
+        samples.append(
+            GpuSample(
+                index=i,
+                uuid=uuid_of(i),
+                name="NVIDIA H100 80GB HBM3",
+                sm_count=132,
+                mem_total_bytes=80 * GIB,
+                mem_used_bytes=clients_per_gpu * GIB,
+                mem_free_bytes=(80 - clients_per_gpu) * GIB,
+                gpu_util_pct=50.0,
+                mem_util_pct=20.0,
+                sm_active_pct=40.0,
+                temperature_c=50,
+                power_mw=300_000,
+                sm_clock_mhz=1980,
+                throttle_reasons=0,
+                processes=procs,
             )
-            samples.append(
-                GpuSample(
-                    index=i,
-                    uuid=uuid_of(i),
-                    name="NVIDIA H100 80GB HBM3",
-                    sm_count=132,
-                    mem_total_bytes=80 * GIB,
-                    mem_used_bytes=clients_per_gpu * GIB,
-                    mem_free_bytes=(80 - clients_per_gpu) * GIB,
-                    gpu_util_pct=50.0,
-                    mem_util_pct=20.0,
-                    sm_active_pct=40.0,
-                    temperature_c=50,
-                    power_mw=300_000,
-                    sm_clock_mhz=1980,
-                    throttle_reasons=0,
-                    processes=procs,
-                )
-            )
-        return cls(samples)
-
-    def set(self, index: int, **changes: Any) -> None:
-        self.samples[index] = replace(self.samples[index], **changes)
-
-    def sample(self) -> Sequence[GpuSample]:
-        self.sample_calls += 1
-        return tuple(self.samples)
-
-    def drain_events(self) -> Sequence[GpuEvent]:
-        events, self.events = tuple(self.events), []
-        return events
-
-    def close(self) -> None:
-        self.closed = True
+        )
+    return samples

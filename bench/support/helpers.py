@@ -7,9 +7,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from bench.support.trusted import trusted_base
 from gpushare.paths import repo_root
 from gpushare.trust import TrustCheck
-from tests.support.trusted import trusted_base
 
 MPS_CACHE = repo_root() / ".cache" / "mps" / "root"
 
