@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import pytest
 
+from bench.support.observations import observation
 from gpushare.control import gang
 from gpushare.control.gang import GangDuty, GpuForGang, gang_duty, place_gang, run_fraction
 from gpushare.model import Action, Observation, SetDuty
-from tests.fakes.fake_observations import observation
 
 GIB = 1 << 30
 
