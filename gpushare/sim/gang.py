@@ -178,7 +178,6 @@ class TpServer:
     def arrive(self, arrival_s: float, now: float) -> None:
         """A request arrives (at the leader); it starts on every shard when the server is free."""
         for s in self.shards:
-            s.arrived += 1
             if s.on_boundary is not None:
                 s.on_boundary(1, now)
         self.queue.append(arrival_s)

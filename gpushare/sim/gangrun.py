@@ -19,6 +19,7 @@ from typing import Any
 
 from gpushare.control.policy import Policy
 from gpushare.sim import data
+from gpushare.sim.arrivals import poisson_arrivals
 from gpushare.sim.gang import (
     DdpGang,
     DdpSpec,
@@ -33,7 +34,8 @@ from gpushare.sim.node import PolicyTraits, SimNode, launch_costs
 from gpushare.sim.runner import SimDaemon, _fewer_collections
 from gpushare.sim.scenario import Scenario
 from gpushare.sim.scenario import loads as scenario_loads
-from gpushare.sim.workloads import OnlineServer, percentile, poisson_arrivals
+from gpushare.sim.workloads import OnlineServer
+from gpushare.stats import percentile
 
 
 @dataclass(frozen=True, slots=True)
