@@ -255,7 +255,12 @@ def test_the_probes_mps_slots_count_against_the_client_limit() -> None:
 
     def admissions(slots: int) -> bool:
         obs = build_observation(
-            sample=sample(), probe=None, clients=clients, config=cfg, probe_mps_slots=slots
+            sample=sample(),
+            probe=None,
+            clients=clients,
+            config=cfg,
+            mps_state=MpsState.UP,
+            probe_mps_slots=slots,
         )
         return obs.admissions_open
 
