@@ -115,9 +115,15 @@ class FakeKubelet(pb_grpc.RegistrationServicer):
     def admit(self, resource: str, count: int) -> tuple[list[str], Any]:
         """Admit one container asking ``count`` of ``resource``: (device ids, its response)."""
         ep = self.endpoint(resource)
-        self.wait(lambda: ep.devices, what=f"{resource} devices")
+
+        def free_now() -> list[str]:
+            return [d for d, h in ep.devices.items() if h == "Healthy" and d not in self.allocated]
+
+        # The plugin lists its devices Unhealthy until the daemon's first answer (a loaded host
+        # may take a while): wait for enough healthy ones, as a pod waits to be admitted.
+        self.wait(lambda: len(free_now()) >= count, what=f"{count} healthy {resource} devices")
         with self.cond:
-            free = [d for d, h in ep.devices.items() if h == "Healthy" and d not in self.allocated]
+            free = free_now()
         stub = pb_grpc.DevicePluginStub(ep.channel)
         ids = free[:count]
         if ep.options.get_preferred_allocation_available:
