@@ -164,6 +164,64 @@ def spawn(
         ValueError: ``argv`` is empty, its program name contains ``=``, or ``cwd`` is relative.
         SpawnError: the user switch, the log file or the launcher failed (message says which).
     """
+    args, workdir = _command(argv, cwd)
+    supplementary = list(groups) if groups is not None else user_groups(uid, gid)
+    launcher, as_root = _launcher(uid, gid)
+    out_fd = open_log(log_path, uid, gid) if log_path is not None else None
+    # Popen switches ids in C before it would call a preexec_fn, and joining a cgroup needs the
+    # daemon's rights: with a cgroup to join, the child does both itself, in that order.
+    join = cgroup_procs_fd is not None
+    setup = _join_then_drop(cgroup_procs_fd, uid, gid, supplementary, as_root) if join else None
+    switch = (uid, gid, supplementary) if as_root and not join else None
+    try:
+        proc = _popen([launcher, "-C", workdir, "--", *args], out_fd, clean_env(env), new_session,
+                      switch, setup)  # fmt: skip
+    except subprocess.SubprocessError as exc:
+        raise SpawnError(
+            1,
+            f"cannot start {args[0]!r}: joining its cgroup or switching to uid {uid} failed "
+            "in the child (is the cgroup still there?)",
+        ) from exc
+    except OSError as exc:
+        raise SpawnError(
+            exc.errno, f"cannot start {args[0]!r} through {launcher}: {exc.strerror or exc}"
+        ) from exc
+    finally:
+        if out_fd is not None:
+            os.close(out_fd)
+    log.info("process_spawned", pid=proc.pid, uid=uid, gid=gid, argv0=args[0])
+    return proc
+
+
+def _popen(
+    cmd: list[str],
+    out_fd: int | None,
+    env: dict[str, str],
+    new_session: bool,
+    switch: tuple[int, int, list[int]] | None,
+    setup: Callable[[], None] | None,
+) -> subprocess.Popen[bytes]:
+    """Popen as :func:`spawn` needs it; ``switch`` is (uid, gid, groups) for Popen to take."""
+    return subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=out_fd if out_fd is not None else subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        cwd="/",
+        env=env,
+        close_fds=True,
+        start_new_session=new_session,
+        # The unit's UMask=0077 is for the daemon's own files; a workload gets the usual one.
+        umask=WORKLOAD_UMASK,
+        user=switch[0] if switch else None,
+        group=switch[1] if switch else None,
+        extra_groups=switch[2] if switch else None,
+        preexec_fn=setup,  # direct system calls only, see _join_then_drop
+    )
+
+
+def _command(argv: Sequence[str], cwd: str | os.PathLike[str]) -> tuple[list[str], str]:
+    """``argv`` and ``cwd`` as strings, checked as :func:`spawn` documents (``ValueError``)."""
     if not argv:
         raise ValueError("empty command: give the program to run after '--'")
     workdir = os.fspath(cwd)
@@ -173,7 +231,11 @@ def spawn(
     if "=" in args[0]:
         # env(1) would take it for a NAME=VALUE assignment, not a command.
         raise ValueError(f"command {args[0]!r} contains '=': rename the program")
-    supplementary = list(groups) if groups is not None else user_groups(uid, gid)
+    return args, workdir
+
+
+def _launcher(uid: int, gid: int) -> tuple[str, bool]:
+    """GNU env to start through, and whether the daemon is root (``SpawnError`` as documented)."""
     # Root drops to the submitter completely (also when the submitter is root: only root's own
     # login groups remain); anyone else can only start its own workloads.
     as_root = os.geteuid() == 0
@@ -190,43 +252,7 @@ def spawn(
             f"no GNU env with -C in {_ENV_DIRS}: install coreutils >= 8.28 "
             "(gpushare enters the working directory as the user through it)",
         )
-    out_fd = open_log(log_path, uid, gid) if log_path is not None else None
-    # Popen switches ids in C before it would call a preexec_fn, and joining a cgroup needs the
-    # daemon's rights: with a cgroup to join, the child does both itself, in that order.
-    join = cgroup_procs_fd is not None
-    setup = _join_then_drop(cgroup_procs_fd, uid, gid, supplementary, as_root) if join else None
-    try:
-        proc = subprocess.Popen(
-            [launcher, "-C", workdir, "--", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=out_fd if out_fd is not None else subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            cwd="/",
-            env=clean_env(env),
-            close_fds=True,
-            start_new_session=new_session,
-            # The unit's UMask=0077 is for the daemon's own files; a workload gets the usual one.
-            umask=WORKLOAD_UMASK,
-            user=uid if as_root and not join else None,
-            group=gid if as_root and not join else None,
-            extra_groups=supplementary if as_root and not join else None,
-            preexec_fn=setup,  # direct system calls only, see _join_then_drop
-        )
-    except subprocess.SubprocessError as exc:
-        raise SpawnError(
-            1,
-            f"cannot start {args[0]!r}: joining its cgroup or switching to uid {uid} failed "
-            "in the child (is the cgroup still there?)",
-        ) from exc
-    except OSError as exc:
-        raise SpawnError(
-            exc.errno, f"cannot start {args[0]!r} through {launcher}: {exc.strerror or exc}"
-        ) from exc
-    finally:
-        if out_fd is not None:
-            os.close(out_fd)
-    log.info("process_spawned", pid=proc.pid, uid=uid, gid=gid, argv0=args[0])
-    return proc
+    return launcher, as_root
 
 
 def _join_then_drop(
