@@ -242,49 +242,10 @@ class Adopter:
             f for f in facts
             if f.pid not in skip and f.pid not in young and not f.name.startswith(_OWN_PROCESSES)
         ]  # fmt: skip
-        plain = [r for r in rules if not isinstance(r, _PidRule)]
-        by_pid_rules = [r for r in rules if isinstance(r, _PidRule)]
-        result = adoption.scan(plain, candidates)
-        decisions = list(result.decisions)
-        decided = {d.pid for d in decisions} | set(result.members)
-        for f in candidates:
-            if f.pid in decided:
-                continue
-            for pr in by_pid_rules:
-                if f.pid in pr.pids and str(f.uid) == pr.spec.user:
-                    decisions.append(adoption.decide([pr], f))
-                    break
-        by_pid = {f.pid: f for f in candidates}
-        rule_source = {r.spec.name: f"rule {r.spec.name!r} ({r.source})" for r in rules}
-        for r in rules:
-            if r.spec.name == r.source:
-                rule_source[r.spec.name] = r.source  # a job: "slurm job 42" says it all
-        adopt = tuple(
-            Found(d, by_pid[d.pid], rule_source.get(d.rule or "", d.rule or ""))
-            for d in decisions
-            if d.adopt
-        )
+        result, decisions = _decide(rules, candidates)
+        adopt = _found(rules, decisions, candidates)
         refused = [d.reason for d in decisions if not d.adopt]
-        idle_rules: list[str] = []
-        if only is None:
-            # A job whose processes have not started yet matches nothing: only config rules
-            # that match nothing are worth a message. A rule whose processes are clients already
-            # (or too young yet) is not idle.
-            idle = {
-                r.spec.name for r in rules
-                if r.spec.name != r.source and not any(adoption.matches(r.spec, f) for f in facts)
-            }  # fmt: skip
-            idle_rules = [m for m in result.unmatched if any(f"rule {n!r} " in m for n in idle)]
-            hidden = sum(1 for f in facts if f.environ is None)
-            if hidden:
-                # marker and env conditions never hold on an environment the daemon cannot read.
-                env_rules = {r.spec.name for r in rules if r.spec.marker or r.spec.env}
-                idle_rules = [
-                    m + f"; the environment of {hidden} process(es) of other users cannot be read "
-                    "(run the daemon as root)"
-                    if any(f"rule {n!r} " in m for n in env_rules) else m
-                    for m in idle_rules
-                ]  # fmt: skip
+        idle_rules = _idle_rules(rules, result.unmatched, facts) if only is None else []
         messages = refused + idle_rules
         new = {m for m in messages if m not in self.told}
         self.told = (self.told if only is not None else set()) | set(messages)
@@ -298,6 +259,68 @@ class Adopter:
             # With young processes about, the next scan decides again (they come of age).
             self._last = (inputs, outcome, set(messages)) if not young else None
         return outcome
+
+
+def _decide(
+    rules: Sequence[Rule], candidates: Sequence[ProcessFacts]
+) -> tuple[adoption.Scan, list[adoption.Decision]]:
+    """The config's and jobs' rules over the candidates, then the pid rules over what is left."""
+    plain = [r for r in rules if not isinstance(r, _PidRule)]
+    by_pid_rules = [r for r in rules if isinstance(r, _PidRule)]
+    result = adoption.scan(plain, candidates)
+    decisions = list(result.decisions)
+    decided = {d.pid for d in decisions} | set(result.members)
+    for f in candidates:
+        if f.pid in decided:
+            continue
+        for pr in by_pid_rules:
+            if f.pid in pr.pids and str(f.uid) == pr.spec.user:
+                decisions.append(adoption.decide([pr], f))
+                break
+    return result, decisions
+
+
+def _found(
+    rules: Sequence[Rule],
+    decisions: Sequence[adoption.Decision],
+    candidates: Sequence[ProcessFacts],
+) -> tuple[Found, ...]:
+    """The processes to adopt, each with the rule (or job) that claims it, named for a user."""
+    by_pid = {f.pid: f for f in candidates}
+    rule_source = {r.spec.name: f"rule {r.spec.name!r} ({r.source})" for r in rules}
+    for r in rules:
+        if r.spec.name == r.source:
+            rule_source[r.spec.name] = r.source  # a job: "slurm job 42" says it all
+    return tuple(
+        Found(d, by_pid[d.pid], rule_source.get(d.rule or "", d.rule or ""))
+        for d in decisions
+        if d.adopt
+    )
+
+
+def _idle_rules(
+    rules: Sequence[Rule], unmatched: Sequence[str], facts: Sequence[ProcessFacts]
+) -> list[str]:
+    """The messages of config rules that match no process (a full scan's)."""
+    # A job whose processes have not started yet matches nothing: only config rules that match
+    # nothing are worth a message. A rule whose processes are clients already (or too young
+    # yet) is not idle.
+    idle = {
+        r.spec.name for r in rules
+        if r.spec.name != r.source and not any(adoption.matches(r.spec, f) for f in facts)
+    }  # fmt: skip
+    idle_rules = [m for m in unmatched if any(f"rule {n!r} " in m for n in idle)]
+    hidden = sum(1 for f in facts if f.environ is None)
+    if not hidden:
+        return idle_rules
+    # marker and env conditions never hold on an environment the daemon cannot read.
+    env_rules = {r.spec.name for r in rules if r.spec.marker or r.spec.env}
+    return [
+        m + f"; the environment of {hidden} process(es) of other users cannot be read "
+        "(run the daemon as root)"
+        if any(f"rule {n!r} " in m for n in env_rules) else m
+        for m in idle_rules
+    ]  # fmt: skip
 
 
 def _descendants_of(roots: Collection[int], facts: Sequence[ProcessFacts]) -> set[int]:
