@@ -92,18 +92,7 @@ def env(
     if fmt not in mpsenv.FORMATS:
         raise _fail(f"--format must be one of {', '.join(mpsenv.FORMATS)}, got {fmt!r}")
     cls = ClientClass.ONLINE if online else ClientClass.OFFLINE
-    try:
-        mem_bytes = parse_size(mem) if mem is not None else None
-    except ValueError as exc:
-        raise _fail(f"--mem: {exc}") from None
-    try:
-        slo_s = parse_duration(slo_p99) if slo_p99 is not None else None
-    except ValueError as exc:
-        raise _fail(f"--slo-p99: {exc}") from None
-    try:
-        mpsenv.check_limits(cls, sm, mem_bytes, slo_s)
-    except ValueError as exc:
-        raise _fail(str(exc)) from None
+    mem_bytes, slo_s = _limits(cls, sm, mem, slo_p99)
     try:
         cfg = load_config(config_path)
     except config.ConfigError as exc:
@@ -129,6 +118,25 @@ def env(
         typer.echo(mpsenv.render(variables, typing.cast(mpsenv.Format, fmt), UNSET), nl=False)
     except ValueError as exc:
         raise _fail(str(exc)) from None
+
+
+def _limits(
+    cls: ClientClass, sm: float | None, mem: str | None, slo_p99: str | None
+) -> tuple[int | None, float | None]:
+    """``--mem`` in bytes and ``--slo-p99`` in seconds, checked with ``--sm`` for the class."""
+    try:
+        mem_bytes = parse_size(mem) if mem is not None else None
+    except ValueError as exc:
+        raise _fail(f"--mem: {exc}") from None
+    try:
+        slo_s = parse_duration(slo_p99) if slo_p99 is not None else None
+    except ValueError as exc:
+        raise _fail(f"--slo-p99: {exc}") from None
+    try:
+        mpsenv.check_limits(cls, sm, mem_bytes, slo_s)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    return mem_bytes, slo_s
 
 
 def register(app: typer.Typer) -> None:

@@ -79,24 +79,9 @@ def device_plugin(
 ) -> None:
     """Serve gpushare.io/online and gpushare.io/offline to the kubelet (runs until SIGTERM)."""
     from gpushare import config
-    from gpushare.model import ClientClass
-    from gpushare.mpsenv import check_limits
     from gpushare.roots.envresolve import daemon_socket, load_config
-    from gpushare.units import parse_duration
 
-    try:
-        slo_s = parse_duration(online_slo) if online_slo is not None else None
-        poll_s = parse_duration(poll)
-        if slo_s is not None:
-            check_limits(ClientClass.ONLINE, None, None, slo_s)
-    except ValueError as exc:
-        raise _fail(str(exc)) from None
-    if not _DNS_SUBDOMAIN.fullmatch(prefix) or len(prefix) > 253:
-        raise _fail(f"--resource-prefix must be a DNS name such as gpushare.io, got {prefix!r}")
-    if not 0.1 <= poll_s <= 300:
-        raise _fail(f"--poll must be within 100ms and 5m, got {poll}")
-    if not kubelet_dir.is_dir():
-        raise _fail(f"{kubelet_dir} is not a directory (mount the kubelet's device-plugins dir)")
+    slo_s, poll_s = _checked(online_slo, poll, prefix, kubelet_dir)
     try:
         cfg = load_config(config_path)
     except config.ConfigError as exc:
@@ -115,6 +100,30 @@ def device_plugin(
         device_nodes=device_nodes,
     )  # fmt: skip
     serve(cfg, settings, daemon_socket(cfg, socket), kubelet_dir, poll_s)
+
+
+def _checked(
+    online_slo: str | None, poll: str, prefix: str, kubelet_dir: Path
+) -> tuple[float | None, float]:
+    """The online SLO and the poll period in seconds, once every option is checked."""
+    from gpushare.model import ClientClass
+    from gpushare.mpsenv import check_limits
+    from gpushare.units import parse_duration
+
+    try:
+        slo_s = parse_duration(online_slo) if online_slo is not None else None
+        poll_s = parse_duration(poll)
+        if slo_s is not None:
+            check_limits(ClientClass.ONLINE, None, None, slo_s)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    if not _DNS_SUBDOMAIN.fullmatch(prefix) or len(prefix) > 253:
+        raise _fail(f"--resource-prefix must be a DNS name such as gpushare.io, got {prefix!r}")
+    if not 0.1 <= poll_s <= 300:
+        raise _fail(f"--poll must be within 100ms and 5m, got {poll}")
+    if not kubelet_dir.is_dir():
+        raise _fail(f"{kubelet_dir} is not a directory (mount the kubelet's device-plugins dir)")
+    return slo_s, poll_s
 
 
 def register(root: typer.Typer) -> None:
