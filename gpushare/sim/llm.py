@@ -216,6 +216,14 @@ class LlmServer(SimClient):
         self._batch: list[tuple[_Seq, int]] = []
         self._iter_t0 = 0.0
         self._in_iter = False
+        #: The service's TTFT and TPOT SLOs (s; None: not set). With ``slo_p99_ms`` set too,
+        #: every finished request is reported in ``completed`` as ``(done_s, latency_s)`` where
+        #: the latency is ``slo_p99_ms x max(TTFT / TTFT SLO, TPOT / TPOT SLO)``: inside its
+        #: p99 SLO exactly when inside both, so a controller that keeps the p99 of these
+        #: under ``slo_p99_ms`` keeps 99 % of requests inside both (``docs/simulator.md`` L9).
+        self.slo_ttft_s: float | None = None
+        self.slo_tpot_s: float | None = None
+        self.completed: list[tuple[float, float]] = []
 
     # --- arrivals --------------------------------------------------------------------------
 
@@ -386,6 +394,19 @@ class LlmServer(SimClient):
                 Finished(req.arrival_s, req.prompt, req.output, first - req.arrival_s, tpot,
                          now - req.arrival_s)
             )  # fmt: skip
+            if self.slo_p99_ms is not None:
+                self.completed.append(
+                    (now, self.slo_p99_ms * 1e-3 * self._slo_ratio(first - req.arrival_s, tpot))
+                )
+
+    def _slo_ratio(self, ttft_s: float, tpot_s: float | None) -> float:
+        """How far a request is from its SLOs: the larger of TTFT / SLO and TPOT / SLO."""
+        ratio = 0.0
+        if self.slo_ttft_s is not None:
+            ratio = ttft_s / self.slo_ttft_s
+        if self.slo_tpot_s is not None and tpot_s is not None:
+            ratio = max(ratio, tpot_s / self.slo_tpot_s)
+        return ratio
 
     def stop(self) -> None:
         """Stop serving: drop the queue and the iteration in flight."""

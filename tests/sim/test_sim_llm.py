@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.sim import data, llm_pairs, llm_validation
+from gpushare.sim import data, llm_daemon, llm_pairs, llm_validation
 from gpushare.sim.gpu import EventLoop, Gpu
 from gpushare.sim.llm import (
     CONV_TRACE,
@@ -172,3 +172,40 @@ def test_bad_setups_and_loads_are_refused() -> None:
         llm_pairs.run_pair("bogus", None, 0.5)
     with pytest.raises(ValueError, match="load"):
         llm_pairs.run_pair("mps", None, 1.5)
+
+
+def test_each_request_is_reported_as_its_slo_ratio_times_the_p99_slo() -> None:
+    loop = EventLoop()
+    gpu = Gpu(loop, uuid="g", index=0, sm_count=80, mem_total_bytes=32 << 30)
+    reqs = [LlmRequest(0.0, 500, 4), LlmRequest(5.0, 500, 1)]
+    srv = LlmServer("llm", gpu, iter(reqs), CFG)
+    srv.slo_p99_ms = 1000.0
+    srv.slo_ttft_s, srv.slo_tpot_s = 1.0, 0.01
+    srv.start(loop)
+    loop.run_until(100.0)
+    a, b = srv.stats.finished
+    assert a.tpot_s is not None and b.tpot_s is None
+    (ta, la), (tb, lb) = srv.completed
+    assert ta == pytest.approx(a.arrival_s + a.e2e_s) and tb == pytest.approx(b.arrival_s + b.e2e_s)
+    # The first is over its TPOT SLO (a V100 step is ~19 ms): its TPOT ratio wins.
+    assert la == pytest.approx(max(a.ttft_s / 1.0, a.tpot_s / 0.01))
+    assert la > 1.0
+    # A one-token request is judged on its TTFT alone.
+    assert lb == pytest.approx(b.ttft_s / 1.0)
+
+
+def test_gpushare_drives_the_llm_pair_through_the_daemons_loop() -> None:
+    trainer = llm_pairs.TRAINERS[0]
+    alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=40.0)
+    slo_ttft, slo_tpot = 1.5 * llm_pairs.p99(alone.ttft_s), 1.5 * llm_pairs.p99(alone.tpot_s)
+    res = llm_daemon.run_policy(
+        "gpushare", trainer, 0.5, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, duration_s=40.0
+    )
+    plain = llm_daemon.run_policy(
+        "mps", trainer, 0.5, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, duration_s=40.0
+    )
+    ours = llm_pairs.score(res, alone, 1.5)
+    assert ours.attainment > llm_pairs.score(plain, alone, 1.5).attainment
+    assert ours.attainment >= 0.99 and ours.offline_norm > 0.0
+    with pytest.raises(ValueError, match="unknown policy|bogus"):
+        llm_daemon.run_policy("bogus", trainer, 0.5, slo_ttft_s=1.0, slo_tpot_s=1.0)
