@@ -9,12 +9,13 @@ and p99 TPOT of the server alone at that load): the fraction of requests inside 
 p99s, the trainer's throughput over its throughput alone, and the run's speed (virtual seconds
 per CPU second). Prints a table per factor; writes JSON (``bench/results/llm_pairs.json``).
 
-    python bench/llm_pairs.py [--jobs 2] [--duration 300] [--quick]
+    python bench/llm_pairs.py [--jobs 2] [--duration 600] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -36,8 +37,12 @@ FACTORS = (1.1, 1.5, 2.0)
 #: preemption routes a server's kernels through the Tally scheduler, which the LLM server does
 #: not use.
 POLICIES = ("gpushare", "mps", "mps-priority", "time-slicing", "static-split", "tgs")
+#: gpushare with its starting offline SM share at 100 % instead of 50 % (``[control]
+#: offline_sm_pct_default``): the lever the pairs say to use for an always-busy server.
+SHARE100 = "gpushare-share100"
+SHARE100_CONTROL = "[control]\noffline_sm_pct_default = 100.0\n"
 #: Levers run directly on the model (``llm_pairs``): not policies of the registry.
-LEVERS = ("cap-25", "cap-50", "duty-50")
+LEVERS = ("cap-50", "duty-50")
 
 Work = tuple[str, str | None, float, float, float, float]
 
@@ -47,12 +52,15 @@ def one(args: Work) -> tuple[llm_pairs.PairResult, float]:
     setup, trainer, load, duration, slo_ttft_s, slo_tpot_s = args
     configure_logging("error", json=False)
     t0 = time.process_time()
-    if setup in POLICIES:
+    if setup in POLICIES or setup == SHARE100:
         assert trainer is not None
         res = llm_daemon.run_policy(
-            setup, trainer, load, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
-            duration_s=duration,
+            "gpushare" if setup == SHARE100 else setup, trainer, load, slo_ttft_s=slo_ttft_s,
+            slo_tpot_s=slo_tpot_s, duration_s=duration,
+            control=SHARE100_CONTROL if setup == SHARE100 else "",
         )  # fmt: skip
+        if setup == SHARE100:
+            res = dataclasses.replace(res, setup=SHARE100)
     else:
         res = llm_pairs.run_pair(setup, trainer, load, duration_s=duration)
     return res, duration / max(1e-9, time.process_time() - t0)
@@ -61,7 +69,7 @@ def one(args: Work) -> tuple[llm_pairs.PairResult, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--duration", type=float, default=300.0, help="virtual seconds per run")
+    ap.add_argument("--duration", type=float, default=600.0, help="virtual seconds per run")
     ap.add_argument("--quick", action="store_true", help="load 0.5 and the first trainer only")
     ap.add_argument(
         "--control-factor",
@@ -74,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     loads = (0.5,) if args.quick else LOADS
     trainers = llm_pairs.TRAINERS[:1] if args.quick else llm_pairs.TRAINERS
-    setups = [*POLICIES, *LEVERS]
+    setups = [*POLICIES, SHARE100, *LEVERS]
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:

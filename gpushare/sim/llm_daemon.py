@@ -36,7 +36,7 @@ class LlmNode(SimNode):
         return [*self.online, *self.llm, *self.offline]
 
 
-def _scenario(trainer: str, duration_s: float) -> scenario.Scenario:
+def _scenario(trainer: str, duration_s: float, control: str = "") -> scenario.Scenario:
     return scenario.loads(
         f"""
 [scenario]
@@ -51,6 +51,7 @@ name = "train"
 profile = "{trainer}"
 mem = "10GiB"
 submit = "0s"
+{control}
 """
     )
 
@@ -64,8 +65,11 @@ def run_policy(
     slo_tpot_s: float,
     duration_s: float = 120.0,
     config: LlmServerConfig | None = None,
+    control: str = "",
 ) -> PairResult:
     """The pair under a registered policy (``gpushare``, ...) driven by the daemon's loop.
+
+    ``control`` is TOML appended to the pair's scenario (a ``[control]`` table of overrides).
 
     Raises:
         ValueError: an unknown policy name or a load outside (0, 1].
@@ -73,7 +77,7 @@ def run_policy(
     if not 0.0 < load <= 1.0:
         raise ValueError(f"load {load!r}: expected a fraction of capacity in (0, 1]")
     cfg = config or LlmServerConfig()
-    scen = _scenario(trainer, duration_s)
+    scen = _scenario(trainer, duration_s, control)
     policy = registry.make_policy(policy_name, scen.config.control)
     node = LlmNode(scen, traits=PolicyTraits.of(policy))
     trace = load_trace()
