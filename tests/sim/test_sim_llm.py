@@ -157,10 +157,10 @@ def test_the_fit_gives_the_shipped_constants_and_every_point_has_an_error() -> N
 
 def test_mps_priority_protects_the_server_that_plain_mps_does_not() -> None:
     trainer = llm_pairs.TRAINERS[0]
-    alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=40.0)
-    plain = llm_pairs.score(llm_pairs.run_pair("mps", trainer, 0.5, duration_s=40.0), alone, 1.5)
+    alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=25.0)
+    plain = llm_pairs.score(llm_pairs.run_pair("mps", trainer, 0.5, duration_s=25.0), alone, 1.5)
     prio = llm_pairs.score(
-        llm_pairs.run_pair("mps-priority", trainer, 0.5, duration_s=40.0), alone, 1.5
+        llm_pairs.run_pair("mps-priority", trainer, 0.5, duration_s=25.0), alone, 1.5
     )
     assert prio.tpot_p99_ms < plain.tpot_p99_ms
     assert prio.attainment > plain.attainment
@@ -196,13 +196,13 @@ def test_each_request_is_reported_as_its_slo_ratio_times_the_p99_slo() -> None:
 
 def test_gpushare_drives_the_llm_pair_through_the_daemons_loop() -> None:
     trainer = llm_pairs.TRAINERS[0]
-    alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=40.0)
+    alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=25.0)
     slo_ttft, slo_tpot = 1.5 * llm_pairs.p99(alone.ttft_s), 1.5 * llm_pairs.p99(alone.tpot_s)
     res = llm_daemon.run_policy(
-        "gpushare", trainer, 0.5, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, duration_s=40.0
+        "gpushare", trainer, 0.5, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, duration_s=25.0
     )
     plain = llm_daemon.run_policy(
-        "mps", trainer, 0.5, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, duration_s=40.0
+        "mps", trainer, 0.5, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, duration_s=25.0
     )
     ours = llm_pairs.score(res, alone, 1.5)
     assert ours.attainment > llm_pairs.score(plain, alone, 1.5).attainment
