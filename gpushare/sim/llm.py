@@ -183,6 +183,8 @@ class LlmStats:
 
     iterations: int = 0
     preemptions: int = 0
+    #: Requests refused at arrival: prompt and output together need more blocks than the cache.
+    rejected: int = 0
     tokens: int = 0
     busy_s: float = 0.0
     finished: list[Finished] = field(default_factory=list)
@@ -242,8 +244,12 @@ class LlmServer(SimClient):
 
     def _arrive(self, arg: object) -> None:
         assert isinstance(arg, LlmRequest)
-        self.waiting.append(_Seq(arg, arg.prompt))
         self._next_arrival()
+        if self._blocks_for(arg.prompt + arg.output) > self.cfg.kv_blocks:
+            # It could never be served (vLLM refuses such a prompt): it would block the queue.
+            self.stats.rejected += 1
+            return
+        self.waiting.append(_Seq(arg, arg.prompt))
         if not self._in_iter:
             self._begin_iteration(self._loop.now)
 

@@ -124,6 +124,9 @@ def test_a_full_kv_cache_queues_new_requests_and_preemption_loses_no_token() -> 
     assert srv.stats.preemptions >= 1
     assert len(srv.stats.finished) == 2 and srv.stats.tokens == 80
     assert srv.free_blocks == small.kv_blocks
+    # A request the whole cache could not hold is refused, and does not block the queue.
+    srv = _serve([LlmRequest(0.0, 600, 100), LlmRequest(0.0, 100, 2)], small)
+    assert srv.stats.rejected == 1 and [f.prompt for f in srv.stats.finished] == [100]
 
 
 def test_the_shipped_trace_loads_and_replays_thinned_and_truncated() -> None:
