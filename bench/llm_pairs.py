@@ -21,7 +21,7 @@ import math
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +66,41 @@ def one(args: Work) -> tuple[llm_pairs.PairResult, float]:
     return res, duration / max(1e-9, time.process_time() - t0)
 
 
+def _rows(
+    res: llm_pairs.PairResult, speed: float, base: llm_pairs.PairResult
+) -> list[dict[str, Any]]:
+    """A run scored at every factor against the server alone at its load."""
+    rows = []
+    for factor in FACTORS:
+        o = llm_pairs.score(res, base, factor)
+        rows.append(
+            {
+                "setup": res.setup,
+                "trainer": res.trainer.rsplit("/", 1)[-1].removesuffix(".csv"),
+                "load": res.load,
+                "slo_factor": factor,
+                "requests": len(res.timings),
+                "attainment": o.attainment,
+                "ttft_p99_ms": o.ttft_p99_ms,
+                "tpot_p99_ms": o.tpot_p99_ms,
+                "slo_ttft_ms": factor * llm_pairs.p99(base.ttft_s) * 1e3,
+                "slo_tpot_ms": factor * llm_pairs.p99(base.tpot_s) * 1e3,
+                "offline_norm": o.offline_norm,
+                "preemptions": res.preemptions,
+                "speed_factor": speed,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--duration", type=float, default=600.0, help="virtual seconds per run")
     ap.add_argument("--quick", action="store_true", help="load 0.5 and the first trainer only")
+    ap.add_argument(
+        "--loads", default="0.5,0.3,0.7", help="fractions of capacity, run in this order"
+    )
     ap.add_argument(
         "--control-factor",
         type=float,
@@ -79,59 +109,62 @@ def main() -> None:
         "at every factor",
     )
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/llm_pairs.json")
+    ap.add_argument(
+        "--summarise",
+        type=Path,
+        help="print and write the tables from the rows of an earlier run (its .partial.jsonl)",
+    )
     args = ap.parse_args()
-    loads = (0.5,) if args.quick else LOADS
+    loads = (0.5,) if args.quick else tuple(float(x) for x in args.loads.split(","))
     trainers = llm_pairs.TRAINERS[:1] if args.quick else llm_pairs.TRAINERS
     setups = [*POLICIES, SHARE100, *LEVERS]
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        first = list(
-            pool.map(one, [("exclusive", None, x, args.duration, 0.0, 0.0) for x in loads])
-        )
-        alone = {r.load: r for r, _ in first}
-        k = args.control_factor
-        work: list[Work] = [
-            (
-                s,
-                t,
-                x,
-                args.duration,
-                k * llm_pairs.p99(alone[x].ttft_s),
-                k * llm_pairs.p99(alone[x].tpot_s),
-            )
-            for x in loads
-            for t in trainers
-            for s in setups
-        ]
-        done = first + list(pool.map(one, work))
+    partial = args.out.with_suffix(".partial.jsonl")
     rows: list[dict[str, Any]] = []
-    for res, speed in done:
-        for factor in FACTORS:
-            base = alone[res.load]
-            o = llm_pairs.score(res, base, factor)
-            rows.append(
-                {
-                    "setup": res.setup,
-                    "trainer": res.trainer.rsplit("/", 1)[-1].removesuffix(".csv"),
-                    "load": res.load,
-                    "slo_factor": factor,
-                    "requests": len(res.timings),
-                    "attainment": o.attainment,
-                    "ttft_p99_ms": o.ttft_p99_ms,
-                    "tpot_p99_ms": o.tpot_p99_ms,
-                    "slo_ttft_ms": factor * llm_pairs.p99(base.ttft_s) * 1e3,
-                    "slo_tpot_ms": factor * llm_pairs.p99(base.tpot_s) * 1e3,
-                    "offline_norm": o.offline_norm,
-                    "preemptions": res.preemptions,
-                    "speed_factor": speed,
-                }
+    if args.summarise is not None:
+        rows = [json.loads(line) for line in args.summarise.read_text().splitlines() if line]
+        loads = tuple(x for x in loads if any(r["load"] == x for r in rows))
+    else:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            first = list(
+                pool.map(one, [("exclusive", None, x, args.duration, 0.0, 0.0) for x in loads])
             )
+            alone = {r.load: r for r, _ in first}
+            k = args.control_factor
+            work: list[Work] = [
+                (
+                    s,
+                    t,
+                    x,
+                    args.duration,
+                    k * llm_pairs.p99(alone[x].ttft_s),
+                    k * llm_pairs.p99(alone[x].tpot_s),
+                )
+                for x in loads
+                for t in trainers
+                for s in setups
+            ]
+            futures = [pool.submit(one, w) for w in work]
+            for res, speed in first:
+                rows += _rows(res, speed, alone[res.load])
+            with partial.open("a") as fh:
+                for r in rows:
+                    fh.write(json.dumps(r) + "\n")
+                for fut in as_completed(futures):
+                    res, speed = fut.result()
+                    new = _rows(res, speed, alone[res.load])
+                    rows += new
+                    for r in new:
+                        fh.write(json.dumps(r) + "\n")
+                    fh.flush()
     for factor in FACTORS:
         print(f"\nSLO {factor}x (p99 TTFT and TPOT alone); mean over trainers")
         print("| load | setup | attainment (min) | TTFT p99 ms | TPOT p99 ms | offline |")
         print("|---|---|---|---|---|---|")
-        for load in loads:
+        for load in sorted(loads):
             for setup in ["exclusive", *setups]:
                 sel = [
                     r
@@ -147,7 +180,7 @@ def main() -> None:
                     f"| {statistics.mean(r['tpot_p99_ms'] for r in sel):.1f} "
                     f"| {statistics.mean(r['offline_norm'] for r in sel):.3f} |"
                 )
-    speeds = [s for _, s in done]
+    speeds = [r["speed_factor"] for r in rows if r["slo_factor"] == FACTORS[0]]
     print(
         f"\nspeed: slowest run {min(speeds):.1f}x real time, median {statistics.median(speeds):.1f}x"
     )
