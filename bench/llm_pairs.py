@@ -109,6 +109,7 @@ def main() -> None:
         "at every factor",
     )
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/llm_pairs.json")
+    ap.add_argument("--setups", help="comma-separated setups (default: every one)")
     ap.add_argument(
         "--summarise",
         type=Path,
@@ -117,7 +118,7 @@ def main() -> None:
     args = ap.parse_args()
     loads = (0.5,) if args.quick else tuple(float(x) for x in args.loads.split(","))
     trainers = llm_pairs.TRAINERS[:1] if args.quick else llm_pairs.TRAINERS
-    setups = [*POLICIES, SHARE100, *LEVERS]
+    setups = args.setups.split(",") if args.setups else [*POLICIES, SHARE100, *LEVERS]
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
     partial = args.out.with_suffix(".partial.jsonl")
