@@ -8,7 +8,7 @@ computes a windowed p99 from bucket deltas, interpolating linearly inside the bu
 falls in, as PromQL's ``histogram_quantile`` does (``gpushare.latency.prometheus.bucket_quantile``).
 This bench puts the server's TTFTs and TPOTs alone (30, 50 and 70 % load, 600 s) into those
 buckets and prints the exact p99, the histogram's, the bucket holding it and the SLOs at 1.1x,
-1.5x and 2x; writes ``bench/results/llm_histograms.json``.
+1.5x and 2x, and how much of the time the server alone keeps the GPU busy; writes ``bench/results/llm_histograms.json``.
 
     python bench/llm_histograms.py [--duration 600]
 """
@@ -40,12 +40,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/llm_histograms.json")
     args = ap.parse_args()
     rows = []
+    busy: dict[float, float] = {}
     print(
         "| load | metric | requests | exact p99 ms | histogram p99 ms | error | bucket ms | SLO 1.1x / 1.5x / 2x ms |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for load in (0.3, 0.5, 0.7):
         alone = llm_pairs.run_pair("exclusive", None, load, duration_s=args.duration)
+        busy[load] = alone.server_busy_frac
         for name, vals, bounds in (
             ("TTFT", alone.ttft_s, TTFT_BUCKETS),
             ("TPOT", alone.tpot_s, TPOT_BUCKETS),
@@ -65,8 +67,13 @@ def main() -> None:
                 f"| {hist / exact - 1:+.1%} | ({lo * 1e3:g}, {hi * 1e3:g}] "
                 f"| {1.1 * exact * 1e3:.1f} / {1.5 * exact * 1e3:.1f} / {2 * exact * 1e3:.1f} |"
             )
+    for load, frac in busy.items():
+        print(
+            f"load {load:.0%}: the server alone has an iteration on the GPU {frac:.1%} of the time"
+        )
+    out = {"duration_s": args.duration, "rows": rows, "server_busy_frac": busy}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"duration_s": args.duration, "rows": rows}, indent=1) + "\n")
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -56,6 +56,8 @@ class PairResult:
     timings: tuple[tuple[float, float | None], ...]
     offline_it_per_s: float
     preemptions: int
+    #: Fraction of the measured window the server had an iteration on the GPU.
+    server_busy_frac: float = 0.0
 
     @property
     def ttft_s(self) -> tuple[float, ...]:
@@ -160,6 +162,7 @@ def run_pair(
         tuple((f.ttft_s, f.tpot_s) for f in fin),
         it_s,
         srv.stats.preemptions,
+        srv.stats.busy_s / duration_s,
     )
 
 
