@@ -40,7 +40,13 @@ POLICIES = ("gpushare", "mps", "mps-priority", "time-slicing", "static-split", "
 #: gpushare with its starting offline SM share at 100 % instead of 50 % (``[control]
 #: offline_sm_pct_default``): the lever the pairs say to use for an always-busy server.
 SHARE100 = "gpushare-share100"
-SHARE100_CONTROL = "[control]\noffline_sm_pct_default = 100.0\n"
+#: ... and with a 60 s latency window (default 2 s with at least 20 samples: a server finishing
+#: 0.2-0.6 requests per second never fills the default window, so the controller gets no signal).
+LLM = "gpushare-llm"
+CONTROLS = {
+    SHARE100: "[control]\noffline_sm_pct_default = 100.0\n",
+    LLM: '[control]\noffline_sm_pct_default = 100.0\n[latency]\nwindow = "60s"\n',
+}
 #: Levers run directly on the model (``llm_pairs``): not policies of the registry.
 LEVERS = ("cap-50", "duty-50")
 
@@ -52,15 +58,13 @@ def one(args: Work) -> tuple[llm_pairs.PairResult, float]:
     setup, trainer, load, duration, slo_ttft_s, slo_tpot_s = args
     configure_logging("error", json=False)
     t0 = time.process_time()
-    if setup in POLICIES or setup == SHARE100:
+    if setup in POLICIES or setup in CONTROLS:
         assert trainer is not None
         res = llm_daemon.run_policy(
-            "gpushare" if setup == SHARE100 else setup, trainer, load, slo_ttft_s=slo_ttft_s,
-            slo_tpot_s=slo_tpot_s, duration_s=duration,
-            control=SHARE100_CONTROL if setup == SHARE100 else "",
+            "gpushare" if setup in CONTROLS else setup, trainer, load, slo_ttft_s=slo_ttft_s,
+            slo_tpot_s=slo_tpot_s, duration_s=duration, control=CONTROLS.get(setup, ""),
         )  # fmt: skip
-        if setup == SHARE100:
-            res = dataclasses.replace(res, setup=SHARE100)
+        res = dataclasses.replace(res, setup=setup)
     else:
         res = llm_pairs.run_pair(setup, trainer, load, duration_s=duration)
     return res, duration / max(1e-9, time.process_time() - t0)
@@ -118,7 +122,7 @@ def main() -> None:
     args = ap.parse_args()
     loads = (0.5,) if args.quick else tuple(float(x) for x in args.loads.split(","))
     trainers = llm_pairs.TRAINERS[:1] if args.quick else llm_pairs.TRAINERS
-    setups = args.setups.split(",") if args.setups else [*POLICIES, SHARE100, *LEVERS]
+    setups = args.setups.split(",") if args.setups else [*POLICIES, SHARE100, LLM, *LEVERS]
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
     partial = args.out.with_suffix(".partial.jsonl")
