@@ -17,7 +17,7 @@ Two rows:
 
 A baseline without the holder comes first. A real daemon (tests/support/daemon_proc.py: fake GPUs
 and MPS, everything else real) runs under /tmp; the two accounts are made and removed by
-tests/support/accounts.py. Needs root.
+bench/support/accounts.py. Needs root.
 
 Fuzz part: ``bench/fuzz.py`` (10^5 datagrams and 10^5 API frames from an unprivileged account
 against a live simulated daemon: crashes, dead threads, tracebacks, RSS before and after). Faults
@@ -48,9 +48,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support import accounts  # noqa: E402
-from tests.support.daemon_helpers import DaemonProc, python_for_others  # noqa: E402
-from tests.support.holder import HOLDER  # noqa: E402
+from bench.support import accounts  # noqa: E402
+from bench.support.daemon_helpers import DaemonProc, python_for_others  # noqa: E402
+from bench.support.holder import HOLDER  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "abuse.json"
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gpushare import config  # noqa: E402
-from gpushare.adoption import FACT_ENV, Rule  # noqa: E402
+from gpushare.control.adoption import FACT_ENV, Rule  # noqa: E402
 from gpushare.daemon.adopter import Adopter  # noqa: E402
 from gpushare.node.procs import facts  # noqa: E402
 

@@ -19,11 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpushare.config import ControlConfig  # noqa: E402
-from gpushare.control.admission import admit  # noqa: E402
-from gpushare.control.controller import GpushareController, GpuState  # noqa: E402
-from gpushare.model import ClientClass, Observation, SetDuty  # noqa: E402
-from tests.fakes.fake_observations import (  # noqa: E402
+from bench.support.observations import (  # noqa: E402
     GIB,
     gpu_uuid,
     job,
@@ -31,6 +27,10 @@ from tests.fakes.fake_observations import (  # noqa: E402
     offline,
     online,
 )
+from gpushare.config import ControlConfig  # noqa: E402
+from gpushare.control.admission import admit  # noqa: E402
+from gpushare.control.controller import GpushareController, GpuState  # noqa: E402
+from gpushare.model import ClientClass, Observation, SetDuty  # noqa: E402
 
 GPUS = 8
 CLIENTS = 48

@@ -55,11 +55,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree  # noqa: E402
+from bench.support.trusted import make_trusted_dir  # noqa: E402
 from gpushare import protocol  # noqa: E402
 from gpushare.client import ApiClient, ApiError  # noqa: E402
 from gpushare.node.cgroups.discovery import own_cgroup  # noqa: E402
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree  # noqa: E402
-from tests.support.trusted import make_trusted_dir  # noqa: E402
 
 GPUSHARE = [sys.executable, "-c", "from gpushare.cli.app import main; main()"]
 CLK_TCK = os.sysconf("SC_CLK_TCK")

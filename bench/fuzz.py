@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support.trusted import make_trusted_dir  # noqa: E402
+from bench.support.trusted import make_trusted_dir  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "fuzz.json"
 METHODS = ["hello", "status", "list", "events", "submit", "cancel", "pause", "resume", "adopt",

@@ -54,7 +54,7 @@ import structlog  # noqa: E402
 from gpushare import client, paths  # noqa: E402
 from gpushare.config import GateConfig  # noqa: E402
 from gpushare.daemon.gating import Gatekeeper  # noqa: E402
-from gpushare.inflight import Rejections, SenderLimiter  # noqa: E402
+from gpushare.latency.inflight import Rejections, SenderLimiter  # noqa: E402
 from gpushare.latency.p99 import P99Tracker  # noqa: E402
 from gpushare.latency.receiver import LatencyReceiver, Sender  # noqa: E402
 from gpushare.node.cgroups.discovery import own_cgroup  # noqa: E402

@@ -14,7 +14,7 @@ Tally-shaped pairs (bench/frontier.py's ``pair_files()``) at each SLO factor for
 * offline MPS priority: 1 (as shipped) or 0 (the online client's), set on the policy object
   (``offline_mps_priority``, which the simulated node and the daemon's launch environment read);
 * gate delay: the shipped rule (``rule``) or a fixed delay in ms, patched **in this process
-  only** over ``GpushareController._gate_delay`` (``D`` whenever gating is on with shallow queues,
+  only** over the controller's ``gate_delay`` (:mod:`gpushare.control.gatedelay`) (``D`` whenever gating is on with shallow queues,
   where the rule would move it; 0 elsewhere, as the rule).
 
 ``--launch-gap-us`` sets the shallow queue's launch gap (the model's W3 constant: a sensitivity,
@@ -59,17 +59,17 @@ FIXED: dict[str, float | None] = {"delay_s": None}
 SEEN: dict[str, Any] = {"max_delay_s": 0.0, "nodes": []}
 
 # Looked up, not assumed: the controller is being reorganised; _patch says so if it moved.
-_rule = getattr(ctl.GpushareController, "_gate_delay", None)
+_rule = getattr(ctl, "gate_delay", None)
 _node_init = simnode.SimNode.__init__
 
 
 def _fixed_gate_delay(
-    self: ctl.GpushareController, state: Any, obs: Any, signals: Any, on: bool, now: float
+    cfg: Any, state: Any, obs: Any, signals: Any, on: bool, now: float
 ) -> tuple[Any, str]:
     d = FIXED["delay_s"]
     if d is None:
         assert _rule is not None  # _patch checked
-        state, why = _rule(self, state, obs, signals, on, now)
+        state, why = _rule(cfg, state, obs, signals, on, now)
     else:
         # Where the rule may move the delay (gating on, shallow queues) it is D; elsewhere 0.
         delay = d if on and gated_shallow(state, obs) else 0.0
@@ -86,9 +86,10 @@ def _recording_init(self: simnode.SimNode, *args: Any, **kwargs: Any) -> None:
 def _patch() -> None:
     if not callable(_rule):
         raise SystemExit(
-            "GpushareController._gate_delay is gone: this what-if patches it; update the bench"
+            "gpushare.control.controller.gate_delay is gone: this what-if patches it; "
+            "update the bench"
         )
-    ctl.GpushareController._gate_delay = _fixed_gate_delay  # type: ignore[method-assign]
+    ctl.gate_delay = _fixed_gate_delay
     simnode.SimNode.__init__ = _recording_init  # type: ignore[method-assign]
 
 

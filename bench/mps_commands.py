@@ -27,9 +27,9 @@ import structlog
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.support.helpers import MPS_MISSING, find_mps_control, mps_server_dir  # noqa: E402
 from gpushare.config import Config, MpsConfig, PathsConfig  # noqa: E402
 from gpushare.node.mps import MpsSupervisor  # noqa: E402
-from tests.support.helpers import MPS_MISSING, find_mps_control, mps_server_dir  # noqa: E402
 
 GPU = "GPU-00000000-0000-0000-0000-000000000000"
 

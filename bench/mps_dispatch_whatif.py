@@ -68,9 +68,10 @@ os.environ["GPUSHARE_SIM_ENGINE"] = "python"
 import dataclasses  # noqa: E402
 
 from gpushare import logs  # noqa: E402
-from gpushare.cli.sim_cmd import make_policies  # noqa: E402
+from gpushare.cli.sim_run import make_policies  # noqa: E402
 from gpushare.sim import data, engine, runner, scenario, validation, workloads  # noqa: E402
 from gpushare.sim.gpu import EventLoop, Gpu, Run, Stream  # noqa: E402
+from gpushare.stats import percentile  # noqa: E402
 
 PAIR_PREFIXES = ("pairs/bert_2_fwd+", "pairs/transformer_xl_4_fwd+")
 POLICIES = ("mps", "mps-priority")
@@ -230,8 +231,8 @@ def lithos(variant: str, blocks: int, be_ms: float, end_s: float) -> dict[str, f
     loop.run_until(end_s)
     lats = [lat * 1e6 for arr, lat in server.completed if arr >= 0.05]
     return {
-        "p50_us": workloads.percentile(lats, 50),
-        "p99_us": workloads.percentile(lats, 99),
+        "p50_us": percentile(lats, 50),
+        "p99_us": percentile(lats, 99),
         "requests": len(lats),
     }
 

@@ -1,4 +1,4 @@
-"""Cost of building one tick's observations: 8 GPUs x 48 clients against the fake NVML backend.
+"""Cost of building one tick's observations (8 GPUs x 48 clients) and of an NVML sample.
 
 Also measures one NvmlBackend.sample() of 8 fake GPUs through the real adapter (thread hand-off,
 error policy, versioned calls), which is the other per-tick sensing cost.
@@ -20,14 +20,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.support import fake_nvml  # noqa: E402
 from gpushare.config import Config  # noqa: E402
+from gpushare.daemon.observe import build_observation  # noqa: E402
 from gpushare.latency.p99 import LatencyP99  # noqa: E402
-from gpushare.model import ClientClass, ClientState, ClientView, Limits, MpsState  # noqa: E402
+from gpushare.model import (  # noqa: E402
+    ClientClass,
+    ClientState,
+    ClientView,
+    Limits,
+    MpsState,
+    ProbeReading,
+)
 from gpushare.node.nvml import NvmlBackend  # noqa: E402
-from gpushare.observe import build_observations  # noqa: E402
-from tests.fakes import fake_nvml  # noqa: E402
-from tests.fakes.fake_nvml import FakeGpuBackend  # noqa: E402
-from tests.fakes.fake_probe import FakeProbe  # noqa: E402
 
 GPUS = 8
 CLIENTS = 48
@@ -51,8 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("iterations", nargs="?", type=int, default=ITERATIONS, help="builds timed")
     iterations = ap.parse_args().iterations
-    backend = FakeGpuBackend.uniform(GPUS, CLIENTS)
-    samples = backend.sample()
+    samples = tuple(fake_nvml.uniform_samples(GPUS, CLIENTS))
     clients_by_gpu = {}
     app_p99 = {}
     for g, s in enumerate(samples):
@@ -74,22 +78,28 @@ def main() -> None:
             if cls is ClientClass.ONLINE:
                 app_p99[cid] = LatencyP99(12.0, 500)
         clients_by_gpu[s.uuid] = views
-    probe = FakeProbe([(0.0, 0.05)])
+    # The probe's readings by GPU: what its adapter returns (a probe at its baseline).
+    reading = ProbeReading(
+        latency_ms=0.05, run_ms=0.05, baseline_ms=0.05, ratio=1.0, samples=200, reason=None
+    )
+    probe = {s.uuid: reading for s in samples}
     config = Config()
     mps_states = {s.uuid: MpsState.UP for s in samples}
 
     times = []
     for _ in range(iterations):
         t0 = time.perf_counter()
-        obs = build_observations(
-            samples=backend.sample(),
-            probe=probe,
-            clients_by_gpu=clients_by_gpu,
-            config=config,
-            app_p99=app_p99,
-            mps_states=mps_states,
-            gpu_events=backend.drain_events(),
-        )
+        obs = [
+            build_observation(
+                sample=s,
+                probe=probe[s.uuid],
+                clients=clients_by_gpu[s.uuid],
+                config=config,
+                app_p99=app_p99,
+                mps_state=mps_states[s.uuid],
+            )
+            for s in samples
+        ]
         times.append(time.perf_counter() - t0)
     assert len(obs) == GPUS
     assert all(len(o.clients) == CLIENTS for o in obs)

@@ -2,7 +2,7 @@
 
 Starts real daemons (tests/support/daemon_proc.py: fake GPU and MPS, everything else real, cgroup
 v2 where the machine has it) under /tmp and injects, for real: kill -9 of the daemon at each step
-of a client restart (tests/support/crash_points.py), a lock held by another process at start and
+of a client restart (bench/support/crash_points.py), a lock held by another process at start and
 while running, a full disk (a small tmpfs filled to the last byte) at start and while running, a
 read-only state directory at start, and a damaged database (moved aside, ids must not come back).
 After each it counts the clients lost or failed, the good databases renamed, and the client ids
@@ -26,9 +26,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.crash_points import STEPS
-from tests.support.daemon_helpers import REPO, DaemonProc, wait_for
-from tests.support.faults import fill, free, remount, small_tmpfs, sqlite_locked
+from bench.support.crash_points import STEPS
+from bench.support.daemon_helpers import REPO, DaemonProc, wait_for
+from bench.support.faults import fill, free, remount, small_tmpfs, sqlite_locked
 
 OUT = REPO / "bench" / "results" / "registry_faults.json"
 CHECKPOINTING = 'trap "exit 0" USR1; while :; do sleep 0.2 & wait $!; done'

@@ -27,7 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpushare.cli import sim_cmd  # noqa: E402
+from gpushare.cli import sim_run  # noqa: E402
 from gpushare.sim import engine, report  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -38,7 +38,7 @@ def _run(
 ) -> dict[str, Any]:
     path, policies, duration, slo_factor, boundaries = args
     t0 = time.perf_counter()
-    (result,) = sim_cmd.run_files(
+    (result,) = sim_run.run_files(
         [Path(path)],
         policies,
         duration_s=duration,

@@ -35,9 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gpushare import logs  # noqa: E402
-from gpushare.cli.sim_cmd import make_policies  # noqa: E402
+from gpushare.cli.sim_run import make_policies  # noqa: E402
 from gpushare.sim import engine, runner, scenario  # noqa: E402
-from gpushare.sim.workloads import percentile  # noqa: E402
+from gpushare.stats import percentile  # noqa: E402
 from gpushare.units import parse_duration  # noqa: E402
 
 PAIR_PREFIXES = ("pairs/bert_2_fwd+", "pairs/transformer_xl_4_fwd+")

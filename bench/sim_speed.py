@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpushare.cli.sim_cmd import make_policies, policy_names  # noqa: E402
+from gpushare.cli.sim_run import make_policies, policy_names  # noqa: E402
 from gpushare.sim import engine, runner, scenario  # noqa: E402
 
 

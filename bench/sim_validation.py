@@ -31,7 +31,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpushare.cli.sim_cmd import make_policies  # noqa: E402
+from gpushare.cli.sim_run import make_policies  # noqa: E402
 from gpushare.sim import data, engine, runner, scenario, validation  # noqa: E402
 from gpushare.sim import node as simnode  # noqa: E402
 from gpushare.sim.gpu import EventLoop, Gpu  # noqa: E402

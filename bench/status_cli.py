@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.daemon_helpers import REPO, DaemonProc
+from bench.support.daemon_helpers import REPO, DaemonProc
 
 OUT = REPO / "bench" / "results" / "status_cli.json"
 RUNS = 20

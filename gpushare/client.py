@@ -8,7 +8,7 @@ Sections of this module:
   per request. Its daemon side is :mod:`gpushare.latency`, and
 * **request boundaries** (at the end): :func:`request_started`, :func:`request_ended` and the
   context manager :func:`request`, for request gating (its daemon side is
-  :mod:`gpushare.inflight` and :mod:`gpushare.control.gate`).
+  :mod:`gpushare.latency.inflight` and :mod:`gpushare.control.gate`).
 """
 
 from __future__ import annotations

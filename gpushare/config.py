@@ -6,31 +6,28 @@ every key and loads to exactly these defaults (a test checks it). Field names ca
 and takes a human spelling (``period = "100ms"``, ``online_memory_reserve = "2G"``).
 
 Every bad input raises :class:`ConfigError`, which names the file, the key path and what would be
-valid. Nothing is applied until the whole file has been validated, so a bad reload changes nothing.
+valid (:mod:`gpushare.tomlschema` reads the tables, as it reads the simulator's scenarios). Nothing is applied until the whole file has been validated, so a bad reload changes nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import sys
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from gpushare import paths
-from gpushare.units import (
-    DURATION_HINT,
-    SIZE_HINT,
-    format_duration,
-    format_size,
-    parse_duration,
-    parse_size,
-)
+from gpushare.tomlschema import Reader, TomlError, show, toml_value, type_name
+from gpushare.tomlschema import duration as _duration
+from gpushare.tomlschema import num as _num
+from gpushare.tomlschema import size as _size
+
+# config.to_dict and config.toml_key, for config check and the tests that walk the keys.
+from gpushare.tomlschema import to_dict as to_dict
+from gpushare.tomlschema import toml_key as toml_key
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,27 +46,10 @@ GPU_KEY_RE = re.compile(r"^(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-]+)$")
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
-class ConfigError(Exception):
+class ConfigError(TomlError):
     """A config file that cannot be used; says where and what would be valid."""
 
-    def __init__(self, file: Path | str | None, key: str, reason: str) -> None:
-        self.file = str(file) if file is not None else "<config>"
-        self.key = key
-        self.reason = reason
-        where = f"{self.file}: {key}" if key else self.file
-        super().__init__(f"{where}: {reason}")
-
-
-def _size(default: int, *, minimum: int = 0) -> Any:
-    return field(default=default, metadata={"kind": "size", "min": minimum})
-
-
-def _duration(default: float, *, minimum: float = 0.0, above: bool = False) -> Any:
-    return field(default=default, metadata={"kind": "duration", "min": minimum, "above": above})
-
-
-def _num(default: float, *, minimum: float, maximum: float, above: bool = False) -> Any:
-    return field(default=default, metadata={"min": minimum, "max": maximum, "above": above})
+    unnamed = "<config>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +261,7 @@ class AdoptRule:
     glob on its cgroup v2 path), ``user`` (a name or uid), ``uses_gpu`` (NVML lists it as a compute
     process), ``env`` (globs on environment variables). ``class = "marker"`` takes the class (and
     the SLO) from the process's own ``GPUSHARE_CLASS``/``GPUSHARE_SLO_P99``. The matcher is
-    :mod:`gpushare.adoption`.
+    :mod:`gpushare.control.adoption`.
     """
 
     name: str = ""
@@ -290,7 +270,10 @@ class AdoptRule:
     cgroup: str = ""
     user: str = ""
     uses_gpu: bool = False
-    env: Mapping[str, str] = field(default_factory=dict, metadata={"kind": "strmap"})
+    env: Mapping[str, str] = field(
+        default_factory=dict,
+        metadata={"kind": "strmap", "read": lambda r, v, k: _string_table(r, v, k)},
+    )
     cls: AdoptClass = field(default="marker", metadata={"key": "class"})
     slo_p99_s: float | None = field(
         default=None, metadata={"kind": "duration", "min": 0.0, "above": True}
@@ -319,12 +302,44 @@ class Config:
     latency: LatencyConfig = field(default_factory=LatencyConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    gpus: Mapping[str, GpuOverride] = field(default_factory=dict)
-    adopt: tuple[AdoptRule, ...] = (MARKER_RULE,)
+    gpus: Mapping[str, GpuOverride] = field(
+        default_factory=dict, metadata={"read": lambda r, v, k: _gpu_table(r, v, k)}
+    )
+    adopt: tuple[AdoptRule, ...] = field(
+        default=(MARKER_RULE,), metadata={"read": lambda r, v, k: _rule_list(r, v, k)}
+    )
 
     def gpu_override(self, index: int, uuid: str) -> GpuOverride:
-        """The override for a GPU; a UUID key wins over an index key."""
+        """The ``[gpus]`` entry of a GPU as written; a UUID key wins over an index key (entirely)."""
         return self.gpus.get(uuid) or self.gpus.get(str(index)) or GpuOverride()
+
+    def for_gpu(self, index: int, uuid: str) -> GpuConfig:
+        """One GPU's settings: its ``[gpus]`` entry over the node-wide ones (the one resolution)."""
+        o = self.gpu_override(index, uuid)
+        return GpuConfig(
+            shared=o.shared,
+            online_memory_reserve_bytes=(
+                self.control.online_memory_reserve_bytes
+                if o.online_memory_reserve_bytes is None
+                else o.online_memory_reserve_bytes
+            ),
+            offline_sm_pct_max=(
+                self.control.offline_sm_pct_max
+                if o.offline_sm_pct_max is None
+                else o.offline_sm_pct_max
+            ),
+            max_clients=self.mps.max_clients if o.max_clients is None else o.max_clients,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GpuConfig:
+    """One GPU's effective settings (:meth:`Config.for_gpu`): nothing left to fall back on."""
+
+    shared: bool
+    online_memory_reserve_bytes: int
+    offline_sm_pct_max: float
+    max_clients: int
 
 
 def load(path: Path | str) -> Config:
@@ -362,7 +377,7 @@ def from_dict(data: Mapping[str, Any], file: Path | str | None = None) -> Config
     Raises:
         ConfigError: a bad key or value.
     """
-    config: Config = _build(Config, data, file, "")
+    config: Config = Reader(file, ConfigError).table(Config, data, "")
     if config.version != CONFIG_VERSION:
         raise ConfigError(file, "version", f"unsupported version {config.version}; use 1")
     _check_cross_field(config, file)
@@ -454,103 +469,16 @@ _DERIVED_PATHS = (
     "mps_log_dir",
     "client_log_dir",
 )
-_UNIT_SUFFIX = {"size": "_bytes", "duration": "_s"}
 
 
-def toml_key(f: dataclasses.Field[Any]) -> str:
-    """The TOML key of a dataclass field: its name without the unit suffix."""
-    if "key" in f.metadata:
-        return str(f.metadata["key"])
-    kind = f.metadata.get("kind")
-    return f.name.removesuffix(_UNIT_SUFFIX.get(kind, "")) if kind else f.name
-
-
-def _build(cls: type[Any], data: Any, file: Path | str | None, prefix: str) -> Any:
-    if not isinstance(data, Mapping):
-        raise ConfigError(file, prefix.rstrip("."), f"expected a table, got {_tname(data)}")
-    fields_by_key = {toml_key(f): f for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields_by_key:
-            valid = ", ".join(sorted(fields_by_key))
-            raise ConfigError(file, prefix + key, f"unknown key; valid keys here: {valid}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, f in fields_by_key.items():
-        if key in data:
-            kwargs[f.name] = _convert(hints[f.name], f, data[key], file, prefix + key)
-    return cls(**kwargs)
-
-
-def _convert(
-    hint: Any, f: dataclasses.Field[Any], value: Any, file: Path | str | None, key: str
-) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        hint = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
-    kind = f.metadata.get("kind")
-    try:
-        if kind == "size":
-            result: Any = parse_size(value) if isinstance(value, str | int) else _bad(SIZE_HINT)
-        elif kind == "duration":
-            result = (
-                parse_duration(value)
-                if isinstance(value, str | int | float)
-                else _bad(DURATION_HINT)
-            )
-        elif origin is Literal:
-            if value not in args:
-                _bad("one of " + ", ".join(repr(a) for a in args))
-            result = value
-        elif dataclasses.is_dataclass(hint):
-            return _build(typing.cast(type[Any], hint), value, file, key + ".")
-        elif kind == "strmap":
-            return _string_table(value, file, key)
-        elif origin is tuple:
-            return _rule_list(value, file, key)
-        elif origin in (Mapping, dict):
-            return _gpu_table(args[1], value, file, key)
-        elif hint is bool:
-            result = value if isinstance(value, bool) else _bad("true or false")
-        elif hint is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-            result = value if ok else _bad("an integer")
-        elif hint is float:
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-            result = float(value) if ok else _bad("a number")
-        elif hint is str:
-            result = value if isinstance(value, str) else _bad("a string")
-        elif hint is Path:
-            result = Path(value) if isinstance(value, str) and value else _bad("a path string")
-        else:  # pragma: no cover - a new field type without a converter is a programming error
-            raise TypeError(f"no converter for {hint!r}")
-    except _BadValueError as exc:
-        raise ConfigError(file, key, f"{exc}, got {_show(value)}") from None
-    except ValueError as exc:
-        raise ConfigError(file, key, str(exc)) from None
-    except OverflowError:
-        raise ConfigError(file, key, f"too large: {_show(value)}") from None
-    if isinstance(result, float) and not math.isfinite(result):
-        # TOML spells nan and inf; a long enough digit string becomes inf too. Every comparison
-        # with NaN is false, so a range check alone would let it through.
-        raise ConfigError(file, key, f"expected a finite number, got {_show(value)}")
-    _check_range(f, result, file, key)
-    return result
-
-
-def _gpu_table(
-    item_type: type[Any], value: Any, file: Path | str | None, key: str
-) -> dict[str, Any]:
+def _gpu_table(r: Reader, value: Any, key: str) -> dict[str, GpuOverride]:
     if not isinstance(value, Mapping):
-        raise ConfigError(file, key, f"expected a table of GPUs, got {_tname(value)}")
+        r.fail(key, f"expected a table of GPUs, got {type_name(value)}")
     out = {}
     for gpu_key, sub in value.items():
         if not GPU_KEY_RE.match(gpu_key):
-            raise ConfigError(
-                file, f"{key}.{gpu_key}", 'GPU keys are an index ("0") or a UUID ("GPU-…")'
-            )
-        out[gpu_key] = _build(item_type, sub, file, f"{key}.{gpu_key}.")
+            r.fail(f"{key}.{gpu_key}", 'GPU keys are an index ("0") or a UUID ("GPU-…")')
+        out[gpu_key] = r.table(GpuOverride, sub, f"{key}.{gpu_key}.")
     return out
 
 
@@ -558,33 +486,29 @@ _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _UNIT_GLOB_RE = re.compile(r"^[A-Za-z0-9:_.@\\*?\[\]!-]+$")
 
 
-def _string_table(value: Any, file: Path | str | None, key: str) -> dict[str, str]:
+def _string_table(r: Reader, value: Any, key: str) -> dict[str, str]:
     if not isinstance(value, Mapping):
-        raise ConfigError(
-            file, key, f'expected a table such as {{ SLURM_JOB_ID = "*" }}, got {_tname(value)}'
-        )
+        r.fail(key, f'expected a table such as {{ SLURM_JOB_ID = "*" }}, got {type_name(value)}')
     for name, pattern in value.items():
         if not _ENV_NAME_RE.match(name):
-            raise ConfigError(file, f"{key}.{name}", "not an environment variable name")
+            r.fail(f"{key}.{name}", "not an environment variable name")
         if not isinstance(pattern, str):
-            raise ConfigError(
-                file, f"{key}.{name}", f"expected a string (a glob), got {_show(pattern)}"
-            )
+            r.fail(f"{key}.{name}", f"expected a string (a glob), got {show(pattern)}")
     return dict(value)
 
 
-def _rule_list(value: Any, file: Path | str | None, key: str) -> tuple[AdoptRule, ...]:
+def _rule_list(r: Reader, value: Any, key: str) -> tuple[AdoptRule, ...]:
     if not isinstance(value, list):
-        raise ConfigError(file, key, f"expected [[{key}]] tables, got {_tname(value)}")
+        r.fail(key, f"expected [[{key}]] tables, got {type_name(value)}")
     rules: list[AdoptRule] = []
     for i, item in enumerate(value):
         where = f"{key}[{i}]"
-        rule: AdoptRule = _build(AdoptRule, item, file, where + ".")
+        rule: AdoptRule = r.table(AdoptRule, item, where + ".")
         if not rule.name:
             rule = dataclasses.replace(rule, name=where)
-        _check_rule(rule, file, where)
-        if any(r.name == rule.name for r in rules):
-            raise ConfigError(file, f"{where}.name", f"{rule.name!r} names an earlier rule too")
+        _check_rule(rule, r.file, where)
+        if any(x.name == rule.name for x in rules):
+            r.fail(f"{where}.name", f"{rule.name!r} names an earlier rule too")
         rules.append(rule)
     return tuple(rules)
 
@@ -614,95 +538,24 @@ def _check_rule(rule: AdoptRule, file: Path | str | None, where: str) -> None:
         raise ConfigError(file, f"{where}.user", f"not a user name or uid: {rule.user!r}")
 
 
-def _check_range(f: dataclasses.Field[Any], value: Any, file: Path | str | None, key: str) -> None:
-    low, high, above = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("above")
-    if low is None or not isinstance(value, int | float):
-        return
-    too_low = value <= low if above else value < low
-    if too_low or (high is not None and value > high):
-        lo_s = f"> {low}" if above else f">= {low}"
-        hi_s = f" and <= {high}" if high is not None else ""
-        raise ConfigError(file, key, f"out of range: {value!r}; expected a value {lo_s}{hi_s}")
-
-
-class _BadValueError(ValueError):
-    pass
-
-
-def _bad(expected: str) -> Any:
-    raise _BadValueError(f"expected {expected}")
-
-
-def _tname(value: Any) -> str:
-    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def to_dict(config: Any) -> dict[str, Any]:
-    """The config as TOML-shaped data with human units, for ``config check`` and ``--json``."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        kind = f.metadata.get("kind")
-        if value is None:
-            continue
-        if dataclasses.is_dataclass(value):
-            out[toml_key(f)] = to_dict(value)
-        elif f.metadata.get("kind") == "strmap":
-            if value:
-                out[toml_key(f)] = dict(value)
-        elif isinstance(value, Mapping):
-            out[toml_key(f)] = {k: to_dict(v) for k, v in value.items()}
-        elif isinstance(value, tuple):
-            out[toml_key(f)] = [to_dict(v) for v in value]
-        elif kind == "size":
-            out[toml_key(f)] = format_size(value)
-        elif kind == "duration":
-            out[toml_key(f)] = format_duration(value)
-        elif isinstance(value, Path):
-            out[toml_key(f)] = str(value)
-        else:
-            out[toml_key(f)] = value
-    return out
-
-
 def to_toml(config: Config) -> str:
     """Render the effective config as TOML text that :func:`loads` reads back to the same value."""
     data = to_dict(config)
     lines: list[str] = []
     # Top-level keys come before the first table; an empty rule list is one of them.
     scalars = {k: v for k, v in data.items() if not isinstance(v, dict | list) or v == []}
-    lines += [f"{k} = {_toml_value(v)}" for k, v in scalars.items()]
+    lines += [f"{k} = {toml_value(v)}" for k, v in scalars.items()]
     for section, body in data.items():
         if not isinstance(body, dict):
             continue
         if section == "gpus":
             for gpu_key, sub in body.items():
                 lines += ["", f'[gpus."{gpu_key}"]']
-                lines += [f"{k} = {_toml_value(v)}" for k, v in sub.items()]
+                lines += [f"{k} = {toml_value(v)}" for k, v in sub.items()]
             continue
         lines += ["", f"[{section}]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in body.items()]
     for rule in data.get("adopt", []):
         lines += ["", "[[adopt]]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in rule.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in rule.items()]
     return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if value == []:
-        return "[]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'

@@ -18,6 +18,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+QUEUE_MODES = ("shallow", "deep", "auto")
+"""``submit --offline --queue``: how many kernels an offline client may have queued on its GPU
+(docs/controller.md, "Shallow offline queues"); ``None`` is :data:`DEFAULT_QUEUE_MODE`."""
+
+DEFAULT_QUEUE_MODE = "deep"
+"""The queue mode of an offline job with no queue setting: ``submit`` without ``--queue`` and a
+scenario's ``[[offline]]`` without ``queue`` alike (the behaviour before queues could be chosen)."""
+
+
+def queue_mode(asked: str | None) -> str:
+    """The queue mode an offline job runs under: what it asked, else :data:`DEFAULT_QUEUE_MODE`."""
+    return asked if asked is not None else DEFAULT_QUEUE_MODE
+
 
 class ClientClass(str, Enum):
     """Whether a client is latency-critical (online) or best-effort (offline)."""
@@ -210,9 +223,10 @@ class ClientView:
     """What the controller may know about one client on a GPU.
 
     ``p99_ms`` is the app-reported p99 over the latency window, ``None`` with ``p99_reason`` when
-    the client reports nothing. ``guarantee_sm_pct`` and ``ceiling_sm_pct`` are the shares a user
-    declared: an offline guarantee is honoured as a duty-cycle floor while online SLOs hold.
-    ``queue`` is an offline client's ``submit --queue`` (``None``: deep) and ``shallow`` whether it
+    the client reports nothing. ``ceiling_sm_pct`` is the share a user declared (``--sm``): an
+    offline client's share never goes above it.
+    ``queue`` is an offline client's ``submit --queue`` (``None``: the default,
+    :data:`DEFAULT_QUEUE_MODE`) and ``shallow`` whether it
     runs with a shallow queue now (``CUDA_LAUNCH_BLOCKING=1``, docs/controller.md).
     """
 
@@ -227,7 +241,6 @@ class ClientView:
     p99_ms: float | None = None
     p99_reason: str | None = None
     restartable: bool = False
-    guarantee_sm_pct: float | None = None
     ceiling_sm_pct: float | None = None
     failures: int = 0
     started_at_s: float | None = None
@@ -444,28 +457,6 @@ Action = (
 
 
 @dataclass(frozen=True, slots=True)
-class ClientSpec:
-    """What a user asked for at ``gpushare submit``."""
-
-    cls: ClientClass
-    argv: tuple[str, ...]
-    gpu: str = "any"
-    sm_pct: float | None = None
-    mem_bytes: int | None = None
-    slo_p99_ms: float | None = None
-    name: str | None = None
-    restartable: bool = False
-    checkpoint_signal: int = 10  # SIGUSR1
-    detach: bool = False
-    guarantee_sm_pct: float | None = None
-    ceiling_sm_pct: float | None = None
-    expected_duration_s: float | None = None
-    latency_from: str | None = None
-    env: tuple[tuple[str, str], ...] = field(default=())
-    cwd: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class ProcessFacts:
     """What adoption knows about one running process."""
 
@@ -480,7 +471,7 @@ class ProcessFacts:
     unit: str | None
     """The systemd unit whose cgroup holds the process (``x.service``, ``session-3.scope``)."""
     environ: Mapping[str, str] | None
-    """The variables adoption reads (``gpushare.adoption.FACT_ENV`` and rules' ``env`` names);
+    """The variables adoption reads (``gpushare.control.adoption.FACT_ENV`` and rules' ``env`` names);
     ``None``: the environment could not be read (another user's process, the daemon not root)."""
     gpu_uuids: tuple[str, ...] | None
     """GPUs NVML lists the process on; ``None``: unknown (no NVML on this host)."""

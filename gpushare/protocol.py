@@ -26,6 +26,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, TypeVar
 
+# submit --queue's values and its default live with the data model (control/ reads them too).
+from gpushare.model import DEFAULT_QUEUE_MODE as DEFAULT_QUEUE_MODE
+from gpushare.model import QUEUE_MODES as QUEUE_MODES
+
 API_VERSION = 1
 """Bumped on any incompatible change to a method, its parameters or its result."""
 
@@ -188,11 +192,6 @@ class SubmitRequest:
     """Offline: the job's expected length (``--time``); the queue starts shorter jobs first."""
     wait_for: str | None = None
     """Foreground offline: the client id of this caller's queued submit, asked again to start it."""
-
-
-QUEUE_MODES = ("shallow", "deep", "auto")
-"""``submit --offline --queue``: how many kernels an offline client may have queued on its GPU
-(docs/controller.md, "Shallow offline queues"); ``None`` is ``deep``."""
 
 
 @dataclass(frozen=True, slots=True)

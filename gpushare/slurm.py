@@ -6,7 +6,12 @@ A job declares its class in its comment (``docs/slurm.md``)::
     srun --comment gpushare=online,slo-p99=40ms,sm=60,mem=20G serve.sh
 
 The one word of the comment that starts with ``gpushare=`` is gpushare's; the rest of the comment
-is left to the site. The three scripts, run by Slurm (``deploy/slurm/``):
+is left to the site. A job that asks for Slurm's own MPS sharing (``--gres=mps:N``) is a gpushare
+client too, without a comment (:func:`job_class`): Slurm gives its Prolog the share it allotted
+(``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, N out of the GPU's ``mps`` count), which becomes an offline
+job's SM share; its class is online when its partition or QOS is one the site named
+(``gpushare slurm prolog --online-partitions serve --online-qos interactive``), else offline.
+The three scripts, run by Slurm (``deploy/slurm/``):
 
 - **Prolog** (slurmd, root, once per job and node, before its first task): validates the
   declaration, writes it to ``<runtime_dir>/slurm/job-<id>.json`` for the TaskProlog, and
@@ -31,13 +36,13 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from gpushare import config, mpsenv, protocol
-from gpushare.cli import envresolve
 from gpushare.model import ClientClass
+from gpushare.roots import envresolve
 from gpushare.units import parse_duration, parse_size
 
 COMMENT_KEY = "gpushare"
@@ -95,6 +100,57 @@ def parse_comment(comment: str | None) -> JobClass | None:
     return JobClass(cls, slo, sm, mem)
 
 
+@dataclass(frozen=True, slots=True)
+class OnlineRule:
+    """Which gres/mps jobs without a ``gpushare=`` comment are online: by partition or QOS."""
+
+    partitions: frozenset[str] = frozenset()
+    qos: frozenset[str] = frozenset()
+
+
+NO_ONLINE = OnlineRule()
+"""The default: every gres/mps job without a comment is offline."""
+
+GRES_MPS_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+"""What slurmd's gres/mps plugin gives the Prolog: the job's share of its GPU, in percent."""
+
+
+def job_class(env: Mapping[str, str], online: OnlineRule = NO_ONLINE) -> JobClass | None:
+    """A job's class and limits: its comment's declaration, else its gres/mps request.
+
+    The rule: a ``gpushare=`` comment wins (its class, its ``sm=``); otherwise a job with a
+    gres/mps share (``--gres=mps:N``) is online when its partition (``SLURM_JOB_PARTITION``) or
+    QOS (``SLURM_JOB_QOS``, where Slurm gives it) is in ``online``, else offline. An offline job's
+    SM share is the gres/mps share unless its comment gives ``sm=``; an online job runs uncapped
+    (gpushare protects it by throttling offline work; the gres only counts in Slurm's scheduling).
+    ``None``: neither a declaration nor a gres/mps share (not a gpushare job).
+
+    Raises:
+        ValueError: a bad declaration, or a gres/mps share gpushare cannot use.
+    """
+    declared = parse_comment(env.get("SLURM_JOB_COMMENT"))
+    raw = env.get(GRES_MPS_ENV)
+    if raw is None or not raw.strip():
+        return declared
+    try:
+        share = float(raw)
+    except ValueError:
+        raise ValueError(f"gres/mps gave {GRES_MPS_ENV}={raw!r}, which is no percentage") from None
+    if (problem := mpsenv.sm_pct_problem(share)) is not None:
+        raise ValueError(
+            f"the job's gres/mps share ({GRES_MPS_ENV}={raw}) is no SM share gpushare can give: "
+            f"{problem.removeprefix('--sm ')}; ask for a larger --gres=mps:N"
+        )
+    if declared is None:
+        partition = env.get("SLURM_JOB_PARTITION", "")
+        qos = env.get("SLURM_JOB_QOS", "")
+        is_online = partition in online.partitions or (qos != "" and qos in online.qos)
+        declared = JobClass(ClientClass.ONLINE if is_online else ClientClass.OFFLINE)
+    if declared.cls is ClientClass.OFFLINE and declared.sm_pct is None:
+        declared = replace(declared, sm_pct=share)
+    return declared
+
+
 def _declarations(comment: str | None) -> list[str]:
     return [w for w in (comment or "").split() if w.startswith(f"{COMMENT_KEY}=")]
 
@@ -145,8 +201,14 @@ def daemon_sender(cfg: config.Config) -> Send:
     return send
 
 
-def prolog(env: Mapping[str, str], cfg: config.Config, send: Send, log: TextIO) -> int:
-    """Record and register a job's declaration; always 0 (a failing Prolog drains the node)."""
+def prolog(
+    env: Mapping[str, str],
+    cfg: config.Config,
+    send: Send,
+    log: TextIO,
+    online: OnlineRule = NO_ONLINE,
+) -> int:
+    """Record and register a job's class (:func:`job_class`); always 0 (a failing Prolog drains the node)."""
     try:
         job = _job_id(env)
         uid = int(env.get("SLURM_JOB_UID", ""))
@@ -154,7 +216,7 @@ def prolog(env: Mapping[str, str], cfg: config.Config, send: Send, log: TextIO) 
         print(f"gpushare prolog: {exc}", file=log)
         return 0
     try:
-        declared = parse_comment(env.get("SLURM_JOB_COMMENT"))
+        declared = job_class(env, online)
     except ValueError as exc:
         record: dict[str, Any] = {"job": job, "uid": uid, "error": str(exc)}
         print(f"gpushare prolog: job {job}: {exc}; its tasks will fail with this message", file=log)
@@ -277,7 +339,19 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpushare slurm", description=__doc__.split("\n")[0])
     parser.add_argument("script", choices=["prolog", "task-prolog", "epilog"])
     parser.add_argument("--config", type=Path, default=None, help="config file")
+    parser.add_argument(
+        "--online-partitions", default="", metavar="P[,P]",
+        help="prolog: gres/mps jobs of these partitions are online (without a gpushare= comment)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--online-qos", default="", metavar="Q[,Q]",
+        help="prolog: gres/mps jobs of these QOS are online (where Slurm gives the Prolog the QOS)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    online = OnlineRule(
+        frozenset(p for p in args.online_partitions.split(",") if p),
+        frozenset(q for q in args.online_qos.split(",") if q),
+    )
     try:
         cfg = envresolve.load_config(args.config)
     except config.ConfigError as exc:
@@ -289,9 +363,10 @@ def main(argv: Sequence[str]) -> int:
     env = dict(os.environ)
     if args.script == "task-prolog":
         return task_prolog(env, cfg, sys.stdout)
-    run = prolog if args.script == "prolog" else epilog
     try:
-        return run(env, cfg, daemon_sender(cfg), sys.stderr)
+        if args.script == "prolog":
+            return prolog(env, cfg, daemon_sender(cfg), sys.stderr, online)
+        return epilog(env, cfg, daemon_sender(cfg), sys.stderr)
     except Exception as exc:  # noqa: BLE001 - a failing Prolog/Epilog drains the node: never fail
         print(f"gpushare {args.script}: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
         return 0

@@ -37,6 +37,7 @@ profile = "{orion}/{fb}.csv"
 mem = "8GiB"
 restartable = true
 submit = "1s"
+queue = "auto"
 """
 
 
@@ -109,7 +110,7 @@ def node_mix() -> None:
             parts.append(
                 f'\n[[offline]]\nname = "{job.name}"  # BE, gpu_milli {job.gpu_milli}\n'
                 f'profile = "{ORION}/{FBS[fb_i % len(FBS)]}.csv"\ngpu = {gpu}\n'
-                f'mem = "{mem}GiB"\nrestartable = true\nsubmit = "1s"\n'
+                f'mem = "{mem}GiB"\nrestartable = true\nsubmit = "1s"\nqueue = "auto"\n'
             )
             fb_i += 1
     (HERE / "alibaba-node-mix.toml").write_text("".join(parts))

@@ -436,6 +436,16 @@ if have_torch; then
     step_timings
 fi
 
+# ------------------------------------------------------------------------------ a 2-GPU DDP job (issue 35)
+# A torchrun job of two ranks, each through its own GPU's MPS daemon (docs/design.md §7, option A),
+# then without MPS (option C's control); each stops rank 1 for 2 s to see rank 0 stall. Needs two GPUs.
+if have_torch && [[ $(id -u) -eq 0 ]] && (($(nvidia-smi -L 2>/dev/null | wc -l) >= 2)); then
+    step ddp2_mps 150 "$PY" "$REPO/scripts/gpu-check-ddp.py" --mode mps --out "$WORK/ddp2_mps.json"
+    step ddp2_plain 150 "$PY" "$REPO/scripts/gpu-check-ddp.py" --mode plain --out "$WORK/ddp2_plain.json"
+else
+    record ddp2 skipped "needs root, torch and two GPUs ($(nvidia-smi -L 2>/dev/null | wc -l) here)"
+fi
+
 # ------------------------------------------------------------------------------ last: faults
 if have_torch && [[ $(id -u) -eq 0 ]]; then
     step freeze_gpu_lag 90 bash -c "cd '$REPO' && '$PY' bench/freeze_gpu_lag.py --gpu 0 --cycles 3 --warmup-s 6 -- $(load train --seconds 80 --out "$WORK/freeze_train.json") && cp bench/results/freeze_gpu_lag.json '$WORK/freeze_gpu_lag.json'"

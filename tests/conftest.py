@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import structlog
 
-from tests.support.helpers import MPS_MISSING, TRUSTED_MPS_COPY, find_mps_control
-from tests.support.trusted import SKIP_REASON, trusted_base, trusted_dir
+from bench.support.helpers import MPS_MISSING, TRUSTED_MPS_COPY, find_mps_control
+from bench.support.trusted import SKIP_REASON, trusted_base, trusted_dir
 
 # The unprivileged accounts of the abuse suite (`accounts`), available to every test.
-pytest_plugins = ["tests.support.accounts"]
+pytest_plugins = ["bench.support.accounts"]
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +35,7 @@ def mps_control() -> Path:
 
 @pytest.fixture
 def trusted_tmp() -> Iterator[Path]:
-    """A temporary directory the daemon may trust (tests/support/trusted.py), removed after."""
+    """A temporary directory the daemon may trust (bench/support/trusted.py), removed after."""
     if trusted_base() is None:
         pytest.skip(SKIP_REASON)
     with trusted_dir() as path:

@@ -96,6 +96,25 @@ def test_gpu_override_lookup_prefers_uuid():
     assert cfg.gpu_override(3, "GPU-none") == config.GpuOverride()
 
 
+def test_for_gpu_resolves_an_entry_over_the_node_wide_settings():
+    cfg = config.loads(
+        '[control]\nonline_memory_reserve = "2GiB"\noffline_sm_pct_max = 80\n'
+        "[mps]\nmax_clients = 20\n"
+        '[gpus."1"]\nshared = false\nmax_clients = 4\n'
+        '[gpus."GPU-abc"]\nonline_memory_reserve = "1GiB"\noffline_sm_pct_max = 50\n'
+    )
+    assert cfg.for_gpu(0, "GPU-none") == config.GpuConfig(
+        shared=True, online_memory_reserve_bytes=2 << 30, offline_sm_pct_max=80.0, max_clients=20
+    )
+    assert cfg.for_gpu(1, "GPU-none") == config.GpuConfig(
+        shared=False, online_memory_reserve_bytes=2 << 30, offline_sm_pct_max=80.0, max_clients=4
+    )
+    # The UUID entry wins entirely: what it leaves out is the node-wide value, not index 1's.
+    assert cfg.for_gpu(1, "GPU-abc") == config.GpuConfig(
+        shared=True, online_memory_reserve_bytes=1 << 30, offline_sm_pct_max=50.0, max_clients=20
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "key", "hint"),
     [

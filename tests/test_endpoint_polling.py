@@ -18,8 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gpushare.inflight import GaugePoller, Rejections
 from gpushare.latency.app import AppLatency
+from gpushare.latency.inflight import GaugePoller, Rejections
 
 TRICKLE_S = 0.03
 

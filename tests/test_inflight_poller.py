@@ -1,12 +1,12 @@
-"""gpushare.inflight.GaugePoller's workers: none while it has nothing to poll, prompt once it has."""
+"""gpushare.latency.inflight.GaugePoller's workers: none while it has nothing to poll, prompt once it has."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from gpushare.daemon.threads import Supervisor
-from gpushare.inflight import GaugePoller, Rejections
+from gpushare.latency.inflight import GaugePoller, Rejections
+from gpushare.latency.threads import Supervisor
 
 SPEC = "prometheus:http://127.0.0.1:9/metrics#inflight"
 

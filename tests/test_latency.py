@@ -25,7 +25,6 @@ from gpushare.latency.p99 import LatencyP99, P99Tracker
 from gpushare.latency.prometheus import (
     HistogramWindow,
     PrometheusScraper,
-    bucket_quantile,
     parse_histogram,
     parse_latency_from,
 )
@@ -296,19 +295,6 @@ def test_parse_histogram_of_prometheus_client_output() -> None:
     assert buckets[0.025] == 1
     assert buckets[0.5] == 2
     assert buckets[math.inf] == 2
-
-
-def test_bucket_quantile_interpolates_like_promql() -> None:
-    # 980 requests under 25 ms, 20 between 250 and 500 ms: the 990th lies halfway into (0.25, 0.5].
-    counts = {0.025: 980, 0.05: 980, 0.1: 980, 0.25: 980, 0.5: 1000, math.inf: 1000}
-    assert bucket_quantile(0.99, counts) == pytest.approx(0.375)
-    # Rank in +Inf: the largest finite bound.
-    assert bucket_quantile(0.99, {0.1: 10, math.inf: 100}) == 0.1
-    assert bucket_quantile(0.99, {}) is None
-    assert bucket_quantile(0.99, {0.1: 0, math.inf: 0}) is None
-    # Non-monotonic scrape (racing increments): fixed up, not crashing.
-    # Monotone fix: 0.2 counts as 10, so the 12th of 20 lies 2/10 into (0.2, 0.3].
-    assert bucket_quantile(0.6, {0.1: 10, 0.2: 8, 0.3: 20, math.inf: 20}) == pytest.approx(0.22)
 
 
 def test_window_p99_from_bucket_deltas_of_a_real_histogram() -> None:

@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
+from bench.support import trusted
 from gpushare.paths import repo_root
-from tests.support import trusted
 from tests.test_grafana import _queries
 
 REPO = repo_root()

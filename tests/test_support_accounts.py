@@ -5,7 +5,7 @@ from __future__ import annotations
 import pwd
 import subprocess
 
-from tests.support.accounts import MARK, Account, create, remove, remove_stale, run_as
+from bench.support.accounts import MARK, Account, create, remove, remove_stale, run_as
 
 
 def test_accounts_are_distinct_unprivileged_users(

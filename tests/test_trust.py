@@ -1,6 +1,6 @@
 """gpushare.trust: the rule for files root loads, runs or hands to another user's process.
 
-Real files with real ownership, made in a root-only directory (tests/support/trusted.py) and then
+Real files with real ownership, made in a root-only directory (bench/support/trusted.py) and then
 given to an unprivileged uid, a 0777 directory or a sticky one, as an attacker would find them.
 """
 

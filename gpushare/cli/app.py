@@ -45,6 +45,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "completion": ("gpushare.cli.completion", "Print the completion script for SHELL (bash, zsh or fish)."),
     "config": ("gpushare.cli.config_cmd", "Inspect and validate the configuration."),
     "drain": ("gpushare.cli.drain_cmd", "Admit nothing new on a GPU; running clients finish or checkpoint (root or the admin group)."),
+    "k8s": ("gpushare.cli.k8s_cmd", "Kubernetes: the kubelet device plugin (docs/kubernetes.md)."),
     "undrain": ("gpushare.cli.drain_cmd", "End a drain: the GPU admits work again (root or the admin group)."),
 }  # fmt: skip
 

@@ -24,7 +24,7 @@ from gpushare.cli import completion
 from gpushare.cli.render import mps_down, render_list, render_status
 from gpushare.cli.term import emit, use_colour
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
-from gpushare.units import format_duration, parse_duration, parse_size
+from gpushare.units import parse_duration, parse_size
 
 SocketOpt = Annotated[
     str | None,
@@ -235,6 +235,8 @@ def submit(
         params["pid"] = os.getpid()
     result = call_once(socket, protocol.SUBMIT, params)
     if result["state"] == "queued":
+        from gpushare.cli.waitq import queued_line, wait_in_queue
+
         if params["detach"]:
             typer.echo(queued_line(result))
             return
@@ -254,50 +256,6 @@ def submit(
     except OSError as exc:
         typer.echo(f"gpushare: cannot run {cmd[0]!r}: {exc.strerror or exc}", err=True)
         raise typer.Exit(code=127 if isinstance(exc, FileNotFoundError) else 126) from None
-
-
-def queued_line(result: dict[str, Any]) -> str:
-    """``c7 queued (position 2): GPU 0: needs 6G ...``: what a queued submit prints."""
-    where = f" (position {result['position']})" if result.get("position") else ""
-    why = f": {result['waiting']}" if result.get("waiting") else ""
-    return f"{result['client_id']} queued{where}{why}"
-
-
-WAIT_POLL_S = 1.0
-"""How often a foreground submit waiting in the queue asks the daemon (it keeps its place
-while it asks: gpushare/daemon/submitq.py)."""
-
-
-def wait_in_queue(socket: str | None, result: dict[str, Any]) -> dict[str, Any]:
-    """Wait in the queue, one progress line on stderr, until the daemon starts the job here.
-
-    Ctrl-C takes the job out of the queue (exit 130).
-    """
-    client_id = result["client_id"]
-    tty = sys.stderr.isatty()
-    shown = ""
-    t0 = time.monotonic()
-    try:
-        while result["state"] == "queued":
-            line = f"{queued_line(result)} (waiting {format_duration(time.monotonic() - t0)})"
-            if tty:
-                sys.stderr.write("\r\x1b[K" + line[: shutil.get_terminal_size().columns - 1])
-                sys.stderr.flush()
-            elif queued_line(result) != shown:  # piped: a line when something changes
-                sys.stderr.write(line + "\n")
-            shown = queued_line(result)
-            time.sleep(WAIT_POLL_S)
-            params = {"cls": "offline", "argv": ["-"], "wait_for": client_id}
-            result = call_once(socket, protocol.SUBMIT, params)
-    except KeyboardInterrupt:
-        with contextlib.suppress(typer.Exit):
-            call_once(socket, protocol.CANCEL, {"client_id": client_id})
-        sys.stderr.write(f"\n{client_id}: left the queue\n")
-        raise typer.Exit(code=130) from None
-    if tty:
-        sys.stderr.write("\r\x1b[K")
-    sys.stderr.write(f"{client_id}: started on {result['gpu_uuid']}\n")
-    return result
 
 
 OutputOpt = Annotated[

@@ -89,9 +89,10 @@ def queue_modes(incomplete: str) -> list[tuple[str, str]]:
     """``submit --queue`` values."""
     helps = {
         "shallow": "a freeze bites within a kernel or a few ([gate] shallow_queue)",
-        "deep": "as CUDA launches (the default)",
+        "deep": "as CUDA launches",
         "auto": "shallow while request gating is on for its GPU",
     }
+    helps[protocol.DEFAULT_QUEUE_MODE] += " (the default)"
     return [(m, helps[m]) for m in protocol.QUEUE_MODES if m.startswith(incomplete)]
 
 

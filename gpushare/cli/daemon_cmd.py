@@ -32,7 +32,7 @@ def daemon(
 ) -> None:
     """Run the gpushare daemon in the foreground (systemd Type=notify)."""
     # Imported here: the daemon's modules are not needed by the client commands.
-    from gpushare.daemon.main import main
+    from gpushare.roots.daemon import main
 
     if log_level is not None and log_level not in ("debug", "info", "warning", "error"):
         typer.echo("gpushare: --log-level must be debug, info, warning or error", err=True)

@@ -18,7 +18,8 @@ from typing import Annotated
 import typer
 
 from gpushare import config, mpsenv
-from gpushare.cli.envresolve import (
+from gpushare.model import ClientClass
+from gpushare.roots.envresolve import (
     UNSET,
     GpuLookupError,
     ask_daemon,
@@ -29,7 +30,6 @@ from gpushare.cli.envresolve import (
     resolve_gpu,
     workload_env,
 )
-from gpushare.model import ClientClass
 from gpushare.units import parse_duration, parse_size
 
 
@@ -115,7 +115,7 @@ def env(
         index, uuid = resolve_gpu(gpu, gpu_sources(cfg, socket, answer))
     except GpuLookupError as exc:
         raise _fail(str(exc), exc.exit_code) from None
-    if not cfg.gpu_override(index if index is not None else -1, uuid).shared:
+    if not cfg.for_gpu(index if index is not None else -1, uuid).shared:
         raise _fail(f'GPU {gpu or uuid} is not shared by gpushare (gpus."…".shared = false)')
     variables = workload_env(
         cfg, cls, uuid, sm_pct=sm, mem_bytes=mem_bytes, slo_p99_s=slo_s,

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gpushare import protocol
 from gpushare.units import format_duration
 
 NA = "N/A"
@@ -221,7 +222,7 @@ def _queue(q: dict[str, Any] | None) -> str:
     """
     if not q:
         return NA
-    asked = q.get("asked") or "deep"
+    asked = q.get("asked") or protocol.DEFAULT_QUEUE_MODE
     now = q.get("shallow") or q.get("now")
     if now is None or (asked == "deep" and now == "deep"):
         return str(asked)

@@ -6,9 +6,8 @@ The command's options only; the simulator is imported when a simulation runs
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -89,8 +88,3 @@ def sim(
 def register(app: typer.Typer) -> None:
     """Add ``gpushare sim`` to the root application."""
     app.command("sim")(sim)
-
-
-def __getattr__(name: str) -> Any:
-    # run_files, make_policies and the rest, for callers that knew them here (tests, benches).
-    return getattr(importlib.import_module("gpushare.cli.sim_run"), name)

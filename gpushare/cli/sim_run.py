@@ -9,16 +9,10 @@ simulation runs.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import sys
 import time
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - Python 3.10
-    pass
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,49 +20,33 @@ import typer
 
 from gpushare import logs
 from gpushare.config import ControlConfig
+from gpushare.control import registry
 from gpushare.control.policy import Policy
 from gpushare.sim import ENGINE, data, engine, report, runner, scenario
 
-REGISTRY_MODULE = "gpushare.control.registry"
-
 
 class PolicyError(Exception):
-    """A policy name is unknown or no policy registry is installed."""
+    """A policy name is unknown."""
 
 
 def policy_names() -> tuple[str, ...]:
-    """Every policy the registry offers.
-
-    Raises:
-        PolicyError: the controller package with its registry is not installed.
-    """
-    module = _registry()
-    return tuple(module.POLICY_NAMES)
+    """Every policy the registry offers."""
+    return registry.POLICY_NAMES
 
 
 def make_policies(names: Sequence[str], control: ControlConfig) -> list[tuple[str, Policy[Any]]]:
     """Build the named policies from the registry.
 
     Raises:
-        PolicyError: an unknown name (the message lists the valid ones) or no registry.
+        PolicyError: an unknown name (the message lists the valid ones).
     """
-    module = _registry()
     out = []
     for name in names:
         try:
-            out.append((name, module.make_policy(name, control)))
+            out.append((name, registry.make_policy(name, control)))
         except ValueError as exc:
             raise PolicyError(str(exc)) from None
     return out
-
-
-def _registry() -> Any:
-    try:
-        return importlib.import_module(REGISTRY_MODULE)
-    except ImportError as exc:
-        raise PolicyError(
-            f"no policy registry ({REGISTRY_MODULE}: {exc}); install gpushare with its controller"
-        ) from None
 
 
 class _Progress:
@@ -121,7 +99,7 @@ def run_files(
 
     Raises:
         scenario.ScenarioError: a bad scenario file.
-        PolicyError: an unknown policy or no registry.
+        PolicyError: an unknown policy.
         data.DataError: the data a scenario names is missing.
     """
     loaded = [scenario.load(f) for f in files]
@@ -165,27 +143,14 @@ def run_files(
 def _run_one(
     sc: scenario.Scenario, made: list[tuple[str, Policy[Any]]], bar: _Progress | None
 ) -> runner.ScenarioResult:
-    def tick(label: str) -> Callable[[float], None]:
-        return lambda frac: bar.update(label, frac) if bar is not None else None
-
-    alone, slo = (None, {})
-    if sc.online:
-        label = f"{sc.name} / alone"
-        alone = runner.run_policy(sc, None, name="alone", with_offline=False, progress=tick(label))
-        slo = {
-            spec.name: spec.slo_p99_ms or spec.slo_factor * res.p99_ms
-            for spec, res in zip(sc.online, alone.online, strict=True)
-        }
-        if bar is not None:
-            bar.finish_run(label, alone)
-    runs = []
-    for pname, policy in made:
-        label = f"{sc.name} / {pname}"
-        run = runner.run_policy(sc, policy, name=pname, slo_ms=slo, progress=tick(label))
-        runs.append(run)
-        if bar is not None:
-            bar.finish_run(label, run)
-    return runner.ScenarioResult(sc, alone, slo, runs)
+    if bar is None:
+        return runner.run_scenario(sc, made)
+    return runner.run_scenario(
+        sc,
+        made,
+        progress=lambda label, frac: bar.update(f"{sc.name} / {label}", frac),
+        on_run=lambda label, run: bar.finish_run(f"{sc.name} / {label}", run),
+    )
 
 
 def write_outputs(result: runner.ScenarioResult, out: Path) -> list[str]:

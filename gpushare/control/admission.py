@@ -36,6 +36,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gpushare.control.fit import LOST, Room, misfit, mps_closed
 from gpushare.control.promise import promised_to_views
 from gpushare.control.signals import free_memory_bytes
 from gpushare.model import Admit, ClientClass, MpsState, Observation, QueuedJob
@@ -63,8 +64,11 @@ class _Gpu:
     obs: Observation
     share_pct: float
     promised_bytes: int
-    mem_left_bytes: int | None
-    slots_left: int
+    #: Free memory less the promised and less what this round placed; ``None``: unknown.
+    available_bytes: int | None
+    max_clients: int
+    probe_slots: int
+    live: int
     uids: set[int]
     offline_count: int
     idle_pct: float
@@ -145,7 +149,7 @@ def plan(
                 continue
             sm_pct = gpu.share_pct if job.sm_pct is None else min(gpu.share_pct, job.sm_pct)
             slowdown = _slowdown(sm_pct, gpu)
-            mem_after = (gpu.mem_left_bytes or 0) - (job.mem_bytes or 0)
+            mem_after = _mem_left(gpu) - (job.mem_bytes or 0)
             rank = (slowdown, gpu.offline_count > 0, -mem_after, gpu.obs.gpu_index)
             if best is None or rank < best[0]:
                 best = (rank, gpu, sm_pct, slowdown)
@@ -224,11 +228,11 @@ def _gpu_view(
     free = free_memory_bytes(obs)
     closed: str | None = None
     if obs.sample.lost:
-        closed = "GPU lost"
+        closed = LOST
     elif not obs.admissions_open:
         closed = "admissions closed on this GPU"
     elif obs.mps_state is not MpsState.UP:
-        closed = f"MPS is {obs.mps_state.value}"
+        closed = mps_closed(obs.mps_state)
     elif free is None:
         closed = "free memory unknown (NVML gave no reading)"
     share = min(shares.get(obs.gpu_uuid, obs.offline_sm_pct_max), obs.offline_sm_pct_max)
@@ -242,8 +246,10 @@ def _gpu_view(
         obs=obs,
         share_pct=share,
         promised_bytes=promised,
-        mem_left_bytes=None if free is None else free - promised - obs.mem_reserve_bytes,
-        slots_left=slots - probe_slots - len(live),
+        available_bytes=None if free is None else free - promised,
+        max_clients=slots,
+        probe_slots=probe_slots,
+        live=len(live),
         uids={c.uid for c in live},
         offline_count=sum(1 for c in live if c.cls is ClientClass.OFFLINE),
         # Unknown activity counts as no idle SMs: the prediction errs towards slowdown.
@@ -254,29 +260,26 @@ def _gpu_view(
 
 
 def _refusal(job: QueuedJob, gpu: _Gpu) -> str | None:
-    if gpu.closed is not None:
-        return gpu.closed
-    if gpu.slots_left <= 0:
-        return "no MPS client slot free"
-    mem_left = gpu.mem_left_bytes if gpu.mem_left_bytes is not None else 0
-    need = job.mem_bytes or 0
-    if need > mem_left or mem_left <= 0:
-        promised = (
-            f" and {_mem(gpu.promised_bytes)} promised to clients that do not use their --mem yet"
-            if gpu.promised_bytes
-            else ""
-        )
-        return (
-            f"needs {_mem(job.mem_bytes)}, {_mem(max(0, mem_left))} free beside the "
-            f"{_mem(gpu.obs.mem_reserve_bytes)} online reserve{promised}"
-        )
-    foreign = sorted(u for u in gpu.uids if u != job.uid)
-    if foreign and not gpu.multiuser:
-        return (
-            f"a client of uid {foreign[0]} is live and MPS without -multiuser-server runs one "
-            f"user's server at a time (uid {job.uid} would wait)"
-        )
-    return None
+    others = () if gpu.multiuser else tuple(f"uid {u}" for u in sorted(gpu.uids) if u != job.uid)
+    room = Room(
+        closed=gpu.closed,
+        max_clients=gpu.max_clients,
+        probe_slots=gpu.probe_slots,
+        live=gpu.live,
+        # A GPU of unknown free memory is closed above; none here is unknown.
+        available_bytes=gpu.available_bytes if gpu.available_bytes is not None else 0,
+        promised_bytes=gpu.promised_bytes,
+        reserve_bytes=gpu.obs.mem_reserve_bytes,
+        other_users=others,
+    )
+    return misfit(room, job.mem_bytes)
+
+
+def _mem_left(gpu: _Gpu) -> int:
+    """Memory left beside the online reserve (0 where unknown: such a GPU is closed)."""
+    if gpu.available_bytes is None:
+        return 0
+    return gpu.available_bytes - gpu.obs.mem_reserve_bytes
 
 
 def _slowdown(sm_pct: float, gpu: _Gpu) -> float:
@@ -285,8 +288,8 @@ def _slowdown(sm_pct: float, gpu: _Gpu) -> float:
 
 
 def _place(job: QueuedJob, gpu: _Gpu, sm_pct: float) -> None:
-    gpu.mem_left_bytes = (gpu.mem_left_bytes or 0) - (job.mem_bytes or 0)
-    gpu.slots_left -= 1
+    gpu.available_bytes = (gpu.available_bytes or 0) - (job.mem_bytes or 0)
+    gpu.live += 1
     gpu.uids.add(job.uid)
     gpu.offline_count += 1
     gpu.idle_pct = max(0.0, gpu.idle_pct - sm_pct)

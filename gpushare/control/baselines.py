@@ -59,6 +59,8 @@ class ExclusivePolicy:
 
     name = "exclusive"
     offline_mps_priority = 0
+    gpu_mode = "mps"
+    preemption = None
 
     def initial_state(self, gpu_uuid: str, now: float) -> FixedState:
         """A GPU not seen before."""
@@ -93,6 +95,8 @@ class TimeSlicingPolicy:
 
     name = "time-slicing"
     offline_mps_priority = 0
+    gpu_mode = "time_slice"
+    preemption = None
 
     def __init__(self, slice_ticks: int = 1) -> None:
         if slice_ticks < 1:
@@ -144,6 +148,9 @@ class StaticSharePolicy:
     priority" (Tally's MPS-priority baseline): the runner launches offline clients with
     ``CUDA_MPS_CLIENT_PRIORITY=1``; the policy itself does not throttle.
     """
+
+    gpu_mode = "mps"
+    preemption: str | None = None
 
     def __init__(self, name: str, share_pct: float, offline_mps_priority: int = 0) -> None:
         if not 0.0 < share_pct <= FULL_SHARE_PCT:
@@ -228,6 +235,8 @@ class TgsPolicy:
 
     name = "tgs"
     offline_mps_priority = 0
+    gpu_mode = "mps"
+    preemption = None
 
     def __init__(self, cadence_s: float = TGS_CADENCE_S) -> None:
         if cadence_s <= 0:

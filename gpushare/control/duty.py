@@ -4,9 +4,9 @@ The fifth section of :meth:`~gpushare.control.controller.GpushareController.step
 protection (``docs/controller.md``, "The control law (fast lever: duty cycle)"; the probe yielding
 to app latency is in "The signals"). :func:`duty_signals` picks the signals the duty follows;
 :func:`throttle` runs AIMD on the worst of them with a comfort band, an immediate freeze at the hard
-threshold, slow increases near the duty that last broke the SLO, and offline guarantees as duty
-floors (:func:`guarantee_floor`) while SLOs hold. Online clients are never the target of any
-throttle action. Plain functions of the control config and the GPU's state; pure: no I/O, no clock.
+threshold and slow increases near the duty that last broke the SLO. Online clients are never the
+target of any throttle action. Plain functions of the control config and the GPU's state; pure: no
+I/O, no clock.
 """
 
 from __future__ import annotations
@@ -61,6 +61,12 @@ def duty_signals(
     return signals
 
 
+_UNSIGNALLED = (
+    "online clients report no latency and the probe has no reading: "
+    "the offline duty cycle cannot follow the SLO"
+)
+
+
 def throttle(
     config: ControlConfig,
     state: GpuState,
@@ -94,73 +100,12 @@ def throttle(
         duty, breach, comfortable, violating = 1.0, None, 0, 0
         entered = "; request gating on with shallow queues: duty reset to 1"
     quiet = state.quiet_ticks + 1 if state.duty_emitted == 0.0 or not obs.offline() else 0
-    if signals.online == 0:
-        duty, comfortable, violating, breach = 1.0, 0, 0, None
-        why = "no online client: offline runs free"
-    elif signals.worst is None and gated:
-        comfortable, violating = 0, 0
-        why = "request gating on with shallow queues and no app latency in the window: duty held"
-    elif signals.worst is None:
-        comfortable, violating = 0, 0
-        why = f"{signals.online} online client(s) but {signals.describe()}: duty held"
-        if not state.unsignalled_alerted:
-            actions.append(
-                Alert(
-                    obs.gpu_uuid,
-                    Severity.WARNING,
-                    "online clients report no latency and the probe has no reading: "
-                    "the offline duty cycle cannot follow the SLO",
-                )
-            )
-            state = replace(state, unsignalled_alerted=True)
-    elif signals.worst >= cfg.hard_ratio:
-        if violating == 0 and duty > 0:
-            breach = duty
-        duty, comfortable, violating = 0.0, 0, violating + 1
-        why = f"{signals.describe()} >= hard ratio {cfg.hard_ratio:g}: offline frozen"
-    elif signals.worst >= cfg.cut_ratio and not gated:
-        # A clear breach: the freeze lags by the offline queue, so cut now rather than halve
-        # over several ticks; the climb resumes where one decrease would have landed.
-        if violating == 0 and duty > 0:
-            breach = duty
-        duty, comfortable, violating = 0.0, 0, violating + 1
-        why = f"{signals.describe()} >= cut ratio {cfg.cut_ratio:g}: offline frozen"
-    elif signals.worst > cfg.violation_ratio and not gated:
-        if violating == 0 and duty > 0:
-            breach = duty
-        comfortable, violating = 0, violating + 1
-        duty *= cfg.duty_decrease_factor
-        if duty < cfg.duty_increase_step or violating >= cfg.freeze_after_ticks:
-            duty = 0.0
-        why = (
-            f"{signals.describe()} over violation ratio {cfg.violation_ratio:g} "
-            f"({violating} tick(s)): duty x {cfg.duty_decrease_factor:g}"
-        )
-    elif signals.worst < cfg.comfort_ratio:
-        comfortable, violating = comfortable + 1, 0
-        why = f"{signals.describe()} under comfort ratio {cfg.comfort_ratio:g}"
-        wait = cfg.increase_after_ticks
-        if breach is not None and round(duty + cfg.duty_increase_step, _DUTY_DIGITS) > round(
-            breach * cfg.duty_decrease_factor, _DUTY_DIGITS
-        ):
-            # Above where the last decrease landed, each step probes toward the duty that
-            # broke the SLO: probe slowly, so breaches (each one costs the p99) stay rare.
-            wait = max(wait, cfg.slow_increase_after_ticks)
-        if comfortable >= wait:
-            duty, comfortable = round(duty + cfg.duty_increase_step, _DUTY_DIGITS), 0
-            why += f" for {wait} tick(s): duty + {cfg.duty_increase_step:g}"
-            if breach is not None and duty > breach:
-                breach = None  # past the duty that broke the SLO, unharmed: conditions changed
-    else:
-        comfortable, violating = 0, 0
-        why = f"{signals.describe()} inside the comfort band: duty held"
-    if signals.worst is not None and signals.worst > cfg.violation_ratio:
-        floor = 0.0  # guarantees hold only while online SLOs hold
-    else:
-        floor, who = guarantee_floor(obs)
-        if duty < floor:
-            duty = floor
-            why += f"; raised to {who}'s guarantee floor"
+    duty, breach, comfortable, violating, why = _law(
+        cfg, signals, gated, duty, breach, comfortable, violating
+    )
+    if signals.online and signals.worst is None and not gated and not state.unsignalled_alerted:
+        actions.append(Alert(obs.gpu_uuid, Severity.WARNING, _UNSIGNALLED))
+        state = replace(state, unsignalled_alerted=True)
     duty = round(min(1.0, max(0.0, duty)), _DUTY_DIGITS)
     why += entered
     unsignalled_alerted = state.unsignalled_alerted and not signals.count
@@ -192,19 +137,68 @@ def throttle(
     )
 
 
-def guarantee_floor(obs: Observation) -> tuple[float, str]:
-    """The largest duty floor the GPU's offline guarantees ask for, and whose it is.
-
-    A client capped at ``s`` % with a declared guarantee of ``g`` % needs a duty of at least
-    ``g / s`` (capped at 1); ``(0.0, "")`` when no offline client declares one.
-    """
-    floor, who = 0.0, ""
-    for client in obs.offline():
-        g = client.guarantee_sm_pct
-        if g is None or g <= 0 or client.limits.sm_pct <= 0:
-            continue
-        # A client capped at s% that runs d of the time gets about s*d% of the SMs.
-        needed = min(1.0, g / client.limits.sm_pct)
-        if needed > floor:
-            floor, who = needed, client.client_id
-    return floor, who
+def _law(
+    cfg: ControlConfig,
+    signals: Signals,
+    gated: bool,
+    duty: float,
+    breach: float | None,
+    comfortable: int,
+    violating: int,
+) -> tuple[float, float | None, int, int, str]:
+    """One step of the control law: ``(duty, breach duty, comfortable, violating, why)``."""
+    worst = signals.worst
+    if signals.online == 0:
+        return 1.0, None, 0, 0, "no online client: offline runs free"
+    if worst is None and gated:
+        why = "request gating on with shallow queues and no app latency in the window: duty held"
+        return duty, breach, 0, 0, why
+    if worst is None:
+        return (
+            duty,
+            breach,
+            0,
+            0,
+            f"{signals.online} online client(s) but {signals.describe()}: duty held",
+        )
+    if worst >= cfg.hard_ratio:
+        if violating == 0 and duty > 0:
+            breach = duty
+        why = f"{signals.describe()} >= hard ratio {cfg.hard_ratio:g}: offline frozen"
+        return 0.0, breach, 0, violating + 1, why
+    if worst >= cfg.cut_ratio and not gated:
+        # A clear breach: the freeze lags by the offline queue, so cut now rather than halve
+        # over several ticks; the climb resumes where one decrease would have landed.
+        if violating == 0 and duty > 0:
+            breach = duty
+        why = f"{signals.describe()} >= cut ratio {cfg.cut_ratio:g}: offline frozen"
+        return 0.0, breach, 0, violating + 1, why
+    if worst > cfg.violation_ratio and not gated:
+        if violating == 0 and duty > 0:
+            breach = duty
+        violating += 1
+        duty *= cfg.duty_decrease_factor
+        if duty < cfg.duty_increase_step or violating >= cfg.freeze_after_ticks:
+            duty = 0.0
+        why = (
+            f"{signals.describe()} over violation ratio {cfg.violation_ratio:g} "
+            f"({violating} tick(s)): duty x {cfg.duty_decrease_factor:g}"
+        )
+        return duty, breach, 0, violating, why
+    if worst < cfg.comfort_ratio:
+        comfortable += 1
+        why = f"{signals.describe()} under comfort ratio {cfg.comfort_ratio:g}"
+        wait = cfg.increase_after_ticks
+        if breach is not None and round(duty + cfg.duty_increase_step, _DUTY_DIGITS) > round(
+            breach * cfg.duty_decrease_factor, _DUTY_DIGITS
+        ):
+            # Above where the last decrease landed, each step probes toward the duty that
+            # broke the SLO: probe slowly, so breaches (each one costs the p99) stay rare.
+            wait = max(wait, cfg.slow_increase_after_ticks)
+        if comfortable >= wait:
+            duty, comfortable = round(duty + cfg.duty_increase_step, _DUTY_DIGITS), 0
+            why += f" for {wait} tick(s): duty + {cfg.duty_increase_step:g}"
+            if breach is not None and duty > breach:
+                breach = None  # past the duty that broke the SLO, unharmed: conditions changed
+        return duty, breach, comfortable, 0, why
+    return duty, breach, 0, 0, f"{signals.describe()} inside the comfort band: duty held"

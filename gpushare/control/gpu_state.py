@@ -70,7 +70,7 @@ class GpuState:
         gate_delay_recent: ``(at_s, worst app signal)`` of the last few seconds, gated (a raise
             needs their tail, not one window's, to leave room).
         gate_delay_history: ``(first_at_s, worst app signal)`` per ``_DELAY_BUCKET_S`` over
-            the last ``_DELAY_MEMORY_S`` (controller.py), kept while gating goes off and on: a
+            the last ``_DELAY_MEMORY_S`` (gatedelay.py), kept while gating goes off and on: a
             burst seen once keeps capping the room, and its span says how long the tail is known.
     """
 
@@ -129,15 +129,11 @@ def failure_backoff_s(failures: int, config: ControlConfig) -> float:
 def client_share_pct(share_pct: float, client: ClientView) -> float:
     """The SM percentage one offline client should run under, given the GPU's offline share.
 
-    A declared guarantee raises it (a guarantee larger than the cap could never be honoured), a
-    declared ceiling caps it; the ceiling wins when they conflict.
+    A declared ceiling caps it.
     """
-    target = share_pct
-    if client.guarantee_sm_pct is not None:
-        target = max(target, client.guarantee_sm_pct)
     if client.ceiling_sm_pct is not None:
-        target = min(target, client.ceiling_sm_pct)
-    return target
+        return min(share_pct, client.ceiling_sm_pct)
+    return share_pct
 
 
 def above_share(share_pct: float, client: ClientView) -> bool:

@@ -3,7 +3,7 @@
 NVML shows a client's memory only seconds after it starts (the CUDA context, then its
 allocations), so the latest sample alone says "free" about a GPU that the last few placements
 already went to. Both placements count what the GPU's clients were promised:
-``submit --gpu any`` and a named GPU in the daemon (:mod:`gpushare.daemon.placement`), and the
+``submit --gpu any`` and a named GPU in the daemon (:mod:`gpushare.control.placement`), and the
 controller's admission of queued offline jobs (:mod:`gpushare.control.admission`), which on the
 next tick would otherwise see the same stale free memory and start a second job beside the first.
 

@@ -31,6 +31,7 @@ from gpushare.model import (
     MpsState,
     Observation,
     RestartClient,
+    queue_mode,
 )
 
 # A restart request still unfinished after this long is given up and may be retried: a
@@ -148,7 +149,11 @@ def shallow_restart(
     if since is None or now - since < settle or gate is None or gate.busy_fraction is None:
         return state, False
     deep = [c for c in obs.offline() if c.state in RESTARTABLE_STATES and not c.shallow]
-    movable = [c for c in deep if c.restartable and c.queue == "auto" and c.client_id not in going]
+    movable = [
+        c
+        for c in deep
+        if c.restartable and queue_mode(c.queue) == "auto" and c.client_id not in going
+    ]
     if not movable:
         return state, False
     chosen = min(movable, key=lambda c: c.client_id)
@@ -192,7 +197,7 @@ def queue_restart(
             c
             for c in obs.offline()
             if c.restartable
-            and c.queue == "auto"
+            and queue_mode(c.queue) == "auto"
             and c.shallow
             and c.state in RESTARTABLE_STATES
             and c.client_id not in going

@@ -60,39 +60,8 @@ def offline_share(
     cfg = config
     top = min(cfg.offline_sm_pct_max, obs.offline_sm_pct_max)
     low = min(cfg.offline_sm_pct_min, top)
-    window = max(cfg.share_min_interval_s, 10 * cfg.period_s)
-    samples = tuple(s for s in state.demand_samples if now - s[0] <= window)
-    quiet_signals = tuple(s for s in state.quiet_signals if now - s[0] <= window)
-    app_quiet = tuple(s for s in state.app_quiet_signals if now - s[0] <= window)
-    # A latency window still holds the tail from before the freeze for its whole length: read
-    # too early, it says online work alone breaks its SLO, and the share falls to its floor.
-    settle_ticks = math.ceil(round(cfg.quiet_settle_s / cfg.period_s, 6))
-    sampling = bool(signals.online) and state.quiet_ticks >= max(
-        cfg.increase_after_ticks, settle_ticks
-    )
+    state = _sample(cfg, state, obs, signals, now)
     since = state.quiet_sampled_since_s
-    since = (now if since is None else since) if sampling else None
-    if sampling:
-        demand = quiet_demand(config, obs, signals)
-        if demand is not None:
-            samples = (*samples, (now, demand))[-_MAX_DEMAND_SAMPLES:]
-        if signals.worst is not None:
-            quiet_signals = (*quiet_signals, (now, signals.worst))[-_MAX_DEMAND_SAMPLES:]
-        if signals.app_worst is not None:
-            app_quiet = (*app_quiet, (now, signals.app_worst))[-_MAX_DEMAND_SAMPLES:]
-    if (
-        samples != state.demand_samples
-        or quiet_signals != state.quiet_signals
-        or app_quiet != state.app_quiet_signals
-        or since != state.quiet_sampled_since_s
-    ):
-        state = replace(
-            state,
-            demand_samples=samples,
-            quiet_signals=quiet_signals,
-            app_quiet_signals=app_quiet,
-            quiet_sampled_since_s=since,
-        )
     if not state.share_emitted:
         share = min(top, max(low, state.share_pct))
         actions.append(SetOfflineShare(obs.gpu_uuid, share, f"initial offline share {share:g}%"))
@@ -102,54 +71,10 @@ def offline_share(
         why = f"offline share {state.share_pct:g}% -> {top:g}%: this GPU's offline ceiling"
         actions.append(SetOfflineShare(obs.gpu_uuid, top, why))
         return replace(state, share_pct=top, share_changed_at_s=now)
-    if signals.online == 0:
-        target, basis = top, "no online client"
-    elif gated_shallow(state, obs):
-        # The share bounds what offline work takes from online requests running beside it;
-        # gated, it runs only between requests (up to one kernel overlapping a request start).
-        target, basis = top, "request gating on: offline work runs between online requests"
-    elif samples and quiet_signals:
-        # Both the SM demand and the latency online work has alone are needed as evidence
-        # (a share set from SM activity alone overshot before any latency was known).
-        quiet = quiet_level(state)
-        if quiet is not None and quiet < cfg.violation_ratio:
-            # Online work held to (100 - s) % of the SMs runs at most 100 / (100 - s) times
-            # slower (iGniter: 1.28-1.56x at half the SMs, under the 2x this bound gives), so
-            # its p99 stays under the SLO while quiet * 100 / (100 - s) <= violation ratio.
-            # This bound alone sets the share: it is the one that follows the SLO. SM demand
-            # is a maximum of per-tick averages, which a service at half load reads as ~100 %
-            # whenever one tick is busy throughout, whatever its SLO leaves (it held BERT
-            # inference at a 2x SLO to the 10 % floor on the simulator).
-            target = 100.0 * (1.0 - quiet / cfg.violation_ratio)
-            basis = (
-                f"online alone at {quiet:.2f}x its SLO with offline quiet: to stay "
-                f"under the SLO online work needs {quiet / cfg.violation_ratio:.0%} "
-                "of the SMs"
-            )
-        else:
-            # The SLO leaves nothing measurable: fall back on the SMs online work leaves idle.
-            demand = max(s for _, s in samples)
-            target = 100.0 - demand - cfg.share_headroom_pct
-            basis = (
-                f"online SM demand {demand:.0f}% measured with offline quiet "
-                f"+ {cfg.share_headroom_pct:g}% headroom"
-            )
-    else:
+    aimed = _target(cfg, state, obs, signals, top)
+    if aimed is None:
         return state  # online present, demand or quiet latency not measured: keep the share
-    if signals.online and not gated_shallow(state, obs):
-        # MPS caps each client, not offline work as a whole: n offline clients at s % each can
-        # hold n x s % of the SMs. The share is what the online clients leave, split evenly.
-        # (Gated, offline clients share the time between requests only among themselves.)
-        sharing = sum(
-            1
-            for c in obs.clients
-            if c.cls is ClientClass.OFFLINE
-            and not c.state.is_final
-            and c.client_id not in state.stopped
-        )
-        if sharing > 1:
-            target /= sharing
-            basis += f", split over {sharing} offline clients"
+    target, basis = aimed
     target = float(math.floor(min(top, max(low, target))))
     target = max(low, target)
     gated = gated_shallow(state, obs)
@@ -179,6 +104,100 @@ def offline_share(
         actions.append(SetOfflineShare(obs.gpu_uuid, target, why))
         state = replace(state, share_pct=target, share_changed_at_s=now)
     return state
+
+
+def _sample(
+    cfg: ControlConfig, state: GpuState, obs: Observation, signals: Signals, now: float
+) -> GpuState:
+    """``state`` with this tick's quiet samples recorded and the old ones dropped."""
+    window = max(cfg.share_min_interval_s, 10 * cfg.period_s)
+    samples = tuple(s for s in state.demand_samples if now - s[0] <= window)
+    quiet_signals = tuple(s for s in state.quiet_signals if now - s[0] <= window)
+    app_quiet = tuple(s for s in state.app_quiet_signals if now - s[0] <= window)
+    # A latency window still holds the tail from before the freeze for its whole length: read
+    # too early, it says online work alone breaks its SLO, and the share falls to its floor.
+    settle_ticks = math.ceil(round(cfg.quiet_settle_s / cfg.period_s, 6))
+    sampling = bool(signals.online) and state.quiet_ticks >= max(
+        cfg.increase_after_ticks, settle_ticks
+    )
+    since = state.quiet_sampled_since_s
+    since = (now if since is None else since) if sampling else None
+    if sampling:
+        demand = quiet_demand(cfg, obs, signals)
+        if demand is not None:
+            samples = (*samples, (now, demand))[-_MAX_DEMAND_SAMPLES:]
+        if signals.worst is not None:
+            quiet_signals = (*quiet_signals, (now, signals.worst))[-_MAX_DEMAND_SAMPLES:]
+        if signals.app_worst is not None:
+            app_quiet = (*app_quiet, (now, signals.app_worst))[-_MAX_DEMAND_SAMPLES:]
+    if (
+        samples != state.demand_samples
+        or quiet_signals != state.quiet_signals
+        or app_quiet != state.app_quiet_signals
+        or since != state.quiet_sampled_since_s
+    ):
+        state = replace(
+            state,
+            demand_samples=samples,
+            quiet_signals=quiet_signals,
+            app_quiet_signals=app_quiet,
+            quiet_sampled_since_s=since,
+        )
+    return state
+
+
+def _target(
+    cfg: ControlConfig, state: GpuState, obs: Observation, signals: Signals, top: float
+) -> tuple[float, str] | None:
+    """The share to aim at and why, before the bounds (``None``: nothing measured to aim by)."""
+    samples, quiet_signals = state.demand_samples, state.quiet_signals
+    if signals.online == 0:
+        return top, "no online client"
+    if gated_shallow(state, obs):
+        # The share bounds what offline work takes from online requests running beside it;
+        # gated, it runs only between requests (up to one kernel overlapping a request start).
+        return top, "request gating on: offline work runs between online requests"
+    if not (samples and quiet_signals):
+        return None
+    # Both the SM demand and the latency online work has alone are needed as evidence
+    # (a share set from SM activity alone overshot before any latency was known).
+    quiet = quiet_level(state)
+    if quiet is not None and quiet < cfg.violation_ratio:
+        # Online work held to (100 - s) % of the SMs runs at most 100 / (100 - s) times
+        # slower (iGniter: 1.28-1.56x at half the SMs, under the 2x this bound gives), so
+        # its p99 stays under the SLO while quiet * 100 / (100 - s) <= violation ratio.
+        # This bound alone sets the share: it is the one that follows the SLO. SM demand
+        # is a maximum of per-tick averages, which a service at half load reads as ~100 %
+        # whenever one tick is busy throughout, whatever its SLO leaves (it held BERT
+        # inference at a 2x SLO to the 10 % floor on the simulator).
+        target = 100.0 * (1.0 - quiet / cfg.violation_ratio)
+        basis = (
+            f"online alone at {quiet:.2f}x its SLO with offline quiet: to stay "
+            f"under the SLO online work needs {quiet / cfg.violation_ratio:.0%} "
+            "of the SMs"
+        )
+    else:
+        # The SLO leaves nothing measurable: fall back on the SMs online work leaves idle.
+        demand = max(s for _, s in samples)
+        target = 100.0 - demand - cfg.share_headroom_pct
+        basis = (
+            f"online SM demand {demand:.0f}% measured with offline quiet "
+            f"+ {cfg.share_headroom_pct:g}% headroom"
+        )
+    # MPS caps each client, not offline work as a whole: n offline clients at s % each can
+    # hold n x s % of the SMs. The share is what the online clients leave, split evenly.
+    # (Gated, offline clients share the time between requests only among themselves.)
+    sharing = sum(
+        1
+        for c in obs.clients
+        if c.cls is ClientClass.OFFLINE
+        and not c.state.is_final
+        and c.client_id not in state.stopped
+    )
+    if sharing > 1:
+        target /= sharing
+        basis += f", split over {sharing} offline clients"
+    return target, basis
 
 
 def cut_waits(

@@ -1,6 +1,6 @@
 """Adoption in the daemon: the rules in force, the periodic scan of the host's processes, the news.
 
-The matching is :mod:`gpushare.adoption` (pure); this module feeds it: the config's ``[[adopt]]``
+The matching is :mod:`gpushare.control.adoption` (pure); this module feeds it: the config's ``[[adopt]]``
 rules (with the config file's owner standing behind them: root's config may adopt anyone's
 processes), the scheduler jobs registered by ``adopt`` requests (their caller standing behind
 them), and the facts of every process on the host (:func:`gpushare.node.procs.facts.process_facts`).
@@ -30,12 +30,13 @@ from typing import Any
 
 import structlog
 
-from gpushare import adoption, protocol
-from gpushare.adoption import Decision, Rule
+from gpushare import protocol
 from gpushare.config import AdoptRule, Config
+from gpushare.control import adoption
+from gpushare.control.adoption import Decision, Rule
 from gpushare.daemon.factcache import FactCache
 from gpushare.daemon.lifecycle import Lifecycle
-from gpushare.daemon.registry import Registration
+from gpushare.daemon.registry import ClientRecord, Registration
 from gpushare.daemon.state import PAUSE_ERRORS, NodeState
 from gpushare.model import ClientClass, ClientState, GpuSample, PauseMechanism, ProcessFacts
 from gpushare.mpsenv import check_limits
@@ -218,8 +219,9 @@ class Adopter:
         facts: list[ProcessFacts] = []
         if only is None:
             facts, changed = self.cache.read(
-                self._all_pids(), names, gpu_pids, now=now, min_age_s=self.min_age_s
-            )
+                self._all_pids(), names, gpu_pids, now=now, min_age_s=self.min_age_s,
+                clients=clients if isinstance(clients, set | frozenset) else set(clients),
+            )  # fmt: skip
             gpus = None if gpu_pids is None else dict(gpu_pids)  # a copy: the caller's may change
             inputs = (list(rules), frozenset(clients), gpus, self.min_age_s)
             last = self._last
@@ -336,6 +338,10 @@ class Adoptions:
         self._registrations_lock = threading.Lock()
         self._failed_scans = 0
         self._last_error: str | None = None
+        # The processes in clients' cgroups (beside their trees), as last read; read again
+        # every 30 s, and at once when a scan finds something to act on (scan_once).
+        self._cgroup_pids: set[int] = set()
+        self._cgroup_pids_due = 0.0
 
     def start(self) -> None:
         """Start scanning (after re-adoption, so that recorded clients are not adopted twice)."""
@@ -379,20 +385,26 @@ class Adoptions:
             rules = self.rules()
             with s.lock:
                 live = [r for r in s.registry.clients() if r.state.is_live and r.pid is not None]
-                pids = {r.pid for r in live if r.pid is not None}
-                # A client's cgroup also holds what left its process tree (a daemonized child);
-                # cheap to list. A process group is not (a walk of /proc per client), and its
-                # members that matter are the main process's descendants, skipped anyway.
-                mechanism_of = getattr(s.pauser, "mechanism_of", None)
-                for r in live:
-                    how = mechanism_of(r.id) if callable(mechanism_of) else s.pauser.mechanism
-                    if how is PauseMechanism.CGROUP:
-                        pids.update(s.pauser.pids(r.id))
+                mains = {r.pid for r in live if r.pid is not None}
+                now = time.monotonic()
+                if now >= self._cgroup_pids_due:
+                    self._cgroup_pids, self._cgroup_pids_due = self._in_cgroups(live), now + 30.0
                 samples = list(s.samples)
             self.adopter.min_age_s = s.config.daemon.adopt_min_age_s
+            gpus, told = gpu_processes(samples, nvml=True), set(self.adopter.told)
             out = self.adopter.scan(
-                rules, clients=pids, gpu_pids=gpu_processes(samples, nvml=True), only=only
+                rules, clients=mains | self._cgroup_pids, gpu_pids=gpus, only=only
             )
+            if out.adopt or out.refused:
+                # Something to act on: none of it may be a process that left a client's tree but
+                # not its cgroup (a daemonized child). Those are listed only now, not at every
+                # scan: reading every client's cgroup was a third of an idle node's scan.
+                with s.lock:
+                    fresh = self._in_cgroups(live)
+                if not fresh <= self._cgroup_pids:
+                    self._cgroup_pids = fresh
+                    self.adopter.told = told  # decided again: its news are told by this scan
+                    out = self.adopter.scan(rules, clients=mains | fresh, gpu_pids=gpus, only=only)
             for message in out.refused:
                 s.registry.add_event("adoption_refused", message, severity="warning")
                 log.warning("adoption_refused", message=message)
@@ -405,6 +417,19 @@ class Adoptions:
                     if client_id is not None:
                         adopted.append(client_id)
             return adopted
+
+    def _in_cgroups(self, live: Sequence[ClientRecord]) -> set[int]:
+        """The processes in the cgroups of the clients that have one (under the state's lock).
+
+        A client's cgroup also holds what left its process tree (a daemonized child); a process
+        group is not listed (a walk of /proc per client), and its members that matter are the
+        main process's descendants, skipped anyway.
+        """
+        pids: set[int] = set()
+        for r in live:
+            if self.s.pauser.mechanism_of(r.id) is PauseMechanism.CGROUP:
+                pids.update(self.s.pauser.pids(r.id))
+        return pids
 
     def _adopt(self, found: Found) -> str | None:
         """Make a client of one found process; its id, or ``None`` with an event saying why not."""

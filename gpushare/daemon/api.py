@@ -19,8 +19,9 @@ from typing import Any
 import structlog
 
 from gpushare import mpsenv, protocol
+from gpushare.control import fit, placement
 from gpushare.control.promise import PlacedClient, may_promise, promised_bytes
-from gpushare.daemon import placement, submitq
+from gpushare.daemon import submitq
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.cordon import CordonApi
 from gpushare.daemon.lifecycle import Lifecycle
@@ -34,7 +35,6 @@ from gpushare.model import ClientClass, ClientState, GpuSample, MpsState
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.node.procs.identity import process_start_time
 from gpushare.node.procs.users import user_in_group, user_name
-from gpushare.units import format_size
 
 log = structlog.get_logger(__name__)
 
@@ -83,13 +83,15 @@ class Api:
     def methods(self) -> dict[str, Handler]:
         """The explicit dispatch table of the API (``hello`` is answered by the server)."""
 
-        def seen(handler: Handler) -> Handler:
+        def seen(handler: Handler, *, shared: bool = False) -> Handler:
             # What others may not see of a client is taken out of every answer that shows one.
-            return as_seen(handler, lambda: self.s.config.daemon.admin_group, self.s.registry)
+            return as_seen(
+                handler, lambda: self.s.config.daemon.admin_group, self.s.registry, shared=shared
+            )
 
         return {
-            protocol.STATUS: seen(self.status),
-            protocol.LIST: seen(self.list),
+            protocol.STATUS: seen(self.status, shared=True),
+            protocol.LIST: seen(self.list, shared=True),
             protocol.EVENTS: seen(self.events),
             protocol.SUBMIT: self.submit,
             protocol.CANCEL: self.cancel,
@@ -466,7 +468,7 @@ class Api:
                 code = E.UNAVAILABLE
             raise _fail(code, "; ".join(problems))
         # With several candidates: the most memory once promises are counted, then the fewest
-        # clients (gpushare/daemon/placement.py): a burst of submits spreads over idle GPUs.
+        # clients (gpushare/control/placement.py): a burst of submits spreads over idle GPUs.
         best = placement.choose([loads[g.uuid] for g, _ in fitting])
         return next(f for f in fitting if f[0].uuid == best.uuid)
 
@@ -511,42 +513,29 @@ class Api:
         uid: int,
     ) -> str:
         if g.lost:
-            return "the GPU is lost (see gpushare events)"
+            return fit.LOST
         state = self.s.mps_states.get(g.uuid) or self.s.mps.state(g.uuid)
         if state in (MpsState.FAULT, MpsState.DOWN):
-            return f"MPS is {state.value} (see gpushare events)"
-        override = self.s.config.gpu_override(g.index, g.uuid)
-        top = override.offline_sm_pct_max or self.s.config.control.offline_sm_pct_max
+            return fit.mps_closed(state)
+        gpu = self.s.config.for_gpu(g.index, g.uuid)
+        top = gpu.offline_sm_pct_max
         if cls is ClientClass.OFFLINE and req.sm_pct is not None and req.sm_pct > top:
             return f"--sm {req.sm_pct:g} is above this GPU's offline maximum {top:g}"
-        live = load.clients
-        probe = 1 if self.s.config.probe.enabled else 0
-        if live + probe + 1 > self.s.max_clients(g):
-            return (
-                f"all {self.s.max_clients(g)} MPS client slots are taken ({live} clients"
-                + (" + the latency probe" if probe else "")
-                + ")"
-            )
-        if not self.s.multiuser(g.uuid):
-            others = sorted({r.user for r in self.s.registry.clients()
-                             if r.gpu_uuid == g.uuid and r.state.is_live and r.uid != uid})  # fmt: skip
-            if others:
-                return (
-                    f"MPS serves one user at a time here and {', '.join(others)} has clients "
-                    "running (docs/design.md D11): pick another GPU, wait, or set mps.multiuser"
-                )
-        free = load.available_bytes
-        reserve = self.s.reserve(g) if cls is ClientClass.OFFLINE else 0
-        need = (req.mem_bytes or 0) + reserve
-        if free is not None and need > free:
-            kept = f" with {format_size(reserve)} kept for online clients" if reserve else ""
-            promised = (
-                f" after {format_size(load.promised_bytes)} promised to clients that do not use "
-                "their --mem yet"
-                if load.promised_bytes
-                else ""
-            )
-            return f"needs {format_size(need)}{kept}, {format_size(max(0, free))} free{promised}"
+        others = () if self.s.multiuser(g.uuid) else sorted(
+            {r.user for r in self.s.registry.clients()
+             if r.gpu_uuid == g.uuid and r.state.is_live and r.uid != uid}
+        )  # fmt: skip
+        # The one fit rule (gpushare.control.fit), which admission asks too.
+        room = fit.Room(
+            closed=None, max_clients=gpu.max_clients,
+            probe_slots=1 if self.s.config.probe.enabled else 0, live=load.clients,
+            available_bytes=load.available_bytes, promised_bytes=load.promised_bytes,
+            reserve_bytes=gpu.online_memory_reserve_bytes if cls is ClientClass.OFFLINE else 0,
+            other_users=others,
+        )  # fmt: skip
+        why = fit.misfit(room, req.mem_bytes)
+        if why is not None:
+            return why
         if g.mem_total_bytes is not None and (req.mem_bytes or 0) > g.mem_total_bytes:
             return "--mem is larger than the GPU's memory"
         return ""

@@ -34,20 +34,29 @@ from gpushare.daemon import launcher
 from gpushare.daemon import reload as reload_mod
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.api import Api
+from gpushare.daemon.freeze import STOP
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.rights import is_privileged
 from gpushare.daemon.server import ApiServer, server_limits
 from gpushare.daemon.state import NodeState, NoopPolicy
-from gpushare.inflight import SenderLimiter
 from gpushare.latency.app import AppLatency
+from gpushare.latency.inflight import SenderLimiter
 from gpushare.latency.receiver import LatencyReceiver, Sender, verified_identify
 from gpushare.metrics import Exporter
 from gpushare.model import ClientClass
 from gpushare.node import notify as sd
-from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
+from gpushare.node.base import (
+    Clock,
+    DaemonGpuBackend,
+    DaemonMpsNode,
+    LatencyProbe,
+    NodePauser,
+    ProcessHost,
+)
 from gpushare.node.clock import SystemClock
+from gpushare.node.procs.host import HostProcesses
 
 log = structlog.get_logger(__name__)
 
@@ -70,9 +79,9 @@ class Daemon:
         config: Config,
         *,
         registry: Registry,
-        gpu: GpuBackend,
-        mps: MpsNode,
-        pauser: Pauser,
+        gpu: DaemonGpuBackend,
+        mps: DaemonMpsNode,
+        pauser: NodePauser,
         probe: LatencyProbe | None = None,
         policy: Policy[Any] | None = None,
         config_path: Path | None = None,
@@ -83,7 +92,7 @@ class Daemon:
     ) -> None:
         self.state = NodeState(
             config, registry=registry, gpu=gpu, mps=mps, pauser=pauser, probe=probe,
-            policy=policy, clock=clock or SystemClock(), procs=procs or launcher.HostProcesses(),
+            policy=policy, clock=clock or SystemClock(), procs=procs or HostProcesses(),
             shallow_library=(
                 str(native.library_path()) if native.unusable_reason() is None else None
             ),
@@ -119,7 +128,7 @@ class Daemon:
         return self.state.registry
 
     @property
-    def mps(self) -> MpsNode:
+    def mps(self) -> DaemonMpsNode:
         """The MPS node."""
         return self.state.mps
 
@@ -282,9 +291,7 @@ class Daemon:
         state.gpu.close()
         # Supervision ends with the daemon; the MPS daemons themselves keep serving the running
         # clients unless the operator asked for them to stop too.
-        stop = getattr(state.mps, "stop", None)
-        if callable(stop):
-            stop(quit_daemon=state.config.daemon.stop_mps_on_exit)
+        state.mps.stop(quit_daemon=state.config.daemon.stop_mps_on_exit)
         state.registry.add_event("daemon_stopped", "gpushare stopped; workloads left running")
         log.info("daemon_stopped")
 
@@ -292,7 +299,7 @@ class Daemon:
         """``daemon.on_stop = "freeze"``: freeze every live offline client before the daemon stops.
 
         The next daemon thaws them as it re-adopts them (``Lifecycle.readopt``) and its controller
-        decides from there. Under the gates' arbiter the daemon's own freeze outlasts the gates'
+        decides from there. At the freeze arbiter the stop's own reason outlasts the gates'
         release at :meth:`shutdown`.
         """
         state = self.state
@@ -302,8 +309,8 @@ class Daemon:
                 for r in state.registry.clients()
                 if r.state.is_live and r.cls is ClientClass.OFFLINE and r.pid is not None
             ]
-            self.lifecycle.freeze_all(ids)
-            frozen = [cid for cid in ids if cid in self.lifecycle.paused]
+            self.lifecycle.freeze_all(ids, STOP)
+            frozen = [cid for cid in ids if self.lifecycle.is_paused(cid)]
         if ids:
             state.registry.add_event(
                 "offline_frozen_at_stop",
@@ -344,7 +351,7 @@ class Daemon:
             if policy is not state.policy:
                 # A new policy starts from its own initial state; the duty it sends first applies.
                 state.policy = policy
-                self.loop.policy_state.clear()
+                self.loop.restart_policy()
         state.registry.add_event("config_reloaded", f"config reloaded from {self.config_path}")
         log.info("config_reloaded", path=str(self.config_path))
         self._notify("READY=1")

@@ -1,4 +1,4 @@
-"""Request gating in the daemon: one gate per GPU, the fast freeze path, and the pause arbiter.
+"""Request gating in the daemon: one gate per GPU and the fast freeze path.
 
 :class:`Gatekeeper` keeps a :class:`gpushare.control.gate.GateState` per GPU and applies it:
 
@@ -10,10 +10,9 @@
 * **The timer**: a thread of its own evaluates each gate when its delay, its hold or an in-flight
   timeout runs out (:func:`gpushare.control.gate.due_at`), so offline work is frozen and thawed
   on time.
-* **The arbiter**: a client is frozen while it has any pause reason (``"duty"``, ``"hold"`` from
-  the daemon's duty cycle and user holds; ``"gate"`` from here) and thawed when it has none. All
-  writes happen under one lock, so the duty cycle's thaw never undoes a gate's freeze or the
-  other way round.
+* **The freezes**: a closed gate gives its gated clients the ``"gate"`` freeze reason at the
+  :class:`~gpushare.daemon.freeze.FreezeArbiter`, the one owner of why each client is frozen
+  (with the duty cycle's and the holds' reasons), and an open one takes it back.
 
 The daemon tells it, every tick, which online clients exist on which GPU and which offline
 clients are gated (:meth:`Gatekeeper.update_clients`), and whether gating is on per GPU
@@ -27,55 +26,21 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Protocol
 
 import structlog
 
 from gpushare.config import GateConfig
 from gpushare.control import gate
 from gpushare.control.gate import GateState
-from gpushare.inflight import Rejections
+from gpushare.daemon.freeze import GATE, FreezeArbiter
+from gpushare.latency.inflight import Rejections
 from gpushare.latency.receiver import renice_thread
 from gpushare.model import GateReading
-from gpushare.node.pauser_base import PauserError
+from gpushare.node.base import BatchPauser
 
 log = structlog.get_logger(__name__)
 
-GATE = "gate"
-
-
-DAEMON = "daemon"
-_PAUSE_ERRORS = (OSError, PauserError)
-
-
-class BasicPauser(Protocol):
-    """What the arbiter needs of any pauser: freeze and thaw (waiting)."""
-
-    def freeze(self, client_id: str) -> None:
-        """Freeze and wait for the kernel's confirmation."""
-        ...
-
-    def thaw(self, client_id: str) -> None:
-        """Thaw."""
-        ...
-
-
-def _requester(pauser: BasicPauser) -> tuple[Callable[[Sequence[str], bool], list[str]], bool]:
-    """The pauser's non-waiting request, and whether it has one (else freeze/thaw, waiting)."""
-    request = getattr(pauser, "request_frozen", None)
-    if callable(request):
-        return request, True
-
-    def waiting(client_ids: Sequence[str], frozen: bool) -> list[str]:
-        failed: list[str] = []
-        for client_id in client_ids:
-            try:
-                (pauser.freeze if frozen else pauser.thaw)(client_id)
-            except _PAUSE_ERRORS:
-                failed.append(client_id)
-        return failed
-
-    return waiting, False
+__all__ = ["GATE", "Gatekeeper"]
 
 
 class Gatekeeper:
@@ -89,24 +54,25 @@ class Gatekeeper:
         online_gpu: the GPU of a live online client, ``None`` for anything else: asked for a
             client the last tick did not list yet (a service's first request right after its
             start), so its first boundaries are not refused.
-        on_edge: told ``(clients, frozen, now)`` under the arbiter's lock whenever clients'
-            frozen state changes, whoever caused it (the receiver thread included).
+        on_edge: the ``on_edge`` of the arbiter made here when none is given.
+        arbiter: who the gates' freezes go through (default: one of its own on ``pauser``).
     """
 
     def __init__(
         self,
         config: GateConfig,
-        pauser: BasicPauser,
+        pauser: BatchPauser,
         *,
         rejections: Rejections | None = None,
         clock: Callable[[], float] = time.monotonic,
         online_gpu: Callable[[str], str | None] | None = None,
         on_edge: Callable[[Sequence[str], bool, float], None] | None = None,
+        arbiter: FreezeArbiter | None = None,
     ) -> None:
         self.config = config
-        self._on_edge = on_edge
-        self.pauser = pauser
-        self._request, self._confirms = _requester(pauser)
+        self.arbiter = (
+            arbiter if arbiter is not None else FreezeArbiter(pauser, clock=clock, on_edge=on_edge)
+        )
         self.rejections = rejections if rejections is not None else Rejections(clock)
         self._clock = clock
         self._online_gpu = online_gpu
@@ -116,7 +82,6 @@ class Gatekeeper:
         self._online: dict[str, str] = {}  # online client -> its GPU
         self._gated: dict[str, tuple[str, ...]] = {}  # GPU -> gated offline clients
         self._signalled: dict[str, set[str]] = {}  # GPU -> online clients that sent boundaries
-        self._reasons: dict[str, set[str]] = {}
         self._closes: dict[str, int] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -172,10 +137,10 @@ class Gatekeeper:
         return self._online_pids.get(pid)
 
     def forget(self, client_id: str) -> None:
-        """A client exited: its requests no longer hold any gate, its pause reasons go."""
+        """A client exited: its requests no longer hold any gate, its freeze reasons go."""
         now = self._clock()
         with self._lock:
-            self._reasons.pop(client_id, None)
+            self.arbiter.forget(client_id)
             self._online_pids = {p: c for p, c in self._online_pids.items() if c != client_id}
             gpu = self._online.pop(client_id, None)
             if gpu is not None:
@@ -243,7 +208,7 @@ class Gatekeeper:
             if state is None or not gate.settled(state, now, self.config):
                 return False
             for client_id in self._gated.get(g, ()):
-                if GATE in self._reasons.get(client_id, ()):
+                if self.arbiter.has_any(client_id, (GATE,)):
                     return False
         return True
 
@@ -278,93 +243,10 @@ class Gatekeeper:
                 delay_s=state.delay_s,
             )
 
-    # ------------------------------------------------------------------------- the arbiter
-
-    def pause(self, client_id: str, reason: str, paused: bool, *, wait: bool = True) -> None:
-        """Add or remove one pause reason of a client (the daemon's duty cycle and holds).
-
-        The client is frozen while it has any reason. A freeze is requested under the lock and
-        then, with ``wait``, confirmed outside it (the kernel's wait never delays a gate).
-
-        Raises:
-            PauserError: the request failed (the reason is not recorded: call again to retry).
-            FreezeTimeoutError: the kernel did not confirm the freeze in time (it stays
-                requested, the reason recorded).
-        """
-        self.pause_many([client_id], reason, paused, wait=wait)
-
-    def pause_many(
-        self, client_ids: Sequence[str], reason: str, paused: bool, *, wait: bool = True
-    ) -> None:
-        """:meth:`pause` for several clients, one request for all.
-
-        Raises:
-            PauserError: see :meth:`pause`.
-            FreezeTimeoutError: see :meth:`pause`.
-        """
-        with self._lock:
-            changed, failed = self._set_reason(client_ids, reason, paused, strict=True)
-        if paused and wait and self._confirms:
-            for client_id in changed:
-                # Idempotent write plus the wait; no thaw can come between: only this caller
-                # removes this reason.
-                self.pauser.freeze(client_id)
-        if failed:
-            raise PauserError(
-                f"cannot {'freeze' if paused else 'thaw'} clients {failed} (no cgroup or gone)"
-            )
-
-    def paused(self, client_id: str) -> bool:
-        """Whether the client has any pause reason."""
-        with self._lock:
-            return bool(self._reasons.get(client_id))
-
-    def reasons(self, client_id: str) -> frozenset[str]:
-        """The client's pause reasons."""
-        with self._lock:
-            return frozenset(self._reasons.get(client_id, ()))
-
-    def _set_reason(
-        self, client_ids: Iterable[str], reason: str, paused: bool, *, strict: bool = False
-    ) -> tuple[list[str], list[str]]:
-        """Under the lock: (clients whose frozen state changed and was requested, failures).
-
-        With ``strict`` a failed request takes the change back (the caller retries later);
-        otherwise it is logged and the reason kept (the gate's own bookkeeping).
-        """
-        changed: list[str] = []
-        for client_id in client_ids:
-            reasons = self._reasons.setdefault(client_id, set())
-            before = bool(reasons)
-            if paused:
-                reasons.add(reason)
-            else:
-                reasons.discard(reason)
-            if bool(reasons) != before:
-                changed.append(client_id)
-            if not reasons:
-                del self._reasons[client_id]
-        failed = self._request(changed, paused) if changed else []
-        if failed:
-            log.warning("pause_request_failed", clients=failed, paused=paused, reason=reason)
-            if strict:
-                for client_id in failed:
-                    reasons = self._reasons.setdefault(client_id, set())
-                    if paused:
-                        reasons.discard(reason)
-                    else:
-                        reasons.add(reason)
-                    if not reasons:
-                        del self._reasons[client_id]
-        done = [c for c in changed if c not in failed]
-        if done and self._on_edge is not None:
-            # The arbiter is the one place that knows when a client really is frozen or thawed
-            # (duty, holds and request gates together): operators' thawed time is counted here.
-            self._on_edge(done, paused, self._clock())
-        return done, failed
+    # ------------------------------------------------------------------------- the freezes
 
     def _release(self, client_ids: Iterable[str]) -> None:
-        self._set_reason(list(client_ids), GATE, False)
+        self.arbiter.set_quietly(client_ids, GATE, False)
 
     def _set_gate(self, gpu: str, state: GateState, now: float, *, force: bool = False) -> None:
         """Under the lock: evaluate the gate and freeze or thaw its clients as it says."""
@@ -374,7 +256,7 @@ class Gatekeeper:
         if state.closed and not before:
             self._closes[gpu] = self._closes.get(gpu, 0) + 1
         if state.closed and (force or not before):
-            self._set_reason(self._gated.get(gpu, ()), GATE, True)
+            self.arbiter.set_quietly(self._gated.get(gpu, ()), GATE, True)
         elif not state.closed and (force or before):
             self._release(self._gated.get(gpu, ()))
 

@@ -1,130 +1,20 @@
-"""Starting clients: detached spawning as the submitter, with the environment of :mod:`gpushare.mpsenv`.
+"""How a client's queue is set before it starts: the queue mode, its environment, the preload library.
 
 MPS fixes a client's SM share, pinned-memory cap and priority when the client starts
 (docs/design.md §2), so everything is decided before exec, by the same code that ``gpushare env``
-prints from. The workload always runs as the submitting user with that user's groups
-(docs/design.md D9); argv is a list end to end, never a shell string.
+prints from (:mod:`gpushare.mpsenv`). The process itself is started by the real process host,
+:mod:`gpushare.node.procs.host`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from gpushare import native
 from gpushare.config import GateConfig
+from gpushare.model import queue_mode
 from gpushare.native import INFLIGHT_ENV, LIBRARY_NAME
-from gpushare.node.procs.exits import ExitWatcher
-from gpushare.node.procs.identity import is_same_process, process_start_time
-from gpushare.node.procs.spawning import spawn
-from gpushare.node.procs.users import user_groups
-
-
-def spawn_detached(
-    argv: Sequence[str],
-    *,
-    uid: int,
-    gid: int,
-    cwd: str,
-    env: Mapping[str, str],
-    log_dir: Path,
-    client_id: str,
-    cgroup_procs_fd: int | None = None,
-) -> tuple[subprocess.Popen[bytes], float | None, Path]:
-    """Start a detached workload as ``uid`` with its login groups; (process, start time, log).
-
-    Raises:
-        OSError: the program, the working directory or the log cannot be used.
-    """
-    # Made root's 0711 at start (daemon/statedir.py); a log dir removed since comes back 0711.
-    log_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
-    log_path = log_dir / f"{client_id}.log"
-    proc = spawn(
-        argv,
-        uid=uid,
-        gid=gid,
-        groups=user_groups(uid, gid),
-        cwd=cwd,
-        env=env,
-        log_path=log_path,
-        cgroup_procs_fd=cgroup_procs_fd,
-    )
-    return proc, process_start_time(proc.pid), log_path
-
-
-class HostProcesses:
-    """:class:`gpushare.node.base.ProcessHost` on this host: real processes, pidfd exit watch."""
-
-    def __init__(self) -> None:
-        self._watcher: ExitWatcher | None = None
-
-    def start(self, on_exit: Callable[[int, int | None], None]) -> None:
-        """Start the exit watcher thread."""
-        self._watcher = ExitWatcher(on_exit).start()
-
-    def stop(self) -> None:
-        """Stop the exit watcher thread."""
-        if self._watcher is not None:
-            self._watcher.stop()
-
-    def health(self) -> tuple[bool, int, str | None]:
-        """The exit watcher's ``(alive, restarts, last_error)``; not alive before :meth:`start`."""
-        if self._watcher is None:
-            return False, 0, None
-        return self._watcher.health()
-
-    def spawn(
-        self,
-        argv: Sequence[str],
-        *,
-        uid: int,
-        gid: int,
-        cwd: str,
-        env: Mapping[str, str],
-        log_dir: Path,
-        client_id: str,
-        cgroup_procs_fd: int | None = None,
-    ) -> tuple[subprocess.Popen[bytes], float | None, Path]:
-        """:func:`spawn_detached`."""
-        return spawn_detached(
-            argv, uid=uid, gid=gid, cwd=cwd, env=env, log_dir=log_dir, client_id=client_id,
-            cgroup_procs_fd=cgroup_procs_fd,
-        )  # fmt: skip
-
-    def watch(self, proc: subprocess.Popen[bytes] | int, start_time: float | None = None) -> None:
-        """Report the process's exit to the ``on_exit`` given to :meth:`start`."""
-        assert self._watcher is not None, "start() first"
-        self._watcher.watch(proc, start_time)
-
-    def reap(self, proc: subprocess.Popen[bytes] | int, timeout_s: float) -> bool:
-        """Wait for a spawned child to exit (a bare pid is not ours to wait for)."""
-        if isinstance(proc, int):
-            return True
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
-
-    def signal(self, pid: int, sig: int, pids: Sequence[int]) -> None:
-        """Signal the process group ``pid`` leads, or each of ``pids`` (a gone process is fine)."""
-        try:
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, sig)
-            else:
-                for each in pids or [pid]:
-                    with contextlib.suppress(ProcessLookupError):  # one may have exited since
-                        os.kill(each, sig)
-        except ProcessLookupError:
-            pass
-
-    def alive(self, pid: int, start_time: float) -> bool:
-        """Whether ``pid`` still is the process that started at ``start_time``."""
-        return is_same_process(pid, start_time)
-
 
 BLOCKING_ENV = {"CUDA_LAUNCH_BLOCKING": "1"}
 """A shallow queue by ``[gate] shallow_queue = "blocking"``: every kernel launch returns only when
@@ -153,8 +43,8 @@ def shallow_how(env: Mapping[str, str]) -> str | None:
 def choose_queue(mode: str | None, *, gating_on: bool) -> tuple[str, str]:
     """The queue an offline client is launched with: ``("shallow" | "deep", why)``.
 
-    ``shallow`` and ``deep`` are what the submitter asked; ``None`` is ``deep`` (the behaviour
-    before queues could be chosen). ``auto`` is decided at every (re)launch: shallow while request
+    ``shallow`` and ``deep`` are what the submitter asked; ``None`` is
+    :data:`gpushare.model.DEFAULT_QUEUE_MODE`. ``auto`` is decided at every (re)launch: shallow while request
     gating is on for the client's GPU (a freeze must bite within a kernel for gating to protect a
     request), deep otherwise. Deep even with the cheap in-flight bound: without gating, the duty
     cycle's freezes are what throttle, and a deep queue running on past each of them is offline
@@ -166,13 +56,15 @@ def choose_queue(mode: str | None, *, gating_on: bool) -> tuple[str, str]:
     auto client whose queue does not match gating (``gpushare.control.restarts.shallow_restart``
     1 s after gating turns on, ``queue_restart`` a ``share_min_interval`` after it turns off).
     """
-    if mode == "shallow":
-        return "shallow", "--queue shallow"
-    if mode == "auto":
+    effective = queue_mode(mode)
+    how = f"--queue {mode}" if mode is not None else f"default queue ({effective})"
+    if effective == "shallow":
+        return "shallow", how
+    if effective == "auto":
         if gating_on:
-            return "shallow", "--queue auto: request gating is on for this GPU"
-        return "deep", "--queue auto: request gating is off for this GPU"
-    return "deep", "--queue deep" if mode == "deep" else "default queue (deep)"
+            return "shallow", f"{how}: request gating is on for this GPU"
+        return "deep", f"{how}: request gating is off for this GPU"
+    return "deep", how
 
 
 def queue_env(

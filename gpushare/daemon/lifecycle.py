@@ -1,8 +1,9 @@
 """The client lifecycle: launch, adopt, reap, restart, evict, recover, and the registry moves.
 
-:class:`Lifecycle` owns what the daemon knows of each client's process: the pid it watches, whether
-the daemon froze it, what to do when it exits (set by cancel, evict, restart and MPS recovery), when
-it is to be killed, and when a failed restartable job may run again. Launching is three steps so a
+:class:`Lifecycle` owns what the daemon knows of each client's process: the pid it watches, what to
+do when it exits (set by cancel, evict, restart and MPS recovery), when it is to be killed, and
+when a failed restartable job may run again. Why the daemon freezes a client it sets at the
+:class:`~gpushare.daemon.freeze.FreezeArbiter`, which owns it, and asks it back from there. Launching is three steps so a
 failure between them stays visible: :meth:`Lifecycle.prepare_launch` (the STARTING record),
 :meth:`Lifecycle.spawn` (the process, outside the lock) and :meth:`Lifecycle.finish_launch` (the
 registry write, then adoption: pauser attach and exit watch). Every method that changes state is
@@ -16,16 +17,18 @@ import contextlib
 import os
 import signal
 import sqlite3
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Literal
 
 import structlog
 
 from gpushare import mpsenv
 from gpushare.control.controller import failure_backoff_s
-from gpushare.daemon import launcher
-from gpushare.daemon.gating import DAEMON
+from gpushare.daemon.clientenv import client_env
+from gpushare.daemon.freeze import DAEMON_REASONS, DUTY, HOLD
 from gpushare.daemon.readopt import readopt
 from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
@@ -56,17 +59,51 @@ class Lifecycle:
 
     def __init__(self, state: NodeState) -> None:
         self.s = state
-        self.by_pid: dict[int, str] = {}
-        #: Clients the daemon has frozen (a duty-cycle freeze or a hold).
-        self.paused: set[str] = set()
-        self.on_exit: dict[str, _OnExit] = {}
-        #: Monotonic time at which a signalled client is SIGKILLed if it is still there.
-        self.kill_at: dict[str, float] = {}
-        #: Monotonic time before which a requeued failed job is not admitted again.
-        self.not_before: dict[str, float] = {}
+        self._by_pid: dict[int, str] = {}
+        self._on_exit: dict[str, _OnExit] = {}
+        # Monotonic time at which a signalled client is SIGKILLed if it is still there.
+        self._kill_at: dict[str, float] = {}
+        # Monotonic time before which a requeued failed job is not admitted again.
+        self._not_before: dict[str, float] = {}
         self._watching = False
-        #: Offline clients launched with a shallow queue, and how (``launcher.shallow_how``).
-        self.shallow: dict[str, str] = {}
+        # Offline clients launched with a shallow queue, and how (``launcher.shallow_how``).
+        self._shallow: dict[str, str] = {}
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def paused(self) -> frozenset[str]:
+        """The clients the daemon holds frozen now (a duty-cycle freeze, a hold, the stop)."""
+        return self.s.freeze.holding(DAEMON_REASONS)
+
+    def is_paused(self, client_id: str) -> bool:
+        """Whether the daemon holds the client frozen (a duty-cycle freeze, a hold, the stop)."""
+        return self.s.freeze.has_any(client_id, DAEMON_REASONS)
+
+    def going(self) -> tuple[str, ...]:
+        """The clients told to go (cancel, evict, restart, recovery), in the order told."""
+        return tuple(self._on_exit)
+
+    def main_pids(self, clients: Mapping[str, object]) -> dict[int, str]:
+        """The watched main pid of each of ``clients`` (pid -> client)."""
+        return {pid: cid for pid, cid in self._by_pid.items() if cid in clients}
+
+    def retry_times(self) -> dict[str, float]:
+        """Per requeued failed job, the monotonic time before which it is not admitted again."""
+        return dict(self._not_before)
+
+    @property
+    def shallow(self) -> Mapping[str, str]:
+        """The offline clients launched with a shallow queue, and how (read-only)."""
+        return MappingProxyType(self._shallow)
+
+    def is_shallow(self, client_id: str) -> bool:
+        """Whether the client was launched with a shallow queue."""
+        return client_id in self._shallow
+
+    def note_shallow(self, client_id: str, how: str) -> None:
+        """A re-adopted client runs with a shallow queue (read from its environment)."""
+        self._shallow[client_id] = how
 
     # ----------------------------------------------------------------------------- watching
 
@@ -82,24 +119,22 @@ class Lifecycle:
 
     def exiting(self, client_id: str) -> bool:
         """Whether the client was told to go (cancel, evict, restart, recovery)."""
-        return client_id in self.on_exit
+        return client_id in self._on_exit
 
     def client_of_pid(self, pid: int) -> str | None:
         """The client a process belongs to (its main pid or any pid of its cgroup)."""
         with self.s.lock:
-            owner = self.by_pid.get(pid)
+            owner = self._by_pid.get(pid)
             if owner is not None:
                 return owner
-            for client_id in set(self.by_pid.values()):
+            for client_id in set(self._by_pid.values()):
                 if pid in self.s.pauser.pids(client_id):
                     return client_id
             # pids() may be a few seconds behind a fork (node/cgroups/pid_tracker.py); the cgroup
             # pauser can also name the owner of one pid from its /proc/PID/cgroup.
-            owner_of = getattr(self.s.pauser, "owner_of", None)
-            if callable(owner_of):
-                found = owner_of(pid)
-                if isinstance(found, str) and found in self.by_pid.values():
-                    return found
+            found = self.s.pauser.owner_of(pid)
+            if found is not None and found in self._by_pid.values():
+                return found
         return None
 
     def uid_of_client(self, client_id: str) -> int | None:
@@ -116,8 +151,8 @@ class Lifecycle:
 
     def resume_restart(self, rec: ClientRecord, reason: str) -> None:
         """Carry on a restart the daemon stopped during: relaunch at exit, SIGKILL after the grace."""
-        self.on_exit[rec.id] = _OnExit("restart", reason)
-        self.kill_at[rec.id] = self.s.clock.monotonic() + self.s.config.daemon.cancel_grace_s
+        self._on_exit[rec.id] = _OnExit("restart", reason)
+        self._kill_at[rec.id] = self.s.clock.monotonic() + self.s.config.daemon.cancel_grace_s
 
     def adopt_pid(
         self,
@@ -143,7 +178,7 @@ class Lifecycle:
 
     def _watch(self, client_id: str, proc: Process, start_time: float | None) -> None:
         assert self._watching
-        self.by_pid[proc if isinstance(proc, int) else proc.pid] = client_id
+        self._by_pid[proc if isinstance(proc, int) else proc.pid] = client_id
         self.s.procs.watch(proc, start_time)
 
     def adopt_foreground(
@@ -164,14 +199,9 @@ class Lifecycle:
             How it is paused, or ``None`` when it exited before it could be adopted.
         """
         assert self._watching
-        adopt = getattr(self.s.pauser, "adopt", None)
         try:
-            if callable(adopt):
-                route: FreezeRoute = adopt(client_id, pid, owner_uid=owner_uid)
-            else:  # a pauser without adopt (tests' fakes): attach as a launched client
-                self.s.pauser.attach(client_id, pid, owner_uid=owner_uid)
-                mechanism = self.s.pauser.mechanism
-                route = FreezeRoute(mechanism, None, f"{mechanism.value} (the daemon's pauser)")
+            # A pauser that cannot adopt where a process is attaches it (PauserDefaults.adopt).
+            route = self.s.pauser.adopt(client_id, pid, owner_uid=owner_uid)
         except PAUSE_ERRORS as exc:
             log.warning("adopt_failed", client_id=client_id, pid=pid, error=str(exc))
             if start_time is None or not self.s.procs.alive(pid, start_time):
@@ -184,10 +214,12 @@ class Lifecycle:
         """End an adopted client without touching its processes (thawed, no longer controlled)."""
         rec = self.s.registry.get(client_id)
         if rec.pid is not None:
-            self.by_pid.pop(rec.pid, None)
-        self.paused.discard(client_id)
-        self.kill_at.pop(client_id, None)
-        self.on_exit.pop(client_id, None)
+            self._by_pid.pop(rec.pid, None)
+        # Its freezes end with the daemon's control; the pauser is released just below, so
+        # nothing is requested.
+        self.s.freeze.forget(client_id)
+        self._kill_at.pop(client_id, None)
+        self._on_exit.pop(client_id, None)
         self.s.latency.forget(client_id)
         self.s.gauges.forget(client_id)  # its poll's connection ends with it
         try:
@@ -205,40 +237,35 @@ class Lifecycle:
         except PAUSE_ERRORS as exc:
             log.warning("thaw_failed", client_id=client_id, error=str(exc))
 
-    def set_paused(self, client_id: str, paused: bool) -> None:
-        """Freeze or thaw a client unless it already is; a pauser failure is logged.
+    def freeze_for(self, client_id: str, *reasons: str) -> None:
+        """Make ``reasons`` the daemon's freeze reasons of a client (none: the daemon lets it run).
 
-        Through the gates' arbiter (:class:`~gpushare.daemon.gating.Gatekeeper`): a thaw here
-        leaves a client frozen while its GPU's request gate holds it.
+        Through the :class:`~gpushare.daemon.freeze.FreezeArbiter`, in one step: a reason that
+        replaces another never thaws the client in between, and a client with no reason left
+        from the daemon stays frozen while its GPU's request gate holds it. A pauser failure is
+        logged (the reasons stay as they were: the next tick tries again).
         """
+        want = frozenset(reasons)
         try:
-            if paused and client_id not in self.paused:
-                self.s.gate.pause(client_id, DAEMON, True)
-                self.paused.add(client_id)
-            elif not paused and client_id in self.paused:
-                self.s.gate.pause(client_id, DAEMON, False)
-                self.paused.discard(client_id)
+            self.s.freeze.change([client_id], add=want, drop=DAEMON_REASONS - want)
         except PAUSE_ERRORS as exc:
-            log.warning("pause_failed", client_id=client_id, paused=paused, error=str(exc))
+            log.warning("pause_failed", client_id=client_id, paused=bool(want), error=str(exc))
 
-    def freeze_all(self, ids: list[str]) -> None:
+    def freeze_all(self, ids: list[str], reason: str = DUTY) -> None:
         """Freeze several clients: all requests first, then the waits (one freeze latency)."""
-        ids = [client_id for client_id in ids if client_id not in self.paused]
+        ids = [client_id for client_id in ids if not self.is_paused(client_id)]
         try:
-            self.s.gate.pause_many(ids, DAEMON, True)
+            self.s.freeze.set(ids, reason, True)
         except PAUSE_ERRORS as exc:
             log.warning("freeze_many_failed", clients=ids, error=str(exc))
-        for client_id in ids:
-            if DAEMON in self.s.gate.reasons(client_id):
-                self.paused.add(client_id)
 
     def release_duty_freezes(self) -> None:
-        """Thaw the clients frozen by the duty cycle; a user's or controller's hold stays."""
+        """Thaw the clients the daemon froze; a user's or controller's hold stays."""
         with self.s.lock:
-            for client_id in list(self.paused):
+            for client_id in self.paused:
                 rec = self.s.registry.find(client_id)
                 if rec is not None and not rec.held:
-                    self.set_paused(client_id, False)
+                    self.freeze_for(client_id)
 
     def hold(self, client_id: str, held: bool, reason: str) -> None:
         """Hold a client frozen (a user's pause, a controller's Freeze) or release the hold."""
@@ -247,13 +274,13 @@ class Lifecycle:
             return
         self.s.registry.update(client_id, held=held)
         if held:
-            self.set_paused(client_id, True)
+            self.freeze_for(client_id, HOLD)
             self.s.transition(client_id, S.FROZEN, reason=reason)
         else:
             duty = self.s.duty.get(rec.gpu_uuid or "", 1.0)
             offline = rec.cls is ClientClass.OFFLINE
-            if not offline or duty > 0.0:
-                self.set_paused(client_id, False)
+            # An offline client at duty 0 stays frozen, now for the duty cycle.
+            self.freeze_for(client_id, *((DUTY,) if offline and duty <= 0.0 else ()))
             self.s.transition(
                 client_id, S.THROTTLED if offline and duty < 1.0 else S.RUNNING, reason=reason
             )
@@ -263,13 +290,13 @@ class Lifecycle:
     def cancel(self, rec: ClientRecord, who: str) -> float:
         """SIGTERM a live client now and SIGKILL it after ``daemon.cancel_grace``; the grace."""
         grace = self.s.config.daemon.cancel_grace_s
-        self.on_exit[rec.id] = _OnExit("cancel", f"cancelled by {who}")
+        self._on_exit[rec.id] = _OnExit("cancel", f"cancelled by {who}")
         # A frozen process cannot act on SIGTERM: thaw it so it can shut down cleanly.
-        self.set_paused(rec.id, False)
+        self.freeze_for(rec.id)
         if rec.held:
             self.thaw_quietly(rec.id)
         self.signal(rec, signal.SIGTERM)
-        self.kill_at[rec.id] = self.s.clock.monotonic() + grace
+        self._kill_at[rec.id] = self.s.clock.monotonic() + grace
         self.s.registry.add_event(
             "client_cancel", f"{who} cancelled {rec.id}; SIGKILL in {grace:g}s if it stays",
             client_id=rec.id, gpu_uuid=rec.gpu_uuid,
@@ -281,11 +308,11 @@ class Lifecycle:
         rec = self.s.registry.get(action.client_id)
         if rec.state not in RUNNING_STATES or not rec.restartable or rec.pid is None:
             return
-        self.on_exit[rec.id] = _OnExit("restart", action.reason, action.sm_pct)
-        self.set_paused(rec.id, False)
+        self._on_exit[rec.id] = _OnExit("restart", action.reason, action.sm_pct)
+        self.freeze_for(rec.id)
         self.signal(rec, rec.checkpoint_signal)
         self.s.transition(rec.id, S.RESTARTING, reason=action.reason)
-        self.kill_at[rec.id] = now + self.s.config.daemon.cancel_grace_s
+        self._kill_at[rec.id] = now + self.s.config.daemon.cancel_grace_s
 
     def evict(self, action: Evict, now: float) -> None:
         """End a client's GPU work and its process (requeued when restartable and asked)."""
@@ -293,9 +320,9 @@ class Lifecycle:
         if rec.state not in RUNNING_STATES or rec.pid is None or rec.gpu_uuid is None:
             return
         requeue = action.requeue and rec.restartable
-        self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", action.reason)
+        self._on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", action.reason)
         self.s.ops.evicted(rec.id, rec.gpu_uuid)
-        self.set_paused(rec.id, False)
+        self.freeze_for(rec.id)
         # MPS forbids killing a client with GPU work in flight: terminate_client first.
         ok = self.s.mps.terminate_client(rec.gpu_uuid, rec.pid)
         self.s.registry.add_event(
@@ -303,7 +330,7 @@ class Lifecycle:
             f"evicting {rec.id}: {action.reason} (terminate_client {'ok' if ok else 'failed'})",
             severity="warning", client_id=rec.id, gpu_uuid=rec.gpu_uuid,
         )  # fmt: skip
-        self.kill_at[rec.id] = now + self.s.config.control.evict_grace_s
+        self._kill_at[rec.id] = now + self.s.config.control.evict_grace_s
 
     def recover(self, action: RecoverMps, now: float) -> None:
         """Recover a GPU's faulted MPS server; its offline clients are made to go first."""
@@ -323,14 +350,14 @@ class Lifecycle:
                 rec.cls is ClientClass.OFFLINE
                 and rec.state in RUNNING_STATES
                 and rec.pid is not None
-                and rec.id not in self.on_exit
+                and rec.id not in self._on_exit
             ):
                 requeue = rec.restartable and rec.detach
                 why = f"MPS recovery: {action.reason}"
-                self.on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", why)
+                self._on_exit[rec.id] = _OnExit("requeue" if requeue else "evict", why)
                 self.s.ops.evicted(rec.id, action.gpu_uuid)
-                self.set_paused(rec.id, False)
-                self.kill_at[rec.id] = now + grace
+                self.freeze_for(rec.id)
+                self._kill_at[rec.id] = now + grace
         self.s.mps.recover(action.gpu_uuid, pids[ClientClass.OFFLINE], pids[ClientClass.ONLINE])
 
     def signal(self, rec: ClientRecord, sig: int) -> None:
@@ -339,14 +366,13 @@ class Lifecycle:
             return
         # Every process now: pids() may list one that exited since its last re-read
         # (node/cgroups/pid_tracker.py), and a signal must reach a just-forked one too.
-        members = getattr(self.s.pauser, "members", self.s.pauser.pids)
-        self.s.procs.signal(rec.pid, sig, members(rec.id))
+        self.s.procs.signal(rec.pid, sig, self.s.pauser.members(rec.id))
 
     def kill_overdue(self, now: float) -> None:
         """SIGKILL the signalled clients whose grace is over."""
-        for client_id, at in list(self.kill_at.items()):
+        for client_id, at in list(self._kill_at.items()):
             if now >= at:
-                del self.kill_at[client_id]
+                del self._kill_at[client_id]
                 log.info("client_kill", client_id=client_id)
                 try:
                     self.s.pauser.kill(client_id)
@@ -356,20 +382,19 @@ class Lifecycle:
     def process_exited(self, pid: int, code: int | None) -> None:
         """The exit watcher's callback: record how the client ended and what comes next."""
         with self.s.lock:
-            client_id = self.by_pid.pop(pid, None)
+            client_id = self._by_pid.pop(pid, None)
             if client_id is None:
                 return
-            self.paused.discard(client_id)
-            self.kill_at.pop(client_id, None)
+            self._kill_at.pop(client_id, None)
             self.s.latency.forget(client_id)
-            self.s.gate.forget(client_id)
+            self.s.gate.forget(client_id)  # and its freeze reasons at the arbiter
             self.s.gauges.forget(client_id)
-            self.shallow.pop(client_id, None)  # a relaunch decides its queue anew
+            self._shallow.pop(client_id, None)  # a relaunch decides its queue anew
             try:
                 self.s.pauser.release(client_id)
             except PAUSE_ERRORS as exc:
                 log.warning("pauser_release_failed", client_id=client_id, error=str(exc))
-            then = self.on_exit.pop(client_id, None)
+            then = self._on_exit.pop(client_id, None)
             rec = self.s.registry.get(client_id)
             log.info("client_process_exited", client_id=client_id, pid=pid, exit_code=code)
             transition = self.s.transition
@@ -398,7 +423,7 @@ class Lifecycle:
                 if rec.restartable and rec.detach and failures < control.max_client_failures:
                     # A restartable job goes back to the queue, after a growing backoff.
                     backoff = failure_backoff_s(failures, control)
-                    self.not_before[client_id] = self.s.clock.monotonic() + backoff
+                    self._not_before[client_id] = self.s.clock.monotonic() + backoff
                     transition(
                         client_id, S.QUEUED, reason=f"{why}; retry in {backoff:g}s",
                         exit_code=code, failures=failures, pid=None,
@@ -449,11 +474,9 @@ class Lifecycle:
         )
         # With the cgroup freezer the child joins its cgroup before it execs, so a workload that
         # forks at once cannot leave a process outside the freezer's reach.
-        open_fd = getattr(self.s.pauser, "open_procs_fd", None)
         procs_fd: int | None = None
         try:
-            if callable(open_fd):
-                procs_fd = open_fd(rec.id)
+            procs_fd = self.s.pauser.open_procs_fd(rec.id)
             return self.s.procs.spawn(
                 rec.argv,
                 uid=rec.uid,
@@ -542,31 +565,19 @@ class Lifecycle:
     ) -> dict[str, str]:
         """The environment a client of this GPU starts with.
 
-        What ``gpushare env`` prints for the same class and limits (:mod:`gpushare.mpsenv`), plus
-        the client's id, and for an offline client its queue mode (``launcher.choose_queue``),
-        logged as ``offline_queue`` unless ``announce`` is false (a caller that only shows the
-        environment while :meth:`spawn` computes it again for the launch, which logs it).
+        :func:`gpushare.daemon.clientenv.client_env`; an offline client's queue mode is kept
+        (:attr:`shallow`) and logged as ``offline_queue`` unless ``announce`` is false (a caller
+        that only shows the environment while :meth:`spawn` computes it again, which logs it).
         """
-        env = mpsenv.mps_env(
-            client_id=client_id,
-            limits=mpsenv.MpsLimits(
-                gpu_uuid=gpu_uuid, sm_pct=sm, mem_bytes=mem, priority=self.s.priority(cls)
-            ),
-            pipe_dir=self.s.mps.pipe_dir(gpu_uuid),
-            latency_socket=self.s.config.paths.resolved("latency_socket"),
-        )
-        slo = slo_p99_ms / 1000 if slo_p99_ms is not None and cls is ClientClass.ONLINE else None
-        if cls is ClientClass.OFFLINE:
-            gating = self.s.gate.view(gpu_uuid, self.s.clock.monotonic()).enabled
-            mode, why = launcher.choose_queue(queue, gating_on=gating)
-            queue_vars, how = launcher.queue_env(
-                mode, self.s.config.gate, self.s.shallow_library, vet=self.s.library_vet
-            )
-            env.update(queue_vars)
-            if (shallow := launcher.shallow_how(queue_vars)) is not None:
-                self.shallow[client_id] = shallow
+        env, choice = client_env(self.s, client_id, gpu_uuid, sm, mem, cls, slo_p99_ms, queue=queue)
+        if choice is not None:
+            if choice.shallow_how is not None:
+                self._shallow[client_id] = choice.shallow_how
             else:
-                self.shallow.pop(client_id, None)
+                self._shallow.pop(client_id, None)
             if announce:
-                log.info("offline_queue", client_id=client_id, queue=mode, reason=why, how=how)
-        return {**mpsenv.marker_env(cls, slo), **env}
+                log.info(
+                    "offline_queue", client_id=client_id, queue=choice.mode, reason=choice.why,
+                    how=choice.how,
+                )  # fmt: skip
+        return env

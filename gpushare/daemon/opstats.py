@@ -54,7 +54,7 @@ class OpStats:
     """Per-client and per-GPU figures for ``status`` and ``/metrics``.
 
     One owner (the loop's lock), except the thawed time: freezes and thaws are reported by the
-    gates' arbiter from whichever thread caused them (the request receiver's included), so the
+    freeze arbiter (``daemon.freeze``) from whichever thread caused them (the request receiver's included), so the
     thaw log has a lock of its own, and time never runs backwards in it.
     """
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from gpushare.daemon import launcher
+from gpushare.daemon.freeze import HOLD
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.state import PAUSE_ERRORS
 from gpushare.model import ClientState
@@ -76,9 +77,9 @@ def _take_back(life: Lifecycle, rec: ClientRecord) -> None:
         except PermissionError:
             env = {}  # not root: taken as deep (an auto client may restart once)
         if (how := launcher.shallow_how(env)) is not None:
-            life.shallow[rec.id] = how
+            life.note_shallow(rec.id, how)
     if rec.held:
-        life.set_paused(rec.id, True)
+        life.freeze_for(rec.id, HOLD)
     else:
         # It may have been frozen by a duty cycle when the daemon died.
         life.thaw_quietly(rec.id)

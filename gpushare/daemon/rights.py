@@ -26,6 +26,7 @@ import grp
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
+from gpushare.daemon.dispatch import Encoded, encoded
 from gpushare.node.procs.users import user_in_group
 from gpushare.node.procs.visibility import hides_others
 
@@ -227,6 +228,8 @@ def as_seen(
     handler: Callable[[C, dict[str, Any]], Any],
     admin_group: Callable[[], str],
     registry: _Clients,
+    *,
+    shared: bool = False,
 ) -> Callable[[C, dict[str, Any]], Any]:
     """``handler`` (``status``, ``list``, ``events``) with its answer as the caller may see it.
 
@@ -234,7 +237,14 @@ def as_seen(
         handler: an API handler whose answer may hold ``clients`` and ``events`` lists.
         admin_group: ``daemon.admin_group`` now (a reload may change it).
         registry: where a client's owner and URLs are looked up.
+        shared: the handler hands the same answer object to many callers until something changes
+            (:mod:`gpushare.daemon.views`): each viewer's view of one answer is then made and
+            encoded once (:class:`gpushare.daemon.dispatch.Encoded`) and sent to every request of
+            that viewer until the answer is a new one.
     """
+    # (id of the shared answer, who views it) -> (that answer, its encoded view). The answer is
+    # kept with its view, so its id cannot be reused by another object while the entry lives.
+    memo: dict[tuple[object, ...], tuple[object, Encoded]] = {}
 
     def url_sourced(client_id: str) -> bool:
         rec = registry.find(client_id)
@@ -244,14 +254,30 @@ def as_seen(
         rec = registry.find(client_id)
         return rec.uid if rec is not None else None
 
-    def seen(caller: C, params: dict[str, Any]) -> Any:
+    def view(answer: Any, viewer: Viewer) -> dict[str, Any]:
         # A copy: the handler's answer may be shared with other callers (daemon/views.py).
-        result = dict(handler(caller, params))
-        viewer = Viewer(caller, admin_group(), argv_hidden=hides_others())
+        result = dict(answer)
         if isinstance(result.get("clients"), list):
             result["clients"] = viewer.clients(result["clients"], url_sourced)
         if isinstance(result.get("events"), list):
             result["events"] = viewer.events(result["events"], owner_of)
         return result
+
+    def seen(caller: C, params: dict[str, Any]) -> Any:
+        answer = handler(caller, params)
+        group, argv_hidden = admin_group(), hides_others()
+        if not shared:
+            return view(answer, Viewer(caller, group, argv_hidden=argv_hidden))
+        # Every input of the view: the answer (a new object when anything in it may differ, the
+        # registry's records included) and the viewer's identity, rights and host setting.
+        key = (id(answer), caller.uid, caller.gid, caller.groups, group, argv_hidden)
+        hit = memo.get(key)
+        if hit is not None and hit[0] is answer:
+            return hit[1]
+        out = encoded(view(answer, Viewer(caller, group, argv_hidden=argv_hidden)))
+        if len(memo) > 256:
+            memo.clear()  # old answers' views: drop them all rather than track their ages
+        memo[key] = (answer, out)
+        return out
 
     return seen

@@ -486,8 +486,7 @@ class ApiServer:
     def _work(self, conn: _Conn, line: bytes, greeted: bool) -> None:
         """On a worker: run one request and hand its encoded answer to the I/O thread."""
         try:
-            response, greeted = self._dispatcher.handle(line, conn.caller, greeted)
-            data = protocol.encode(response)
+            data, greeted = self._dispatcher.handle(line, conn.caller, greeted)
         except Exception as exc:  # noqa: BLE001 - an odd result must not cost the worker slot
             log.error("api_response_failed", error=type(exc).__name__)  # noqa: TRY400 - no locals
             data = protocol.encode(

@@ -23,15 +23,23 @@ from gpushare.control.gpu_state import GpuState
 from gpushare.control.policy import Policy
 from gpushare.daemon.cordon import FILE_NAME as CORDON_FILE
 from gpushare.daemon.cordon import Cordons
+from gpushare.daemon.freeze import FreezeArbiter
 from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
-from gpushare.daemon.threads import Supervisor
-from gpushare.inflight import GaugePoller
 from gpushare.latency.app import AppLatency
+from gpushare.latency.inflight import GaugePoller
 from gpushare.latency.p99 import LatencyP99
+from gpushare.latency.threads import Supervisor
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
-from gpushare.node.base import Clock, GpuBackend, LatencyProbe, MpsNode, Pauser, ProcessHost
+from gpushare.node.base import (
+    Clock,
+    DaemonGpuBackend,
+    DaemonMpsNode,
+    LatencyProbe,
+    NodePauser,
+    ProcessHost,
+)
 from gpushare.node.pauser_base import PauserError
 
 log = structlog.get_logger(__name__)
@@ -47,6 +55,9 @@ class NoopPolicy:
     """A policy that never acts: offline work runs unthrottled. Used until a controller is wired."""
 
     name = "none"
+    offline_mps_priority = ClientClass.OFFLINE.mps_priority
+    gpu_mode = "mps"
+    preemption = None
 
     def initial_state(self, gpu_uuid: str, now: float) -> None:
         """No state."""
@@ -65,9 +76,9 @@ class NodeState:
         config: Config,
         *,
         registry: Registry,
-        gpu: GpuBackend,
-        mps: MpsNode,
-        pauser: Pauser,
+        gpu: DaemonGpuBackend,
+        mps: DaemonMpsNode,
+        pauser: NodePauser,
         probe: LatencyProbe | None,
         policy: Policy[Any] | None,
         clock: Clock,
@@ -99,10 +110,12 @@ class NodeState:
         self.latency = AppLatency(
             lat.window_s, lat.min_samples, lat.scrape_period_s, threads=self.threads
         )
-        #: Request gating: every freeze goes through its arbiter (duty, holds and gates).
+        #: Why each client is frozen (duty, holds, gates, the stop): every freeze goes through it.
+        self.freeze = FreezeArbiter(pauser, clock=clock.monotonic, on_edge=self._paused_edge)
+        #: Request gating (its freezes go through the arbiter).
         self.gate = Gatekeeper(
             config.gate, pauser, online_gpu=self._online_gpu, clock=clock.monotonic,
-            on_edge=self._paused_edge,
+            arbiter=self.freeze,
         )  # fmt: skip
         #: The --inflight-from gauges, polled into the gates.
         self.gauges = GaugePoller(
@@ -165,16 +178,16 @@ class NodeState:
     def multiuser(self, gpu_uuid: str) -> bool:
         """Whether the GPU's MPS serves several users at once (docs/design.md D11)."""
         # Only the real MPS node knows whether its daemon runs -multiuser-server; without that
-        # knowledge assume the stricter legacy behaviour.
-        supervisor = getattr(self.mps, "supervisors", {}).get(gpu_uuid)
-        return bool(getattr(supervisor, "multiuser", False))
+        # knowledge (no supervisor: simulated, fakes) assume the stricter legacy behaviour.
+        supervisor = self.mps.supervisors.get(gpu_uuid)
+        return supervisor is not None and supervisor.multiuser
 
     def priority(self, cls: ClientClass) -> int:
         """The MPS priority a client of this class starts with."""
         # The policy decides offline clients' MPS priority (baselines compare without it).
         if cls is ClientClass.ONLINE:
             return 0
-        return int(getattr(self.policy, "offline_mps_priority", cls.mps_priority))
+        return int(self.policy.offline_mps_priority)
 
     def default_sm(self, cls: ClientClass, gpu_uuid: str) -> float:
         """The SM share a client of this class gets on this GPU unless it asked for one."""
@@ -191,7 +204,7 @@ class NodeState:
         key = (sample.index, sample.uuid)
         found = self._shared.get(key)
         if found is None:
-            found = self._shared[key] = self.config.gpu_override(sample.index, sample.uuid).shared
+            found = self._shared[key] = self.config.for_gpu(sample.index, sample.uuid).shared
         return found
 
     def sample(self, gpu_uuid: str) -> GpuSample | None:
@@ -200,15 +213,11 @@ class NodeState:
 
     def reserve(self, sample: GpuSample) -> int:
         """The memory kept free for online clients on this GPU."""
-        override = self.config.gpu_override(sample.index, sample.uuid)
-        if override.online_memory_reserve_bytes is not None:
-            return override.online_memory_reserve_bytes
-        return self.config.control.online_memory_reserve_bytes
+        return self.config.for_gpu(sample.index, sample.uuid).online_memory_reserve_bytes
 
     def max_clients(self, sample: GpuSample) -> int:
         """The MPS client slots of this GPU."""
-        override = self.config.gpu_override(sample.index, sample.uuid)
-        return override.max_clients or self.config.mps.max_clients
+        return self.config.for_gpu(sample.index, sample.uuid).max_clients
 
 
 _SHARE_SETTING = "offline_share"

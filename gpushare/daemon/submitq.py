@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from gpushare import pods
+from gpushare.control import pods
 from gpushare.control.admission import positions
 from gpushare.daemon.registry import ClientRecord
 from gpushare.model import ClientClass, ClientState, QueuedJob

@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpushare import __version__, pods, protocol, trust
+from gpushare import __version__, protocol, trust
+from gpushare.control import pods
 from gpushare.daemon.cordon import CordonApi
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
@@ -21,7 +22,7 @@ from gpushare.daemon.opstats import gate_status, latency_status
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.state import NodeState
 from gpushare.daemon.submitq import queue_positions
-from gpushare.daemon.threads import threads_status
+from gpushare.latency.threads import threads_status
 from gpushare.model import ClientClass, ClientState, GpuSample
 from gpushare.node.procs.facts import process_cgroup
 
@@ -67,13 +68,16 @@ class Views:
         """``status``: GPUs and clients (schema in docs/status-schema.md).
 
         Built once per control tick and state of the registry, and shared by every caller asking
-        the same (``viewer``: the caller's uid, for answers that may differ by caller); callers
-        must not change it. 48 monitors polling at once then wait for one build under the state
-        lock instead of 48 (bench/socket_load.py). A submit, a transition or any other change of a
-        client record makes the next answer a new one at once; readings (gate, probe) are as of
-        the tick.
+        the same, whoever it is (``viewer``, the caller's uid, changes nothing: what one user may
+        not see of another's clients is taken out afterwards, by :func:`.rights.as_seen`, which
+        also encodes each viewer's view once per answer); callers must not change it. 48 monitors
+        polling at once then wait for one build under the state lock instead of 48, and users
+        polling at once for one build instead of one each (bench/socket_load.py). A submit, a
+        transition or any other change of a client record makes the next answer a new one at
+        once; readings (gate, probe) are as of the tick.
         """
-        return self._shared(("status", gpu, viewer), lambda: self._status(gpu))
+        del viewer  # the same answer for everyone (see above)
+        return self._shared(("status", gpu), lambda: self._status(gpu))
 
     def _shared(
         self, key: tuple[object, ...], build: Callable[[], dict[str, Any]]
@@ -139,8 +143,7 @@ class Views:
                     "policy": s.policy.name,
                     "pause_mechanism": s.pauser.mechanism.value,
                     "summary": self.loop.summary(),
-                    # Optional attributes of the adapters: only the simulated node sets them.
-                    "simulated": bool(getattr(s.gpu, "simulated", False)),
+                    "simulated": s.gpu.simulated,
                     # Request-boundary datagrams and gauge polls refused, by reason.
                     "inflight_rejections": s.gate.rejections.snapshot(),
                     **threads_status(s.threads, s.datagram_drops()),
@@ -212,7 +215,7 @@ class Views:
             "gpu_util_pct": x.gpu_util_pct,
             "sm_active_pct": x.sm_active_pct,
             "mps_state": mps_state.value if mps_state is not None else None,
-            "mps_backend": getattr(s.mps, "backend", None),
+            "mps_backend": s.mps.backend,
             "duty": s.duty.get(x.uuid, 1.0),
             "gate": gate_status(
                 s.duty.get(x.uuid, 1.0), s.ops.last_action(x.uuid), self.s.clock.monotonic()
@@ -247,7 +250,7 @@ class Views:
             latency = self._latency(r)
         elif r.cls is ClientClass.OFFLINE:
             offline = self.s.ops.offline_fields(r.id, r.state, self.s.clock.monotonic())
-            # What the submitter asked (null: deep) and, while it runs, the queue it has and how
+            # What the submitter asked (null: model.DEFAULT_QUEUE_MODE) and, while it runs, the queue it has and how
             # a shallow one is kept ("4 in flight", "blocking").
             shallow = self.life.shallow.get(r.id) if r.state.is_live else None
             now_q = None if not r.state.is_live else "shallow" if shallow else "deep"
@@ -287,8 +290,7 @@ class Views:
 
     def _pause_reason(self, r: ClientRecord) -> str | None:
         # How an adopted client is paused where it is, and why that way (None: launched).
-        route = getattr(self.s.pauser, "route", None)
-        found = route(r.id) if r.adopted_by is not None and callable(route) else None
+        found = self.s.pauser.route(r.id) if r.adopted_by is not None else None
         return found.reason if found is not None else None
 
     def _latency(self, r: ClientRecord) -> dict[str, Any]:
@@ -307,7 +309,8 @@ class Views:
 
     def clients(self, *, include_final: bool, viewer: int = 0) -> dict[str, Any]:
         """``list``: clients (live and queued, or all); shared as :meth:`status` is."""
-        return self._shared(("list", include_final, viewer), lambda: self._clients(include_final))
+        del viewer  # the same answer for everyone (see status)
+        return self._shared(("list", include_final), lambda: self._clients(include_final))
 
     def _clients(self, include_final: bool) -> dict[str, Any]:
         with self.s.lock:

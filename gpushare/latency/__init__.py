@@ -21,7 +21,7 @@ datagrams from :func:`gpushare.client.report_latency`, and Prometheus histograms
   over the window from bucket increases, as PromQL's
   ``histogram_quantile(0.99, increase(METRIC_bucket[window]))`` would.
 * :mod:`~gpushare.latency.app`: :class:`~gpushare.latency.app.AppLatency`, both sources together:
-  the per-client p99s :func:`gpushare.observe.build_observations` reads, a scraped histogram
+  the per-client p99s :func:`gpushare.daemon.observe.build_observation` reads, a scraped histogram
   winning over datagrams.
 
 Nothing is re-exported here: each name is imported from the module that defines it.

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import structlog
 
-from gpushare.daemon.threads import Supervisor
 from gpushare.latency.endpoints import EndpointWorkers
 from gpushare.latency.p99 import LatencyP99, P99Tracker
 from gpushare.latency.prometheus import (
@@ -24,12 +23,13 @@ from gpushare.latency.prometheus import (
     PrometheusSource,
     parse_latency_from,
 )
+from gpushare.latency.threads import Supervisor
 
 log = structlog.get_logger(__name__)
 
 
 class AppLatency:
-    """Both sources together: per-client p99 for :func:`gpushare.observe.build_observations`.
+    """Both sources together: per-client p99 for :func:`gpushare.daemon.observe.build_observation`.
 
     The scrapes run on threads of their own (``start``), one per endpoint, so a slow endpoint
     never delays a tick or another client's scrape.

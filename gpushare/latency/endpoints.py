@@ -5,7 +5,7 @@ submitted the client. Polled in turn on one thread, one endpoint that trickles i
 every 30 ms) held back every other client's poll, and so another user's gauge-gated service lost
 its protection. :class:`EndpointWorkers` gives each endpoint its own thread (bounded: at most
 :data:`MAX_ENDPOINTS`; each is an online client's, and a GPU holds few), under the daemon's
-:class:`~gpushare.daemon.threads.Supervisor`, with its own period and its own
+:class:`~gpushare.latency.threads.Supervisor`, with its own period and its own
 :class:`~gpushare.latency.prometheus.Cancel`: :meth:`EndpointWorkers.forget` shuts the
 connection under way at once, so it does not outlive the client. Each fetch has its own connect,
 read and total timeouts (:func:`gpushare.latency.prometheus.fetch_local`).
@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpushare.daemon.threads import SupervisedThread, Supervisor
 from gpushare.latency.prometheus import Cancel
+from gpushare.latency.threads import SupervisedThread, Supervisor
 
 #: Endpoints polled at once (one thread each); a submit beyond it is refused.
 MAX_ENDPOINTS = 256

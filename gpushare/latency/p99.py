@@ -1,17 +1,17 @@
 """One client's p99 over a sliding window of reported latencies, the answer every source gives.
 
 :class:`LatencyP99` is the answer (a p99 in milliseconds, or ``None`` and why); :class:`P99Tracker`
-keeps each client's reports from :mod:`gpushare.latency.receiver` and ranks them (nearest rank).
+keeps each client's reports from :mod:`gpushare.latency.receiver` in a
+:class:`gpushare.stats.SortedWindow` and ranks them (nearest rank).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 import threading
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from gpushare.stats import SortedWindow
 
 P99 = 0.99
 
@@ -49,9 +49,7 @@ class P99Tracker:
         self.min_samples = min_samples
         self.max_samples = max_samples
         self._lock = threading.Lock()
-        self._values: dict[str, deque[tuple[float, float]]] = {}
-        # The same values kept sorted, so a p99 every tick costs no sort of the whole window.
-        self._sorted: dict[str, list[float]] = {}
+        self._values: dict[str, SortedWindow] = {}
 
     def add(self, client_id: str, seconds: float, at_s: float) -> None:
         """Record one report."""
@@ -60,22 +58,16 @@ class P99Tracker:
     def add_many(self, client_id: str, reports: Iterable[tuple[float, float]]) -> None:
         """Record ``(at_s, seconds)`` reports of one client, in the order they were made."""
         with self._lock:
-            q = self._values.get(client_id)
-            if q is None:
-                q = self._values[client_id] = deque(maxlen=self.max_samples)
-                self._sorted[client_id] = []
-            ordered = self._sorted[client_id]
-            for report in reports:
-                if len(q) == q.maxlen:
-                    del ordered[bisect.bisect_left(ordered, q[0][1])]  # append drops the oldest
-                q.append(report)
-                bisect.insort(ordered, report[1])
+            window = self._values.get(client_id)
+            if window is None:
+                window = self._values[client_id] = SortedWindow(self.max_samples)
+            for at_s, seconds in reports:
+                window.add(at_s, seconds)
 
     def forget(self, client_id: str) -> None:
         """Drop a client's reports (it exited)."""
         with self._lock:
             self._values.pop(client_id, None)
-            self._sorted.pop(client_id, None)
 
     def clients(self) -> list[str]:
         """Clients that reported at least once and were not forgotten."""
@@ -85,18 +77,15 @@ class P99Tracker:
     def p99(self, client_id: str, now: float) -> LatencyP99:
         """The client's p99 over the window ending at ``now``."""
         with self._lock:
-            q = self._values.get(client_id)
-            if q is None:
+            window = self._values.get(client_id)
+            if window is None:
                 return LatencyP99(None, 0, "no latency reports")
-            ordered = self._sorted[client_id]
-            while q and q[0][0] < now - self.window_s:
-                del ordered[bisect.bisect_left(ordered, q.popleft()[1])]
-            n = len(ordered)
+            window.drop_before(now - self.window_s)
+            n = len(window)
             if n < self.min_samples:
                 return LatencyP99(
                     None,
                     n,
                     f"only {n} reports in the last {self.window_s:g}s (needs {self.min_samples})",
                 )
-            rank = max(1, math.ceil(P99 * n))
-            return LatencyP99(ordered[rank - 1] * 1000.0, n)
+            return LatencyP99(window.percentile(99.0) * 1000.0, n)

@@ -5,8 +5,9 @@
 (:func:`parse_histogram`), and :class:`HistogramWindow` derives the p99 over the window from
 bucket increases, as PromQL's ``histogram_quantile(0.99, increase(METRIC_bucket[window]))`` would:
 per-bucket counter resets are detected, buckets missing from some scrapes are dropped, and the
-quantile is interpolated linearly inside its bucket (:func:`bucket_quantile`).
-:mod:`gpushare.inflight` reuses the spec's parser and the fetch for its gauge of requests in flight.
+quantile is interpolated linearly inside its bucket (:func:`gpushare.stats.bucket_quantile`).
+:mod:`gpushare.latency.inflight` reuses the spec's parser and the fetch for its gauge of requests
+in flight.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare.latency.p99 import P99, LatencyP99
+from gpushare.stats import bucket_quantile
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 METRIC_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
@@ -104,39 +106,6 @@ def parse_histogram(text: str, metric: str) -> tuple[dict[float, float], float |
             elif s.name == metric + "_count":
                 total = (total or 0.0) + float(s.value)
     return buckets, total
-
-
-def bucket_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
-    """``histogram_quantile`` on cumulative counts: linear inside the bucket; ``None`` if empty.
-
-    A rank that falls in the ``+Inf`` bucket returns the largest finite bound, as PromQL does.
-    """
-    bounds = sorted(buckets)
-    if not bounds:
-        return None
-    counts: list[float] = []
-    running = 0.0
-    for le in bounds:
-        # Buckets are cumulative; scraping races can make them non-monotonic, which PromQL fixes
-        # the same way.
-        running = max(running, buckets[le])
-        counts.append(running)
-    total = counts[-1]
-    if total <= 0:
-        return None
-    rank = q * total
-    for i, le in enumerate(bounds):
-        if counts[i] >= rank:
-            if math.isinf(le):
-                finite = [b for b in bounds if not math.isinf(b)]
-                return finite[-1] if finite else None
-            lower = bounds[i - 1] if i > 0 else (0.0 if le > 0 else le)
-            below = counts[i - 1] if i > 0 else 0.0
-            inside = counts[i] - below
-            if inside <= 0:
-                return le
-            return lower + (le - lower) * (rank - below) / inside
-    return None  # pragma: no cover - counts[-1] == total >= rank
 
 
 class HistogramWindow:

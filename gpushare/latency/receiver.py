@@ -11,7 +11,7 @@ Every local user can write to the socket, so no datagram may stop the thread: pa
 (:mod:`gpushare.latency.datagrams`), a truncated (oversized) datagram is refused unread, every
 datagram is handled inside its own ``try`` and a failure is counted by reason in
 :attr:`LatencyReceiver.drops`; the thread itself is a supervised one
-(:class:`gpushare.daemon.threads.Supervisor`), restarted if it ever dies.
+(:class:`gpushare.latency.threads.Supervisor`), restarted if it ever dies.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import structlog
 
-from gpushare.daemon.threads import SupervisedThread, Supervisor
 from gpushare.latency.datagrams import MAX_DATAGRAM_BYTES, DatagramError, decode_message
 from gpushare.latency.p99 import P99Tracker
+from gpushare.latency.threads import SupervisedThread, Supervisor
 
 log = structlog.get_logger(__name__)
 

@@ -24,11 +24,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
 from gpushare.model import PauseMechanism
-from gpushare.node.base import Pauser
+from gpushare.node.base import LaunchPauser, NodePauser
 
 # The cgroup pauser's own helpers: the same checks and cgroupfs writes as for launched clients.
 from gpushare.node.cgroups.files import wait_event, walk_pids, write_value
@@ -59,7 +60,7 @@ class _Adopted:
 
 
 class AdoptingPauser:
-    """The daemon's pauser for launched clients (``inner``) and for adopted ones (implements ``Pauser``).
+    """The daemon's pauser for launched clients (``inner``) and adopted ones (a ``NodePauser``).
 
     Args:
         inner: the pauser launched clients use (:func:`gpushare.node.cgroups.choice.make_pauser`).
@@ -70,7 +71,7 @@ class AdoptingPauser:
 
     def __init__(
         self,
-        inner: Pauser,
+        inner: LaunchPauser,
         *,
         mount: Path | None = None,
         freeze_timeout_s: float = DEFAULT_FREEZE_TIMEOUT_S,
@@ -78,6 +79,9 @@ class AdoptingPauser:
     ) -> None:
         self.inner = inner
         self.mechanism: PauseMechanism = inner.mechanism
+        #: Launched clients are only asked (the inner pauser's request, or a write of
+        #: ``cgroup.freeze``/a signal for an adopted one): the gate waits with :meth:`freeze`.
+        self.request_waits = False
         self._mount = mount
         self.freeze_timeout_s = freeze_timeout_s
         self.signal_wait_s = signal_wait_s
@@ -175,8 +179,7 @@ class AdoptingPauser:
 
     def open_procs_fd(self, client_id: str) -> int | None:
         """The inner pauser's pre-exec cgroup handle for a client about to be launched."""
-        opener = getattr(self.inner, "open_procs_fd", None)
-        return opener(client_id) if callable(opener) else None
+        return self.inner.open_procs_fd(client_id)
 
     def freeze(self, client_id: str) -> None:
         """Stop the client's processes (its own cgroup's freezer or SIGSTOP for an adopted one)."""
@@ -197,12 +200,7 @@ class AdoptingPauser:
     def freeze_many(self, client_ids: Sequence[str]) -> None:
         """Freeze several clients: the launched ones together (the inner pauser's way), then each adopted one."""
         launched = [c for c in client_ids if c not in self._adopted]
-        many = getattr(self.inner, "freeze_many", None)
-        if callable(many):
-            many(launched)
-        else:
-            for client_id in launched:
-                self.inner.freeze(client_id)
+        self.inner.freeze_many(launched)
         for client_id in client_ids:
             if client_id in self._adopted:
                 self._freeze_adopted(client_id, self._adopted[client_id])
@@ -210,12 +208,7 @@ class AdoptingPauser:
     def thaw_many(self, client_ids: Sequence[str]) -> None:
         """Thaw several clients."""
         launched = [c for c in client_ids if c not in self._adopted]
-        many = getattr(self.inner, "thaw_many", None)
-        if callable(many):
-            many(launched)
-        else:
-            for client_id in launched:
-                self.inner.thaw(client_id)
+        self.inner.thaw_many(launched)
         for client_id in client_ids:
             if client_id in self._adopted:
                 self._thaw_adopted(self._adopted[client_id])
@@ -223,8 +216,8 @@ class AdoptingPauser:
     def request_frozen(self, client_ids: Sequence[str], frozen: bool) -> list[str]:
         """Ask for each client to be frozen (or thawed) without waiting (request gating's path).
 
-        Launched clients through the inner pauser's ``request_frozen`` (its waiting freeze or
-        thaw where it has none); an adopted one by a write of its cgroup's ``cgroup.freeze`` or a
+        Launched clients through the inner pauser's ``request_frozen`` (which waits where the
+        inner pauser cannot only ask); an adopted one by a write of its cgroup's ``cgroup.freeze`` or a
         SIGSTOP/SIGCONT of its processes, as :meth:`freeze` does but without the wait.
 
         Returns:
@@ -232,15 +225,7 @@ class AdoptingPauser:
         """
         failed: list[str] = []
         launched = [c for c in client_ids if c not in self._adopted]
-        request = getattr(self.inner, "request_frozen", None)
-        if callable(request):
-            failed += request(launched, frozen)
-        else:
-            for client_id in launched:
-                try:
-                    (self.inner.freeze if frozen else self.inner.thaw)(client_id)
-                except (OSError, PauserError):
-                    failed.append(client_id)
+        failed += self.inner.request_frozen(launched, frozen)
         for client_id in client_ids:
             found = self._adopted.get(client_id)
             if found is None:
@@ -261,8 +246,7 @@ class AdoptingPauser:
         """Whether every process of the client is stopped (``False`` when it has none)."""
         found = self._adopted.get(client_id)
         if found is None:
-            check = getattr(self.inner, "is_frozen", None)
-            return bool(check(client_id)) if callable(check) else False
+            return self.inner.is_frozen(client_id)
         if found.route.cgroup is not None:
             try:
                 events = (found.route.cgroup / "cgroup.events").read_text()
@@ -295,14 +279,11 @@ class AdoptingPauser:
         found = self._adopted.get(client_id)
         if found is not None:
             return self._members(found)
-        members = getattr(self.inner, "members", self.inner.pids)
-        return list(members(client_id))
+        return list(self.inner.members(client_id))
 
     def owner_of(self, pid: int) -> str | None:
         """The launched client whose cgroup holds ``pid``, where the inner pauser can tell."""
-        owner_of = getattr(self.inner, "owner_of", None)
-        found = owner_of(pid) if callable(owner_of) else None
-        return found if isinstance(found, str) else None
+        return self.inner.owner_of(pid)
 
     def release(self, client_id: str) -> None:
         """Forget the client; an adopted one is thawed first (released, never left frozen)."""
@@ -315,7 +296,12 @@ class AdoptingPauser:
 
     def clients(self) -> dict[str, list[int]]:
         """Every client (launched and adopted) and its live processes."""
-        listed = getattr(self.inner, "clients", None)
-        out: dict[str, list[int]] = dict(listed()) if callable(listed) else {}
+        out: dict[str, list[int]] = dict(self.inner.clients())
         out.update({cid: self._members(a) for cid, a in self._adopted.items()})
         return dict(sorted(out.items()))
+
+
+if TYPE_CHECKING:  # the adapter implements the Protocols the daemon holds it by
+
+    def _conforms(p: AdoptingPauser) -> NodePauser:
+        return p

@@ -30,7 +30,7 @@ from gpushare.node.probe import EXIT_ERROR, EXIT_UNAVAILABLE
 from gpushare.node.probe_window import ProbeWindow
 
 if TYPE_CHECKING:
-    from gpushare.node.base import LatencyProbe
+    from gpushare.node.base import SlotHoldingProbe
 
 log = structlog.get_logger(__name__)
 
@@ -329,5 +329,5 @@ def _slots(probe: _GpuProbe) -> int:
 
 if TYPE_CHECKING:  # ProbeManager is what the daemon holds as its LatencyProbe
 
-    def _conforms(m: ProbeManager) -> LatencyProbe:
+    def _conforms(m: ProbeManager) -> SlotHoldingProbe:
         return m

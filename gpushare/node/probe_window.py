@@ -1,26 +1,46 @@
 """The probe's sliding window: p99 over the last ``window_s`` and a baseline learned when quiet.
 
-:class:`gpushare.node.probe_manager.ProbeManager` keeps one :class:`ProbeWindow` per GPU; the
-simulated node (:mod:`gpushare.sim.node`) reads its probe by the same rules.
+:class:`gpushare.node.probe_manager.ProbeManager` keeps one :class:`ProbeWindow` per GPU. The
+simulated node (:mod:`gpushare.sim.node`) reads its probe with the same rules, which live here:
+the nearest-rank p99 (:func:`gpushare.stats.percentile`), :data:`BASELINE_MIN_SAMPLES`, a stalled
+launch counting as at least its stall (:func:`stalled_ms`), and how a reading is made of them
+(:func:`probe_reading`).
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Sequence
 
 from gpushare.model import ProbeReading
+from gpushare.stats import SortedWindow, percentile
 
 # Baseline: at least this many probe samples taken without offline work.
 BASELINE_MIN_SAMPLES = 20
+NO_BASELINE = "no baseline yet: needs quiet samples"
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in (0, 100]) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
+def stalled_ms(latency_ms: float, now: float, last_at_s: float, period_s: float) -> float:
+    """The window's latency, raised to the stall of a launch that has not come back.
+
+    A probe launch that has not come back is waiting for SMs right now: its latency is at least
+    the time since the last sample, less one period.
+    """
+    return max(latency_ms, (now - last_at_s - period_s) * 1000)
+
+
+def probe_reading(
+    latency_ms: float, run_ms: float, baseline_ms: float | None, samples: int
+) -> ProbeReading:
+    """The reading of a window with samples: its ratio to the baseline, or why there is none."""
+    ratio = latency_ms / baseline_ms if baseline_ms else None
+    return ProbeReading(
+        latency_ms=latency_ms,
+        run_ms=run_ms,
+        baseline_ms=baseline_ms,
+        ratio=ratio,
+        samples=samples,
+        reason=None if ratio is not None else NO_BASELINE,
+    )
 
 
 class ProbeWindow:
@@ -40,7 +60,7 @@ class ProbeWindow:
         self.baseline_window_s = baseline_window_s
         self.period_s = period_s
         self._samples: deque[tuple[float, float, float]] = deque()
-        self._quiet: deque[tuple[float, float]] = deque()
+        self._quiet = SortedWindow()
         self.offline_running = True  # until told otherwise, assume the worst: no baseline
         self.baseline_ms: float | None = None
         self.baseline_at_s: float | None = None
@@ -51,17 +71,16 @@ class ProbeWindow:
         self._samples.append((at_s, latency_ms, run_ms))
         self.last_at_s = at_s
         if not self.offline_running:
-            self._quiet.append((at_s, latency_ms))
+            self._quiet.add(at_s, latency_ms)
         self._prune(at_s)
         if len(self._quiet) >= BASELINE_MIN_SAMPLES and not self.offline_running:
-            self.baseline_ms = percentile([v for _, v in self._quiet], 99)
+            self.baseline_ms = self._quiet.percentile(99)
             self.baseline_at_s = at_s
 
     def _prune(self, now: float) -> None:
         while self._samples and self._samples[0][0] < now - self.window_s:
             self._samples.popleft()
-        while self._quiet and self._quiet[0][0] < now - self.baseline_window_s:
-            self._quiet.popleft()
+        self._quiet.drop_before(now - self.baseline_window_s)
 
     def clear(self) -> None:
         """Forget the samples (not the baseline), e.g. after the worker restarted."""
@@ -76,17 +95,5 @@ class ProbeWindow:
         latency = percentile([s[1] for s in self._samples], 99)
         run = percentile([s[2] for s in self._samples], 99)
         if self.last_at_s is not None:
-            # A probe launch that has not come back is waiting for SMs right now: its latency is
-            # at least the time since the last sample, less one period.
-            stalled_ms = (now - self.last_at_s - self.period_s) * 1000
-            latency = max(latency, stalled_ms)
-        ratio = latency / self.baseline_ms if self.baseline_ms else None
-        reason = None if ratio is not None else "no baseline yet: needs quiet samples"
-        return ProbeReading(
-            latency_ms=latency,
-            run_ms=run,
-            baseline_ms=self.baseline_ms,
-            ratio=ratio,
-            samples=len(self._samples),
-            reason=reason,
-        )
+            latency = stalled_ms(latency, now, self.last_at_s, self.period_s)
+        return probe_reading(latency, run, self.baseline_ms, len(self._samples))

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -23,17 +24,23 @@ from gpushare.node.pauser_base import (
     check_client_id,
     check_pid,
 )
+from gpushare.node.pauser_defaults import PauserDefaults
 from gpushare.node.procs.identity import group_members, groups_members, is_stopped
+
+if TYPE_CHECKING:
+    from gpushare.node.base import NodePauser
 
 log = structlog.get_logger(__name__)
 
 
-class SignalPauser:
-    """SIGSTOP/SIGCONT of each client's process group (implements ``Pauser``).
+class SignalPauser(PauserDefaults):
+    """SIGSTOP/SIGCONT of each client's process group (a ``NodePauser``).
 
     The fallback where no writable cgroup v2 exists. Weaker than the freezer: a process that leaves
     its group (``setsid``) escapes, and a stopped process is visible as state ``T`` and can be
-    continued by its owner. Never signals the daemon's own process group.
+    continued by its owner. Never signals the daemon's own process group. Adoption is the null
+    one (the process's group is attached); :class:`~gpushare.node.adopted.AdoptingPauser` adds
+    the real one.
 
     Args:
         wait_s: how long :meth:`freeze` waits for every member to show state ``T``.
@@ -43,6 +50,8 @@ class SignalPauser:
     """
 
     mechanism: PauseMechanism = PauseMechanism.SIGNAL
+    #: :meth:`request_frozen` only sends the signal (``BatchPauser.request_waits``).
+    request_waits = False
 
     def __init__(
         self, *, wait_s: float = DEFAULT_SIGNAL_WAIT_S, pids_rescan_s: float = DEFAULT_PIDS_RESCAN_S
@@ -81,9 +90,10 @@ class SignalPauser:
         self._members_due = 0.0  # a new group: the next pids() reads /proc again
         log.debug("signal_attached", client_id=client_id, pid=pid, pgid=pgid)
 
-    def open_procs_fd(self, client_id: str) -> None:
-        """No cgroup to join before exec with signals; present so callers need not tell apart."""
+    def open_procs_fd(self, client_id: str) -> int | None:
+        """No cgroup to join before exec with signals: ``None`` (the client id is still checked)."""
         check_client_id(client_id)
+        return None
 
     def _pgid(self, client_id: str) -> int:
         try:
@@ -209,6 +219,10 @@ class SignalPauser:
         pgid = self._groups.get(client_id)
         return [] if pgid is None else group_members(pgid)
 
+    def owner_of(self, pid: int) -> str | None:
+        """Cannot tell from a pid alone (a group is not a cgroup): ``None``."""
+        return None
+
     def release(self, client_id: str) -> None:
         """Forget the client."""
         self._groups.pop(client_id, None)
@@ -216,3 +230,9 @@ class SignalPauser:
     def clients(self) -> dict[str, list[int]]:
         """Attached clients and their live processes (empty after a daemon restart)."""
         return {cid: group_members(pgid) for cid, pgid in sorted(self._groups.items())}
+
+
+if TYPE_CHECKING:  # the adapter implements the Protocols the daemon holds it by
+
+    def _conforms(p: SignalPauser) -> NodePauser:
+        return p

@@ -25,7 +25,14 @@ from gpushare.model import (
     ProbeReading,
     SmPeriod,
 )
-from gpushare.node.base import GpuBackend, LatencyProbe, MpsNode, Pauser
+from gpushare.node.base import (
+    DaemonGpuBackend,
+    DaemonMpsNode,
+    LatencyProbe,
+    MultiuserInfo,
+    NodePauser,
+)
+from gpushare.node.pauser_defaults import PauserDefaults
 from gpushare.sim.gpu import EventLoop
 from gpushare.sim.inflight import launch_queue
 from gpushare.sim.node import SimNode, stop_work
@@ -65,6 +72,10 @@ class SimGpuBackend:
     is the simulated GPU's: ``"default"`` when the driver time-slices it, else the
     ``"exclusive_process"`` the MPS supervisor sets.
     """
+
+    #: The daemon's status says ``simulated`` only for the real-time node (sim/realtime.py); the
+    #: batch simulator runs no status.
+    simulated = False
 
     def __init__(self, node: SimNode) -> None:
         self.node = node
@@ -132,8 +143,12 @@ class SimLatencyProbe:
         """Nothing to stop."""
 
 
-class SimPauser:
-    """:class:`gpushare.node.base.Pauser` on simulated clients (a cgroup freezer, simulated).
+class SimPauser(PauserDefaults):
+    """:class:`gpushare.node.base.NodePauser` on simulated clients (a cgroup freezer, simulated).
+
+    Only the core :class:`~gpushare.node.base.Pauser` is simulated; every other capability is
+    the null one (:class:`~gpushare.node.pauser_defaults.PauserDefaults`): one client at a time,
+    waiting, no adoption where a process is.
 
     Freezing an offline client stops it issuing kernels; the ones it already issued still run. A
     process frozen before its workload started stays frozen when it starts (it is in its cgroup).
@@ -193,6 +208,17 @@ class SimMpsNode:
     def __init__(self, node: SimNode, runtime_dir: Path) -> None:
         self.node = node
         self.runtime_dir = runtime_dir
+
+    @property
+    def supervisors(self) -> Mapping[str, MultiuserInfo]:
+        """No real control daemon: none (single-user MPS is assumed)."""
+        return {}
+
+    def start(self) -> None:
+        """MPS is always up."""
+
+    def stop(self, *, quit_daemon: bool = True) -> None:
+        """Nothing to stop."""
 
     def pipe_dir(self, gpu_uuid: str) -> Path:
         """A per-GPU pipe directory name (nothing listens there: the GPU is simulated)."""
@@ -321,7 +347,9 @@ class SimProcesses:
         return False
 
 
-def protocols(node: SimNode, runtime_dir: Path) -> tuple[GpuBackend, LatencyProbe, Pauser, MpsNode]:
+def protocols(
+    node: SimNode, runtime_dir: Path
+) -> tuple[DaemonGpuBackend, LatencyProbe, NodePauser, DaemonMpsNode]:
     """The four sensing and actuating adapters of a simulated node, typed as their Protocols."""
     return (
         SimGpuBackend(node),

@@ -14,13 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
 from gpushare.model import ClientClass, PauseMechanism
-from gpushare.node.base import Pauser
+from gpushare.node.base import NodePauser
 from gpushare.node.cgroups.route import FreezeRoute
 from gpushare.node.pauser_base import PauserError
+from gpushare.node.pauser_defaults import PauserDefaults
 from gpushare.sim.inflight import launch_queue
 from gpushare.sim.realtime import RealTimeSimNode, SimProfileError, workload_from_env
 from gpushare.sim.simenv import ENV_PROFILE
@@ -58,12 +60,19 @@ def _process_env(pid: int) -> dict[str, str]:
     return out
 
 
-class SimulatedPauser:
-    """A real pauser that also freezes, thaws and ends each client's simulated twin."""
+class SimulatedPauser(PauserDefaults):
+    """A real pauser that also freezes, thaws and ends each client's simulated twin (a ``NodePauser``).
+
+    Adoption, batches, members and owners are forwarded to the real pauser. Requests without a
+    wait, ``is_frozen``, ``clients`` and the pre-exec cgroup handle are the null ones
+    (:class:`~gpushare.node.pauser_defaults.PauserDefaults`): a request is this pauser's own
+    waiting :meth:`freeze`/:meth:`thaw`, so the twin is frozen with the process, and a client
+    joins its cgroup when attached, which also starts its twin.
+    """
 
     def __init__(
         self,
-        real: Pauser,
+        real: NodePauser,
         rt: RealTimeSimNode,
         lookup: Callable[[str], SimClientInfo | None],
     ) -> None:
@@ -84,22 +93,17 @@ class SimulatedPauser:
         Raises:
             PauserError: the real pauser cannot adopt it (gone, another uid's, the daemon).
         """
-        adopt = getattr(self.real, "adopt", None)
-        if not callable(adopt):
-            raise PauserError(f"{type(self.real).__name__} cannot adopt processes")
-        route: FreezeRoute = adopt(client_id, pid, owner_uid=owner_uid)
+        route = self.real.adopt(client_id, pid, owner_uid=owner_uid)
         self._twin(client_id, pid)
         return route
 
     def route(self, client_id: str) -> FreezeRoute | None:
         """How an adopted client is paused (``None`` for a launched one)."""
-        route = getattr(self.real, "route", None)
-        return route(client_id) if callable(route) else None
+        return self.real.route(client_id)
 
     def mechanism_of(self, client_id: str) -> PauseMechanism:
         """The mechanism that pauses this client (the real pauser's answer)."""
-        of = getattr(self.real, "mechanism_of", None)
-        return of(client_id) if callable(of) else self.real.mechanism
+        return self.real.mechanism_of(client_id)
 
     def _twin(self, client_id: str, pid: int) -> None:
         info = self.lookup(client_id)
@@ -152,27 +156,17 @@ class SimulatedPauser:
         self._sim.thaw(client_id)
 
     def freeze_many(self, client_ids: Sequence[str]) -> None:
-        """Freeze several at once (the real pauser's batched form when it has one)."""
-        batch = getattr(self.real, "freeze_many", None)
+        """Freeze several at once (the real pauser's batched form)."""
         try:
-            if callable(batch):
-                batch(client_ids)
-            else:
-                for client_id in client_ids:
-                    self.real.freeze(client_id)
+            self.real.freeze_many(client_ids)
         finally:
             for client_id in client_ids:
                 self._sim.freeze(client_id)
 
     def thaw_many(self, client_ids: Sequence[str]) -> None:
         """Thaw several at once."""
-        batch = getattr(self.real, "thaw_many", None)
         try:
-            if callable(batch):
-                batch(client_ids)
-            else:
-                for client_id in client_ids:
-                    self.real.thaw(client_id)
+            self.real.thaw_many(client_ids)
         finally:
             for client_id in client_ids:
                 self._sim.thaw(client_id)
@@ -188,17 +182,20 @@ class SimulatedPauser:
 
     def members(self, client_id: str) -> Sequence[int]:
         """The real process's pids read now (``pids`` may lag a fork; node/cgroups/pid_tracker.py)."""
-        members = getattr(self.real, "members", self.real.pids)
-        return list(members(client_id))
+        return list(self.real.members(client_id))
 
     def owner_of(self, pid: int) -> str | None:
         """The client whose cgroup holds ``pid``, where the real pauser can tell."""
-        owner_of = getattr(self.real, "owner_of", None)
-        found = owner_of(pid) if callable(owner_of) else None
-        return found if isinstance(found, str) else None
+        return self.real.owner_of(pid)
 
     def release(self, client_id: str) -> None:
         """Forget the client and its twin."""
         self.real.release(client_id)
         self._sim.release(client_id)
         self.rt.remove_client(client_id)
+
+
+if TYPE_CHECKING:  # the wrapper implements the Protocol the daemon holds it by
+
+    def _conforms(p: SimulatedPauser) -> NodePauser:
+        return p

@@ -27,27 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
 
 import structlog
 
 from gpushare.model import MpsEvent, MpsState
-from gpushare.node.base import MpsNode
+from gpushare.node.base import DaemonMpsNode, MpsNode, MultiuserInfo
 from gpushare.node.mps import MpsError
 
 log = structlog.get_logger("gpushare.sim")
-
-
-class ManagedMpsNode(MpsNode, Protocol):
-    """An :class:`MpsNode` whose daemons are started and stopped (``MpsNodeManager``)."""
-
-    def start(self) -> None:
-        """Start every GPU's control daemon."""
-        ...
-
-    def stop(self, *, quit_daemon: bool = True) -> None:
-        """Stop supervising and, with ``quit_daemon``, the daemons."""
-        ...
 
 
 def merge_state(real: MpsState, simulated: MpsState) -> MpsState:
@@ -64,15 +51,15 @@ class HybridMpsNode:
     #: What answers MPS commands (``gpus[].mps_backend`` in ``gpushare status --json``).
     backend = "real"
 
-    def __init__(self, real: ManagedMpsNode, simulated: MpsNode) -> None:
+    def __init__(self, real: DaemonMpsNode, simulated: MpsNode) -> None:
         """Join ``real`` (one control daemon per simulated GPU) and the simulated node's MPS."""
         self.real = real
         self.simulated = simulated
 
     @property
-    def supervisors(self) -> Mapping[str, Any]:
+    def supervisors(self) -> Mapping[str, MultiuserInfo]:
         """The real per-GPU supervisors (the daemon reads ``multiuser`` from them)."""
-        return dict(getattr(self.real, "supervisors", {}))
+        return dict(self.real.supervisors)
 
     def start(self) -> None:
         """Start the real control daemons.

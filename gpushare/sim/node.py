@@ -11,12 +11,12 @@ nothing: the daemon's own control loop drives it through the node Protocols of
 from __future__ import annotations
 
 import bisect
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from gpushare.config import Config
+from gpushare.control.policy import Policy
 from gpushare.model import (
     ClientClass,
     ClientState,
@@ -26,26 +26,19 @@ from gpushare.model import (
     SmPeriod,
 )
 from gpushare.sim import data
+from gpushare.sim.arrivals import arrivals_for
 from gpushare.sim.gpu import EventLoop, Gpu, GpuMode
-from gpushare.sim.scenario import GpuSpec, OnlineSpec, Scenario
+from gpushare.sim.probe import ProbeClient
+from gpushare.sim.scenario import GpuSpec, Scenario
 from gpushare.sim.tally import TallyScheduler, TallyServer, TallyTrainer
 from gpushare.sim.workloads import (
     OfflineTrainer,
     OnlineServer,
-    ProbeClient,
     SimClient,
-    bursty_poisson_arrivals,
-    percentile,
-    percentile_sorted,
-    poisson_arrivals,
-    rate_series_arrivals,
     request_alone_s,
-    trace_arrivals,
 )
 
 GPU_NAME = "Tesla V100-SXM2-16GB (simulated)"
-#: Quiet probe samples needed before a baseline is learned (as in gpushare.node.probe_window).
-PROBE_BASELINE_MIN_SAMPLES = 20
 
 #: Policies the simulator models by a GPU mode rather than by their actions.
 TIME_SLICE_POLICIES = frozenset({"time-slicing"})
@@ -55,9 +48,9 @@ TIME_SLICE_POLICIES = frozenset({"time-slicing"})
 class PolicyTraits:
     """How a policy wants the node set up, beyond its actions.
 
-    ``offline_mps_priority`` (a policy attribute; 1 when absent) is the MPS priority offline clients
-    start with: plain MPS runs everyone at 0. A policy named in :data:`TIME_SLICE_POLICIES` (or with
-    ``gpu_mode = "time_slice"``) runs the GPU in the driver's time-sliced compute mode instead of
+    ``offline_mps_priority`` (declared by every :class:`~gpushare.control.policy.Policy`; 1 unless
+    0 or 1) is the MPS priority offline clients start with: plain MPS runs everyone at 0. A policy
+    with ``gpu_mode = "time_slice"`` (or named in :data:`TIME_SLICE_POLICIES`) runs the GPU in the driver's time-sliced compute mode instead of
     MPS (``[gpu] slice``, ms long); the simulated NVML reads it as compute mode ``"default"``, and
     the time-slicing policy, seeing ``Observation.time_sliced``, then sends no duty.
     """
@@ -68,16 +61,14 @@ class PolicyTraits:
     kernel_preemption: bool = False
 
     @classmethod
-    def of(cls, policy: object) -> PolicyTraits:
-        """Read the traits a policy declares, defaulting the rest."""
-        mode = getattr(policy, "gpu_mode", None)
-        if mode is None and getattr(policy, "name", None) in TIME_SLICE_POLICIES:
-            mode = "time_slice"
-        prio = getattr(policy, "offline_mps_priority", 1)
+    def of(cls, policy: Policy[Any]) -> PolicyTraits:
+        """Read the traits a policy declares."""
+        sliced = policy.gpu_mode == "time_slice" or policy.name in TIME_SLICE_POLICIES
+        prio = policy.offline_mps_priority
         return cls(
-            gpu_mode="time_slice" if mode == "time_slice" else "mps",
+            gpu_mode="time_slice" if sliced else "mps",
             offline_priority=int(prio) if prio in (0, 1) else 1,
-            kernel_preemption=getattr(policy, "preemption", None) == "kernel",
+            kernel_preemption=policy.preemption == "kernel",
         )
 
 
@@ -109,33 +100,17 @@ class SimNode:
         self.cfg: Config = scenario.config
         self.loop = EventLoop()
         g = scenario.gpu
-        self.gpus = [
-            Gpu(
-                self.loop,
-                uuid=f"GPU-sim-{i:04d}",
-                index=i,
-                sm_count=g.sm_count,
-                mem_total_bytes=g.mem_total_bytes,
-                parallel_fraction=g.parallel_fraction,
-                bw_beta=g.bw_beta,
-                mode=traits.gpu_mode,
-                slice_s=g.slice_s,
-                switch_s=g.switch_s,
-                wave_scale=g.wave_scale,
-            )
-            for i in range(g.count)
-        ]
+        self.gpus = [self._gpu(i) for i in range(g.count)]
         self.by_uuid = {gpu.uuid: gpu for gpu in self.gpus}
         self.probes = {
             gpu.uuid: ProbeClient(gpu, period_s=self.cfg.probe.period_s, kernel_s=g.probe_kernel_s)
             for gpu in self.gpus
         }
-        self._quiet = {gpu.uuid: _QuietSamples() for gpu in self.gpus}
         self.online: list[OnlineServer] = []
         self.offline: list[OfflineTrainer] = []
         #: When each offline job of the scenario reaches the queue, and its ``--queue``.
         self.submit_at: dict[str, float] = {}
-        self.queue_mode: dict[str, str] = {}
+        self.queue_mode: dict[str, str | None] = {}
         #: Offline jobs the scenario runs launch-blocking whatever their queue mode.
         self.always_blocking: set[str] = set()
         self.mem_peak_bytes = {gpu.uuid: 0 for gpu in self.gpus}
@@ -143,64 +118,89 @@ class SimNode:
         self.processes: dict[int, SimClient] = {}
         self.on_process_exit: Callable[[int, int | None], None] | None = None
         self._pid = 1000
-        seed = scenario.seed
         tally = (
             {gpu.uuid: TallyScheduler() for gpu in self.gpus} if traits.kernel_preemption else {}
         )
-        server_cls = TallyServer if tally else OnlineServer
-        trainer_cls = TallyTrainer if tally else OfflineTrainer
         if with_online:
-            for k, spec in enumerate(scenario.online):
-                gpu = self.gpus[spec.gpu]
-                prof = data.load_profile(spec.profile, g.merge_online_us, g.sm_count)
-                server = server_cls(
-                    spec.name,
-                    gpu,
-                    prof,
-                    arrivals_for(
-                        spec,
-                        request_alone_s(prof, g.host_per_kernel_s),
-                        seed * 1000 + k,
-                        scenario.duration_s,
-                    ),
-                    sm_pct=spec.sm_pct,
-                    mem_bytes=spec.mem_bytes,
-                    slo_p99_ms=spec.slo_p99_ms,
-                    pid=self.next_pid(),
-                )
-                server.launch_blocking = spec.launch_blocking
-                server.launch_gap_s = g.launch_gap_s
-                server.set_host_cost(g.host_per_kernel_s)
-                if isinstance(server, TallyServer):
-                    server.tally = tally[gpu.uuid]
-                    server.tally.servers.append(server)
-                self.online.append(server)
+            self._add_online(tally)
         if with_offline:
-            for spec_off in scenario.offline:
-                gpu = self.gpus[spec_off.gpu]
-                prof = data.load_profile(spec_off.profile, g.merge_offline_us, g.sm_count)
-                trainer = trainer_cls(
-                    spec_off.name,
-                    gpu,
-                    prof,
-                    sm_pct=self.cfg.control.offline_sm_pct_default,
-                    mem_bytes=spec_off.mem_bytes,
-                    pinned_mem_bytes=spec_off.pinned_mem_bytes,
-                    restartable=spec_off.restartable,
-                )
-                trainer.priority = traits.offline_priority
-                trainer.launch_blocking = spec_off.launch_blocking
-                launch_costs(trainer, g)
-                if isinstance(trainer, TallyTrainer):
-                    # One kernel at a time through its own gate, with no launch gap.
-                    trainer.launch_blocking, trainer.launch_gap_s = True, 0.0
-                    trainer.tally = tally[gpu.uuid]
-                    trainer.tally.trainers.append(trainer)
-                self.offline.append(trainer)
-                self.submit_at[spec_off.name] = spec_off.submit_s
-                self.queue_mode[spec_off.name] = spec_off.queue
-                if spec_off.launch_blocking:
-                    self.always_blocking.add(spec_off.name)
+            self._add_offline(tally)
+
+    def _gpu(self, index: int) -> Gpu:
+        g = self.scenario.gpu
+        return Gpu(
+            self.loop,
+            uuid=f"GPU-sim-{index:04d}",
+            index=index,
+            sm_count=g.sm_count,
+            mem_total_bytes=g.mem_total_bytes,
+            parallel_fraction=g.parallel_fraction,
+            bw_beta=g.bw_beta,
+            mode=self.traits.gpu_mode,
+            slice_s=g.slice_s,
+            switch_s=g.switch_s,
+            wave_scale=g.wave_scale,
+        )
+
+    def _add_online(self, tally: dict[str, TallyScheduler]) -> None:
+        """The scenario's online services, each with its arrival process, in scenario order."""
+        scenario, g, seed = self.scenario, self.scenario.gpu, self.scenario.seed
+        server_cls = TallyServer if tally else OnlineServer
+        for k, spec in enumerate(scenario.online):
+            gpu = self.gpus[spec.gpu]
+            prof = data.load_profile(spec.profile, g.merge_online_us, g.sm_count)
+            server = server_cls(
+                spec.name,
+                gpu,
+                prof,
+                arrivals_for(
+                    spec,
+                    request_alone_s(prof, g.host_per_kernel_s),
+                    seed * 1000 + k,
+                    scenario.duration_s,
+                ),
+                sm_pct=spec.sm_pct,
+                mem_bytes=spec.mem_bytes,
+                slo_p99_ms=spec.slo_p99_ms,
+                pid=self.next_pid(),
+            )
+            server.launch_blocking = spec.launch_blocking
+            server.launch_gap_s = g.launch_gap_s
+            server.set_host_cost(g.host_per_kernel_s)
+            if isinstance(server, TallyServer):
+                server.tally = tally[gpu.uuid]
+                server.tally.servers.append(server)
+            self.online.append(server)
+
+    def _add_offline(self, tally: dict[str, TallyScheduler]) -> None:
+        """The scenario's offline jobs, waiting for their submit time."""
+        g, traits = self.scenario.gpu, self.traits
+        trainer_cls = TallyTrainer if tally else OfflineTrainer
+        for spec_off in self.scenario.offline:
+            gpu = self.gpus[spec_off.gpu]
+            prof = data.load_profile(spec_off.profile, g.merge_offline_us, g.sm_count)
+            trainer = trainer_cls(
+                spec_off.name,
+                gpu,
+                prof,
+                sm_pct=self.cfg.control.offline_sm_pct_default,
+                mem_bytes=spec_off.mem_bytes,
+                pinned_mem_bytes=spec_off.pinned_mem_bytes,
+                restartable=spec_off.restartable,
+            )
+            trainer.priority = traits.offline_priority
+            trainer.launch_blocking = spec_off.launch_blocking
+            launch_costs(trainer, g)
+            if isinstance(trainer, TallyTrainer):
+                # One kernel at a time through its own gate, with no launch gap.
+                trainer.launch_blocking, trainer.launch_gap_s = True, 0.0
+                trainer.tally = tally[gpu.uuid]
+                trainer.tally.trainers.append(trainer)
+            self.offline.append(trainer)
+            self.submit_at[spec_off.name] = spec_off.submit_s
+            self.queue_mode[spec_off.name] = spec_off.queue
+            if spec_off.launch_blocking:
+                self.always_blocking.add(spec_off.name)
 
     def next_pid(self) -> int:
         """A fresh pid for a simulated process."""
@@ -314,85 +314,15 @@ class SimNode:
         """
         pc = self.cfg.probe
         lo = self.loop.now - max(pc.window_s, pc.baseline_window_s)
-        for uuid, probe in self.probes.items():
-            samples = probe.samples
-            quiet = self._quiet[uuid]
-            n = min(bisect.bisect_left(samples, lo, key=lambda s: s[0]), quiet.seen)
-            if n:
-                del samples[:n]
-                quiet.seen -= n
+        for probe in self.probes.values():
+            probe.forget_before(lo)
         for job in self.offline:
             del job.iterations[: bisect.bisect_left(job.iterations, lo)]
 
     def probe_reading(self, gpu_uuid: str) -> ProbeReading:
-        """The probe's reading, by the rules of ``gpushare.node.probe_window.ProbeWindow``.
-
-        Latency is the p99 over the probe window (a launch not yet back counts as stalled);
-        the baseline is the p99 of the samples taken while no offline work ran, over the baseline
-        window ending at the last such sample, once there are at least
-        :data:`PROBE_BASELINE_MIN_SAMPLES`; when offline work runs throughout, the last learned
-        baseline is kept.
-        """
-        probe = self.probes[gpu_uuid]
-        now = self.loop.now
+        """The probe's reading now (:meth:`gpushare.sim.probe.ProbeClient.reading`)."""
         pc = self.cfg.probe
-        samples = probe.samples
-        window = [lat for t, lat, _ in _tail(samples, now - pc.window_s)]
-        if not window:
-            return ProbeReading(reason="no probe samples yet")
-        quiet = self._quiet[gpu_uuid]
-        quiet.take(samples)
-        quiet_end = quiet.last_s
-        if quiet_end is not None and quiet_end != probe.baseline_at_s:
-            ordered = quiet.since(quiet_end - pc.baseline_window_s)
-            if len(ordered) >= PROBE_BASELINE_MIN_SAMPLES:
-                probe.baseline_ms = percentile_sorted(ordered, 99.0) * 1e3
-                probe.baseline_at_s = quiet_end
-        lat_ms = percentile(window, 99.0) * 1e3
-        if probe.pending_since is not None:
-            stalled_ms = (now - samples[-1][0] - probe.period_s) * 1e3 if samples else 0.0
-            lat_ms = max(lat_ms, stalled_ms)
-        base = probe.baseline_ms
-        return ProbeReading(
-            latency_ms=lat_ms,
-            run_ms=probe.kernel_s * 1e3,
-            baseline_ms=base,
-            ratio=lat_ms / base if base else None,
-            samples=len(window),
-            reason=None if base else "no baseline yet: needs quiet samples",
-        )
-
-
-class _QuietSamples:
-    """A probe's samples taken without offline work, sorted by latency, trimmed by launch time.
-
-    What sorting the quiet samples launched since ``lo`` gives, kept incrementally: the probe
-    appends its samples in launch order, and ``lo`` never goes back.
-    """
-
-    def __init__(self) -> None:
-        #: How many of the probe's samples have been taken in (an index into its list).
-        self.seen = 0
-        self._by_time: deque[tuple[float, float]] = deque()
-        self._sorted: list[float] = []
-        self.last_s: float | None = None
-
-    def take(self, samples: list[tuple[float, float, bool]]) -> None:
-        """Add the quiet ones among the samples not seen yet."""
-        for k in range(self.seen, len(samples)):
-            t, lat, offline = samples[k]
-            if not offline:
-                self._by_time.append((t, lat))
-                bisect.insort(self._sorted, lat)
-                self.last_s = t
-        self.seen = len(samples)
-
-    def since(self, lo: float) -> list[float]:
-        """The sorted latencies of the quiet samples launched at or after ``lo``."""
-        by_time, ordered = self._by_time, self._sorted
-        while by_time and by_time[0][0] < lo:
-            del ordered[bisect.bisect_left(ordered, by_time.popleft()[1])]
-        return ordered
+        return self.probes[gpu_uuid].reading(self.loop.now, pc.window_s, pc.baseline_window_s)
 
 
 def stop_work(c: SimClient, state: ClientState = ClientState.EXITED) -> None:
@@ -401,41 +331,3 @@ def stop_work(c: SimClient, state: ClientState = ClientState.EXITED) -> None:
         c.stop(state)
     elif isinstance(c, OnlineServer) and c.state.is_live:
         c.stop()
-
-
-def _tail(
-    samples: list[tuple[float, float, bool]], lo: float
-) -> Iterator[tuple[float, float, bool]]:
-    """Samples launched at or after ``lo`` (they are in launch order)."""
-    i = len(samples)
-    while i > 0 and samples[i - 1][0] >= lo:
-        i -= 1
-    return iter(samples[i:])
-
-
-def arrivals_for(spec: OnlineSpec, standalone_s: float, seed: int, end_s: float) -> Iterator[float]:
-    """The arrival process of an online service."""
-    if spec.arrivals == "poisson":
-        rps = spec.rps if spec.rps is not None else (spec.load or 0.5) / standalone_s
-        if spec.burst is not None:
-            return bursty_poisson_arrivals(rps, spec.burst, seed, 0.0, end_s)
-        return poisson_arrivals(rps, seed, end_s)
-    assert spec.trace is not None
-    if spec.arrivals == "azure":
-        times = data.load_azure_arrivals(spec.trace)
-        span = times[-1] - times[0] or 1.0
-        mean_rps = len(times) / span * spec.trace_speedup
-        want = spec.rps if spec.rps is not None else (spec.load or 0.5) / standalone_s
-        scale = min(1.0, want / mean_rps) if mean_rps > 0 else 1.0
-        return trace_arrivals(
-            times,
-            start_s=spec.trace_start_s,
-            speedup=spec.trace_speedup,
-            rate_scale=scale,
-            end_s=end_s,
-        )
-    series = data.load_genai_qps(spec.trace)
-    start_bin = int(spec.trace_start_s // 60)
-    series = series[start_bin:] or series
-    peak = spec.rps if spec.rps is not None else (spec.load or 0.5) / standalone_s
-    return rate_series_arrivals(series, bin_s=spec.bin_s, peak_rps=peak, seed=seed, end_s=end_s)

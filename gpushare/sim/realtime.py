@@ -29,13 +29,16 @@ from gpushare.model import (
     PauseMechanism,
     ProbeReading,
 )
+from gpushare.node.base import MultiuserInfo
+from gpushare.node.pauser_defaults import PauserDefaults
 from gpushare.sim import adapters as simnode
 from gpushare.sim import data
+from gpushare.sim.arrivals import bursty_poisson_arrivals
 from gpushare.sim.gating import BoundarySender
 from gpushare.sim.node import SimNode, launch_costs
 from gpushare.sim.scenario import GpuSpec, Scenario
 from gpushare.sim.simenv import ENV_BURST, ENV_PROFILE, ENV_RPS, rate_problem
-from gpushare.sim.workloads import OfflineTrainer, OnlineServer, bursty_poisson_arrivals
+from gpushare.sim.workloads import OfflineTrainer, OnlineServer
 
 ORION = "orion-v100-kernels"
 #: One :meth:`RealTimeSimNode.advance` simulates in steps of this much virtual time, and stops
@@ -411,8 +414,11 @@ class RealTimeLatencyProbe:
         """Nothing to stop."""
 
 
-class RealTimePauser:
-    """Freezes and thaws simulated clients at the wall clock (no process is touched)."""
+class RealTimePauser(PauserDefaults):
+    """Freezes and thaws simulated clients at the wall clock (no process is touched).
+
+    The core :class:`~gpushare.node.base.Pauser`; the other capabilities are the null ones.
+    """
 
     mechanism = PauseMechanism.CGROUP
 
@@ -462,6 +468,17 @@ class RealTimeMpsNode:
 
     def __init__(self, rt: RealTimeSimNode) -> None:
         self.rt = rt
+
+    @property
+    def supervisors(self) -> Mapping[str, MultiuserInfo]:
+        """No real control daemon: none (single-user MPS is assumed)."""
+        return {}
+
+    def start(self) -> None:
+        """The simulated MPS is always up."""
+
+    def stop(self, *, quit_daemon: bool = True) -> None:
+        """Nothing to stop."""
 
     def pipe_dir(self, gpu_uuid: str) -> Path:
         """A per-GPU pipe directory name."""

@@ -14,7 +14,7 @@ from typing import Any
 from gpushare.control.policy import Policy
 from gpushare.sim.node import SimNode
 from gpushare.sim.scenario import Scenario
-from gpushare.sim.workloads import percentile
+from gpushare.stats import percentile
 
 #: Width of the bins of the time series (offline throughput, online p99).
 SERIES_BIN_S = 1.0
@@ -155,7 +155,7 @@ def collect(
     }
     return RunResult(
         scenario=scenario.name,
-        policy=name or str(getattr(policy, "name", "none")),
+        policy=name or (policy.name if policy is not None else "none"),
         virtual_s=end,
         wall_s=wall,
         online=online,

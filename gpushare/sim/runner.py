@@ -30,10 +30,10 @@ from gpushare.sim import adapters
 from gpushare.sim.gating import BoundarySender, GateDriver
 from gpushare.sim.node import PolicyTraits, SimNode
 from gpushare.sim.results import RunResult, ScenarioResult, collect
-from gpushare.sim.scenario import Scenario
+from gpushare.sim.scenario import OnlineSpec, Scenario
 from gpushare.sim.workloads import SimClient
 
-__all__ = ["RunResult", "ScenarioResult", "run_policy", "run_scenario", "standalone"]
+__all__ = ["RunResult", "ScenarioResult", "run_policy", "run_scenario", "slo_of", "standalone"]
 
 ProgressFn = Callable[[float], None]
 #: The user every simulated client runs as (one user: MPS needs no multi-user server).
@@ -111,7 +111,7 @@ class SimDaemon:
                 mem_bytes=mem, restartable=job.restartable, detach=True, cwd="/",
                 pause_mechanism=s.pauser.mechanism.value, now=s.clock.time(),
             )  # fmt: skip
-            s.registry.update(job.cid, queue=self.node.queue_mode.get(job.cid, "auto"))
+            s.registry.update(job.cid, queue=self.node.queue_mode.get(job.cid))
 
     def report_latencies(self) -> None:
         """Hand the services' completed requests to the daemon, as ``report_latency`` would."""
@@ -267,17 +267,25 @@ def _run_alone(
     return series
 
 
-def standalone(scenario: Scenario) -> tuple[RunResult | None, dict[str, float]]:
-    """Run the online services alone; return that run and each service's SLO in ms.
+def slo_of(spec: OnlineSpec, p99_alone_ms: float) -> float:
+    """An online service's SLO in ms (the simulator's one SLO rule).
 
-    A service's SLO is its ``slo_p99_ms`` or, when absent, ``slo_factor`` x its p99 alone.
+    Its ``slo_p99_ms`` or, when absent, ``slo_factor`` x its p99 alone.
     """
+    return spec.slo_p99_ms or spec.slo_factor * p99_alone_ms
+
+
+def standalone(
+    scenario: Scenario, *, progress: ProgressFn | None = None
+) -> tuple[RunResult | None, dict[str, float]]:
+    """Run the online services alone; return that run and each service's SLO (:func:`slo_of`)."""
     if not scenario.online:
         return None, {}
-    alone = run_policy(scenario, None, name="alone", with_offline=False)
-    slo: dict[str, float] = {}
-    for spec, res in zip(scenario.online, alone.online, strict=True):
-        slo[spec.name] = spec.slo_p99_ms or spec.slo_factor * res.p99_ms
+    alone = run_policy(scenario, None, name="alone", with_offline=False, progress=progress)
+    slo = {
+        spec.name: slo_of(spec, res.p99_ms)
+        for spec, res in zip(scenario.online, alone.online, strict=True)
+    }
     return alone, slo
 
 
@@ -286,15 +294,24 @@ def run_scenario(
     policies: Sequence[tuple[str, Policy[Any]]],
     *,
     progress: Callable[[str, float], None] | None = None,
+    on_run: Callable[[str, RunResult], None] | None = None,
 ) -> ScenarioResult:
-    """Run the standalone reference and then every policy on the scenario."""
-    alone, slo = standalone(scenario)
+    """Run the standalone reference and then every policy on the scenario.
+
+    ``progress(label, fraction)`` follows each run as it goes and ``on_run(label, result)`` hears
+    of each finished one; the label is ``"alone"`` for the reference, else the policy's name.
+    """
+
+    def tick(label: str) -> ProgressFn | None:
+        return None if progress is None else lambda frac: progress(label, frac)
+
+    alone, slo = standalone(scenario, progress=tick("alone"))
+    if alone is not None and on_run is not None:
+        on_run("alone", alone)
     runs = []
     for pname, policy in policies:
-
-        def tick(frac: float, pname: str = pname) -> None:
-            if progress is not None:
-                progress(pname, frac)
-
-        runs.append(run_policy(scenario, policy, name=pname, slo_ms=slo, progress=tick))
+        run = run_policy(scenario, policy, name=pname, slo_ms=slo, progress=tick(pname))
+        runs.append(run)
+        if on_run is not None:
+            on_run(pname, run)
     return ScenarioResult(scenario, alone, slo, runs)

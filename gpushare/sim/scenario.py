@@ -4,24 +4,25 @@ A scenario names a node (GPUs), online services (a forward-pass profile and an a
 offline jobs (a training-iteration profile) and optional overrides of gpushare's ``[control]``,
 ``[probe]`` and ``[latency]`` tables (same keys as ``gpushare.toml``). Data files are named relative
 to gpushare's data folder (:func:`gpushare.sim.data.resolve`). Every bad value raises
-:class:`ScenarioError` naming the file, the key and the fix. See ``gpushare/scenarios/README.md``.
+:class:`ScenarioError` naming the file, the key and the fix: the tables are read by
+:mod:`gpushare.tomlschema`, as the config's are. See ``gpushare/scenarios/README.md``.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from gpushare import config as gconfig
-from gpushare.protocol import QUEUE_MODES
 from gpushare.sim import data
 from gpushare.sim.gpu import DEFAULT_SLICE_S, DEFAULT_SWITCH_S
 from gpushare.sim.inflight import DEFAULT_INFLIGHT_WAKE_S
 from gpushare.sim.workloads import DEFAULT_HOST_PER_KERNEL_S, request_alone_s
-from gpushare.units import parse_duration, parse_size
+from gpushare.tomlschema import Reader, TomlError, duration, num, show, size, type_name
+from gpushare.units import parse_duration
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,44 +30,45 @@ else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 ArrivalKind = Literal["poisson", "azure", "genai"]
+QueueMode = Literal["shallow", "deep", "auto"]
 
 
-class ScenarioError(Exception):
+class ScenarioError(TomlError):
     """A scenario file is bad; the message names the file, the key and the fix."""
 
-    def __init__(self, file: Path | str | None, key: str, reason: str) -> None:
-        self.file = str(file) if file is not None else "<scenario>"
-        self.key = key
-        self.reason = reason
-        where = f"{self.file}: {key}" if key else self.file
-        super().__init__(f"{where}: {reason}")
+    unnamed = "<scenario>"
+
+
+def _read(hook: Callable[[Reader, Any, str], Any]) -> dict[str, Any]:
+    # The field's value is read by ``hook`` (resolved when called: hooks are defined below).
+    return {"read": lambda r, v, k: hook(r, v, k)}
 
 
 @dataclass(frozen=True, slots=True)
 class GpuSpec:
     """The simulated GPUs of the node (all alike) and the model's calibrated constants."""
 
-    count: int = 1
-    sm_count: int = 80
-    mem_total_bytes: int = 16 << 30
-    parallel_fraction: float = 0.95
-    bw_beta: float = 0.6
-    slice_s: float = DEFAULT_SLICE_S
-    switch_s: float = DEFAULT_SWITCH_S
-    wave_scale: float = 1.0
-    launch_gap_s: float = 10e-6
+    count: int = num(1, minimum=1, maximum=64)
+    sm_count: int = num(80, minimum=1, maximum=1024)
+    mem_total_bytes: int = size(16 << 30, minimum=1)
+    parallel_fraction: float = num(0.95, minimum=0.0, maximum=1.0)
+    bw_beta: float = num(0.6, minimum=0.0, maximum=10.0)
+    slice_s: float = duration(DEFAULT_SLICE_S, above=True)
+    switch_s: float = duration(DEFAULT_SWITCH_S)
+    wave_scale: float = num(1.0, minimum=0.05, maximum=20.0)
+    launch_gap_s: float = duration(10e-6)
     #: Bounded in-flight mode (``GPUSHARE_MAX_INFLIGHT``): a freed slot to the next launch on the
     #: GPU (W3b).
-    inflight_wake_s: float = DEFAULT_INFLIGHT_WAKE_S
-    host_per_kernel_s: float = DEFAULT_HOST_PER_KERNEL_S
+    inflight_wake_s: float = duration(DEFAULT_INFLIGHT_WAKE_S)
+    host_per_kernel_s: float = duration(DEFAULT_HOST_PER_KERNEL_S)
     #: A training job's CPU time per source kernel (W3: 0, hidden behind a deep queue); a
     #: sensitivity for shallow queues, which hide it only within their bound (W3b).
-    train_host_per_kernel_s: float = 0.0
-    merge_online_us: float = data.DEFAULT_MERGE_ONLINE_US
-    merge_offline_us: float = data.DEFAULT_MERGE_OFFLINE_US
-    start_s: float = 1.0
-    restart_s: float = 5.0
-    probe_kernel_s: float = 15e-6
+    train_host_per_kernel_s: float = duration(0.0)
+    merge_online_us: float = num(data.DEFAULT_MERGE_ONLINE_US, minimum=0.0, maximum=10_000.0)
+    merge_offline_us: float = num(data.DEFAULT_MERGE_OFFLINE_US, minimum=0.0, maximum=10_000.0)
+    start_s: float = duration(1.0)
+    restart_s: float = duration(5.0)
+    probe_kernel_s: float = duration(15e-6, above=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,20 +77,23 @@ class OnlineSpec:
 
     name: str
     profile: str
-    gpu: int = 0
+    gpu: int = num(0, minimum=0, maximum=63)
     arrivals: ArrivalKind = "poisson"
-    load: float | None = 0.5
-    rps: float | None = None
+    #: The offered load (arrival rate x pass time alone), in (0, 1); ``None`` when ``rps`` is given.
+    load: float | None = field(default=0.5, metadata=_read(lambda r, v, k: _load(r, v, k)))
+    rps: float | None = num(None, minimum=0.0, maximum=100_000.0, above=True)
     trace: str | None = None
-    trace_start_s: float = 0.0
-    trace_speedup: float = 1.0
-    bin_s: float = 1.0
-    sm_pct: float = 100.0
-    mem_bytes: int = 2 << 30
-    slo_p99_ms: float | None = None
-    slo_factor: float = 1.1
+    trace_start_s: float = duration(0.0)
+    trace_speedup: float = num(1.0, minimum=1e-6, maximum=1e6)
+    bin_s: float = duration(1.0, above=True)
+    sm_pct: float = num(100.0, minimum=1.0, maximum=100.0)
+    mem_bytes: int = size(2 << 30)
+    slo_p99_ms: float | None = num(None, minimum=0.0, maximum=1e9, above=True)
+    slo_factor: float = num(1.1, minimum=1.0, maximum=1000.0)
     #: Poisson only: ``(at_s, for_s, factor)``, the rate times ``factor`` for a while.
-    burst: tuple[float, float, float] | None = None
+    burst: tuple[float, float, float] | None = field(
+        default=None, metadata=_read(lambda r, v, k: _burst(r, v, k))
+    )
     #: ``CUDA_LAUNCH_BLOCKING=1``: one kernel in flight, a launch gap per kernel (W3).
     launch_blocking: bool = False
     #: The service tells the daemon when requests start and end (``gpushare.client``), so the
@@ -102,15 +107,16 @@ class OfflineSpec:
 
     name: str
     profile: str
-    gpu: int = 0
-    mem_bytes: int = 4 << 30
-    pinned_mem_bytes: int | None = None
+    gpu: int = num(0, minimum=0, maximum=63)
+    mem_bytes: int = size(4 << 30)
+    pinned_mem_bytes: int | None = field(default=None, metadata={"kind": "size", "min": 0})
     restartable: bool = True
-    submit_s: float = 1.0
+    submit_s: float = duration(1.0)
     launch_blocking: bool = False
     #: ``gpushare submit --queue``: ``auto`` (shallow while the GPU's request gating is on),
-    #: ``shallow`` (``CUDA_LAUNCH_BLOCKING=1``) or ``deep``.
-    queue: str = "auto"
+    #: ``shallow`` (``CUDA_LAUNCH_BLOCKING=1``) or ``deep``; ``None``, as a submit without
+    #: ``--queue``, runs :data:`gpushare.model.DEFAULT_QUEUE_MODE`.
+    queue: QueueMode | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +133,40 @@ class Scenario:
     online: tuple[OnlineSpec, ...]
     offline: tuple[OfflineSpec, ...]
     config: gconfig.Config
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """The ``[scenario]`` table."""
+
+    name: str | None = None
+    description: str = ""
+    duration_s: float = duration(30.0, above=True)
+    warmup_s: float = duration(2.0)
+    seed: int = num(1, minimum=0, maximum=2**62)
+
+
+def _raw(r: Reader, value: Any, key: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        r.fail(key, f"expected a table, got {type_name(value)}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Document:
+    """A scenario file as written; ``[control]``, ``[probe]`` and ``[latency]`` are the config's."""
+
+    scenario: _Head
+    gpu: GpuSpec = field(default_factory=GpuSpec)
+    online: tuple[OnlineSpec, ...] = field(
+        default=(), metadata=_read(lambda r, v, k: r.tables(OnlineSpec, v, k))
+    )
+    offline: tuple[OfflineSpec, ...] = field(
+        default=(), metadata=_read(lambda r, v, k: r.tables(OfflineSpec, v, k))
+    )
+    control: Mapping[str, Any] = field(default_factory=dict, metadata=_read(_raw))
+    probe: Mapping[str, Any] = field(default_factory=dict, metadata=_read(_raw))
+    latency: Mapping[str, Any] = field(default_factory=dict, metadata=_read(_raw))
 
 
 def shipped_dir() -> Path:
@@ -185,40 +225,37 @@ def loads(text: str, file: Path | str | None = None) -> Scenario:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(file, "", f"not valid TOML: {exc}") from exc
-    r = _Reader(file)
-    r.keys(doc, "", {"scenario", "gpu", "online", "offline", "control", "probe", "latency"})
-    head = r.table(doc, "scenario", required=True)
-    r.keys(head, "scenario.", {"name", "description", "duration", "warmup", "seed"})
-    name = r.string(head, "scenario.", "name", default=Path(str(file or "scenario")).stem)
-    duration = r.duration(head, "scenario.", "duration", default=30.0, above=0.0)
-    warmup = r.duration(head, "scenario.", "warmup", default=2.0)
-    if warmup >= duration:
-        raise ScenarioError(file, "scenario.warmup", "must be shorter than scenario.duration")
-    gpu = _gpu(r, r.table(doc, "gpu"))
+    r = Reader(file, ScenarioError)
+    if "scenario" not in doc:
+        r.fail("scenario", "missing table [scenario]")
+    top: _Document = r.table(_Document, doc, "")
+    head = top.scenario
+    if head.warmup_s >= head.duration_s:
+        r.fail("scenario.warmup", "must be shorter than scenario.duration")
+    gpu = top.gpu
+    raw_online = doc.get("online", [])
     online = tuple(
-        _online(r, t, f"online[{i}].", gpu) for i, t in enumerate(r.array(doc, "online"))
+        _online(r, spec, f"online[{i}].", gpu, raw_online[i]) for i, spec in enumerate(top.online)
     )
-    offline = tuple(
-        _offline(r, t, f"offline[{i}].", gpu) for i, t in enumerate(r.array(doc, "offline"))
-    )
+    offline = tuple(_offline(r, spec, f"offline[{i}].", gpu) for i, spec in enumerate(top.offline))
     if not online and not offline:
-        raise ScenarioError(file, "", "a scenario needs at least one [[online]] or [[offline]]")
+        r.fail("", "a scenario needs at least one [[online]] or [[offline]]")
     names = [s.name for s in online] + [s.name for s in offline]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
-        raise ScenarioError(file, "name", f"client names must be unique; repeated: {dup}")
+        r.fail("name", f"client names must be unique; repeated: {dup}")
     overrides = {k: doc[k] for k in ("control", "probe", "latency") if k in doc}
     try:
         cfg = gconfig.from_dict(overrides, file)
     except gconfig.ConfigError as exc:
         raise ScenarioError(file, exc.key, exc.reason) from exc
     return Scenario(
-        name=name,
+        name=head.name if head.name is not None else Path(str(file or "scenario")).stem,
         file=str(file or "<scenario>"),
-        description=r.string(head, "scenario.", "description", default=""),
-        duration_s=duration,
-        warmup_s=warmup,
-        seed=r.integer(head, "scenario.", "seed", default=1),
+        description=head.description,
+        duration_s=head.duration_s,
+        warmup_s=head.warmup_s,
+        seed=head.seed,
         gpu=gpu,
         online=online,
         offline=offline,
@@ -226,328 +263,94 @@ def loads(text: str, file: Path | str | None = None) -> Scenario:
     )
 
 
-def _gpu(r: _Reader, t: Mapping[str, Any]) -> GpuSpec:
-    p = "gpu."
-    r.keys(
-        t,
-        p,
-        {
-            "count",
-            "sm_count",
-            "mem_total",
-            "parallel_fraction",
-            "bw_beta",
-            "slice",
-            "switch",
-            "wave_scale",
-            "launch_gap",
-            "inflight_wake",
-            "host_per_kernel",
-            "train_host_per_kernel",
-            "merge_online_us",
-            "merge_offline_us",
-            "start",
-            "restart",
-            "probe_kernel",
-        },
-    )
-    d = GpuSpec()
-    spec = GpuSpec(
-        count=r.integer(t, p, "count", default=d.count, low=1, high=64),
-        sm_count=r.integer(t, p, "sm_count", default=d.sm_count, low=1, high=1024),
-        mem_total_bytes=r.size(t, p, "mem_total", default=d.mem_total_bytes),
-        parallel_fraction=r.number(t, p, "parallel_fraction", d.parallel_fraction, 0.0, 1.0),
-        bw_beta=r.number(t, p, "bw_beta", d.bw_beta, 0.0, 10.0),
-        slice_s=r.duration(t, p, "slice", default=d.slice_s, above=0.0),
-        switch_s=r.duration(t, p, "switch", default=d.switch_s),
-        wave_scale=r.number(t, p, "wave_scale", d.wave_scale, 0.05, 20.0),
-        launch_gap_s=r.duration(t, p, "launch_gap", default=d.launch_gap_s),
-        inflight_wake_s=r.duration(t, p, "inflight_wake", default=d.inflight_wake_s),
-        host_per_kernel_s=r.duration(t, p, "host_per_kernel", default=d.host_per_kernel_s),
-        train_host_per_kernel_s=r.duration(
-            t, p, "train_host_per_kernel", default=d.train_host_per_kernel_s
-        ),
-        merge_online_us=r.number(t, p, "merge_online_us", d.merge_online_us, 0.0, 10_000.0),
-        merge_offline_us=r.number(t, p, "merge_offline_us", d.merge_offline_us, 0.0, 10_000.0),
-        start_s=r.duration(t, p, "start", default=d.start_s),
-        restart_s=r.duration(t, p, "restart", default=d.restart_s),
-        probe_kernel_s=r.duration(t, p, "probe_kernel", default=d.probe_kernel_s, above=0.0),
-    )
-    if spec.mem_total_bytes <= 0:
-        raise ScenarioError(r.file, "gpu.mem_total", "must be a positive size such as '16GiB'")
-    return spec
-
-
-def _online(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OnlineSpec:
-    r.keys(
-        t,
-        p,
-        {
-            "name",
-            "profile",
-            "gpu",
-            "arrivals",
-            "load",
-            "rps",
-            "trace",
-            "trace_start",
-            "trace_speedup",
-            "bin",
-            "sm_pct",
-            "mem",
-            "slo_p99_ms",
-            "slo_factor",
-            "burst",
-            "launch_blocking",
-            "request_boundaries",
-        },
-    )
-    arrivals = r.string(t, p, "arrivals", default="poisson")
-    if arrivals not in ("poisson", "azure", "genai"):
-        raise ScenarioError(r.file, p + "arrivals", "expected 'poisson', 'azure' or 'genai'")
-    rps = r.opt_number(t, p, "rps", 0.0, 100_000.0)
-    load = r.load(t, p)
-    if rps is not None and load is not None:
-        raise ScenarioError(r.file, p + "rps", "give either rps or load, not both")
-    if rps is None and load is None:
-        load = 0.5
-    trace = r.opt_string(t, p, "trace")
-    if arrivals != "poisson" and trace is None:
-        raise ScenarioError(r.file, p + "trace", f"arrivals = '{arrivals}' needs a trace file")
-    if trace is not None:
-        r.data_file(p + "trace", trace)
-    profile = r.profile(t, p, gpu.merge_online_us, gpu.sm_count)
-    if arrivals == "poisson" and rps is not None:
+def _online(
+    r: Reader, spec: OnlineSpec, p: str, gpu: GpuSpec, raw: Mapping[str, Any]
+) -> OnlineSpec:
+    """The checks of one ``[[online]]`` that need more than its own keys."""
+    if spec.rps is not None:
+        if "load" in raw:
+            r.fail(p + "rps", "give either rps or load, not both")
+        spec = replace(spec, load=None)
+    if spec.arrivals != "poisson" and spec.trace is None:
+        r.fail(p + "trace", f"arrivals = '{spec.arrivals}' needs a trace file")
+    if spec.trace is not None:
+        _data_file(r, p + "trace", spec.trace)
+    _check_common(r, spec.name, spec.profile, spec.gpu, p, gpu, gpu.merge_online_us)
+    if spec.arrivals == "poisson" and spec.rps is not None:
         # A steady Poisson rate at or above one request per pass is a queue that never drains:
         # every latency would grow with the run's length, whatever the policy.
-        prof = data.load_profile(profile, gpu.merge_online_us, gpu.sm_count)
+        prof = data.load_profile(spec.profile, gpu.merge_online_us, gpu.sm_count)
         pass_s = request_alone_s(prof, gpu.host_per_kernel_s)
+        rps = spec.rps
         if rps * pass_s >= 1.0:
-            raise r.err(
+            r.fail(
                 p + "rps",
                 f"{rps:g} requests/s of {pass_s * 1e3:.2f} ms passes is a load of "
                 f"{rps * pass_s:.2f}: the server would fall behind even alone; "
                 f"give rps below {1.0 / pass_s:.1f} (or a load below 1)",
             )
-    spec = OnlineSpec(
-        name=r.string(t, p, "name", required=True),
-        profile=profile,
-        gpu=r.gpu_index(t, p, gpu),
-        arrivals=arrivals,  # type: ignore[arg-type]
-        load=load,
-        rps=rps,
-        trace=trace,
-        trace_start_s=r.duration(t, p, "trace_start", default=0.0),
-        trace_speedup=r.number(t, p, "trace_speedup", 1.0, 1e-6, 1e6),
-        bin_s=r.duration(t, p, "bin", default=1.0, above=0.0),
-        sm_pct=r.number(t, p, "sm_pct", 100.0, 1.0, 100.0),
-        mem_bytes=r.size(t, p, "mem", default=2 << 30),
-        slo_p99_ms=r.opt_number(t, p, "slo_p99_ms", 0.0, 1e9),
-        slo_factor=r.number(t, p, "slo_factor", 1.1, 1.0, 1000.0),
-        burst=r.burst(t, p) if arrivals == "poisson" else None,
-        launch_blocking=r.boolean(t, p, "launch_blocking", default=False),
-        request_boundaries=r.boolean(t, p, "request_boundaries", default=True),
-    )
-    if "burst" in t and arrivals != "poisson":
-        raise ScenarioError(r.file, p + "burst", "a burst applies to poisson arrivals only")
+    if spec.burst is not None and spec.arrivals != "poisson":
+        r.fail(p + "burst", "a burst applies to poisson arrivals only")
     return spec
 
 
-def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineSpec:
-    r.keys(
-        t,
-        p,
-        {
-            "name", "profile", "gpu", "mem", "pinned_mem", "restartable", "submit",
-            "launch_blocking", "queue",
-        },
-    )  # fmt: skip
-    queue = r.string(t, p, "queue", default="auto")
-    if queue not in QUEUE_MODES:
+def _offline(r: Reader, spec: OfflineSpec, p: str, gpu: GpuSpec) -> OfflineSpec:
+    """The checks of one ``[[offline]]`` that need more than its own keys."""
+    _check_common(r, spec.name, spec.profile, spec.gpu, p, gpu, gpu.merge_offline_us)
+    return spec
+
+
+def _check_common(
+    r: Reader, name: str, profile: str, index: int, p: str, gpu: GpuSpec, merge_us: float
+) -> None:
+    if not name:
+        r.fail(p + "name", "expected a non-empty string")
+    if not profile:
+        r.fail(p + "profile", "expected a non-empty string")
+    if index >= gpu.count:
+        r.fail(p + "gpu", f"expected an integer in [0, {gpu.count - 1}], got {index!r}")
+    _data_file(r, p + "profile", profile)
+    try:
+        data.load_profile(profile, merge_us, gpu.sm_count)
+    except data.DataError as exc:
+        raise ScenarioError(r.file, p + "profile", str(exc)) from exc
+
+
+def _data_file(r: Reader, key: str, relative: str) -> Path:
+    try:
+        return data.resolve(relative)
+    except data.DataError as exc:
         raise ScenarioError(
-            r.file, p + "queue", f"expected one of {', '.join(QUEUE_MODES)}, got {queue!r}"
+            r.file, key, f"{exc}; names are relative to gpushare's data folder or ${data.DATA_ENV}"
+        ) from exc
+
+
+def _load(r: Reader, v: Any, key: str) -> float:
+    """The offered load (arrival rate x pass time alone): a number in (0, 1)."""
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        r.fail(key, f"expected a number above 0 and below 1, got {show(v)}")
+    if v <= 0:
+        r.fail(key, f"must be above 0 (a fraction of one server's capacity), got {show(v)}")
+    if v >= 1:
+        r.fail(
+            key,
+            "must be below 1: at a load of 1 or more the server falls behind even alone, "
+            f"so every latency grows with the run's length; give e.g. 0.5, got {show(v)}",
         )
-    pinned = r.size(t, p, "pinned_mem", default=None) if "pinned_mem" in t else None
-    return OfflineSpec(
-        name=r.string(t, p, "name", required=True),
-        profile=r.profile(t, p, gpu.merge_offline_us, gpu.sm_count),
-        gpu=r.gpu_index(t, p, gpu),
-        mem_bytes=r.size(t, p, "mem", default=4 << 30),
-        pinned_mem_bytes=pinned,
-        restartable=r.boolean(t, p, "restartable", default=True),
-        submit_s=r.duration(t, p, "submit", default=1.0),
-        launch_blocking=r.boolean(t, p, "launch_blocking", default=False),
-        queue=queue,
-    )
+    return float(v)
 
 
-class _Reader:
-    """Typed access to TOML values that raises :class:`ScenarioError` naming the key."""
-
-    def __init__(self, file: Path | str | None) -> None:
-        self.file = file
-
-    def err(self, key: str, reason: str, value: Any = None) -> ScenarioError:
-        shown = f", got {value!r}" if value is not None else ""
-        return ScenarioError(self.file, key, reason + shown)
-
-    def keys(self, t: Mapping[str, Any], p: str, valid: set[str]) -> None:
-        for key in t:
-            if key not in valid:
-                raise self.err(p + key, f"unknown key; valid keys here: {', '.join(sorted(valid))}")
-
-    def table(self, t: Mapping[str, Any], key: str, *, required: bool = False) -> Mapping[str, Any]:
-        v = t.get(key)
-        if v is None:
-            if required:
-                raise self.err(key, f"missing table [{key}]")
-            return {}
-        if not isinstance(v, Mapping):
-            raise self.err(key, "expected a table", v)
-        return v
-
-    def array(self, t: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
-        v = t.get(key, [])
-        if not isinstance(v, list) or not all(isinstance(x, Mapping) for x in v):
-            raise self.err(key, f"expected an array of tables ([[{key}]])")
-        return v
-
-    def string(
-        self,
-        t: Mapping[str, Any],
-        p: str,
-        key: str,
-        *,
-        default: str | None = None,
-        required: bool = False,
-    ) -> str:
-        v = t.get(key)
-        if v is None:
-            if required or default is None:
-                raise self.err(p + key, "missing; give a string")
-            return default
-        if not isinstance(v, str) or (required and not v):
-            raise self.err(p + key, "expected a non-empty string", v)
-        return v
-
-    def opt_string(self, t: Mapping[str, Any], p: str, key: str) -> str | None:
-        return self.string(t, p, key) if key in t else None
-
-    def integer(
-        self,
-        t: Mapping[str, Any],
-        p: str,
-        key: str,
-        *,
-        default: int,
-        low: int = 0,
-        high: int = 2**62,
-    ) -> int:
-        v = t.get(key, default)
-        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
-            raise self.err(p + key, f"expected an integer in [{low}, {high}]", v)
-        return v
-
-    def number(
-        self, t: Mapping[str, Any], p: str, key: str, default: float, low: float, high: float
-    ) -> float:
-        v = t.get(key, default)
-        if not isinstance(v, int | float) or isinstance(v, bool) or not low <= v <= high:
-            raise self.err(p + key, f"expected a number in [{low}, {high}]", v)
-        return float(v)
-
-    def opt_number(
-        self, t: Mapping[str, Any], p: str, key: str, low: float, high: float
-    ) -> float | None:
-        if key not in t:
-            return None
-        v = self.number(t, p, key, 0.0, low, high)
-        if v <= low:
-            raise self.err(p + key, f"must be above {low}", v)
-        return v
-
-    def load(self, t: Mapping[str, Any], p: str) -> float | None:
-        """The offered load (arrival rate x pass time alone): a number in (0, 1)."""
-        if "load" not in t:
-            return None
-        v = t["load"]
-        if not isinstance(v, int | float) or isinstance(v, bool):
-            raise self.err(p + "load", "expected a number above 0 and below 1", v)
-        if v <= 0:
-            raise self.err(p + "load", "must be above 0 (a fraction of one server's capacity)", v)
-        if v >= 1:
-            raise self.err(
-                p + "load",
-                "must be below 1: at a load of 1 or more the server falls behind even alone, "
-                "so every latency grows with the run's length; give e.g. 0.5",
-                v,
-            )
-        return float(v)
-
-    def boolean(self, t: Mapping[str, Any], p: str, key: str, *, default: bool) -> bool:
-        v = t.get(key, default)
-        if not isinstance(v, bool):
-            raise self.err(p + key, "expected true or false", v)
-        return v
-
-    def duration(
-        self, t: Mapping[str, Any], p: str, key: str, *, default: float, above: float | None = None
-    ) -> float:
-        v = t.get(key)
-        if v is None:
-            return default
-        bad_type = isinstance(v, bool) or not isinstance(v, str | int | float)
-        try:
-            s = parse_duration("bad" if bad_type else v)
-        except ValueError:
-            raise self.err(
-                p + key, "expected a duration such as '30s', '100ms' or 2.5", v
-            ) from None
-        if s < 0 or (above is not None and s <= above):
-            raise self.err(p + key, "must be a positive duration", v)
-        return s
-
-    def size(self, t: Mapping[str, Any], p: str, key: str, *, default: int | None) -> Any:
-        v = t.get(key)
-        if v is None:
-            return default
-        bad_type = isinstance(v, bool) or not isinstance(v, str | int)
-        try:
-            return parse_size("bad" if bad_type else v)
-        except ValueError:
-            raise self.err(p + key, "expected a size such as '4GiB' or '512MiB'", v) from None
-
-    def burst(self, t: Mapping[str, Any], p: str) -> tuple[float, float, float] | None:
-        v = t.get("burst")
-        if v is None:
-            return None
-        ok = isinstance(v, list) and len(v) == 3
+def _burst(r: Reader, v: Any, key: str) -> tuple[float, float, float]:
+    ok = isinstance(v, list) and len(v) == 3
+    try:
         nums = [parse_duration(x) if isinstance(x, str) else x for x in v] if ok else []
-        if not ok or not all(
-            isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in nums
-        ):
-            raise self.err(p + "burst", 'expected ["AT", "FOR", FACTOR], e.g. ["20s", "15s", 3]', v)
-        at, length, factor = (float(x) for x in nums)
-        if length <= 0 or factor <= 0:
-            raise self.err(p + "burst", "the burst's length and factor must be positive", v)
-        return (at, length, factor)
-
-    def gpu_index(self, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> int:
-        return self.integer(t, p, "gpu", default=0, low=0, high=gpu.count - 1)
-
-    def data_file(self, key: str, relative: str) -> Path:
-        try:
-            return data.resolve(relative)
-        except data.DataError as exc:
-            raise self.err(
-                key, f"{exc}; names are relative to gpushare's data folder or ${data.DATA_ENV}"
-            ) from exc
-
-    def profile(self, t: Mapping[str, Any], p: str, merge_us: float, sm_count: int) -> str:
-        rel = self.string(t, p, "profile", required=True)
-        self.data_file(p + "profile", rel)
-        try:
-            data.load_profile(rel, merge_us, sm_count)
-        except data.DataError as exc:
-            raise self.err(p + "profile", str(exc)) from exc
-        return rel
+    except ValueError:
+        nums = []
+    if not nums or not all(
+        isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in nums
+    ):
+        r.fail(key, f'expected ["AT", "FOR", FACTOR], e.g. ["20s", "15s", 3], got {show(v)}')
+    at, length, factor = (float(x) for x in nums)
+    if length <= 0 or factor <= 0:
+        r.fail(key, f"the burst's length and factor must be positive, got {show(v)}")
+    return (at, length, factor)

@@ -16,15 +16,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from gpushare.sim import data
+from gpushare.sim.arrivals import poisson_arrivals
 from gpushare.sim.gpu import DEFAULT_SLICE_S, EventLoop, Gpu, GpuMode, ShareRule
 from gpushare.sim.workloads import (
     DEFAULT_HOST_PER_KERNEL_S,
     OfflineTrainer,
     OnlineServer,
-    percentile,
-    poisson_arrivals,
     request_alone_s,
 )
+from gpushare.stats import percentile
 
 ORION = "orion-v100-kernels"
 POINTS = "validation/points.csv"

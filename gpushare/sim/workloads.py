@@ -1,4 +1,4 @@
-"""Simulated clients: online servers (open-loop requests), offline trainers, and the latency probe.
+"""Simulated clients: online servers (open-loop requests) and offline trainers.
 
 Each is a :class:`gpushare.sim.gpu.Client` with one :class:`~gpushare.sim.gpu.Stream`: one in-order
 stream of kernels on one GPU.
@@ -13,15 +13,14 @@ stream of kernels on one GPU.
   iteration at the iteration's start and synchronises at its end (PyTorch's ``loss.item()``), so it
   runs ahead of the GPU by at most one iteration. Frozen, it issues nothing new; the kernels of the
   iteration already issued still run.
-* :class:`ProbeClient` launches one tiny kernel every probe period at MPS priority 0 and records
-  how long it waited and ran, like gpushare's cuda-python probe.
+
+The latency probe's client is :class:`gpushare.sim.probe.ProbeClient`; arrival processes are in
+:mod:`gpushare.sim.arrivals`.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-import random
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -179,7 +178,6 @@ class SimClient(StreamView):
         """Unpack a kernel profile into the flat per-kernel sequences the hot path reads."""
         self.profile = profile
         self._dur = profile.dur_s
-        self._width = profile.width
         self._mem = profile.mem
         self._n = len(profile)
         scale = self.gpu.wave_scale
@@ -294,7 +292,6 @@ class OnlineServer(SimClient):
         #: off its queue to its completion, queueing excluded. This is the latency Tally's
         #: benchmark records (docs/simulator.md section 4, "What Tally measures").
         self.served: list[tuple[float, float]] = []
-        self.arrived = 0
         #: Told ``(+1 | -1, now)`` when a request starts (arrives) and ends, as a service using
         #: ``gpushare.client.request_started``/``request_ended`` tells the daemon
         #: (:class:`gpushare.sim.gating.BoundarySender`); ``None``: the service says nothing.
@@ -313,7 +310,6 @@ class OnlineServer(SimClient):
             self._loop.at(t, self._arrive, t)
 
     def _arrive(self, arg: object) -> None:
-        self.arrived += 1
         if self.on_boundary is not None:
             self.on_boundary(1, self._loop.now)
         self.queue.append(float(arg))  # type: ignore[arg-type]
@@ -575,183 +571,3 @@ class OfflineTrainer(SimClient):
         self._parked_launch = None
         self.active = False
         self.state = state
-
-
-class ProbeClient(StreamView):
-    """gpushare's latency probe: a tiny kernel every period at priority 0, synchronously."""
-
-    cid = "probe"
-
-    def __init__(
-        self, gpu: Gpu, *, period_s: float, kernel_s: float = 15e-6, width: int = 1
-    ) -> None:
-        self.gpu = gpu
-        self.stream = Stream(self, self.cid, 0, gpu.sm_count)
-        self.period_s = period_s
-        self.kernel_s = kernel_s
-        self.width = width
-        self._pending = False
-        self._launched = 0.0
-        #: (launch_s, latency_s, offline_running) per probe kernel.
-        self.samples: list[tuple[float, float, bool]] = []
-        self.offline_running = False
-        self.baseline_ms: float | None = None
-        self.baseline_at_s: float | None = None
-
-    @property
-    def pending_since(self) -> float | None:
-        """Launch time of the probe kernel not yet back, if any."""
-        return self._launched if self._pending else None
-
-    def start(self, loop: EventLoop) -> None:
-        """Attach to the GPU and launch the first probe now."""
-        self._loop = loop
-        self.gpu.attach(self)
-        loop.at(loop.now, self._launch)
-
-    def _launch(self, _: object) -> None:
-        loop = self._loop
-        if not self._pending:
-            self._pending = True
-            st = self.stream
-            st.nxt = (self.kernel_s, self.width, 0.0, self.kernel_s, 1.0)
-            self._launched = loop.now
-            st.eligible_since = loop.now
-            self.gpu.wake()
-        loop.at(loop.now + self.period_s, self._launch)
-
-    def on_kernel_done(self, now: float) -> None:
-        """Record wait + run time."""
-        self._pending = False
-        self.stream.nxt = None
-        self.samples.append((self._launched, now - self._launched, self.offline_running))
-
-
-def poisson_arrivals(rate_per_s: float, seed: int, end_s: float) -> Iterator[float]:
-    """Open-loop Poisson arrivals at ``rate_per_s`` until ``end_s``."""
-    rng = random.Random(seed)
-    t = 0.0
-    while True:
-        t += rng.expovariate(rate_per_s)
-        if t >= end_s:
-            return
-        yield t
-
-
-def bursty_poisson_arrivals(
-    rps: float,
-    burst: tuple[float, float, float] | None,
-    seed: int,
-    start_s: float,
-    end_s: float,
-) -> Iterator[float]:
-    """Poisson arrivals at ``rps`` from ``start_s``, with an optional burst.
-
-    ``burst = (at_s, for_s, factor)`` multiplies the rate by ``factor`` from ``at_s`` (relative to
-    ``start_s``) for ``for_s``.
-    """
-    rng = random.Random(seed)
-    t = 0.0
-    lo, length, factor = burst if burst is not None else (math.inf, 0.0, 1.0)
-    hi = lo + length
-    while True:
-        rate = rps * factor if lo <= t < hi else rps
-        step = rng.expovariate(rate)
-        # Memorylessness: a draw that crosses a rate boundary restarts at the boundary.
-        edge = lo if t < lo else hi if t < hi else math.inf
-        if t + step > edge:
-            t = edge
-            continue
-        t += step
-        if start_s + t >= end_s:
-            return
-        yield start_s + t
-
-
-def trace_arrivals(
-    times_s: tuple[float, ...], *, start_s: float, speedup: float, rate_scale: float, end_s: float
-) -> Iterator[float]:
-    """Replay a recorded arrival trace from ``start_s``, ``speedup`` times faster.
-
-    ``rate_scale`` thins (< 1) the trace deterministically to scale its mean rate; it must be <= 1.
-    """
-    i = bisect.bisect_left(times_s, start_s)
-    acc = 0.0
-    while i < len(times_s):
-        t = (times_s[i] - start_s) / speedup
-        if t >= end_s:
-            return
-        acc += rate_scale
-        if acc >= 1.0:
-            acc -= 1.0
-            yield t
-        i += 1
-
-
-def rate_series_arrivals(
-    per_bin: tuple[float, ...], *, bin_s: float, peak_rps: float, seed: int, end_s: float
-) -> Iterator[float]:
-    """A non-homogeneous Poisson process whose rate follows ``per_bin`` scaled to ``peak_rps``.
-
-    Each bin of the series lasts ``bin_s`` of virtual time (the series is compressed in time).
-    """
-    rng = random.Random(seed)
-    peak = max(per_bin) or 1.0
-    t = 0.0
-    b = 0
-    while b < len(per_bin):
-        rate = per_bin[b] / peak * peak_rps
-        bin_end = (b + 1) * bin_s
-        t = min(t + rng.expovariate(rate), bin_end) if rate > 0.0 else bin_end
-        if t >= end_s:
-            return
-        if t >= bin_end:
-            # Memorylessness: restart the draw at the next bin's start with its own rate (a
-            # quiet bin's long draw must not end the process before the busy bins after it).
-            b += 1
-            continue
-        yield t
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` percentile (0-100) by the nearest-rank method; NaN for no values."""
-    return percentile_sorted(sorted(values), q)
-
-
-def percentile_sorted(ordered: list[float], q: float) -> float:
-    """:func:`percentile` of values already sorted in ascending order."""
-    if not ordered:
-        return math.nan
-    k = max(0, min(len(ordered) - 1, math.ceil(q / 100.0 * len(ordered)) - 1))
-    return ordered[k]
-
-
-class WindowLatencies:
-    """The latencies (ms) of a server's requests completed in a trailing window, kept sorted.
-
-    :meth:`update` returns what sorting ``[lat * 1e3 for arr, lat in completed if arr + lat >= lo]``
-    would, but incrementally: requests completed since the last call are inserted, those whose
-    completion fell out of the window are removed. It relies on ``completed`` being appended to in
-    completion order and ``lo`` never decreasing (the controller reads it once per period).
-    """
-
-    def __init__(self, completed: list[tuple[float, float]]) -> None:
-        self.completed = completed
-        self._added = 0
-        self._first = 0
-        self._sorted_ms: list[float] = []
-
-    def update(self, lo: float) -> list[float]:
-        """The sorted latencies (ms) of the requests completed at or after ``lo``."""
-        done = self.completed
-        n = len(done)
-        ordered = self._sorted_ms
-        for k in range(self._added, n):
-            bisect.insort(ordered, done[k][1] * 1e3)
-        self._added = n
-        i = self._first
-        while i < n and done[i][0] + done[i][1] < lo:
-            del ordered[bisect.bisect_left(ordered, done[i][1] * 1e3)]
-            i += 1
-        self._first = i
-        return ordered

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.daemon_helpers import python_for_others, site_for_others
 from gpushare import protocol
 from gpushare.cli.app import COMMANDS
 from gpushare.cli.exitcodes import EXIT_CODES
 from gpushare.paths import repo_root
-from tests.support.daemon_helpers import python_for_others, site_for_others
 
 REPO = repo_root()
 NOBODY = 65534

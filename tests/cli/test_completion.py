@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon_helpers import DaemonProc
+from bench.support.daemon_helpers import DaemonProc
 
 BIN = Path(__file__).resolve().parents[2] / ".venv" / "bin"
 

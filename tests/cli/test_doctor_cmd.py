@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from gpushare import config
 from gpushare.cli import doctor_cmd
 from gpushare.cli.app import app
 from gpushare.cli.doctor import Probe, Status
 from tests.fakes.fake_host import FakeHost
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
 runner = CliRunner()
 

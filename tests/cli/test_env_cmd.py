@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from bench.support.daemon_helpers import DaemonProc
 from gpushare import mpsenv
-from gpushare.cli import envresolve as env_cmd
 from gpushare.cli.app import app
 from gpushare.model import ClientClass
-from tests.support.daemon_helpers import DaemonProc
+from gpushare.roots import envresolve as env_cmd
 
 runner = CliRunner()
 UUID = "GPU-8a2f1c3e-1111-2222-3333-444455556666"

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.daemon_helpers import DaemonProc
+from bench.support.daemon_helpers import DaemonProc
 
 CLI = [sys.executable, "-m", "gpushare"]
 

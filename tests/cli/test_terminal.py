@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.daemon_helpers import REPO, DaemonProc
+from bench.support.daemon_helpers import REPO, DaemonProc
 
 ESC = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
+from bench.support import trusted
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree
+from bench.support.daemon_helpers import call_as, python_for_others
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
 from gpushare.paths import repo_root
-from tests.support import trusted
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree
-from tests.support.daemon_helpers import call_as, python_for_others
 from tests.support.sim_daemon_helpers import GPUSHARE, sim_config, socket_env
 
 NO_MPS = Path("nvidia-cuda-mps-control-not-installed")  # MPS simulated: a quick start

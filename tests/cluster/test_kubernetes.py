@@ -1,7 +1,6 @@
-"""Kubernetes: the manifests against the real Kubernetes schema, and pod/container identification.
+"""Kubernetes: pod and container identification (the manifests: tests/k8s/test_manifests.py).
 
-No cluster runs here (docs/kubernetes.md says what has and has not been run). The manifests are
-checked by kubernetes-validate (the API's OpenAPI schemas, strict: unknown fields are errors); the
+No cluster runs here (docs/kubernetes.md says what has and has not been run). The
 cgroup-path parser is checked on the documented path formats of each runtime and driver, and on
 the real cgroup of a container started by podman where podman can run.
 """
@@ -9,7 +8,6 @@ the real cgroup of a container started by podman where podman can run.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import shutil
 import subprocess
@@ -19,133 +17,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
-import yaml
 
-from gpushare import config, pods
-from gpushare.adoption import FACT_ENV, Rule, decide
-from gpushare.model import ClientClass, PauseMechanism, ProcessFacts
-from gpushare.mpsenv import ENV_CLASS, check_limits
+from bench.support.daemon_helpers import DaemonProc, wait_for
+from gpushare import config
+from gpushare.control import pods
+from gpushare.control.adoption import FACT_ENV, Rule, decide
+from gpushare.model import ClientClass, PauseMechanism
 from gpushare.node.cgroups.discovery import cgroup2_mount
 from gpushare.node.cgroups.route import freeze_route
 from gpushare.node.procs.facts import process_facts
 from gpushare.node.procs.identity import descendants
-from gpushare.paths import repo_root
 from tests.fakes.fake_gpu import fake_uuid
-from tests.support.daemon_helpers import DaemonProc, wait_for
 
-K8S = repo_root() / "deploy" / "kubernetes"
-# The oldest Kubernetes release still supported upstream when this was written; the manifests use
-# nothing newer.
-K8S_VERSION = "1.30"
 CID = "3f1b5a0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a"
 UID = "7a5c3b2e-1f4d-4c8a-9b6e-2d3f4a5b6c7d"
 UID_ = UID.replace("-", "_")
-
-
-def _docs(name: str) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
-
-
-def _validate(doc: dict[str, Any]) -> None:
-    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-
-
-def _container(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    (obj,) = [d for d in docs if d["kind"] == kind]
-    spec = obj["spec"]["template"]["spec"] if kind == "DaemonSet" else obj["spec"]
-    return spec["containers"][0]
-
-
-# ------------------------------------------------------------------------------------ manifests
-
-
-@pytest.mark.parametrize("name", sorted(p.name for p in K8S.glob("*.yaml")))
-def test_every_manifest_is_valid_against_the_kubernetes_schema(name):
-    docs = _docs(name)
-    assert docs
-    for doc in docs:
-        _validate(doc)
-
-
-def test_the_daemonset_shares_what_mps_clients_need_and_probes_the_socket():
-    ds = _docs("daemonset.yaml")[0]
-    spec = ds["spec"]["template"]["spec"]
-    assert spec["hostPID"] is True
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host_paths["run"] == "/run/gpushare"
-    assert host_paths["shm"] == "/dev/shm"
-    assert host_paths["cgroup"] == "/sys/fs/cgroup"
-    c = spec["containers"][0]
-    assert c["command"][:2] == ["nsenter", "--cgroup=/proc/1/ns/cgroup"]
-    assert c["readinessProbe"]["exec"]["command"] == ["gpushare", "status", "--json"]
-    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert mounts["run"] == "/run/gpushare"
-    # The config it mounts is a valid gpushare config whose paths are the shared host paths.
-    (cm,) = _docs("configmap.yaml")
-    cfg = config.loads(cm["data"]["gpushare.toml"], "configmap.yaml")
-    assert cfg.paths.resolved("mps_pipe_dir") == Path("/run/gpushare/mps")
-    assert cfg.paths.resolved("socket") == Path("/run/gpushare/gpushare.sock")
-
-
-def _workload_problems(pod: dict[str, Any]) -> list[str]:
-    """The gpushare markers and MPS limits a pod's containers declare, checked as the daemon will."""
-    problems = []
-    for c in pod["spec"]["containers"]:
-        env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
-        facts = procs_facts(env)
-        decision = decide([Rule(config.MARKER_RULE, 0, "the default rule")], facts)
-        if not decision.adopt:
-            problems.append(f"{c['name']}: {decision.reason}")
-            continue
-        sm = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-        try:
-            check_limits(decision.cls or ClientClass.OFFLINE, float(sm) if sm else None, None, None)
-        except ValueError as exc:
-            problems.append(f"{c['name']}: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={sm}: {exc}")
-    return problems
-
-
-def procs_facts(env: dict[str, str]) -> ProcessFacts:
-    return ProcessFacts(
-        pid=1, ppid=0, uid=1000, user="u", name="c", start_time=0.0, cgroup=None, unit=None,
-        environ={k: v for k, v in env.items() if k in FACT_ENV}, gpu_uuids=("GPU-0",),
-    )  # fmt: skip
-
-
-def test_the_example_pods_declare_valid_classes_and_limits():
-    pods_ = _docs("example-pods.yaml")
-    assert {p["spec"]["containers"][0]["env"][0]["value"] for p in pods_} == {"online", "offline"}
-    for pod in pods_:
-        assert _workload_problems(pod) == []
-        mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
-        assert {"/run/gpushare", "/dev/shm"} <= mounts
-
-
-def test_out_of_range_and_misspelt_values_get_clear_messages():
-    ds = _docs("daemonset.yaml")[0]
-    typo = copy.deepcopy(ds)
-    typo["spec"]["template"]["spec"]["hostPid"] = True
-    with pytest.raises(kubernetes_validate.ValidationError, match="'hostPid' was unexpected"):
-        _validate(typo)
-    wrong_type = copy.deepcopy(ds)
-    _container([wrong_type], "DaemonSet")["readinessProbe"]["periodSeconds"] = "ten"
-    with pytest.raises(kubernetes_validate.ValidationError) as err:
-        _validate(wrong_type)
-    assert list(err.value.path)[-2:] == ["readinessProbe", "periodSeconds"]
-
-    pod = copy.deepcopy(_docs("example-pods.yaml")[1])
-    env = {e["name"]: e for e in _container([pod], "Pod")["env"]}
-    env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]["value"] = "150"
-    assert _workload_problems(pod) == [
-        "train: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=150: --sm must be a percentage in (0, 100], got 150"
-    ]
-    env[ENV_CLASS]["value"] = "batch"
-    assert _workload_problems(pod) == [
-        "train: pid 1 (c) of u not adopted: GPUSHARE_CLASS='batch' is not a class: use online or offline"
-    ]
 
 
 # ------------------------------------------------------------------------- pod identification

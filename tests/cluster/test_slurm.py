@@ -28,6 +28,9 @@ from typing import Any
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.daemon_helpers import install_package_for_others, python_for_others, wait_for
+from bench.support.trusted import make_trusted_dir
 from gpushare import config, protocol, slurm
 from gpushare.client import ApiClient
 from gpushare.model import ClientClass
@@ -35,9 +38,6 @@ from gpushare.node.cgroups.discovery import cgroup2_mount
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.paths import repo_root
 from tests.support import slurm_cluster
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.daemon_helpers import install_package_for_others, python_for_others, wait_for
-from tests.support.trusted import make_trusted_dir
 
 GPU = "GPU-8a2f1c3e-1111-2222-3333-444455556666"
 
@@ -310,7 +310,7 @@ control_binary = "/nonexistent/gpushare-test/nvidia-cuda-mps-control"
 
 
 @pytest.fixture(scope="module")
-def slurm_harness() -> Iterator[Harness]:
+def slurm_harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     if (reason := slurm_cluster.skip_reason()) is not None:
         pytest.skip(reason)
     python = python_for_others()
@@ -340,7 +340,11 @@ def slurm_harness() -> Iterator[Harness]:
         scripts[name].chmod(0o755)
     recorder = _serve(base / "api.sock")
     cluster = slurm_cluster.start(
-        prolog=scripts["prolog"], task_prolog=scripts["task-prolog"], epilog=scripts["epilog"]
+        prolog=scripts["prolog"],
+        task_prolog=scripts["task-prolog"],
+        epilog=scripts["epilog"],
+        # A module that sets SLURM_GRES gets a node with those GRES (tests/cluster/test_slurm_gres.py).
+        gres=getattr(request.module, "SLURM_GRES", None),
     )
     # Jobs run as nobody where nobody can run a Python with gpushare; else as root.
     user = "nobody" if python is not None and _has_nobody() else None

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.support import trusted
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree
+from bench.support.daemon_helpers import call_as, python_for_others
+from bench.support.helpers import find_mps_control
 from gpushare import shipped
 from gpushare.paths import repo_root
-from tests.support import trusted, unit_sandbox
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree
-from tests.support.daemon_helpers import call_as, python_for_others
-from tests.support.helpers import find_mps_control
+from tests.support import unit_sandbox
 from tests.support.sim_daemon_helpers import GPUSHARE, sim_config, socket_env
 
 UNIT = shipped.path(shipped.UNIT)

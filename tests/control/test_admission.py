@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from bench.support.observations import GIB, gpu_uuid, job, observation, offline, online
 from gpushare.control.admission import admit, plan
 from gpushare.model import ClientState, MpsState, Observation
-from tests.fakes.fake_observations import GIB, gpu_uuid, job, observation, offline, online
 
 
 def gpus(*observations: Observation) -> dict[str, Observation]:
@@ -37,8 +37,9 @@ def test_a_job_that_cannot_start_does_not_block_later_ones() -> None:
     ]
     result = plan(queue, one_gpu(), {}, now=0.0)
     assert [a.client_id for a in result.admits] == ["small-long"]
-    assert "needs 70.00GiB" in result.waiting["huge-short"]
-    assert "online reserve" in result.waiting["huge-short"]
+    # The one fit rule's words (gpushare.control.fit), as submit says them: the job's 70 GiB and the
+    # 2 GiB reserve need 72 of the 70 GiB free.
+    assert "needs 72G with 2G kept for online clients, 70G free" in result.waiting["huge-short"]
 
 
 def test_memory_must_fit_beside_the_online_reserve_including_this_round() -> None:
@@ -80,7 +81,7 @@ def test_backoff_lost_closed_fault_and_unknown_memory_keep_jobs_waiting() -> Non
     result = plan([job("later", not_before=30.0)], one_gpu(), {}, now=10.0)
     assert result.admits == () and "backing off" in result.waiting["later"]
     for kwargs, words in (
-        ({"lost": True}, "GPU lost"),
+        ({"lost": True}, "the GPU is lost"),
         ({"admissions_open": False}, "admissions closed"),
         ({"mps_state": MpsState.FAULT}, "MPS is fault"),
         ({"mem_total": None}, "free memory unknown"),
@@ -96,7 +97,7 @@ def test_mps_client_slots_count_the_probe_and_this_round() -> None:
     admits = admit([job("a"), job("b")], one_gpu(clients=clients), {}, 0.0, max_clients=4)
     assert [a.client_id for a in admits] == ["a"]
     result = plan([job("a")], one_gpu(clients=clients), {}, 0.0, max_clients=3)
-    assert "no MPS client slot" in result.waiting["a"]
+    assert "all 3 MPS client slots are taken (2 clients + the latency probe)" in result.waiting["a"]
 
 
 def test_foreign_uid_is_not_placed_without_multiuser_d11() -> None:
@@ -145,7 +146,7 @@ def test_a_job_admitted_last_tick_holds_its_mem_until_nvml_shows_it() -> None:
     assert after[gpu_uuid(0)].sample.mem_free_bytes == 70 * GIB
     result = plan([job("y", mem=40 * GIB)], after, {}, now=0.1)
     assert result.admits == ()
-    assert "40.00GiB promised" in result.waiting["y"], result.waiting
+    assert "after 40G promised" in result.waiting["y"], result.waiting
     # With a second GPU, y goes there, though x's GPU predicts the smaller slowdown on NVML alone.
     other = observation(
         (online(mem=10 * GIB), offline("o", mem=8 * GIB)), gpu=gpu_uuid(1), index=1, sm_active=90.0

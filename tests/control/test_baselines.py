@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from bench.support.observations import GPU, observation, offline, online
 from gpushare.config import ControlConfig
 from gpushare.control.baselines import (
     TGS_DUTY_MIN,
@@ -16,7 +17,6 @@ from gpushare.control.baselines import (
 )
 from gpushare.control.registry import make_policy
 from gpushare.model import Action, Observation, SetDuty, SetOfflineShare
-from tests.fakes.fake_observations import GPU, observation, offline, online
 
 WITH_ONLINE = observation((online(), offline()))
 OFFLINE_ONLY = observation((offline(),))

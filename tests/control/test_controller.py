@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.support.observations import GIB, GPU, observation, offline, online, with_p99
 from gpushare.config import ControlConfig
 from gpushare.control.controller import GpushareController, GpuState, failure_backoff_s
 from gpushare.model import (
@@ -30,7 +31,6 @@ from gpushare.model import (
     Severity,
     Thaw,
 )
-from tests.fakes.fake_observations import GIB, GPU, observation, offline, online, with_p99
 
 CFG = ControlConfig()
 # The share tests below are about what the share is computed from, not when a quiet period starts
@@ -91,7 +91,6 @@ def client_sets(draw: st.DrawFn) -> tuple[ClientView, ...]:
                 mem=draw(st.sampled_from([None, 1 * GIB, 6 * GIB, 20 * GIB])),
                 restartable=draw(st.booleans()),
                 failures=draw(st.sampled_from([0, 0, 0, 7])),
-                guarantee=draw(st.sampled_from([None, None, 10.0, 30.0])),
                 ceiling=draw(st.sampled_from([None, None, 40.0])),
             )
         )
@@ -441,17 +440,6 @@ def test_online_without_any_signal_holds_duty_and_alerts_once() -> None:
     assert state.duty == 0.4
     assert sum(isinstance(a, Alert) for a in first) == 1
     assert not any(isinstance(a, Alert) for a in second)
-
-
-def test_guarantee_is_a_floor_only_while_slos_hold() -> None:
-    ctl = GpushareController(CFG)
-    guaranteed = offline(sm_pct=50.0, guarantee=20.0)  # 20 % of SMs at a 50 % cap = duty 0.4
-    base = observation((online(), guaranteed))
-    state, ticks = run(ctl, [with_p99(base, 60.0)] * 6)  # violation: floor ignored
-    assert state.duty == 0.0
-    state, actions = ctl.step(state, with_p99(base, 36.0), 1.0)  # SLO holds again (band)
-    (set_duty,) = [a for a in actions if isinstance(a, SetDuty)]
-    assert set_duty.duty == 0.4 and "guarantee" in set_duty.reason
 
 
 # Scenarios: offline share and restarts ---------------------------------------------------------

@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.support.observations import GPU, observation, offline, online
 from gpushare.config import ControlConfig, GateConfig
 from gpushare.control import gate
 from gpushare.control.controller import GpushareController
 from gpushare.control.gate import GateState
 from gpushare.model import GateReading, Observation, RestartClient, SetGating
-from tests.fakes.fake_observations import GPU, observation, offline, online
 
 CTL = GpushareController(ControlConfig())
 GCFG = GateConfig()

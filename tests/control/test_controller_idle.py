@@ -9,10 +9,10 @@ from dataclasses import replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.support.observations import GIB, GPU, observation, offline, online
 from gpushare.config import ControlConfig
 from gpushare.control.controller import GpushareController, GpuState
 from gpushare.model import GateReading, GpuEvent, MpsState, Observation
-from tests.fakes.fake_observations import GIB, GPU, observation, offline, online
 
 
 class FullStep(GpushareController):

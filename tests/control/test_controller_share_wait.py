@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from bench.support.observations import GPU, observation, offline, online, with_p99
 from gpushare.config import ControlConfig
 from gpushare.control.controller import GpushareController, GpuState
 from gpushare.model import (
@@ -22,7 +23,6 @@ from gpushare.model import (
     SetDuty,
     SetOfflineShare,
 )
-from tests.fakes.fake_observations import GPU, observation, offline, online, with_p99
 
 CFG = ControlConfig()  # quiet_settle 1 s, period 100 ms, hysteresis 10 points
 SETTLE_TICKS = round(CFG.quiet_settle_s / CFG.period_s)

@@ -1,6 +1,6 @@
 """The memory promised to a GPU's clients that NVML does not show yet (gpushare/control/promise.py).
 
-The rule both placements count: ``submit`` (tests/daemon/test_placement.py) and the controller's
+The rule both placements count: ``submit`` (tests/control/test_placement.py) and the controller's
 admission of queued jobs (tests/control/test_admission.py).
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.support.observations import offline, online
 from gpushare.control.promise import (
     PROMISE_WINDOW_S,
     PlacedClient,
@@ -16,7 +17,6 @@ from gpushare.control.promise import (
     promised_to_views,
 )
 from gpushare.model import ClientState
-from tests.fakes.fake_observations import offline, online
 
 S = ClientState
 GIB = 1 << 30

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.support.observations import GPU, observation, offline, online
 from gpushare.config import ControlConfig
 from gpushare.control.registry import POLICY_NAMES, make_policy
 from gpushare.model import SetDuty, SetOfflineShare
-from tests.fakes.fake_observations import GPU, observation, offline, online
 
 
 def test_names_are_the_documented_set() -> None:

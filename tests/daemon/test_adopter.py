@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.daemon_helpers import wait_for
 from gpushare import config, protocol
-from gpushare.adoption import Rule
+from gpushare.control.adoption import Rule
 from gpushare.daemon.adopter import Adopter, check_adopt, config_rules, registration_rules
 from gpushare.daemon.registry import Registration
 from gpushare.model import ClientClass
 from gpushare.node.procs.facts import process_facts
-from tests.support.daemon_helpers import wait_for
 
 
 @pytest.fixture

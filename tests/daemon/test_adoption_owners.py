@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
+from bench.support.accounts import Account
+from bench.support.daemon_helpers import DaemonProc, call_as, wait_for
 from gpushare.node.procs.facts import process_facts, runs_setuid
-from tests.support.accounts import Account
-from tests.support.daemon_helpers import DaemonProc, call_as, wait_for
 
 FAST = 'adopt_scan_period = "100ms"\nadopt_min_age = "200ms"'
 

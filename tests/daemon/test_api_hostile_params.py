@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.daemon_helpers import DaemonProc
+from bench.support.daemon_helpers import DaemonProc
 
 SECRET = "xyz-5ecret-d0-not-log"
 

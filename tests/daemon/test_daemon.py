@@ -1,6 +1,6 @@
 """The daemon end to end: a real daemon process, real socket, SQLite, signals and workloads.
 
-Only the GPU (tests/fakes/fake_gpu.py) and the MPS side (tests/fakes/fake_mpsnode.py) are fakes.
+Only the GPU (tests/fakes/fake_gpu.py) and the MPS side (tests/fakes/fake_mps.py) are fakes.
 """
 
 from __future__ import annotations
@@ -17,11 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.client import ApiClient, ApiError
-from gpushare.protocol import ErrorCode
-from tests.fakes.fake_gpu import fake_uuid
-from tests.support.cgroup_helpers import cgroup_skip_reason
-from tests.support.daemon_helpers import (
+from bench.support.cgroup_helpers import cgroup_skip_reason
+from bench.support.daemon_helpers import (
     REPO,
     DaemonProc,
     call_as,
@@ -29,6 +26,9 @@ from tests.support.daemon_helpers import (
     python_for_others,
     wait_for,
 )
+from gpushare.client import ApiClient, ApiError
+from gpushare.protocol import ErrorCode
+from tests.fakes.fake_gpu import fake_uuid
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.daemon_helpers import cpu_ticks, wait_for
 from gpushare import config
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.drain import DEEP_DRAIN_S
@@ -29,13 +31,11 @@ from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
 from gpushare.latency.p99 import LatencyP99
 from gpushare.model import (
-    Action,
     Alert,
     ClientClass,
     ClientState,
     Evict,
     Freeze,
-    Observation,
     ProbeReading,
     RecoverMps,
     RestartClient,
@@ -52,33 +52,12 @@ from gpushare.node.procs.identity import is_same_process
 from gpushare.node.signal_pauser import SignalPauser
 from gpushare.protocol import ErrorCode, ProtocolError
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
-from tests.fakes.fake_mpsnode import FakeMpsNode
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.daemon_helpers import cpu_ticks, wait_for
+from tests.fakes.fake_mps import FakeMpsNode
+from tests.fakes.fake_policy import ScriptedPolicy
+from tests.fakes.fake_probe import FakeProbe
 
 ROOT = Caller(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
 GPU0 = fake_uuid(0)
-
-
-class ScriptedPolicy:
-    """Returns the actions queued in ``pending`` at the next step, and records observations."""
-
-    name = "scripted"
-
-    def __init__(self) -> None:
-        self.pending: list[Action] = []
-        self.seen: list[Observation] = []
-
-    def initial_state(self, gpu_uuid: str, now: float) -> int:
-        return 0
-
-    def step(
-        self, state: int, observation: Observation, now: float
-    ) -> tuple[int, Sequence[Action]]:
-        self.seen.append(observation)
-        mine = [a for a in self.pending if getattr(a, "gpu_uuid", GPU0) == observation.gpu_uuid]
-        self.pending = [a for a in self.pending if a not in mine]
-        return state + 1, mine
 
 
 @pytest.fixture(params=["signal", "cgroup"])
@@ -104,8 +83,8 @@ evict_grace = "500ms"
 [probe]
 enabled = false
 """)
-    policy = ScriptedPolicy()
-    mps = FakeMpsNode(base / "mps")
+    policy = ScriptedPolicy(GPU0)
+    mps = FakeMpsNode(pipe_root=base / "mps")
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
         mps=mps, pauser=pauser, policy=policy, notify=lambda *f: True,
@@ -439,10 +418,10 @@ enabled = false
 [metrics]
 listen = "127.0.0.1:{port}"
 """)
-    policy = ScriptedPolicy()
+    policy = ScriptedPolicy(GPU0)
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
-        mps=FakeMpsNode(base / "mps"), pauser=SignalPauser(), policy=policy,
+        mps=FakeMpsNode(pipe_root=base / "mps"), pauser=SignalPauser(), policy=policy,
         notify=lambda *f: True, metrics=Exporter(),
     )  # fmt: skip
     d.start()
@@ -545,21 +524,9 @@ def test_a_client_going_away_is_not_refrozen_by_the_duty_cycle(
     assert marker.read_text() == "ok"
 
 
-class _RecordingProbe:
-    """A LatencyProbe with no readings that records what the daemon tells it."""
-
-    def __init__(self) -> None:
-        self.running: list[bool] = []
-
-    def reading(self, gpu_uuid: str) -> ProbeReading:
-        return ProbeReading(reason="test: no reading")
-
-    def set_offline_running(self, gpu_uuid: str, running: bool) -> None:
-        if gpu_uuid == GPU0:
-            self.running.append(running)
-
-    def close(self) -> None:
-        pass
+def _recording_probe() -> FakeProbe:
+    """A probe with no readings: the tests look at what the daemon tells it (``offline``)."""
+    return FakeProbe([(0.0, 0.05)], fixed=ProbeReading(reason="test: no reading"))
 
 
 def test_probe_is_told_offline_work_runs_under_a_partial_duty(
@@ -573,22 +540,22 @@ def test_probe_is_told_offline_work_runs_under_a_partial_duty(
     the bound of gpushare.daemon.drain after the freeze.
     """
     d, policy, _ = env
-    probe = _RecordingProbe()
+    probe = _recording_probe()
     d.state.probe = probe
     _submit(d, BUSY)
     policy.pending = [SetDuty(GPU0, 0.5, "test")]
     d.run(max_ticks=4)
-    assert probe.running[-3:] == [True, True, True]
+    assert probe.offline[GPU0][-3:] == [True, True, True]
     policy.pending = [SetDuty(GPU0, 0.0, "test")]
     frozen_at = time.monotonic()
     d.run(max_ticks=3)
-    assert probe.running[-1] is True  # draining: 0.3 s < DEEP_DRAIN_S
+    assert probe.offline[GPU0][-1] is True  # draining: 0.3 s < DEEP_DRAIN_S
     d.run(max_ticks=round(DEEP_DRAIN_S / 0.1))
     assert time.monotonic() - frozen_at >= DEEP_DRAIN_S
-    assert probe.running[-1] is False
+    assert probe.offline[GPU0][-1] is False
     policy.pending = [SetDuty(GPU0, 1.0, "test")]
     d.run(max_ticks=2)
-    assert probe.running[-1] is True
+    assert probe.offline[GPU0][-1] is True
 
 
 def test_probe_quiet_waits_for_the_frozen_clients_sm_use_to_end(
@@ -602,7 +569,7 @@ def test_probe_quiet_waits_for_the_frozen_clients_sm_use_to_end(
     d, policy, _ = env
     gpu = d.state.gpu
     assert isinstance(gpu, FakeGpuBackend)
-    probe = _RecordingProbe()
+    probe = _recording_probe()
     d.state.probe = probe
     r = _submit(d, BUSY)
     pid = d.registry.get(r["client_id"]).pid
@@ -613,10 +580,14 @@ def test_probe_quiet_waits_for_the_frozen_clients_sm_use_to_end(
     policy.pending = [SetDuty(GPU0, 0.0, "test")]
     frozen_at = time.monotonic()
     d.run(max_ticks=4)
-    assert probe.running[-3:] == [True, True, True]  # frozen, but the driver still sees it busy
+    assert probe.offline[GPU0][-3:] == [
+        True,
+        True,
+        True,
+    ]  # frozen, but the driver still sees it busy
     gpu.sm_busy = {online_pid}
     d.run(max_ticks=2)
-    assert probe.running[-1] is False
+    assert probe.offline[GPU0][-1] is False
     assert time.monotonic() - frozen_at < DEEP_DRAIN_S  # the evidence, not the bound
 
 
@@ -727,16 +698,15 @@ def test_evictions_are_counted_per_client_and_survive_requeue(
     assert d.state.ops.admission(0, time.time()).wait_s.count == 1
 
 
-class _RatioProbe(_RecordingProbe):
-    def reading(self, gpu_uuid: str) -> ProbeReading:
-        return ProbeReading(latency_ms=2.7, baseline_ms=1.5, ratio=1.8)
+def _ratio_probe() -> FakeProbe:
+    return FakeProbe([(0.0, 0.05)], fixed=ProbeReading(latency_ms=2.7, baseline_ms=1.5, ratio=1.8))
 
 
 def test_online_client_without_reports_is_judged_by_the_probe(
     env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
 ) -> None:
     d, _, _ = env
-    d.state.probe = _RatioProbe()
+    d.state.probe = _ratio_probe()
     web = _submit(d, ["sleep", "30"], cls="online", slo_p99_ms=40.0)
     d.run(max_ticks=1)
     st = d.api.status(ROOT, {"gpu": "0"})
@@ -753,7 +723,7 @@ def test_online_slo_follows_the_app_p99_over_the_probe_where_there_is_one(
     # The demo showed "degraded" at p99/SLO 0.49: the probe (2.5x its baseline with gated
     # offline work between requests) overrode the service's own p99.
     d, _, _ = env
-    d.state.probe = _RatioProbe()
+    d.state.probe = _ratio_probe()
     web = _submit(d, ["sleep", "30"], cls="online", slo_p99_ms=40.0)
     d.run(max_ticks=1)
     d.state.p99 = {web["client_id"]: LatencyP99(p99_ms=19.6, samples=100, source="app")}

@@ -19,8 +19,10 @@ from typing import Any
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.daemon_helpers import DaemonProc, call_as, python_for_others, wait_for
 from gpushare import config
-from gpushare.adoption import FACT_ENV, Rule, decide
+from gpushare.control.adoption import FACT_ENV, Rule, decide
 from gpushare.daemon.adopter import Found
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
@@ -28,9 +30,7 @@ from gpushare.node.adopted import AdoptingPauser
 from gpushare.node.procs.facts import process_facts
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
-from tests.fakes.fake_mpsnode import FakeMpsNode
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.daemon_helpers import DaemonProc, call_as, python_for_others, wait_for
+from tests.fakes.fake_mps import FakeMpsNode
 
 FAST = 'adopt_scan_period = "100ms"\nadopt_min_age = "200ms"'
 # The scan sees the whole host: the rules match only this test's processes (a token of its own in
@@ -248,7 +248,7 @@ enabled = false
 """)  # fmt: skip
     d = Daemon(
         cfg, registry=Registry.open(base / "db.sqlite"), gpu=FakeGpuBackend(gpus=1),
-        mps=FakeMpsNode(base / "mps"), pauser=AdoptingPauser(SignalPauser()),
+        mps=FakeMpsNode(pipe_root=base / "mps"), pauser=AdoptingPauser(SignalPauser()),
     )  # fmt: skip
     d.start()
     try:

@@ -22,10 +22,9 @@ from typing import Any
 
 import pytest
 
-from gpushare.node.procs.identity import is_same_process, process_start_time
-from tests.support.cgroup_helpers import cgroup_skip_reason
-from tests.support.crash_points import STEPS
-from tests.support.daemon_helpers import (
+from bench.support.cgroup_helpers import cgroup_skip_reason
+from bench.support.crash_points import STEPS
+from bench.support.daemon_helpers import (
     REPO,
     DaemonProc,
     call_as,
@@ -33,7 +32,8 @@ from tests.support.daemon_helpers import (
     python_for_others,
     wait_for,
 )
-from tests.support.faults import fill, free, small_tmpfs, tmpfs_skip_reason
+from bench.support.faults import fill, free, small_tmpfs, tmpfs_skip_reason
+from gpushare.node.procs.identity import is_same_process, process_start_time
 
 # Exits cleanly on its checkpoint signal (SIGUSR1), as a restartable job should; $0 marks it.
 CHECKPOINTING = 'trap "exit 0" USR1; while :; do sleep 0.2 & wait $!; done'

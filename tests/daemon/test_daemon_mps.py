@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.daemon_helpers import DaemonProc, wait_for
 from gpushare.node.exec import run
 from tests.fakes.fake_gpu import fake_uuid
-from tests.support.daemon_helpers import DaemonProc, wait_for
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gpushare.node.mps") is None,

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason
+from bench.support.daemon_helpers import REPO, DaemonProc, duty_gpu_daemon, wait_for
 from gpushare import config
 from gpushare.node.procs.identity import is_same_process, process_start_time
 from tests.fakes.fake_dutyprobe import cpu_ns
 from tests.fakes.fake_gpu import GIB, fake_uuid
-from tests.support.cgroup_helpers import cgroup_skip_reason
-from tests.support.daemon_helpers import REPO, DaemonProc, duty_gpu_daemon, wait_for
 
 PERIOD = "50ms"
 BUSY = "while True: pass"

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from bench.support.daemon_helpers import DaemonProc, wait_for
 from gpushare import client, native
-from tests.support.daemon_helpers import DaemonProc, wait_for
 
 # The online service: acts on command files the test drops into its directory.
 SERVICE = """

@@ -12,14 +12,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.support.daemon_helpers import wait_for
 from gpushare import config
-from gpushare.adoption import Rule
+from gpushare.control.adoption import Rule
 from gpushare.daemon.adopter import Adopter
 from gpushare.daemon.factcache import FactCache
 from gpushare.model import ProcessFacts
 from gpushare.node.procs.facts import Stamp, process_facts, process_stamp, read_environ
 from gpushare.node.procs.identity import process_identity
-from tests.support.daemon_helpers import wait_for
 
 PID = 4242
 
@@ -52,10 +52,10 @@ class FakeProc:
         self.owner_reads += 1
         return self.facts.uid, self.facts.cgroup
 
-    def cache(self, refresh_s: float = 30.0) -> FactCache:
+    def cache(self, refresh_s: float = 30.0, verify_s: float = 0.0) -> FactCache:
         return FactCache(
             facts_of=self.facts_of, stamp_of=self.stamp_of, owner_of=self.owner_of,
-            refresh_s=refresh_s,
+            refresh_s=refresh_s, verify_s=verify_s,
         )  # fmt: skip
 
 
@@ -157,7 +157,7 @@ def test_an_exec_moves_the_environment_so_the_stamp_changes(started):
     started.append(p)
     wait_for(lambda: process_identity(p.pid) not in (None, (0, [])), what="exec")
     before = process_stamp(p.pid)
-    cache = FactCache()
+    cache = FactCache(verify_s=0.0)  # the stamp at every read: what it tells is the point here
     (f,), _ = cache.read([p.pid], {"GPUSHARE_CLASS"}, None, now=time.time(), min_age_s=0.0)
     assert f.environ == {}
     assert p.stdin is not None
@@ -170,6 +170,62 @@ def test_an_exec_moves_the_environment_so_the_stamp_changes(started):
     assert before.image[0] == after.image[0] and before.image != after.image
     (f,), changed = cache.read([p.pid], {"GPUSHARE_CLASS"}, None, now=time.time(), min_age_s=0.0)
     assert (f.environ, changed) == ({"GPUSHARE_CLASS": "offline"}, True)
+
+
+def test_a_known_process_is_checked_again_within_the_verify_period_new_ones_at_once():
+    p = FakeProc()
+    cache = p.cache(verify_s=10.0)
+    assert _read(cache, now=200) == [p.facts] and cache.stamp_reads == 1
+    first = p.facts
+    # An exec (another image, another environment) within the period: served from the cache,
+    # its stat not read, for at most 1.5 verify periods.
+    p.facts = dataclasses.replace(p.facts, environ={"GPUSHARE_CLASS": "offline"})
+    p.image = (100, 7, 8)
+    for now in (202, 204):
+        assert _read(cache, now=now) == [first]
+    assert cache.stamp_reads == 1
+    assert _read(cache, now=215.1) == [p.facts]
+    assert (cache.stamp_reads, p.full_reads) == (2, 2)
+    # A new pid is read at the first scan that sees it, whatever the period.
+    facts, changed = cache.read([PID, PID + 1], {"GPUSHARE_CLASS"}, None, now=216, min_age_s=1.0)
+    assert changed and len(facts) == 2 and p.full_reads == 3
+
+
+def test_a_recent_process_is_checked_at_every_scan():
+    # Forked by slurmstepd, which runs the TaskProlog before the fork execs the job's script:
+    # the exec must be seen before the script's children are decided.
+    p = FakeProc()
+    cache = p.cache(verify_s=10.0)
+    _read(cache, now=130)  # 30 s old
+    p.facts = dataclasses.replace(p.facts, name="bash", environ={"GPUSHARE_CLASS": "offline"})
+    p.image = (100, 7, 8)
+    assert _read(cache, now=132) == [p.facts]
+    assert (cache.stamp_reads, p.full_reads) == (2, 2)
+
+
+def test_a_client_is_not_looked_at_again_while_it_is_one():
+    p = FakeProc()
+    cache = p.cache(verify_s=0.0)  # every other process: its stat at every read
+    _read(cache, now=130)
+    for now in (132, 134, 160):
+        facts, _ = cache.read(
+            [PID], {"GPUSHARE_CLASS"}, None, now=now, min_age_s=1.0, clients={PID}
+        )
+        assert facts == [p.facts]
+    assert cache.stamp_reads == 1
+    assert _read(cache, now=162) == [p.facts] and cache.stamp_reads == 2  # no longer a client
+
+
+def test_a_process_that_comes_onto_a_gpu_is_checked_at_once():
+    p = FakeProc()
+    cache = p.cache(verify_s=10.0)
+    _read(cache, now=200)
+    # It execs into a CUDA program, which NVML then lists on a GPU: looked at again at once.
+    p.facts = dataclasses.replace(p.facts, environ={"GPUSHARE_CLASS": "offline"})
+    p.image = (100, 7, 8)
+    (f,), changed = cache.read([PID], {"GPUSHARE_CLASS"}, {PID: ("GPU-0",)}, now=201, min_age_s=1.0)
+    assert changed and f.environ == {"GPUSHARE_CLASS": "offline"} and f.gpu_uuids == ("GPU-0",)
+    assert cache.stamp_reads == 2
 
 
 def test_a_changed_gpu_process_list_decides_again():

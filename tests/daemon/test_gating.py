@@ -16,22 +16,23 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from gpushare import client, paths
 from gpushare.config import GateConfig
 from gpushare.daemon.gating import Gatekeeper
 from gpushare.daemon.opstats import OpStats
-from gpushare.inflight import (
+from gpushare.latency.datagrams import decode_message
+from gpushare.latency.inflight import (
     GaugePoller,
     Rejections,
     SenderLimiter,
     parse_gauge,
     parse_inflight_from,
 )
-from gpushare.latency.datagrams import decode_message
 from gpushare.latency.p99 import P99Tracker
 from gpushare.latency.receiver import LatencyReceiver, Sender
 from gpushare.node.cgroups.pauser import CgroupPauser
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from tests.fakes.fake_pauser import FakePauser
 
 CFG = GateConfig(hold_s=0.002, inflight_timeout_s=0.5, max_datagrams_per_s=1000)
 GPU = "GPU-0"
@@ -44,25 +45,6 @@ def wait_for(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-d
             return
         time.sleep(0.002)
     raise AssertionError("condition not met in time")
-
-
-class FakePauser:
-    """Records what the arbiter asks (request_frozen) and what is frozen now."""
-
-    def __init__(self) -> None:
-        self.frozen: set[str] = set()
-        self.calls: list[tuple[tuple[str, ...], bool]] = []
-
-    def request_frozen(self, client_ids: list[str], frozen: bool) -> list[str]:
-        self.calls.append((tuple(client_ids), frozen))
-        if frozen:
-            self.frozen.update(client_ids)
-        else:
-            self.frozen.difference_update(client_ids)
-        return []
-
-    def freeze(self, client_id: str) -> None:
-        self.frozen.add(client_id)
 
 
 @pytest.fixture
@@ -224,13 +206,13 @@ def test_the_duty_cycle_and_the_gate_never_undo_each_other(
     keeper: tuple[Gatekeeper, FakePauser],
 ) -> None:
     gk, pauser = keeper
-    gk.pause("train-1", "duty", True)
+    gk.arbiter.set(["train-1"], "duty", True)
     gk.on_inflight("web", 100, 1, time.monotonic())
-    gk.pause("train-2", "duty", False)  # the duty says run: the closed gate keeps it frozen
+    gk.arbiter.set(["train-2"], "duty", False)  # the duty says run: the closed gate keeps it frozen
     assert pauser.frozen == {"train-1", "train-2"}
     gk.on_inflight("web", 100, 0, time.monotonic())
     wait_for(lambda: pauser.frozen == {"train-1"})  # the gate opens; the duty still holds one
-    gk.pause("train-1", "duty", False)
+    gk.arbiter.set(["train-1"], "duty", False)
     assert not pauser.frozen
 
 
@@ -474,11 +456,11 @@ def test_the_thawed_time_operators_see_counts_request_gate_freezes_too() -> None
     clock[0] = 110.0
     assert gk.on_inflight("web", 100, 1, clock[0]) is None  # a request: the gate freezes train-1
     clock[0] = 140.0
-    gk.pause("train-1", "duty", True)  # no edge: already frozen by the gate
+    gk.arbiter.set(["train-1"], "duty", True)  # no edge: already frozen by the gate
     gk.on_inflight("web", 100, 0, clock[0])  # the request ends; the duty still holds it
     clock[0] = 150.0
     gk.poll(clock[0])  # past the hold: the gate opens, the duty keeps it frozen
-    gk.pause("train-1", "duty", False)  # now it thaws, at t=150
+    gk.arbiter.set(["train-1"], "duty", False)  # now it thaws, at t=150
     clock[0] = 160.0
     # Thawed 100-110 and 150-160 of the window: 20 s of 60.
     assert ops.thaw.total_s("train-1", clock[0]) == pytest.approx(20.0, abs=1.0)

@@ -13,7 +13,7 @@ from gpushare.daemon.statedir import open_registry
 from gpushare.model import ClientClass, SetOfflineShare
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
-from tests.fakes.fake_mpsnode import FakeMpsNode
+from tests.fakes.fake_mps import FakeMpsNode
 
 GPU0 = fake_uuid(0)
 
@@ -29,7 +29,7 @@ admin_group = ""
 enabled = false
 """)
     return Daemon(
-        cfg, registry=open_registry(cfg), gpu=FakeGpuBackend(gpus=1), mps=FakeMpsNode(base / "mps"),
+        cfg, registry=open_registry(cfg), gpu=FakeGpuBackend(gpus=1), mps=FakeMpsNode(pipe_root=base / "mps"),
         pauser=SignalPauser(), policy=make_policy("gpushare", cfg.control), notify=lambda *f: True,
     )  # fmt: skip
 

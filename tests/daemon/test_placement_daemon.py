@@ -2,7 +2,7 @@
 
 On ``gpushare daemon --simulate 4`` (real socket, real cgroups where the machine allows, simulated
 GPUs and MPS) and on the test daemon with fake GPUs (tests/support/daemon_proc.py). The rule itself
-is tested in tests/daemon/test_placement.py.
+is tested in tests/control/test_placement.py.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
+from bench.support.daemon_helpers import DaemonProc, wait_for
 from gpushare import protocol
 from gpushare.client import ApiClient, ApiError
 from gpushare.protocol import ErrorCode
 from tests.fakes.fake_gpu import fake_uuid
 from tests.support import sim_daemon_helpers as helpers
-from tests.support.daemon_helpers import DaemonProc, wait_for
 from tests.support.sim_daemon_helpers import SimDaemon
 
 ABSENT_MPS = Path("/nonexistent/gpushare-test/nvidia-cuda-mps-control")

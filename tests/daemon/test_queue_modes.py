@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from bench.support.trusted import SKIP_REASON, make_trusted_dir, trusted_base
 from gpushare import config as config_mod
 from gpushare import native
 from gpushare.cli.app import app
@@ -22,8 +23,7 @@ from gpushare.model import ClientClass, ClientState
 from gpushare.mpsenv import workload_env
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend
-from tests.fakes.fake_mpsnode import FakeMpsNode
-from tests.support.trusted import SKIP_REASON, make_trusted_dir, trusted_base
+from tests.fakes.fake_mps import FakeMpsNode
 
 runner = CliRunner()
 
@@ -148,7 +148,7 @@ shallow_queue = "bounded"
 """)
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
-        mps=FakeMpsNode(tmp_path / "mps"), pauser=SignalPauser(), notify=lambda *f: True,
+        mps=FakeMpsNode(pipe_root=tmp_path / "mps"), pauser=SignalPauser(), notify=lambda *f: True,
     )  # fmt: skip
     d.start()
     try:

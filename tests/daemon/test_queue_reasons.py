@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason
+from bench.support.daemon_helpers import REPO, DaemonProc, duty_gpu_daemon, wait_for
 from gpushare import config
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
@@ -26,9 +28,7 @@ from gpushare.daemon.server import Caller
 from gpushare.model import ClientClass, ClientState
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import GIB, FakeGpuBackend
-from tests.fakes.fake_mpsnode import FakeMpsNode
-from tests.support.cgroup_helpers import cgroup_skip_reason
-from tests.support.daemon_helpers import REPO, DaemonProc, duty_gpu_daemon, wait_for
+from tests.fakes.fake_mps import FakeMpsNode
 
 IDLE = "import time\nwhile True: time.sleep(0.05)"
 
@@ -68,7 +68,7 @@ def test_a_job_queued_for_memory_shows_why_until_it_starts(dp: DaemonProc) -> No
     # evicts the restartable job and requeues it; its 4 GiB do not fit in the 5 GiB now free
     # beside the reserve, so admission leaves it queued and says so.
     mem_used.write_text(str(11 * GIB))
-    why = "cannot start: GPU 0: needs 4.00GiB, 3.00GiB free beside the 2.00GiB online reserve"
+    why = "cannot start: GPU 0: needs 6G with 2G kept for online clients, 5G free"
 
     def queued_with_reason() -> bool:
         c = dp.client(job)
@@ -118,7 +118,7 @@ enabled = false
 """)
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(gpus=1),
-        mps=FakeMpsNode(base / "mps"), pauser=SignalPauser(), policy=None, notify=lambda *f: True,
+        mps=FakeMpsNode(pipe_root=base / "mps"), pauser=SignalPauser(), policy=None, notify=lambda *f: True,
     )  # fmt: skip
     d.start()
     try:
@@ -128,10 +128,8 @@ enabled = false
         assert d.state.waiting == {}
         d.run(max_ticks=1)
         assert d.state.waiting == {
-            jobs[0]: "cannot start: GPU 0: needs 20.00GiB, 13.00GiB free beside the 2.00GiB "
-            "online reserve",
-            jobs[1]: "cannot start: GPU 0: needs 30.00GiB, 13.00GiB free beside the 2.00GiB "
-            "online reserve",
+            jobs[0]: "cannot start: GPU 0: needs 22G with 2G kept for online clients, 15G free",
+            jobs[1]: "cannot start: GPU 0: needs 32G with 2G kept for online clients, 15G free",
         }
         listed = {c["id"]: c["waiting"] for c in d.api.list(root, {})["clients"]}
         assert listed == d.state.waiting

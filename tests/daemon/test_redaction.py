@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from bench.support.accounts import Account
+from bench.support.daemon_helpers import DaemonProc, call_as, wait_for
 from gpushare.daemon import rights
 from gpushare.node.procs.visibility import hides_others
-from tests.support.accounts import Account
-from tests.support.daemon_helpers import DaemonProc, call_as, wait_for
 
 ENDPOINT_SECRET = "tok-7f3a9c-from-the-endpoint"
 ENV_SECRET = "hunter2-in-the-environment"

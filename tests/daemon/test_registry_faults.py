@@ -20,6 +20,15 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.faults import (
+    fill,
+    free,
+    release_lock,
+    remount,
+    small_tmpfs,
+    sqlite_locked,
+    tmpfs_skip_reason,
+)
 from gpushare import config
 from gpushare.daemon.registry import (
     EventRetention,
@@ -29,15 +38,6 @@ from gpushare.daemon.registry import (
 )
 from gpushare.daemon.registry.ids import MARK_NAME
 from gpushare.model import ClientClass, ClientState
-from tests.support.faults import (
-    fill,
-    free,
-    release_lock,
-    remount,
-    small_tmpfs,
-    sqlite_locked,
-    tmpfs_skip_reason,
-)
 
 S = ClientState
 SECRET = "ROOT_DB_PASSWORD=hunter2-7f3a"

@@ -19,12 +19,12 @@ from typer.testing import CliRunner
 from gpushare import config
 from gpushare.cli.app import app
 from gpushare.control import registry as policies
-from gpushare.daemon import main as daemon_main
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
 from gpushare.node.signal_pauser import SignalPauser
+from gpushare.roots import daemon as daemon_main
 from tests.fakes.fake_gpu import FakeGpuBackend
-from tests.fakes.fake_mpsnode import FakeMpsNode
+from tests.fakes.fake_mps import FakeMpsNode
 
 runner = CliRunner()
 
@@ -136,7 +136,7 @@ def daemon(trusted_tmp: Path, tmp_path: Path) -> Iterator[Daemon]:
     cfg = config.load(path)
     d = Daemon(
         cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(),
-        mps=FakeMpsNode(tmp_path / "mps"), pauser=SignalPauser(), notify=lambda *f: True,
+        mps=FakeMpsNode(pipe_root=tmp_path / "mps"), pauser=SignalPauser(), notify=lambda *f: True,
         config_path=path,
     )  # fmt: skip
     try:

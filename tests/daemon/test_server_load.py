@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.support.daemon_helpers import DaemonProc
 from gpushare.client import ApiClient
-from tests.support.daemon_helpers import DaemonProc
 
 MAX_REQUEST = 4096
 

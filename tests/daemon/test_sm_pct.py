@@ -12,8 +12,8 @@ import json
 
 import pytest
 
+from bench.support.daemon_helpers import DaemonProc
 from gpushare.protocol import ErrorCode
-from tests.support.daemon_helpers import DaemonProc
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
+from bench.support.accounts import Account
+from bench.support.daemon_helpers import DaemonProc, call_as, python_for_others, wait_for
+from bench.support.holder import HOLDER
 from gpushare import config, protocol
 from gpushare.daemon.server import ApiServer, Caller, Limits, server_limits
-from tests.support.accounts import Account
-from tests.support.daemon_helpers import DaemonProc, call_as, python_for_others, wait_for
-from tests.support.holder import HOLDER
 
 
 def _hold(account: Account, path: Path, n: int) -> subprocess.Popen[str]:

@@ -132,7 +132,7 @@ def test_sigterm_ends_a_busy_simulated_daemon_within_timeout_stop_sec(sim: SimDa
 DEADLINE_SCRIPT = textwrap.dedent(
     """
     import signal, sys
-    from gpushare.daemon.main import StopDeadline
+    from gpushare.roots.daemon import StopDeadline
     from gpushare.logs import configure_logging
     configure_logging("info", json=True)
     signal.signal(signal.SIGTERM, lambda *_: None)  # recorded, never acted on: a stuck loop
@@ -169,6 +169,6 @@ def test_a_stuck_daemon_still_ends_after_sigterm(signals: int) -> None:
 
 
 def test_the_stop_deadline_is_under_the_units_timeout_stop_sec() -> None:
-    from gpushare.daemon.main import STOP_DEADLINE_S
+    from gpushare.roots.daemon import STOP_DEADLINE_S
 
     assert timeout_stop_s() > STOP_DEADLINE_S

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.daemon_helpers import REPO, DaemonProc
 from gpushare.daemon.submitq import managed_cgroup
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.daemon_helpers import REPO, DaemonProc
 
 SKIP = cgroup_skip_reason()
 

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.accounts import Account
-from tests.support.daemon_helpers import REPO, DaemonProc, call_as, wait_for
+from bench.support.accounts import Account
+from bench.support.daemon_helpers import REPO, DaemonProc, call_as, wait_for
 
 
 @pytest.fixture

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.support.daemon_helpers import DaemonProc, wait_for
 from gpushare.cli.doctor import Status, daemon_threads_check
 from gpushare.daemon.gating import Gatekeeper
-from gpushare.daemon.threads import Supervisor
-from gpushare.inflight import GaugePoller, Rejections
+from gpushare.latency.inflight import GaugePoller, Rejections
+from gpushare.latency.threads import Supervisor
 from gpushare.node.procs.exits import ExitWatcher
-from tests.support.daemon_helpers import DaemonProc, wait_for
 
 
 def test_a_body_that_raises_is_restarted_with_backoff_and_counted() -> None:

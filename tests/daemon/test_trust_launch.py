@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from bench.support.daemon_helpers import DaemonProc, wait_for
 from gpushare import config, native
 from gpushare.cli import doctor_cmd
 from gpushare.cli.doctor import Status, run_checks
-from tests.support.daemon_helpers import DaemonProc, wait_for
 
 NOBODY = 65534
 

@@ -1,4 +1,4 @@
-"""A fake :class:`gpushare.node.base.MpsNode` for other components' tests.
+"""The fake :class:`gpushare.node.base.DaemonMpsNode` (an MpsNode the daemon holds) for every test.
 
 It follows the documented MPS behaviour (MPS docs, docs/sources.md): a server starts for the first client of
 a uid (``SERVER_STARTED`` then ``SERVER_READY``), clients connect (``CLIENT_CONNECTED``), a fatal
@@ -14,16 +14,25 @@ Usage::
     assert node.state("GPU-a") is MpsState.FAULT
     node.fail_next("terminate_client")          # next terminate_client returns False
     node.fail_next("state", RuntimeError("x"))  # next state() raises
+
+Made without a GPU list (``FakeMpsNode(pipe_root=dir)``, the daemon's tests) the node is *open*:
+every GPU has an MPS daemon, made on first use, and every pid counts as a connected client (those
+tests run no CUDA client that could connect). Either way a file ``<pipe_root>/<uuid>.state``
+naming an :class:`MpsState` value overrides the GPU's state, so that a test can set the state
+of a daemon running in another process (``tests/support/daemon_proc.py``). Whatever the daemon
+asks is recorded: :attr:`FakeMpsNode.terminated`, :attr:`FakeMpsNode.recovered`,
+:attr:`FakeMpsNode.stopped`, and every call in :attr:`FakeMpsNode.calls`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpushare.model import MpsEvent, MpsEventKind, MpsState
+from gpushare.node.base import MultiuserInfo
 from gpushare.node.mps import DaemonNotReachable
 
 
@@ -39,12 +48,30 @@ class FakeGpu:
 
 
 class FakeMpsNode:
-    """In-memory MPS for several GPUs; records every call in :attr:`calls`."""
+    """In-memory MPS for ``gpu_uuids`` (every GPU when ``None``); records every call in :attr:`calls`."""
 
-    def __init__(self, gpu_uuids: Iterable[str], pipe_root: Path = Path("/tmp/fake-mps")) -> None:
-        self.gpus: dict[str, FakeGpu] = {u: FakeGpu() for u in gpu_uuids}
+    backend = None
+    supervisors: Mapping[str, MultiuserInfo] = {}
+
+    def __init__(
+        self,
+        gpu_uuids: Iterable[str] | None = None,
+        pipe_root: Path = Path("/tmp/fake-mps"),
+        *,
+        name: str = "mps",
+        log: list[str] | None = None,
+    ) -> None:
+        """``log``: a list, shared by several fakes, where each call appends ``"<name>.<method>"``
+        (the order in which a composite asked its parts)."""
+        self.name = name
+        self.log = log
+        self.open = gpu_uuids is None
+        self.gpus: dict[str, FakeGpu] = {u: FakeGpu() for u in gpu_uuids or ()}
         self.pipe_root = pipe_root
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.terminated: list[tuple[str, int]] = []
+        self.recovered: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        self.stopped: list[bool] = []
         self.now_s = 0.0
         self._next_pid = 50_000
         self._failures: dict[str, BaseException | None] = {}
@@ -126,9 +153,9 @@ class FakeMpsNode:
         return self.pipe_root / gpu_uuid
 
     def state(self, gpu_uuid: str) -> MpsState:
-        """The scripted state."""
+        """The scripted state (``<pipe_root>/<uuid>.state`` when that file names one)."""
         self._enter("state", gpu_uuid)
-        return self._gpu(gpu_uuid).state
+        return self._state(gpu_uuid)
 
     def drain_events(self, gpu_uuid: str) -> Sequence[MpsEvent]:
         """Events since the last call."""
@@ -139,11 +166,12 @@ class FakeMpsNode:
 
     def terminate_client(self, gpu_uuid: str, client_pid: int) -> bool:
         """True and the client gone when it was connected; False otherwise (as MPS prints 1)."""
+        self.terminated.append((gpu_uuid, client_pid))
         if self._enter("terminate_client", gpu_uuid, client_pid, soft=True):
             return False
         gpu = self._gpu(gpu_uuid)
         if client_pid not in gpu.clients:
-            return False
+            return self.open
         del gpu.clients[client_pid]
         return True
 
@@ -151,9 +179,10 @@ class FakeMpsNode:
         self, gpu_uuid: str, offline_pids: Sequence[int], online_pids: Sequence[int]
     ) -> None:
         """Offline clients terminated first, then online, then the rest; the server is back ACTIVE."""
+        self.recovered.append((gpu_uuid, tuple(offline_pids), tuple(online_pids)))
         self._enter("recover", gpu_uuid, tuple(offline_pids), tuple(online_pids))
         gpu = self._gpu(gpu_uuid)
-        if gpu.state is not MpsState.FAULT:
+        if self._state(gpu_uuid) is not MpsState.FAULT:
             self._step(gpu_uuid, "no_faulted_server: none in FAULT")
             return
         self._step(gpu_uuid, f"server_faulted: server {gpu.server_pid} in FAULT")
@@ -166,15 +195,33 @@ class FakeMpsNode:
         gpu.state = MpsState.UP
         self._step(gpu_uuid, f"server_active: server {gpu.server_pid} back to ACTIVE")
 
+    def start(self) -> None:
+        """Nothing to start."""
+        self._enter("start")
+
+    def stop(self, *, quit_daemon: bool = True) -> None:
+        """Nothing to stop (recorded in :attr:`stopped`)."""
+        self.stopped.append(quit_daemon)
+        self._enter("stop", quit_daemon)
+
     # Internals ------------------------------------------------------------------------------
 
     def _gpu(self, gpu_uuid: str) -> FakeGpu:
+        if self.open:
+            return self.gpus.setdefault(gpu_uuid, FakeGpu())
         try:
             return self.gpus[gpu_uuid]
         except KeyError:
             raise KeyError(
                 f"GPU {gpu_uuid} has no MPS daemon (shared GPUs: {', '.join(self.gpus)})"
             ) from None
+
+    def _state(self, gpu_uuid: str) -> MpsState:
+        gpu = self._gpu(gpu_uuid)
+        try:
+            return MpsState((self.pipe_root / f"{gpu_uuid}.state").read_text().strip())
+        except (OSError, ValueError):
+            return gpu.state
 
     def _pid(self) -> int:
         self._next_pid += 1
@@ -186,6 +233,8 @@ class FakeMpsNode:
 
     def _enter(self, method: str, *args: Any, soft: bool = False) -> bool:
         self.calls.append((method, args))
+        if self.log is not None:
+            self.log.append(f"{self.name}.{method}")
         if method not in self._failures:
             return False
         error = self._failures.pop(method)

@@ -259,10 +259,13 @@ def fake_bindings(**driver_kw: Any) -> Bindings:
 
 
 class FakeProbe:
-    """A LatencyProbe whose latency follows a script of ``(from_s, latency_ms)`` steps or a function.
+    """A SlotHoldingProbe whose latency follows a script of ``(from_s, latency_ms)`` steps or a function.
 
     ``reading`` reports the scripted latency at ``clock()`` as the window p99, against a fixed
-    baseline. ``unavailable`` makes every reading say why, as the real probe does without a driver.
+    baseline. ``unavailable`` makes every reading say why, as the real probe does without a driver;
+    ``raises`` makes every reading raise it (a broken adapter); ``fixed`` is returned as every
+    reading. ``slots`` is what :meth:`mps_client_slots` reports for every GPU, and
+    :attr:`offline` records what ``set_offline_running`` was told, by GPU.
     """
 
     def __init__(
@@ -272,12 +275,18 @@ class FakeProbe:
         baseline_ms: float | None = 0.05,
         clock: Callable[[], float] | None = None,
         unavailable: str | None = None,
+        raises: Exception | None = None,
+        fixed: ProbeReading | None = None,
+        slots: int = 0,
     ) -> None:
         self.script = script
         self.baseline_ms = baseline_ms
         self.now = 0.0
         self.clock = clock or (lambda: self.now)
         self.unavailable = unavailable
+        self.raises = raises
+        self.fixed = fixed
+        self.slots = slots
         self.offline: dict[str, list[bool]] = {}
         self.closed = False
 
@@ -291,6 +300,10 @@ class FakeProbe:
         return value
 
     def reading(self, gpu_uuid: str) -> ProbeReading:
+        if self.raises is not None:
+            raise self.raises
+        if self.fixed is not None:
+            return self.fixed
         if self.unavailable is not None:
             return ProbeReading(reason=f"unavailable: {self.unavailable}")
         latency = self.latency_at(self.clock())
@@ -303,6 +316,9 @@ class FakeProbe:
             samples=200,
             reason=None if ratio is not None else "no baseline yet: needs quiet samples",
         )
+
+    def mps_client_slots(self, gpu_uuid: str) -> int:
+        return self.slots
 
     def set_offline_running(self, gpu_uuid: str, running: bool) -> None:
         self.offline.setdefault(gpu_uuid, []).append(running)

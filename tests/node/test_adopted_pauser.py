@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.daemon_helpers import wait_for
 from gpushare.model import PauseMechanism
 from gpushare.node.adopted import AdoptingPauser
 from gpushare.node.pauser_base import PauserError
 from gpushare.node.procs.identity import descendants, is_same_process, process_start_time
 from gpushare.node.signal_pauser import SignalPauser
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.daemon_helpers import wait_for
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from gpushare.model import PauseMechanism
 from gpushare.node import signal_pauser
 from gpushare.node.cgroups import pid_tracker
@@ -40,7 +41,6 @@ from gpushare.node.procs.exits import ExitWatcher
 from gpushare.node.procs.identity import is_same_process
 from gpushare.node.procs.spawning import SpawnError, spawn
 from gpushare.node.signal_pauser import SignalPauser
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]

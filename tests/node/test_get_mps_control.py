@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.support.helpers import MPS_CACHE
 from gpushare.paths import repo_root
-from tests.support.helpers import MPS_CACHE
 
 SCRIPT = repo_root() / "scripts" / "get-mps-control.sh"
 BASH = shutil.which("bash") or "/bin/bash"

@@ -2,8 +2,8 @@
 
 import ctypes.util
 
+from bench.support import fake_nvml
 from gpushare.node import nvml, nvml_diag, probe_host
-from tests.fakes import fake_nvml
 
 
 def test_nvml_host_status_without_a_driver_carries_the_hint(monkeypatch):

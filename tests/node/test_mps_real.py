@@ -23,6 +23,7 @@ import psutil
 import pytest
 import structlog
 
+from bench.support.helpers import mps_server_dir
 from gpushare.config import Config, MpsConfig, PathsConfig
 from gpushare.model import MpsEvent, MpsEventKind, MpsState
 from gpushare.node import mps
@@ -38,7 +39,7 @@ from gpushare.node.mps import (
     UnknownCommand,
 )
 from gpushare.node.mps import commands as mps_commands
-from tests.support.helpers import mps_server_dir
+from tests.fakes.fake_compute_mode import FakeComputeMode
 
 pytestmark = pytest.mark.mps
 
@@ -520,21 +521,8 @@ def test_multiuser_detection(
             make_supervisor(GPU_B, config=make_config(multiuser="on")).start()
 
 
-class RecordingComputeMode:
-    def __init__(self, mode: str | None = "default") -> None:
-        self.mode = mode
-        self.calls: list[tuple[str, str]] = []
-
-    def get_compute_mode(self, gpu_uuid: str) -> str | None:
-        return self.mode
-
-    def set_compute_mode(self, gpu_uuid: str, mode: str) -> None:
-        self.calls.append((gpu_uuid, mode))
-        self.mode = mode
-
-
 def test_compute_mode_set_and_restored(make_supervisor: Callable[..., MpsSupervisor]) -> None:
-    cm = RecordingComputeMode("default")
+    cm = FakeComputeMode("default")
     s = make_supervisor(compute_mode=cm)
     s.start()
     assert cm.calls == [(GPU_A, "exclusive_process")]
@@ -545,7 +533,7 @@ def test_compute_mode_set_and_restored(make_supervisor: Callable[..., MpsSupervi
 def test_compute_mode_leave(
     make_supervisor: Callable[..., MpsSupervisor], make_config: Callable[..., Config]
 ) -> None:
-    cm = RecordingComputeMode("default")
+    cm = FakeComputeMode("default")
     s = make_supervisor(config=make_config(compute_mode="leave"), compute_mode=cm)
     s.start()
     s.stop()
@@ -619,8 +607,8 @@ def test_compute_mode_through_the_real_nvml_adapter(
     make_supervisor: Callable[..., MpsSupervisor],
 ) -> None:
     # The NVML adapter and the supervisor must agree on mode names end to end.
+    from bench.support import fake_nvml
     from gpushare.node.nvml import NvmlBackend
-    from tests.fakes import fake_nvml
 
     lib = fake_nvml.healthy(1)
     backend = NvmlBackend(nvml=lib, events=False)

@@ -8,19 +8,12 @@ from collections.abc import Iterator
 import pytest
 from structlog.testing import capture_logs
 
+from bench.support import fake_nvml
+from bench.support.fake_nvml import GIB, MIB, FakeNvmlLib, uuid_of
 from gpushare.model import GpuEvent, SmPeriod
 from gpushare.node.nvml import NvmlBackend
 from gpushare.node.nvml_errors import NvmlError, NvmlInitError
-from tests.fakes import fake_nvml
-from tests.fakes.fake_nvml import GIB, MIB, FakeNvmlLib, uuid_of
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.fakes.fake_clock import ManualClock
 
 
 @pytest.fixture
@@ -39,7 +32,7 @@ def make(backends: list[NvmlBackend], lib: FakeNvmlLib, **kw: object) -> NvmlBac
 
 
 def test_healthy_snapshot_has_every_reading(backends: list[NvmlBackend]) -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     b = make(backends, fake_nvml.healthy(2), clock=clock)
     first = b.sample()
     assert [s.index for s in first] == [0, 1]
@@ -72,7 +65,7 @@ def test_healthy_snapshot_has_every_reading(backends: list[NvmlBackend]) -> None
 
 
 def test_gpm_samples_are_freed_and_reused(backends: list[NvmlBackend]) -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     lib = fake_nvml.healthy(1)
     b = make(backends, lib, clock=clock)
     for _ in range(5):

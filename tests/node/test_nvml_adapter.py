@@ -19,7 +19,7 @@ import pynvml
 import pytest
 
 from gpushare.node import nvml as adapter
-from gpushare.node import nvml_diag, nvml_errors
+from gpushare.node import nvml_calls, nvml_diag, nvml_errors, nvml_events, nvml_readers
 from gpushare.node.nvml import NvmlBackend
 from gpushare.node.nvml_errors import NvmlInitError
 
@@ -143,8 +143,8 @@ def test_constants_match_pynvml() -> None:
     assert nvml_errors.NVML_ERROR_TIMEOUT == pynvml.NVML_ERROR_TIMEOUT
     assert nvml_errors.NVML_ERROR_NO_PERMISSION == pynvml.NVML_ERROR_NO_PERMISSION
     assert nvml_errors.NVML_ERROR_LIBRARY_NOT_FOUND == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
-    assert adapter.NVML_GPM_METRIC_SM_UTIL == pynvml.NVML_GPM_METRIC_SM_UTIL
-    assert pynvml.nvmlEventTypeXidCriticalError == adapter.XID_CRITICAL_ERROR_EVENT
+    assert nvml_readers.NVML_GPM_METRIC_SM_UTIL == pynvml.NVML_GPM_METRIC_SM_UTIL
+    assert pynvml.nvmlEventTypeXidCriticalError == nvml_events.XID_CRITICAL_ERROR_EVENT
     assert adapter.NVML_CLOCK_SM == pynvml.NVML_CLOCK_SM
     assert adapter.NVML_TEMPERATURE_GPU == pynvml.NVML_TEMPERATURE_GPU
     assert adapter.SETTABLE_COMPUTE_MODES == {
@@ -152,7 +152,8 @@ def test_constants_match_pynvml() -> None:
         "prohibited": pynvml.NVML_COMPUTEMODE_PROHIBITED,
         "exclusive_process": pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
     }
-    for variants in adapter.VERSIONED.values():
+    assert nvml_readers.NVML_GPM_METRICS_GET_VERSION == pynvml.NVML_GPM_METRICS_GET_VERSION
+    for variants in nvml_calls.VERSIONED.values():
         for name in variants:
             assert hasattr(pynvml, name), name
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.adoption import FACT_ENV
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from gpushare.control.adoption import FACT_ENV
 from gpushare.model import PauseMechanism
 from gpushare.node.cgroups.discovery import cgroup2_mount
 from gpushare.node.cgroups.route import freeze_route
@@ -30,7 +31,6 @@ from gpushare.node.procs.facts import (
 )
 from gpushare.node.procs.identity import is_same_process, process_start_time, stat_fields
 from gpushare.node.procs.users import user_name
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 
 CGROUP_SKIP = cgroup_skip_reason()
 needs_cgroup = pytest.mark.skipif(CGROUP_SKIP is not None, reason=CGROUP_SKIP or "")

@@ -3,12 +3,12 @@ with priority does not (at the loose 60 ms SLO of ``demo`` both do, which unders
 
 from __future__ import annotations
 
-from gpushare.cli import sim_cmd
+from gpushare.cli import sim_run
 from gpushare.sim import report, scenario
 
 
 def test_at_a_tight_slo_gpushare_keeps_it_and_mps_priority_misses_it() -> None:
-    (result,) = sim_cmd.run_files(
+    (result,) = sim_run.run_files(
         [scenario.find("demo-tight")], ["gpushare", "mps-priority"], progress=False
     )
     slo = result.slo_ms["web"]

@@ -49,11 +49,11 @@ def test_sim_runs_policies_and_writes_outputs(tmp_path: Path) -> None:
 
 
 def test_every_registered_policy_runs_and_rows_are_consistent(tmp_path: Path) -> None:
-    from gpushare.cli import sim_cmd
+    from gpushare.cli import sim_run
 
     sc = tmp_path / "s.toml"
     sc.write_text(SCENARIO.replace('"3s"', '"2s"'))
-    (result,) = sim_cmd.run_files([sc], None, progress=False)
+    (result,) = sim_run.run_files([sc], None, progress=False)
     rows = report.summarise(result)
     assert [r.policy for r in rows] == list(POLICY_NAMES)
     for r in rows:
@@ -97,12 +97,12 @@ def test_a_bad_scenario_among_good_ones_runs_none_of_them(tmp_path: Path) -> Non
 
 
 def test_slo_factor_overrides_the_scenarios_slo(tmp_path: Path) -> None:
-    from gpushare.cli import sim_cmd
+    from gpushare.cli import sim_run
 
     sc = tmp_path / "s.toml"
     sc.write_text(SCENARIO.replace('"3s"', '"1s"'))
-    (default,) = sim_cmd.run_files([sc], ["exclusive"], progress=False)
-    (loose,) = sim_cmd.run_files([sc], ["exclusive"], progress=False, slo_factor=2.0)
+    (default,) = sim_run.run_files([sc], ["exclusive"], progress=False)
+    (loose,) = sim_run.run_files([sc], ["exclusive"], progress=False, slo_factor=2.0)
     assert default.alone is not None and loose.alone is not None
     alone_p99 = loose.alone.online[0].p99_ms
     assert default.slo_ms["inf"] == 1.1 * default.alone.online[0].p99_ms  # the scenario default
@@ -113,5 +113,28 @@ def test_slo_factor_overrides_the_scenarios_slo(tmp_path: Path) -> None:
     fixed.write_text(
         SCENARIO.replace('"3s"', '"1s"').replace("load = 0.5", "load = 0.5\nslo_p99_ms = 50.0")
     )
-    (kept,) = sim_cmd.run_files([fixed], ["exclusive"], progress=False, slo_factor=2.0)
+    (kept,) = sim_run.run_files([fixed], ["exclusive"], progress=False, slo_factor=2.0)
     assert kept.slo_ms["inf"] == 50.0
+
+
+def test_the_cli_runs_a_scenario_through_the_runner_and_its_slo_rule(tmp_path: Path) -> None:
+    # One way to run a scenario: what `gpushare sim` reports is runner.run_scenario's result.
+    from gpushare.cli import sim_run
+    from gpushare.sim import runner, scenario
+
+    sc = tmp_path / "s.toml"
+    sc.write_text(SCENARIO.replace('"3s"', '"2s"'))
+    (via_cli,) = sim_run.run_files([sc], ["exclusive"], progress=False)
+    loaded = scenario.load(sc)
+    seen: list[str] = []
+    direct = runner.run_scenario(
+        loaded,
+        sim_run.make_policies(["exclusive"], loaded.config.control),
+        on_run=lambda label, run: seen.append(f"{label} {run.policy}"),
+    )
+    assert seen == ["alone alone", "exclusive exclusive"]
+    assert via_cli.slo_ms == direct.slo_ms
+    (spec,) = loaded.online
+    assert direct.alone is not None
+    assert direct.slo_ms[spec.name] == runner.slo_of(spec, direct.alone.online[0].p99_ms)
+    assert [r.online[0].p99_ms for r in via_cli.runs] == [r.online[0].p99_ms for r in direct.runs]

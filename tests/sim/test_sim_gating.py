@@ -65,7 +65,7 @@ def test_gating_freezes_offline_while_a_request_is_in_flight_and_thaws_after_the
     ends: list[tuple[bool, bool]] = []  # (gate reason held just before the hold ends, just after)
 
     def gated() -> bool:
-        return GATE in sim.state.gate.reasons(trainer.cid)
+        return GATE in sim.state.freeze.reasons(trainer.cid)
 
     def check_start(_: object) -> None:
         if trainer.active and sim.state.gate.view(trainer.gpu.uuid, loop.now).enabled:
@@ -122,11 +122,11 @@ def test_with_a_delay_the_gate_closes_only_once_a_spell_of_requests_lasted_it() 
 
     def check_start(since: object) -> None:
         if trainer.active and full_delay() and spell["since"] == since:
-            open_at_start.append(GATE not in sim.state.gate.reasons(trainer.cid))
+            open_at_start.append(GATE not in sim.state.freeze.reasons(trainer.cid))
 
     def check_delay(since: object) -> None:
         if trainer.active and full_delay() and spell["since"] == since and spell["n"] > 0:
-            closed_at_delay.append(GATE in sim.state.gate.reasons(trainer.cid))
+            closed_at_delay.append(GATE in sim.state.freeze.reasons(trainer.cid))
 
     def boundary(delta: int, now: float) -> None:
         send(delta, now)
@@ -210,10 +210,10 @@ def test_a_freeze_bites_within_one_kernel_only_with_a_shallow_queue(blocking: bo
 
 
 def test_a_bad_queue_mode_in_a_scenario_is_an_error_naming_the_key(tmp_path: Path) -> None:
-    text = PAIR.read_text().replace("restartable = true", 'restartable = true\nqueue = "fast"')
+    text = PAIR.read_text().replace('queue = "auto"', 'queue = "fast"')
     bad = tmp_path / "bad.toml"
     bad.write_text(text)
-    with pytest.raises(sc_mod.ScenarioError, match=r"queue.*shallow, deep, auto"):
+    with pytest.raises(sc_mod.ScenarioError, match=r"queue.*'shallow', 'deep', 'auto'"):
         sc_mod.load(bad)
 
 

@@ -12,22 +12,22 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from bench.support.cgroup_helpers import remove_tree
+from bench.support.trusted import make_trusted_dir
 from gpushare import config as config_mod
 from gpushare.cli.render import render_status
-from gpushare.daemon.main import StartupError, simulated_mps
-from gpushare.model import MpsEvent, MpsEventKind, MpsState
+from gpushare.model import MpsEventKind, MpsState
 from gpushare.node.mps import DaemonNotReachable, MpsControl, MpsError
+from gpushare.roots.daemon import StartupError, simulated_mps
 from gpushare.sim.hybrid_mps import HybridMpsNode, merge_state
 from gpushare.sim.realtime import RealTimeMpsNode, RealTimeSimNode
-from tests.support.cgroup_helpers import remove_tree
+from tests.fakes.fake_mps import FakeMpsNode
 from tests.support.sim_daemon_helpers import SimDaemon, run_daemon, sim_config, sim_daemon
-from tests.support.trusted import make_trusted_dir
 
 UUID = "GPU-sim-0000"
 
@@ -35,60 +35,10 @@ UUID = "GPU-sim-0000"
 # The composite node with fakes
 
 
-@dataclass
-class FakeSide:
-    """One side of the hybrid node: records calls, answers as told."""
-
-    name: str
-    states: dict[str, MpsState] = field(default_factory=dict)
-    events: list[MpsEvent] = field(default_factory=list)
-    terminate_result: bool = False
-    raises: MpsError | None = None
-    calls: list[tuple[object, ...]] = field(default_factory=list)
-    log: list[str] | None = None
-
-    def pipe_dir(self, gpu_uuid: str) -> Path:
-        return Path(f"/{self.name}") / gpu_uuid
-
-    def state(self, gpu_uuid: str) -> MpsState:
-        return self.states.get(gpu_uuid, MpsState.UP)
-
-    def drain_events(self, gpu_uuid: str) -> Sequence[MpsEvent]:
-        out, self.events = self.events, []
-        return out
-
-    def terminate_client(self, gpu_uuid: str, client_pid: int) -> bool:
-        self._called("terminate_client", gpu_uuid, client_pid)
-        if self.raises is not None:
-            raise self.raises
-        return self.terminate_result
-
-    def recover(
-        self, gpu_uuid: str, offline_pids: Sequence[int], online_pids: Sequence[int]
-    ) -> None:
-        self._called("recover", gpu_uuid, tuple(offline_pids), tuple(online_pids))
-        if self.raises is not None:
-            raise self.raises
-
-    def start(self) -> None:
-        self._called("start")
-
-    def stop(self, *, quit_daemon: bool = True) -> None:
-        self._called("stop", quit_daemon)
-
-    def _called(self, *call: object) -> None:
-        self.calls.append(call)
-        if self.log is not None:
-            self.log.append(f"{self.name}.{call[0]}")
-
-
-def _ev(kind: MpsEventKind, text: str) -> MpsEvent:
-    return MpsEvent(kind, UUID, 1.0, text)
-
-
-def _hybrid() -> tuple[HybridMpsNode, FakeSide, FakeSide, list[str]]:
+def _hybrid() -> tuple[HybridMpsNode, FakeMpsNode, FakeMpsNode, list[str]]:
     order: list[str] = []
-    real, sim = FakeSide("real", log=order), FakeSide("sim", log=order)
+    real = FakeMpsNode([UUID], Path("/real"), name="real", log=order)
+    sim = FakeMpsNode([UUID], Path("/sim"), name="sim", log=order)
     return HybridMpsNode(real, sim), real, sim, order
 
 
@@ -109,18 +59,17 @@ def test_state_is_the_real_daemons_unless_it_is_up(
 ) -> None:
     assert merge_state(real, sim) is want
     node, r, s, _ = _hybrid()
-    r.states[UUID], s.states[UUID] = real, sim
+    r.set_state(UUID, real)
+    s.set_state(UUID, sim)
     assert node.state(UUID) is want
 
 
 def test_pipe_dir_and_events_come_from_both_sides() -> None:
     node, real, sim, _ = _hybrid()
     assert node.pipe_dir(UUID) == Path("/real") / UUID
-    real.events = [
-        _ev(MpsEventKind.DAEMON_EXITED, "killed"),
-        _ev(MpsEventKind.DAEMON_RESTARTED, ""),
-    ]
-    sim.events = [_ev(MpsEventKind.FATAL_EXCEPTION, "simulated fault")]
+    real.push_event(UUID, MpsEventKind.DAEMON_EXITED, "killed")
+    real.push_event(UUID, MpsEventKind.DAEMON_RESTARTED, "")
+    sim.push_event(UUID, MpsEventKind.FATAL_EXCEPTION, "simulated fault")
     kinds = [e.kind for e in node.drain_events(UUID)]
     assert kinds == [
         MpsEventKind.DAEMON_EXITED,
@@ -132,32 +81,30 @@ def test_pipe_dir_and_events_come_from_both_sides() -> None:
 
 def test_terminate_acts_on_both_and_survives_the_real_daemons_errors() -> None:
     node, real, sim, order = _hybrid()
-    sim.terminate_result = True
+    sim.connect_client(UUID, 4242)  # the simulated GPU knows the client, the real daemon not
     assert node.terminate_client(UUID, 4242) is True
     assert order == ["real.terminate_client", "sim.terminate_client"]
     # The real daemon of a simulated GPU knows no such client, or is unreachable: no crash.
-    real.raises = DaemonNotReachable("no daemon")
-    sim.terminate_result = False
-    assert node.terminate_client(UUID, 4242) is False
-    assert sim.calls[-1] == ("terminate_client", UUID, 4242)
-    real.raises = None
-    real.terminate_result = True
+    real.fail_next("terminate_client", DaemonNotReachable("no daemon"))
+    assert node.terminate_client(UUID, 4242) is False  # gone from the simulated GPU too
+    assert sim.calls[-1] == ("terminate_client", (UUID, 4242))
+    real.connect_client(UUID, 7)
     assert node.terminate_client(UUID, 7) is True
 
 
 def test_recover_acts_on_both_even_when_the_real_side_fails() -> None:
     node, real, sim, order = _hybrid()
-    real.raises = DaemonNotReachable("restarting")
+    real.fail_next("recover", DaemonNotReachable("restarting"))
     node.recover(UUID, [1, 2], [3])
     assert order == ["real.recover", "sim.recover"]
-    assert sim.calls == [("recover", UUID, (1, 2), (3,))]
+    assert sim.recovered == [(UUID, (1, 2), (3,))]
 
 
 def test_stop_always_quits_the_real_daemons() -> None:
     node, real, _, _ = _hybrid()
     node.start()
     node.stop(quit_daemon=False)  # daemon.stop_mps_on_exit = false does not keep them
-    assert real.calls == [("start",), ("stop", True)]
+    assert real.calls == [("start", ()), ("stop", (True,))]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from gpushare.model import ClientState, Evict, Freeze, Thaw
 from gpushare.sim import data, runner, scenario
 from gpushare.sim.adapters import SimProcesses
+from gpushare.sim.arrivals import poisson_arrivals
 from gpushare.sim.gpu import EventLoop, Gpu
 from gpushare.sim.node import PolicyTraits, SimNode
-from gpushare.sim.workloads import OfflineTrainer, OnlineServer, cap_sms, poisson_arrivals
+from gpushare.sim.workloads import OfflineTrainer, OnlineServer, cap_sms
 from tests.fakes.fake_policy import FixedPolicy
 
 ORION = "orion-v100-kernels"

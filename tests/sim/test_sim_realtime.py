@@ -9,18 +9,11 @@ import pytest
 from gpushare.config import Config
 from gpushare.model import ClientClass, ClientState
 from gpushare.sim.realtime import RealTimeSimNode, SimProfileError, SimWorkload
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.fakes.fake_clock import ManualClock
 
 
 def test_clients_run_as_the_clock_advances(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     rt = RealTimeSimNode(1, Config(), runtime_dir=tmp_path, clock=clock)
     served: list[str] = []
     rt.on_latency = lambda cid, _lat, _at: served.append(cid)
@@ -75,7 +68,7 @@ def test_clients_run_as_the_clock_advances(tmp_path: Path) -> None:
 
 
 def test_bad_profiles_are_refused_with_the_fix(tmp_path: Path) -> None:
-    rt = RealTimeSimNode(1, Config(), runtime_dir=tmp_path, clock=FakeClock())
+    rt = RealTimeSimNode(1, Config(), runtime_dir=tmp_path, clock=ManualClock(100.0))
     (uuid,) = rt.gpu_uuids
     kw = {"gpu_uuid": uuid, "sm_pct": 100.0, "mem_bytes": 1 << 30, "pid": 1}
     with pytest.raises(SimProfileError, match="valid: bert-inference"):
@@ -94,7 +87,7 @@ def test_simulated_services_send_request_boundaries_to_the_daemons_gate(tmp_path
 
     from gpushare.daemon.gating import GATE, Gatekeeper
 
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     rt = RealTimeSimNode(1, Config(), runtime_dir=tmp_path, clock=clock)
     (uuid,) = rt.gpu_uuids
     pauser = rt.pauser()
@@ -126,7 +119,7 @@ def test_simulated_services_send_request_boundaries_to_the_daemons_gate(tmp_path
             rt.advance()
             time.sleep(0.005)  # the delivery thread's turn
             gate.poll(clock())
-            frozen_seen |= GATE in gate.reasons("train")
+            frozen_seen |= GATE in gate.arbiter.reasons("train")
         deadline = time.monotonic() + 5.0
         while gate.view(uuid, clock()).closes == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -141,7 +134,7 @@ def test_simulated_services_send_request_boundaries_to_the_daemons_gate(tmp_path
 
 def test_a_long_running_node_keeps_only_what_its_windows_read(tmp_path: Path) -> None:
     """Issue 33.5: the daemon's simulated node ran for days growing 0.44 MiB a minute."""
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     cfg = Config()
     rt = RealTimeSimNode(1, cfg, runtime_dir=tmp_path, clock=clock)
     reported: list[float] = []

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from gpushare.daemon.launcher import choose_queue
+from gpushare.model import DEFAULT_QUEUE_MODE
 from gpushare.sim import scenario
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,6 +47,21 @@ def test_good_scenario_has_defaults_and_config_overrides() -> None:
     assert sc.gpu.sm_count == 80
 
 
+def test_an_offline_job_without_a_queue_runs_the_daemons_default() -> None:
+    # One default for both: a scenario's job without ``queue`` is a submit without --queue.
+    (job,) = scenario.loads(GOOD).offline
+    assert job.queue is None
+    assert choose_queue(job.queue, gating_on=True) == (DEFAULT_QUEUE_MODE, "default queue (deep)")
+    (asked,) = scenario.loads(GOOD + 'queue = "auto"\n').offline
+    assert asked.queue == "auto"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_scenarios_say_their_queue(path: Path) -> None:
+    # They were written when the simulator's default was auto; saying so keeps their runs.
+    assert all(job.queue == "auto" for job in scenario.load(path).offline)
+
+
 @pytest.mark.parametrize(
     ("mutation", "key", "words"),
     [
@@ -62,11 +79,17 @@ def test_good_scenario_has_defaults_and_config_overrides() -> None:
             "no such data file",
         ),
         (('name = "train"', 'name = "inf"'), "name", "unique"),
-        (("[[online]]", "[gpu]\ncount = 0\n[[online]]"), "gpu.count", "integer in [1, 64]"),
+        (("[[online]]", "[gpu]\ncount = 0\n[[online]]"), "gpu.count", "a value >= 1 and <= 64"),
+        (('name = "train"\n', ""), "offline[0].name", "missing; give a string"),
         (("[[online]]", '[control]\nperiod = "fast"\n[[online]]'), "control.period", ""),
         (("[[online]]", "[control]\nnot_a_key = 1\n[[online]]"), "control.not_a_key", "unknown"),
         (('name = "inf"', 'name = "inf"\nburst = ["1s", "2s"]'), "online[0].burst", "expected"),
         (('name = "inf"', 'name = "inf"\nburst = ["1s", "0s", 3]'), "online[0].burst", "positive"),
+        (
+            ('name = "inf"', 'name = "inf"\nburst = ["soon", "1s", 3]'),
+            "online[0].burst",
+            "expected",
+        ),
         (('name = "inf"', 'name = "inf"\nload = -0.5'), "online[0].load", "above 0"),
         (('name = "inf"', 'name = "inf"\nload = 0'), "online[0].load", "above 0"),
         (('name = "inf"', 'name = "inf"\nload = 1'), "online[0].load", "below 1"),
@@ -100,8 +123,27 @@ def test_bad_scenario_names_the_key(mutation: tuple[str, str], key: str, words: 
     assert words in err.reason
 
 
+def test_a_scenario_and_the_config_read_a_bad_value_alike() -> None:
+    # One machinery (gpushare.tomlschema): the same mistake, the same words, in both files.
+    from gpushare import config
+
+    cases = [
+        ('[gpu]\nmem_total = "lots"\n', '[control]\nonline_memory_reserve = "lots"\n'),
+        ("[gpu]\ncolour = 1\n", "[control]\ncolour = 1\n"),
+        ('[gpu]\nslice = "soon"\n', '[control]\nperiod = "soon"\n'),
+        ("[gpu]\nbw_beta = true\n", "[control]\nhard_ratio = true\n"),
+    ]
+    for in_scenario, in_config in cases:
+        with pytest.raises(scenario.ScenarioError) as sc_err:
+            scenario.loads(GOOD + in_scenario, "s.toml")
+        with pytest.raises(config.ConfigError) as cfg_err:
+            config.loads(in_config, "c.toml")
+        sc_words, cfg_words = sc_err.value.reason, cfg_err.value.reason
+        assert sc_words.split(";")[0] == cfg_words.split(";")[0], (sc_words, cfg_words)
+
+
 def test_burst_parses_and_raises_the_rate() -> None:
-    from gpushare.sim.node import arrivals_for
+    from gpushare.sim.arrivals import arrivals_for
 
     text = GOOD.replace('name = "inf"', 'name = "inf"\nrps = 10.0\nburst = ["2s", "1s", 5]')
     text = text.replace("[[offline]]", '[[offline]]\nsubmit = "60s"')

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpushare import config
-from gpushare.cli import sim_cmd
+from gpushare.cli import sim_run
 from gpushare.control.registry import POLICY_NAMES, make_policy
 from gpushare.paths import repo_root
 from gpushare.sim import report
@@ -47,7 +47,7 @@ def test_offline_kernels_run_only_while_online_is_idle() -> None:
 
     TallyTrainer._present = checked  # type: ignore[method-assign]
     try:
-        (result,) = sim_cmd.run_files([PAIR], ["tally-like"], duration_s=5.0, progress=False)
+        (result,) = sim_run.run_files([PAIR], ["tally-like"], duration_s=5.0, progress=False)
     finally:
         TallyTrainer._present = original  # type: ignore[method-assign]
     assert seen["offered"] > 0
@@ -61,7 +61,7 @@ def test_offline_kernels_run_only_while_online_is_idle() -> None:
 
 
 def test_tally_like_beats_mps_priority_on_the_p99() -> None:
-    (result,) = sim_cmd.run_files(
+    (result,) = sim_run.run_files(
         [PAIR], ["tally-like", "mps-priority"], duration_s=5.0, progress=False
     )
     rows = {r.policy: r for r in report.summarise(result)}
@@ -75,7 +75,7 @@ def test_the_report_gives_the_service_overhead_beside_the_latency_overhead() -> 
     # Under time-slicing the server falls behind (queueing grows), so its p99 with queueing
     # rises far above its service-time p99 (queueing excluded, tally-bench's metric); alone both
     # references are taken the same way, so the two overheads differ only by the queue.
-    (result,) = sim_cmd.run_files([PAIR], ["time-slicing"], duration_s=5.0, progress=False)
+    (result,) = sim_run.run_files([PAIR], ["time-slicing"], duration_s=5.0, progress=False)
     (row,) = report.summarise(result)
     (online,) = result.runs[0].online
     assert result.alone is not None

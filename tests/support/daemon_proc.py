@@ -10,26 +10,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.support import crash_points
 from gpushare import config
 from gpushare.control.registry import make_policy
 from gpushare.daemon.core import Daemon
-from gpushare.daemon.main import StartupError, make_pauser, serve
 from gpushare.daemon.registry import Registry, RegistryError
 from gpushare.daemon.statedir import open_registry
 from gpushare.logs import configure_logging
 from gpushare.node.adopted import AdoptingPauser
 from gpushare.node.signal_pauser import SignalPauser
+from gpushare.roots.daemon import StartupError, make_pauser, serve
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
-from tests.fakes.fake_mpsnode import FakeMpsNode
-from tests.support import crash_points
+from tests.fakes.fake_mps import FakeMpsNode
 
 
 def _mps_node(cfg: config.Config) -> Any:
     """The fake MPS node, or with GPUSHARE_TEST_REAL_MPS=1 the real one over the real binary."""
     if not os.environ.get("GPUSHARE_TEST_REAL_MPS"):
-        return FakeMpsNode(cfg.paths.resolved("mps_pipe_dir"))
+        return FakeMpsNode(pipe_root=cfg.paths.resolved("mps_pipe_dir"))
+    from bench.support.helpers import mps_server_dir
     from gpushare.node.mps import MpsNodeManager
-    from tests.support.helpers import mps_server_dir
 
     gpus = int(os.environ.get("GPUSHARE_TEST_GPUS", "2"))
     node = MpsNodeManager(cfg, [fake_uuid(i) for i in range(gpus)],

@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.trusted import make_trusted_dir
 from gpushare.paths import repo_root
-from tests.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
-from tests.support.trusted import make_trusted_dir
 
 GPUSHARE = [sys.executable, "-c", "from gpushare.cli.app import main; main()"]
 CANCEL_GRACE_S = 1.0

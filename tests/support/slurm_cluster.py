@@ -17,6 +17,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -105,11 +106,27 @@ class SlurmCluster:
                 if (read_environ(pid, ["SLURM_CONF"]) or {}).get("SLURM_CONF") == str(self.conf):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
+        _remove_empty_cgroups()
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def start(*, prolog: Path, task_prolog: Path, epilog: Path, cpus: int = 8) -> SlurmCluster:
+def start(
+    *,
+    prolog: Path,
+    task_prolog: Path,
+    epilog: Path,
+    cpus: int = 8,
+    gres: str | None = None,
+    cgroups: str | None = None,
+) -> SlurmCluster:
     """Start munged, slurmctld and slurmd; return once the node is idle.
+
+    Args:
+        gres: the node's generic resources (``gpu:1,mps:100``), with :func:`fake_gpu_gres` lines
+            in ``<base>/gres.conf`` for a GPU that is a device file only.
+        cgroups: ``cgroup/v1`` or ``cgroup/v2``: track each step in a cgroup of its own
+            (``proctrack/cgroup``, :func:`cgroup_conf`), each step's usage gathered for
+            ``sstat``; ``None``: by its process tree (``proctrack/linuxproc``).
 
     Raises:
         AssertionError: a daemon exited or the node did not come up; the logs are in the message.
@@ -125,6 +142,8 @@ def start(*, prolog: Path, task_prolog: Path, epilog: Path, cpus: int = 8) -> Sl
     key.chmod(0o400)
     sock = base / "sock" / "munge"
     conf = base / "slurm.conf"
+    if gres is not None:
+        (base / "gres.conf").write_text(fake_gpu_gres(base))
     conf.write_text(
         f"""ClusterName=gpushare-test
 FirstJobId={random.randrange(10_000, 60_000_000)}
@@ -157,10 +176,14 @@ KillWait=2
 Prolog={prolog}
 TaskProlog={task_prolog}
 Epilog={epilog}
-NodeName={NODE} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+{f"GresTypes=gpu,mps{chr(10)}" if gres is not None else ""}\
+NodeName={NODE} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN\
+{f" Gres={gres}" if gres is not None else ""}
 PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
 """
     )
+    if cgroups is not None:
+        _use_cgroups(conf, cgroups)
     cluster = SlurmCluster(base, conf)
     env = cluster.env
     logs = [base / "log" / n for n in ("munged.log", "slurmctld.log", "slurmd.log")]
@@ -184,6 +207,21 @@ PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
     return cluster
 
 
+def fake_gpu_gres(base: Path) -> str:
+    """gres.conf for one GPU whose device file is a character device with nothing behind it.
+
+    Slurm only names the file (and reads its device number for cgroup constraints); no driver is
+    opened. The node ``<base>/dev/nvidia0`` (NVIDIA's major 195) stays inside the cluster's own
+    directory, so the host's /dev is not touched.
+    """
+    dev = base / "dev"
+    dev.mkdir(exist_ok=True)
+    node = dev / "nvidia0"
+    if not node.exists():
+        os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(195, 0))
+    return f"Name=gpu File={node}\nName=mps Count=100 File={node}\n"
+
+
 def _wait(
     ready: object, cluster: SlurmCluster, logs: list[Path], what: str, timeout_s: float = 30
 ) -> None:
@@ -198,3 +236,53 @@ def _wait(
             }
             raise AssertionError(f"waiting for {what}: exited {dead}; logs {tails}")
         time.sleep(0.1)
+
+
+# ------------------------------------------------------------------------- cgroup tracking
+
+
+def cgroup_conf(plugin: str, mount: Path) -> str:
+    """The ``cgroup.conf`` of a cluster whose steps live in cgroups (``plugin`` under ``mount``).
+
+    Slurm 22.05's ``cgroup/v2`` asks systemd (over D-Bus) for a scope for its step daemons; there
+    is no systemd here, so ``IgnoreSystemd`` has it make that cgroup itself. No resource is
+    constrained: the cgroups are for tracking (``proctrack/cgroup``), and on a hybrid host the
+    unified hierarchy may have no controller to constrain with.
+    """
+    return (
+        f"CgroupPlugin={plugin}\nCgroupMountpoint={mount}\n"
+        + ("IgnoreSystemd=yes\n" if plugin == "cgroup/v2" else "")
+        + "ConstrainCores=no\nConstrainRAMSpace=no\nConstrainSwapSpace=no\nConstrainDevices=no\n"
+    )
+
+
+def _use_cgroups(conf: Path, plugin: str) -> None:
+    # Kept apart from the template above so that other changes of slurm.conf merge cleanly.
+    from gpushare.node.cgroups.discovery import cgroup2_mount
+
+    # cgroup/v1 finds each controller's hierarchy under the mount point; v2 needs the unified one.
+    mount = cgroup2_mount() if plugin == "cgroup/v2" else Path("/sys/fs/cgroup")
+    if mount is None:
+        raise AssertionError("no cgroup v2 mount: see cgroup_skip_reason()")
+    text = conf.read_text()
+    text = text.replace("ProctrackType=proctrack/linuxproc", "ProctrackType=proctrack/cgroup")
+    text = text.replace("TaskPlugin=task/none", "TaskPlugin=task/cgroup")
+    # Accounting of each step's processes (sstat), which proctrack/cgroup lists.
+    text = text.replace(
+        "JobAcctGatherType=jobacct_gather/none",
+        "JobAcctGatherType=jobacct_gather/linux\nJobAcctGatherFrequency=1",
+    )
+    conf.write_text(text)
+    (conf.parent / "cgroup.conf").write_text(cgroup_conf(plugin, mount))
+
+
+def _remove_empty_cgroups() -> None:
+    # cgroup/v1 leaves its per-node directory (and, when a step daemon is killed, the step's) in
+    # each hierarchy; rmdir removes only empty ones, so another cluster's running jobs stay.
+    for top in Path("/sys/fs/cgroup").glob(f"*/slurm_{NODE}"):
+        for sub in sorted(top.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if sub.is_dir():
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
+        with contextlib.suppress(OSError):
+            top.rmdir()

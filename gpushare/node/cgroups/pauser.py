@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -32,7 +33,11 @@ from gpushare.node.pauser_base import (
     check_client_id,
     check_pid,
 )
+from gpushare.node.pauser_defaults import PauserDefaults
 from gpushare.node.procs.identity import descendants
+
+if TYPE_CHECKING:
+    from gpushare.node.base import NodePauser
 
 log = structlog.get_logger(__name__)
 
@@ -45,8 +50,12 @@ DEFAULT_KILL_TIMEOUT_S = 2.0
 _SWEEP_ROUNDS = 5
 
 
-class CgroupPauser:
-    """The cgroup v2 freezer over ``<base>/client-<id>/`` leaves (implements ``Pauser``).
+class CgroupPauser(PauserDefaults):
+    """The cgroup v2 freezer over ``<base>/client-<id>/`` leaves (a ``NodePauser``).
+
+    Every capability but adoption is its own; adoption is the null one (an adopted process is
+    attached, i.e. moved into a client cgroup): the daemon wraps it in
+    :class:`~gpushare.node.adopted.AdoptingPauser`, which pauses a process where it is.
 
     Args:
         base: the daemon's subtree; created (one level) if missing.
@@ -60,6 +69,8 @@ class CgroupPauser:
     """
 
     mechanism: PauseMechanism = PauseMechanism.CGROUP
+    #: :meth:`request_frozen` only writes ``cgroup.freeze`` (``BatchPauser.request_waits``).
+    request_waits = False
 
     def __init__(
         self,
@@ -466,3 +477,9 @@ def _rmdir(path: Path) -> None:
         return
     except OSError as exc:
         raise PauserError(f"cannot remove {path}: {exc.strerror or exc}") from exc
+
+
+if TYPE_CHECKING:  # the adapter implements the Protocols the daemon holds it by
+
+    def _conforms(p: CgroupPauser) -> NodePauser:
+        return p

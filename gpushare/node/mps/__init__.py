@@ -75,12 +75,8 @@ from gpushare.node.mps.parse import (
     parse_terminate_status,
 )
 from gpushare.node.mps.recovery import FaultRecord, ServerRecovery
-from gpushare.node.mps.supervisor import (
-    EXCLUSIVE_PROCESS,
-    PIPE_ENTRIES,
-    EventCallback,
-    MpsSupervisor,
-)
+from gpushare.node.mps.setup import EXCLUSIVE_PROCESS, PIPE_ENTRIES
+from gpushare.node.mps.supervisor import EventCallback, MpsSupervisor
 
 __all__ = [
     "CHATTER",

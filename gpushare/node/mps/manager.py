@@ -5,12 +5,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
 from gpushare.config import Config
 from gpushare.model import MpsEvent, MpsState
-from gpushare.node.base import ComputeModeControl
+from gpushare.node.base import ComputeModeControl, DaemonMpsNode
 from gpushare.node.mps.errors import MpsError
 from gpushare.node.mps.supervisor import MpsSupervisor
 
@@ -165,3 +166,9 @@ class MpsNodeManager:
             return True
         worker.join(timeout_s)
         return not worker.is_alive()
+
+
+if TYPE_CHECKING:  # the adapter implements the Protocol the daemon holds it by
+
+    def _conforms(m: MpsNodeManager) -> DaemonMpsNode:
+        return m

@@ -4,7 +4,8 @@
 child started with :class:`subprocess.Popen` (its output is read while it runs), turns that output
 into :class:`~gpushare.model.MpsEvent` values, health-checks it, restarts it with bounded
 exponential backoff, re-applies the defaults, and stops it with ``quit -t``. Recovering a faulted
-server is :mod:`gpushare.node.mps.recovery`.
+server is :mod:`gpushare.node.mps.recovery`; the directories, environment and compute mode around
+the daemon are :mod:`gpushare.node.mps.setup`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import select
 import signal
 import subprocess
 import threading
@@ -26,7 +26,6 @@ from gpushare.config import Config
 from gpushare.model import MpsEvent, MpsEventKind, MpsState
 from gpushare.node.base import ComputeModeControl
 from gpushare.node.mps.commands import (
-    DAEMON_ENV_DROP,
     HEALTH_COMMAND,
     MpsControl,
     binary_refusal,
@@ -35,7 +34,6 @@ from gpushare.node.mps.commands import (
     check_pct,
     check_priority,
     find_binary,
-    supports_multiuser,
 )
 from gpushare.node.mps.errors import (
     CommandTimeout,
@@ -44,21 +42,19 @@ from gpushare.node.mps.errors import (
     MpsSetupError,
     ServerNotFound,
 )
+from gpushare.node.mps.output import read_output
 from gpushare.node.mps.parse import CHATTER, CHATTER_PREFIXES, event_from_line, parse_log_line
 from gpushare.node.mps.recovery import FaultRecord, ServerRecovery
+from gpushare.node.mps.setup import (
+    ComputeModeGuard,
+    daemon_env,
+    decide_multiuser,
+    prepare_dirs,
+    remove_pipe_entries,
+)
 
 log = structlog.get_logger(__name__)
 
-# Compute-mode names as node.base.ComputeModeControl spells them.
-EXCLUSIVE_PROCESS = "exclusive_process"
-# Entries the daemon leaves in its pipe directory (NVIDIA's MPS documentation, docs/sources.md).
-PIPE_ENTRIES = (
-    "control",
-    "control_privileged",
-    "control_lock",
-    "log",
-    "nvidia-cuda-mps-control.pid",
-)
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
 _SUN_PATH_MAX = 107
 _EVENT_QUEUE_MAX = 4096
@@ -127,7 +123,7 @@ class MpsSupervisor:
             cfg.control_binary, self.pipe_dir, timeout_s=cfg.command_timeout_s, log_dir=self.log_dir
         )
         self._extra_path = [str(p) for p in extra_path]
-        self._compute = compute_mode
+        self._compute_mode = ComputeModeGuard(gpu_uuid, compute_mode, log.bind(gpu=gpu_uuid))
         self._pinned = {
             check_device(d): check_mps_size(v) for d, v in (pinned_limits or {}).items()
         }
@@ -145,7 +141,6 @@ class MpsSupervisor:
         self._state = MpsState.DOWN
         self._adopted = False
         self._started = False
-        self._prev_mode: str | None = None
         self._multiuser = False
         self._failures = 0
         self.restarts = 0
@@ -203,9 +198,9 @@ class MpsSupervisor:
             if self._started:
                 return
             self._stop.clear()
-            self._multiuser = self._decide_multiuser()
-            self._prepare_dirs()
-            self._set_compute_mode()
+            self._multiuser = decide_multiuser(self.config)
+            prepare_dirs(self.pipe_dir, self.log_dir)
+            self._compute_mode.set(self.config.mps.compute_mode)
             self._state = MpsState.STARTING
             try:
                 if self._answers():
@@ -217,7 +212,7 @@ class MpsSupervisor:
                 self._apply_defaults()
             except BaseException:
                 self._kill_child()
-                self._restore_compute_mode()
+                self._compute_mode.restore()
                 self._state = MpsState.DOWN
                 raise
             self._state = MpsState.UP
@@ -249,8 +244,8 @@ class MpsSupervisor:
                 return
             if quit_daemon:
                 self._quit_daemon()
-                self._remove_pipe_entries()
-                self._restore_compute_mode()
+                remove_pipe_entries(self.pipe_dir)
+                self._compute_mode.restore()
             else:
                 self._detach()
             self._state = MpsState.DOWN
@@ -303,89 +298,6 @@ class MpsSupervisor:
 
     # Internals: set-up -----------------------------------------------------------------------
 
-    def _decide_multiuser(self) -> bool:
-        mode = self.config.mps.multiuser
-        if mode == "off":
-            return False
-        supported = supports_multiuser(self.config.mps.control_binary)
-        is_root = os.geteuid() == 0
-        if mode == "on":
-            if not supported:
-                raise MpsSetupError(
-                    f'mps.multiuser = "on" but {self.config.mps.control_binary} has no '
-                    '-multiuser-server option (R535 lacks it); set mps.multiuser = "auto" or "off", '
-                    "or install a driver whose MPS has it (R555+)"
-                )
-            if not is_root:
-                raise MpsSetupError(
-                    'mps.multiuser = "on" needs gpushare to run as root (only root may enable '
-                    '-multiuser-server); run as root or set mps.multiuser = "auto"'
-                )
-            return True
-        return supported and is_root
-
-    def _prepare_dirs(self) -> None:
-        for d in (self.pipe_dir, self.log_dir):
-            try:
-                d.mkdir(parents=True, exist_ok=True)
-                # Servers run under each client's uid and must traverse these (a 0700 directory
-                # makes a setuid'd server crash-loop: bottlerocket-os/bottlerocket#4673).
-                d.chmod(0o755)
-            except OSError as exc:
-                raise MpsSetupError(
-                    f"cannot create {d} with mode 0755: {exc.strerror or exc}; fix the permissions "
-                    "or set paths.mps_pipe_dir / paths.mps_log_dir"
-                ) from exc
-
-    def _set_compute_mode(self) -> None:
-        if self.config.mps.compute_mode != "exclusive_process":
-            return
-        if self._compute is None:
-            self._log.warning(
-                "mps_compute_mode_skipped", reason="no NVML compute-mode access given"
-            )
-            return
-        try:
-            prev = self._compute.get_compute_mode(self.gpu_uuid)
-            if prev != EXCLUSIVE_PROCESS:
-                self._compute.set_compute_mode(self.gpu_uuid, EXCLUSIVE_PROCESS)
-                self._prev_mode = prev
-                self._log.info("mps_compute_mode_set", mode=EXCLUSIVE_PROCESS, previous=prev)
-        # The adapter may raise anything NVML raises; MPS still works without the mode.
-        except Exception as exc:  # noqa: BLE001
-            self._log.warning("mps_compute_mode_failed", error=str(exc))
-
-    def _restore_compute_mode(self) -> None:
-        prev, self._prev_mode = self._prev_mode, None
-        if prev is None or self._compute is None:
-            return
-        try:
-            self._compute.set_compute_mode(self.gpu_uuid, prev)
-            self._log.info("mps_compute_mode_restored", mode=prev)
-        except Exception as exc:  # noqa: BLE001 - as in _set_compute_mode
-            self._log.warning("mps_compute_mode_restore_failed", mode=prev, error=str(exc))
-
-    def _daemon_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in DAEMON_ENV_DROP}
-        env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.pipe_dir)
-        env["CUDA_MPS_LOG_DIRECTORY"] = str(self.log_dir)
-        env["CUDA_VISIBLE_DEVICES"] = self.gpu_uuid
-        env["LC_ALL"] = "C"
-        path: list[str] = list(self._extra_path)
-        binary = Path(self.config.mps.control_binary)
-        if binary.is_absolute():
-            # A package unpacked elsewhere keeps the server in ../sbin next to bin/.
-            path += [str(binary.parent), str(binary.parent.parent / "sbin")]
-        path += [
-            p
-            for p in env.get(
-                "PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-            ).split(":")
-            if p
-        ]
-        env["PATH"] = ":".join(dict.fromkeys(path))
-        return env
-
     # Internals: the child --------------------------------------------------------------------
 
     def _answers(self) -> bool:
@@ -395,15 +307,18 @@ class MpsSupervisor:
             return False
         return True
 
-    def _remove_pipe_entries(self) -> None:
-        for name in PIPE_ENTRIES:
-            with contextlib.suppress(FileNotFoundError):
-                (self.pipe_dir / name).unlink()
-
     def _spawn(self) -> None:
-        self._prepare_dirs()  # the pipe directory may have been removed under a running daemon
-        self._remove_pipe_entries()  # stale sockets/FIFO of a dead daemon
-        env = self._daemon_env()
+        prepare_dirs(
+            self.pipe_dir, self.log_dir
+        )  # the pipe directory may have been removed under a running daemon
+        remove_pipe_entries(self.pipe_dir)  # stale sockets/FIFO of a dead daemon
+        env = daemon_env(
+            gpu_uuid=self.gpu_uuid,
+            pipe_dir=self.pipe_dir,
+            log_dir=self.log_dir,
+            control_binary=self.config.mps.control_binary,
+            extra_path=self._extra_path,
+        )
         # Checked at every (re)start: the control daemon and the servers it starts run as root.
         why = binary_refusal(self.config.mps.control_binary, env["PATH"])
         if why is not None:
@@ -550,30 +465,7 @@ class MpsSupervisor:
     def _read_loop(
         self, proc: subprocess.Popen[bytes], fd: int, stop: threading.Event, wake: int
     ) -> None:
-        pending = b""
-        try:
-            while not stop.is_set():
-                try:
-                    # The timeout only bounds a lost wake-up; stop comes through ``wake``.
-                    ready, _, _ = select.select([fd, wake], [], [], 5.0)
-                    if wake in ready:
-                        if not os.read(wake, 64):
-                            break  # the supervisor closed its end: it is done with this reader
-                        continue  # woken: the loop condition looks at stop
-                    if not ready:
-                        continue
-                    chunk = os.read(fd, 65536)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                *lines, pending = (pending + chunk).split(b"\n")
-                for raw in lines:
-                    self._handle_line(raw.decode("utf-8", errors="replace"))
-        finally:
-            os.close(wake)
-        if pending and not stop.is_set():
-            self._handle_line(pending.decode("utf-8", errors="replace"))
+        read_output(fd, stop, wake, self._handle_line)
         # EOF: the daemon exited; let the health thread look now.
         if proc is self._proc:
             self._wake.set()

@@ -226,7 +226,7 @@ def runs_setuid(pid: int) -> bool:
     """Whether ``pid`` runs with rights its real user does not have.
 
     That is: its real, effective, saved and filesystem uids (or gids) differ, or its executable
-    has the setuid or setgid bit. Such a process is adopted by root's rules only (gpushare.adoption): a user's rule must not
+    has the setuid or setgid bit. Such a process is adopted by root's rules only (gpushare.control.adoption): a user's rule must not
     make the daemon freeze, move or kill a process that acts with another user's rights.
     """
     raw = _read_proc(pid, "status")

@@ -1,0 +1,97 @@
+"""The clients as one tick sees them: each client's view, by GPU, remade only when records change.
+
+The registry hands out the same record object until a client changes, so a tick whose records
+are all the ones the last tick saw has nothing to remake: :class:`ClientViews` keeps, from the
+last tick that changed any record, each client's :class:`~gpushare.model.ClientView` (reused
+while its record is the same object), the views of each GPU's clients, and the clients' counts
+for the STATUS= line. It is the one owner of these identity-keyed caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gpushare.daemon.lifecycle import Lifecycle
+from gpushare.daemon.registry import ClientRecord
+from gpushare.daemon.reporter import Counts, count
+from gpushare.daemon.tick import Tick
+from gpushare.model import ClientView, Limits
+
+
+class ClientViews:
+    """See the module docstring."""
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self.life = lifecycle
+        self._synced: Sequence[ClientRecord] = ()  # the records the last refresh saw
+        # Each client's view and the record it was made from.
+        self._views: dict[str, tuple[ClientRecord, ClientView]] = {}
+        self._by_gpu: dict[str | None, list[ClientRecord]] = {}
+        self._view_map: dict[str, ClientView] = {}
+        self._gpu_views: dict[str, tuple[ClientView, ...]] = {}
+        #: Online and offline live clients, and queued ones, as of the last change.
+        self.counts: Counts = (0, 0, 0)
+
+    def refresh(self, records: Sequence[ClientRecord], tick: Tick) -> bool:
+        """Take this tick's records; whether any changed since the last call (then remade)."""
+        synced = self._synced
+        changed = len(records) != len(synced) or any(
+            a is not b for a, b in zip(records, synced, strict=True)
+        )
+        if changed:
+            self._synced = records
+            by_gpu: dict[str | None, list[ClientRecord]] = {}
+            for rec in records:
+                by_gpu.setdefault(rec.gpu_uuid, []).append(rec)
+            self._by_gpu = by_gpu
+            self._view_map = self._views_of(records, tick)
+            self._gpu_views = {}
+            self.counts = count(records)
+        return changed
+
+    def of_gpu(self, gpu_uuid: str) -> tuple[ClientView, ...]:
+        """The views of the clients placed on a GPU, in the registry's order."""
+        mine = self._gpu_views.get(gpu_uuid)
+        if mine is None:
+            views = self._view_map
+            mine = tuple(views[r.id] for r in self._by_gpu.get(gpu_uuid, ()))
+            self._gpu_views[gpu_uuid] = mine
+        return mine
+
+    def _views_of(self, records: Sequence[ClientRecord], tick: Tick) -> dict[str, ClientView]:
+        """Every client's view, made anew only for the records that changed since the last tick."""
+        old = self._views
+        fresh: dict[str, tuple[ClientRecord, ClientView]] = {}
+        for rec in records:
+            known = old.get(rec.id)
+            if known is not None and known[0] is rec:
+                fresh[rec.id] = known
+            else:
+                fresh[rec.id] = (rec, self._view(rec, tick))
+        self._views = fresh  # finished clients drop out with their records
+        return {cid: view for cid, (_, view) in fresh.items()}
+
+    def _view(self, rec: ClientRecord, tick: Tick) -> ClientView:
+        started = None
+        if rec.started_at is not None:
+            started = tick.monotonic_s - max(0.0, tick.wall_s - rec.started_at)
+        return ClientView(
+            client_id=rec.id,
+            cls=rec.cls,
+            state=rec.state,
+            limits=Limits(
+                sm_pct=rec.sm_pct if rec.sm_pct is not None else 100.0,
+                pinned_mem_bytes=rec.mem_bytes,
+                priority=rec.priority,
+            ),
+            uid=rec.uid,
+            pid=rec.pid,
+            slo_p99_ms=rec.slo_p99_ms,
+            restartable=rec.restartable,
+            ceiling_sm_pct=rec.sm_ceiling,
+            failures=rec.failures,
+            started_at_s=started,
+            held=rec.held,
+            queue=rec.queue,
+            shallow=self.life.is_shallow(rec.id),
+        )

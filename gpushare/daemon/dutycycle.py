@@ -1,0 +1,140 @@
+"""The offline duty cycle between ticks, and whether offline work may run (the probe's "quiet").
+
+:class:`DutyCycle` carries out each GPU's offline duty (see :mod:`gpushare.model`): at the start
+of a period (:meth:`DutyCycle.phase`, once a tick) every offline client of a throttled GPU is
+thawed and its GPU's duty edge set at ``duty x period``; at the edge (:meth:`DutyCycle.edges_due`,
+from the loop's wait) they are frozen again. Freezing goes through the
+:class:`~gpushare.daemon.lifecycle.Lifecycle` (and its arbiter); the client's state in the
+registry (RUNNING, THROTTLED, FROZEN) follows. It also owns the
+:class:`~gpushare.daemon.drain.DrainTracker` that says when a frozen client has stopped using the
+GPU, and so whether offline work may run until the next tick (:meth:`DutyCycle.offline_running`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from gpushare.daemon.drain import DrainTracker
+from gpushare.daemon.freeze import DUTY, HOLD
+from gpushare.daemon.lifecycle import Lifecycle
+from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
+from gpushare.daemon.tick import Tick
+from gpushare.model import ClientClass, ClientState, ClientView, GpuSample
+
+S = ClientState
+
+
+class DutyCycle:
+    """Duty edges per GPU and the drain after a freeze; see the module docstring."""
+
+    def __init__(self, state: NodeState, lifecycle: Lifecycle) -> None:
+        self.s = state
+        self.life = lifecycle
+        #: Per GPU, the monotonic time of the coming duty edge (the freeze within the period).
+        self._edges: dict[str, float] = {}
+        #: When frozen offline clients have drained their queued kernels (probe "quiet").
+        self.drain = DrainTracker()
+
+    def next_edge(self, deadline: float) -> float:
+        """The earlier of ``deadline`` and the coming duty edge of any GPU."""
+        return min([deadline, *self._edges.values()])
+
+    def pending(self) -> bool:
+        """Whether any GPU has a duty edge still to come this period."""
+        return bool(self._edges)
+
+    def phase(self, tick: Tick) -> None:
+        """Start of a period: thaw or freeze offline clients as each GPU's duty says."""
+        life = self.life
+        period = self.s.config.control.period_s
+        self._edges.clear()
+        # Read once this tick already with the look for other connections' commits (tick()).
+        for rec in self.s.registry.clients(check=False):
+            if rec.state not in RUNNING_STATES or rec.pid is None:
+                continue
+            if life.exiting(rec.id):
+                # Cancelled or evicted: it was thawed to act on its signal; freezing it again
+                # would turn a clean exit into the SIGKILL at the end of the grace.
+                life.freeze_for(rec.id)
+                continue
+            duty = self.s.duty.get(rec.gpu_uuid or "", 1.0)
+            if rec.held:
+                want = S.FROZEN
+                life.freeze_for(rec.id, HOLD)
+            elif rec.cls is ClientClass.ONLINE or duty >= 1.0:
+                want = S.RUNNING
+                life.freeze_for(rec.id)
+            else:
+                want = S.THROTTLED
+                if duty <= 0.0:
+                    life.freeze_for(rec.id, DUTY)
+                else:
+                    life.freeze_for(rec.id)
+                    self._edges[rec.gpu_uuid or ""] = tick.monotonic_s + duty * period
+            if rec.state is not want:
+                why = f"offline duty {duty:g} on its GPU" if want is S.THROTTLED else None
+                self.s.transition(rec.id, want, reason=rec.reason if want is S.FROZEN else why)
+
+    def edges_due(self, tick: Tick) -> None:
+        """Freeze the throttled offline clients of the GPUs whose duty edge has come."""
+        with self.s.lock:
+            due = [gpu for gpu, at in self._edges.items() if at <= tick.monotonic_s]
+            if not due:
+                return
+            for gpu in due:
+                del self._edges[gpu]
+            ids = [
+                rec.id
+                for rec in self.s.registry.clients()
+                if rec.gpu_uuid in due
+                and rec.cls is ClientClass.OFFLINE
+                and rec.state is S.THROTTLED
+                and not self.life.exiting(rec.id)
+                and not self.life.is_paused(rec.id)
+            ]
+            if not ids:
+                return
+            self.life.freeze_all(ids)
+            self.note_paused(tick)
+
+    # ----------------------------------------------------------------------------- the drain
+
+    def note_paused(self, tick: Tick) -> None:
+        """Tell the drain tracker which clients the daemon holds frozen now."""
+        self.drain.note_paused(self.life.paused, tick.monotonic_s, tick.wall_s)
+
+    def forget(self, live: Iterable[str]) -> None:
+        """Drop the drain state of every client not in ``live``."""
+        self.drain.forget(live)
+
+    def offline_running(self, sample: GpuSample, views: Sequence[ClientView], tick: Tick) -> bool:
+        """Whether offline work may run on the GPU until the next tick (the probe's "not quiet").
+
+        A client frozen at the last duty edge runs again in this period unless the duty is 0 or it
+        is held: "frozen right now" is not "quiet". A client frozen for good is quiet only once
+        its queued kernels have drained (:mod:`gpushare.daemon.drain`).
+        """
+        offline = [v for v in views if v.cls is ClientClass.OFFLINE and v.state.is_live]
+        if not offline:
+            return False
+        uuid = sample.uuid
+        if sample.sm_periods:
+            pids: dict[str, Sequence[int]] = {}
+            # Only a period that lists a process is attributed to a client: a GPU on which
+            # nothing ran costs no look-up of every offline client's processes.
+            listed = any(p.pids for p in sample.sm_periods)
+            for v in offline if listed else ():
+                try:
+                    mine = list(self.s.pauser.pids(v.client_id))
+                except PAUSE_ERRORS:
+                    mine = []
+                pids[v.client_id] = [*mine, v.pid] if v.pid is not None else mine
+            self.drain.observe(uuid, sample.sm_periods, pids)
+        duty = self.s.duty.get(uuid, 1.0)
+        life = self.life
+        for v in offline:
+            if not life.is_paused(v.client_id) or (duty > 0.0 and not v.held):
+                return True
+            if not self.drain.drained(v.client_id, uuid, tick.monotonic_s, shallow=v.shallow):
+                return True
+        return False
