@@ -31,7 +31,7 @@ from gpushare.sim.gating import BoundarySender, GateDriver
 from gpushare.sim.node import PolicyTraits, SimNode
 from gpushare.sim.results import RunResult, ScenarioResult, collect
 from gpushare.sim.scenario import OnlineSpec, Scenario
-from gpushare.sim.workloads import OnlineServer
+from gpushare.sim.workloads import SimClient
 
 __all__ = ["RunResult", "ScenarioResult", "run_policy", "run_scenario", "slo_of", "standalone"]
 
@@ -79,7 +79,7 @@ class SimDaemon:
             if server.cid in boundaries:
                 server.on_boundary = BoundarySender(self.gates.send, server).boundary
 
-    def add_online(self, server: OnlineServer) -> None:
+    def add_online(self, server: SimClient) -> None:
         """Register a running online service as a foreground client (it started at t = 0)."""
         s = self.state
         rec = s.registry.add_client(

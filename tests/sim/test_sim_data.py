@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import datetime
 import gzip
 import io
 import json
@@ -128,6 +129,22 @@ def _fake_originals(root: Path) -> None:
         root / AZURE,
         ["TIMESTAMP", "ContextTokens", "GeneratedTokens"],
         [[t, "100", "10"] for t in stamps],
+    )
+    # The conversation trace: timestamps rebuilt from the shipped offsets (100 ns exact).
+    conv = _rows(SHIPPED / "azure-llm-2023/conv_tokens.csv.gz")
+    base = datetime.datetime(2023, 11, 16, 18, 15, 46)
+    stamps_conv = []
+    for r in conv:
+        whole, _, frac = r["arrival_s"].partition(".")
+        at = base + datetime.timedelta(seconds=int(whole))
+        stamps_conv.append(f"{at:%Y-%m-%d %H:%M:%S}.{frac}")
+    _write_csv(
+        root / "azure-llm-2023/AzureLLMInferenceTrace_conv.csv",
+        ["TIMESTAMP", "ContextTokens", "GeneratedTokens"],
+        [
+            [t, r["context_tokens"], r["generated_tokens"]]
+            for t, r in zip(stamps_conv, conv, strict=True)
+        ],
     )
     qps = _rows(SHIPPED / "alibaba-genai-2026/qps_per_minute.csv")
     text = io.StringIO()

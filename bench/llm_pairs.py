@@ -1,0 +1,207 @@
+"""An LLM server next to training jobs: TTFT/TPOT attainment and offline throughput per setup.
+
+For each load (30, 50, 70 % of the server's capacity alone) and each shipped training job, runs
+the server (Llama-2-7B on a simulated V100-32GB, the Azure conversation trace) under gpushare
+and every baseline of the policy registry that the LLM server supports, each driven by the
+daemon's own loop (``gpushare.sim.llm_daemon``), and under the levers of
+``gpushare.sim.llm_pairs`` (an SM cap on the trainer, a fixed duty cycle), and scores it at SLO factors 1.1, 1.5 and 2 (x the p99 TTFT
+and p99 TPOT of the server alone at that load): the fraction of requests inside both SLOs, the
+p99s, the trainer's throughput over its throughput alone, and the run's speed (virtual seconds
+per CPU second). Prints a table per factor; writes JSON (``bench/results/llm_pairs.json``).
+
+    python bench/llm_pairs.py [--jobs 2] [--duration 600] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gpushare.logs import configure_logging  # noqa: E402
+from gpushare.sim import engine, llm_daemon, llm_pairs  # noqa: E402
+
+LOADS = (0.3, 0.5, 0.7)
+FACTORS = (1.1, 1.5, 2.0)
+#: Registry policies run through the daemon's loop. ``tally-like`` is left out: its kernel
+#: preemption routes a server's kernels through the Tally scheduler, which the LLM server does
+#: not use.
+POLICIES = ("gpushare", "mps", "mps-priority", "time-slicing", "static-split", "tgs")
+#: gpushare with its starting offline SM share at 100 % instead of 50 % (``[control]
+#: offline_sm_pct_default``): the lever the pairs say to use for an always-busy server.
+SHARE100 = "gpushare-share100"
+#: ... and with a 60 s latency window (default 2 s with at least 20 samples: a server finishing
+#: 0.2-0.6 requests per second never fills the default window, so the controller gets no signal).
+LLM = "gpushare-llm"
+CONTROLS = {
+    SHARE100: "[control]\noffline_sm_pct_default = 100.0\n",
+    LLM: '[control]\noffline_sm_pct_default = 100.0\n[latency]\nwindow = "60s"\n',
+}
+#: Levers run directly on the model (``llm_pairs``): not policies of the registry.
+LEVERS = ("cap-50", "duty-50")
+
+Work = tuple[str, str | None, float, float, float, float]
+
+
+def one(args: Work) -> tuple[llm_pairs.PairResult, float]:
+    """One run and its speed (virtual s per CPU s)."""
+    setup, trainer, load, duration, slo_ttft_s, slo_tpot_s = args
+    configure_logging("error", json=False)
+    t0 = time.process_time()
+    if setup in POLICIES or setup in CONTROLS:
+        assert trainer is not None
+        res = llm_daemon.run_policy(
+            "gpushare" if setup in CONTROLS else setup, trainer, load, slo_ttft_s=slo_ttft_s,
+            slo_tpot_s=slo_tpot_s, duration_s=duration, control=CONTROLS.get(setup, ""),
+        )  # fmt: skip
+        res = dataclasses.replace(res, setup=setup)
+    else:
+        res = llm_pairs.run_pair(setup, trainer, load, duration_s=duration)
+    return res, duration / max(1e-9, time.process_time() - t0)
+
+
+def _rows(
+    res: llm_pairs.PairResult, speed: float, base: llm_pairs.PairResult
+) -> list[dict[str, Any]]:
+    """A run scored at every factor against the server alone at its load."""
+    rows = []
+    for factor in FACTORS:
+        o = llm_pairs.score(res, base, factor)
+        rows.append(
+            {
+                "setup": res.setup,
+                "trainer": res.trainer.rsplit("/", 1)[-1].removesuffix(".csv"),
+                "load": res.load,
+                "slo_factor": factor,
+                "requests": len(res.timings),
+                "attainment": o.attainment,
+                "ttft_p99_ms": o.ttft_p99_ms,
+                "tpot_p99_ms": o.tpot_p99_ms,
+                "slo_ttft_ms": factor * llm_pairs.p99(base.ttft_s) * 1e3,
+                "slo_tpot_ms": factor * llm_pairs.p99(base.tpot_s) * 1e3,
+                "offline_norm": o.offline_norm,
+                "preemptions": res.preemptions,
+                "speed_factor": speed,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--duration", type=float, default=600.0, help="virtual seconds per run")
+    ap.add_argument("--quick", action="store_true", help="load 0.5 and the first trainer only")
+    ap.add_argument(
+        "--loads", default="0.5,0.3,0.7", help="fractions of capacity, run in this order"
+    )
+    ap.add_argument(
+        "--control-factor",
+        type=float,
+        default=1.5,
+        help="SLO factor the daemon is given (x the p99 TTFT and TPOT alone); results are scored "
+        "at every factor",
+    )
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/llm_pairs.json")
+    ap.add_argument("--setups", help="comma-separated setups (default: every one)")
+    ap.add_argument(
+        "--summarise",
+        type=Path,
+        help="print and write the tables from the rows of an earlier run (its .partial.jsonl)",
+    )
+    args = ap.parse_args()
+    loads = (0.5,) if args.quick else tuple(float(x) for x in args.loads.split(","))
+    trainers = llm_pairs.TRAINERS[:1] if args.quick else llm_pairs.TRAINERS
+    setups = args.setups.split(",") if args.setups else [*POLICIES, SHARE100, LLM, *LEVERS]
+    print(f"engine: {engine.loaded()}")
+    print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
+    partial = args.out.with_suffix(".partial.jsonl")
+    rows: list[dict[str, Any]] = []
+    if args.summarise is not None:
+        rows = [json.loads(line) for line in args.summarise.read_text().splitlines() if line]
+        loads = tuple(x for x in loads if any(r["load"] == x for r in rows))
+    else:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            first = list(
+                pool.map(one, [("exclusive", None, x, args.duration, 0.0, 0.0) for x in loads])
+            )
+            alone = {r.load: r for r, _ in first}
+            k = args.control_factor
+            work: list[Work] = [
+                (
+                    s,
+                    t,
+                    x,
+                    args.duration,
+                    k * llm_pairs.p99(alone[x].ttft_s),
+                    k * llm_pairs.p99(alone[x].tpot_s),
+                )
+                for x in loads
+                for t in trainers
+                for s in setups
+            ]
+            futures = [pool.submit(one, w) for w in work]
+            for res, speed in first:
+                rows += _rows(res, speed, alone[res.load])
+            with partial.open("a") as fh:
+                for r in rows:
+                    fh.write(json.dumps(r) + "\n")
+                for fut in as_completed(futures):
+                    res, speed = fut.result()
+                    new = _rows(res, speed, alone[res.load])
+                    rows += new
+                    for r in new:
+                        fh.write(json.dumps(r) + "\n")
+                    fh.flush()
+    for factor in FACTORS:
+        print(f"\nSLO {factor}x (p99 TTFT and TPOT alone); mean over trainers")
+        print("| load | setup | attainment (min) | TTFT p99 ms | TPOT p99 ms | offline |")
+        print("|---|---|---|---|---|---|")
+        for load in sorted(loads):
+            for setup in ["exclusive", *setups]:
+                sel = [
+                    r
+                    for r in rows
+                    if r["slo_factor"] == factor and r["load"] == load and r["setup"] == setup
+                ]
+                if not sel:
+                    continue
+                att = [r["attainment"] for r in sel]
+                print(
+                    f"| {load:.0%} | {setup} | {statistics.mean(att):.4f} ({min(att):.4f}) "
+                    f"| {statistics.mean(r['ttft_p99_ms'] for r in sel):.0f} "
+                    f"| {statistics.mean(r['tpot_p99_ms'] for r in sel):.1f} "
+                    f"| {statistics.mean(r['offline_norm'] for r in sel):.3f} |"
+                )
+    speeds = [r["speed_factor"] for r in rows if r["slo_factor"] == FACTORS[0]]
+    print(
+        f"\nspeed: slowest run {min(speeds):.1f}x real time, median {statistics.median(speeds):.1f}x"
+    )
+    out = {
+        "duration_s": args.duration,
+        "control_factor": args.control_factor,
+        "capacity_rps": llm_pairs.capacity_rps(),
+        "rows": rows,
+        "speed_min": min(speeds),
+        "speed_median": statistics.median(speeds),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1, allow_nan=True) + "\n")
+    print(f"wrote {args.out}")
+    assert all(math.isfinite(s) for s in speeds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The simulated LLM server: its roofline, continuous batching, KV cache, trace and calibration."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+
+from gpushare.sim import data, llm_daemon, llm_pairs, llm_validation
+from gpushare.sim.gpu import EventLoop, Gpu
+from gpushare.sim.llm import (
+    CONV_TRACE,
+    LlmRequest,
+    LlmServer,
+    LlmServerConfig,
+    load_trace,
+    trace_requests,
+)
+from gpushare.sim.llm_cost import (
+    DEFAULT_EFFICIENCY,
+    LLAMA2_7B,
+    V100_32G,
+    Batch,
+    iteration_rows,
+    iteration_s,
+    merge,
+)
+
+CFG = LlmServerConfig()
+
+
+def _serve(reqs: list[LlmRequest], cfg: LlmServerConfig = CFG) -> LlmServer:
+    loop = EventLoop()
+    gpu = Gpu(loop, uuid="g", index=0, sm_count=80, mem_total_bytes=32 << 30)
+    srv = LlmServer("llm", gpu, iter(reqs), cfg)
+    srv.start(loop)
+    loop.run_until(1e4)
+    return srv
+
+
+def _it(batch: Batch) -> float:
+    return math.fsum(
+        c[0] for c in merge(iteration_rows(batch, LLAMA2_7B, V100_32G, DEFAULT_EFFICIENCY))
+    )
+
+
+def test_merging_keeps_an_iterations_time_and_no_chunk_of_several_kernels_is_over_the_bound() -> (
+    None
+):
+    for batch in (
+        Batch(1, 100, (), 1),
+        Batch(8, 8000, ((300, 0),), 9),
+        Batch(0, 0, ((2048, 0),), 1),
+    ):
+        rows = iteration_rows(batch, LLAMA2_7B, V100_32G, DEFAULT_EFFICIENCY)
+        chunks = merge(rows)
+        assert math.isclose(
+            sum(c[0] for c in chunks), iteration_s(batch, LLAMA2_7B, V100_32G, DEFAULT_EFFICIENCY)
+        )
+        longest = max(r[0] for r in rows)
+        assert all(c[0] <= max(50e-6, longest) + 1e-12 for c in chunks)
+
+
+def test_decode_is_bandwidth_bound_and_grows_with_the_cache_while_prefill_grows_with_tokens() -> (
+    None
+):
+    one = iteration_s(Batch(1, 100, (), 1), LLAMA2_7B, V100_32G, DEFAULT_EFFICIENCY)
+    # A decode step reads every weight once: at least weights / bandwidth.
+    assert one >= LLAMA2_7B.weight_bytes / V100_32G.mem_bw_bytes_per_s
+    # 16 sequences cost little more than one (the weights are shared), more cache costs more.
+    sixteen = iteration_s(Batch(16, 1600, (), 16), LLAMA2_7B, V100_32G, DEFAULT_EFFICIENCY)
+    long_ctx = iteration_s(Batch(16, 16 * 2000, (), 16), LLAMA2_7B, V100_32G, DEFAULT_EFFICIENCY)
+    assert one < sixteen < 1.2 * one < long_ctx
+    p1k = iteration_s(Batch(0, 0, ((1024, 0),), 1), LLAMA2_7B, V100_32G, DEFAULT_EFFICIENCY)
+    p2k = iteration_s(Batch(0, 0, ((2048, 0),), 1), LLAMA2_7B, V100_32G, DEFAULT_EFFICIENCY)
+    assert 1.9 < p2k / p1k < 2.3  # compute-bound: linear in tokens plus causal attention
+
+
+def test_a_request_alone_takes_one_prefill_then_one_decode_step_per_further_token() -> None:
+    srv = _serve([LlmRequest(0.0, 500, 4)])
+    (f,) = srv.stats.finished
+    assert f.ttft_s == pytest.approx(_it(Batch(0, 0, ((500, 0),), 1)), rel=1e-9)
+    steps = [_it(Batch(1, 500 + k + 1, (), 1)) for k in range(3)]
+    assert f.tpot_s == pytest.approx(sum(steps) / 3, rel=1e-9)
+    assert srv.stats.iterations == 4 and srv.stats.tokens == 4
+
+
+def test_requests_arriving_together_share_iterations_and_a_long_prompt_is_chunked() -> None:
+    # The first request's prefill starts at once; the two arriving during it join the next
+    # iteration together, beside the first one's decode step.
+    reqs = [LlmRequest(0.0, 300, 3), LlmRequest(0.01, 300, 3), LlmRequest(0.01, 300, 3)]
+    srv = _serve(reqs)
+    first, b, c = sorted(srv.stats.finished, key=lambda f: (f.arrival_s, f.e2e_s))
+    it1 = _it(Batch(0, 0, ((300, 0),), 1))
+    it2 = _it(Batch(1, 301, ((300, 0), (300, 0)), 3))
+    assert first.ttft_s == pytest.approx(it1)
+    assert b.ttft_s == c.ttft_s == pytest.approx(it1 + it2 - 0.01)
+    assert srv.stats.iterations == 4
+    # A 5000-token prompt with a 2048-token budget: three prefill iterations before its token.
+    srv = _serve([LlmRequest(0.0, 5000, 1)])
+    (f,) = srv.stats.finished
+    want = (
+        _it(Batch(0, 0, ((2048, 0),), 0))
+        + _it(Batch(0, 0, ((2048, 2048),), 0))
+        + _it(Batch(0, 0, ((904, 4096),), 1))
+    )
+    assert f.ttft_s == pytest.approx(want, rel=1e-9) and f.tpot_s is None
+
+
+def test_a_full_kv_cache_queues_new_requests_and_preemption_loses_no_token() -> None:
+    per_block = LLAMA2_7B.kv_bytes_per_token * 16
+    small = LlmServerConfig(kv_cache_bytes=per_block * 40)  # 640 tokens
+    srv = _serve([LlmRequest(0.0, 600, 10), LlmRequest(0.001, 600, 10)], small)
+    first, second = sorted(srv.stats.finished, key=lambda f: f.arrival_s)
+    # The second prompt fits only once the first request has left the cache.
+    assert second.arrival_s + second.ttft_s > first.arrival_s + first.e2e_s
+    assert srv.stats.preemptions == 0
+    # Two requests admitted together outgrow the cache while decoding: one is preempted and
+    # recomputed, and every request still gets exactly its output tokens.
+    srv = _serve([LlmRequest(0.0, 300, 40), LlmRequest(0.0, 300, 40)], small)
+    assert srv.stats.preemptions >= 1
+    assert len(srv.stats.finished) == 2 and srv.stats.tokens == 80
+    assert srv.free_blocks == small.kv_blocks
+    # A request the whole cache could not hold is refused, and does not block the queue.
+    srv = _serve([LlmRequest(0.0, 600, 100), LlmRequest(0.0, 100, 2)], small)
+    assert srv.stats.rejected == 1 and [f.prompt for f in srv.stats.finished] == [100]
+
+
+def test_the_shipped_trace_loads_and_replays_thinned_and_truncated() -> None:
+    trace = load_trace(CONV_TRACE)
+    assert len(trace) == 19366 and trace[0].arrival_s == 0.0
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(trace))
+    half = list(trace_requests(trace, rate_scale=0.5, start_s=100.0, end_s=200.0, max_len=2048))
+    full = [r for r in trace if 100.0 <= r.arrival_s < 300.0]
+    assert len(half) == len(full) // 2 or len(half) == (len(full) + 1) // 2
+    assert all(0.0 <= r.arrival_s < 200.0 and r.prompt + r.output <= 2048 for r in half)
+
+
+def test_a_malformed_trace_is_refused_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "bad.csv.gz").write_bytes(
+        gzip.compress(b"arrival_s,context_tokens,generated_tokens\n0.5,12,x\n")
+    )
+    monkeypatch.setenv(data.DATA_ENV, str(tmp_path))
+    with pytest.raises(data.DataError, match=r"bad.csv.gz:2: bad row"):
+        load_trace("bad.csv")
+
+
+def test_the_fit_gives_the_shipped_constants_and_every_point_has_an_error() -> None:
+    assert llm_validation.fit() == DEFAULT_EFFICIENCY
+    rows = llm_validation.evaluate(DEFAULT_EFFICIENCY)
+    assert len(rows) == len(llm_validation.POINTS) == 34
+    assert {r.point.role for r in rows} == {"calibration", "validation"}
+    assert all(math.isfinite(r.error) for r in rows)
+
+
+def test_mps_priority_protects_the_server_that_plain_mps_does_not() -> None:
+    trainer = llm_pairs.TRAINERS[0]
+    alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=25.0)
+    plain = llm_pairs.score(llm_pairs.run_pair("mps", trainer, 0.5, duration_s=25.0), alone, 1.5)
+    prio = llm_pairs.score(
+        llm_pairs.run_pair("mps-priority", trainer, 0.5, duration_s=25.0), alone, 1.5
+    )
+    assert prio.tpot_p99_ms < plain.tpot_p99_ms
+    assert prio.attainment > plain.attainment
+    assert 0.0 < prio.offline_norm < plain.offline_norm
+
+
+def test_bad_setups_and_loads_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown setup"):
+        llm_pairs.run_pair("bogus", None, 0.5)
+    with pytest.raises(ValueError, match="load"):
+        llm_pairs.run_pair("mps", None, 1.5)
+
+
+def test_each_request_is_reported_as_its_slo_ratio_times_the_p99_slo() -> None:
+    loop = EventLoop()
+    gpu = Gpu(loop, uuid="g", index=0, sm_count=80, mem_total_bytes=32 << 30)
+    reqs = [LlmRequest(0.0, 500, 4), LlmRequest(5.0, 500, 1)]
+    srv = LlmServer("llm", gpu, iter(reqs), CFG)
+    srv.slo_p99_ms = 1000.0
+    srv.slo_ttft_s, srv.slo_tpot_s = 1.0, 0.01
+    srv.start(loop)
+    loop.run_until(100.0)
+    a, b = srv.stats.finished
+    assert a.tpot_s is not None and b.tpot_s is None
+    (ta, la), (tb, lb) = srv.completed
+    assert ta == pytest.approx(a.arrival_s + a.e2e_s) and tb == pytest.approx(b.arrival_s + b.e2e_s)
+    # The first is over its TPOT SLO (a V100 step is ~19 ms): its TPOT ratio wins.
+    assert la == pytest.approx(max(a.ttft_s / 1.0, a.tpot_s / 0.01))
+    assert la > 1.0
+    # A one-token request is judged on its TTFT alone.
+    assert lb == pytest.approx(b.ttft_s / 1.0)
+
+
+def test_gpushare_drives_the_llm_pair_through_the_daemons_loop() -> None:
+    trainer = llm_pairs.TRAINERS[0]
+    alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=25.0)
+    slo_ttft, slo_tpot = 1.5 * llm_pairs.p99(alone.ttft_s), 1.5 * llm_pairs.p99(alone.tpot_s)
+    res = llm_daemon.run_policy(
+        "gpushare", trainer, 0.5, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, duration_s=25.0
+    )
+    plain = llm_daemon.run_policy(
+        "mps", trainer, 0.5, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, duration_s=25.0
+    )
+    ours = llm_pairs.score(res, alone, 1.5)
+    assert ours.attainment > llm_pairs.score(plain, alone, 1.5).attainment
+    assert ours.attainment >= 0.99 and ours.offline_norm > 0.0
+    with pytest.raises(ValueError, match="unknown policy|bogus"):
+        llm_daemon.run_policy("bogus", trainer, 0.5, slo_ttft_s=1.0, slo_tpot_s=1.0)
