@@ -68,6 +68,7 @@ def summary(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ovh = [r["p99_overhead"] for r in rows if r["p99_overhead"] is not None]
         off = [r["offline_norm"] for r in rows if r["offline_norm"] is not None]
         slo = [r["slo_attainment"] for r in rows if r["slo_attainment"] is not None]
+        rph = [r["restarts_per_job_hour"] for r in rows if r.get("restarts_per_job_hour") is not None]
         out.append(
             {
                 "policy": policy,
@@ -78,6 +79,8 @@ def summary(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "within_7pct": sum(1 for x in ovh if x <= 0.07),
                 "slo_attainment_mean": statistics.fmean(slo) if slo else None,
                 "offline_norm_mean": statistics.fmean(off) if off else None,
+                "restarts_per_job_hour_mean": statistics.fmean(rph) if rph else None,
+                "restarts_per_job_hour_worst": max(rph) if rph else None,
                 "system_throughput_mean": statistics.fmean(r["system_throughput"] for r in rows),
                 "busy_mean": statistics.fmean(r["busy_fraction"] for r in rows),
                 "speed_min": min(r["speed_factor"] for r in rows),
@@ -98,15 +101,16 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     """The per-policy summary as a Markdown table."""
     head = (
         "| policy | p99 overhead mean | median | worst | scenarios within 7 % | SLO attainment "
-        "| offline tput | system tput | GPU busy | slowest run |"
+        "| offline tput | restarts per job-hour | system tput | GPU busy | slowest run |"
     )
-    out = [head, "|" + "---|" * 10]
+    out = [head, "|" + "---|" * 11]
     for r in rows:
         out.append(
             f"| {r['policy']} | {_pct(r['p99_overhead_mean'])} | {_pct(r['p99_overhead_median'])} "
             f"| {_pct(r['p99_overhead_worst'])} | {r['within_7pct']}/{r['scenarios']} "
             f"| {_num(r['slo_attainment_mean'] and r['slo_attainment_mean'] * 100)}% "
-            f"| {_num(r['offline_norm_mean'])} | {_num(r['system_throughput_mean'])} "
+            f"| {_num(r['offline_norm_mean'])} | {_num(r.get('restarts_per_job_hour_mean'))} "
+            f"| {_num(r['system_throughput_mean'])} "
             f"| {r['busy_mean'] * 100:.0f}% | {r['speed_min']:.0f}x |"
         )
     return "\n".join(out)
