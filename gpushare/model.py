@@ -214,6 +214,10 @@ class ClientView:
     declared: an offline guarantee is honoured as a duty-cycle floor while online SLOs hold.
     ``queue`` is an offline client's ``submit --queue`` (``None``: deep) and ``shallow`` whether it
     runs with a shallow queue now (``CUDA_LAUNCH_BLOCKING=1``, docs/controller.md).
+    ``live_queue``: its queue follows request gating without a restart (the in-flight library's
+    control file, issue 32), so the controller never restarts it to switch queues.
+    ``restart_cost_s``: what a restart costs the job (start-up and lost work; declared or
+    measured), ``None``: the controller's default.
     """
 
     client_id: str
@@ -234,6 +238,8 @@ class ClientView:
     held: bool = False
     queue: str | None = None
     shallow: bool = False
+    live_queue: bool = False
+    restart_cost_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

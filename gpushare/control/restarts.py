@@ -148,7 +148,12 @@ def shallow_restart(
     if since is None or now - since < settle or gate is None or gate.busy_fraction is None:
         return state, False
     deep = [c for c in obs.offline() if c.state in RESTARTABLE_STATES and not c.shallow]
-    movable = [c for c in deep if c.restartable and c.queue == "auto" and c.client_id not in going]
+    movable = [
+        c
+        for c in deep
+        # A live client (issue 32) turns shallow without a restart.
+        if c.restartable and c.queue == "auto" and not c.live_queue and c.client_id not in going
+    ]
     if not movable:
         return state, False
     chosen = min(movable, key=lambda c: c.client_id)
@@ -193,6 +198,7 @@ def queue_restart(
             for c in obs.offline()
             if c.restartable
             and c.queue == "auto"
+            and not c.live_queue  # issue 32: switched live, never restarted for its queue
             and c.shallow
             and c.state in RESTARTABLE_STATES
             and c.client_id not in going

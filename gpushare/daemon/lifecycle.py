@@ -26,6 +26,7 @@ from gpushare import mpsenv
 from gpushare.control.controller import failure_backoff_s
 from gpushare.daemon import launcher
 from gpushare.daemon.gating import DAEMON
+from gpushare.daemon.inflight_control import LiveQueues
 from gpushare.daemon.readopt import readopt
 from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
@@ -67,6 +68,8 @@ class Lifecycle:
         self._watching = False
         #: Offline clients launched with a shallow queue, and how (``launcher.shallow_how``).
         self.shallow: dict[str, str] = {}
+        #: Issue 32: live ``--queue auto`` clients, whose bound follows gating without a restart.
+        self.live = LiveQueues(lambda: self.s.bound_writer, self.shallow)
 
     # ----------------------------------------------------------------------------- watching
 
@@ -365,6 +368,7 @@ class Lifecycle:
             self.s.gate.forget(client_id)
             self.s.gauges.forget(client_id)
             self.shallow.pop(client_id, None)  # a relaunch decides its queue anew
+            self.live.forget(client_id)
             try:
                 self.s.pauser.release(client_id)
             except PAUSE_ERRORS as exc:
@@ -559,14 +563,25 @@ class Lifecycle:
         if cls is ClientClass.OFFLINE:
             gating = self.s.gate.view(gpu_uuid, self.s.clock.monotonic()).enabled
             mode, why = launcher.choose_queue(queue, gating_on=gating)
-            queue_vars, how = launcher.queue_env(
-                mode, self.s.config.gate, self.s.shallow_library, vet=self.s.library_vet
-            )
-            env.update(queue_vars)
-            if (shallow := launcher.shallow_how(queue_vars)) is not None:
-                self.shallow[client_id] = shallow
+            # Issue 32: an auto client that can preload the library switches live (vetted once).
+            lib, vet = self.s.shallow_library, self.s.library_vet
+            if queue == "auto":
+                lib, vet = launcher.vetted_library(lib, vet), None
+            live = self.live.launch_env(
+                client_id, gpu_uuid, queue, gating, self.s.config.gate, lib,
+                self.s.clock.monotonic(),
+            )  # fmt: skip
+            if live is not None:
+                queue_vars, how = live
+                env.update(queue_vars)
             else:
-                self.shallow.pop(client_id, None)
+                self.live.forget(client_id)
+                queue_vars, how = launcher.queue_env(mode, self.s.config.gate, lib, vet=vet)
+                env.update(queue_vars)
+                if (shallow := launcher.shallow_how(queue_vars)) is not None:
+                    self.shallow[client_id] = shallow
+                else:
+                    self.shallow.pop(client_id, None)
             if announce:
                 log.info("offline_queue", client_id=client_id, queue=mode, reason=why, how=how)
         return {**mpsenv.marker_env(cls, slo), **env}

@@ -322,7 +322,9 @@ class ControlLoop:
         for v in offline:
             if v.client_id not in paused or (duty > 0.0 and not v.held):
                 return True
-            if not self.drain.drained(v.client_id, uuid, now, shallow=v.shallow):
+            # Issue 32: kernels queued deep before a live switch drain as a deep queue's.
+            shallow = v.shallow and self.life.live.settled(v.client_id, now, self.drain.deep_s)
+            if not self.drain.drained(v.client_id, uuid, now, shallow=shallow):
                 return True
         return False
 
@@ -477,6 +479,7 @@ class ControlLoop:
             held=rec.held,
             queue=rec.queue,
             shallow=rec.id in self.life.shallow,
+            live_queue=self.life.live.is_live(rec.id),  # issue 32
         )
 
     def _record_gpu_event(self, event: GpuEvent) -> None:
@@ -610,6 +613,7 @@ class ControlLoop:
             elif isinstance(action, SetGating):
                 was = s.gate.view(action.gpu_uuid, now).enabled
                 s.gate.set_enabled(action.gpu_uuid, action.on, now, action.delay_s)
+                life.live.gating(action.gpu_uuid, action.on, s.config.gate, now)  # issue 32
                 emit = log.info if self._delay_news(action, was) else log.debug
                 emit(
                     "gating_set", gpu=action.gpu_uuid, on=action.on, delay_s=action.delay_s,

@@ -279,6 +279,8 @@ class SimProcesses:
             # The queue the daemon launched it with (``--queue``, launcher.queue_env): blocking
             # (CUDA_LAUNCH_BLOCKING=1) or bounded (GPUSHARE_MAX_INFLIGHT=k, the interposer).
             blocking, bound = launch_queue(env)
+            if node.inflight_switch is not None:  # issue 32: the control file overrides
+                bound = node.inflight_switch.bound_at_spawn(client_id, env, bound)
             c.launch_blocking = blocking or client_id in node.always_blocking
             c.set_inflight(bound)
         ran_before = c.started_at_s is not None

@@ -27,6 +27,7 @@ from gpushare.model import (
 )
 from gpushare.sim import data
 from gpushare.sim.gpu import EventLoop, Gpu, GpuMode
+from gpushare.sim.inflight_switch import SimBoundWriter
 from gpushare.sim.scenario import GpuSpec, OnlineSpec, Scenario
 from gpushare.sim.tally import TallyScheduler, TallyServer, TallyTrainer
 from gpushare.sim.workloads import (
@@ -138,6 +139,8 @@ class SimNode:
         self.queue_mode: dict[str, str] = {}
         #: Offline jobs the scenario runs launch-blocking whatever their queue mode.
         self.always_blocking: set[str] = set()
+        #: Issue 32: the daemon's live queue switch in virtual time (set by the runner).
+        self.inflight_switch: SimBoundWriter | None = None
         self.mem_peak_bytes = {gpu.uuid: 0 for gpu in self.gpus}
         #: The live simulated processes by pid, and who hears of their exits.
         self.processes: dict[int, SimClient] = {}

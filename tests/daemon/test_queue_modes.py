@@ -62,7 +62,12 @@ def test_a_readopted_client_is_shallow_by_either_variable() -> None:
     assert shallow_how({"GPUSHARE_MAX_INFLIGHT": "2", "LD_PRELOAD": "/x.so"}) == "2 in flight"
     assert shallow_how({"CUDA_LAUNCH_BLOCKING": "0"}) is None
     assert shallow_how({}) is None
-    assert set(SHALLOW_MARKERS) == {"CUDA_LAUNCH_BLOCKING", "GPUSHARE_MAX_INFLIGHT"}
+    # The control file too: a re-adopted live auto client follows its GPU's file (issue 32).
+    assert set(SHALLOW_MARKERS) == {
+        "CUDA_LAUNCH_BLOCKING",
+        "GPUSHARE_MAX_INFLIGHT",
+        "GPUSHARE_INFLIGHT_CONTROL",
+    }
 
 
 def test_the_preload_goes_in_front_of_the_workloads_own() -> None:
