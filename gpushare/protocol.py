@@ -194,6 +194,11 @@ QUEUE_MODES = ("shallow", "deep", "auto")
 """``submit --offline --queue``: how many kernels an offline client may have queued on its GPU
 (docs/controller.md, "Shallow offline queues"); ``None`` is ``deep``."""
 
+DEFAULT_OFFLINE_QUEUE = "auto"
+"""The queue an ``--offline`` submit without ``--queue`` is recorded with (issue 32; ``deep``
+before). A registry record of a job submitted before keeps ``None``, which stays ``deep``; a job
+opts out with ``--queue deep``."""
+
 
 @dataclass(frozen=True, slots=True)
 class AdoptRequest:

@@ -123,7 +123,8 @@ def submit(
             "--queue",
             help="Offline: shallow (a freeze bites within [gate] inflight_kernels kernels, or one "
             "with CUDA_LAUNCH_BLOCKING=1: [gate] shallow_queue), "
-            "deep (the default) or auto (shallow while request gating is on for its GPU).",
+            "deep, or auto (the default: shallow while request gating is on for its GPU, "
+            "switched without a restart where the in-flight library is built).",
             autocompletion=completion.queue_modes,
         ),
     ] = None,

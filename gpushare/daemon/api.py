@@ -10,6 +10,7 @@ request gets a :class:`~gpushare.protocol.ProtocolError` that names the fix and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import grp
 import math
 import signal
@@ -227,6 +228,9 @@ class Api:
         if req.wait_for is not None:
             return self._wait_for(caller, req.wait_for)
         cls = self._check_submit(req, caller)
+        if cls is ClientClass.OFFLINE and req.queue is None:
+            # Issue 32: auto by default (the record keeps it; older records keep None = deep).
+            req = dataclasses.replace(req, queue=protocol.DEFAULT_OFFLINE_QUEUE)
         detach = req.detach or req.restartable
         with self.s.lock:
             try:
