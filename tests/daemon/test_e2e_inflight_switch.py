@@ -1,0 +1,93 @@
+"""Issue 32 end to end: a real daemon switches a ``--queue auto`` client's queue without a restart.
+
+The in-flight library is really preloaded into a real (CUDA-free) process: its constructor maps
+the GPU's control file (``GPUSHARE_INFLIGHT_CONTROL``), which ``/proc/<pid>/maps`` shows, and the
+daemon rewrites that file when request gating turns on. No CUDA here: that the library obeys the
+file at each launch is tested in tests/native (test_inflight.py, the control-file tests).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpushare import native
+from tests.daemon.test_e2e_gating import IDLE, SERVICE, _gate
+from tests.support.daemon_helpers import DaemonProc, wait_for
+
+pytestmark = pytest.mark.skipif(
+    native.unusable_reason() is not None,
+    reason=f"the daemon would not preload the in-flight library: {native.unusable_reason()}",
+)
+
+
+def _bound(path: Path) -> int:
+    return int(struct.unpack("<i", path.read_bytes())[0])
+
+
+def test_an_auto_client_turns_shallow_when_gating_turns_on_in_the_same_process(
+    tmp_path: Path,
+) -> None:
+    d = DaemonProc("", gpus=1)
+    try:
+        d.start()
+        cmd = tmp_path / "cmd"
+        cmd.mkdir()
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        # No --queue: auto is the default for --offline (issue 32).
+        off = d.submit_detached([sys.executable, "-c", IDLE], env=env, restartable=True)
+        assert d.client(off["client_id"])["offline"]["queue"]["asked"] == "auto"
+        environ = Path(f"/proc/{off['pid']}/environ").read_bytes().split(b"\0")
+        control = next(
+            Path(v.split(b"=", 1)[1].decode())
+            for v in environ
+            if v.startswith(native.CONTROL_ENV.encode() + b"=")
+        )
+        assert _bound(control) == 0, "gating off: launched deep (unbounded)"
+        # The real library mapped the file at start.
+        wait_for(
+            lambda: str(control) in Path(f"/proc/{off['pid']}/maps").read_text(),
+            10.0,
+            "the control file mapped by the preloaded library",
+        )
+        d.submit_detached([sys.executable, "-c", SERVICE, str(cmd)], cls="online", env=env)
+        (cmd / "0000-ping").touch()
+        wait_for(lambda: _gate(d)["enabled"], 10.0, "gating on")
+        k = 4  # [gate] inflight_kernels' default
+        wait_for(lambda: _bound(control) == k, 5.0, "the bound written into the control file")
+        wait_for(
+            lambda: d.client(off["client_id"])["offline"]["queue"]["now"] == "shallow",
+            5.0,
+            "status says shallow",
+        )
+        # Past the 1 s after which a deep auto client used to be relaunched shallow.
+        time.sleep(2.0)
+        c = d.client(off["client_id"])
+        assert c["pid"] == off["pid"], [
+            (e["kind"], e["message"][:200]) for e in d.call("events", {"limit": 50})["events"]
+        ]
+        assert c["state"] in ("running", "throttled")
+        lines = d.stderr_path.read_text().splitlines()
+        mine = f'"client_id": "{off["client_id"]}"'
+        assert not [ln for ln in lines if "client_process_exited" in ln and mine in ln]
+    finally:
+        d.cleanup()
+
+
+def test_a_job_submitted_with_queue_deep_opts_out(tmp_path: Path) -> None:
+    d = DaemonProc("", gpus=1)
+    try:
+        d.start()
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        off = d.submit_detached([sys.executable, "-c", IDLE], env=env, queue="deep")
+        assert d.client(off["client_id"])["offline"]["queue"]["asked"] == "deep"
+        environ = Path(f"/proc/{off['pid']}/environ").read_bytes()
+        assert native.CONTROL_ENV.encode() not in environ
+        assert native.LIBRARY_NAME.encode() not in environ
+    finally:
+        d.cleanup()
