@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpushare.config import ControlConfig
-from gpushare.control.restart_cost import break_even_hold_s, restart_cost_s, verdict
 from gpushare.control.controller import GpushareController
 from gpushare.control.gpu_state import GpuState
+from gpushare.control.restart_cost import break_even_hold_s, restart_cost_s, verdict
 from gpushare.control.restarts import restarts
 from gpushare.control.signals import online_signals
 from gpushare.model import Action, ClientView, RestartClient
