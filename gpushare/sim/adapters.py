@@ -300,6 +300,7 @@ class SimProcesses:
         c = self._starting.pop(pid, None)
         if c is not None and self.node.processes.get(pid) is c:
             c.start(self.node.loop.now)  # keeps a freeze that came before the start
+            self.node.checkpoints.started(c, self.node.loop.now)  # issue 32
 
     def watch(self, proc: object, start_time: float | None = None) -> None:
         """Exits are reported for every simulated process; a gone one was reported already."""
@@ -316,6 +317,9 @@ class SimProcesses:
         """The workload exits on any signal (by it: status ``-sig``)."""
         if pid in self.node.processes:
             self._starting.pop(pid, None)
+            c = self.node.processes[pid]
+            if isinstance(c, OfflineTrainer):  # issue 32: what it did not save is lost
+                self.node.checkpoints.signalled(c, self.node.loop.now)
             self.node.end_process(pid, -sig, ClientState.EXITED)
 
     def alive(self, pid: int, start_time: float) -> bool:

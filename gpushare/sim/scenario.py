@@ -65,7 +65,8 @@ class GpuSpec:
     merge_online_us: float = data.DEFAULT_MERGE_ONLINE_US
     merge_offline_us: float = data.DEFAULT_MERGE_OFFLINE_US
     start_s: float = 1.0
-    restart_s: float = 5.0
+    #: A relaunch's start-up (issue 32: a real training job takes 30 s to minutes; was 5 s).
+    restart_s: float = 60.0
     probe_kernel_s: float = 15e-6
 
 
@@ -111,6 +112,10 @@ class OfflineSpec:
     #: ``gpushare submit --queue``: ``auto`` (shallow while the GPU's request gating is on),
     #: ``shallow`` (``CUDA_LAUNCH_BLOCKING=1``) or ``deep``.
     queue: str = "auto"
+    #: Issue 32 (gpushare.sim.checkpoint): whether the job saves its state when signalled, and
+    #: otherwise how often it checkpoints (``None``: never; a restart loses its whole run).
+    checkpoint_on_signal: bool = True
+    checkpoint_interval_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +364,7 @@ def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineS
         p,
         {
             "name", "profile", "gpu", "mem", "pinned_mem", "restartable", "submit",
-            "launch_blocking", "queue",
+            "launch_blocking", "queue", "checkpoint_on_signal", "checkpoint_interval",
         },
     )  # fmt: skip
     queue = r.string(t, p, "queue", default="auto")
@@ -378,6 +383,13 @@ def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineS
         submit_s=r.duration(t, p, "submit", default=1.0),
         launch_blocking=r.boolean(t, p, "launch_blocking", default=False),
         queue=queue,
+        # Issue 32: what a restart loses (gpushare.sim.checkpoint).
+        checkpoint_on_signal=r.boolean(t, p, "checkpoint_on_signal", default=True),
+        checkpoint_interval_s=(
+            r.duration(t, p, "checkpoint_interval", default=0.0, above=0.0)
+            if "checkpoint_interval" in t
+            else None
+        ),
     )
 
 
