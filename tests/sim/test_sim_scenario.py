@@ -152,3 +152,43 @@ def test_physics_keys_parse() -> None:
     assert sc.offline[0].launch_blocking and not sc.online[0].launch_blocking
     with pytest.raises(scenario.ScenarioError, match=r"gpu.wave_scale"):
         scenario.loads(GOOD.replace("[[online]]", "[gpu]\nwave_scale = 0\n[[online]]", 1), "x.toml")
+
+
+LONG = sorted((REPO / "gpushare" / "scenarios" / "long").glob("*.toml"))
+# What a 1-hour variant may change of its source (issue 32), beside name and duration.
+_LONG_CHANGES = {
+    "azure-bursty-1h.toml": {"trace_start", "trace_speedup"},
+    "genai-idle-1h.toml": {"bin"},
+}
+
+
+def _source(long: Path) -> Path:
+    stem = long.name.removesuffix("-1h.toml")
+    root = REPO / "gpushare" / "scenarios"
+    return (
+        root / f"{stem}.toml"
+        if (root / f"{stem}.toml").exists()
+        else root / "pairs" / f"{stem}.toml"
+    )
+
+
+def test_the_long_set_is_seven_one_hour_variants() -> None:
+    assert len(LONG) == 7
+    assert len([p for p in LONG if "+" in p.name]) == 4
+    for p in LONG:
+        assert scenario.load(p).duration_s == 3600.0
+
+
+@pytest.mark.parametrize("path", LONG, ids=lambda p: p.name)
+def test_a_long_variant_differs_from_its_source_only_where_it_says(path: Path) -> None:
+    import tomllib
+
+    long, src = tomllib.loads(path.read_text()), tomllib.loads(_source(path).read_text())
+    assert long["scenario"]["name"] == src["scenario"]["name"] + "-1h"
+    for t in (long["scenario"], src["scenario"]):
+        del t["name"], t["duration"]
+    allowed = _LONG_CHANGES.get(path.name, set())
+    for spec in (*long.get("online", ()), *src.get("online", ())):
+        for key in allowed:
+            spec.pop(key, None)
+    assert long == src
