@@ -156,7 +156,6 @@ def test_a_launch_failing_after_its_spawn_leaves_nothing_behind(
     monkeypatch.setattr(d.lifecycle, "spawn", spawn)
     pauser = d.state.pauser
     if step == "registry":
-
         real_update = d.registry.update
 
         def update(client_id: str, **fields: Any) -> Any:
