@@ -186,6 +186,8 @@ class SubmitRequest:
     """Offline: refuse at once (NO_CAPACITY) rather than wait in the queue when no GPU fits."""
     expected_s: float | None = None
     """Offline: the job's expected length (``--time``); the queue starts shorter jobs first."""
+    restart_cost_s: float | None = None
+    """Offline: what a restart costs the job (``--restart-cost``, seconds; issue 32)."""
     wait_for: str | None = None
     """Foreground offline: the client id of this caller's queued submit, asked again to start it."""
 
@@ -193,6 +195,9 @@ class SubmitRequest:
 QUEUE_MODES = ("shallow", "deep", "auto")
 """``submit --offline --queue``: how many kernels an offline client may have queued on its GPU
 (docs/controller.md, "Shallow offline queues"); ``None`` is ``deep``."""
+
+MAX_RESTART_COST_S = 7 * 86400.0
+"""The largest ``--restart-cost`` (a week: larger means never restart for a share)."""
 
 DEFAULT_OFFLINE_QUEUE = "auto"
 """The queue an ``--offline`` submit without ``--queue`` is recorded with (issue 32; ``deep``

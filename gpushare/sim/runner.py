@@ -116,6 +116,9 @@ class SimDaemon:
                 pause_mechanism=s.pauser.mechanism.value, now=s.clock.time(),
             )  # fmt: skip
             s.registry.update(job.cid, queue=self.node.queue_mode.get(job.cid, "auto"))
+            spec = next((o for o in self.node.scenario.offline if o.name == job.cid), None)
+            if spec is not None and spec.restart_cost_s is not None:  # issue 32
+                s.registry.update(job.cid, restart_cost_s=spec.restart_cost_s)
 
     def report_latencies(self) -> None:
         """Hand the services' completed requests to the daemon, as ``report_latency`` would."""

@@ -116,6 +116,8 @@ class OfflineSpec:
     #: otherwise how often it checkpoints (``None``: never; a restart loses its whole run).
     checkpoint_on_signal: bool = True
     checkpoint_interval_s: float | None = None
+    #: ``submit --restart-cost`` (issue 32); ``None``: the controller's ``restart_cost``.
+    restart_cost_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,6 +367,7 @@ def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineS
         {
             "name", "profile", "gpu", "mem", "pinned_mem", "restartable", "submit",
             "launch_blocking", "queue", "checkpoint_on_signal", "checkpoint_interval",
+            "restart_cost",
         },
     )  # fmt: skip
     queue = r.string(t, p, "queue", default="auto")
@@ -389,6 +392,9 @@ def _offline(r: _Reader, t: Mapping[str, Any], p: str, gpu: GpuSpec) -> OfflineS
             r.duration(t, p, "checkpoint_interval", default=0.0, above=0.0)
             if "checkpoint_interval" in t
             else None
+        ),
+        restart_cost_s=(
+            r.duration(t, p, "restart_cost", default=0.0) if "restart_cost" in t else None
         ),
     )
 

@@ -91,3 +91,30 @@ def test_a_job_submitted_with_queue_deep_opts_out(tmp_path: Path) -> None:
         assert native.LIBRARY_NAME.encode() not in environ
     finally:
         d.cleanup()
+
+
+def test_a_declared_restart_cost_is_kept_and_bad_ones_get_one_line(tmp_path: Path) -> None:
+    from gpushare.client import ApiError
+    from gpushare.daemon.registry import Registry
+
+    d = DaemonProc("", gpus=1)
+    try:
+        d.start()
+        env = {"PATH": os.environ["PATH"]}
+        for bad in (-1.0, 1e9, "90s"):
+            with pytest.raises(ApiError, match="restart-cost|restart_cost"):
+                d.submit_detached([sys.executable, "-c", IDLE], env=env, restart_cost_s=bad)
+        with pytest.raises(ApiError, match="applies to --offline"):
+            d.submit_detached(
+                [sys.executable, "-c", IDLE], cls="online", env=env, restart_cost_s=1.0
+            )
+        off = d.submit_detached([sys.executable, "-c", IDLE], env=env, restart_cost_s=90.0)
+        reg = Registry.open(d.db)
+        try:
+            assert reg.get(off["client_id"]).restart_cost_s == 90.0
+            # Nothing recorded for the refused ones: this is the only client.
+            assert [r.id for r in reg.clients(include_final=True)] == [off["client_id"]]
+        finally:
+            reg.close()
+    finally:
+        d.cleanup()

@@ -68,8 +68,10 @@ def test_the_restart_costs_a_minute_by_default_and_the_keys_are_checked(tmp_path
     good.write_text(
         PAIR.read_text().replace(
             "restartable = true",
-            'restartable = true\ncheckpoint_interval = "10m"\ncheckpoint_on_signal = false',
+            'restartable = true\ncheckpoint_interval = "10m"\ncheckpoint_on_signal = false\n'
+            'restart_cost = "90s"',
         )
     )
     (o,) = sc_mod.load(good).offline
     assert o.checkpoint_interval_s == 600.0 and not o.checkpoint_on_signal
+    assert o.restart_cost_s == 90.0  # submit --restart-cost, as the sim's daemon is told
