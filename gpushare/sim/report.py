@@ -138,7 +138,6 @@ HEADERS = (
     "SM act",
     "mem peak",
     "speed",
-    "rst/job-h",
 )
 
 
@@ -159,7 +158,6 @@ def _cells(row: Row) -> list[str]:
         f"{row.sm_active_fraction * 100:.0f}%",
         f"{row.mem_peak_bytes / (1 << 30):.1f}/{row.mem_total_bytes / (1 << 30):.0f}G",
         f"{row.speed_factor:.0f}x",
-        num(row.restarts_per_job_hour, ".1f"),
     ]
 
 
