@@ -15,13 +15,12 @@ target (the cap, at duty 1: the share is what the SLO leaves offline work), the 
 
     H > C r_new / (r_new - r_now)                        (the break-even hold)
 
-and never when ``r_new <= r_now``. ``H`` is not known; the controller takes the age of the regime
-it restarts into as its estimate (a regime that has held for a minute is expected to hold about as
-long again), and the age of the job's own run as a bound: no second restart of a job within the
-break-even hold of its last (re)start. So a share that flips back within the break-even hold
-costs nothing, and one that holds is applied once it has held long enough to pay. A move that
-takes a job *above* the share still waits: while it waits, the duty cycle (the fast lever) keeps
-the SLO, and a restart during an SLO violation is not asked anyway (``restarts.restarts``).
+and never when ``r_new <= r_now``. ``H`` is not known. A cut must hold by itself: its age is the
+estimate (a share that flips back within the break-even restarts nothing; while it waits the duty
+cycle keeps the SLO, and no restart is asked during an SLO violation anyway). A raise follows
+evidence that offline work can have more for a while, so it is expected to hold at least
+:data:`RAISE_HOLD_S`. And no job is restarted within the break-even of its last (re)start: churn
+is bounded per job whatever the share does.
 
 Pure: no I/O, no clock.
 """
@@ -62,6 +61,14 @@ def break_even_hold_s(current_pct: float, target_pct: float, duty: float, cost_s
     return cost_s * r_new / (r_new - r_now)
 
 
+#: The hold a raise is expected to have when it has not held longer yet: a raise follows evidence
+#: that offline work can have more for a while (request gating on: the service keeps sending
+#: request boundaries; online demand measured low, raised at most once per share_min_interval).
+#: On the 1-hour Azure code trace a spell of gating on lasts minutes (the longest 187 s, in the
+#: 300 s start); ten minutes is that order. A cut has no such prior: it must hold by itself.
+RAISE_HOLD_S = 600.0
+
+
 def verdict(
     config: ControlConfig,
     client: ClientView,
@@ -73,24 +80,31 @@ def verdict(
     """Whether restarting ``client`` under ``target_pct`` pays at ``now``.
 
     ``regime_since_s`` is when the share it would restart into was set (``None``: unknown, taken
-    as settled); the job's own start (``ClientView.started_at_s``) bounds the hold from below.
+    as settled). The hold expected: the regime's age, at least :data:`RAISE_HOLD_S` for a raise.
+    No job is restarted within the break-even of its last start (its admission included: a job
+    just started has paid its start-up, and a restart at once would pay it again).
     """
     cost = restart_cost_s(config, client)
     need = break_even_hold_s(client.limits.sm_pct, target_pct, duty, cost)
     held = now - regime_since_s if regime_since_s is not None else math.inf
-    ran = now - client.started_at_s if client.started_at_s is not None else math.inf
+    if target_pct > client.limits.sm_pct:
+        held = max(held, RAISE_HOLD_S)
+    started = client.started_at_s
+    ran = now - started if started is not None else math.inf
     age = min(held, ran)
     if age >= need:
         return RestartVerdict(
             True,
             need,
-            f"held {_fmt(age)}, past the {_fmt(need)} a restart costing {_fmt(cost)} needs to pay",
+            f"expected to hold {_fmt(held)}, past the {_fmt(need)} a restart costing "
+            f"{_fmt(cost)} needs to pay",
         )
+    why = f"held {_fmt(held)}" if ran >= held else f"restarted {_fmt(ran)} ago"
     return RestartVerdict(
         False,
         need,
         f"waits: a restart costing {_fmt(cost)} pays after the new cap holds {_fmt(need)} "
-        f"(held {_fmt(age)})",
+        f"({why})",
     )
 
 

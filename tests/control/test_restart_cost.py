@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 from gpushare.config import ControlConfig
 from gpushare.control.controller import GpushareController
 from gpushare.control.gpu_state import GpuState
-from gpushare.control.restart_cost import break_even_hold_s, restart_cost_s, verdict
+from gpushare.control.restart_cost import (
+    RAISE_HOLD_S,
+    break_even_hold_s,
+    restart_cost_s,
+    verdict,
+)
 from gpushare.control.restarts import restarts
 from gpushare.control.signals import online_signals
 from gpushare.model import Action, ClientView, RestartClient
@@ -62,14 +67,29 @@ def test_a_restart_is_asked_only_when_the_job_gains_over_the_hold(
         assert new * (hold - cost) <= cur * duty * hold + 1e-6
 
 
-def test_a_new_share_waits_until_it_has_held_the_break_even_and_so_has_the_job() -> None:
-    need = 60 * 100 / 90
-    # The share changed at t = 100, the job runs since t = 0.
-    assert not verdict(CONFIG, _client(10), 100, 1.0, 100.0, 100.0 + need - 1).worth
-    yes = verdict(CONFIG, _client(10), 100, 1.0, 100.0, 100.0 + need + 1)
+def test_a_cut_waits_until_it_has_held_the_break_even() -> None:
+    # 100 % -> 10 % with the duty at 0 (the job frozen anyway): it pays after C, 60 s of holding.
+    assert not verdict(CONFIG, _client(100), 10, 0.0, 100.0, 100.0 + 59).worth
+    assert verdict(CONFIG, _client(100), 10, 0.0, 100.0, 100.0 + 61).worth
+    # Unthrottled at 100 %, a cut to 10 % never pays the job.
+    assert not verdict(CONFIG, _client(100), 10, 1.0, 100.0, 1e6).worth
+
+
+def test_a_raise_is_expected_to_hold_but_no_job_is_restarted_within_the_break_even_of_its_start() -> (
+    None
+):
+    need = 60 * 100 / 90  # 10 % -> 100 % at duty 1
+    # Set just now, a raise is expected to hold RAISE_HOLD_S: it goes as soon as the job has
+    # run the break-even since its last (re)start.
+    yes = verdict(CONFIG, _client(10, started_at_s=0.0), 100, 1.0, 500.0, 500.0)
     assert yes.worth and "60s" in yes.reason
-    # No second restart of a job within the break-even of its last (re)start.
-    assert not verdict(CONFIG, _client(10, started_at_s=500.0), 100, 1.0, 0.0, 500.0 + 10).worth
+    assert not verdict(
+        CONFIG, _client(10, started_at_s=450.0), 100, 1.0, 500.0, 450 + need - 1
+    ).worth
+    assert verdict(CONFIG, _client(10, started_at_s=450.0), 100, 1.0, 500.0, 450 + need + 1).worth
+    # A raise that would never pay back within its expected hold (a tiny gain) waits for it.
+    slight = verdict(CONFIG, _client(95, started_at_s=0.0), 100, 1.0, 500.0, 500.0)
+    assert not slight.worth and slight.break_even_s > RAISE_HOLD_S
 
 
 def test_a_share_that_flips_back_within_the_break_even_restarts_nothing() -> None:
