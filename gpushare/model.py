@@ -217,7 +217,7 @@ class ClientView:
     ``live_queue``: its queue follows request gating without a restart (the in-flight library's
     control file, issue 32), so the controller never restarts it to switch queues.
     ``restart_cost_s``: what a restart costs the job (start-up and lost work; declared or
-    measured), ``None``: the controller's default.
+    measured), ``None``: the controller's default; ``restarts`` how often it was restarted.
     """
 
     client_id: str
@@ -240,6 +240,7 @@ class ClientView:
     shallow: bool = False
     live_queue: bool = False
     restart_cost_s: float | None = None
+    restarts: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ and never when ``r_new <= r_now``. ``H`` is not known. A cut must hold by itself
 estimate (a share that flips back within the break-even restarts nothing; while it waits the duty
 cycle keeps the SLO, and no restart is asked during an SLO violation anyway). A raise follows
 evidence that offline work can have more for a while, so it is expected to hold at least
-:data:`RAISE_HOLD_S`. And no job is restarted within the break-even of its last (re)start: churn
-is bounded per job whatever the share does.
+:data:`RAISE_HOLD_S`. And no job is restarted again within the break-even of its last restart:
+churn is bounded per job whatever the share does.
 
 Pure: no I/O, no clock.
 """
@@ -81,8 +81,7 @@ def verdict(
 
     ``regime_since_s`` is when the share it would restart into was set (``None``: unknown, taken
     as settled). The hold expected: the regime's age, at least :data:`RAISE_HOLD_S` for a raise.
-    No job is restarted within the break-even of its last start (its admission included: a job
-    just started has paid its start-up, and a restart at once would pay it again).
+    A job restarted before is not restarted again within the break-even of its last start.
     """
     cost = restart_cost_s(config, client)
     need = break_even_hold_s(client.limits.sm_pct, target_pct, duty, cost)
@@ -90,7 +89,7 @@ def verdict(
     if target_pct > client.limits.sm_pct:
         held = max(held, RAISE_HOLD_S)
     started = client.started_at_s
-    ran = now - started if started is not None else math.inf
+    ran = now - started if started is not None and client.restarts > 0 else math.inf
     age = min(held, ran)
     if age >= need:
         return RestartVerdict(

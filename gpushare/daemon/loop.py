@@ -481,6 +481,7 @@ class ControlLoop:
             shallow=rec.id in self.life.shallow,
             live_queue=self.life.live.is_live(rec.id),  # issue 32
             restart_cost_s=rec.restart_cost_s,
+            restarts=rec.restarts,
         )
 
     def _record_gpu_event(self, event: GpuEvent) -> None:

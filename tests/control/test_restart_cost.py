@@ -26,10 +26,12 @@ CONFIG = ControlConfig()
 
 
 def _client(
-    sm_pct: float, started_at_s: float | None = 0.0, cost: float | None = None
+    sm_pct: float, started_at_s: float | None = 0.0, cost: float | None = None, restarts: int = 0
 ) -> ClientView:
     return dataclasses.replace(
-        offline("c1", sm_pct=sm_pct, restartable=True, started=started_at_s), restart_cost_s=cost
+        offline("c1", sm_pct=sm_pct, restartable=True, started=started_at_s),
+        restart_cost_s=cost,
+        restarts=restarts,
     )
 
 
@@ -75,18 +77,16 @@ def test_a_cut_waits_until_it_has_held_the_break_even() -> None:
     assert not verdict(CONFIG, _client(100), 10, 1.0, 100.0, 1e6).worth
 
 
-def test_a_raise_is_expected_to_hold_but_no_job_is_restarted_within_the_break_even_of_its_start() -> (
-    None
-):
+def test_a_raise_is_expected_to_hold_but_no_job_is_restarted_twice_within_the_break_even() -> None:
     need = 60 * 100 / 90  # 10 % -> 100 % at duty 1
-    # Set just now, a raise is expected to hold RAISE_HOLD_S: it goes as soon as the job has
-    # run the break-even since its last (re)start.
-    yes = verdict(CONFIG, _client(10, started_at_s=0.0), 100, 1.0, 500.0, 500.0)
+    # Set just now, a raise is expected to hold RAISE_HOLD_S: a job never restarted (just
+    # admitted under the old share) is raised at once; one restarted at 450 s waits the
+    # break-even since.
+    yes = verdict(CONFIG, _client(10, started_at_s=499.0), 100, 1.0, 500.0, 500.0)
     assert yes.worth and "60s" in yes.reason
-    assert not verdict(
-        CONFIG, _client(10, started_at_s=450.0), 100, 1.0, 500.0, 450 + need - 1
-    ).worth
-    assert verdict(CONFIG, _client(10, started_at_s=450.0), 100, 1.0, 500.0, 450 + need + 1).worth
+    again = _client(10, started_at_s=450.0, restarts=1)
+    assert not verdict(CONFIG, again, 100, 1.0, 500.0, 450 + need - 1).worth
+    assert verdict(CONFIG, again, 100, 1.0, 500.0, 450 + need + 1).worth
     # A raise that would never pay back within its expected hold (a tiny gain) waits for it.
     slight = verdict(CONFIG, _client(95, started_at_s=0.0), 100, 1.0, 500.0, 500.0)
     assert not slight.worth and slight.break_even_s > RAISE_HOLD_S
