@@ -7,8 +7,8 @@ equal-priority clients closer to FIFO by submission. This benchmark patches that
 simulator **for this process only** (the model's source is unchanged) and runs the points
 under the model as shipped and under the variant.
 
-Two variants, both patched at a kernel's completion (``Gpu._complete``) and at the dispatch
-(``Gpu._dispatch``):
+Two variants, both patched at a kernel's completion (``Gpu.complete``) and at the dispatch
+(``Gpu.dispatch``):
 
 * ``fifo-order`` (reorder only):
 
@@ -92,8 +92,8 @@ A100_SMS = 108
 #: Blocks of 128 threads per SM at full occupancy (2,048 threads per A100 SM).
 BLOCKS_PER_SM = 16
 
-_orig_complete = Gpu._complete
-_orig_dispatch = Gpu._dispatch
+_orig_complete = Gpu.complete
+_orig_dispatch = Gpu.dispatch
 
 
 def _waits(s: Stream) -> bool:
@@ -128,7 +128,7 @@ def _fifo_dispatch(self: Gpu, completing: Stream | None = None) -> None:
     now = self.loop.now
     held: list[tuple[Stream, Any]] = []
     blockers: list[Run] = []
-    if HOLD["on"] and not self._ts:
+    if HOLD["on"] and not self.time_sliced:
         for x in self.streams:
             if x.run is not None or x.nxt is None:
                 continue
@@ -155,7 +155,7 @@ def _fifo_dispatch(self: Gpu, completing: Stream | None = None) -> None:
             s._fifo_kseq = r.kseq  # type: ignore[attr-defined]
             s._fifo_start = now  # type: ignore[attr-defined]
     # A held grid is looked at again when a blocker completes (a dispatch) or its last, partial
-    # wave starts: arm that event as _arm_waves would for a waiter of the blocker's priority.
+    # wave starts: arm that event as waves.arm_waves would for a waiter of the blocker's priority.
     for r in blockers:
         if r.stream.run is r and r.g > 0 and r.tail < 1.0 and not r.tail_armed:
             ws = r.wave_s
@@ -163,14 +163,14 @@ def _fifo_dispatch(self: Gpu, completing: Stream | None = None) -> None:
                 r.tail_armed = True
                 end = now + (r.remaining - (now - r.last_s) * r.rate) / r.rate
                 t_tail = max(end - ws, now)
-                self.loop.at(t_tail, self._tail_start, (r, r.kseq))
+                self.loop.at(t_tail, self.tail_start, (r, r.kseq))
 
 
 def _fifo_complete(self: Gpu, run: Run) -> None:
-    """``Gpu._complete`` with the variant's submission time and no deferral (module doc)."""
+    """``Gpu.complete`` with the variant's submission time and no deferral (module doc)."""
     stream = run.stream
     started = getattr(stream, "_fifo_start", run.since)
-    self._account()
+    self.account()
     self.free += run.g
     self.runs.remove(run)
     stream.run = None
@@ -182,20 +182,20 @@ def _fifo_complete(self: Gpu, run: Run) -> None:
         stream.eligible_since = min(stream.eligible_since, started)
     others = [s for s in self.streams if s is not stream and _waits(s)]
     if others and all(s.priority == stream.priority for s in others):
-        self._dispatch(None)  # plain (priority, submission) order
+        self.dispatch(None)  # plain (priority, submission) order
     else:
-        self._dispatch(stream)  # the model's rule (fast path or deferral)
+        self.dispatch(stream)  # the model's rule (fast path or deferral)
 
 
 def set_variant(name: str) -> None:
     """Install the variant's methods on the Python ``Gpu`` class, or the model's."""
     HOLD["on"] = name == "fifo"
     if name in ("fifo", "fifo-order"):
-        Gpu._complete = _fifo_complete  # type: ignore[method-assign]
-        Gpu._dispatch = _fifo_dispatch  # type: ignore[method-assign]
+        Gpu.complete = _fifo_complete  # type: ignore[method-assign]
+        Gpu.dispatch = _fifo_dispatch  # type: ignore[method-assign]
     else:
-        Gpu._complete = _orig_complete  # type: ignore[method-assign]
-        Gpu._dispatch = _orig_dispatch  # type: ignore[method-assign]
+        Gpu.complete = _orig_complete  # type: ignore[method-assign]
+        Gpu.dispatch = _orig_dispatch  # type: ignore[method-assign]
 
 
 class ClosedLoop(workloads.OnlineServer):

@@ -7,9 +7,10 @@ max-min fair share (``share = "fair"``, :func:`_share`). Whoever is left short w
 kernel's wave end (:func:`gpushare.sim.waves.arm_waves`). While one stream is alone on the GPU its
 kernels run inline without the event queue (:func:`_run_on`, the exact fast path).
 
-Functions over a :class:`~gpushare.sim.gpu.Gpu`'s state, compiled with it into one mypyc group
-(:mod:`gpushare.sim.engine`), so calls among them and reads of its fields stay native. This is
-the simulator's hot path.
+Functions over a :class:`~gpushare.sim.gpu.Gpu`'s public state (the interface listed on the
+class), compiled with it into one mypyc group (:mod:`gpushare.sim.engine`), so calls among them
+and reads of its fields stay native. This is the simulator's hot path. It imports
+:mod:`gpushare.sim.gpu` only for types (gpu.py imports this module).
 """
 
 from __future__ import annotations
@@ -36,12 +37,21 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
     waits for the next wave end of a kernel it may take slots from
     (:func:`~gpushare.sim.waves.arm_waves`). When the only candidate is the stream whose kernel
     just completed, its uncontended stretch runs inline first (:func:`_run_on`). This is the
-    simulator's hot path: the start of a kernel (:meth:`Gpu._set_alloc` for a fresh run) is
+    simulator's hot path: the start of a kernel (:meth:`Gpu.set_alloc` for a fresh run) is
     inlined with the same arithmetic, in the same order.
+
+    Why it is one long function (over the 80-line rule): it runs at nearly every event, and its
+    five steps (collect, sort, fast path, share, start) pass a dozen locals from one to the next
+    (``now``, ``free``, ``full``, ``cands``, ``runs``, ``stats``, the loop); compiled, a split
+    into functions would turn them into arguments and return tuples (boxed objects, one per
+    call) or fields written back to the GPU, and the inlined kernel start exists only to save
+    a call per started kernel. The steps that carry no such locals already live apart
+    (:func:`_share`, :func:`_run_on`, :func:`~gpushare.sim.waves.arm_waves`,
+    :func:`~gpushare.sim.timeslice.slice_owner`); the comments mark the steps.
     """
     loop = gpu.loop
     now = loop.now
-    if gpu._ts:
+    if gpu.time_sliced:
         allowed = slice_owner(gpu, now)
         if allowed is None or gpu.free <= 0:
             return
@@ -50,7 +60,7 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
     else:
         streams = gpu.streams
         full = 0
-    # Each candidate is a stream with this dispatch's view of it in its c_* fields.
+    # Step 1, collect: each candidate is a stream with this dispatch's view of it in c_* fields.
     cands: list[Stream] = []
     for i, s in enumerate(streams):
         run = s.run
@@ -81,7 +91,7 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
             arm_waves(gpu, cands)
         return
     if len(cands) > 1:
-        # Insertion sort by (priority, since, index), compared field by field.
+        # Step 2, sort: insertion sort by (priority, since, index), compared field by field.
         for a in range(1, len(cands)):
             c = cands[a]
             pa = c.c_prio
@@ -109,6 +119,7 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
                     cands.append(c)
                     break
     elif completing is not None and cands[0] is completing and gpu.fast_path and not full:
+        # Step 3, the fast path: the completing stream alone runs its next kernels inline.
         _run_on(gpu, completing)
         head = completing.nxt
         if head is None:
@@ -119,9 +130,9 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
         completing.c_head = head
         completing.c_run = None
         now = loop.now
-    if now != gpu._last_change:
-        gpu._account()
-    # What each candidate holds and wants, then what it gets.
+    if now != gpu.last_change_s:
+        gpu.account()
+    # Step 4, share: what each candidate holds and wants, then what it gets.
     n = len(cands)
     for s in cands:
         run = s.c_run
@@ -157,7 +168,7 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
                 s = cands[m]
                 s.c_final = s.c_want
             free -= need
-        elif gpu._fair:
+        elif gpu.fair:
             _share(cands, k, e, free)
             free = 0
         else:
@@ -170,10 +181,11 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
                 s.c_final = s.c_held + add
                 free -= add
         k = e
+    # Step 5, start: grow the runs that got more, start the new ones, arm waves for the short.
     short: list[Stream] = []
     runs = gpu.runs
     stats = gpu.stats
-    beta_per_sm = gpu._beta_per_sm if gpu.beta > 0.0 else 0.0
+    beta_per_sm = gpu.beta_per_sm if gpu.beta > 0.0 else 0.0
     for s in cands:
         prio = s.c_prio
         run = s.c_run
@@ -186,7 +198,7 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
         if run is not None:
             if g > run.g:
                 gpu.free -= g - run.g
-                gpu._set_alloc(run, g, now)
+                gpu.set_alloc(run, g, now)
             continue
         if g <= 0:
             continue
@@ -196,12 +208,12 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
         since = s.c_since
         mem_e = 0.25 + 0.75 * mem
         gpu.free -= g
-        # A fresh run (g was 0, remaining 1): _set_alloc inlined, with the same arithmetic.
+        # A fresh run (g was 0, remaining 1): set_alloc inlined, with the same arithmetic.
         # The stream's Run record is reused; its kseq keeps growing, so a wave event left
         # over from an earlier kernel never matches (its completion was disarmed).
         run = s.spare
         if run is None:
-            run = s.spare = gpu._new_run(s, dur, width, mem_e, want, since)
+            run = s.spare = gpu.new_run(s, dur, width, mem_e, want, since)
         else:
             run.dur_s = dur
             run.width = width
@@ -220,7 +232,7 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
         run.g = g
         run.bw = g * mem_e
         run.last_s = now
-        slow = 1.0 if g >= width else gpu._serial + gpu.f * width / g
+        slow = 1.0 if g >= width else gpu.serial + gpu.f * width / g
         if runs and beta_per_sm:
             other = 0.0
             for r in runs:
@@ -300,13 +312,13 @@ def _run_on(gpu: Gpu, stream: Stream) -> None:
     now = loop.now
     cap = stream.cap_sms
     f = gpu.f
-    serial = gpu._serial
+    serial = gpu.serial
     free = gpu.free
     held_others = gpu.sm_count - free
     other_bw = 0.0
     if runs and gpu.beta > 0.0:
         other_bw = sum(r.bw for r in runs)
-    beta_per_sm = gpu._beta_per_sm
+    beta_per_sm = gpu.beta_per_sm
     stats = gpu.stats
     client = stream.client
     while True:
@@ -334,6 +346,6 @@ def _run_on(gpu: Gpu, stream: Stream) -> None:
             stream.held_max = g
         now = t_end
         loop.now = now
-        gpu._last_change = now
+        gpu.last_change_s = now
         client.on_kernel_done(now)
         limit = loop.next_at(end)

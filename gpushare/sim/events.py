@@ -139,9 +139,9 @@ class EventLoop:
             self.now = t
             run = c.run
             if c.kind == TIMER_DONE:
-                run.gpu._complete(run)
+                run.gpu.complete(run)
             else:
-                run.gpu._wave_end(c)
+                run.gpu.wave_end(c)
             n += 1
         self.events += n
         self.now = max(self.now, end_s)

@@ -33,8 +33,13 @@ The model is five modules, compiled together (:mod:`gpushare.sim.engine`): this 
 :class:`Gpu` and its records: :class:`Stream`, :class:`Run`, :class:`GpuStats`),
 :mod:`gpushare.sim.events` (the virtual clock and event queue), :mod:`gpushare.sim.dispatch` (who
 gets the free slots at a dispatch point), :mod:`gpushare.sim.waves` (wave ends and partial last
-waves that give slots to waiting work) and :mod:`gpushare.sim.timeslice`. :class:`Gpu` keeps the
-state; the other modules are functions over it.
+waves that give slots to waiting work) and :mod:`gpushare.sim.timeslice` (with its
+:class:`~gpushare.sim.timeslice.SliceState`). :class:`Gpu` keeps the state; the other modules are
+functions over it, through its public fields and methods only (listed on :class:`Gpu`; no module
+reads another's ``_private`` names). This module imports the others; they import it only under
+``TYPE_CHECKING``, for its types, so there is no import cycle. The shared state is typed with the
+concrete classes, not Protocols: compiled, a native class's field is a direct struct read, a
+Protocol's a generic attribute look-up, and these reads are the simulator's hot path.
 """
 
 from __future__ import annotations
@@ -42,10 +47,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from gpushare.sim.dispatch import dispatch
+# Runtime imports go one way, from this module to the others (which import it only under
+# TYPE_CHECKING, for its types): there is no import cycle among the engine's modules.
+from gpushare.sim.dispatch import dispatch as dispatch_free_slots
 from gpushare.sim.events import TIMER_DONE, TIMER_WAVE_END, Timer
 from gpushare.sim.events import EventLoop as EventLoop  # re-exported: Gpu(loop, ...) takes one
-from gpushare.sim.waves import tail_start, wave_end
+from gpushare.sim.timeslice import SliceState
+from gpushare.sim.waves import tail_start as waves_tail_start
+from gpushare.sim.waves import wave_end as waves_wave_end
 
 GpuMode = Literal["mps", "time_slice"]
 
@@ -138,7 +147,19 @@ class GpuStats:
 
 
 class Gpu:
-    """One simulated GPU: SM allocation, kernel progress and accounting."""
+    """One simulated GPU: SM allocation, kernel progress and accounting.
+
+    What the engine's other modules use of it (its interface among them):
+
+    * state: ``loop``, ``streams``, ``runs``, ``free``, ``sm_count``, ``stats``, ``fast_path``,
+      ``last_change_s``; the model's parameters ``f``, ``serial``, ``beta``, ``beta_per_sm``,
+      ``slice_s``, ``switch_s``; the mode flags ``fair`` and ``time_sliced``; ``slicing``, the
+      time-slicing state :mod:`gpushare.sim.timeslice` owns;
+    * slots: :meth:`account` (before ``free`` changes), :meth:`set_alloc`, :meth:`release`,
+      :meth:`new_run`;
+    * events, called by the loop or armed on it: :meth:`complete`, :meth:`dispatch`,
+      :meth:`wave_end`, :meth:`tail_start`, :meth:`slice_event`.
+    """
 
     def __init__(
         self,
@@ -170,24 +191,28 @@ class Gpu:
         #: compute their kernels' wave lengths.
         self.wave_scale = wave_scale
         self.share: ShareRule = share
-        self._fair = share == "fair"
-        self._ts = mode == "time_slice"
-        self._switch_until = 0.0
+        #: ``share == "fair"`` and ``mode == "time_slice"``, tested on every dispatch.
+        self.fair = share == "fair"
+        self.time_sliced = mode == "time_slice"
+        #: Who owns the GPU under time-slicing (:mod:`gpushare.sim.timeslice` keeps it).
+        self.slicing = SliceState()
+        #: The attached clients' streams, in attach order (the dispatcher's last tie-break).
         self.streams: list[Stream] = []
+        #: SM slots no running kernel holds.
         self.free = sm_count
+        #: The kernels holding slots (``g > 0``), in the order they got them.
         self.runs: list[Run] = []
         self.stats = GpuStats()
-        self._last_change = 0.0
+        #: When ``stats`` last integrated busy time and SM-seconds (see :meth:`account`).
+        self.last_change_s = 0.0
         self._dispatch_pending = False
-        self._active: Stream | None = None
-        self._active_since = 0.0
-        self._slice_timer_for = -1.0
         self._cum_busy_s = 0.0
         self._cum_sm_s = 0.0
-        self._serial = 1.0 - parallel_fraction
+        #: The rate law's serial fraction ``1 - f`` and the bandwidth term's ``beta / sm_count``.
+        self.serial = 1.0 - parallel_fraction
+        self.beta_per_sm = bw_beta / sm_count
         #: Run uncontended stretches inline (exact; False only to test that it is).
         self.fast_path = True
-        self._beta_per_sm = bw_beta / sm_count
 
     # --- clients -------------------------------------------------------------------------------
 
@@ -204,8 +229,8 @@ class Gpu:
         stream = client.stream
         if stream in self.streams:
             self.streams.remove(stream)
-        if self._active is stream:
-            self._active = None
+        if self.slicing.active is stream:
+            self.slicing.active = None
         self.wake()
         return killed
 
@@ -215,7 +240,7 @@ class Gpu:
         run = stream.run
         if run is None:
             return 0
-        self._account()
+        self.account()
         self.loop.disarm(run.done)
         if run.g > 0:
             self.free += run.g
@@ -234,19 +259,20 @@ class Gpu:
 
     # --- accounting ----------------------------------------------------------------------------
 
-    def _account(self) -> None:
+    def account(self) -> None:
+        """Integrate busy time and SM-seconds up to now (call before ``free`` changes)."""
         now = self.loop.now
-        dt = now - self._last_change
+        dt = now - self.last_change_s
         if dt > 0.0:
             held = self.sm_count - self.free
             if held:
                 self.stats.busy_s += dt
                 self.stats.sm_s += held * dt
-            self._last_change = now
+            self.last_change_s = now
 
     def take_stats(self) -> GpuStats:
         """Return the integrals since the last call and start new ones."""
-        self._account()
+        self.account()
         stats = self.stats
         self._cum_busy_s += stats.busy_s
         self._cum_sm_s += stats.sm_s
@@ -255,7 +281,7 @@ class Gpu:
 
     def totals(self) -> tuple[float, float]:
         """Busy seconds and SM-seconds since the GPU was created (for NVML-like readings)."""
-        self._account()
+        self.account()
         return self._cum_busy_s + self.stats.busy_s, self._cum_sm_s + self.stats.sm_s
 
     @property
@@ -265,7 +291,11 @@ class Gpu:
 
     # --- scheduling ----------------------------------------------------------------------------
 
-    def _set_alloc(self, run: Run, g: int, now: float) -> None:
+    def set_alloc(self, run: Run, g: int, now: float) -> None:
+        """Give ``run`` ``g`` slots from ``now`` (``free`` already debited): new rate, new end.
+
+        Its progress so far is kept; a run that held none joins ``runs`` as a new train of waves.
+        """
         if run.g:
             run.remaining -= (now - run.last_s) * run.rate
         else:
@@ -277,14 +307,14 @@ class Gpu:
         run.last_s = now
         # The rate law (G7, G8 in docs/simulator.md), inlined: this is the hot path.
         w = run.width
-        slow = 1.0 if g >= w else self._serial + self.f * w / g
+        slow = 1.0 if g >= w else self.serial + self.f * w / g
         runs = self.runs
         if len(runs) > 1 and self.beta > 0.0:
             other = 0.0
             for r in runs:
                 if r is not run:
                     other += r.bw
-            slow *= 1.0 + self._beta_per_sm * run.mem_e * other
+            slow *= 1.0 + self.beta_per_sm * run.mem_e * other
         rate = 1.0 / (run.dur_s * slow)
         run.rate = rate
         stream = run.stream
@@ -293,9 +323,9 @@ class Gpu:
         remaining = run.remaining if run.remaining > 0.0 else 0.0
         self.loop.arm(run.done, now + remaining / rate)
 
-    def _release(self, run: Run) -> None:
+    def release(self, run: Run) -> None:
         """Take every slot from a running kernel, keeping its progress (it stays the stream's)."""
-        self._account()
+        self.account()
         now = self.loop.now
         run.remaining -= (now - run.last_s) * run.rate
         run.last_s = now
@@ -306,55 +336,59 @@ class Gpu:
         run.bw = 0.0
         self.runs.remove(run)
 
-    def _complete(self, run: Run) -> None:
+    def complete(self, run: Run) -> None:
         """The kernel of ``run`` completed (the loop calls this when its completion is due)."""
         now = self.loop.now
         stats = self.stats
-        # Accounting (see _account), inlined.
-        dt = now - self._last_change
+        # Accounting (see account), inlined.
+        dt = now - self.last_change_s
         if dt > 0.0:
             held = self.sm_count - self.free
             if held:
                 stats.busy_s += dt
                 stats.sm_s += held * dt
-            self._last_change = now
+            self.last_change_s = now
         self.free += run.g
         self.runs.remove(run)
         stream = run.stream
         stream.run = None
         stats.kernels_done += 1
         stream.client.on_kernel_done(now)
-        self._dispatch(stream)
+        self.dispatch(stream)
 
-    def _new_run(
+    def new_run(
         self, stream: Stream, dur_s: float, width: int, mem_e: float, want: int, since: float
     ) -> Run:
         """A stream's :class:`Run` record, made at its first kernel (the dispatcher reuses it)."""
         return Run(stream, self, dur_s, width, mem_e, want, since)
 
     # --- events ------------------------------------------------------------------------------
-    # Their bodies are in dispatch.py and waves.py. They stay methods: the loop and the heap call
-    # them on the GPU, and bench/mps_dispatch_whatif.py replaces _dispatch (and _complete) on the
-    # pure-Python class for its what-if. Compiled, each is one more direct C call.
+    # Their bodies are in dispatch.py, waves.py and timeslice.py. They stay methods: the loop and
+    # the heap call them on the GPU, and bench/mps_dispatch_whatif.py replaces dispatch (and
+    # complete) on the pure-Python class for its what-if. Compiled, each is one more direct C call.
 
-    def _dispatch(self, completing: Stream | None = None) -> None:
-        """Give free slots to the kernels that want them (:mod:`gpushare.sim.dispatch`)."""
-        dispatch(self, completing)
+    def dispatch(self, completing: Stream | None = None) -> None:
+        """Give free slots to the kernels that want them (:mod:`gpushare.sim.dispatch`).
+
+        ``completing``: the stream whose kernel just ended (its next kernel is served last).
+        """
+        dispatch_free_slots(self, completing)
 
     def _dispatch_event(self, _: object) -> None:
         self._dispatch_pending = False
-        self._dispatch()
+        self.dispatch()
 
-    def _dispatch_event_slice(self, _: object) -> None:
-        self._dispatch()
+    def slice_event(self, _: object) -> None:
+        """A time slice or a context switch ends (:mod:`gpushare.sim.timeslice` arms it)."""
+        self.dispatch()
 
-    def _wave_end(self, timer: Timer) -> None:
+    def wave_end(self, timer: Timer) -> None:
         """A wave end someone waits for (:func:`gpushare.sim.waves.wave_end`)."""
-        wave_end(self, timer)
+        waves_wave_end(self, timer)
 
-    def _tail_start(self, arg: tuple[Run, int]) -> None:
+    def tail_start(self, arg: tuple[Run, int]) -> None:
         """A partial last wave starts (:func:`gpushare.sim.waves.tail_start`)."""
-        tail_start(self, arg)
+        waves_tail_start(self, arg)
 
 
 # Defined after Gpu, the type of one of its fields: a mypyc-compiled dataclass whose field is a

@@ -4,24 +4,20 @@ A kernel runs as waves of blocks. A running wave is never preempted: a kernel gi
 a waiting kernel of higher MPS priority at its next wave end (its pending blocks are dispatched
 first); to one of its own priority, under ``share = "fifo"``, only the slots its last, partial
 wave leaves empty. :func:`arm_waves` arms the earliest such event, :func:`wave_end` and
-:func:`tail_start` run it and dispatch again (:meth:`gpushare.sim.gpu.Gpu._dispatch`).
+:func:`tail_start` run it and dispatch again (:meth:`gpushare.sim.gpu.Gpu.dispatch`).
 
-Functions over a :class:`~gpushare.sim.gpu.Gpu`'s state, compiled with it into one mypyc group
-(:mod:`gpushare.sim.engine`).
+Functions over a :class:`~gpushare.sim.gpu.Gpu`'s public state, compiled with it into one mypyc
+group (:mod:`gpushare.sim.engine`). It imports the other modules only for types.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpushare.sim.events import Timer
     from gpushare.sim.gpu import Gpu, Run, Stream
-
-# Bound once: compiled, ``heapq.heappush`` is a module attribute look-up per call.
-_heappush: Final = heapq.heappush
 
 
 def wave_end(gpu: Gpu, timer: Timer) -> None:
@@ -37,16 +33,16 @@ def wave_end(gpu: Gpu, timer: Timer) -> None:
     run.wave_at = -1.0
     if not _waiter_gains(gpu, run):
         return  # whoever waited was served meanwhile: the blocks go on as they were
-    gpu._release(run)
+    gpu.release(run)
     gpu.stats.wave_yields += 1
-    gpu._dispatch()
+    gpu.dispatch()
 
 
 def _waiter_gains(gpu: Gpu, run: Run) -> bool:
     """Whether some other stream now waits for slots this kernel would give up (G5)."""
     own = run.stream
     p = own.priority
-    fair = gpu._fair
+    fair = gpu.fair
     for s in gpu.streams:
         if s is own:
             continue
@@ -74,7 +70,7 @@ def tail_start(gpu: Gpu, arg: tuple[Run, int]) -> None:
     g = max(1, math.ceil(run.tail * run.g - 1e-9))
     if g >= run.g:
         return
-    gpu._account()
+    gpu.account()
     now = gpu.loop.now
     # Progress continues at the same rate: the last wave's blocks run as the others did.
     run.remaining -= (now - run.last_s) * run.rate
@@ -84,7 +80,7 @@ def tail_start(gpu: Gpu, arg: tuple[Run, int]) -> None:
     run.bw = g * run.mem_e
     run.want = g
     run.width = g
-    gpu._dispatch()
+    gpu.dispatch()
 
 
 def arm_waves(gpu: Gpu, short: list[Stream]) -> None:
@@ -99,9 +95,9 @@ def arm_waves(gpu: Gpu, short: list[Stream]) -> None:
     armed (the dispatch it triggers arms the next one if someone is still short); nothing is
     armed when no waiter would gain.
     """
-    now = gpu.loop.now
-    heap = gpu.loop._heap
-    fair = gpu._fair
+    loop = gpu.loop
+    now = loop.now
+    fair = gpu.fair
     best: Run | None = None
     best_t = 0.0
     for r in gpu.runs:
@@ -136,16 +132,8 @@ def arm_waves(gpu: Gpu, short: list[Stream]) -> None:
                     best, best_t = r, t_b
         if equal and not fair and r.tail < 1.0 and not r.tail_armed:
             r.tail_armed = True
-            t_tail = end - ws
-            _heappush(
-                heap,
-                (
-                    t_tail if t_tail > now else now,
-                    _next_seq(gpu),
-                    gpu._tail_start,
-                    (r, r.kseq),
-                ),
-            )
+            # Never before now (EventLoop.at takes the later of the two).
+            loop.at(end - ws, gpu.tail_start, (r, r.kseq))
     if best is not None and best.wave_at < 0.0:
         best.wave_at = best_t
         w = best.wave
@@ -153,11 +141,4 @@ def arm_waves(gpu: Gpu, short: list[Stream]) -> None:
         # for the same time): it fires first, as the older of two heap entries would.
         if w.slot < 0 or w.kseq != best.kseq or w.due_s != best_t:
             w.kseq = best.kseq
-            gpu.loop.arm(w, best_t)
-
-
-def _next_seq(gpu: Gpu) -> int:
-    loop = gpu.loop
-    seq = loop._seq
-    loop._seq = seq + 1
-    return seq
+            loop.arm(w, best_t)
