@@ -192,6 +192,9 @@ class SubmitRequest:
     """Offline: the job's expected length (``--time``); the queue starts shorter jobs first."""
     wait_for: str | None = None
     """Foreground offline: the client id of this caller's queued submit, asked again to start it."""
+    gpus: str | None = None
+    """A gang (``--gpus``): a count (``"8"``) or GPUs by index or UUID (``"0,1"``); rank ``k``
+    runs on the ``k``-th (``gpushare rank-exec``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,11 @@ def main() -> None:
         from gpushare.slurm import main as slurm_main
 
         raise SystemExit(slurm_main(args[1:]))
+    if args[:1] == ["rank-exec"] and args[1:2] != ["--help"]:
+        # Before every worker of a gang: no Typer (gpushare.cli.rankexec_cmd).
+        from gpushare.cli.rankexec_cmd import run as rank_exec
+
+        raise SystemExit(rank_exec(args[1:]))
     if args[:1] == ["status"]:
         opts = _parse_status(args[1:])
         if opts is not None:
