@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit mps packages slurm prometheus engine native demo bench clean
+.PHONY: test lint typecheck unit mps packages slurm prometheus torch engine native demo bench clean
 
 test: lint typecheck unit
 
@@ -34,6 +34,11 @@ slurm:
 prometheus:
 	@scripts/get-prometheus.sh || echo "make: no Prometheus: the real-Prometheus tests will skip (see above)"
 
+# Debian's python3-torch (a CPU build; root, apt-get) for tests/daemon/test_e2e_torch_restart.py,
+# which runs examples/train_checkpoint.py as an offline client gpushare restarts; else it skips.
+torch:
+	@scripts/get-torch.sh || echo "make: no python3-torch: the PyTorch restart test will skip (see above)"
+
 # The simulator's GPU model (gpushare.sim.engine.COMPILED) compiled with mypyc as one group
 # (optional, ~6x faster, identical results).
 engine: $(STAMP)
@@ -45,13 +50,13 @@ native:
 	scripts/build-native.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check gpushare tests bench scripts
-	$(BIN)/ruff format --check gpushare tests bench scripts
+	$(BIN)/ruff check gpushare tests bench scripts examples
+	$(BIN)/ruff format --check gpushare tests bench scripts examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP) mps packages slurm prometheus engine native
+unit: $(STAMP) mps packages slurm prometheus torch engine native
 	$(BIN)/pytest -q
 
 # The real daemon on one simulated GPU, driven by the real CLI (scripts/demo.sh); ~90 s. With the

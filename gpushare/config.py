@@ -174,6 +174,9 @@ class ControlConfig:
     offline_sm_pct_max: float = _num(100.0, minimum=1.0, maximum=100.0)
     share_hysteresis_pct: float = _num(10.0, minimum=0.0, maximum=100.0)
     share_min_interval_s: float = _duration(60.0)
+    # Issue 32: what restarting an offline job costs it unless it declares its own
+    # (gpushare.control.restart_cost): a share restart must pay for it.
+    restart_cost_s: float = _duration(60.0)
     share_headroom_pct: float = _num(10.0, minimum=0.0, maximum=100.0)
     quiet_settle_s: float = _duration(1.0)
     evict_grace_s: float = _duration(5.0)

@@ -23,8 +23,13 @@ QUEUE_MODES = ("shallow", "deep", "auto")
 (docs/controller.md, "Shallow offline queues"); ``None`` is :data:`DEFAULT_QUEUE_MODE`."""
 
 DEFAULT_QUEUE_MODE = "deep"
-"""The queue mode of an offline job with no queue setting: ``submit`` without ``--queue`` and a
-scenario's ``[[offline]]`` without ``queue`` alike (the behaviour before queues could be chosen)."""
+"""The queue mode of an offline job whose record names none: a job submitted before ``auto`` became
+the default (issue 32) keeps running as it was launched."""
+
+DEFAULT_OFFLINE_QUEUE = "auto"
+"""The queue an offline job is recorded with when it asks for none: ``submit --offline`` without
+``--queue`` and a scenario's ``[[offline]]`` without ``queue`` alike (issue 32; ``deep`` before).
+A job opts out with ``--queue deep``."""
 
 
 def queue_mode(asked: str | None) -> str:
@@ -228,6 +233,10 @@ class ClientView:
     ``queue`` is an offline client's ``submit --queue`` (``None``: the default,
     :data:`DEFAULT_QUEUE_MODE`) and ``shallow`` whether it
     runs with a shallow queue now (``CUDA_LAUNCH_BLOCKING=1``, docs/controller.md).
+    ``live_queue``: its queue follows request gating without a restart (the in-flight library's
+    control file, issue 32), so the controller never restarts it to switch queues.
+    ``restart_cost_s``: what a restart costs the job (start-up and lost work; declared or
+    measured), ``None``: the controller's default; ``restarts`` how often it was restarted.
     """
 
     client_id: str
@@ -247,6 +256,9 @@ class ClientView:
     held: bool = False
     queue: str | None = None
     shallow: bool = False
+    live_queue: bool = False
+    restart_cost_s: float | None = None
+    restarts: int = 0
 
 
 @dataclass(frozen=True, slots=True)

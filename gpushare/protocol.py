@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, TypeVar
 
+from gpushare.model import DEFAULT_OFFLINE_QUEUE as DEFAULT_OFFLINE_QUEUE
+
 # submit --queue's values and its default live with the data model (control/ reads them too).
 from gpushare.model import DEFAULT_QUEUE_MODE as DEFAULT_QUEUE_MODE
 from gpushare.model import QUEUE_MODES as QUEUE_MODES
@@ -190,11 +192,17 @@ class SubmitRequest:
     """Offline: refuse at once (NO_CAPACITY) rather than wait in the queue when no GPU fits."""
     expected_s: float | None = None
     """Offline: the job's expected length (``--time``); the queue starts shorter jobs first."""
+    restart_cost_s: float | None = None
+    """Offline: what a restart costs the job (``--restart-cost``, seconds; issue 32)."""
     wait_for: str | None = None
     """Foreground offline: the client id of this caller's queued submit, asked again to start it."""
     gpus: str | None = None
     """A gang (``--gpus``): a count (``"8"``) or GPUs by index or UUID (``"0,1"``); rank ``k``
     runs on the ``k``-th (``gpushare rank-exec``)."""
+
+
+MAX_RESTART_COST_S = 7 * 86400.0
+"""The largest ``--restart-cost`` (a week: larger means never restart for a share)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,7 +131,8 @@ def submit(
             "--queue",
             help="Offline: shallow (a freeze bites within [gate] inflight_kernels kernels, or one "
             "with CUDA_LAUNCH_BLOCKING=1: [gate] shallow_queue), "
-            "deep (the default) or auto (shallow while request gating is on for its GPU).",
+            "deep, or auto (the default: shallow while request gating is on for its GPU, "
+            "switched without a restart where the in-flight library is built).",
             autocompletion=completion.queue_modes,
         ),
     ] = None,
@@ -174,6 +175,15 @@ def submit(
             metavar="DURATION",
             help="Offline: how long the job is expected to run, e.g. 2h; the queue starts "
             "shorter jobs first.",
+        ),
+    ] = None,
+    restart_cost: Annotated[
+        str | None,
+        typer.Option(
+            "--restart-cost",
+            metavar="DURATION",
+            help="Offline: what a restart costs the job (start-up and lost work), e.g. 90s; "
+            "gpushare restarts it for a new share only when that pays ([control] restart_cost).",
         ),
     ] = None,
     socket: SocketOpt = None,
@@ -220,12 +230,18 @@ def submit(
     try:
         if time_limit is not None:
             params["expected_s"] = parse_duration(time_limit)
+        if restart_cost is not None:  # issue 32
+            params["restart_cost_s"] = parse_duration(restart_cost)
         params["mem_bytes"] = parse_size(mem) if mem is not None else None
         params["slo_p99_ms"] = parse_duration(slo_p99) * 1e3 if slo_p99 is not None else None
     except ValueError as exc:
         raise _bad(str(exc)) from None
     if not 0 < params.get("expected_s", 1.0) < 1e9:
         raise _bad("--time must be a positive duration, e.g. 90m or 2h")
+    if restart_cost is not None and not offline:
+        raise _bad("--restart-cost applies to --offline jobs (online clients are never restarted)")
+    if not 0 <= params.get("restart_cost_s", 0.0) <= protocol.MAX_RESTART_COST_S:
+        raise _bad("--restart-cost must be a duration from 0s to 168h, e.g. 90s")
     if (rps is not None or sim_burst is not None) and sim_profile is None:
         raise _bad("--rps and --sim-burst describe a simulated workload: give --sim-profile too")
     if rps is not None:

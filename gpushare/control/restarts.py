@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from gpushare.config import ControlConfig
+from gpushare.control import restart_cost
 from gpushare.control.gpu_state import (
     RESTARTABLE_STATES,
     GpuState,
@@ -98,7 +99,12 @@ def restarts(
         and c.state in RESTARTABLE_STATES
         and c.client_id not in going
         and needs_restart(config, c, state.share_pct)
-    ]
+        # Issue 32: only when the gain over the expected hold pays the restart's cost.
+        and restart_cost.verdict(
+            config, c, client_share_pct(state.share_pct, c), state.duty,
+            state.share_changed_at_s, now,
+        ).worth
+    ]  # fmt: skip
     if not candidates:
         return queue_restart(config, state, obs, going, now, actions)
     # Clients above the share first (they crowd online work), then the largest gap.
@@ -111,12 +117,15 @@ def restarts(
         ),
     )
     target = client_share_pct(state.share_pct, chosen)
+    pays = restart_cost.verdict(
+        config, chosen, target, state.duty, state.share_changed_at_s, now
+    ).reason
     actions.append(
         RestartClient(
             chosen.client_id,
             target,
             f"restartable offline client runs at {chosen.limits.sm_pct:g}%, offline share is "
-            f"{target:g}%: checkpoint and relaunch",
+            f"{target:g}%: checkpoint and relaunch ({pays})",
         )
     )
     return replace(state, restart_pending=(chosen.client_id, now))
@@ -152,7 +161,11 @@ def shallow_restart(
     movable = [
         c
         for c in deep
-        if c.restartable and queue_mode(c.queue) == "auto" and c.client_id not in going
+        # A live client (issue 32) turns shallow without a restart.
+        if c.restartable
+        and queue_mode(c.queue) == "auto"
+        and not c.live_queue
+        and c.client_id not in going
     ]
     if not movable:
         return state, False
@@ -198,6 +211,7 @@ def queue_restart(
             for c in obs.offline()
             if c.restartable
             and queue_mode(c.queue) == "auto"
+            and not c.live_queue  # issue 32: switched live, never restarted for its queue
             and c.shallow
             and c.state in RESTARTABLE_STATES
             and c.client_id not in going

@@ -110,6 +110,7 @@ class Actuator:
         s, now = self.s, tick.monotonic_s
         was = s.gate.view(action.gpu_uuid, now).enabled
         s.gate.set_enabled(action.gpu_uuid, action.on, now, action.delay_s)
+        self.life.live.gating(action.gpu_uuid, action.on, s.config.gate, now)  # issue 32
         emit = log.info if self._delay_news(action, was) else log.debug
         emit(
             "gating_set", gpu=action.gpu_uuid, on=action.on, delay_s=action.delay_s,

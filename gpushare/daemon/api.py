@@ -10,6 +10,7 @@ request gets a :class:`~gpushare.protocol.ProtocolError` that names the fix and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import grp
 import math
 import signal
@@ -229,6 +230,9 @@ class Api:
         if req.wait_for is not None:
             return self._wait_for(caller, req.wait_for)
         cls = self._check_submit(req, caller)
+        if cls is ClientClass.OFFLINE and req.queue is None:
+            # Issue 32: auto by default (the record keeps it; older records keep None = deep).
+            req = dataclasses.replace(req, queue=protocol.DEFAULT_OFFLINE_QUEUE)
         detach = req.detach or req.restartable
         with self.s.lock:
             try:
@@ -270,6 +274,8 @@ class Api:
                 rec = self.s.registry.update(
                     rec.id, inflight_from=req.inflight_from, queue=req.queue
                 )
+            if req.restart_cost_s is not None:  # issue 32
+                rec = self.s.registry.update(rec.id, restart_cost_s=req.restart_cost_s)
             if req.inflight_from is not None:
                 self.s.gauges.add(rec.id, req.inflight_from)
             # Detached, spawn() computes the environment again for the launch and logs the queue.
@@ -360,6 +366,8 @@ class Api:
         )  # fmt: skip
         if req.queue is not None or req.expected_s is not None:
             rec = s.registry.update(rec.id, queue=req.queue, expected_s=req.expected_s)
+        if req.restart_cost_s is not None:  # issue 32
+            rec = s.registry.update(rec.id, restart_cost_s=req.restart_cost_s)
         if not detach:
             self.loop.waiters.asked(rec.id, caller.pid, s.clock.monotonic())
         # Shown by status until the next admission round says why, in its own words.
@@ -419,6 +427,13 @@ class Api:
             raise _fail(E.INVALID_PARAMS, problem)
         if req.mem_bytes is not None and req.mem_bytes < (1 << 20):
             raise _fail(E.INVALID_PARAMS, "--mem must be at least 1M")
+        cost = req.restart_cost_s
+        if cost is not None and not (
+            isinstance(cost, int | float) and 0.0 <= cost <= protocol.MAX_RESTART_COST_S
+        ):  # issue 32; NaN fails the comparison
+            raise _fail(E.INVALID_PARAMS, "--restart-cost must be a duration from 0s to 168h")
+        if cost is not None and cls is not ClientClass.OFFLINE:
+            raise _fail(E.INVALID_PARAMS, "--restart-cost applies to --offline jobs")
         if req.slo_p99_ms is not None:
             if cls is not ClientClass.ONLINE:
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 applies to --online clients only")

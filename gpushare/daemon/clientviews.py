@@ -96,4 +96,7 @@ class ClientViews:
             held=rec.held,
             queue=rec.queue,
             shallow=self.life.is_shallow(rec.id),
+            live_queue=self.life.live.is_live(rec.id),  # issue 32
+            restart_cost_s=rec.restart_cost_s,
+            restarts=rec.restarts,
         )

@@ -30,11 +30,12 @@ from gpushare import __version__, native
 from gpushare.config import Config
 from gpushare.control.policy import Policy
 from gpushare.control.registry import make_policy
-from gpushare.daemon import launcher
+from gpushare.daemon import inflight_control, launcher
 from gpushare.daemon import reload as reload_mod
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.api import Api
 from gpushare.daemon.freeze import STOP
+from gpushare.daemon.inflight_control import ControlFiles
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.registry import Registry
@@ -98,6 +99,11 @@ class Daemon:
             ),
             library_vet=launcher.library_refusal,
         )  # fmt: skip
+        if self.state.shallow_library is not None:
+            # Issue 32: --queue auto clients switch queues live through this GPU's file.
+            self.state.bound_writer = ControlFiles(
+                config.paths.runtime_dir / inflight_control.SUBDIR
+            )
         self.config_path = config_path
         self.metrics = metrics
         self._notify = notify

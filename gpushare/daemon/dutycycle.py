@@ -140,6 +140,9 @@ class DutyCycle:
         for v in offline:
             if not life.is_paused(v.client_id) or (duty > 0.0 and not v.held):
                 return True
-            if not self.drain.drained(v.client_id, uuid, tick.monotonic_s, shallow=v.shallow):
+            # Issue 32: kernels queued deep before a live switch drain as a deep queue's.
+            now = tick.monotonic_s
+            shallow = v.shallow and life.live.settled(v.client_id, now, self.drain.deep_s)
+            if not self.drain.drained(v.client_id, uuid, now, shallow=shallow):
                 return True
         return False

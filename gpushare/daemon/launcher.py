@@ -14,7 +14,7 @@ from pathlib import Path
 from gpushare import native
 from gpushare.config import GateConfig
 from gpushare.model import queue_mode
-from gpushare.native import INFLIGHT_ENV, LIBRARY_NAME
+from gpushare.native import CONTROL_ENV, INFLIGHT_ENV, LIBRARY_NAME
 
 BLOCKING_ENV = {"CUDA_LAUNCH_BLOCKING": "1"}
 """A shallow queue by ``[gate] shallow_queue = "blocking"``: every kernel launch returns only when
@@ -23,7 +23,7 @@ client has at most one kernel on the GPU and a freeze bites within one kernel. T
 the variable as a debugging aid; its price is the CPU's time per kernel, which no longer overlaps
 the GPU's (docs/controller.md, "Shallow offline queues")."""
 
-SHALLOW_MARKERS = ("CUDA_LAUNCH_BLOCKING", INFLIGHT_ENV)
+SHALLOW_MARKERS = ("CUDA_LAUNCH_BLOCKING", INFLIGHT_ENV, CONTROL_ENV)
 """The variables that say, in a running client's environment, that it was launched shallow."""
 
 
@@ -96,6 +96,13 @@ def queue_env(
             return env, f"at most {k} kernels in flight ({LIBRARY_NAME})"
         return dict(BLOCKING_ENV), f"CUDA_LAUNCH_BLOCKING=1: {refused or CANNOT_PRELOAD}"
     return dict(BLOCKING_ENV), "CUDA_LAUNCH_BLOCKING=1"
+
+
+def vetted_library(library: str | None, vet: Callable[[str], str | None] | None) -> str | None:
+    """``library`` when it may be preloaded at this launch (``vet`` asked now), else ``None``."""
+    if library is None or (vet is not None and vet(library) is not None):
+        return None
+    return library
 
 
 def library_refusal(library: str) -> str | None:

@@ -29,6 +29,7 @@ from gpushare import mpsenv
 from gpushare.control.controller import failure_backoff_s
 from gpushare.daemon.clientenv import client_env
 from gpushare.daemon.freeze import DAEMON_REASONS, DUTY, HOLD
+from gpushare.daemon.inflight_control import LiveQueues
 from gpushare.daemon.readopt import readopt
 from gpushare.daemon.registry import ClientRecord, RegistryError
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
@@ -68,6 +69,8 @@ class Lifecycle:
         self._watching = False
         # Offline clients launched with a shallow queue, and how (``launcher.shallow_how``).
         self._shallow: dict[str, str] = {}
+        # Issue 32: live ``--queue auto`` clients, whose bound follows gating without a restart.
+        self.live = LiveQueues(lambda: self.s.bound_writer, self._shallow)
 
     # ----------------------------------------------------------------------------- queries
 
@@ -390,6 +393,7 @@ class Lifecycle:
             self.s.gate.forget(client_id)  # and its freeze reasons at the arbiter
             self.s.gauges.forget(client_id)
             self._shallow.pop(client_id, None)  # a relaunch decides its queue anew
+            self.live.forget(client_id)
             try:
                 self.s.pauser.release(client_id)
             except PAUSE_ERRORS as exc:
@@ -572,12 +576,22 @@ class Lifecycle:
         that only shows the environment while :meth:`spawn` computes it again, which logs it).
         """
         env, choice = client_env(
-            self.s, client_id, gpu_uuid, sm, mem, cls, slo_p99_ms, queue=queue, gang=gang
+            self.s,
+            client_id,
+            gpu_uuid,
+            sm,
+            mem,
+            cls,
+            slo_p99_ms,
+            queue=queue,
+            live=self.live,
+            gang=gang,
         )
         if choice is not None:
-            if choice.shallow_how is not None:
+            # A live client's shallow mark is LiveQueues' to keep (issue 32).
+            if not choice.live and choice.shallow_how is not None:
                 self._shallow[client_id] = choice.shallow_how
-            else:
+            elif not choice.live:
                 self._shallow.pop(client_id, None)
             if announce:
                 log.info(

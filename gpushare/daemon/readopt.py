@@ -78,6 +78,7 @@ def _take_back(life: Lifecycle, rec: ClientRecord) -> None:
             env = {}  # not root: taken as deep (an auto client may restart once)
         if (how := launcher.shallow_how(env)) is not None:
             life.note_shallow(rec.id, how)
+        life.live.adopt(rec.id, rec.gpu_uuid, env)  # issue 32: its bound follows gating
     if rec.held:
         life.freeze_for(rec.id, HOLD)
     else:

@@ -25,6 +25,7 @@ from gpushare.daemon.cordon import FILE_NAME as CORDON_FILE
 from gpushare.daemon.cordon import Cordons
 from gpushare.daemon.freeze import FreezeArbiter
 from gpushare.daemon.gating import Gatekeeper
+from gpushare.daemon.inflight_control import BoundWriter
 from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
 from gpushare.latency.app import AppLatency
@@ -101,6 +102,9 @@ class NodeState:
         #: Asked at each launch whether the library may be preloaded now (``gpushare.trust``); a
         #: simulated node preloads nothing, so it has none.
         self.library_vet = library_vet
+        #: Issue 32: where live ``--queue auto`` clients' in-flight bound is written
+        #: (``gpushare.daemon.inflight_control``); ``None``: no live switch, auto restarts.
+        self.bound_writer: BoundWriter | None = None
         self.policy: Policy[Any] = policy if policy is not None else NoopPolicy()
         #: The receiver and poller threads, restarted when they die (``status`` shows them).
         self.threads = Supervisor()

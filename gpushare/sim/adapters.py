@@ -305,6 +305,8 @@ class SimProcesses:
             # The queue the daemon launched it with (``--queue``, launcher.queue_env): blocking
             # (CUDA_LAUNCH_BLOCKING=1) or bounded (GPUSHARE_MAX_INFLIGHT=k, the interposer).
             blocking, bound = launch_queue(env)
+            if node.inflight_switch is not None:  # issue 32: the control file overrides
+                bound = node.inflight_switch.bound_at_spawn(client_id, env, bound)
             c.launch_blocking = blocking or client_id in node.always_blocking
             c.set_inflight(bound)
         ran_before = c.started_at_s is not None
@@ -324,6 +326,7 @@ class SimProcesses:
         c = self._starting.pop(pid, None)
         if c is not None and self.node.processes.get(pid) is c:
             c.start(self.node.loop.now)  # keeps a freeze that came before the start
+            self.node.checkpoints.started(c, self.node.loop.now)  # issue 32
 
     def watch(self, proc: object, start_time: float | None = None) -> None:
         """Exits are reported for every simulated process; a gone one was reported already."""
@@ -340,6 +343,9 @@ class SimProcesses:
         """The workload exits on any signal (by it: status ``-sig``)."""
         if pid in self.node.processes:
             self._starting.pop(pid, None)
+            c = self.node.processes[pid]
+            if isinstance(c, OfflineTrainer):  # issue 32: what it did not save is lost
+                self.node.checkpoints.signalled(c, self.node.loop.now)
             self.node.end_process(pid, -sig, ClientState.EXITED)
 
     def alive(self, pid: int, start_time: float) -> bool:

@@ -27,7 +27,9 @@ from gpushare.model import (
 )
 from gpushare.sim import data
 from gpushare.sim.arrivals import arrivals_for
+from gpushare.sim.checkpoint import Checkpoints
 from gpushare.sim.gpu import EventLoop, Gpu, GpuMode
+from gpushare.sim.inflight_switch import SimBoundWriter
 from gpushare.sim.probe import ProbeClient
 from gpushare.sim.scenario import GpuSpec, Scenario
 from gpushare.sim.tally import TallyScheduler, TallyServer, TallyTrainer
@@ -113,6 +115,10 @@ class SimNode:
         self.queue_mode: dict[str, str | None] = {}
         #: Offline jobs the scenario runs launch-blocking whatever their queue mode.
         self.always_blocking: set[str] = set()
+        #: Issue 32: the daemon's live queue switch in virtual time (set by the runner).
+        self.inflight_switch: SimBoundWriter | None = None
+        #: Issue 32: the work a restart loses (gpushare.sim.checkpoint).
+        self.checkpoints = Checkpoints(self)
         self.mem_peak_bytes = {gpu.uuid: 0 for gpu in self.gpus}
         #: The live simulated processes by pid, and who hears of their exits.
         self.processes: dict[int, SimClient] = {}

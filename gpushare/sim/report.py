@@ -49,6 +49,10 @@ class Row:
     mem_total_bytes: int
     speed_factor: float
     failures: int
+    #: The daemon's ``RestartClient`` actions over the whole run (issue 32), and per hour of
+    #: offline job time (jobs x virtual hours): how often a policy costs a job its restart.
+    restarts: int = 0
+    restarts_per_job_hour: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (NaN becomes None)."""
@@ -108,7 +112,17 @@ def _row(result: ScenarioResult, run: RunResult, alone: RunResult | None) -> Row
         mem_total_bytes=run.mem_total_bytes,
         speed_factor=run.speed_factor,
         failures=sum(1 for f in run.offline if f.final_state == "failed"),
+        restarts=run.actions.get("RestartClient", 0),
+        restarts_per_job_hour=restarts_per_job_hour(run),
     )
+
+
+def restarts_per_job_hour(run: RunResult) -> float | None:
+    """The run's restarts per hour of offline job time; ``None`` without offline jobs."""
+    job_hours = len(run.offline) * run.virtual_s / 3600.0
+    if job_hours <= 0:
+        return None
+    return run.actions.get("RestartClient", 0) / job_hours
 
 
 HEADERS = (
@@ -206,6 +220,7 @@ def to_json(result: ScenarioResult) -> dict[str, Any]:
                 "sm_active_fraction": run.sm_active_fraction,
                 "mem_peak_bytes": run.mem_peak_bytes,
                 "actions": run.actions,
+                "restarts_per_job_hour": restarts_per_job_hour(run),
                 "kernels": run.kernels,
                 "series": run.series,
             }

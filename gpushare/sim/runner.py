@@ -28,6 +28,7 @@ from gpushare.daemon.state import NodeState
 from gpushare.model import ClientClass, ClientState
 from gpushare.sim import adapters
 from gpushare.sim.gating import BoundarySender, GateDriver
+from gpushare.sim.inflight_switch import SimBoundWriter
 from gpushare.sim.node import PolicyTraits, SimNode
 from gpushare.sim.results import RunResult, ScenarioResult, collect
 from gpushare.sim.scenario import OnlineSpec, Scenario
@@ -62,6 +63,9 @@ class SimDaemon:
             # The simulated clients take the bound from its variables; no file is opened.
             shallow_library=str(native.library_path()),
         )
+        # Issue 32: live --queue auto clients follow the daemon's bound in virtual time.
+        node.inflight_switch = SimBoundWriter(node)
+        self.state.bound_writer = node.inflight_switch
         self.lifecycle = Lifecycle(self.state)
         self.loop = ControlLoop(
             self.state, self.lifecycle, notify=lambda *_: True, metrics=None, reload=lambda: False
@@ -112,6 +116,9 @@ class SimDaemon:
                 pause_mechanism=s.pauser.mechanism.value, now=s.clock.time(),
             )  # fmt: skip
             s.registry.update(job.cid, queue=self.node.queue_mode.get(job.cid))
+            spec = next((o for o in self.node.scenario.offline if o.name == job.cid), None)
+            if spec is not None and spec.restart_cost_s is not None:  # issue 32
+                s.registry.update(job.cid, restart_cost_s=spec.restart_cost_s)
 
     def report_latencies(self) -> None:
         """Hand the services' completed requests to the daemon, as ``report_latency`` would."""

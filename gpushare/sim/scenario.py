@@ -67,7 +67,8 @@ class GpuSpec:
     merge_online_us: float = num(data.DEFAULT_MERGE_ONLINE_US, minimum=0.0, maximum=10_000.0)
     merge_offline_us: float = num(data.DEFAULT_MERGE_OFFLINE_US, minimum=0.0, maximum=10_000.0)
     start_s: float = duration(1.0)
-    restart_s: float = duration(5.0)
+    #: A relaunch's start-up (issue 32: a real training job takes 30 s to minutes; was 5 s).
+    restart_s: float = duration(60.0)
     probe_kernel_s: float = duration(15e-6, above=True)
 
 
@@ -114,9 +115,19 @@ class OfflineSpec:
     submit_s: float = duration(1.0)
     launch_blocking: bool = False
     #: ``gpushare submit --queue``: ``auto`` (shallow while the GPU's request gating is on),
-    #: ``shallow`` (``CUDA_LAUNCH_BLOCKING=1``) or ``deep``; ``None``, as a submit without
-    #: ``--queue``, runs :data:`gpushare.model.DEFAULT_QUEUE_MODE`.
-    queue: QueueMode | None = None
+    #: ``shallow`` (``CUDA_LAUNCH_BLOCKING=1``) or ``deep``; by default what a submit without
+    #: ``--queue`` is recorded with, :data:`gpushare.model.DEFAULT_OFFLINE_QUEUE` (issue 32).
+    queue: QueueMode = "auto"
+    #: Issue 32 (gpushare.sim.checkpoint): whether the job saves its state when signalled, and
+    #: otherwise how often it checkpoints (``None``: never; a restart loses its whole run).
+    checkpoint_on_signal: bool = True
+    checkpoint_interval_s: float | None = field(
+        default=None, metadata={"kind": "duration", "min": 0.0, "above": True}
+    )
+    #: ``submit --restart-cost`` (issue 32); ``None``: the controller's ``restart_cost``.
+    restart_cost_s: float | None = field(
+        default=None, metadata={"kind": "duration", "min": 0.0, "above": False}
+    )
 
 
 @dataclass(frozen=True, slots=True)

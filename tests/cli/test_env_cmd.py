@@ -197,8 +197,11 @@ def test_the_running_daemon_names_the_gpu_of_an_index():
         assert several.exit_code == 2
         assert "2 GPUs here, give --gpu" in several.stderr
         # What the daemon launches a submitted workload with is what `gpushare env` prints for
-        # the same request: both come from gpushare.mpsenv.
-        submitted = d.submit_detached(["sleep", "30"], gpu="1", sm_pct=30.0, mem_bytes=2 << 30)
+        # the same request: both come from gpushare.mpsenv. (A deep queue: an --offline job's
+        # default queue, auto since issue 32, adds the launcher's in-flight variables.)
+        submitted = d.submit_detached(
+            ["sleep", "30"], gpu="1", sm_pct=30.0, mem_bytes=2 << 30, queue="deep"
+        )
         d.call("cancel", {"client_id": submitted["client_id"]})
         printed = runner.invoke(
             app,

@@ -446,7 +446,8 @@ def test_online_without_any_signal_holds_duty_and_alerts_once() -> None:
 
 
 def test_share_follows_online_demand_measured_while_offline_is_frozen() -> None:
-    cfg = ControlConfig(share_min_interval_s=10.0, quiet_settle_s=0.0)
+    # A restart that costs nothing (issue 32's restart cost is tests/control/test_restart_cost.py).
+    cfg = ControlConfig(share_min_interval_s=10.0, quiet_settle_s=0.0, restart_cost_s=0.0)
     ctl = GpushareController(cfg)
     victim = offline("ckpt", sm_pct=50.0, restartable=True)
     base = observation((online(), victim), sm_active=60.0)
@@ -489,7 +490,7 @@ def test_share_follows_online_demand_measured_while_offline_is_frozen() -> None:
 def test_share_decrease_does_not_wait_behind_a_recent_increase() -> None:
     # make demo's start: offline work alone raises the share to 100 %, then an online client
     # arrives a moment later. Protecting it must not wait out the interval of that increase.
-    cfg = ControlConfig(share_min_interval_s=60.0, quiet_settle_s=0.0)
+    cfg = ControlConfig(share_min_interval_s=60.0, quiet_settle_s=0.0, restart_cost_s=0.0)
     ctl = GpushareController(cfg)
     job = offline("job", sm_pct=100.0, restartable=True)
     state, ticks = run(ctl, [observation((job,))] * 3)

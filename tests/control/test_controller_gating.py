@@ -215,14 +215,16 @@ def test_a_relaunch_ends_the_pending_restart_whatever_the_share_did_meanwhile() 
         gating_changed_at_s=1.0,
         restart_pending=("t1", 5.0),
     )
-    state, actions = CTL.step(state, obs, 6.0)
+    # A restart that costs nothing: the pending one is what this test is about (issue 32).
+    ctl = GpushareController(ControlConfig(restart_cost_s=0.0))
+    state, actions = ctl.step(state, obs, 6.0)
     assert state.share_pct == CTL.config.offline_sm_pct_max
     (restart,) = _restarts(actions)
     assert restart.sm_pct == CTL.config.offline_sm_pct_max
     # Not yet relaunched (started before the request): still pending, nothing more asked.
     state = replace(state, restart_pending=("t1", 5.0))
     stale = replace(obs, clients=(obs.clients[0], replace(job, started_at_s=4.0)))
-    state, actions = CTL.step(state, stale, 6.1)
+    state, actions = ctl.step(state, stale, 6.1)
     assert state.restart_pending == ("t1", 5.0)
     assert not _restarts(actions)
 

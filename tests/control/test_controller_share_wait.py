@@ -24,7 +24,9 @@ from gpushare.model import (
     SetOfflineShare,
 )
 
-CFG = ControlConfig()  # quiet_settle 1 s, period 100 ms, hysteresis 10 points
+# quiet_settle 1 s, period 100 ms, hysteresis 10 points; a restart that costs nothing, so the
+# restart goes out with the cut (issue 32's restart cost: tests/control/test_restart_cost.py).
+CFG = ControlConfig(restart_cost_s=0.0)
 SETTLE_TICKS = round(CFG.quiet_settle_s / CFG.period_s)
 
 

@@ -243,8 +243,9 @@ def test_memory_pressure_evicts_a_restartable_offline_client_and_requeues_it() -
 
 def test_measured_online_demand_lowers_the_share_and_restarts_a_restartable_client() -> None:
     """The slow lever: SetOfflineShare, then RestartClient through the checkpoint signal."""
+    # A restart that costs 1 s (issue 32): with the duty at 0 the cut pays once it has held 1 s.
     e2e = _start("cgroup" if cgroup_skip_reason() is None else "signal",
-                 'share_min_interval = "1s"\n')  # fmt: skip
+                 'share_min_interval = "1s"\nrestart_cost = "1s"\n')  # fmt: skip
     try:
         # Online demand starts low, and the job is submitted first: it is launched under the
         # share of a GPU with no online demand however long the CLI takes on a loaded machine.

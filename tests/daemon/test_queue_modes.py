@@ -62,7 +62,12 @@ def test_a_readopted_client_is_shallow_by_either_variable() -> None:
     assert shallow_how({"GPUSHARE_MAX_INFLIGHT": "2", "LD_PRELOAD": "/x.so"}) == "2 in flight"
     assert shallow_how({"CUDA_LAUNCH_BLOCKING": "0"}) is None
     assert shallow_how({}) is None
-    assert set(SHALLOW_MARKERS) == {"CUDA_LAUNCH_BLOCKING", "GPUSHARE_MAX_INFLIGHT"}
+    # The control file too: a re-adopted live auto client follows its GPU's file (issue 32).
+    assert set(SHALLOW_MARKERS) == {
+        "CUDA_LAUNCH_BLOCKING",
+        "GPUSHARE_MAX_INFLIGHT",
+        "GPUSHARE_INFLIGHT_CONTROL",
+    }
 
 
 def test_the_preload_goes_in_front_of_the_workloads_own() -> None:
@@ -95,6 +100,14 @@ def test_submit_refuses_bad_queue_and_gauge_arguments_before_calling_the_daemon(
             "--inflight-from",
             "prometheus:http://127.0.0.1:1/m#g",
         ): "--inflight-from applies to --online clients",
+        # Issue 32: a declared restart cost.
+        ("--online", "--restart-cost", "90s"): "--restart-cost applies to --offline jobs",
+        (
+            "--offline",
+            "--restart-cost",
+            "200h",
+        ): "--restart-cost must be a duration from 0s to 168h",
+        ("--offline", "--restart-cost", "soon"): "soon",
     }
     for args, message in cases.items():
         result = runner.invoke(app, ["submit", "--socket", sock, *args, "--", "true"])
@@ -124,10 +137,13 @@ def test_an_older_database_gains_the_new_columns(tmp_path: Path) -> None:
         )
         assert rec.queue is None
         assert reg.update(rec.id, queue="auto", inflight_from=None).queue == "auto"
+        # Issue 32: a job's declared restart cost (a REAL column an older database gains).
+        assert rec.restart_cost_s is None
+        assert reg.update(rec.id, restart_cost_s=90.0).restart_cost_s == 90.0
     finally:
         reg.close()
     cols = {r[1] for r in sqlite3.connect(db).execute("PRAGMA table_info(clients)")}
-    assert {"queue", "inflight_from"} <= cols
+    assert {"queue", "inflight_from", "restart_cost_s"} <= cols
 
 
 @pytest.mark.parametrize("reason", [None, "/x/lib.so is not readable by other users (chmod o+r)"])

@@ -217,10 +217,12 @@ def test_a_bad_queue_mode_in_a_scenario_is_an_error_naming_the_key(tmp_path: Pat
         sc_mod.load(bad)
 
 
-def test_a_job_admitted_before_gating_is_relaunched_shallow_at_the_ceiling() -> None:
+def test_a_job_admitted_before_gating_turns_shallow_and_is_not_held_at_the_floor() -> None:
     # genai-idle admits its --queue auto job (t = 1 s) before the service's first request turns
     # gating on, so it starts deep. It used to be cut by the duty cycle, restarted to the 10 %
     # floor, and held there past the scenario's end by a stale pending restart (0.09 of solo).
+    # Since issue 32 it turns shallow live (tests/sim/test_sim_inflight_switch.py); a relaunch
+    # at the ceiling is a share restart, no longer part of the queue switch.
     sc = sc_mod.load(PAIR.parents[1] / "genai-idle.toml")
     # 1.1x the service's p99 alone over the whole scenario (the SLO `gpushare sim` derives): the
     # duty cycle cuts the deep job.
@@ -234,5 +236,5 @@ def test_a_job_admitted_before_gating_is_relaunched_shallow_at_the_ceiling() -> 
     sim.run(4.0)
     sim.close()
     (trainer,) = node.offline
-    assert trainer.inflight_bound == sc.config.gate.inflight_kernels, "relaunched shallow"
-    assert trainer.sm_pct == sc.config.control.offline_sm_pct_max, "at the ceiling, in 4 s"
+    assert trainer.inflight_bound == sc.config.gate.inflight_kernels, "shallow"
+    assert trainer.sm_pct > sc.config.control.offline_sm_pct_min, "not held at the floor"

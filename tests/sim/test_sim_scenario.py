@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpushare.daemon.launcher import choose_queue
-from gpushare.model import DEFAULT_QUEUE_MODE
+from gpushare.model import DEFAULT_OFFLINE_QUEUE, DEFAULT_QUEUE_MODE
 from gpushare.sim import scenario
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,13 +47,15 @@ def test_good_scenario_has_defaults_and_config_overrides() -> None:
     assert sc.gpu.sm_count == 80
 
 
-def test_an_offline_job_without_a_queue_runs_the_daemons_default() -> None:
-    # One default for both: a scenario's job without ``queue`` is a submit without --queue.
+def test_an_offline_job_without_a_queue_gets_what_a_submit_without_queue_gets() -> None:
+    # One default for both (issue 30), auto since issue 32: a scenario's job without ``queue`` is
+    # recorded as a submit without --queue is.
     (job,) = scenario.loads(GOOD).offline
-    assert job.queue is None
-    assert choose_queue(job.queue, gating_on=True) == (DEFAULT_QUEUE_MODE, "default queue (deep)")
-    (asked,) = scenario.loads(GOOD + 'queue = "auto"\n').offline
-    assert asked.queue == "auto"
+    assert job.queue == DEFAULT_OFFLINE_QUEUE == "auto"
+    (asked,) = scenario.loads(GOOD + 'queue = "deep"\n').offline
+    assert asked.queue == "deep"
+    # A record naming no queue (a job submitted before issue 32) runs as it was launched: deep.
+    assert choose_queue(None, gating_on=True) == (DEFAULT_QUEUE_MODE, "default queue (deep)")
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
@@ -194,3 +196,43 @@ def test_physics_keys_parse() -> None:
     assert sc.offline[0].launch_blocking and not sc.online[0].launch_blocking
     with pytest.raises(scenario.ScenarioError, match=r"gpu.wave_scale"):
         scenario.loads(GOOD.replace("[[online]]", "[gpu]\nwave_scale = 0\n[[online]]", 1), "x.toml")
+
+
+LONG = sorted((REPO / "gpushare" / "scenarios" / "long").glob("*.toml"))
+# What a 1-hour variant may change of its source (issue 32), beside name and duration.
+_LONG_CHANGES = {
+    "azure-bursty-1h.toml": {"trace_start", "trace_speedup"},
+    "genai-idle-1h.toml": {"bin"},
+}
+
+
+def _source(long: Path) -> Path:
+    stem = long.name.removesuffix("-1h.toml")
+    root = REPO / "gpushare" / "scenarios"
+    return (
+        root / f"{stem}.toml"
+        if (root / f"{stem}.toml").exists()
+        else root / "pairs" / f"{stem}.toml"
+    )
+
+
+def test_the_long_set_is_seven_one_hour_variants() -> None:
+    assert len(LONG) == 7
+    assert len([p for p in LONG if "+" in p.name]) == 4
+    for p in LONG:
+        assert scenario.load(p).duration_s == 3600.0
+
+
+@pytest.mark.parametrize("path", LONG, ids=lambda p: p.name)
+def test_a_long_variant_differs_from_its_source_only_where_it_says(path: Path) -> None:
+    import tomllib
+
+    long, src = tomllib.loads(path.read_text()), tomllib.loads(_source(path).read_text())
+    assert long["scenario"]["name"] == src["scenario"]["name"] + "-1h"
+    for t in (long["scenario"], src["scenario"]):
+        del t["name"], t["duration"]
+    allowed = _LONG_CHANGES.get(path.name, set())
+    for spec in (*long.get("online", ()), *src.get("online", ())):
+        for key in allowed:
+            spec.pop(key, None)
+    assert long == src

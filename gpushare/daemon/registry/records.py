@@ -100,6 +100,8 @@ class ClientRecord:
     queue: str | None = None
     expected_s: float | None = None
     """An offline job's declared length (``submit --time``): the queue starts shorter jobs first."""
+    restart_cost_s: float | None = None
+    """What a restart costs the job (``submit --restart-cost``, issue 32); ``None``: the default."""
     gang: tuple[str, ...] = ()
     """A gang's GPUs (``submit --gpus``), by UUID in rank order: rank ``k`` runs on ``gang[k]``,
     and ``gpu_uuid`` is rank 0's. Empty for a one-GPU client, a gang of one (:meth:`gpus`)."""
@@ -208,6 +210,7 @@ def record(row: sqlite3.Row) -> ClientRecord:
         mem_bytes=row["mem_bytes"], priority=row["priority"], slo_p99_ms=row["slo_p99_ms"],
         latency_from=row["latency_from"],
         inflight_from=row["inflight_from"], queue=row["queue"], expected_s=row["expected_s"],
+        restart_cost_s=row["restart_cost_s"],
         restartable=bool(row["restartable"]), checkpoint_signal=row["checkpoint_signal"],
         detach=bool(row["detach"]), env=json.loads(row["env"]), cwd=row["cwd"],
         state=ClientState(row["state"]), reason=row["reason"], pid=row["pid"],

@@ -90,7 +90,8 @@ CREATE TABLE IF NOT EXISTS events (
 # (adopted_by: launched; inflight_from, queue: none asked).
 _ADDED_COLUMNS = ("adopted_by", "inflight_from", "queue")
 # Numbers added later (expected_s: submit --time, for the queue's order).
-_ADDED_REAL_COLUMNS = ("expected_s",)
+# restart_cost_s: submit --restart-cost (issue 32), what a restart costs the job.
+_ADDED_REAL_COLUMNS = ("expected_s", "restart_cost_s")
 # Migration step 3 (issue 35): a gang's GPUs, a JSON list of UUIDs in rank order. An older
 # record gains NULL, read as a gang of one: its one GPU (ClientRecord.gpus).
 _GANG_COLUMNS = ("gang",)

@@ -1,0 +1,118 @@
+"""Issue 32: a share restart pays for itself (gpushare.control.restart_cost), pure."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bench.support.observations import GPU, observation, offline
+from gpushare.config import ControlConfig
+from gpushare.control.controller import GpushareController
+from gpushare.control.gpu_state import GpuState
+from gpushare.control.restart_cost import (
+    RAISE_HOLD_S,
+    break_even_hold_s,
+    restart_cost_s,
+    verdict,
+)
+from gpushare.control.restarts import restarts
+from gpushare.control.signals import online_signals
+from gpushare.model import Action, ClientView, RestartClient
+
+CONFIG = ControlConfig()
+
+
+def _client(
+    sm_pct: float, started_at_s: float | None = 0.0, cost: float | None = None, restarts: int = 0
+) -> ClientView:
+    return dataclasses.replace(
+        offline("c1", sm_pct=sm_pct, restartable=True, started=started_at_s),
+        restart_cost_s=cost,
+        restarts=restarts,
+    )
+
+
+def test_the_default_cost_is_a_minute_and_a_declared_one_wins() -> None:
+    assert CONFIG.restart_cost_s == 60.0
+    assert restart_cost_s(CONFIG, _client(10)) == 60.0
+    assert restart_cost_s(CONFIG, _client(10, cost=90.0)) == 90.0
+
+
+def test_the_break_even_hold() -> None:
+    # 10 % -> 100 % at duty 1: the job is ahead after C x 100 / 90.
+    assert math.isclose(break_even_hold_s(10, 100, 1.0, 60), 60 * 100 / 90)
+    # A frozen job (duty 0) makes no progress at any cap: a cut pays after C.
+    assert math.isclose(break_even_hold_s(100, 10, 0.0, 60), 60.0)
+    # Running at 100 % unthrottled, a cut to 10 % never pays the job.
+    assert break_even_hold_s(100, 10, 1.0, 60) == math.inf
+    assert break_even_hold_s(10, 100, 1.0, 0.0) == 0.0
+
+
+@given(
+    cur=st.floats(1, 100),
+    new=st.floats(1, 100),
+    duty=st.floats(0, 1),
+    cost=st.floats(0.1, 600),
+    hold=st.floats(0, 3600),
+)
+def test_a_restart_is_asked_only_when_the_job_gains_over_the_hold(
+    cur: float, new: float, duty: float, cost: float, hold: float
+) -> None:
+    # The job ahead after `hold` with the restart: new x (hold - cost); without: cur x duty x hold.
+    need = break_even_hold_s(cur, new, duty, cost)
+    if hold > need * (1 + 1e-9) + 1e-9:
+        assert new * (hold - cost) >= cur * duty * hold - 1e-6
+    if hold < need * (1 - 1e-9) - 1e-9:
+        assert new * (hold - cost) <= cur * duty * hold + 1e-6
+
+
+def test_a_cut_waits_until_it_has_held_the_break_even() -> None:
+    # 100 % -> 10 % with the duty at 0 (the job frozen anyway): it pays after C, 60 s of holding.
+    assert not verdict(CONFIG, _client(100), 10, 0.0, 100.0, 100.0 + 59).worth
+    assert verdict(CONFIG, _client(100), 10, 0.0, 100.0, 100.0 + 61).worth
+    # Unthrottled at 100 %, a cut to 10 % never pays the job.
+    assert not verdict(CONFIG, _client(100), 10, 1.0, 100.0, 1e6).worth
+
+
+def test_a_raise_is_expected_to_hold_but_no_job_is_restarted_twice_within_the_break_even() -> None:
+    need = 60 * 100 / 90  # 10 % -> 100 % at duty 1
+    # Set just now, a raise is expected to hold RAISE_HOLD_S: a job never restarted (just
+    # admitted under the old share) is raised at once; one restarted at 450 s waits the
+    # break-even since.
+    yes = verdict(CONFIG, _client(10, started_at_s=499.0), 100, 1.0, 500.0, 500.0)
+    assert yes.worth and "60s" in yes.reason
+    again = _client(10, started_at_s=450.0, restarts=1)
+    assert not verdict(CONFIG, again, 100, 1.0, 500.0, 450 + need - 1).worth
+    assert verdict(CONFIG, again, 100, 1.0, 500.0, 450 + need + 1).worth
+    # A raise that would never pay back within its expected hold (a tiny gain) waits for it.
+    slight = verdict(CONFIG, _client(95, started_at_s=0.0), 100, 1.0, 500.0, 500.0)
+    assert not slight.worth and slight.break_even_s > RAISE_HOLD_S
+
+
+def test_a_share_that_flips_back_within_the_break_even_restarts_nothing() -> None:
+    """The bursty Azure trace's pattern: gating off for 6 s, the share cut and raised again."""
+    obs = observation((_client(100, started_at_s=0.0),))
+    state = GpuState(gpu_uuid=GPU, share_pct=10.0, share_changed_at_s=209.0, duty=0.0)
+    actions: list[Action] = []
+    for t in (209.1, 215.0):
+        restarts(CONFIG, state, obs, online_signals(obs, CONFIG.probe_slo_ratio), t, actions)
+    assert not [a for a in actions if isinstance(a, RestartClient)]
+    # Held past the break-even (duty 0: the cost itself), the cut goes out.
+    restarts(CONFIG, state, obs, online_signals(obs, CONFIG.probe_slo_ratio), 209.0 + 61.0, actions)
+    assert [a for a in actions if isinstance(a, RestartClient)]
+
+
+def test_the_demo_moment_restarts_no_job_when_gating_turns_off() -> None:
+    # tests/control/test_controller_share_wait.py's demo moment (gating off at the busy
+    # threshold, the duty at 0, the share cut 100 -> 10 %), at the default restart cost: the
+    # share is cut (new launches get it) and no running job is restarted while it has not held
+    # a minute; before issue 32 the cut restarted each job at once.
+    from tests.control import test_controller_share_wait as demo
+
+    ctl = GpushareController(CONFIG)
+    _, ticks = demo.run(ctl, demo.BREACH + demo.HELD, demo.start())
+    assert [s for _, s in demo.share_ticks(ticks)] == [10.0]
+    assert not [a for t in ticks for a in t if isinstance(a, RestartClient)]
