@@ -262,3 +262,26 @@ def test_rank_exec_refuses_what_is_not_a_rank_of_a_gang_with_one_line() -> None:
         capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
     assert ok.returncode == 0 and ok.stdout == "GPU-b 0 1\n", ok.stderr
+
+
+def test_bad_gang_submits_get_one_line_and_change_nothing_and_a_foreground_gang_gets_its_ranks(
+    daemon: DaemonProc,
+) -> None:
+    cmd = ["--", "true"]
+    for args, words in (
+        (["--offline", "--gpus", "9"], "this node shares 8 GPUs"),
+        (["--offline", "--gpus", "0"], "this node shares 8 GPUs"),
+        (["--offline", "--gpus", "0,0"], "names a GPU twice"),
+        (["--offline", "--gpus", "0,"], "give a count (8) or a list"),
+        (["--offline", "--gpus", "0,42"], "no GPU '42'"),
+        (["--offline", "--gpus", "2", "--gpu", "1"], "not with --gpu"),
+        (["--online", "--gpus", "2"], "--gpus takes an --offline job"),
+    ):
+        run = cli(daemon, "submit", *args, *cmd)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1, (args, run.stderr)
+        assert words in run.stderr, (args, run.stderr)
+    assert daemon.call("list", {"all": True})["clients"] == []
+    # In the foreground the CLI execs the launcher itself with the gang's environment.
+    show = "import json, os; print(len(json.loads(os.environ['GPUSHARE_GANG'])))"
+    fg = cli(daemon, "submit", "--offline", "--gpus", "3", "--", sys.executable, "-c", show)
+    assert fg.returncode == 0 and fg.stdout.strip() == "3", fg.stdout + fg.stderr
