@@ -447,6 +447,10 @@ class Api:
             if req.queue not in protocol.QUEUE_MODES:
                 modes = ", ".join(protocol.QUEUE_MODES)
                 raise _fail(E.INVALID_PARAMS, f"--queue must be one of {modes}, got {req.queue!r}")
+        if req.gpus is not None and req.restartable:
+            # A restartable job is requeued after a failure or an eviction, and the queue places
+            # one GPU per job (docs/design.md §7).
+            raise _fail(E.INVALID_PARAMS, "--gpus and --restartable do not go together yet")
         if req.restartable and cls is not ClientClass.OFFLINE:
             raise _fail(E.INVALID_PARAMS, "--restartable applies to --offline clients only")
         if not 1 <= req.checkpoint_signal < signal.NSIG:

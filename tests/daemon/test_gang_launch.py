@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 
 from bench.support.daemon_helpers import REPO, DaemonProc, wait_for
+from gpushare.daemon.registry import Registry
+from gpushare.model import ClientClass, ClientState
+from tests.fakes.fake_gpu import fake_uuid
 
 RANKS = 8
 #: The launcher: N workers, each writing a heartbeat (a counter) to its own file every 20 ms.
@@ -276,6 +279,7 @@ def test_bad_gang_submits_get_one_line_and_change_nothing_and_a_foreground_gang_
         (["--offline", "--gpus", "0,42"], "no GPU '42'"),
         (["--offline", "--gpus", "2", "--gpu", "1"], "not with --gpu"),
         (["--online", "--gpus", "2"], "--gpus takes an --offline job"),
+        (["--offline", "--gpus", "2", "--restartable"], "--restartable do not go together"),
     ):
         run = cli(daemon, "submit", *args, *cmd)
         assert run.returncode == 2 and run.stderr.count("\n") == 1, (args, run.stderr)
@@ -285,3 +289,25 @@ def test_bad_gang_submits_get_one_line_and_change_nothing_and_a_foreground_gang_
     show = "import json, os; print(len(json.loads(os.environ['GPUSHARE_GANG'])))"
     fg = cli(daemon, "submit", "--offline", "--gpus", "3", "--", sys.executable, "-c", show)
     assert fg.returncode == 0 and fg.stdout.strip() == "3", fg.stdout + fg.stderr
+
+
+def test_a_gang_launch_the_daemon_died_in_is_recorded_lost_not_queued_on_one_gpu() -> None:
+    # The queue places one GPU per job: a gang sent back to it would start as a one-GPU client
+    # with its ranks' environments still naming the other GPUs.
+    d = DaemonProc(gpus=2)
+    try:
+        d.db.parent.mkdir(parents=True, exist_ok=True)
+        reg = Registry.open(d.db)
+        rec = reg.add_client(
+            cls=ClientClass.OFFLINE, argv=["true"], uid=0, gid=0, user="root",
+            state=ClientState.STARTING, priority=1, gpu_uuid=fake_uuid(0), gpu_index=0,
+            detach=True, cwd="/",
+        )  # fmt: skip
+        reg.update(rec.id, gang=(fake_uuid(0), fake_uuid(1)))
+        reg.close()
+        d.start()
+        after = d.client(rec.id)
+        assert after["state"] == "lost", after
+        assert [g["index"] for g in after["gpus"]] == [0, 1]
+    finally:
+        d.cleanup()
