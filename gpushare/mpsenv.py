@@ -25,6 +25,7 @@ Variables (NVIDIA's names first, then gpushare's own):
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 from collections.abc import Mapping, Sequence
@@ -176,6 +177,57 @@ def mps_env(
         env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = (
             f"{limits.gpu_uuid}={format_mps_size(limits.mem_bytes)}"
         )
+    return env
+
+
+ENV_GANG = "GPUSHARE_GANG"
+"""A gang's per-rank environments (JSON, one object per rank), read by ``gpushare rank-exec``."""
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_GANG_LOCAL_RANK = "GPUSHARE_LOCAL_RANK"
+"""Where ``rank-exec`` keeps the launcher's ``LOCAL_RANK``: the worker sees ``LOCAL_RANK=0``,
+since its one GPU is device 0 under its MPS server."""
+
+
+class RankError(ValueError):
+    """``rank-exec`` cannot give this process a rank's GPU; the message is one line for the user."""
+
+
+def gang_env(ranks: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """The variable that carries every rank's GPU environment to ``gpushare rank-exec``."""
+    return {ENV_GANG: json.dumps([dict(r) for r in ranks], separators=(",", ":"))}
+
+
+def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the rank named by ``LOCAL_RANK``: its GPU's variables over ``environ``.
+
+    Raises:
+        RankError: no gang, no or a bad ``LOCAL_RANK``, or a rank outside the gang.
+    """
+    raw = environ.get(ENV_GANG)
+    if raw is None:
+        raise RankError(
+            f"{ENV_GANG} is not set: run rank-exec under `gpushare submit --gpus N -- torchrun ...`"
+        )
+    try:
+        ranks = json.loads(raw)
+        ok = isinstance(ranks, list) and all(
+            isinstance(r, dict) and all(isinstance(v, str) for v in r.values()) for r in ranks
+        )
+    except ValueError:
+        ok = False
+    if not ok or not ranks:
+        raise RankError(f"{ENV_GANG} is not a gang's environment (set by gpushare submit --gpus)")
+    text = environ.get(ENV_LOCAL_RANK)
+    if text is None:
+        raise RankError(f"{ENV_LOCAL_RANK} is not set: rank-exec runs as a worker of torchrun")
+    if not text.isdigit() or int(text) >= len(ranks):
+        raise RankError(
+            f"{ENV_LOCAL_RANK}={text!r} is not a rank of this gang (0 to {len(ranks) - 1})"
+        )
+    env = {k: v for k, v in environ.items() if k not in UNSET_ENV}
+    env.update(ranks[int(text)])
+    env[ENV_GANG_LOCAL_RANK] = text
+    env[ENV_LOCAL_RANK] = "0"
     return env
 
 

@@ -196,6 +196,9 @@ class SubmitRequest:
     """Offline: what a restart costs the job (``--restart-cost``, seconds; issue 32)."""
     wait_for: str | None = None
     """Foreground offline: the client id of this caller's queued submit, asked again to start it."""
+    gpus: str | None = None
+    """A gang (``--gpus``): a count (``"8"``) or GPUs by index or UUID (``"0,1"``); rank ``k``
+    runs on the ``k``-th (``gpushare rank-exec``)."""
 
 
 MAX_RESTART_COST_S = 7 * 86400.0

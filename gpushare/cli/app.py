@@ -46,6 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("gpushare.cli.config_cmd", "Inspect and validate the configuration."),
     "drain": ("gpushare.cli.drain_cmd", "Admit nothing new on a GPU; running clients finish or checkpoint (root or the admin group)."),
     "k8s": ("gpushare.cli.k8s_cmd", "Kubernetes: the kubelet device plugin (docs/kubernetes.md)."),
+    "rank-exec": ("gpushare.cli.rankexec_cmd", "Exec one rank of a gang (torchrun --no-python) on its own GPU, by LOCAL_RANK."),
     "undrain": ("gpushare.cli.drain_cmd", "End a drain: the GPU admits work again (root or the admin group)."),
 }  # fmt: skip
 

@@ -91,6 +91,14 @@ def submit(
             autocompletion=completion.gpu_or_any,
         ),
     ] = "any",
+    gpus: Annotated[
+        str | None,
+        typer.Option(
+            "--gpus",
+            help="A gang over several GPUs (torchrun): a count (8) or GPUs (0,1,2,3); each "
+            "worker runs `gpushare rank-exec -- CMD` to reach its own GPU (LOCAL_RANK).",
+        ),
+    ] = None,
     sm: Annotated[
         float | None,
         typer.Option("--sm", help="SM percentage (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)."),
@@ -215,6 +223,8 @@ def submit(
         params["inflight_from"] = inflight_from
     if queue is not None:
         params["queue"] = queue
+    if gpus is not None:
+        params["gpus"] = gpus
     if no_queue:
         params["no_queue"] = True
     try:
@@ -360,7 +370,11 @@ def _matches(c: dict[str, Any], user: str | None, states: set[str], cls: str | N
         return False
     if gpu is not None:
         uuid = c.get("gpu_uuid") or ""
-        return gpu == str(c["gpu_index"]) or (len(gpu) > 4 and uuid.startswith(gpu))
+        on = c.get("gpus") or [{"uuid": uuid, "index": c["gpu_index"]}]  # a gang: any of its GPUs
+        return any(
+            gpu == str(g["index"]) or (len(gpu) > 4 and (g["uuid"] or "").startswith(gpu))
+            for g in on
+        )
     return True
 
 

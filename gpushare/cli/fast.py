@@ -5,12 +5,14 @@ Typer's and Pydantic's imports and per-parameter adapters (about 0.3 s), so the 
 (``status [--json] [-o wide|json] [--gpu G] [--socket S]``) are answered here with the standard library and the
 API client only. Anything else, including ``--help`` and any form this parser does not know, goes
 to the Typer application unchanged, which stays the reference for options and messages.
-``gpushare slurm ...`` (Slurm's Prolog, TaskProlog and Epilog) is always answered here.
+``gpushare slurm ...`` (Slurm's Prolog, TaskProlog and Epilog) and ``gpushare rank-exec`` (before
+every worker of a gang, :mod:`gpushare.cli.rankexec_cmd`) are always answered here.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -64,6 +66,33 @@ def run_status(opts: dict[str, str | bool]) -> int:
     return 1 if mps_down(result) else 0
 
 
+USAGE = "usage: gpushare rank-exec -- CMD [ARGS...]  (a worker of `torchrun --no-python`)"
+
+
+def run_rank_exec(args: Sequence[str]) -> int:
+    """Exec ``args`` (after an optional ``--``) as its rank; the exit status when it cannot."""
+    from gpushare import mpsenv
+    from gpushare.cli import exitcodes
+
+    cmd = list(args[1:] if args[:1] == ["--"] else args)
+    if not cmd:
+        print(f"gpushare rank-exec: no command; {USAGE}", file=sys.stderr)
+        return exitcodes.BAD_INPUT
+    try:
+        env = mpsenv.rank_env(os.environ)
+    except mpsenv.RankError as exc:
+        print(f"gpushare rank-exec: {exc}", file=sys.stderr)
+        return exitcodes.BAD_INPUT
+    try:
+        os.execvpe(cmd[0], cmd, env)
+    except FileNotFoundError:
+        print(f"gpushare rank-exec: {cmd[0]}: command not found", file=sys.stderr)
+        return exitcodes.NOT_FOUND
+    except OSError as exc:
+        print(f"gpushare rank-exec: {cmd[0]}: {exc.strerror}", file=sys.stderr)
+        return exitcodes.CANNOT_EXECUTE
+
+
 def main() -> None:
     """Console-script entry point: the fast path when it applies, else the Typer application."""
     args = sys.argv[1:]
@@ -72,6 +101,9 @@ def main() -> None:
         from gpushare.slurm import main as slurm_main
 
         raise SystemExit(slurm_main(args[1:]))
+    if args[:1] == ["rank-exec"] and args[1:2] not in (["-h"], ["--help"]):
+        # Before every worker of a gang: no Typer (gpushare.cli.rankexec_cmd).
+        raise SystemExit(run_rank_exec(args[1:]))
     if args[:1] == ["status"]:
         opts = _parse_status(args[1:])
         if opts is not None:

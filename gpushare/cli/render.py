@@ -150,6 +150,9 @@ def _client_age(c: dict[str, Any], now: float) -> str:
 def _gpu_cell(c: dict[str, Any]) -> str:
     if c["gpu_index"] is None:
         return "-" if c["state"] == "queued" else NA
+    gang = c.get("gpus") or ()
+    if len(gang) > 1:  # a gang: every GPU it uses, in rank order
+        return ",".join(NA if g["index"] is None else str(g["index"]) for g in gang)
     return str(c["gpu_index"])
 
 

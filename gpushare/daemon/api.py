@@ -22,7 +22,7 @@ import structlog
 from gpushare import mpsenv, protocol
 from gpushare.control import fit, placement
 from gpushare.control.promise import PlacedClient, may_promise, promised_bytes
-from gpushare.daemon import submitq
+from gpushare.daemon import gangplace, submitq
 from gpushare.daemon.adopter import Adoptions
 from gpushare.daemon.cordon import CordonApi
 from gpushare.daemon.lifecycle import Lifecycle
@@ -236,17 +236,23 @@ class Api:
         detach = req.detach or req.restartable
         with self.s.lock:
             try:
-                sample, sm = self._place(req, cls, caller.uid)
+                if req.gpus is not None:
+                    gang, sm = self._place_gang(req, cls, caller.uid)
+                    sample = gang[0]
+                else:
+                    sample, sm = self._place(req, cls, caller.uid)
+                    gang = [sample]
                 if (
                     cls is ClientClass.OFFLINE
                     and not req.no_queue
+                    and req.gpus is None
                     and submitq.waiting_ahead(self.s.registry.clients())
                 ):
                     # It fits, but jobs already wait: it takes its place by the admission rules.
                     raise _fail(E.NO_CAPACITY, "offline jobs are already waiting for a GPU")
             except protocol.ProtocolError as exc:
                 if (cls is not ClientClass.OFFLINE or exc.code is not E.NO_CAPACITY
-                        or req.no_queue or self._never_fits(req)):  # fmt: skip
+                        or req.no_queue or req.gpus is not None or self._never_fits(req)):  # fmt: skip
                     raise
                 return self._enqueue(req, cls, caller, detach, exc.message)
             rec = self._add_client(
@@ -259,6 +265,8 @@ class Api:
                 env=req.env if detach else {}, cwd=req.cwd,
                 pause_mechanism=self.s.pauser.mechanism.value,
             )  # fmt: skip
+            if len(gang) > 1:
+                rec = self.s.registry.update(rec.id, gang=tuple(g.uuid for g in gang))
             if req.latency_from is not None:
                 self.s.registry.update(rec.id, latency_from=req.latency_from)
                 self.s.latency.add_prometheus(rec.id, req.latency_from)
@@ -273,7 +281,7 @@ class Api:
             # Detached, spawn() computes the environment again for the launch and logs the queue.
             env = self.life.mps_env(
                 rec.id, sample.uuid, sm, req.mem_bytes, cls, req.slo_p99_ms,
-                queue=req.queue, announce=not detach,
+                queue=req.queue, announce=not detach, gang=rec.gang,
             )  # fmt: skip
             if not detach:
                 assert caller.pid > 0
@@ -408,6 +416,9 @@ class Api:
             cls = ClientClass(req.cls)
         except ValueError:
             raise _fail(E.INVALID_PARAMS, "cls must be 'online' or 'offline'") from None
+        if req.gpus is not None and (req.gpu != "any" or cls is not ClientClass.OFFLINE):
+            raise _fail(E.INVALID_PARAMS, "--gpus takes an --offline job and names its GPUs itself "
+                        "(not with --gpu): --gpus 8 or --gpus 0,1")  # fmt: skip
         if not req.argv or not req.argv[0]:
             raise _fail(E.INVALID_PARAMS, "no command given: gpushare submit ... -- CMD ARGS")
         if any("\0" in a for a in req.argv):
@@ -436,6 +447,10 @@ class Api:
             if req.queue not in protocol.QUEUE_MODES:
                 modes = ", ".join(protocol.QUEUE_MODES)
                 raise _fail(E.INVALID_PARAMS, f"--queue must be one of {modes}, got {req.queue!r}")
+        if req.gpus is not None and req.restartable:
+            # A restartable job is requeued after a failure or an eviction, and the queue places
+            # one GPU per job (docs/design.md §7).
+            raise _fail(E.INVALID_PARAMS, "--gpus and --restartable do not go together yet")
         if req.restartable and cls is not ClientClass.OFFLINE:
             raise _fail(E.INVALID_PARAMS, "--restartable applies to --offline clients only")
         if not 1 <= req.checkpoint_signal < signal.NSIG:
@@ -487,13 +502,31 @@ class Api:
         best = placement.choose([loads[g.uuid] for g, _ in fitting])
         return next(f for f in fitting if f[0].uuid == best.uuid)
 
+    def _place_gang(
+        self, req: protocol.SubmitRequest, cls: ClientClass, uid: int
+    ) -> tuple[Sequence[GpuSample], float]:
+        """``--gpus``: the gang's GPUs in rank order, all or none (:mod:`.gangplace`), its share."""
+        assert req.gpus is not None
+        shared = [g for g in self.s.samples if self.s.shared(g)]
+        n, named = gangplace.parse(req.gpus, shared, self._resolve_gpu)
+        candidates = self.cordon.admitting(named or shared, named=named is not None)
+        loads = self._loads(candidates)
+        problems = [f"GPU {g.index}: draining" for g in named or () if g not in candidates]
+        fits = {g.uuid: self._misfit(g, loads[g.uuid], req, cls, uid) for g in candidates}
+        problems += [f"GPU {g.index}: {fits[g.uuid]}" for g in candidates if fits[g.uuid]]
+        fitting = [g for g in candidates if not fits[g.uuid]]
+        gpus = gangplace.choose(n, fitting, loads, problems, named is not None)
+        sm = req.sm_pct if req.sm_pct is not None else self.s.default_sm(cls, gpus[0].uuid)
+        return gpus, sm
+
     def _loads(self, gpus: Sequence[GpuSample]) -> dict[str, placement.GpuLoad]:
         """Each GPU's free memory, the memory promised to its clients, and its live clients."""
         now = self.s.clock.time()
         live: dict[str, list[ClientRecord]] = {g.uuid: [] for g in gpus}
         for r in self.s.registry.clients():
-            if r.state.is_live and r.gpu_uuid in live:
-                live[r.gpu_uuid].append(r)
+            for uuid in r.gpus() if r.state.is_live else ():
+                if uuid in live:  # a gang counts on every GPU it uses
+                    live[uuid].append(r)
         loads: dict[str, placement.GpuLoad] = {}
         for g in gpus:
             memory = {p.pid: p.used_bytes for p in g.processes}
@@ -538,7 +571,7 @@ class Api:
             return f"--sm {req.sm_pct:g} is above this GPU's offline maximum {top:g}"
         others = () if self.s.multiuser(g.uuid) else sorted(
             {r.user for r in self.s.registry.clients()
-             if r.gpu_uuid == g.uuid and r.state.is_live and r.uid != uid}
+             if g.uuid in r.gpus() and r.state.is_live and r.uid != uid}
         )  # fmt: skip
         # The one fit rule (gpushare.control.fit), which admission asks too.
         room = fit.Room(

@@ -7,6 +7,7 @@ by whether the GPU's request gate is on now) with the variables that set it up.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpushare import mpsenv
@@ -40,20 +41,29 @@ def client_env(
     *,
     queue: str | None = None,
     live: LiveQueues | None = None,
+    gang: Sequence[str] = (),
 ) -> tuple[dict[str, str], QueueChoice | None]:
     """The client's environment, and its queue choice (``None`` for an online client).
 
     ``live``: the daemon's live ``--queue auto`` clients; an ``auto`` client that may preload the
     in-flight library is launched with its GPU's control file instead of a fixed queue (issue 32).
+    A gang of several GPUs (``gang``, rank order; ``gpu_uuid`` is rank 0's) also carries every
+    rank's GPU variables, for ``gpushare rank-exec`` (:func:`gpushare.mpsenv.rank_env`).
     """
-    env = mpsenv.mps_env(
-        client_id=client_id,
-        limits=mpsenv.MpsLimits(
-            gpu_uuid=gpu_uuid, sm_pct=sm, mem_bytes=mem, priority=s.priority(cls)
-        ),
-        pipe_dir=s.mps.pipe_dir(gpu_uuid),
-        latency_socket=s.config.paths.resolved("latency_socket"),
-    )
+
+    def one(uuid: str) -> dict[str, str]:
+        return mpsenv.mps_env(
+            client_id=client_id,
+            limits=mpsenv.MpsLimits(
+                gpu_uuid=uuid, sm_pct=sm, mem_bytes=mem, priority=s.priority(cls)
+            ),
+            pipe_dir=s.mps.pipe_dir(uuid),
+            latency_socket=s.config.paths.resolved("latency_socket"),
+        )
+
+    env = one(gpu_uuid)
+    if len(gang) > 1:
+        env.update(mpsenv.gang_env([one(uuid) for uuid in gang]))
     slo = slo_p99_ms / 1000 if slo_p99_ms is not None and cls is ClientClass.ONLINE else None
     choice = None
     if cls is ClientClass.OFFLINE:

@@ -42,7 +42,9 @@ class ClientViews:
             self._synced = records
             by_gpu: dict[str | None, list[ClientRecord]] = {}
             for rec in records:
-                by_gpu.setdefault(rec.gpu_uuid, []).append(rec)
+                # A gang is a client of every GPU it uses: each GPU's controller sees its rank.
+                for uuid in rec.gpus() or (None,):
+                    by_gpu.setdefault(uuid, []).append(rec)
             self._by_gpu = by_gpu
             self._view_map = self._views_of(records, tick)
             self._gpu_views = {}

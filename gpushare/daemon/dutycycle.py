@@ -57,7 +57,12 @@ class DutyCycle:
                 # would turn a clean exit into the SIGKILL at the end of the grace.
                 life.freeze_for(rec.id)
                 continue
-            duty = self.s.duty.get(rec.gpu_uuid or "", 1.0)
+            # A gang (one cgroup) runs at the smallest duty of its GPUs: a freeze on any GPU
+            # freezes every rank, and it waits at the next collective for the slowest anyway.
+            duty, edge_gpu = min(
+                ((self.s.duty.get(u, 1.0), u) for u in rec.gpus()),
+                default=(1.0, rec.gpu_uuid or ""),
+            )
             if rec.held:
                 want = S.FROZEN
                 life.freeze_for(rec.id, HOLD)
@@ -70,7 +75,7 @@ class DutyCycle:
                     life.freeze_for(rec.id, DUTY)
                 else:
                     life.freeze_for(rec.id)
-                    self._edges[rec.gpu_uuid or ""] = tick.monotonic_s + duty * period
+                    self._edges[edge_gpu] = tick.monotonic_s + duty * period
             if rec.state is not want:
                 why = f"offline duty {duty:g} on its GPU" if want is S.THROTTLED else None
                 self.s.transition(rec.id, want, reason=rec.reason if want is S.FROZEN else why)
@@ -78,7 +83,7 @@ class DutyCycle:
     def edges_due(self, tick: Tick) -> None:
         """Freeze the throttled offline clients of the GPUs whose duty edge has come."""
         with self.s.lock:
-            due = [gpu for gpu, at in self._edges.items() if at <= tick.monotonic_s]
+            due = {gpu for gpu, at in self._edges.items() if at <= tick.monotonic_s}
             if not due:
                 return
             for gpu in due:
@@ -86,7 +91,7 @@ class DutyCycle:
             ids = [
                 rec.id
                 for rec in self.s.registry.clients()
-                if rec.gpu_uuid in due
+                if not due.isdisjoint(rec.gpus())
                 and rec.cls is ClientClass.OFFLINE
                 and rec.state is S.THROTTLED
                 and not self.life.exiting(rec.id)

@@ -7,7 +7,9 @@ A client is frozen while it has any freeze reason and thawed when it has none:
 * :data:`HOLD`: a user's ``gpushare pause`` or the controller's ``Freeze``, until resumed or
   thawed (the registry persists it as the client's ``held``, so a restarted daemon restores it);
 * :data:`GATE`: a GPU's request gate is closed (:mod:`gpushare.daemon.gating`, which sets and
-  clears it from the latency receiver's thread and its timer);
+  clears it from the latency receiver's thread and its timer), one reason per GPU
+  (:func:`gate_reason`): a gang (``submit --gpus``) is gated by every GPU it uses, and one GPU's
+  gate opening must not thaw it while another's is closed;
 * :data:`STOP`: ``daemon.on_stop = "freeze"`` as the daemon stops.
 
 Every change of reasons and the pauser request it makes happen under one lock, so one reason's
@@ -33,6 +35,18 @@ DUTY = "duty"
 HOLD = "hold"
 GATE = "gate"
 STOP = "stop"
+
+
+def gate_reason(gpu_uuid: str) -> str:
+    """The freeze reason of one GPU's closed request gate (``gate:<uuid>``)."""
+    return f"{GATE}:{gpu_uuid}"
+
+
+def by_gate(reasons: Iterable[str]) -> bool:
+    """Whether any of ``reasons`` is a GPU's request gate (:func:`gate_reason`)."""
+    return any(r.startswith(f"{GATE}:") for r in reasons)
+
+
 #: The reasons the daemon itself sets (all but the gates').
 DAEMON_REASONS: frozenset[str] = frozenset({DUTY, HOLD, STOP})
 

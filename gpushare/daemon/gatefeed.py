@@ -50,7 +50,8 @@ class GateFeed:
                 elif (
                     rec.state in RUNNING_STATES and rec.pid is not None and not life.exiting(rec.id)
                 ):
-                    gated.setdefault(rec.gpu_uuid, []).append(rec.id)
+                    for uuid in rec.gpus():  # a gang is gated by every GPU it uses
+                        gated.setdefault(uuid, []).append(rec.id)
             self._kept = (going, online, gated)
         pids = life.main_pids(online) if online else {}
         for cid in online:

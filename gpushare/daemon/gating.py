@@ -32,7 +32,7 @@ import structlog
 from gpushare.config import GateConfig
 from gpushare.control import gate
 from gpushare.control.gate import GateState
-from gpushare.daemon.freeze import GATE, FreezeArbiter
+from gpushare.daemon.freeze import GATE, FreezeArbiter, gate_reason
 from gpushare.latency.inflight import Rejections
 from gpushare.latency.receiver import renice_thread
 from gpushare.model import GateReading
@@ -183,7 +183,7 @@ class Gatekeeper:
             self._gated = {g: tuple(ids) for g, ids in gated.items()}
             for g in set(old) | set(self._gated) | set(self._gates):
                 left = set(old.get(g, ())) - set(self._gated.get(g, ()))
-                self._release(left)
+                self._release(g, left)
                 self._set_gate(g, self._gates.get(g, GateState()), now, force=True)
             self._wake.notify()
 
@@ -208,7 +208,7 @@ class Gatekeeper:
             if state is None or not gate.settled(state, now, self.config):
                 return False
             for client_id in self._gated.get(g, ()):
-                if self.arbiter.has_any(client_id, (GATE,)):
+                if self.arbiter.has_any(client_id, (gate_reason(g),)):
                     return False
         return True
 
@@ -245,8 +245,8 @@ class Gatekeeper:
 
     # ------------------------------------------------------------------------- the freezes
 
-    def _release(self, client_ids: Iterable[str]) -> None:
-        self.arbiter.set_quietly(client_ids, GATE, False)
+    def _release(self, gpu: str, client_ids: Iterable[str]) -> None:
+        self.arbiter.set_quietly(client_ids, gate_reason(gpu), False)
 
     def _set_gate(self, gpu: str, state: GateState, now: float, *, force: bool = False) -> None:
         """Under the lock: evaluate the gate and freeze or thaw its clients as it says."""
@@ -256,9 +256,9 @@ class Gatekeeper:
         if state.closed and not before:
             self._closes[gpu] = self._closes.get(gpu, 0) + 1
         if state.closed and (force or not before):
-            self.arbiter.set_quietly(self._gated.get(gpu, ()), GATE, True)
+            self.arbiter.set_quietly(self._gated.get(gpu, ()), gate_reason(gpu), True)
         elif not state.closed and (force or before):
-            self._release(self._gated.get(gpu, ()))
+            self._release(gpu, self._gated.get(gpu, ()))
 
     # ------------------------------------------------------------------------- the timer
 
@@ -346,7 +346,7 @@ class Gatekeeper:
             self._stop = True
             for gpu, state in list(self._gates.items()):
                 self._gates[gpu] = replace(state, enabled=False)
-                self._release(self._gated.get(gpu, ()))
+                self._release(gpu, self._gated.get(gpu, ()))
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=2.0)

@@ -17,7 +17,7 @@ import contextlib
 import os
 import signal
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -337,7 +337,7 @@ class Lifecycle:
 
     def recover(self, action: RecoverMps, now: float) -> None:
         """Recover a GPU's faulted MPS server; its offline clients are made to go first."""
-        recs = [r for r in self.s.registry.clients() if r.gpu_uuid == action.gpu_uuid]
+        recs = [r for r in self.s.registry.clients() if action.gpu_uuid in r.gpus()]
         pids = {c: [r.pid for r in recs if r.cls is c and r.pid] for c in ClientClass}
         self.s.registry.add_event(
             "mps_recovery", f"MPS recovery: {action.reason}", severity="warning",
@@ -474,8 +474,9 @@ class Lifecycle:
         assert rec.gpu_uuid is not None
         sm = rec.sm_pct if rec.sm_pct is not None else 100.0
         env = self.mps_env(
-            rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls, rec.slo_p99_ms, queue=rec.queue
-        )
+            rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls, rec.slo_p99_ms, queue=rec.queue,
+            gang=rec.gang,
+        )  # fmt: skip
         # With the cgroup freezer the child joins its cgroup before it execs, so a workload that
         # forks at once cannot leave a process outside the freezer's reach.
         procs_fd: int | None = None
@@ -566,6 +567,7 @@ class Lifecycle:
         *,
         queue: str | None = None,
         announce: bool = True,
+        gang: Sequence[str] = (),
     ) -> dict[str, str]:
         """The environment a client of this GPU starts with.
 
@@ -574,7 +576,16 @@ class Lifecycle:
         that only shows the environment while :meth:`spawn` computes it again, which logs it).
         """
         env, choice = client_env(
-            self.s, client_id, gpu_uuid, sm, mem, cls, slo_p99_ms, queue=queue, live=self.live
+            self.s,
+            client_id,
+            gpu_uuid,
+            sm,
+            mem,
+            cls,
+            slo_p99_ms,
+            queue=queue,
+            live=self.live,
+            gang=gang,
         )
         if choice is not None:
             # A live client's shallow mark is LiveQueues' to keep (issue 32).

@@ -102,7 +102,8 @@ def _gone(life: Lifecycle, rec: ClientRecord) -> None:
     killed = 0 if rec.adopted_by is not None else _kill_leftovers(life, rec)
     left = f"; {killed} leftover processes of its cgroup killed" if killed else ""
     interrupted = rec.state is S.RESTARTING or (rec.state is S.STARTING and rec.pid is None)
-    if interrupted and rec.detach and rec.adopted_by is None:
+    # A gang is not queued (admission places one GPU per job): it is recorded as gone instead.
+    if interrupted and rec.detach and rec.adopted_by is None and len(rec.gang) <= 1:
         step = "restart" if rec.state is S.RESTARTING else "launch"
         registry.transition(
             rec.id, S.QUEUED, pid=None, start_time=None,

@@ -124,7 +124,7 @@ class Views:
             if gpu is not None:
                 samples = [resolve_gpu(s.samples, gpu)]
             uuids = {x.uuid for x in samples}
-            recs = [r for r in s.registry.clients() if r.gpu_uuid in uuids or (
+            recs = [r for r in s.registry.clients() if not uuids.isdisjoint(r.gpus()) or (
                 r.state is S.QUEUED and gpu is None)]  # fmt: skip
             by_uuid = {x.uuid: x for x in samples}
             now = s.clock.time()
@@ -175,7 +175,8 @@ class Views:
     def _gpu_dict(self, x: GpuSample, recs: Sequence[ClientRecord]) -> dict[str, Any]:
         s = self.s
         shared = s.shared(x)
-        live = [r for r in recs if r.gpu_uuid == x.uuid and r.state.is_live]
+        # A gang counts on every GPU it uses (its rank there is one MPS client).
+        live = [r for r in recs if x.uuid in r.gpus() and r.state.is_live]
         probe_on = s.config.probe.enabled and shared
         reading = s.probe.reading(x.uuid) if s.probe is not None and shared else None
         mps_state = s.mps_states.get(x.uuid)
@@ -233,11 +234,17 @@ class Views:
                 "reason": reading.reason if reading else "probe disabled",
             },
             "client_slots_used": len(live) + (1 if probe_on else 0),
+            "clients": [r.id for r in live],
             "client_slots_max": s.max_clients(x),
             "error": x.error,
             "lost": x.lost,
             "drain": self.cordon.view(x.uuid),
         }
+
+    def _gang(self, r: ClientRecord) -> list[dict[str, Any]]:
+        """Every GPU the client uses, in rank order (a one-GPU client's one; none while queued)."""
+        index = {x.uuid: x.index for x in self.s.samples}
+        return [{"rank": k, "uuid": u, "index": index.get(u)} for k, u in enumerate(r.gpus())]
 
     def _client_dict(
         self, r: ClientRecord, sample: GpuSample | None, now: float, where: dict[str, int]
@@ -263,7 +270,8 @@ class Views:
         waiting = self.s.waiting.get(r.id) if r.state is S.QUEUED else None
         return {
             "id": r.id, "name": r.name, "user": r.user, "uid": r.uid, "class": r.cls.value,
-            "gpu_uuid": r.gpu_uuid, "gpu_index": r.gpu_index, "sm_pct": r.sm_pct,
+            "gpu_uuid": r.gpu_uuid, "gpu_index": r.gpu_index, "gpus": self._gang(r),
+            "sm_pct": r.sm_pct,
             "mem_limit_bytes": r.mem_bytes, "mem_used_bytes": used, "state": r.state.value,
             "reason": r.reason, "waiting": waiting, "pid": r.pid, "uptime_s": uptime,
             "exit_code": r.exit_code, "pause_mechanism": r.pause_mechanism, "held": r.held, "restartable": r.restartable,

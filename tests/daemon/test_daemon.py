@@ -512,6 +512,25 @@ def test_one_user_per_gpu_without_multiuser_mps() -> None:
         d.cleanup()
 
 
+@needs_root
+def test_a_gang_of_one_user_keeps_another_users_clients_off_every_gpu_it_uses() -> None:
+    # Legacy MPS serves one uid per GPU: root's gang on GPUs 0 and 1 holds both for root, so
+    # another user's submit to GPU 1 (not rank 0's GPU) is refused, and its gang cannot span it.
+    d = DaemonProc()
+    try:
+        d.start()
+        gang = d.submit_detached(["sleep", "30"], gpus="0,1")
+        assert gang["gpu_uuid"] == fake_uuid(0)
+        params = {"cls": "offline", "argv": ["sleep", "30"], "detach": True, "cwd": "/",
+                  "env": {"PATH": os.environ["PATH"]}, "no_queue": True}  # fmt: skip
+        for where in ({"gpu": "1"}, {"gpus": "2"}):
+            refused = call_as(NOBODY, NOBODY, d.socket, "submit", {**params, **where})
+            assert refused["error"] == "NO_CAPACITY", (where, refused)
+            assert "one user at a time" in refused["message"]
+    finally:
+        d.cleanup()
+
+
 REPORTER = (
     "import time; from gpushare.client import report_latency, flush_latency\n"
     "for _ in range(40): report_latency(0.05)\n"

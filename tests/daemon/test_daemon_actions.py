@@ -795,3 +795,29 @@ def test_a_gate_delay_creeping_up_is_logged_at_debug_and_its_steps_at_info(
         ("info", 0.0, False),  # gating off
     ]
     assert d.state.gate.view(GPU0, 7.0).enabled is False  # every one was applied all the same
+
+
+def test_a_duty_freeze_on_any_gpu_of_a_gang_freezes_the_whole_gang(
+    env: tuple[Daemon, ScriptedPolicy, FakeMpsNode],
+) -> None:
+    d, policy, _ = env
+    gang = _submit(d, BUSY, gpu="any", gpus="0,1")
+    solo = _submit(d, BUSY)  # a one-GPU client of GPU 0
+    assert d.registry.get(gang["client_id"]).gpus() == (GPU0, fake_uuid(1))
+    d.run(max_ticks=1)
+    # Each GPU's controller sees the gang's rank there as one of its offline clients.
+    seen = {o.gpu_uuid: {c.client_id for c in o.clients} for o in policy.seen[-2:]}
+    assert seen == {GPU0: {gang["client_id"], solo["client_id"]}, fake_uuid(1): {gang["client_id"]}}
+    # GPU 1's duty 0 freezes the gang (every rank, one cgroup) and leaves GPU 0's own client alone.
+    policy.pending = [SetDuty(fake_uuid(1), 0.0, "test")]
+    d.run(max_ticks=2)
+    assert d.registry.get(gang["client_id"]).state is ClientState.THROTTLED
+    assert d.registry.get(solo["client_id"]).state is ClientState.RUNNING
+    time.sleep(0.05)
+    t0, s0 = cpu_ticks(gang["pid"]), cpu_ticks(solo["pid"])
+    d.run(max_ticks=5)
+    assert cpu_ticks(gang["pid"]) - t0 <= 1, "GPU 1's duty 0 must keep the whole gang frozen"
+    assert cpu_ticks(solo["pid"]) - s0 >= 5
+    policy.pending = [SetDuty(fake_uuid(1), 1.0, "test")]
+    d.run(max_ticks=1)
+    assert d.registry.get(gang["client_id"]).state is ClientState.RUNNING

@@ -114,3 +114,27 @@ def test_a_database_from_before_adoption_gains_the_column(tmp_path: Path) -> Non
     assert reg.get("c1").adopted_by is None
     assert reg.events() == []  # not moved aside as corrupt
     reg.close()
+
+
+def test_a_database_from_before_gangs_gains_the_column_and_reads_each_client_as_a_gang_of_one(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "db.sqlite"
+    Registry.open(path).close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("ALTER TABLE clients DROP COLUMN gang")
+        conn.execute("INSERT INTO clients (id, cls, argv, uid, gid, user, priority, restartable,"
+                     " checkpoint_signal, detach, env, state, submitted_at, gpu_uuid, gpu_index)"
+                     " VALUES ('c1', 'offline', '[]', 0, 0, 'root', 1, 0, 10, 1, '{}', 'running',"
+                     " 1.0, 'GPU-a', 0)")  # fmt: skip
+    conn.close()
+    reg = Registry.open(path)
+    old = reg.get("c1")
+    assert old.gang == () and old.gpus() == ("GPU-a",)  # a one-GPU client: a gang of one
+    assert reg.events() == []  # not moved aside as corrupt
+    # The migrated database takes a gang, and gives it back in rank order after a reopen.
+    reg.update("c1", gang=("GPU-a", "GPU-b"))
+    reg.close()
+    reg = Registry.open(path)
+    assert reg.get("c1").gpus() == ("GPU-a", "GPU-b")
+    reg.close()

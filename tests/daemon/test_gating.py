@@ -498,3 +498,28 @@ def test_a_tick_after_forget_lists_the_client_again_as_the_registry_does() -> No
         assert pauser.frozen == {"train-1", "train-2"}
     finally:
         gk.close()
+
+
+def test_a_gang_stays_frozen_while_the_gate_of_any_of_its_gpus_is_closed() -> None:
+    # A gang (submit --gpus) is gated by every GPU it uses: GPU 0's gate opening must not thaw it
+    # while GPU 1's service still has a request in flight (its ranks would run against a frozen
+    # peer's GPU and the service's request would share GPU 1 with it).
+    pauser = FakePauser()
+    gk = Gatekeeper(CFG, pauser)
+    gk.update_clients({"web0": "GPU-0", "web1": "GPU-1"},
+                      {"GPU-0": ["gang", "solo"], "GPU-1": ["gang"]}, 0.0)  # fmt: skip
+    for gpu in ("GPU-0", "GPU-1"):
+        gk.set_enabled(gpu, True, 0.0)
+    gk.start()
+    try:
+        assert gk.on_inflight("web1", 101, 1, time.monotonic()) is None
+        assert gk.on_inflight("web0", 100, 1, time.monotonic()) is None
+        assert pauser.frozen == {"gang", "solo"}
+        assert gk.on_inflight("web0", 100, 0, time.monotonic()) is None
+        wait_for(lambda: "solo" not in pauser.frozen)  # GPU 0's gate opened after its hold
+        time.sleep(CFG.hold_s * 5)
+        assert pauser.frozen == {"gang"}, "one GPU's gate thawed a gang another GPU's holds"
+        assert gk.on_inflight("web1", 101, 0, time.monotonic()) is None
+        wait_for(lambda: not pauser.frozen)
+    finally:
+        gk.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpushare.control.registry import make_policy
-from gpushare.daemon.gating import GATE
+from gpushare.daemon.freeze import by_gate
 from gpushare.sim import runner
 from gpushare.sim import scenario as sc_mod
 from gpushare.sim.gating import DELIVERY_S, TIMER_SLACK_S
@@ -65,7 +65,7 @@ def test_gating_freezes_offline_while_a_request_is_in_flight_and_thaws_after_the
     ends: list[tuple[bool, bool]] = []  # (gate reason held just before the hold ends, just after)
 
     def gated() -> bool:
-        return GATE in sim.state.freeze.reasons(trainer.cid)
+        return by_gate(sim.state.freeze.reasons(trainer.cid))
 
     def check_start(_: object) -> None:
         if trainer.active and sim.state.gate.view(trainer.gpu.uuid, loop.now).enabled:
@@ -122,11 +122,11 @@ def test_with_a_delay_the_gate_closes_only_once_a_spell_of_requests_lasted_it() 
 
     def check_start(since: object) -> None:
         if trainer.active and full_delay() and spell["since"] == since:
-            open_at_start.append(GATE not in sim.state.freeze.reasons(trainer.cid))
+            open_at_start.append(not by_gate(sim.state.freeze.reasons(trainer.cid)))
 
     def check_delay(since: object) -> None:
         if trainer.active and full_delay() and spell["since"] == since and spell["n"] > 0:
-            closed_at_delay.append(GATE in sim.state.freeze.reasons(trainer.cid))
+            closed_at_delay.append(by_gate(sim.state.freeze.reasons(trainer.cid)))
 
     def boundary(delta: int, now: float) -> None:
         send(delta, now)

@@ -85,7 +85,8 @@ def test_bad_profiles_are_refused_with_the_fix(tmp_path: Path) -> None:
 def test_simulated_services_send_request_boundaries_to_the_daemons_gate(tmp_path: Path) -> None:
     import time
 
-    from gpushare.daemon.gating import GATE, Gatekeeper
+    from gpushare.daemon.freeze import by_gate
+    from gpushare.daemon.gating import Gatekeeper
 
     clock = ManualClock(100.0)
     rt = RealTimeSimNode(1, Config(), runtime_dir=tmp_path, clock=clock)
@@ -119,7 +120,7 @@ def test_simulated_services_send_request_boundaries_to_the_daemons_gate(tmp_path
             rt.advance()
             time.sleep(0.005)  # the delivery thread's turn
             gate.poll(clock())
-            frozen_seen |= GATE in gate.arbiter.reasons("train")
+            frozen_seen |= by_gate(gate.arbiter.reasons("train"))
         deadline = time.monotonic() + 5.0
         while gate.view(uuid, clock()).closes == 0 and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -102,6 +102,15 @@ class ClientRecord:
     """An offline job's declared length (``submit --time``): the queue starts shorter jobs first."""
     restart_cost_s: float | None = None
     """What a restart costs the job (``submit --restart-cost``, issue 32); ``None``: the default."""
+    gang: tuple[str, ...] = ()
+    """A gang's GPUs (``submit --gpus``), by UUID in rank order: rank ``k`` runs on ``gang[k]``,
+    and ``gpu_uuid`` is rank 0's. Empty for a one-GPU client, a gang of one (:meth:`gpus`)."""
+
+    def gpus(self) -> tuple[str, ...]:
+        """Every GPU the client uses, in rank order (a one-GPU client's one; none while queued)."""
+        if self.gang:
+            return self.gang
+        return () if self.gpu_uuid is None else (self.gpu_uuid,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +153,7 @@ class EventRow:
     data: Mapping[str, Any] | None
 
 
-JSON_FIELDS = frozenset({"argv", "env"})
+JSON_FIELDS = frozenset({"argv", "env", "gang"})
 BOOL_FIELDS = frozenset({"restartable", "detach", "held"})
 UPDATABLE = frozenset(f.name for f in dataclasses.fields(ClientRecord)) - {
     "id",
@@ -167,7 +176,7 @@ def check_fields(updates: Mapping[str, Any]) -> None:
 def column_value(key: str, value: Any) -> Any:
     """A field's value as its column stores it."""
     if key in JSON_FIELDS:
-        return json.dumps(list(value) if key == "argv" else dict(value))
+        return json.dumps(list(value) if key in ("argv", "gang") else dict(value))
     if key in BOOL_FIELDS:
         return int(bool(value))
     if key == "cls":
@@ -179,7 +188,7 @@ def applied(rec: ClientRecord, updates: Mapping[str, Any], state: ClientState) -
     """``rec`` with ``updates`` and ``state`` as the database would store and read them back."""
     fields: dict[str, Any] = {"state": state}
     for key, value in updates.items():
-        if key == "argv":
+        if key in ("argv", "gang"):
             value = tuple(value)
         elif key == "env":
             value = dict(value)
@@ -209,6 +218,7 @@ def record(row: sqlite3.Row) -> ClientRecord:
         pause_mechanism=row["pause_mechanism"], log_path=row["log_path"], held=bool(row["held"]),
         restarts=row["restarts"], failures=row["failures"], submitted_at=row["submitted_at"],
         started_at=row["started_at"], ended_at=row["ended_at"], adopted_by=row["adopted_by"],
+        gang=tuple(json.loads(row["gang"])) if row["gang"] else (),
     )  # fmt: skip
 
 

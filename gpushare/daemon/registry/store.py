@@ -92,6 +92,9 @@ _ADDED_COLUMNS = ("adopted_by", "inflight_from", "queue")
 # Numbers added later (expected_s: submit --time, for the queue's order).
 # restart_cost_s: submit --restart-cost (issue 32), what a restart costs the job.
 _ADDED_REAL_COLUMNS = ("expected_s", "restart_cost_s")
+# Migration step 3 (issue 35): a gang's GPUs, a JSON list of UUIDs in rank order. An older
+# record gains NULL, read as a gang of one: its one GPU (ClientRecord.gpus).
+_GANG_COLUMNS = ("gang",)
 _SIDE_FILES = ("-wal", "-shm")
 
 # Primary result codes (sqlite3.h) for which a failed write is worth retrying later: the data is
@@ -253,6 +256,9 @@ def prepare(conn: sqlite3.Connection) -> None:
     for column in _ADDED_REAL_COLUMNS:
         if column not in have:
             conn.execute(f"ALTER TABLE clients ADD COLUMN {column} REAL")
+    for column in _GANG_COLUMNS:
+        if column not in have:
+            conn.execute(f"ALTER TABLE clients ADD COLUMN {column} TEXT")
     conn.execute(
         "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
         (str(SCHEMA_VERSION),),
