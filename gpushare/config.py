@@ -209,6 +209,13 @@ class LatencyConfig:
     window_s: float = _duration(2.0, above=True)
     min_samples: int = _num(20, minimum=1, maximum=1_000_000)
     scrape_period_s: float = _duration(1.0, above=True)
+    # An LLM server's token timings (docs/controller.md, "LLM servers"): a TTFT comes once per
+    # request, at 0.2-0.6 requests/s, so its window keeps the last ttft_max_samples first tokens
+    # up to ttft_window old (24 at 0.2/s fill min_samples); a TPOT comes once per further token.
+    ttft_window_s: float = _duration(120.0, above=True)
+    ttft_max_samples: int = _num(200, minimum=1, maximum=1_000_000)
+    tpot_window_s: float = _duration(10.0, above=True)
+    tpot_max_samples: int = _num(5000, minimum=1, maximum=1_000_000)
 
 
 @dataclass(frozen=True, slots=True)

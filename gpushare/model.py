@@ -247,6 +247,12 @@ class ClientView:
     held: bool = False
     queue: str | None = None
     shallow: bool = False
+    # An LLM server's token SLOs and their p99s over their windows (docs/controller.md, "LLM
+    # servers"): time to first token and time per output token, milliseconds.
+    slo_ttft_p99_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    slo_tpot_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

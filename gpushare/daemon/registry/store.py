@@ -89,8 +89,9 @@ CREATE TABLE IF NOT EXISTS events (
 # Columns added after schema 1 shipped: an older database gains them (NULL) and stays version 1
 # (adopted_by: launched; inflight_from, queue: none asked).
 _ADDED_COLUMNS = ("adopted_by", "inflight_from", "queue")
-# Numbers added later (expected_s: submit --time, for the queue's order).
-_ADDED_REAL_COLUMNS = ("expected_s",)
+# Numbers added later (expected_s: submit --time, for the queue's order; the token SLOs of an LLM
+# server, submit --slo-ttft-p99 / --slo-tpot-p99). Old records read NULL: no such SLO.
+_ADDED_REAL_COLUMNS = ("expected_s", "slo_ttft_p99_ms", "slo_tpot_p99_ms")
 _SIDE_FILES = ("-wal", "-shm")
 
 # Primary result codes (sqlite3.h) for which a failed write is worth retrying later: the data is
