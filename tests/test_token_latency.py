@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
