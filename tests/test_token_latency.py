@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from gpushare.control.signals import client_signal, online_signals
 from gpushare.latency.app import AppLatency
 from gpushare.latency.datagrams import MAX_VALUES, DatagramError, decode_message
 from gpushare.latency.p99 import P99Tracker, TokenTrackers
-from gpushare.latency.receiver import LatencyReceiver
+from gpushare.latency.receiver import LatencyReceiver, verified_identify
 from gpushare.model import ClientClass, ClientState, ClientView, Limits
 
 
@@ -189,3 +192,45 @@ def make_observation() -> object:
         )  # fmt: skip
 
     return make
+
+
+# ---------------------------------------------------------------------------- who may report
+
+NOBODY = 65534
+SEND = (
+    "import socket, sys\n"
+    "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+    "s.sendto(sys.argv[2].encode(), sys.argv[1])\n"
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send as another uid")
+def test_another_user_cannot_report_token_timings_for_a_client() -> None:
+    """Credited as request latency is: a TTFT claiming another user's client is dropped."""
+    from bench.support.daemon_helpers import python_for_others
+
+    python = python_for_others()
+    if python is None:
+        pytest.skip("no Python interpreter other uids may execute")
+    where = Path(tempfile.mkdtemp(prefix="gs-tok-"))  # pytest's tmp_path is closed to nobody
+    where.chmod(0o755)
+    path = where / "latency.sock"
+    tokens = TokenTrackers(min_samples=1)
+    owners = {"llm-1": 1000}
+    r = LatencyReceiver(
+        path, P99Tracker(2.0, 1), tokens=tokens,
+        identify=verified_identify(lambda pid: None, owners.get),
+    )  # fmt: skip
+    r.start()
+    try:
+        forged = '{"v":1,"id":"llm-1","t":[99.0],"p":[99.0]}'
+        subprocess.run(
+            [python, "-c", SEND, str(path), forged], user=NOBODY, group=NOBODY,
+            cwd="/", check=True, timeout=30,
+        )  # fmt: skip
+        wait_for(lambda: r.rejected == 1)
+        assert tokens.clients() == set()
+        assert r.drops == {"sender is not a client of gpushare": 1}
+    finally:
+        r.close()
+        shutil.rmtree(where, ignore_errors=True)
