@@ -190,3 +190,24 @@ def test_metrics_show_ttft_and_tpot_against_their_slos() -> None:
     assert not any(name.startswith(("gpushare_client_tt", "gpushare_client_tp",
                                     "gpushare_client_slo_tt", "gpushare_client_slo_tp"))
                    for name, client in got if client == "web")  # fmt: skip
+
+
+def test_a_marked_llm_server_is_adopted_with_its_token_slos_read_from_proc() -> None:
+    """The markers `gpushare env` writes are among the few variables read from /proc/PID/environ."""
+    from gpushare import config
+    from gpushare.control.adoption import Rule
+    from gpushare.daemon.adopter import Adopter
+
+    env = {"PATH": os.environ["PATH"], "GPUSHARE_CLASS": "online",
+           "GPUSHARE_SLO_TTFT_P99": "500ms", "GPUSHARE_SLO_TPOT_P99": "50ms"}  # fmt: skip
+    proc = subprocess.Popen(["sleep", "60"], env=env)
+    try:
+        rules = [Rule(spec, 0, "test.toml") for spec in
+                 config.loads('[[adopt]]\nname = "m"\nmarker = true\n').adopt]  # fmt: skip
+        adopter = Adopter(min_age_s=0.0, all_pids=lambda: [proc.pid])
+        (found,) = adopter.scan(rules, clients=(), gpu_pids=None).adopt
+        d = found.decision
+        assert (d.cls, d.slo_ttft_p99_s, d.slo_tpot_p99_s) == (ClientClass.ONLINE, 0.5, 0.05)
+    finally:
+        proc.kill()
+        proc.wait(timeout=5)
