@@ -132,7 +132,8 @@ def submit(
         str | None,
         typer.Option(
             "--latency-from",
-            help="Online: scrape latency from prometheus:http://127.0.0.1:PORT/metrics#HISTOGRAM.",
+            help="Online: scrape latency from prometheus:http://127.0.0.1:PORT/metrics#HISTOGRAM"
+            " (or TTFT and TPOT from vllm:http://127.0.0.1:PORT/metrics, a vLLM server's own).",
         ),
     ] = None,
     inflight_from: Annotated[

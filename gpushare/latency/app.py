@@ -73,6 +73,7 @@ class AppLatency:
             self.min_samples,
             timeout_s=min(1.0, self.scrape_period_s),
             fetch=self._fetch,
+            token_windows_s=(self.tokens.ttft.window_s, self.tokens.tpot.window_s),
         )
         with self._lock:
             self._scrapers[client_id] = scraper
@@ -144,7 +145,10 @@ class AppLatency:
         for client_id, scraper in scrapers:
             out[client_id] = dataclasses.replace(scraper.p99(now), source="prometheus")
         for client_id, p99 in out.items():
+            # A scraped histogram (vllm:URL) wins over datagrams here too.
             ttft, tpot = self.tokens.p99s(client_id, now)
-            if ttft is not None or tpot is not None:
-                out[client_id] = dataclasses.replace(p99, ttft=ttft, tpot=tpot)
+            if (ttft is not None and p99.ttft is None) or (tpot is not None and p99.tpot is None):
+                out[client_id] = dataclasses.replace(
+                    p99, ttft=p99.ttft or ttft, tpot=p99.tpot or tpot
+                )
         return out
