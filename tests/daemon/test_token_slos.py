@@ -73,7 +73,7 @@ def test_llm_server_slos_reach_status_and_the_verdict(daemon: DaemonProc) -> Non
         both = lat["ttft"] and lat["ttft"]["p99_ms"] and lat["tpot"] and lat["tpot"]["p99_ms"]
         return lat if both else None
 
-    lat = wait_for(latency, what="TTFT and TPOT p99 in status")
+    lat = wait_for(latency, timeout_s=30, what="TTFT and TPOT p99 in status")
     assert lat["ttft"]["p99_ms"] == pytest.approx(600.0)
     assert lat["ttft"]["slo_p99_ms"] == 500.0
     assert lat["ttft"]["ratio"] == pytest.approx(1.2)
@@ -89,7 +89,7 @@ def test_llm_server_slos_reach_status_and_the_verdict(daemon: DaemonProc) -> Non
     row = next(line for line in wide.stdout.splitlines() if line.startswith(cid + " "))
     assert "600ms/500ms" in row and "30ms/50ms" in row
     daemon.call("cancel", {"client_id": cid})
-    wait_for(lambda: daemon.client(cid)["state"] == "exited", what="cancel")
+    wait_for(lambda: daemon.client(cid)["state"] == "exited", timeout_s=20, what="cancel")
 
 
 @pytest.mark.parametrize(
@@ -211,3 +211,31 @@ def test_a_marked_llm_server_is_adopted_with_its_token_slos_read_from_proc() -> 
     finally:
         proc.kill()
         proc.wait(timeout=5)
+
+
+def test_a_vllm_servers_own_histograms_reach_status(daemon: DaemonProc) -> None:
+    from tests.test_vllm_histograms import VllmServer
+
+    server = VllmServer("vllm:inter_token_latency_seconds")
+    try:
+        r = run_cli(
+            daemon, "submit", "--online", "--gpu", "0", "--slo-ttft-p99", "500ms",
+            "--latency-from", f"vllm:{server.url}", "--detach", "--", "sleep", "60",
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        cid = next(c["id"] for c in daemon.call("list", {})["clients"]
+                   if c["slo_ttft_p99_ms"] and c["gpu_index"] == 0)  # fmt: skip
+
+        def ttft() -> dict | None:  # type: ignore[type-arg]
+            for _ in range(30):
+                server.ttft.observe(0.3)
+            st = daemon.call("status", {"gpu": "0"})
+            lat = next(c for c in st["clients"] if c["id"] == cid)["latency"]
+            return lat["ttft"] if lat["ttft"] and lat["ttft"]["p99_ms"] else None
+
+        got = wait_for(ttft, timeout_s=30, what="TTFT from the vLLM histogram")
+        assert 250.0 < got["p99_ms"] <= 500.0  # interpolated inside vLLM's (0.25, 0.5] bucket
+        assert got["slo_p99_ms"] == 500.0
+        daemon.call("cancel", {"client_id": cid})
+    finally:
+        server.close()
