@@ -5,7 +5,8 @@ Sections of this module:
 * the **API socket client** (:class:`ApiClient`): connect to the daemon's Unix socket, say
   ``hello`` (refusing another API version), then one JSON request per line,
 * **app-reported latency**: :func:`report_latency`, which a latency-critical service calls once
-  per request. Its daemon side is :mod:`gpushare.latency`, and
+  per request, and an LLM server's :func:`report_ttft` and :func:`report_tpot`. Their daemon side
+  is :mod:`gpushare.latency`, and
 * **request boundaries** (at the end): :func:`request_started`, :func:`request_ended` and the
   context manager :func:`request`, for request gating (its daemon side is
   :mod:`gpushare.latency.inflight` and :mod:`gpushare.control.gate`).
@@ -191,6 +192,8 @@ class ApiClient:
 # App-reported latency: services call report_latency(seconds) once per request.
 # Wire format (UTF-8 JSON, one datagram per batch):
 #     {"v": 1, "id": "<GPUSHARE_CLIENT_ID or empty>", "s": [<latency in seconds>, ...]}
+# with, for an LLM server, "t": [<time to first token>, ...] and "p": [<time per output token>,
+# ...] beside or instead of "s" (report_ttft, report_tpot); kinds without reports are left out.
 # Reports are batched for up to FLUSH_INTERVAL_S or FLUSH_MAX_VALUES values, because the kernel
 # queues only net.unix.max_dgram_qlen (default 10) datagrams per Unix socket: one datagram per
 # request would be dropped at any real request rate. The daemon identifies the sender by the
@@ -201,10 +204,14 @@ LATENCY_WIRE_VERSION = 1
 FLUSH_INTERVAL_S = 0.02
 FLUSH_MAX_VALUES = 32
 
+#: The datagram's keys: request latency, time to first token, time per output token.
+_KEYS = ("s", "t", "p")
+
 _latency_lock = threading.Lock()
 _latency_sock: socket.socket | None = None
 _latency_sock_pid: int | None = None
-_latency_buffer: list[float] = []
+_latency_buffer: dict[str, list[float]] = {key: [] for key in _KEYS}
+_latency_buffered = 0
 _latency_last_flush_s = 0.0
 _latency_dropped = 0
 
@@ -218,9 +225,14 @@ def latency_socket_path() -> str:
 
 def encode_latency(client_id: str, seconds: list[float]) -> bytes:
     """A batch of latency reports as the datagram :func:`report_latency` sends."""
-    return json.dumps(
-        {"v": LATENCY_WIRE_VERSION, "id": client_id, "s": seconds}, separators=(",", ":")
-    ).encode()
+    return encode_reports(client_id, {"s": seconds})
+
+
+def encode_reports(client_id: str, batch: dict[str, list[float]]) -> bytes:
+    """A batch of reports of every kind (``"s"``, ``"t"``, ``"p"``); empty kinds are left out."""
+    msg: dict[str, Any] = {"v": LATENCY_WIRE_VERSION, "id": client_id}
+    msg.update((key, values) for key, values in batch.items() if values)
+    return json.dumps(msg, separators=(",", ":")).encode()
 
 
 def _socket() -> socket.socket:
@@ -250,7 +262,38 @@ def report_latency(seconds: float) -> None:
     Args:
         seconds: the request's latency in seconds (wall time from arrival to response).
     """
-    global _latency_dropped, _latency_last_flush_s, _latency_buffer
+    _report("s", seconds)
+
+
+def report_ttft(seconds: float) -> None:
+    """Report one request's time to first token (an LLM server). Never blocks, never raises.
+
+    Sent as :func:`report_latency` sends, batched with it; the daemon keeps the p99 over
+    ``[latency] ttft_window`` against ``submit --slo-ttft-p99``.
+
+    Args:
+        seconds: from the request's arrival to its first output token.
+    """
+    _report("t", seconds)
+
+
+def report_tpot(seconds: float) -> None:
+    """Report a time per output token (an LLM server). Never blocks, never raises.
+
+    Call it once per further token with the gap since the previous one (the inter-token latency,
+    what vLLM's ``time_per_output_token_seconds`` histogram observes), or once per request with
+    its mean, ``(latency - ttft) / (tokens - 1)``; the daemon keeps the p99 of what is reported
+    over ``[latency] tpot_window`` against ``submit --slo-tpot-p99``. Per token is the better
+    signal: many samples a request, so the window fills at a few requests a second.
+
+    Args:
+        seconds: the time one output token took after the one before it.
+    """
+    _report("p", seconds)
+
+
+def _report(key: str, seconds: float) -> None:
+    global _latency_dropped, _latency_last_flush_s, _latency_buffer, _latency_buffered
     try:
         value = float(seconds)
         if not math.isfinite(value) or value < 0:
@@ -258,39 +301,46 @@ def report_latency(seconds: float) -> None:
             return
         now = time.monotonic()
         with _latency_lock:
-            _latency_buffer.append(value)
+            _latency_buffer[key].append(value)
+            _latency_buffered += 1
             if (
-                len(_latency_buffer) < FLUSH_MAX_VALUES
+                _latency_buffered < FLUSH_MAX_VALUES
                 and now - _latency_last_flush_s < FLUSH_INTERVAL_S
             ):
                 return
-            batch, _latency_buffer = _latency_buffer, []
-            _latency_last_flush_s = now
+            batch = _take_batch(now)
         _send(batch)
     except Exception:  # noqa: BLE001 - a service must never fail because gpushare is absent
         _latency_dropped += 1
 
 
+def _take_batch(now: float) -> dict[str, list[float]]:
+    """Empty the buffer (the caller holds ``_latency_lock``)."""
+    global _latency_buffer, _latency_buffered, _latency_last_flush_s
+    batch, _latency_buffer = _latency_buffer, {key: [] for key in _KEYS}
+    _latency_buffered = 0
+    _latency_last_flush_s = now
+    return batch
+
+
 def flush_latency() -> None:
     """Send reports still batched (also run at interpreter exit). Never blocks, never raises."""
-    global _latency_buffer, _latency_last_flush_s
     try:
         with _latency_lock:
-            batch, _latency_buffer = _latency_buffer, []
-            _latency_last_flush_s = time.monotonic()
-        if batch:
+            batch = _take_batch(time.monotonic())
+        if any(batch.values()):
             _send(batch)
     except Exception:  # noqa: BLE001 - see report_latency
         pass
 
 
-def _send(batch: list[float]) -> None:
+def _send(batch: dict[str, list[float]]) -> None:
     global _latency_dropped
     try:
-        payload = encode_latency(os.environ.get(paths.ENV_CLIENT_ID, ""), batch)
+        payload = encode_reports(os.environ.get(paths.ENV_CLIENT_ID, ""), batch)
         _socket().sendto(payload, latency_socket_path())
     except OSError:
-        _latency_dropped += len(batch)
+        _latency_dropped += sum(len(values) for values in batch.values())
 
 
 atexit.register(flush_latency)

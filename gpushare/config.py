@@ -212,6 +212,13 @@ class LatencyConfig:
     window_s: float = _duration(2.0, above=True)
     min_samples: int = _num(20, minimum=1, maximum=1_000_000)
     scrape_period_s: float = _duration(1.0, above=True)
+    # An LLM server's token timings (docs/controller.md, "LLM servers"): a TTFT comes once per
+    # request, at 0.2-0.6 requests/s, so its window keeps the last ttft_max_samples first tokens
+    # up to ttft_window old (24 at 0.2/s fill min_samples); a TPOT comes once per further token.
+    ttft_window_s: float = _duration(120.0, above=True)
+    ttft_max_samples: int = _num(200, minimum=1, maximum=1_000_000)
+    tpot_window_s: float = _duration(10.0, above=True)
+    tpot_max_samples: int = _num(5000, minimum=1, maximum=1_000_000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +287,13 @@ class AdoptRule:
     cls: AdoptClass = field(default="marker", metadata={"key": "class"})
     slo_p99_s: float | None = field(
         default=None, metadata={"kind": "duration", "min": 0.0, "above": True}
+    )
+    # An LLM server's token SLOs (docs/controller.md, "LLM servers"), as submit --slo-ttft-p99.
+    slo_ttft_p99_s: float | None = field(
+        default=None, metadata={"kind": "duration", "min": 0.0, "max": 3600.0, "above": True}
+    )
+    slo_tpot_p99_s: float | None = field(
+        default=None, metadata={"kind": "duration", "min": 0.0, "max": 3600.0, "above": True}
     )
     sm_pct: float | None = field(default=None, metadata={"min": 1.0, "max": 100.0, "above": False})
     mem_bytes: int | None = field(default=None, metadata={"kind": "size", "min": 1 << 20})
@@ -527,8 +541,14 @@ def _check_rule(rule: AdoptRule, file: Path | str | None, where: str) -> None:
             file, f"{where}.class", 'give class = "online" or "offline"; "marker" (the default) '
             "takes it from GPUSHARE_CLASS and needs marker = true",
         )  # fmt: skip
-    if rule.slo_p99_s is not None and rule.cls == "offline":
-        raise ConfigError(file, f"{where}.slo_p99", "applies to online clients only")
+    slos = (
+        ("slo_p99", rule.slo_p99_s),
+        ("slo_ttft_p99", rule.slo_ttft_p99_s),
+        ("slo_tpot_p99", rule.slo_tpot_p99_s),
+    )
+    for key, slo_s in slos:
+        if slo_s is not None and rule.cls == "offline":
+            raise ConfigError(file, f"{where}.{key}", "applies to online clients only")
     if rule.unit and not _UNIT_GLOB_RE.match(rule.unit):
         raise ConfigError(file, f"{where}.unit", f"not a unit name or glob: {rule.unit!r}")
     if rule.cgroup and not rule.cgroup.startswith("/"):

@@ -456,7 +456,45 @@ def _client_metrics(snap: NodeMetrics, hostname: str) -> Iterator[_Family]:
                 evictions.add_metric(labels, float(stats.evictions))
     yield from (sm, mem_limit, mem_used, p99, slo, frozen, thawed, thawed_ratio, restarts)
     yield evictions
+    yield from _token_metrics(snap, hostname)
     yield _client_state_metrics(snap, hostname)
+
+
+def _token_metrics(snap: NodeMetrics, hostname: str) -> Iterator[_Family]:
+    """An LLM server's TTFT and TPOT p99s and the SLOs they are held to (docs/metrics.md)."""
+    families = {
+        name: _gauge(name, text, _CLIENT_LABELS)
+        for name, text in (
+            ("gpushare_client_ttft_p99_seconds", "p99 time to first token of an LLM server"),
+            ("gpushare_client_slo_ttft_p99_seconds", "Declared p99 time-to-first-token SLO"),
+            ("gpushare_client_tpot_p99_seconds", "p99 time per output token of an LLM server"),
+            ("gpushare_client_slo_tpot_p99_seconds", "Declared p99 time-per-output-token SLO"),
+        )
+    }
+    for obs in snap.observations:
+        for c in obs.clients:
+            if not c.state.is_live or c.cls is not ClientClass.ONLINE:
+                continue
+            values = {
+                "gpushare_client_ttft_p99_seconds": c.ttft_p99_ms,
+                "gpushare_client_slo_ttft_p99_seconds": c.slo_ttft_p99_ms,
+                "gpushare_client_tpot_p99_seconds": c.tpot_p99_ms,
+                "gpushare_client_slo_tpot_p99_seconds": c.slo_tpot_p99_ms,
+            }
+            if all(v is None for v in values.values()):
+                continue
+            stats = snap.clients.get(c.client_id, _NO_STATS)
+            labels = [
+                *_gpu_labels(obs, hostname),
+                c.client_id,
+                stats.name or "",
+                c.cls.value,
+                snap.user_names.get(c.uid, str(c.uid)),
+            ]
+            for name, ms in values.items():
+                if ms is not None:
+                    families[name].add_metric(labels, ms / 1000.0)
+    yield from families.values()
 
 
 _NO_STATS = ClientStats()

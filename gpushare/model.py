@@ -259,6 +259,12 @@ class ClientView:
     live_queue: bool = False
     restart_cost_s: float | None = None
     restarts: int = 0
+    # An LLM server's token SLOs and their p99s over their windows (docs/controller.md, "LLM
+    # servers"): time to first token and time per output token, milliseconds.
+    slo_ttft_p99_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    slo_tpot_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,11 @@ from gpushare.units import format_duration, format_mps_size
 
 ENV_CLASS = "GPUSHARE_CLASS"
 ENV_SLO_P99 = "GPUSHARE_SLO_P99"
+#: An LLM server's token SLOs (``--slo-ttft-p99``, ``--slo-tpot-p99``), markers like ENV_SLO_P99.
+ENV_SLO_TTFT_P99 = "GPUSHARE_SLO_TTFT_P99"
+ENV_SLO_TPOT_P99 = "GPUSHARE_SLO_TPOT_P99"
+#: The longest token SLO taken: a longer one is a typo (an hour to the first token protects nothing).
+MAX_SLO_S = 3600.0
 ENV_GPU_UUID = "GPUSHARE_GPU_UUID"
 
 ONLINE_SM_PCT = 100.0
@@ -114,6 +119,15 @@ def check_limits(
             raise ValueError("--slo-p99 applies to --online workloads only")
         if not (math.isfinite(slo_p99_s) and slo_p99_s > 0):
             raise ValueError("--slo-p99 must be a positive duration such as 40ms")
+
+
+def slo_problem(flag: str, cls: ClientClass, seconds: float) -> str | None:
+    """Why an SLO (``--slo-ttft-p99``, ``--slo-tpot-p99``) cannot be used, or ``None``."""
+    if cls is not ClientClass.ONLINE:
+        return f"{flag} applies to --online clients only"
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_SLO_S):
+        return f"{flag} must be a positive duration of at most 1h, such as 500ms"
+    return None
 
 
 def priority(cls: ClientClass, offline_priority: int) -> int:
@@ -231,11 +245,22 @@ def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def marker_env(cls: ClientClass, slo_p99_s: float | None) -> dict[str, str]:
+def marker_env(
+    cls: ClientClass,
+    slo_p99_s: float | None,
+    *,
+    slo_ttft_p99_s: float | None = None,
+    slo_tpot_p99_s: float | None = None,
+) -> dict[str, str]:
     """The markers an adoption rule reads back from ``/proc/<pid>/environ``."""
     env = {ENV_CLASS: cls.value}
-    if slo_p99_s is not None:
-        env[ENV_SLO_P99] = format_duration(slo_p99_s)
+    for name, slo_s in (
+        (ENV_SLO_P99, slo_p99_s),
+        (ENV_SLO_TTFT_P99, slo_ttft_p99_s),
+        (ENV_SLO_TPOT_P99, slo_tpot_p99_s),
+    ):
+        if slo_s is not None:
+            env[name] = format_duration(slo_s)
     return env
 
 

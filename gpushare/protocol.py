@@ -178,6 +178,10 @@ class SubmitRequest:
     sm_pct: float | None = None
     mem_bytes: int | None = None
     slo_p99_ms: float | None = None
+    slo_ttft_p99_ms: float | None = None
+    """Online (an LLM server): p99 SLO on the time to the first token (``--slo-ttft-p99``)."""
+    slo_tpot_p99_ms: float | None = None
+    """Online (an LLM server): p99 SLO on the time per further token (``--slo-tpot-p99``)."""
     name: str | None = None
     restartable: bool = False
     checkpoint_signal: int = 10

@@ -24,6 +24,8 @@ from gpushare.cli import completion
 from gpushare.cli.render import mps_down, render_list, render_status
 from gpushare.cli.term import emit, use_colour
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
+from gpushare.model import ClientClass
+from gpushare.mpsenv import slo_problem
 from gpushare.units import parse_duration, parse_size
 
 SocketOpt = Annotated[
@@ -65,6 +67,18 @@ def call_once(socket: str | None, method: str, params: dict[str, Any] | None = N
 def _bad(message: str) -> typer.Exit:
     typer.echo(f"gpushare: {message}", err=True)
     return typer.Exit(code=2)
+
+
+def _token_slo_ms(flag: str, text: str, online: bool) -> float:
+    """A token SLO (``--slo-ttft-p99 500ms``) in milliseconds; a bad one exits with one line."""
+    try:
+        seconds = parse_duration(text)
+    except ValueError as exc:
+        raise _bad(f"{flag}: {exc}") from None
+    cls = ClientClass.ONLINE if online else ClientClass.OFFLINE
+    if (problem := slo_problem(flag, cls, seconds)) is not None:
+        raise _bad(problem)
+    return seconds * 1e3
 
 
 def _signal_number(text: str) -> int:
@@ -109,12 +123,25 @@ def submit(
     slo_p99: Annotated[
         str | None, typer.Option("--slo-p99", help="Online p99 latency SLO, e.g. 40ms.")
     ] = None,
+    slo_ttft_p99: Annotated[
+        str | None,
+        typer.Option(
+            "--slo-ttft-p99", help="Online LLM server: p99 time to first token, e.g. 500ms."
+        ),
+    ] = None,
+    slo_tpot_p99: Annotated[
+        str | None,
+        typer.Option(
+            "--slo-tpot-p99", help="Online LLM server: p99 time per output token, e.g. 50ms."
+        ),
+    ] = None,
     name: Annotated[str | None, typer.Option("--name", help="A name shown in status.")] = None,
     latency_from: Annotated[
         str | None,
         typer.Option(
             "--latency-from",
-            help="Online: scrape latency from prometheus:http://127.0.0.1:PORT/metrics#HISTOGRAM.",
+            help="Online: scrape latency from prometheus:http://127.0.0.1:PORT/metrics#HISTOGRAM"
+            " (or TTFT and TPOT from vllm:http://127.0.0.1:PORT/metrics, a vLLM server's own).",
         ),
     ] = None,
     inflight_from: Annotated[
@@ -236,6 +263,11 @@ def submit(
         params["slo_p99_ms"] = parse_duration(slo_p99) * 1e3 if slo_p99 is not None else None
     except ValueError as exc:
         raise _bad(str(exc)) from None
+    # Sent only when given, so a daemon without token SLOs still takes other submits.
+    for key, flag, text in (("slo_ttft_p99_ms", "--slo-ttft-p99", slo_ttft_p99),
+                            ("slo_tpot_p99_ms", "--slo-tpot-p99", slo_tpot_p99)):  # fmt: skip
+        if text is not None:
+            params[key] = _token_slo_ms(flag, text, online)
     if not 0 < params.get("expected_s", 1.0) < 1e9:
         raise _bad("--time must be a positive duration, e.g. 90m or 2h")
     if restart_cost is not None and not offline:

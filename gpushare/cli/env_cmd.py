@@ -58,6 +58,18 @@ def env(
     slo_p99: Annotated[
         str | None, typer.Option("--slo-p99", help="Online p99 latency SLO, e.g. 40ms.")
     ] = None,
+    slo_ttft_p99: Annotated[
+        str | None,
+        typer.Option(
+            "--slo-ttft-p99", help="Online LLM server: p99 time to first token, e.g. 500ms."
+        ),
+    ] = None,
+    slo_tpot_p99: Annotated[
+        str | None,
+        typer.Option(
+            "--slo-tpot-p99", help="Online LLM server: p99 time per output token, e.g. 50ms."
+        ),
+    ] = None,
     fmt: Annotated[
         str,
         typer.Option(
@@ -93,6 +105,10 @@ def env(
         raise _fail(f"--format must be one of {', '.join(mpsenv.FORMATS)}, got {fmt!r}")
     cls = ClientClass.ONLINE if online else ClientClass.OFFLINE
     mem_bytes, slo_s = _limits(cls, sm, mem, slo_p99)
+    tokens = (
+        _token_slo("--slo-ttft-p99", cls, slo_ttft_p99),
+        _token_slo("--slo-tpot-p99", cls, slo_tpot_p99),
+    )
     try:
         cfg = load_config(config_path)
     except config.ConfigError as exc:
@@ -108,7 +124,7 @@ def env(
         raise _fail(f'GPU {gpu or uuid} is not shared by gpushare (gpus."…".shared = false)')
     variables = workload_env(
         cfg, cls, uuid, sm_pct=sm, mem_bytes=mem_bytes, slo_p99_s=slo_s,
-        daemon=daemon_paths(answer),
+        daemon=daemon_paths(answer), token_slos_s=tokens,
     )  # fmt: skip
     if as_json:
         out = {"gpu": {"index": index, "uuid": uuid}, "env": variables, "unset": UNSET}
@@ -118,6 +134,19 @@ def env(
         typer.echo(mpsenv.render(variables, typing.cast(mpsenv.Format, fmt), UNSET), nl=False)
     except ValueError as exc:
         raise _fail(str(exc)) from None
+
+
+def _token_slo(flag: str, cls: ClientClass, text: str | None) -> float | None:
+    """An LLM server's token SLO in seconds; a bad one exits with one line."""
+    if text is None:
+        return None
+    try:
+        seconds = parse_duration(text)
+    except ValueError as exc:
+        raise _fail(f"{flag}: {exc}") from None
+    if (problem := mpsenv.slo_problem(flag, cls, seconds)) is not None:
+        raise _fail(problem)
+    return seconds
 
 
 def _limits(

@@ -195,7 +195,30 @@ def _online_table(clients: Sequence[dict[str, Any]], wide: bool, paint: Paint, n
         over = "bad" if isinstance(ratio, float | int) and ratio > 1.0 else ""
         kinds.append([""] * (9 if wide else 7) + [over] + [""] * (1 if wide else 0)
                      + [_kind(_state(c))])  # fmt: skip
+    if any(_tokens(c) for c in clients):
+        # LLM servers (--slo-ttft-p99, --slo-tpot-p99): two more columns, only where one runs.
+        rows[0] += ["TTFT/SLO", "TPOT/SLO"]
+        for c, row, kind in zip(clients, rows[1:], kinds, strict=True):
+            cells = [_token_cell(t) for t in _tokens(c) or (None, None)]
+            kind += [""] * (len(row) - len(kind)) + [over for _, over in cells]
+            row += [text for text, _ in cells]
     return _table(rows, paint, kinds)
+
+
+def _tokens(c: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None] | None:
+    """An LLM server's ``latency.ttft`` and ``latency.tpot`` objects; ``None`` for other clients."""
+    lat = c.get("latency") or {}
+    ttft, tpot = lat.get("ttft"), lat.get("tpot")
+    return (ttft, tpot) if ttft is not None or tpot is not None else None
+
+
+def _token_cell(t: dict[str, Any] | None) -> tuple[str, str]:
+    """``612ms/500ms`` and whether it is over its SLO (painted ``bad``)."""
+    if t is None:
+        return NA, ""
+    ratio = t.get("ratio")
+    over = "bad" if isinstance(ratio, float | int) and ratio > 1.0 else ""
+    return f"{_ms(t.get('p99_ms'))}/{_ms(t.get('slo_p99_ms'))}", over
 
 
 def _offline_table(clients: Sequence[dict[str, Any]], wide: bool, paint: Paint, now: float) -> str:

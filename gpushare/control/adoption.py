@@ -23,7 +23,15 @@ from pathlib import PurePosixPath
 from gpushare.config import AdoptRule
 from gpushare.control.pods import ENV_CLIENT_SCOPE, POD_SCOPE, pod_cgroup
 from gpushare.model import ClientClass, ProcessFacts
-from gpushare.mpsenv import ENV_CLASS, ENV_GPU_UUID, ENV_SLO_P99, check_limits
+from gpushare.mpsenv import (
+    ENV_CLASS,
+    ENV_GPU_UUID,
+    ENV_SLO_P99,
+    ENV_SLO_TPOT_P99,
+    ENV_SLO_TTFT_P99,
+    check_limits,
+    slo_problem,
+)
 from gpushare.units import format_duration, format_size, parse_duration, parse_size
 
 ENV_SM = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
@@ -31,6 +39,7 @@ ENV_MEM = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 ENV_PIPE = "CUDA_MPS_PIPE_DIRECTORY"
 FACT_ENV: tuple[str, ...] = (
     ENV_CLASS, ENV_SLO_P99, ENV_GPU_UUID, ENV_SM, ENV_MEM, ENV_PIPE, ENV_CLIENT_SCOPE,
+    ENV_SLO_TTFT_P99, ENV_SLO_TPOT_P99,
 )  # fmt: skip
 """The environment variables adoption always reads; rules' ``env`` conditions add their own.
 
@@ -56,6 +65,8 @@ class Marker:
     cls: ClientClass | None
     slo_p99_s: float | None
     error: str | None
+    slo_ttft_p99_s: float | None = None
+    slo_tpot_p99_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +83,8 @@ class Decision:
     mem_bytes: int | None = None
     gpu_uuid: str | None = None
     notes: tuple[str, ...] = ()
+    slo_ttft_p99_s: float | None = None
+    slo_tpot_p99_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +109,24 @@ def read_marker(environ: Mapping[str, str] | None) -> Marker | None:
     except ValueError:
         return Marker(None, None, f"{ENV_CLASS}={raw!r} is not a class: use online or offline")
     slo_raw = environ.get(ENV_SLO_P99)
-    if slo_raw is None or not slo_raw.strip():
-        return Marker(cls, None, None)
-    try:
-        slo = parse_duration(slo_raw)
-        check_limits(cls, None, None, slo)
-    except ValueError as exc:
-        return Marker(cls, None, f"{ENV_SLO_P99}={slo_raw!r}: {exc}")
-    return Marker(cls, slo, None)
+    slo = None
+    if slo_raw is not None and slo_raw.strip():
+        try:
+            slo = parse_duration(slo_raw)
+            check_limits(cls, None, None, slo)
+        except ValueError as exc:
+            return Marker(cls, None, f"{ENV_SLO_P99}={slo_raw!r}: {exc}")
+    tokens: list[float | None] = []
+    for name, flag in ((ENV_SLO_TTFT_P99, "--slo-ttft-p99"), (ENV_SLO_TPOT_P99, "--slo-tpot-p99")):
+        raw = environ.get(name, "").strip()
+        try:
+            value = parse_duration(raw) if raw else None
+        except ValueError as exc:
+            return Marker(cls, None, f"{name}={raw!r}: {exc}")
+        if value is not None and (problem := slo_problem(flag, cls, value)) is not None:
+            return Marker(cls, None, f"{name}={raw!r}: {problem}")
+        tokens.append(value)
+    return Marker(cls, slo, None, slo_ttft_p99_s=tokens[0], slo_tpot_p99_s=tokens[1])
 
 
 def matches(spec: AdoptRule, facts: ProcessFacts) -> bool:
@@ -253,8 +276,11 @@ def _decision(rule: Rule, facts: ProcessFacts) -> Decision:
             f"({rule.source}) makes it {cls.value}"
         )
     slo = spec.slo_p99_s
-    if slo is None and cls is ClientClass.ONLINE and marker is not None:
-        slo = marker.slo_p99_s
+    ttft, tpot = spec.slo_ttft_p99_s, spec.slo_tpot_p99_s
+    if cls is ClientClass.ONLINE and marker is not None:
+        slo = slo if slo is not None else marker.slo_p99_s
+        ttft = ttft if ttft is not None else marker.slo_ttft_p99_s
+        tpot = tpot if tpot is not None else marker.slo_tpot_p99_s
     sm, mem, gpu = _running_limits(facts, notes)
     if spec.sm_pct is not None and sm is not None and sm != spec.sm_pct:
         notes.append(
@@ -274,6 +300,8 @@ def _decision(rule: Rule, facts: ProcessFacts) -> Decision:
         facts.pid, adopt=True, rule=spec.name, reason=f"rule {spec.name!r} ({rule.source}): {what}",
         cls=cls, slo_p99_s=slo, sm_pct=sm if sm is not None else spec.sm_pct,
         mem_bytes=mem if mem is not None else spec.mem_bytes, gpu_uuid=gpu, notes=tuple(notes),
+        slo_ttft_p99_s=ttft if cls is ClientClass.ONLINE else None,
+        slo_tpot_p99_s=tpot if cls is ClientClass.ONLINE else None,
     )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """Online latency signals of one GPU, normalised so that 1.0 means "exactly at the SLO".
 
 Every policy reads the same numbers: each online client's app-reported p99 over its declared SLO
-(``p99_ms / slo_p99_ms``) and the probe's latency ratio over its own SLO
+(``p99_ms / slo_p99_ms``; for an LLM server the worst of that and its TTFT and TPOT p99s over their
+SLOs, :func:`client_signal`) and the probe's latency ratio over its own SLO
 (``probe.ratio / control.probe_slo_ratio``). A signal that cannot be computed (no SLO declared, no
 report yet, no probe reading) is left out rather than guessed; :class:`Signals` says which were
 missing so a policy can explain why it held still.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpushare.model import Observation
+from gpushare.model import ClientView, Observation
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +63,13 @@ def online_signals(observation: Observation, probe_slo_ratio: float) -> Signals:
     source = ""
     count = 0
     for client in online:
-        if client.slo_p99_ms is None or client.p99_ms is None or client.slo_p99_ms <= 0:
+        found = client_signal(client)
+        if found is None:
             continue
-        value = client.p99_ms / client.slo_p99_ms
+        value, what = found
         count += 1
         if worst is None or value > worst:
-            worst, source = value, f"client {client.client_id} p99 {client.p99_ms:.1f}ms"
+            worst, source = value, f"client {client.client_id} {what}"
     app_worst, app_source, app_count = worst, source, count
     ratio = observation.probe.ratio
     probe: float | None = None
@@ -86,6 +88,31 @@ def online_signals(observation: Observation, probe_slo_ratio: float) -> Signals:
         app_complete=bool(online) and app_count == len(online),
         probe=probe,
     )
+
+
+def client_signal(client: ClientView) -> tuple[float, str] | None:
+    """One online client's worst ratio of observed p99 over SLO, across the SLOs it declares.
+
+    A request p99 (``--slo-p99``), an LLM server's time to first token (``--slo-ttft-p99``) and
+    time per output token (``--slo-tpot-p99``): the controller protects whichever a service has
+    by taking the worst of them as the client's one signal (docs/controller.md, "LLM servers").
+    An SLO without a p99 yet is left out; ``None`` when none can be computed.
+
+    Returns:
+        The ratio and what produced it (``"p99 41.0ms"``, ``"TTFT p99 612.0ms"``).
+    """
+    best: tuple[float, str] | None = None
+    for label, observed, slo in (
+        ("p99", client.p99_ms, client.slo_p99_ms),
+        ("TTFT p99", client.ttft_p99_ms, client.slo_ttft_p99_ms),
+        ("TPOT p99", client.tpot_p99_ms, client.slo_tpot_p99_ms),
+    ):
+        if slo is None or observed is None or slo <= 0:
+            continue
+        value = observed / slo
+        if best is None or value > best[0]:
+            best = value, f"{label} {observed:.1f}ms"
+    return best
 
 
 def free_memory_bytes(observation: Observation) -> int | None:

@@ -495,7 +495,10 @@ class Adoptions:
             slo_p99_ms=d.slo_p99_s * 1000 if d.slo_p99_s is not None else None, detach=True,
             adopted_by=found.source,
         )  # fmt: skip
-        s.registry.update(rec.id, pid=f.pid, start_time=f.start_time, started_at=time.time())
+        s.registry.update(
+            rec.id, pid=f.pid, start_time=f.start_time, started_at=time.time(),
+            slo_ttft_p99_ms=_ms(d.slo_ttft_p99_s), slo_tpot_p99_ms=_ms(d.slo_tpot_p99_s),
+        )  # fmt: skip
         try:
             route = self.life.adopt_in_place(rec.id, f.pid, f.start_time, owner_uid=f.uid)
         except PAUSE_ERRORS as exc:
@@ -597,3 +600,7 @@ class Adoptions:
                 + (f": client(s) {', '.join(released)} ended" if released else ": no clients"),
             )
         return {"source": req.source, "job": req.job, "released": released}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return seconds * 1000 if seconds is not None else None

@@ -267,6 +267,10 @@ class Api:
             )  # fmt: skip
             if len(gang) > 1:
                 rec = self.s.registry.update(rec.id, gang=tuple(g.uuid for g in gang))
+            if req.slo_ttft_p99_ms is not None or req.slo_tpot_p99_ms is not None:
+                rec = self.s.registry.update(
+                    rec.id, slo_ttft_p99_ms=req.slo_ttft_p99_ms, slo_tpot_p99_ms=req.slo_tpot_p99_ms
+                )
             if req.latency_from is not None:
                 self.s.registry.update(rec.id, latency_from=req.latency_from)
                 self.s.latency.add_prometheus(rec.id, req.latency_from)
@@ -439,6 +443,10 @@ class Api:
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 applies to --online clients only")
             if not (req.slo_p99_ms > 0 and math.isfinite(req.slo_p99_ms)):
                 raise _fail(E.INVALID_PARAMS, "--slo-p99 must be a positive duration")
+        for flag, slo_ms in (("--slo-ttft-p99", req.slo_ttft_p99_ms),
+                             ("--slo-tpot-p99", req.slo_tpot_p99_ms)):  # fmt: skip
+            if slo_ms is not None and (problem := mpsenv.slo_problem(flag, cls, slo_ms / 1e3)):
+                raise _fail(E.INVALID_PARAMS, problem)
         _check_online_source("--latency-from", req.latency_from, cls, self.s.latency.check_spec)
         _check_online_source("--inflight-from", req.inflight_from, cls, self.s.gauges.check_spec)
         if req.queue is not None:

@@ -89,6 +89,8 @@ class ClientViews:
             uid=rec.uid,
             pid=rec.pid,
             slo_p99_ms=rec.slo_p99_ms,
+            slo_ttft_p99_ms=rec.slo_ttft_p99_ms,
+            slo_tpot_p99_ms=rec.slo_tpot_p99_ms,
             restartable=rec.restartable,
             ceiling_sm_pct=rec.sm_ceiling,
             failures=rec.failures,

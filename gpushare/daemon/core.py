@@ -240,6 +240,7 @@ class Daemon:
             thread_nice=GATE_THREAD_NICE,
             thread_realtime=state.config.gate.realtime_threads,
             threads=state.threads,
+            tokens=state.latency.tokens,
         )
         gate.start(thread_nice=GATE_THREAD_NICE, thread_realtime=state.config.gate.realtime_threads)
         state.threads.watch("gate-timer", gate.timer_health)

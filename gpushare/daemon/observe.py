@@ -161,6 +161,12 @@ def _client_view(
         return _with(view, mem_used_bytes=mem)
     if p99 is None:
         return _with(view, mem_used_bytes=mem, p99_ms=None, p99_reason=NO_APP_LATENCY)
+    if p99.ttft is not None or p99.tpot is not None:
+        return _with(
+            view, mem_used_bytes=mem, p99_ms=p99.p99_ms, p99_reason=p99.reason,
+            ttft_p99_ms=p99.ttft.p99_ms if p99.ttft is not None else None,
+            tpot_p99_ms=p99.tpot.p99_ms if p99.tpot is not None else None,
+        )  # fmt: skip
     return _with(view, mem_used_bytes=mem, p99_ms=p99.p99_ms, p99_reason=p99.reason)
 
 

@@ -219,6 +219,26 @@ def latency_status(
     return out
 
 
+def token_status(
+    p99: LatencyP99 | None, slo_p99_ms: float | None, window_s: float
+) -> dict[str, Any] | None:
+    """The ``latency.ttft`` or ``latency.tpot`` object of an LLM server in ``status``.
+
+    ``None`` when the client neither declares that SLO nor reports that timing.
+    """
+    if p99 is None and slo_p99_ms is None:
+        return None
+    value = p99.p99_ms if p99 is not None else None
+    return {
+        "p99_ms": value,
+        "samples": p99.samples if p99 is not None else 0,
+        "reason": p99.reason if p99 is not None else "no reports",
+        "slo_p99_ms": slo_p99_ms,
+        "ratio": value / slo_p99_ms if value is not None and slo_p99_ms else None,
+        "window_s": window_s,
+    }
+
+
 def gate_status(duty: float, last: LastAction | None, now_mono_s: float) -> Mapping[str, Any]:
     """The ``gate`` object of a GPU in ``status``: what offline work may do there, and why."""
     state = "open" if duty >= 1.0 else "closed" if duty <= 0.0 else "cycling"

@@ -30,7 +30,7 @@ from gpushare.daemon.opstats import OpStats
 from gpushare.daemon.registry import ClientRecord, Registry, TransitionError
 from gpushare.latency.app import AppLatency
 from gpushare.latency.inflight import GaugePoller
-from gpushare.latency.p99 import LatencyP99
+from gpushare.latency.p99 import LatencyP99, TokenTrackers
 from gpushare.latency.threads import Supervisor
 from gpushare.model import Action, ClientClass, ClientState, GpuSample, MpsState, Observation
 from gpushare.node.base import (
@@ -111,8 +111,13 @@ class NodeState:
         #: Latency datagrams dropped, by reason (the daemon's receiver sets it when it starts).
         self.datagram_drops: Callable[[], dict[str, int]] = dict
         lat = config.latency
+        tokens = TokenTrackers(
+            lat.min_samples, ttft_window_s=lat.ttft_window_s,
+            ttft_max_samples=lat.ttft_max_samples, tpot_window_s=lat.tpot_window_s,
+            tpot_max_samples=lat.tpot_max_samples,
+        )  # fmt: skip
         self.latency = AppLatency(
-            lat.window_s, lat.min_samples, lat.scrape_period_s, threads=self.threads
+            lat.window_s, lat.min_samples, lat.scrape_period_s, threads=self.threads, tokens=tokens
         )
         #: Why each client is frozen (duty, holds, gates, the stop): every freeze goes through it.
         self.freeze = FreezeArbiter(pauser, clock=clock.monotonic, on_edge=self._paused_edge)

@@ -18,10 +18,11 @@ from gpushare.control import pods
 from gpushare.daemon.cordon import CordonApi
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
-from gpushare.daemon.opstats import gate_status, latency_status
+from gpushare.daemon.opstats import gate_status, latency_status, token_status
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.state import NodeState
 from gpushare.daemon.submitq import queue_positions
+from gpushare.latency.p99 import LatencyP99
 from gpushare.latency.threads import threads_status
 from gpushare.model import ClientClass, ClientState, GpuSample
 from gpushare.node.procs.facts import process_cgroup
@@ -186,6 +187,10 @@ class Views:
         app = [(r, s.p99.get(r.id)) for r in online if r.slo_p99_ms is not None]
         known = [(r, p.p99_ms) for r, p in app if p is not None and p.p99_ms is not None]
         violated = [r.id for r, p99 in known if p99 > (r.slo_p99_ms or math.inf)]
+        # An LLM server's TTFT and TPOT p99s against their SLOs, as the controller reads them.
+        tokens = [(r, _token_over(r, s.p99.get(r.id))) for r in online if _has_token_slo(r)]
+        known += [(r, 0.0) for r, over in tokens if over is not None and r.id not in violated]
+        violated += [r.id for r, over in tokens if over and r.id not in violated]
         # The probe stands in only for online clients whose own p99 is unknown: it is no request,
         # and with request gating it meets offline work between requests by design, so it reads
         # high while every request is well inside its SLO (the controller does not follow it then
@@ -276,6 +281,7 @@ class Views:
             "reason": r.reason, "waiting": waiting, "pid": r.pid, "uptime_s": uptime,
             "exit_code": r.exit_code, "pause_mechanism": r.pause_mechanism, "held": r.held, "restartable": r.restartable,
             "detached": r.detach, "slo_p99_ms": r.slo_p99_ms, "argv": list(r.argv),
+            "slo_ttft_p99_ms": r.slo_ttft_p99_ms, "slo_tpot_p99_ms": r.slo_tpot_p99_ms,
             "log_path": r.log_path, "restarts": r.restarts, "submitted_at": r.submitted_at,
             "latency": latency, "offline": offline,
             "started_at": r.started_at, "ended_at": r.ended_at,
@@ -313,6 +319,10 @@ class Views:
             s.config.control.probe_slo_ratio,
         )
         out["window_s"] = s.config.latency.window_s
+        p99 = s.p99.get(r.id)
+        lat = s.config.latency
+        out["ttft"] = token_status(p99.ttft if p99 else None, r.slo_ttft_p99_ms, lat.ttft_window_s)
+        out["tpot"] = token_status(p99.tpot if p99 else None, r.slo_tpot_p99_ms, lat.tpot_window_s)
         return out
 
     def clients(self, *, include_final: bool, viewer: int = 0) -> dict[str, Any]:
@@ -332,3 +342,19 @@ class Views:
                     self._client_dict(r, by_uuid.get(r.gpu_uuid or ""), now, where) for r in recs
                 ],
             }
+
+
+def _has_token_slo(r: ClientRecord) -> bool:
+    return r.slo_ttft_p99_ms is not None or r.slo_tpot_p99_ms is not None
+
+
+def _token_over(r: ClientRecord, p99: LatencyP99 | None) -> bool | None:
+    """Whether an LLM server's TTFT or TPOT p99 is over its SLO; ``None``: neither known yet."""
+    pairs = [
+        (p99.ttft if p99 is not None else None, r.slo_ttft_p99_ms),
+        (p99.tpot if p99 is not None else None, r.slo_tpot_p99_ms),
+    ]
+    known = [(got.p99_ms, slo) for got, slo in pairs if got and got.p99_ms is not None and slo]
+    if not known:
+        return None
+    return any(value > slo for value, slo in known)

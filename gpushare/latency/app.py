@@ -16,7 +16,7 @@ from collections.abc import Callable
 import structlog
 
 from gpushare.latency.endpoints import EndpointWorkers
-from gpushare.latency.p99 import LatencyP99, P99Tracker
+from gpushare.latency.p99 import LatencyP99, P99Tracker, TokenTrackers
 from gpushare.latency.prometheus import (
     Cancel,
     PrometheusScraper,
@@ -44,8 +44,11 @@ class AppLatency:
         clock: Callable[[], float] = time.monotonic,
         fetch: Callable[[PrometheusSource, float], str] | None = None,
         threads: Supervisor | None = None,
+        tokens: TokenTrackers | None = None,
     ) -> None:
         self.tracker = P99Tracker(window_s, min_samples)
+        #: An LLM server's TTFT and TPOT reports (``client.report_ttft`` / ``report_tpot``).
+        self.tokens = tokens if tokens is not None else TokenTrackers(min_samples)
         self.window_s = window_s
         self.min_samples = min_samples
         self.scrape_period_s = scrape_period_s
@@ -70,6 +73,7 @@ class AppLatency:
             self.min_samples,
             timeout_s=min(1.0, self.scrape_period_s),
             fetch=self._fetch,
+            token_windows_s=(self.tokens.ttft.window_s, self.tokens.tpot.window_s),
         )
         with self._lock:
             self._scrapers[client_id] = scraper
@@ -94,6 +98,7 @@ class AppLatency:
     def forget(self, client_id: str) -> None:
         """Stop tracking a client (it exited); a scrape under way is cut off."""
         self.tracker.forget(client_id)
+        self.tokens.forget(client_id)
         self._workers.forget(client_id)
         with self._lock:
             self._scrapers.pop(client_id, None)
@@ -124,14 +129,26 @@ class AppLatency:
         self._workers.close()
 
     def p99s(self, now: float | None = None) -> dict[str, LatencyP99]:
-        """Every known client's p99; a scraped client's histogram wins over its datagrams."""
+        """Every known client's p99; a scraped client's histogram wins over its datagrams.
+
+        An LLM server's TTFT and TPOT p99s ride along (``ttft``, ``tpot``); a client that reports
+        only token timings has ``p99_ms`` ``None`` with the reason.
+        """
         now = self._clock() if now is None else now
+        reporting = self.tracker.clients()
+        reporting += sorted(self.tokens.clients() - set(reporting))
         out = {
-            cid: dataclasses.replace(self.tracker.p99(cid, now), source="app")
-            for cid in self.tracker.clients()
+            cid: dataclasses.replace(self.tracker.p99(cid, now), source="app") for cid in reporting
         }
         with self._lock:
             scrapers = list(self._scrapers.items())
         for client_id, scraper in scrapers:
             out[client_id] = dataclasses.replace(scraper.p99(now), source="prometheus")
+        for client_id, p99 in out.items():
+            # A scraped histogram (vllm:URL) wins over datagrams here too.
+            ttft, tpot = self.tokens.p99s(client_id, now)
+            if (ttft is not None and p99.ttft is None) or (tpot is not None and p99.tpot is None):
+                out[client_id] = dataclasses.replace(
+                    p99, ttft=p99.ttft or ttft, tpot=p99.tpot or tpot
+                )
         return out

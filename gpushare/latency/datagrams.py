@@ -1,7 +1,8 @@
 """The latency socket's datagram, the daemon side of :mod:`gpushare.client`'s encoders.
 
-One JSON datagram, version 1, carries latency reports (``"s"``, seconds), a count of requests in
-flight (``"n"``), or both, with the id the sender claims (``"id"``): :func:`decode_message` parses
+One JSON datagram, version 1, carries latency reports (``"s"``, seconds), an LLM server's times to
+first token (``"t"``) and per output token (``"p"``, seconds), a count of requests in flight
+(``"n"``), or several of these, with the id the sender claims (``"id"``): :func:`decode_message` parses
 and checks it; :mod:`gpushare.latency.receiver` decides whom to credit.
 
 Any local user can send anything to this socket, so parsing is bounded before JSON sees a byte:
@@ -27,8 +28,10 @@ MAX_DATAGRAM_BYTES = 4096
 MAX_NESTING = 2
 #: Digits of one number, sign, point and exponent included (a float's repr needs at most 24).
 MAX_NUMBER_CHARS = 32
-#: Latency values in one datagram.
+#: Latency values in one datagram, all kinds (``"s"``, ``"t"``, ``"p"``) together.
 MAX_VALUES = 256
+#: The keys holding lists of seconds: request latency, time to first token, time per output token.
+VALUE_KEYS = ("s", "t", "p")
 #: Characters of the claimed client id.
 MAX_ID_CHARS = 128
 
@@ -48,6 +51,8 @@ class Message:
     claimed_id: str
     latencies_s: tuple[float, ...]
     inflight: int | None
+    ttft_s: tuple[float, ...] = ()
+    tpot_s: tuple[float, ...] = ()
 
 
 def nesting_depth(data: bytes) -> int:
@@ -127,18 +132,23 @@ def decode_message(data: bytes) -> Message:
     if not isinstance(msg, dict) or msg.get("v") != 1:
         raise DatagramError("not version 1", "not a version 1 gpushare datagram")
     client_id = _claimed_id(msg)
-    if "s" not in msg and "n" not in msg:
-        raise DatagramError("empty", 'neither latency ("s") nor requests in flight ("n")')
-    values = msg.get("s", [])
-    if not isinstance(values, list):
-        values = [values]
-    if len(values) > MAX_VALUES:
-        raise DatagramError("too many values", f"{len(values)}, over {MAX_VALUES}")
-    for v in values:
-        # Bounded length, so int -> float cannot overflow; inf comes from a long exponent.
-        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-        if not ok:
-            raise DatagramError("bad latency", f"must be a finite number >= 0, got {v!r}")
+    if not any(key in msg for key in (*VALUE_KEYS, "n")):
+        raise DatagramError("empty", 'neither latency ("s", "t", "p") nor requests in flight ("n")')
+    lists = {key: _values(msg.get(key, [])) for key in VALUE_KEYS}
+    total = sum(len(v) for v in lists.values())
+    if total > MAX_VALUES:
+        raise DatagramError("too many values", f"{total}, over {MAX_VALUES}")
+    for values in lists.values():
+        for v in values:
+            # Bounded length, so int -> float cannot overflow; inf comes from a long exponent.
+            ok = (
+                isinstance(v, int | float)
+                and not isinstance(v, bool)
+                and math.isfinite(v)
+                and v >= 0
+            )
+            if not ok:
+                raise DatagramError("bad latency", f"must be a finite number >= 0, got {v!r}")
     count = msg.get("n")
     if count is not None and (
         not isinstance(count, int)
@@ -149,7 +159,13 @@ def decode_message(data: bytes) -> Message:
             "bad in-flight count",
             f"requests in flight must be an integer in [0, {MAX_INFLIGHT_COUNT}], got {count!r}",
         )
-    return Message(client_id, tuple(float(v) for v in values), count)
+    seconds = {key: tuple(float(v) for v in values) for key, values in lists.items()}
+    return Message(client_id, seconds["s"], count, ttft_s=seconds["t"], tpot_s=seconds["p"])
+
+
+def _values(raw: Any) -> list[Any]:
+    """A value list of the message; one bare number counts as a list of one."""
+    return raw if isinstance(raw, list) else [raw]
 
 
 def decode_latency(data: bytes) -> tuple[str, list[float]]:
@@ -159,6 +175,6 @@ def decode_latency(data: bytes) -> tuple[str, list[float]]:
         ValueError: not a version-1 latency report.
     """
     msg = decode_message(data)
-    if msg.inflight is not None and not msg.latencies_s:
+    if not msg.latencies_s and (msg.inflight is not None or msg.ttft_s or msg.tpot_s):
         raise ValueError("not a latency report (requests in flight only)")
     return msg.claimed_id, list(msg.latencies_s)

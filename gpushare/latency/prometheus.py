@@ -13,6 +13,7 @@ in flight.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import re
@@ -51,6 +52,16 @@ class PrometheusSource:
     port: int
     path: str
     metric: str
+    vllm: bool = False
+    """``vllm:URL``: read vLLM's TTFT and TPOT histograms (:data:`VLLM_TTFT`, :data:`VLLM_TPOT`)."""
+
+
+#: vLLM's TTFT histogram (``vllm/v1/metrics/loggers.py`` at vllm-project/vllm commit
+#: 005a810bc40faa25b8870fbc8559c3462581eee3, as ``bench/llm_histograms.py`` cites).
+VLLM_TTFT = "vllm:time_to_first_token_seconds"
+#: vLLM's inter-token latency histogram: its newer name first, then the one it replaced (both are
+#: observed once per output-token interval); the first present in a scrape is read.
+VLLM_TPOT = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 
 
 def parse_latency_from(spec: str) -> PrometheusSource:
@@ -61,8 +72,17 @@ def parse_latency_from(spec: str) -> PrometheusSource:
     """
     example = "prometheus:http://127.0.0.1:8000/metrics#request_latency_seconds"
     prefix = "prometheus:"
+    if spec.startswith("vllm:"):
+        # An LLM server's own TTFT and TPOT histograms, by vLLM's names (docs/controller.md).
+        url = spec.removeprefix("vllm:")
+        if "#" in url:
+            raise ValueError("vllm:URL reads vLLM's own histograms: give no '#METRIC'")
+        base = parse_latency_from(f"prometheus:{url}#{VLLM_TTFT}")
+        return dataclasses.replace(base, metric="", vllm=True)
     if not spec.startswith(prefix):
-        raise ValueError(f"--latency-from must start with {prefix!r}, e.g. {example}")
+        raise ValueError(
+            f"--latency-from must start with {prefix!r} (or vllm: for a vLLM server), e.g. {example}"
+        )
     url, sep, metric = spec[len(prefix) :].partition("#")
     if not sep or not metric:
         raise ValueError(f"--latency-from needs the histogram name after '#', e.g. {example}")
@@ -369,9 +389,13 @@ class PrometheusScraper:
         *,
         timeout_s: float = 1.0,
         fetch: Callable[[PrometheusSource, float], str] | None = None,
+        token_windows_s: tuple[float, float] = (120.0, 10.0),
     ) -> None:
         self.source = source
         self.window = HistogramWindow(window_s, min_samples)
+        #: ``vllm:URL``: the TTFT and TPOT histograms, over ``[latency] ttft_window``/``tpot_window``.
+        self.ttft = HistogramWindow(token_windows_s[0], min_samples)
+        self.tpot = HistogramWindow(token_windows_s[1], min_samples)
         self.timeout_s = timeout_s
         self._fetch = fetch
         self.last_error: str | None = None
@@ -387,6 +411,8 @@ class PrometheusScraper:
         except OSError as exc:
             public = exc.public if isinstance(exc, FetchError) else f"GET {self.source.url} failed"
             return self._failed(f"scrape failed: {public}", f"scrape failed: {exc}")
+        if self.source.vllm:
+            return self._record_vllm(text, now)
         try:
             buckets, total = parse_histogram(text, self.source.metric)
         except ValueError as exc:
@@ -401,12 +427,36 @@ class PrometheusScraper:
         self.last_error = self.last_error_detail = None
         return True
 
+    def _record_vllm(self, text: str, now: float) -> bool:
+        try:
+            ttft = parse_histogram(text, VLLM_TTFT)
+            tpots = [parse_histogram(text, name) for name in VLLM_TPOT]
+        except ValueError as exc:
+            return self._failed(
+                f"scrape failed: {self.source.url} did not answer in the Prometheus text format",
+                f"scrape failed: {exc}",
+            )
+        tpot = next((h for h in tpots if h[0] or h[1] is not None), ({}, None))
+        if not any(buckets or total is not None for buckets, total in (ttft, tpot)):
+            why = f"no vLLM histograms ({VLLM_TTFT}, {VLLM_TPOT[0]}) at {self.source.url}"
+            return self._failed(why, why)
+        for window, (buckets, total) in ((self.ttft, ttft), (self.tpot, tpot)):
+            if buckets or total is not None:
+                window.add(now, buckets, total)
+        self.last_error = self.last_error_detail = None
+        return True
+
     def _failed(self, public: str, detail: str) -> bool:
         self.last_error, self.last_error_detail = public, detail[:_MAX_DETAIL_CHARS]
         return False
 
     def p99(self, now: float) -> LatencyP99:
         """The p99 over the window; a failing endpoint says why."""
+        if self.source.vllm:
+            ttft, tpot = self.ttft.p99(now), self.tpot.p99(now)
+            why = self.last_error or "vLLM's histograms give TTFT and TPOT, not request latency"
+            detail = self.last_error_detail
+            return LatencyP99(None, 0, why, error_detail_owner_only=detail, ttft=ttft, tpot=tpot)
         result = self.window.p99(now)
         if result.p99_ms is None and self.last_error is not None:
             return LatencyP99(

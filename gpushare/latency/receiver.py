@@ -4,7 +4,8 @@ The socket is ``SOCK_DGRAM`` Unix with ``SO_PASSCRED`` on, so every datagram car
 kernel-verified pid/uid/gid (``SCM_CREDENTIALS``); an ``identify`` callback (the daemon's is
 :func:`verified_identify`) maps the :class:`Sender` and the client id in the message to a client,
 or rejects it. Accepted latencies go to a :class:`~gpushare.latency.p99.P99Tracker`; requests in
-flight to request gating (``on_inflight``). :func:`renice_thread` lets this thread, and the gate's
+flight to request gating (``on_inflight``); an LLM server's token timings to
+:class:`~gpushare.latency.p99.TokenTrackers` (``tokens``). :func:`renice_thread` lets this thread, and the gate's
 timer, wake ahead of busy offline processes.
 
 Every local user can write to the socket, so no datagram may stop the thread: parsing is bounded
@@ -29,8 +30,13 @@ from pathlib import Path
 
 import structlog
 
-from gpushare.latency.datagrams import MAX_DATAGRAM_BYTES, DatagramError, decode_message
-from gpushare.latency.p99 import P99Tracker
+from gpushare.latency.datagrams import (
+    MAX_DATAGRAM_BYTES,
+    DatagramError,
+    Message,
+    decode_message,
+)
+from gpushare.latency.p99 import P99Tracker, TokenTrackers
 from gpushare.latency.threads import SupervisedThread, Supervisor
 
 log = structlog.get_logger(__name__)
@@ -105,6 +111,8 @@ class LatencyReceiver:
             start is read at once even when offline processes keep every CPU busy.
         thread_realtime: ``SCHED_FIFO`` for it instead, where allowed (:func:`renice_thread`).
         threads: the supervisor the receiving thread runs under (a private one by default).
+        tokens: where an LLM server's TTFT and TPOT reports go; without it a datagram carrying
+            them is rejected ("token timings not served here"), its other reports kept.
     """
 
     def __init__(
@@ -121,9 +129,11 @@ class LatencyReceiver:
         thread_nice: int | None = None,
         thread_realtime: bool = False,
         threads: Supervisor | None = None,
+        tokens: TokenTrackers | None = None,
     ) -> None:
         self.path = Path(path)
         self.tracker = tracker
+        self.tokens = tokens
         self.identify = identify
         self._clock = clock
         self._mode = mode
@@ -222,6 +232,10 @@ class LatencyReceiver:
         for seconds in msg.latencies_s:
             self.tracker.add(client, seconds, now)
         self.accepted += len(msg.latencies_s)
+        if (msg.ttft_s or msg.tpot_s) and not self._credit_tokens(client, msg, now):
+            self._rejected("token timings not served here", client_id=client, pid=pid)
+            if not msg.latencies_s and msg.inflight is None:
+                return None
         if msg.inflight is not None:
             why = (
                 "gating not served here"
@@ -232,6 +246,15 @@ class LatencyReceiver:
                 self._rejected(why, client_id=client, pid=pid)
                 return client if msg.latencies_s else None
         return client
+
+    def _credit_tokens(self, client: str, msg: Message, now: float) -> bool:
+        """Credit TTFT and TPOT reports; ``False`` when no one keeps them here."""
+        if self.tokens is None:
+            return False
+        self.tokens.ttft.add_many(client, ((now, s) for s in msg.ttft_s))
+        self.tokens.tpot.add_many(client, ((now, s) for s in msg.tpot_s))
+        self.accepted += len(msg.ttft_s) + len(msg.tpot_s)
+        return True
 
     def _rejected(self, reason: str, *, drop: str | None = None, **context: object) -> None:
         self.rejected += 1

@@ -168,11 +168,13 @@ def workload_env(
     mem_bytes: int | None,
     slo_p99_s: float | None,
     daemon: Mapping[str, str] | None = None,
+    token_slos_s: tuple[float | None, float | None] = (None, None),
 ) -> dict[str, str]:
     """The variables (MPS limits and markers) for one workload class on one GPU.
 
     ``daemon``: the paths the running daemon gave (:func:`daemon_paths`); each one it gives
     wins over the local config's, which may not be the one that daemon runs with.
+    ``token_slos_s``: an LLM server's TTFT and TPOT SLOs, markers as the request SLO is.
     """
     given = daemon or {}
     sm = sm_pct if sm_pct is not None else mpsenv.default_sm_pct(
@@ -191,4 +193,6 @@ def workload_env(
         ),
         latency_socket=Path(given.get("latency_socket") or cfg.paths.resolved("latency_socket")),
     )
-    return {**mpsenv.marker_env(cls, slo_p99_s), **env}
+    ttft, tpot = token_slos_s
+    markers = mpsenv.marker_env(cls, slo_p99_s, slo_ttft_p99_s=ttft, slo_tpot_p99_s=tpot)
+    return {**markers, **env}

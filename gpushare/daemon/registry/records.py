@@ -112,6 +112,11 @@ class ClientRecord:
             return self.gang
         return () if self.gpu_uuid is None else (self.gpu_uuid,)
 
+    slo_ttft_p99_ms: float | None = None
+    """An LLM server's p99 SLO on the time to its first token (``submit --slo-ttft-p99``)."""
+    slo_tpot_p99_ms: float | None = None
+    """An LLM server's p99 SLO on the time per further token (``submit --slo-tpot-p99``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Registration:
@@ -211,6 +216,7 @@ def record(row: sqlite3.Row) -> ClientRecord:
         latency_from=row["latency_from"],
         inflight_from=row["inflight_from"], queue=row["queue"], expected_s=row["expected_s"],
         restart_cost_s=row["restart_cost_s"],
+        slo_ttft_p99_ms=row["slo_ttft_p99_ms"], slo_tpot_p99_ms=row["slo_tpot_p99_ms"],
         restartable=bool(row["restartable"]), checkpoint_signal=row["checkpoint_signal"],
         detach=bool(row["detach"]), env=json.loads(row["env"]), cwd=row["cwd"],
         state=ClientState(row["state"]), reason=row["reason"], pid=row["pid"],

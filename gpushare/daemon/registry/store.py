@@ -89,9 +89,10 @@ CREATE TABLE IF NOT EXISTS events (
 # Columns added after schema 1 shipped: an older database gains them (NULL) and stays version 1
 # (adopted_by: launched; inflight_from, queue: none asked).
 _ADDED_COLUMNS = ("adopted_by", "inflight_from", "queue")
-# Numbers added later (expected_s: submit --time, for the queue's order).
-# restart_cost_s: submit --restart-cost (issue 32), what a restart costs the job.
-_ADDED_REAL_COLUMNS = ("expected_s", "restart_cost_s")
+# Numbers added later (expected_s: submit --time, for the queue's order; restart_cost_s: submit
+# --restart-cost (issue 32), what a restart costs the job; the token SLOs of an LLM server, submit
+# --slo-ttft-p99 / --slo-tpot-p99). Old records read NULL: none given.
+_ADDED_REAL_COLUMNS = ("expected_s", "restart_cost_s", "slo_ttft_p99_ms", "slo_tpot_p99_ms")
 # Migration step 3 (issue 35): a gang's GPUs, a JSON list of UUIDs in rank order. An older
 # record gains NULL, read as a gang of one: its one GPU (ClientRecord.gpus).
 _GANG_COLUMNS = ("gang",)
