@@ -92,127 +92,147 @@ def _signal_number(text: str) -> int:
         raise _bad(f"--checkpoint-signal: unknown signal {text!r} (e.g. USR1, TERM, 10)") from None
 
 
+# submit's options, one alias each (the signature stays readable).
+_CmdOpt = Annotated[list[str], typer.Argument(help="The command and its arguments, after --.")]
+_OnlineOpt = Annotated[bool, typer.Option("--online", help="Latency-critical service.")]
+_OfflineOpt = Annotated[bool, typer.Option("--offline", help="Best-effort job.")]
+_GpuOpt = Annotated[
+    str,
+    typer.Option(
+        "--gpu",
+        help="GPU index, UUID or 'any': the fitting GPU with the most free memory, less the "
+        "--mem of clients not using it yet; then the one with the fewest clients.",
+        autocompletion=completion.gpu_or_any,
+    ),
+]
+_GpusOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpus",
+        help="A gang over several GPUs (torchrun): a count (8) or GPUs (0,1,2,3); each "
+        "worker runs `gpushare rank-exec -- CMD` to reach its own GPU (LOCAL_RANK).",
+    ),
+]
+_SmOpt = Annotated[
+    float | None,
+    typer.Option("--sm", help="SM percentage (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)."),
+]
+_MemOpt = Annotated[str | None, typer.Option("--mem", help="Pinned GPU memory limit, e.g. 8G.")]
+_SloP99Opt = Annotated[
+    str | None, typer.Option("--slo-p99", help="Online p99 latency SLO, e.g. 40ms.")
+]
+_SloTtftP99Opt = Annotated[
+    str | None,
+    typer.Option("--slo-ttft-p99", help="Online LLM server: p99 time to first token, e.g. 500ms."),
+]
+_SloTpotP99Opt = Annotated[
+    str | None,
+    typer.Option("--slo-tpot-p99", help="Online LLM server: p99 time per output token, e.g. 50ms."),
+]
+_NameOpt = Annotated[str | None, typer.Option("--name", help="A name shown in status.")]
+_LatencyFromOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--latency-from",
+        help="Online: scrape latency from prometheus:http://127.0.0.1:PORT/metrics#HISTOGRAM"
+        " (or TTFT and TPOT from vllm:http://127.0.0.1:PORT/metrics, a vLLM server's own).",
+    ),
+]
+_InflightFromOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--inflight-from",
+        help="Online: requests in flight from prometheus:http://127.0.0.1:PORT/metrics#GAUGE "
+        "(request gating for services that cannot call gpushare.client.request_started).",
+    ),
+]
+_QueueOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--queue",
+        help="Offline: shallow (a freeze bites within [gate] inflight_kernels kernels, or one "
+        "with CUDA_LAUNCH_BLOCKING=1: [gate] shallow_queue), "
+        "deep, or auto (the default: shallow while request gating is on for its GPU, "
+        "switched without a restart where the in-flight library is built).",
+        autocompletion=completion.queue_modes,
+    ),
+]
+_RestartableOpt = Annotated[
+    bool,
+    typer.Option("--restartable", help="Offline job that may be checkpointed and relaunched."),
+]
+_CheckpointSignalOpt = Annotated[
+    str, typer.Option("--checkpoint-signal", help="Signal asking it to checkpoint and exit.")
+]
+_DetachOpt = Annotated[
+    bool, typer.Option("--detach", help="Let the daemon run it; output to a log file.")
+]
+_SimProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--sim-profile",
+        help="Under 'gpushare daemon --simulate': the simulated workload, e.g. resnet50-train.",
+    ),
+]
+_RpsOpt = Annotated[
+    float | None, typer.Option("--rps", help="Simulated online request rate (--sim-profile).")
+]
+_SimBurstOpt = Annotated[
+    str | None,
+    typer.Option("--sim-burst", help="Simulated burst AT_S:FOR_S:FACTOR (--sim-profile)."),
+]
+_NoQueueOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-queue",
+        help="Offline: refuse at once (exit 5) when no GPU can hold the job now, "
+        "instead of waiting in the queue.",
+    ),
+]
+_TimeLimitOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--time",
+        metavar="DURATION",
+        help="Offline: how long the job is expected to run, e.g. 2h; the queue starts "
+        "shorter jobs first.",
+    ),
+]
+_RestartCostOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--restart-cost",
+        metavar="DURATION",
+        help="Offline: what a restart costs the job (start-up and lost work), e.g. 90s; "
+        "gpushare restarts it for a new share only when that pays ([control] restart_cost).",
+    ),
+]
+
+
 def submit(
-    cmd: Annotated[list[str], typer.Argument(help="The command and its arguments, after --.")],
-    online: Annotated[bool, typer.Option("--online", help="Latency-critical service.")] = False,
-    offline: Annotated[bool, typer.Option("--offline", help="Best-effort job.")] = False,
-    gpu: Annotated[
-        str,
-        typer.Option(
-            "--gpu",
-            help="GPU index, UUID or 'any': the fitting GPU with the most free memory, less the "
-            "--mem of clients not using it yet; then the one with the fewest clients.",
-            autocompletion=completion.gpu_or_any,
-        ),
-    ] = "any",
-    gpus: Annotated[
-        str | None,
-        typer.Option(
-            "--gpus",
-            help="A gang over several GPUs (torchrun): a count (8) or GPUs (0,1,2,3); each "
-            "worker runs `gpushare rank-exec -- CMD` to reach its own GPU (LOCAL_RANK).",
-        ),
-    ] = None,
-    sm: Annotated[
-        float | None,
-        typer.Option("--sm", help="SM percentage (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)."),
-    ] = None,
-    mem: Annotated[
-        str | None, typer.Option("--mem", help="Pinned GPU memory limit, e.g. 8G.")
-    ] = None,
-    slo_p99: Annotated[
-        str | None, typer.Option("--slo-p99", help="Online p99 latency SLO, e.g. 40ms.")
-    ] = None,
-    slo_ttft_p99: Annotated[
-        str | None,
-        typer.Option(
-            "--slo-ttft-p99", help="Online LLM server: p99 time to first token, e.g. 500ms."
-        ),
-    ] = None,
-    slo_tpot_p99: Annotated[
-        str | None,
-        typer.Option(
-            "--slo-tpot-p99", help="Online LLM server: p99 time per output token, e.g. 50ms."
-        ),
-    ] = None,
-    name: Annotated[str | None, typer.Option("--name", help="A name shown in status.")] = None,
-    latency_from: Annotated[
-        str | None,
-        typer.Option(
-            "--latency-from",
-            help="Online: scrape latency from prometheus:http://127.0.0.1:PORT/metrics#HISTOGRAM"
-            " (or TTFT and TPOT from vllm:http://127.0.0.1:PORT/metrics, a vLLM server's own).",
-        ),
-    ] = None,
-    inflight_from: Annotated[
-        str | None,
-        typer.Option(
-            "--inflight-from",
-            help="Online: requests in flight from prometheus:http://127.0.0.1:PORT/metrics#GAUGE "
-            "(request gating for services that cannot call gpushare.client.request_started).",
-        ),
-    ] = None,
-    queue: Annotated[
-        str | None,
-        typer.Option(
-            "--queue",
-            help="Offline: shallow (a freeze bites within [gate] inflight_kernels kernels, or one "
-            "with CUDA_LAUNCH_BLOCKING=1: [gate] shallow_queue), "
-            "deep, or auto (the default: shallow while request gating is on for its GPU, "
-            "switched without a restart where the in-flight library is built).",
-            autocompletion=completion.queue_modes,
-        ),
-    ] = None,
-    restartable: Annotated[
-        bool,
-        typer.Option("--restartable", help="Offline job that may be checkpointed and relaunched."),
-    ] = False,
-    checkpoint_signal: Annotated[
-        str, typer.Option("--checkpoint-signal", help="Signal asking it to checkpoint and exit.")
-    ] = "USR1",
-    detach: Annotated[
-        bool, typer.Option("--detach", help="Let the daemon run it; output to a log file.")
-    ] = False,
-    sim_profile: Annotated[
-        str | None,
-        typer.Option(
-            "--sim-profile",
-            help="Under 'gpushare daemon --simulate': the simulated workload, e.g. resnet50-train.",
-        ),
-    ] = None,
-    rps: Annotated[
-        float | None, typer.Option("--rps", help="Simulated online request rate (--sim-profile).")
-    ] = None,
-    sim_burst: Annotated[
-        str | None,
-        typer.Option("--sim-burst", help="Simulated burst AT_S:FOR_S:FACTOR (--sim-profile)."),
-    ] = None,
-    no_queue: Annotated[
-        bool,
-        typer.Option(
-            "--no-queue",
-            help="Offline: refuse at once (exit 5) when no GPU can hold the job now, "
-            "instead of waiting in the queue.",
-        ),
-    ] = False,
-    time_limit: Annotated[
-        str | None,
-        typer.Option(
-            "--time",
-            metavar="DURATION",
-            help="Offline: how long the job is expected to run, e.g. 2h; the queue starts "
-            "shorter jobs first.",
-        ),
-    ] = None,
-    restart_cost: Annotated[
-        str | None,
-        typer.Option(
-            "--restart-cost",
-            metavar="DURATION",
-            help="Offline: what a restart costs the job (start-up and lost work), e.g. 90s; "
-            "gpushare restarts it for a new share only when that pays ([control] restart_cost).",
-        ),
-    ] = None,
+    cmd: _CmdOpt,
+    online: _OnlineOpt = False,
+    offline: _OfflineOpt = False,
+    gpu: _GpuOpt = "any",
+    gpus: _GpusOpt = None,
+    sm: _SmOpt = None,
+    mem: _MemOpt = None,
+    slo_p99: _SloP99Opt = None,
+    slo_ttft_p99: _SloTtftP99Opt = None,
+    slo_tpot_p99: _SloTpotP99Opt = None,
+    name: _NameOpt = None,
+    latency_from: _LatencyFromOpt = None,
+    inflight_from: _InflightFromOpt = None,
+    queue: _QueueOpt = None,
+    restartable: _RestartableOpt = False,
+    checkpoint_signal: _CheckpointSignalOpt = "USR1",
+    detach: _DetachOpt = False,
+    sim_profile: _SimProfileOpt = None,
+    rps: _RpsOpt = None,
+    sim_burst: _SimBurstOpt = None,
+    no_queue: _NoQueueOpt = False,
+    time_limit: _TimeLimitOpt = None,
+    restart_cost: _RestartCostOpt = None,
     socket: SocketOpt = None,
 ) -> None:
     """Run a command as an MPS client with gpushare's limits (foreground unless --detach).
@@ -221,18 +241,7 @@ def submit(
     queued, with its place; in the foreground, it waits and says so); an --online one is refused
     at once with exit 5.
     """
-    if online == offline:
-        raise _bad("give exactly one of --online or --offline")
-    if not cmd:
-        raise _bad("no command: gpushare submit --offline -- CMD ARGS...")
-    if queue is not None and queue not in protocol.QUEUE_MODES:
-        raise _bad(f"--queue must be one of {', '.join(protocol.QUEUE_MODES)}, got {queue!r}")
-    if queue is not None and not offline:
-        raise _bad("--queue applies to --offline jobs (online clients are never frozen)")
-    if (no_queue or time_limit is not None) and not offline:
-        raise _bad("--no-queue and --time apply to --offline jobs (online clients never queue)")
-    if inflight_from is not None and not online:
-        raise _bad("--inflight-from applies to --online clients (their requests gate offline work)")
+    _check_flags(online, offline, cmd, queue, no_queue, time_limit, inflight_from)
     params: dict[str, Any] = {
         "cls": "online" if online else "offline",
         "argv": list(cmd),
@@ -245,15 +254,68 @@ def submit(
         "detach": detach or restartable,
         "cwd": os.getcwd(),
     }
-    # Sent only when given, so a daemon without request gating still takes other submits.
-    if inflight_from is not None:
-        params["inflight_from"] = inflight_from
-    if queue is not None:
-        params["queue"] = queue
-    if gpus is not None:
-        params["gpus"] = gpus
+    # Sent only when given, so a daemon without these features still takes other submits.
+    for key, value in (("inflight_from", inflight_from), ("queue", queue), ("gpus", gpus)):
+        if value is not None:
+            params[key] = value
     if no_queue:
         params["no_queue"] = True
+    _add_amounts(params, online, offline, mem, slo_p99, slo_ttft_p99, slo_tpot_p99, time_limit,
+                 restart_cost)  # fmt: skip
+    _add_launch(params, sim_profile, rps, sim_burst)
+    result = call_once(socket, protocol.SUBMIT, params)
+    if result["state"] == "queued":
+        from gpushare.cli.waitq import queued_line, wait_in_queue
+
+        if params["detach"]:
+            typer.echo(queued_line(result))
+            return
+        result = wait_in_queue(socket, result)
+    if params["detach"]:
+        typer.echo(
+            f"{result['client_id']} started on {result['gpu_uuid']} (pid {result['pid']}); "
+            f"output in {result['log_path']}"
+        )
+        return
+    _exec_in_place(cmd, result)
+
+
+def _check_flags(
+    online: bool,
+    offline: bool,
+    cmd: list[str],
+    queue: str | None,
+    no_queue: bool,
+    time_limit: str | None,
+    inflight_from: str | None,
+) -> None:
+    """Refuse a submit whose flags do not go together (one line, exit 2)."""
+    if online == offline:
+        raise _bad("give exactly one of --online or --offline")
+    if not cmd:
+        raise _bad("no command: gpushare submit --offline -- CMD ARGS...")
+    if queue is not None and queue not in protocol.QUEUE_MODES:
+        raise _bad(f"--queue must be one of {', '.join(protocol.QUEUE_MODES)}, got {queue!r}")
+    if queue is not None and not offline:
+        raise _bad("--queue applies to --offline jobs (online clients are never frozen)")
+    if (no_queue or time_limit is not None) and not offline:
+        raise _bad("--no-queue and --time apply to --offline jobs (online clients never queue)")
+    if inflight_from is not None and not online:
+        raise _bad("--inflight-from applies to --online clients (their requests gate offline work)")
+
+
+def _add_amounts(
+    params: dict[str, Any],
+    online: bool,
+    offline: bool,
+    mem: str | None,
+    slo_p99: str | None,
+    slo_ttft_p99: str | None,
+    slo_tpot_p99: str | None,
+    time_limit: str | None,
+    restart_cost: str | None,
+) -> None:
+    """The sizes and durations of a submit, parsed and checked, into ``params``."""
     try:
         if time_limit is not None:
             params["expected_s"] = parse_duration(time_limit)
@@ -274,6 +336,12 @@ def submit(
         raise _bad("--restart-cost applies to --offline jobs (online clients are never restarted)")
     if not 0 <= params.get("restart_cost_s", 0.0) <= protocol.MAX_RESTART_COST_S:
         raise _bad("--restart-cost must be a duration from 0s to 168h, e.g. 90s")
+
+
+def _add_launch(
+    params: dict[str, Any], sim_profile: str | None, rps: float | None, sim_burst: str | None
+) -> None:
+    """How the workload starts: the environment of a detached one, the pid of this process."""
     if (rps is not None or sim_burst is not None) and sim_profile is None:
         raise _bad("--rps and --sim-burst describe a simulated workload: give --sim-profile too")
     if rps is not None:
@@ -291,20 +359,10 @@ def submit(
         raise _bad("--sim-profile needs --detach (or GPUSHARE_SIM_PROFILE in the environment)")
     else:
         params["pid"] = os.getpid()
-    result = call_once(socket, protocol.SUBMIT, params)
-    if result["state"] == "queued":
-        from gpushare.cli.waitq import queued_line, wait_in_queue
 
-        if params["detach"]:
-            typer.echo(queued_line(result))
-            return
-        result = wait_in_queue(socket, result)
-    if params["detach"]:
-        typer.echo(
-            f"{result['client_id']} started on {result['gpu_uuid']} (pid {result['pid']}); "
-            f"output in {result['log_path']}"
-        )
-        return
+
+def _exec_in_place(cmd: list[str], result: dict[str, Any]) -> None:
+    """Become the workload with the environment the daemon gave (a foreground submit)."""
     env = {k: v for k, v in os.environ.items() if k not in set(result.get("unset_env", []))}
     env.update(result["env"])
     sys.stdout.flush()

@@ -38,60 +38,67 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code=code)
 
 
+# env's options, one alias each (the signature stays readable).
+_OnlineOpt = Annotated[bool, typer.Option("--online", help="Latency-critical service.")]
+_OfflineOpt = Annotated[bool, typer.Option("--offline", help="Best-effort job.")]
+_GpuOpt = Annotated[
+    str | None,
+    typer.Option("--gpu", help="GPU index or UUID (default: the only GPU of the host)."),
+]
+_SmOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--sm",
+        help="SM percentage (default: online 100, offline control.offline_sm_pct_default).",
+    ),
+]
+_MemOpt = Annotated[str | None, typer.Option("--mem", help="Pinned GPU memory limit, e.g. 8G.")]
+_SloP99Opt = Annotated[
+    str | None, typer.Option("--slo-p99", help="Online p99 latency SLO, e.g. 40ms.")
+]
+_SloTtftP99Opt = Annotated[
+    str | None,
+    typer.Option("--slo-ttft-p99", help="Online LLM server: p99 time to first token, e.g. 500ms."),
+]
+_SloTpotP99Opt = Annotated[
+    str | None,
+    typer.Option("--slo-tpot-p99", help="Online LLM server: p99 time per output token, e.g. 50ms."),
+]
+_FmtOpt = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="shell (export lines), systemd (a drop-in), docker (an --env-file), "
+        "slurm (TaskProlog output).",
+    ),
+]
+_AsJsonOpt = Annotated[bool, typer.Option("--json", help="Print the variables as JSON.")]
+_ConfigPathOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        help="Config file (default: $GPUSHARE_CONFIG or /etc/gpushare/gpushare.toml).",
+    ),
+]
+_SocketOpt = Annotated[
+    str | None,
+    typer.Option("--socket", help="API socket, to look up a GPU index (default: the config's)."),
+]
+
+
 def env(
-    online: Annotated[bool, typer.Option("--online", help="Latency-critical service.")] = False,
-    offline: Annotated[bool, typer.Option("--offline", help="Best-effort job.")] = False,
-    gpu: Annotated[
-        str | None,
-        typer.Option("--gpu", help="GPU index or UUID (default: the only GPU of the host)."),
-    ] = None,
-    sm: Annotated[
-        float | None,
-        typer.Option(
-            "--sm",
-            help="SM percentage (default: online 100, offline control.offline_sm_pct_default).",
-        ),
-    ] = None,
-    mem: Annotated[
-        str | None, typer.Option("--mem", help="Pinned GPU memory limit, e.g. 8G.")
-    ] = None,
-    slo_p99: Annotated[
-        str | None, typer.Option("--slo-p99", help="Online p99 latency SLO, e.g. 40ms.")
-    ] = None,
-    slo_ttft_p99: Annotated[
-        str | None,
-        typer.Option(
-            "--slo-ttft-p99", help="Online LLM server: p99 time to first token, e.g. 500ms."
-        ),
-    ] = None,
-    slo_tpot_p99: Annotated[
-        str | None,
-        typer.Option(
-            "--slo-tpot-p99", help="Online LLM server: p99 time per output token, e.g. 50ms."
-        ),
-    ] = None,
-    fmt: Annotated[
-        str,
-        typer.Option(
-            "--format",
-            help="shell (export lines), systemd (a drop-in), docker (an --env-file), "
-            "slurm (TaskProlog output).",
-        ),
-    ] = "shell",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the variables as JSON.")] = False,
-    config_path: Annotated[
-        Path | None,
-        typer.Option(
-            "--config",
-            help="Config file (default: $GPUSHARE_CONFIG or /etc/gpushare/gpushare.toml).",
-        ),
-    ] = None,
-    socket: Annotated[
-        str | None,
-        typer.Option(
-            "--socket", help="API socket, to look up a GPU index (default: the config's)."
-        ),
-    ] = None,
+    online: _OnlineOpt = False,
+    offline: _OfflineOpt = False,
+    gpu: _GpuOpt = None,
+    sm: _SmOpt = None,
+    mem: _MemOpt = None,
+    slo_p99: _SloP99Opt = None,
+    slo_ttft_p99: _SloTtftP99Opt = None,
+    slo_tpot_p99: _SloTpotP99Opt = None,
+    fmt: _FmtOpt = "shell",
+    as_json: _AsJsonOpt = False,
+    config_path: _ConfigPathOpt = None,
+    socket: _SocketOpt = None,
 ) -> None:
     """Print the environment to start a workload with so that MPS applies gpushare's limits.
 

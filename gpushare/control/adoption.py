@@ -16,7 +16,7 @@ that says so.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -347,3 +347,44 @@ def _pinned_limit(text: str | None, gpu: str | None, notes: list[str]) -> int | 
         if key is not None and key in found:
             return found[key]
     return next(iter(found.values())) if len(found) == 1 else None
+
+
+def idle_rule_messages(
+    rules: Sequence[Rule], unmatched: Sequence[str], facts: Sequence[ProcessFacts]
+) -> list[str]:
+    """The messages of config rules that match no process (a full scan's)."""
+    # A job whose processes have not started yet matches nothing: only config rules that match
+    # nothing are worth a message. A rule whose processes are clients already (or too young
+    # yet) is not idle.
+    idle = {
+        r.spec.name for r in rules
+        if r.spec.name != r.source and not any(matches(r.spec, f) for f in facts)
+    }  # fmt: skip
+    idle_rules = [m for m in unmatched if any(f"rule {n!r} " in m for n in idle)]
+    hidden = sum(1 for f in facts if f.environ is None)
+    if not hidden:
+        return idle_rules
+    # marker and env conditions never hold on an environment the daemon cannot read.
+    env_rules = {r.spec.name for r in rules if r.spec.marker or r.spec.env}
+    return [
+        m + f"; the environment of {hidden} process(es) of other users cannot be read "
+        "(run the daemon as root)"
+        if any(f"rule {n!r} " in m for n in env_rules) else m
+        for m in idle_rules
+    ]  # fmt: skip
+
+
+def descendants_of(roots: Collection[int], facts: Sequence[ProcessFacts]) -> set[int]:
+    """The processes among ``facts`` descended from any of ``roots`` (by their parent pids)."""
+    parent = {f.pid: f.ppid for f in facts}
+    out: set[int] = set()
+    for f in facts:
+        seen: set[int] = set()
+        pid: int | None = f.pid
+        while pid is not None and pid not in seen:
+            if pid in roots:
+                out.add(f.pid)
+                break
+            seen.add(pid)
+            pid = parent.get(pid)
+    return out

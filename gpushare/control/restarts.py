@@ -63,24 +63,10 @@ def restarts(
     furthest from its share (those above it first, :func:`needs_restart`); a shallow ``--queue
     auto`` client relaunched deep while gating is off (:func:`queue_restart`).
     """
-    by_id = {c.client_id: c for c in obs.clients}
-    pending = state.restart_pending
-    if pending is not None:
-        client = by_id.get(pending[0])
-        patience = max(config.share_min_interval_s, _MIN_RESTART_PATIENCE_S)
-        settled = client is not None and client.state is not ClientState.RESTARTING
-        done = (
-            client is None
-            or not client.state.is_live
-            # Relaunched since the request (the runner's start time, on this clock): whatever
-            # the share or gating did meanwhile, the restart asked for has happened.
-            or (settled and client.started_at_s is not None and client.started_at_s > pending[1])
-            or (settled and now > pending[1] and not needs_restart(config, client, state.share_pct))
-        )
-        if done or now - pending[1] > patience:
-            state = replace(state, restart_pending=None)
-        else:
+    if state.restart_pending is not None:
+        if _still_pending(config, state, obs, now):
             return state
+        state = replace(state, restart_pending=None)
     worst = app_only(signals).worst if gated_shallow(state, obs) else signals.worst
     violating = worst is not None and worst > config.violation_ratio
     if violating or obs.mps_state is not MpsState.UP:
@@ -129,6 +115,24 @@ def restarts(
         )
     )
     return replace(state, restart_pending=(chosen.client_id, now))
+
+
+def _still_pending(config: ControlConfig, state: GpuState, obs: Observation, now: float) -> bool:
+    """Whether the restart asked for is still to come (and not waited for too long)."""
+    assert state.restart_pending is not None
+    pending = state.restart_pending
+    client = next((c for c in obs.clients if c.client_id == pending[0]), None)
+    patience = max(config.share_min_interval_s, _MIN_RESTART_PATIENCE_S)
+    settled = client is not None and client.state is not ClientState.RESTARTING
+    done = (
+        client is None
+        or not client.state.is_live
+        # Relaunched since the request (the runner's start time, on this clock): whatever
+        # the share or gating did meanwhile, the restart asked for has happened.
+        or (settled and client.started_at_s is not None and client.started_at_s > pending[1])
+        or (settled and now > pending[1] and not needs_restart(config, client, state.share_pct))
+    )
+    return not (done or now - pending[1] > patience)
 
 
 def shallow_restart(

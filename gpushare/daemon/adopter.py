@@ -233,7 +233,7 @@ class Adopter:
             f = self._facts_of(pid, names, gpu_pids)
             if f is not None:  # gone (or a kernel thread) while it was read: nothing to adopt
                 facts.append(f)
-        skip = _descendants_of(clients, facts) | {os.getpid()}
+        skip = adoption.descendants_of(clients, facts) | {os.getpid()}
         # Explicit pids (an adopt request's) are vouched for by the caller: no second look needed.
         young = set() if only is not None else {
             f.pid for f in facts if now - f.start_time < self.min_age_s
@@ -245,7 +245,9 @@ class Adopter:
         result, decisions = _decide(rules, candidates)
         adopt = _found(rules, decisions, candidates)
         refused = [d.reason for d in decisions if not d.adopt]
-        idle_rules = _idle_rules(rules, result.unmatched, facts) if only is None else []
+        idle_rules = (
+            adoption.idle_rule_messages(rules, result.unmatched, facts) if only is None else []
+        )
         messages = refused + idle_rules
         new = {m for m in messages if m not in self.told}
         self.told = (self.told if only is not None else set()) | set(messages)
@@ -296,46 +298,6 @@ def _found(
         for d in decisions
         if d.adopt
     )
-
-
-def _idle_rules(
-    rules: Sequence[Rule], unmatched: Sequence[str], facts: Sequence[ProcessFacts]
-) -> list[str]:
-    """The messages of config rules that match no process (a full scan's)."""
-    # A job whose processes have not started yet matches nothing: only config rules that match
-    # nothing are worth a message. A rule whose processes are clients already (or too young
-    # yet) is not idle.
-    idle = {
-        r.spec.name for r in rules
-        if r.spec.name != r.source and not any(adoption.matches(r.spec, f) for f in facts)
-    }  # fmt: skip
-    idle_rules = [m for m in unmatched if any(f"rule {n!r} " in m for n in idle)]
-    hidden = sum(1 for f in facts if f.environ is None)
-    if not hidden:
-        return idle_rules
-    # marker and env conditions never hold on an environment the daemon cannot read.
-    env_rules = {r.spec.name for r in rules if r.spec.marker or r.spec.env}
-    return [
-        m + f"; the environment of {hidden} process(es) of other users cannot be read "
-        "(run the daemon as root)"
-        if any(f"rule {n!r} " in m for n in env_rules) else m
-        for m in idle_rules
-    ]  # fmt: skip
-
-
-def _descendants_of(roots: Collection[int], facts: Sequence[ProcessFacts]) -> set[int]:
-    parent = {f.pid: f.ppid for f in facts}
-    out: set[int] = set()
-    for f in facts:
-        seen: set[int] = set()
-        pid: int | None = f.pid
-        while pid is not None and pid not in seen:
-            if pid in roots:
-                out.add(f.pid)
-                break
-            seen.add(pid)
-            pid = parent.get(pid)
-    return out
 
 
 # ------------------------------------------------------------------------------ in the daemon

@@ -145,26 +145,11 @@ class Api:
         return self.views.clients(include_final=req.all, viewer=caller.uid)
 
     def events(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
-        """``events``: the event log after ``since_id``."""
+        """``events``: the event log after ``since_id`` (:mod:`.views`)."""
         req = protocol.from_params(protocol.EventsRequest, params)
         if req.since_id < 0 or not 1 <= req.limit <= 10_000:
             raise _fail(E.INVALID_PARAMS, "since_id must be >= 0 and limit in 1..10000")
-        events = self.s.registry.events(req.since_id, req.limit)
-        return {
-            "events": [
-                {
-                    "id": e.id,
-                    "at": e.at,
-                    "kind": e.kind,
-                    "severity": e.severity,
-                    "client_id": e.client_id,
-                    "gpu_uuid": e.gpu_uuid,
-                    "message": e.message,
-                }
-                for e in events
-            ],  # fmt: skip
-            "last_id": events[-1].id if events else max(req.since_id, 0),
-        }
+        return self.views.events(req.since_id, req.limit)
 
     def cancel(self, caller: Caller, params: dict[str, Any]) -> dict[str, Any]:
         """``cancel``: SIGTERM now, SIGKILL after ``daemon.cancel_grace``; a queued job just ends."""
@@ -265,23 +250,7 @@ class Api:
                 env=req.env if detach else {}, cwd=req.cwd,
                 pause_mechanism=self.s.pauser.mechanism.value,
             )  # fmt: skip
-            if len(gang) > 1:
-                rec = self.s.registry.update(rec.id, gang=tuple(g.uuid for g in gang))
-            if req.slo_ttft_p99_ms is not None or req.slo_tpot_p99_ms is not None:
-                rec = self.s.registry.update(
-                    rec.id, slo_ttft_p99_ms=req.slo_ttft_p99_ms, slo_tpot_p99_ms=req.slo_tpot_p99_ms
-                )
-            if req.latency_from is not None:
-                self.s.registry.update(rec.id, latency_from=req.latency_from)
-                self.s.latency.add_prometheus(rec.id, req.latency_from)
-            if req.inflight_from is not None or req.queue is not None:
-                rec = self.s.registry.update(
-                    rec.id, inflight_from=req.inflight_from, queue=req.queue
-                )
-            if req.restart_cost_s is not None:  # issue 32
-                rec = self.s.registry.update(rec.id, restart_cost_s=req.restart_cost_s)
-            if req.inflight_from is not None:
-                self.s.gauges.add(rec.id, req.inflight_from)
+            rec = self._record_extras(rec, req, tuple(g.uuid for g in gang))
             # Detached, spawn() computes the environment again for the launch and logs the queue.
             env = self.life.mps_env(
                 rec.id, sample.uuid, sm, req.mem_bytes, cls, req.slo_p99_ms,
@@ -306,6 +275,27 @@ class Api:
                 log_path=rec.log_path, pid=rec.pid, unset_env=list(mpsenv.UNSET_ENV),
             )  # fmt: skip
             return protocol.as_dict(result)
+
+    def _record_extras(
+        self, rec: ClientRecord, req: protocol.SubmitRequest, gang: tuple[str, ...]
+    ) -> ClientRecord:
+        """What a submit asks beyond the basic record, recorded; its latency sources started."""
+        if len(gang) > 1:
+            rec = self.s.registry.update(rec.id, gang=gang)
+        if req.slo_ttft_p99_ms is not None or req.slo_tpot_p99_ms is not None:
+            rec = self.s.registry.update(
+                rec.id, slo_ttft_p99_ms=req.slo_ttft_p99_ms, slo_tpot_p99_ms=req.slo_tpot_p99_ms
+            )
+        if req.latency_from is not None:
+            self.s.registry.update(rec.id, latency_from=req.latency_from)
+            self.s.latency.add_prometheus(rec.id, req.latency_from)
+        if req.inflight_from is not None or req.queue is not None:
+            rec = self.s.registry.update(rec.id, inflight_from=req.inflight_from, queue=req.queue)
+        if req.restart_cost_s is not None:  # issue 32
+            rec = self.s.registry.update(rec.id, restart_cost_s=req.restart_cost_s)
+        if req.inflight_from is not None:
+            self.s.gauges.add(rec.id, req.inflight_from)
+        return rec
 
     def _take_caller(self, client_id: str, caller: Caller) -> ClientRecord:
         """Adopt a foreground submitter, which then execs the workload: RUNNING.

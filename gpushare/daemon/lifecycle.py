@@ -575,18 +575,8 @@ class Lifecycle:
         (:attr:`shallow`) and logged as ``offline_queue`` unless ``announce`` is false (a caller
         that only shows the environment while :meth:`spawn` computes it again, which logs it).
         """
-        env, choice = client_env(
-            self.s,
-            client_id,
-            gpu_uuid,
-            sm,
-            mem,
-            cls,
-            slo_p99_ms,
-            queue=queue,
-            live=self.live,
-            gang=gang,
-        )
+        env, choice = client_env(self.s, client_id, gpu_uuid, sm, mem, cls, slo_p99_ms,
+                                 queue=queue, live=self.live, gang=gang)  # fmt: skip
         if choice is not None:
             # A live client's shallow mark is LiveQueues' to keep (issue 32).
             if not choice.live and choice.shallow_how is not None:

@@ -46,7 +46,7 @@ def resolve_gpu(samples: Sequence[GpuSample], key: str) -> GpuSample:
 
 
 class Views:
-    """The ``status`` and ``list`` answers of one daemon."""
+    """The ``status``, ``list`` and ``events`` answers of one daemon."""
 
     def __init__(
         self,
@@ -329,6 +329,25 @@ class Views:
         """``list``: clients (live and queued, or all); shared as :meth:`status` is."""
         del viewer  # the same answer for everyone (see status)
         return self._shared(("list", include_final), lambda: self._clients(include_final))
+
+    def events(self, since_id: int, limit: int) -> dict[str, Any]:
+        """``events``: at most ``limit`` events of the log after ``since_id``."""
+        events = self.s.registry.events(since_id, limit)
+        return {
+            "events": [
+                {
+                    "id": e.id,
+                    "at": e.at,
+                    "kind": e.kind,
+                    "severity": e.severity,
+                    "client_id": e.client_id,
+                    "gpu_uuid": e.gpu_uuid,
+                    "message": e.message,
+                }
+                for e in events
+            ],  # fmt: skip
+            "last_id": events[-1].id if events else max(since_id, 0),
+        }
 
     def _clients(self, include_final: bool) -> dict[str, Any]:
         with self.s.lock:

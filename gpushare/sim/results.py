@@ -101,51 +101,10 @@ def collect(
     """
     warmup, end = scenario.warmup_s, scenario.duration_s
     window = end - warmup
-    online: list[OnlineResult] = []
     nbins = max(1, math.ceil(window / SERIES_BIN_S))
     series: dict[str, Any] = {"bin_s": SERIES_BIN_S, "t0_s": warmup, "duty": {}, "offline_ips": {}}
-    series["online_p99_ms"] = {}
-    for c in node.online:
-        lats = [lat * 1e3 for arr, lat in c.completed if arr >= warmup]
-        slo = c.slo_p99_ms
-        att = (sum(1 for x in lats if x <= slo) / len(lats)) if (slo and lats) else None
-        online.append(
-            OnlineResult(
-                name=c.cid,
-                requests=len(lats),
-                p50_ms=percentile(lats, 50.0),
-                p99_ms=percentile(lats, 99.0),
-                slo_p99_ms=slo,
-                slo_attainment=att,
-                latencies_ms=lats,
-                service_p99_ms=percentile(
-                    [svc * 1e3 for arr, svc in c.served if arr >= warmup], 99.0
-                ),
-            )
-        )
-        bins: list[list[float]] = [[] for _ in range(nbins)]
-        for arr, lat in c.completed:
-            if arr >= warmup:
-                bins[min(nbins - 1, int((arr - warmup) / SERIES_BIN_S))].append(lat * 1e3)
-        series["online_p99_ms"][c.cid] = [percentile(b, 99.0) if b else None for b in bins]
-    offline: list[OfflineResult] = []
-    for job in node.offline:
-        its = [t for t in job.iterations if t >= warmup]
-        standalone = 1.0 / job.profile.total_s
-        offline.append(
-            OfflineResult(
-                name=job.cid,
-                iterations=len(its),
-                iter_per_s=len(its) / window,
-                standalone_iter_per_s=standalone,
-                final_state=ended.get(job.cid, ("queued", None))[0],
-                failure=job.fail_reason or ended.get(job.cid, ("queued", None))[1],
-            )
-        )
-        counts = [0] * nbins
-        for t in its:
-            counts[min(nbins - 1, int((t - warmup) / SERIES_BIN_S))] += 1
-        series["offline_ips"][job.cid] = [n / SERIES_BIN_S / standalone for n in counts]
+    online, series["online_p99_ms"] = _online_results(node, warmup, nbins)
+    offline, series["offline_ips"] = _offline_results(node, warmup, window, nbins, ended)
     series["duty"] = {u: [(t, d) for t, d in s if t >= warmup] for u, s in duty_series.items()}
     n_gpus = len(node.gpus)
     kernels = {
@@ -169,3 +128,65 @@ def collect(
         kernels=kernels,
         series=series,
     )
+
+
+def _online_results(
+    node: SimNode, warmup: float, nbins: int
+) -> tuple[list[OnlineResult], dict[str, list[float | None]]]:
+    """Each online service's results after the warm-up, and its p99 per series bin."""
+    online: list[OnlineResult] = []
+    p99_series: dict[str, list[float | None]] = {}
+    for c in node.online:
+        lats = [lat * 1e3 for arr, lat in c.completed if arr >= warmup]
+        slo = c.slo_p99_ms
+        att = (sum(1 for x in lats if x <= slo) / len(lats)) if (slo and lats) else None
+        online.append(
+            OnlineResult(
+                name=c.cid,
+                requests=len(lats),
+                p50_ms=percentile(lats, 50.0),
+                p99_ms=percentile(lats, 99.0),
+                slo_p99_ms=slo,
+                slo_attainment=att,
+                latencies_ms=lats,
+                service_p99_ms=percentile(
+                    [svc * 1e3 for arr, svc in c.served if arr >= warmup], 99.0
+                ),
+            )
+        )
+        bins: list[list[float]] = [[] for _ in range(nbins)]
+        for arr, lat in c.completed:
+            if arr >= warmup:
+                bins[min(nbins - 1, int((arr - warmup) / SERIES_BIN_S))].append(lat * 1e3)
+        p99_series[c.cid] = [percentile(b, 99.0) if b else None for b in bins]
+    return online, p99_series
+
+
+def _offline_results(
+    node: SimNode,
+    warmup: float,
+    window: float,
+    nbins: int,
+    ended: dict[str, tuple[str, str | None]],
+) -> tuple[list[OfflineResult], dict[str, list[float]]]:
+    """Each offline job's results after the warm-up, and its speed per series bin (of alone)."""
+    offline: list[OfflineResult] = []
+    ips_series: dict[str, list[float]] = {}
+    for job in node.offline:
+        its = [t for t in job.iterations if t >= warmup]
+        standalone = 1.0 / job.profile.total_s
+        offline.append(
+            OfflineResult(
+                name=job.cid,
+                iterations=len(its),
+                iter_per_s=len(its) / window,
+                standalone_iter_per_s=standalone,
+                final_state=ended.get(job.cid, ("queued", None))[0],
+                failure=job.fail_reason or ended.get(job.cid, ("queued", None))[1],
+            )
+        )
+        counts = [0] * nbins
+        for t in its:
+            counts[min(nbins - 1, int((t - warmup) / SERIES_BIN_S))] += 1
+        ips_series[job.cid] = [n / SERIES_BIN_S / standalone for n in counts]
+    return offline, ips_series

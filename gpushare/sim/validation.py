@@ -359,6 +359,16 @@ class Row:
 def table(*, orion_seeds: tuple[int, ...] = (1, 2, 3)) -> list[Row]:
     """Every point, measured against modelled (a few seconds of CPU per Orion seed)."""
     pts = load_points()
+    return [
+        *_igniter_rows(),
+        *_standalone_rows(),
+        *_orion_rows(orion_seeds),
+        *_sharing_rows(pts),
+    ]
+
+
+def _igniter_rows() -> list[Row]:
+    """Thread-percentage curves from iGniter: calibration batches, then the held-out one."""
     rows: list[Row] = []
     for model, batch in IGNITER_CALIBRATION:
         err = igniter_worst_error(model, batch, f"{ORION}/resnet50_32_fb1.csv")
@@ -383,6 +393,12 @@ def table(*, orion_seeds: tuple[int, ...] = (1, 2, 3)) -> list[Row]:
             "-25 % .. +5 %",
         )
     )
+    return rows
+
+
+def _standalone_rows() -> list[Row]:
+    """Published single-model latencies against the model alone."""
+    rows: list[Row] = []
     for sp in load_standalone().values():
         rows.append(
             Row(
@@ -394,6 +410,12 @@ def table(*, orion_seeds: tuple[int, ...] = (1, 2, 3)) -> list[Row]:
                 f"{sp.tolerance_pct:g} %",
             )
         )
+    return rows
+
+
+def _orion_rows(orion_seeds: tuple[int, ...]) -> list[Row]:
+    """Orion's plain-MPS pair, the mean over ``orion_seeds``."""
+    rows: list[Row] = []
     runs = [orion_point(s) for s in orion_seeds]
     real = orion_measured()
     for attr, what, tol in (
@@ -411,6 +433,12 @@ def table(*, orion_seeds: tuple[int, ...] = (1, 2, 3)) -> list[Row]:
                 tol,
             )
         )
+    return rows
+
+
+def _sharing_rows(pts: dict[str, Point]) -> list[Row]:
+    """Time-slicing and MPS points of several clients (nos, T4, TRTLab)."""
+    rows: list[Row] = []
     ts = [pts[k] for k in ("nos-ts-3", "nos-ts-5", "nos-ts-7")]
     proxy = data.load_profile(f"{ORION}/transformer_xl_4_fwd.csv")
     for p in ts:
