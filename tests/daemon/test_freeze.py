@@ -7,7 +7,7 @@ never believes a client thawed that the arbiter holds frozen (or the other way r
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,42 +17,19 @@ from gpushare.daemon.freeze import DUTY, GATE, HOLD, FreezeArbiter
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.state import NodeState
-from gpushare.model import ClientClass, ClientState, PauseMechanism
+from gpushare.model import ClientClass, ClientState
 from gpushare.node.clock import SystemClock
-from gpushare.node.pauser_base import FreezeTimeoutError, PauserError
+from gpushare.node.pauser_base import PauserError
 from gpushare.node.procs.host import HostProcesses
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mps import FakeMpsNode
+from tests.fakes.fake_pauser import FakePauser
 
 GPU = fake_uuid(0)
 
 
-class RecordingPauser:
-    """Records every request; ``fail`` makes requests for those clients fail."""
-
-    mechanism = PauseMechanism.SIGNAL
-    #: Its requests only ask (as the cgroup pauser's do); a freeze confirms.
-    request_waits = False
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[tuple[str, ...], bool]] = []
-        self.fail: set[str] = set()
-        self.timeout = False
-
-    def request_frozen(self, client_ids: Sequence[str], frozen: bool) -> list[str]:
-        self.calls.append((tuple(client_ids), frozen))
-        return [c for c in client_ids if c in self.fail]
-
-    def freeze(self, client_id: str) -> None:
-        if self.timeout:
-            raise FreezeTimeoutError(f"{client_id}: the kernel did not confirm the freeze")
-
-    def thaw(self, client_id: str) -> None:
-        pass
-
-
 def test_a_reason_replaced_in_one_step_never_thaws_the_client() -> None:
-    pauser = RecordingPauser()
+    pauser = FakePauser()
     arb = FreezeArbiter(pauser)
     arb.set(["job"], HOLD, True)
     # A hold released at duty 0: the duty cycle's reason takes the hold's place.
@@ -65,7 +42,7 @@ def test_a_reason_replaced_in_one_step_never_thaws_the_client() -> None:
 
 
 def test_the_gate_and_the_daemon_never_undo_each_others_freeze() -> None:
-    pauser = RecordingPauser()
+    pauser = FakePauser()
     edges: list[tuple[tuple[str, ...], bool]] = []
     arb = FreezeArbiter(
         pauser, on_edge=lambda ids, frozen, _now: edges.append((tuple(ids), frozen))
@@ -79,7 +56,7 @@ def test_the_gate_and_the_daemon_never_undo_each_others_freeze() -> None:
 
 
 def test_a_failed_request_takes_the_reason_back_and_forget_requests_nothing() -> None:
-    pauser = RecordingPauser()
+    pauser = FakePauser()
     pauser.fail = {"gone"}
     arb = FreezeArbiter(pauser)
     with pytest.raises(PauserError, match="cannot freeze"):
@@ -91,14 +68,14 @@ def test_a_failed_request_takes_the_reason_back_and_forget_requests_nothing() ->
 
 
 @pytest.fixture
-def life(tmp_path: Path) -> Iterator[tuple[Lifecycle, RecordingPauser]]:
+def life(tmp_path: Path) -> Iterator[tuple[Lifecycle, FakePauser]]:
     base = tmp_path  # nothing is loaded from it: no daemon starts
     cfg = config.loads(f"""version = 1
 [paths]
 runtime_dir = "{base}/run"
 state_dir = "{base}/state"
 """)
-    pauser = RecordingPauser()
+    pauser = FakePauser()
     state = NodeState(
         cfg, registry=Registry.in_memory(), gpu=FakeGpuBackend(), mps=FakeMpsNode([GPU]),
         pauser=pauser, probe=None, policy=None, clock=SystemClock(), procs=HostProcesses(),
@@ -109,7 +86,7 @@ state_dir = "{base}/state"
 
 
 def test_a_freeze_the_kernel_did_not_confirm_is_still_the_daemons_freeze(
-    life: tuple[Lifecycle, RecordingPauser],
+    life: tuple[Lifecycle, FakePauser],
 ) -> None:
     # Before the arbiter, the lifecycle kept its own set and left a client out of it when the
     # kernel's confirmation timed out, while the gates' arbiter kept it frozen: two answers.
@@ -121,7 +98,7 @@ def test_a_freeze_the_kernel_did_not_confirm_is_still_the_daemons_freeze(
 
 
 def test_a_hold_released_at_duty_zero_keeps_the_client_frozen_for_the_duty(
-    life: tuple[Lifecycle, RecordingPauser],
+    life: tuple[Lifecycle, FakePauser],
 ) -> None:
     lifecycle, pauser = life
     s = lifecycle.s

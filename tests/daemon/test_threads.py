@@ -91,9 +91,12 @@ def daemon() -> Iterator[DaemonProc]:
 
 
 def test_status_shows_the_receiver_alive_after_hostile_datagrams(daemon: DaemonProc) -> None:
+    path = daemon.base / "run" / "latency.sock"
+    # The receiver binds its socket on its own thread: ready for the API is not yet bound here.
+    wait_for(path.exists, 10.0, "the latency socket to be bound")
     tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
-        tx.connect(str(daemon.base / "run" / "latency.sock"))
+        tx.connect(str(path))
         for data in (b"[" * 60000, b'{"v":1,"id":"c1","s":[' + b"9" * 400 + b"]}", b"[" * 3000):
             tx.send(data)
     finally:
