@@ -21,6 +21,14 @@ import typer
 
 from gpushare import protocol
 from gpushare.cli import completion
+from gpushare.cli.options import (
+    MemOpt,
+    OfflineOpt,
+    OnlineOpt,
+    SloP99Opt,
+    SloTpotP99Opt,
+    SloTtftP99Opt,
+)
 from gpushare.cli.render import mps_down, render_list, render_status
 from gpushare.cli.term import emit, use_colour
 from gpushare.client import ApiClient, ApiError, DaemonUnreachableError
@@ -94,8 +102,6 @@ def _signal_number(text: str) -> int:
 
 # submit's options, one alias each (the signature stays readable).
 _CmdOpt = Annotated[list[str], typer.Argument(help="The command and its arguments, after --.")]
-_OnlineOpt = Annotated[bool, typer.Option("--online", help="Latency-critical service.")]
-_OfflineOpt = Annotated[bool, typer.Option("--offline", help="Best-effort job.")]
 _GpuOpt = Annotated[
     str,
     typer.Option(
@@ -116,18 +122,6 @@ _GpusOpt = Annotated[
 _SmOpt = Annotated[
     float | None,
     typer.Option("--sm", help="SM percentage (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)."),
-]
-_MemOpt = Annotated[str | None, typer.Option("--mem", help="Pinned GPU memory limit, e.g. 8G.")]
-_SloP99Opt = Annotated[
-    str | None, typer.Option("--slo-p99", help="Online p99 latency SLO, e.g. 40ms.")
-]
-_SloTtftP99Opt = Annotated[
-    str | None,
-    typer.Option("--slo-ttft-p99", help="Online LLM server: p99 time to first token, e.g. 500ms."),
-]
-_SloTpotP99Opt = Annotated[
-    str | None,
-    typer.Option("--slo-tpot-p99", help="Online LLM server: p99 time per output token, e.g. 50ms."),
 ]
 _NameOpt = Annotated[str | None, typer.Option("--name", help="A name shown in status.")]
 _LatencyFromOpt = Annotated[
@@ -211,15 +205,15 @@ _RestartCostOpt = Annotated[
 
 def submit(
     cmd: _CmdOpt,
-    online: _OnlineOpt = False,
-    offline: _OfflineOpt = False,
+    online: OnlineOpt = False,
+    offline: OfflineOpt = False,
     gpu: _GpuOpt = "any",
     gpus: _GpusOpt = None,
     sm: _SmOpt = None,
-    mem: _MemOpt = None,
-    slo_p99: _SloP99Opt = None,
-    slo_ttft_p99: _SloTtftP99Opt = None,
-    slo_tpot_p99: _SloTpotP99Opt = None,
+    mem: MemOpt = None,
+    slo_p99: SloP99Opt = None,
+    slo_ttft_p99: SloTtftP99Opt = None,
+    slo_tpot_p99: SloTpotP99Opt = None,
     name: _NameOpt = None,
     latency_from: _LatencyFromOpt = None,
     inflight_from: _InflightFromOpt = None,

@@ -18,6 +18,14 @@ from typing import Annotated
 import typer
 
 from gpushare import config, mpsenv
+from gpushare.cli.options import (
+    MemOpt,
+    OfflineOpt,
+    OnlineOpt,
+    SloP99Opt,
+    SloTpotP99Opt,
+    SloTtftP99Opt,
+)
 from gpushare.model import ClientClass
 from gpushare.roots.envresolve import (
     UNSET,
@@ -39,8 +47,6 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 
 # env's options, one alias each (the signature stays readable).
-_OnlineOpt = Annotated[bool, typer.Option("--online", help="Latency-critical service.")]
-_OfflineOpt = Annotated[bool, typer.Option("--offline", help="Best-effort job.")]
 _GpuOpt = Annotated[
     str | None,
     typer.Option("--gpu", help="GPU index or UUID (default: the only GPU of the host)."),
@@ -51,18 +57,6 @@ _SmOpt = Annotated[
         "--sm",
         help="SM percentage (default: online 100, offline control.offline_sm_pct_default).",
     ),
-]
-_MemOpt = Annotated[str | None, typer.Option("--mem", help="Pinned GPU memory limit, e.g. 8G.")]
-_SloP99Opt = Annotated[
-    str | None, typer.Option("--slo-p99", help="Online p99 latency SLO, e.g. 40ms.")
-]
-_SloTtftP99Opt = Annotated[
-    str | None,
-    typer.Option("--slo-ttft-p99", help="Online LLM server: p99 time to first token, e.g. 500ms."),
-]
-_SloTpotP99Opt = Annotated[
-    str | None,
-    typer.Option("--slo-tpot-p99", help="Online LLM server: p99 time per output token, e.g. 50ms."),
 ]
 _FmtOpt = Annotated[
     str,
@@ -87,14 +81,14 @@ _SocketOpt = Annotated[
 
 
 def env(
-    online: _OnlineOpt = False,
-    offline: _OfflineOpt = False,
+    online: OnlineOpt = False,
+    offline: OfflineOpt = False,
     gpu: _GpuOpt = None,
     sm: _SmOpt = None,
-    mem: _MemOpt = None,
-    slo_p99: _SloP99Opt = None,
-    slo_ttft_p99: _SloTtftP99Opt = None,
-    slo_tpot_p99: _SloTpotP99Opt = None,
+    mem: MemOpt = None,
+    slo_p99: SloP99Opt = None,
+    slo_ttft_p99: SloTtftP99Opt = None,
+    slo_tpot_p99: SloTpotP99Opt = None,
     fmt: _FmtOpt = "shell",
     as_json: _AsJsonOpt = False,
     config_path: _ConfigPathOpt = None,
