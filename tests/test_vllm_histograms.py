@@ -111,3 +111,22 @@ def test_a_vllm_spec_is_checked_and_an_endpoint_without_the_histograms_says_so()
     app.scrape_all()
     got = app.p99s()["llm"]
     assert got.reason is not None and "no vLLM histograms" in got.reason
+
+
+def test_a_hostile_vllm_endpoint_gives_no_p99_and_keeps_its_text_from_others() -> None:
+    # The URL is the submitting user's: its answers may be anything. None may raise in the
+    # poller, make up a p99, or put the endpoint's text into the public reason (docs/security.md).
+    answers = iter([
+        "<html>not metrics</html>\x00",
+        f'{VLLM_TTFT}_bucket{{le="0.1"}} NaN\n{VLLM_TTFT}_bucket{{le="+Inf"}} NaN\n',
+        f'{VLLM_TTFT}_bucket{{le="-1"}} 5\n{VLLM_TTFT}_bucket{{le="+Inf"}} 3\n',
+        f'{VLLM_TTFT}_bucket{{le="0.1"}} 1e308\n{VLLM_TTFT}_bucket{{le="+Inf"}} -4\n',
+    ])  # fmt: skip
+    app = AppLatency(2.0, 20, 1.0, fetch=lambda source, timeout_s: next(answers))
+    app.add_prometheus("llm", "vllm:http://127.0.0.1:8000/metrics")
+    for _ in range(4):
+        app.scrape_all()
+        got = app.p99s()["llm"]
+        assert got.p99_ms is None
+        assert got.ttft is None or got.ttft.p99_ms is None or got.ttft.p99_ms >= 0
+        assert "html" not in (got.reason or "") and "NaN" not in (got.reason or "")
