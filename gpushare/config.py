@@ -71,6 +71,10 @@ class PathsConfig:
     # Where client cgroups go; None: beside the daemon in its delegated cgroup, or
     # <cgroup2 mount>/gpushare (gpushare.node.cgroups.discovery.default_base_dir). Never derived.
     cgroup_base: Path | None = None
+    # The in-flight library clients preload; None: built next to the package. Set it where the
+    # package lies in a directory other users cannot enter (a 0700 home, a private venv), whose
+    # library their jobs could not load: `gpushare install` builds it there. Never derived.
+    inflight_library: Path | None = None
 
     def __post_init__(self) -> None:
         derived = {
@@ -402,6 +406,12 @@ def from_dict(data: Mapping[str, Any], file: Path | str | None = None) -> Config
 
 
 def _check_cross_field(config: Config, file: Path | str | None) -> None:
+    library = config.paths.inflight_library
+    if library is not None and not library.is_absolute():
+        # Clients preload it from their own working directories: a relative path means nothing.
+        raise ConfigError(
+            file, "paths.inflight_library", f"must be an absolute path, not {library}"
+        )
     daemon = config.daemon
     if daemon.admin_reserve_workers >= daemon.api_workers:
         raise ConfigError(file, "daemon.admin_reserve_workers", "must be below daemon.api_workers")

@@ -258,7 +258,7 @@ def install(opts: Options, run: Callable[[Sequence[str]], tuple[int, str]] = _ru
     steps.append(_link_bin(host, script))
     if cfg is not None:
         steps.append(_add_group(host, cfg.daemon.admin_group))
-        steps.append(_build_inflight(opts, cfg))
+        steps.append(_build_inflight(host, cfg))
     if cfg is None:
         steps.append(Step("systemd", "skipped", "the config is invalid: fix it, then run again"))
     elif not opts.systemd:
@@ -424,8 +424,11 @@ def _systemctl(host: _Host, *args: str) -> Step:
     return Step(what, "updated")
 
 
-def _build_inflight(opts: Options, cfg: config.Config) -> Step:
-    lib = opts.library if opts.library is not None else native.library_path()
+def _build_inflight(host: _Host, cfg: config.Config) -> Step:
+    opts = host.opts
+    configured = cfg.paths.inflight_library
+    # A configured path is the host's, so it lies under --root; the default is the package's own.
+    lib = opts.library or native.library_path(host.at(configured) if configured else None)
     if cfg.gate.shallow_queue != "bounded":
         return Step(str(lib), "skipped", '[gate] shallow_queue = "blocking" does not use it')
     if lib.is_file() and lib.stat().st_mtime >= native_build.SOURCE.stat().st_mtime:
@@ -439,6 +442,7 @@ def _build_inflight(opts: Options, cfg: config.Config) -> Step:
     # among them, preload it, and the daemon refuses it otherwise (gpushare.trust).
     umask = os.umask(0o022)
     try:
+        lib.parent.mkdir(parents=True, exist_ok=True)  # [paths] inflight_library's directory
         ok, line = native_build.build(lib)
     finally:
         os.umask(umask)

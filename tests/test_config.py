@@ -156,6 +156,7 @@ def test_for_gpu_resolves_an_entry_over_the_node_wide_settings():
             "must not exceed",
         ),
         ("[control]\noffline_sm_pct_default = 5", "control.offline_sm_pct_default", "between"),
+        ("[paths]\ninflight_library = 'lib/x.so'", "paths.inflight_library", "absolute path"),
         ("[control]\nhard_ratio = 1.0\nviolation_ratio = 1.2", "control.hard_ratio", "at least"),
         (
             "[control]\ngate_delay_min = '50ms'\ngate_delay_max = '10ms'",

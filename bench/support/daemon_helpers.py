@@ -21,6 +21,7 @@ from typing import Any
 
 from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from bench.support.trusted import make_trusted_dir, trusted_base
+from gpushare import native
 from gpushare.client import ApiClient, ApiError
 from gpushare.node.procs.identity import is_same_process
 from gpushare.paths import repo_root
@@ -56,6 +57,7 @@ class DaemonProc:
         gpus: int = 2,
         env: dict[str, str] | None = None,
         daemon_toml: str = "",
+        inflight_library: Path | None = None,
     ):
         # Unix socket paths are limited to 108 bytes: keep the base short.
         self.base = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
@@ -67,6 +69,7 @@ class DaemonProc:
         self.db = self.base / "state" / "gpushare.db"
         self.extra_toml = extra_toml
         self.daemon_toml = daemon_toml  # lines for the [daemon] table
+        self.inflight_library = inflight_library  # [paths] inflight_library, else the package's
         self.gpus = gpus
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -78,6 +81,11 @@ class DaemonProc:
     def cgroup_line(self) -> str:
         return f'cgroup_base = "{self.cgroup_dir}"' if self.cgroup_dir is not None else ""
 
+    @property
+    def library_line(self) -> str:
+        lib = self.inflight_library
+        return f'inflight_library = "{lib}"' if lib is not None else ""
+
     def config_text(self, extra_toml: str = "") -> str:
         return f"""version = 1
 [paths]
@@ -85,6 +93,7 @@ runtime_dir = "{self.base}/run"
 state_dir = "{self.base}/state"
 socket = "{self.socket}"
 {self.cgroup_line}
+{self.library_line}
 [daemon]
 admin_group = ""
 cancel_grace = "2s"
@@ -315,6 +324,26 @@ def site_for_others() -> Path:
     atexit.register(shutil.rmtree, lib.parent, True)
     _SITE_FOR_OTHERS.append(lib)
     return lib
+
+
+_LIBRARY_FOR_OTHERS: list[Path] = []
+
+
+def library_for_others() -> Path | None:
+    """A root-owned copy of the built in-flight library every user's job may preload; None if
+    it is not built. For ``[paths] inflight_library``: the clone, where ``make native`` builds it,
+    may lie where other users cannot enter (a 0700 ``mktemp -d``), and the daemon rightly refuses
+    a library their jobs could not load. Made once per session, removed when it ends.
+    """
+    if not native.built():
+        return None
+    if not _LIBRARY_FOR_OTHERS:
+        lib = make_trusted_dir("gs-lib-") / native.LIBRARY_NAME
+        shutil.copyfile(native.library_path(), lib)
+        lib.chmod(0o755)
+        atexit.register(shutil.rmtree, lib.parent, True)
+        _LIBRARY_FOR_OTHERS.append(lib)
+    return _LIBRARY_FOR_OTHERS[0]
 
 
 def call_as(uid: int, gid: int, sock: Path, method: str, params: dict[str, Any]) -> dict[str, Any]:

@@ -89,7 +89,7 @@ class RealHost:
         """Whether every user's job can preload the in-flight bound (built, readable, trusted)."""
         from gpushare import native
 
-        lib = native.library_path()
+        lib = native.library_path(self._cfg.paths.inflight_library)
         why = native.unreadable_reason(lib)
         if why is not None:
             return Probe(False, why)

@@ -91,11 +91,12 @@ class Daemon:
         clock: Clock | None = None,
         procs: ProcessHost | None = None,
     ) -> None:
+        library = native.library_path(config.paths.inflight_library)
         self.state = NodeState(
             config, registry=registry, gpu=gpu, mps=mps, pauser=pauser, probe=probe,
             policy=policy, clock=clock or SystemClock(), procs=procs or HostProcesses(),
             shallow_library=(
-                str(native.library_path()) if native.unusable_reason() is None else None
+                str(library) if native.unusable_reason(library) is None else None
             ),
             library_vet=launcher.library_refusal,
         )  # fmt: skip
@@ -193,7 +194,10 @@ class Daemon:
                 )
         if cfg.gate.shallow_queue == "bounded" and state.shallow_library is None:
             # Shallow queues still work (blocking); the operator should know they cost more.
-            why = f"{native.unusable_reason() or launcher.CANNOT_PRELOAD}: {launcher.FALLBACK}"
+            library = native.library_path(cfg.paths.inflight_library)
+            why = (
+                f"{native.unusable_reason(library) or launcher.CANNOT_PRELOAD}: {launcher.FALLBACK}"
+            )
             state.registry.add_event("shallow_queue_blocking", why, severity="warning")
             log.warning("shallow_queue_blocking", reason=why)
         if state.cordons.load_error is not None:

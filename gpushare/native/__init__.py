@@ -43,9 +43,13 @@ bound changes without a restart; it overrides :data:`INFLIGHT_ENV`. Rewrite the 
 of SIGBUS."""
 
 
-def library_path() -> Path:
-    """Where ``scripts/build-native.sh`` puts the interposer: next to this module."""
-    return Path(__file__).resolve().parent / LIBRARY_NAME
+def library_path(configured: Path | None = None) -> Path:
+    """The interposer clients preload.
+
+    ``configured`` is ``[paths] inflight_library`` where set; else the library that
+    ``scripts/build-native.sh`` puts next to this module.
+    """
+    return configured if configured is not None else Path(__file__).resolve().parent / LIBRARY_NAME
 
 
 def built() -> bool:

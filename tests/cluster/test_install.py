@@ -28,7 +28,7 @@ needs_groupadd = pytest.mark.skipif(
 def library(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Where install builds the in-flight bound: a directory of the test's, not the package's."""
     lib = tmp_path_factory.mktemp("site") / native.LIBRARY_NAME
-    monkeypatch.setattr(native, "library_path", lambda: lib)
+    monkeypatch.setattr(native, "library_path", lambda configured=None: configured or lib)
     return lib
 
 
@@ -114,6 +114,27 @@ def test_the_in_flight_bound_is_built_only_where_used_and_a_missing_compiler_is_
     assert "no C compiler (no-such-cc)" in detail
     assert "CUDA_LAUNCH_BLOCKING=1" in detail
     assert not library.exists()
+
+
+@needs_groupadd
+def test_a_configured_library_path_is_built_there_under_the_root(tmp_path: Path, library: Path):
+    # A package in a 0700 home: the operator names a library every user's job can load.
+    cfg = tmp_path / "etc/gpushare/gpushare.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text('[paths]\ninflight_library = "/usr/local/lib/gpushare/libinflight.so"\n')
+    code, out, err = _cli("install", "--root", str(tmp_path), "--no-systemd", "--json")
+    assert code == 0, err
+    built = tmp_path / "usr/local/lib/gpushare/libinflight.so"
+    result, _detail = _steps(out)[str(built)]
+    assert not library.exists()
+    if native_build.compiler() is None:
+        assert result == "skipped"
+        return
+    assert result == "created"
+    ctypes.CDLL(str(built))
+    for path in (built, built.parent):
+        st = path.stat()
+        assert (st.st_uid, st.st_mode & 0o022) == (0, 0), f"{path} must be root's, not writable"
 
 
 @needs_groupadd

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench.support.daemon_helpers import DaemonProc, wait_for
+from bench.support.daemon_helpers import DaemonProc, library_for_others, wait_for
 from gpushare import client, native
 
 # The online service: acts on command files the test drops into its directory.
@@ -221,9 +221,9 @@ while True: time.sleep(0.05)
 
 
 def _shallow_env(
-    tmp_path: Path, gate_toml: str
+    tmp_path: Path, gate_toml: str, library: Path | None = None
 ) -> tuple[dict[str, str | None], DaemonProc, dict[str, Any]]:
-    d = DaemonProc(gate_toml, gpus=1)
+    d = DaemonProc(gate_toml, gpus=1, inflight_library=library)
     d.start()
     out = tmp_path / "env.json"
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
@@ -236,18 +236,19 @@ def _shallow_env(
 
 
 @pytest.mark.skipif(
-    native.unusable_reason() is not None,
-    reason=f"the daemon would not preload the in-flight bound: {native.unusable_reason()}",
+    not native.built(), reason="the in-flight library is not built (make native needs a C compiler)"
 )
 def test_a_bounded_shallow_client_runs_preloaded_with_its_bound(tmp_path: Path) -> None:
     # The real library is preloaded into a real (CUDA-free) process, which must run unharmed.
+    # A root-owned copy, named by [paths] inflight_library: the clone may be private (0700).
+    lib = library_for_others()
     env, d, queue = _shallow_env(
-        tmp_path, '[gate]\nshallow_queue = "bounded"\ninflight_kernels = 3\n'
+        tmp_path, '[gate]\nshallow_queue = "bounded"\ninflight_kernels = 3\n', lib
     )
     try:
         assert queue == {"asked": "shallow", "now": "shallow", "shallow": "3 in flight"}
         assert env == {
-            "LD_PRELOAD": str(native.library_path()),
+            "LD_PRELOAD": str(lib),
             "GPUSHARE_MAX_INFLIGHT": "3",
             "CUDA_LAUNCH_BLOCKING": None,
         }

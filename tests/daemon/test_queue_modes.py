@@ -150,7 +150,7 @@ def test_an_older_database_gains_the_new_columns(tmp_path: Path) -> None:
 def test_a_daemon_whose_clients_cannot_preload_the_bound_says_shallow_queues_will_block(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reason: str | None
 ) -> None:
-    monkeypatch.setattr(native, "unusable_reason", lambda: reason)
+    monkeypatch.setattr(native, "unusable_reason", lambda lib=None: reason)
     cfg = config_mod.loads(f"""version = 1
 [paths]
 runtime_dir = "{tmp_path}/run"
