@@ -192,6 +192,9 @@ class ControlConfig:
     gate_delay_raise_after_ticks: int = _num(5, minimum=1, maximum=100_000)
     gate_delay_trust_s: float = _duration(60.0)
     gate_delay_loose_below: float = _num(0.75, minimum=0.0, maximum=1.0)
+    # Issue 32: the most a measured start-up counts as a job's restart cost
+    # (gpushare.daemon.startcost): a job decides when it first touches the GPU.
+    restart_cost_measured_max_s: float = _duration(300.0)
     # The sharing policy the daemon runs (gpushare.control.registry.POLICY_NAMES).
     policy: str = "gpushare"
 

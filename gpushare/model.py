@@ -236,7 +236,8 @@ class ClientView:
     ``live_queue``: its queue follows request gating without a restart (the in-flight library's
     control file, issue 32), so the controller never restarts it to switch queues.
     ``restart_cost_s``: what a restart costs the job (start-up and lost work; declared or
-    measured), ``None``: the controller's default; ``restarts`` how often it was restarted.
+    measured), ``None``: the controller's default; ``restart_cost_measured``: it is the daemon's
+    measurement (``gpushare.daemon.startcost``); ``restarts`` how often it was restarted.
     """
 
     client_id: str
@@ -258,6 +259,7 @@ class ClientView:
     shallow: bool = False
     live_queue: bool = False
     restart_cost_s: float | None = None
+    restart_cost_measured: bool = False
     restarts: int = 0
     # An LLM server's token SLOs and their p99s over their windows (docs/controller.md, "LLM
     # servers"): time to first token and time per output token, milliseconds.

@@ -223,7 +223,8 @@ def _token_cell(t: dict[str, Any] | None) -> tuple[str, str]:
 
 def _offline_table(clients: Sequence[dict[str, Any]], wide: bool, paint: Paint, now: float) -> str:
     rows: list[list[str]] = [[*_heads(wide), "THAWED 1M" if wide else "THAWED", "RESTARTS"] + (
-        ["EVICTIONS", "STATE", "UPTIME", "AGE", "PAUSE", "QUEUE"] if wide else ["STATE", "AGE"])]  # fmt: skip
+        ["EVICTIONS", "STATE", "UPTIME", "AGE", "PAUSE", "QUEUE", "RESTART COST"] if wide
+        else ["STATE", "AGE"])]  # fmt: skip
     kinds = []
     for c in clients:
         off = c.get("offline") or {}
@@ -232,12 +233,21 @@ def _offline_table(clients: Sequence[dict[str, Any]], wide: bool, paint: Paint, 
                _count(c.get("restarts"))]  # fmt: skip
         if wide:
             row += [_count(off.get("evictions")), _state(c), _dur(c["uptime_s"]),
-                    _client_age(c, now), c["pause_mechanism"] or NA, _queue(off.get("queue"))]  # fmt: skip
+                    _client_age(c, now), c["pause_mechanism"] or NA, _queue(off.get("queue")),
+                    _restart_cost(off.get("restart_cost"))]  # fmt: skip
         else:
             row += [_state(c), _client_age(c, now)]
         rows.append(row)
         kinds.append([""] * (10 if wide else 9) + [_kind(_state(c))])
     return _table(rows, paint, kinds)
+
+
+def _restart_cost(cost: dict[str, Any] | None) -> str:
+    """What a restart costs the job and whence: ``90s (declared)``, ``12s (measured)`` (issue 32)."""
+    if not cost or cost.get("s") is None:
+        return NA
+    s = float(cost["s"])
+    return f"{f'{s:.1f}s' if s < 10 else _dur(s)} ({cost.get('source') or 'default'})"
 
 
 def _queue(q: dict[str, Any] | None) -> str:

@@ -84,6 +84,8 @@ def verdict(
     A job restarted before is not restarted again within the break-even of its last start.
     """
     cost = restart_cost_s(config, client)
+    # Issue 32: a cost the daemon measured says so (gpushare.daemon.startcost).
+    costing = _fmt(cost) + (" (measured)" if client.restart_cost_measured else "")
     need = break_even_hold_s(client.limits.sm_pct, target_pct, duty, cost)
     held = now - regime_since_s if regime_since_s is not None else math.inf
     if target_pct > client.limits.sm_pct:
@@ -96,14 +98,13 @@ def verdict(
             True,
             need,
             f"expected to hold {_fmt(held)}, past the {_fmt(need)} a restart costing "
-            f"{_fmt(cost)} needs to pay",
+            f"{costing} needs to pay",
         )
     why = f"held {_fmt(held)}" if ran >= held else f"restarted {_fmt(ran)} ago"
     return RestartVerdict(
         False,
         need,
-        f"waits: a restart costing {_fmt(cost)} pays after the new cap holds {_fmt(need)} "
-        f"({why})",
+        f"waits: a restart costing {costing} pays after the new cap holds {_fmt(need)} ({why})",
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gpushare.daemon import startcost
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.reporter import Counts, count
@@ -77,6 +78,9 @@ class ClientViews:
         started = None
         if rec.started_at is not None:
             started = tick.monotonic_s - max(0.0, tick.wall_s - rec.started_at)
+        cost, source = startcost.fed_cost(
+            rec.restart_cost_s, rec.startup_s, self.life.s.config.control
+        )
         return ClientView(
             client_id=rec.id,
             cls=rec.cls,
@@ -99,6 +103,8 @@ class ClientViews:
             queue=rec.queue,
             shallow=self.life.is_shallow(rec.id),
             live_queue=self.life.live.is_live(rec.id),  # issue 32
-            restart_cost_s=rec.restart_cost_s,
+            # Issue 32: declared, else measured (capped), else None: the controller's default.
+            restart_cost_s=cost,
+            restart_cost_measured=source == startcost.MEASURED,
             restarts=rec.restarts,
         )

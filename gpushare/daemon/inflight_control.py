@@ -60,6 +60,11 @@ def _file_name(gpu_uuid: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in gpu_uuid) or "gpu"
 
 
+def control_path(directory: Path, gpu_uuid: str) -> Path:
+    """Where :class:`ControlFiles` under ``directory`` keeps the GPU's file."""
+    return directory / _file_name(gpu_uuid)
+
+
 class ControlFiles:
     """:class:`BoundWriter` on a host: one root-owned file per GPU, 0644, in a 0755 directory.
 
@@ -75,7 +80,7 @@ class ControlFiles:
     def path(self, gpu_uuid: str) -> str:
         """The GPU's file, created holding 0 (unbounded) the first time."""
         self._fd(gpu_uuid)
-        return str(self.directory / _file_name(gpu_uuid))
+        return str(control_path(self.directory, gpu_uuid))
 
     def write(self, gpu_uuid: str, bound: int) -> None:
         """Rewrite the 4 bytes in place."""

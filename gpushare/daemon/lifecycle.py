@@ -32,6 +32,7 @@ from gpushare.daemon.freeze import DAEMON_REASONS, DUTY, HOLD
 from gpushare.daemon.inflight_control import LiveQueues
 from gpushare.daemon.readopt import readopt
 from gpushare.daemon.registry import ClientRecord, RegistryError
+from gpushare.daemon.startcost import StartTimes
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.model import ClientClass, ClientState, Evict, RecoverMps, RestartClient
 from gpushare.node.base import Process
@@ -71,6 +72,8 @@ class Lifecycle:
         self._shallow: dict[str, str] = {}
         # Issue 32: live ``--queue auto`` clients, whose bound follows gating without a restart.
         self.live = LiveQueues(lambda: self.s.bound_writer, self._shallow)
+        # Issue 32: relaunched clients whose start-up the loop times (daemon.startcost).
+        self.startup = StartTimes()
 
     # ----------------------------------------------------------------------------- queries
 
@@ -394,6 +397,7 @@ class Lifecycle:
             self.s.gauges.forget(client_id)
             self._shallow.pop(client_id, None)  # a relaunch decides its queue anew
             self.live.forget(client_id)
+            self.startup.forget(client_id)
             try:
                 self.s.pauser.release(client_id)
             except PAUSE_ERRORS as exc:
@@ -527,6 +531,8 @@ class Lifecycle:
         except (*PAUSE_ERRORS, RegistryError, sqlite3.Error) as exc:
             return self._abort_launch(rec, proc, f"cannot start: {exc}")
         self._watch(rec.id, proc, start_time)
+        if restart and rec.gpu_uuid is not None:  # issue 32: a restart's cost, measured
+            self.startup.spawned(rec.id, rec.gpu_uuid, self.s.clock.monotonic())
         current = self.s.registry.get(rec.id)
         if current.state is S.STARTING:  # not already ended by a prompt exit
             current = self.s.transition(rec.id, S.RUNNING) or current

@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 
 from gpushare.control import admission
+from gpushare.daemon import startcost
 from gpushare.daemon.actuator import Actuator
 from gpushare.daemon.clientviews import ClientViews
 from gpushare.daemon.cordon import held_by_drain
@@ -210,6 +211,8 @@ class ControlLoop:
         s = self.s
         uuid, now = sample.uuid, tick.monotonic_s
         obs = observe_gpu(s, sample, views, gpu_events, tick, self.reporter)
+        if self.life.startup.waiting:  # issue 32: a relaunch's first GPU work, timed
+            startcost.measure(s, self.life.startup, sample, now)
         state = self.policy_state.get(uuid)
         if uuid not in self.policy_state:
             state = s.initial_policy_state(uuid, now)

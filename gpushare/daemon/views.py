@@ -20,6 +20,7 @@ from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.opstats import gate_status, latency_status, token_status
 from gpushare.daemon.registry import ClientRecord
+from gpushare.daemon.startcost import restart_cost_status
 from gpushare.daemon.state import NodeState
 from gpushare.daemon.submitq import queue_positions
 from gpushare.latency.p99 import LatencyP99
@@ -267,6 +268,7 @@ class Views:
             shallow = self.life.shallow.get(r.id) if r.state.is_live else None
             now_q = None if not r.state.is_live else "shallow" if shallow else "deep"
             offline["queue"] = {"asked": r.queue, "now": now_q, "shallow": shallow}
+            offline["restart_cost"] = restart_cost_status(r, self.s.config.control)
         uptime = None
         if r.started_at is not None and r.state.is_live:
             uptime = round(now - r.started_at, 3)

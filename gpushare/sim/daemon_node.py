@@ -114,6 +114,10 @@ class SimulatedPauser(PauserDefaults):
         if ENV_PROFILE not in env:
             env = launched  # a foreground submit: the profile is in its environment
         blocking, bound = launch_queue(launched)
+        # Issue 32: a live --queue auto client follows its GPU's control file, as the library does.
+        with self.rt.lock:  # the node's advance reads the followers
+            live = self.rt.controls.follow(client_id, info.gpu_uuid, launched) if bound else None
+        bound = bound if live is None else live
         try:
             workload = workload_from_env(env)
             if workload is None:

@@ -18,7 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from gpushare.config import Config
+from gpushare.daemon.inflight_control import SUBDIR
 from gpushare.model import (
     ClientClass,
     ClientState,
@@ -34,11 +37,14 @@ from gpushare.node.pauser_defaults import PauserDefaults
 from gpushare.sim import adapters as simnode
 from gpushare.sim import data
 from gpushare.sim.arrivals import bursty_poisson_arrivals
+from gpushare.sim.control_follow import ControlFollower
 from gpushare.sim.gating import BoundarySender
 from gpushare.sim.node import SimNode, launch_costs
 from gpushare.sim.scenario import GpuSpec, Scenario
 from gpushare.sim.simenv import ENV_BURST, ENV_PROFILE, ENV_RPS, rate_problem
 from gpushare.sim.workloads import OfflineTrainer, OnlineServer
+
+log = structlog.get_logger("gpushare.sim")
 
 ORION = "orion-v100-kernels"
 #: One :meth:`RealTimeSimNode.advance` simulates in steps of this much virtual time, and stops
@@ -172,6 +178,8 @@ class RealTimeSimNode:
         #: (:meth:`start_boundaries`): ``(client_id, pid, requests in flight, at_s on clock)``.
         self._boundaries: queue.SimpleQueue[tuple[str, int, int, float] | None] | None = None
         self._boundary_thread: threading.Thread | None = None
+        #: Issue 32: twins of live ``--queue auto`` clients read the daemon's control files.
+        self.controls = ControlFollower(runtime_dir / SUBDIR)
 
     def start_boundaries(self, deliver: Callable[[str, int, int, float], None]) -> None:
         """Send the simulated online clients' request boundaries to ``deliver``, from a thread.
@@ -215,6 +223,8 @@ class RealTimeSimNode:
         with self.lock:
             loop = self.node.loop
             target = max(loop.now, self._clock() - self._t0)
+            if self.controls.following:
+                self._follow_controls()
             began = time.perf_counter()
             while loop.now < target:
                 loop.run_until(min(target, loop.now + ADVANCE_STEP_S))
@@ -232,6 +242,14 @@ class RealTimeSimNode:
                 server.completed.clear()
                 server.served.clear()
             self.node.forget_history()
+
+    def _follow_controls(self) -> None:
+        """Give each following twin the bound its control file holds now (issue 32)."""
+        for client_id, bound in self.controls.changed():
+            c = self.node.client(client_id)
+            if isinstance(c, OfflineTrainer) and c.state.is_live:
+                c.set_inflight(bound)
+                log.info("sim_inflight_bound", client_id=client_id, bound=bound, pid=c.pid)
 
     def add_client(
         self,
@@ -336,6 +354,7 @@ class RealTimeSimNode:
     def remove_client(self, client_id: str) -> None:
         """The client's process is gone: its outstanding work is discarded."""
         with self.lock:
+            self.controls.forget(client_id)
             self.advance()
             c = self.node.client(client_id)
             if isinstance(c, OfflineTrainer) and c.state.is_live:

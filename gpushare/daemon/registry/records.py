@@ -116,6 +116,9 @@ class ClientRecord:
     """An LLM server's p99 SLO on the time to its first token (``submit --slo-ttft-p99``)."""
     slo_tpot_p99_ms: float | None = None
     """An LLM server's p99 SLO on the time per further token (``submit --slo-tpot-p99``)."""
+    startup_s: float | None = None
+    """Its start-up measured by the daemon, relaunch to first GPU work, smoothed and capped
+    (issue 32, ``gpushare.daemon.startcost``); ``None``: not measured yet."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +228,7 @@ def record(row: sqlite3.Row) -> ClientRecord:
         restarts=row["restarts"], failures=row["failures"], submitted_at=row["submitted_at"],
         started_at=row["started_at"], ended_at=row["ended_at"], adopted_by=row["adopted_by"],
         gang=tuple(json.loads(row["gang"])) if row["gang"] else (),
+        startup_s=row["startup_s"],
     )  # fmt: skip
 
 

@@ -96,6 +96,10 @@ _ADDED_REAL_COLUMNS = ("expected_s", "restart_cost_s", "slo_ttft_p99_ms", "slo_t
 # Migration step 3 (issue 35): a gang's GPUs, a JSON list of UUIDs in rank order. An older
 # record gains NULL, read as a gang of one: its one GPU (ClientRecord.gpus).
 _GANG_COLUMNS = ("gang",)
+# Migration step 4 (issue 32): a restartable offline job's start-up measured by the daemon (from a
+# relaunch to its first GPU work, gpushare.daemon.startcost), its restart cost when it declared
+# none. An older record gains NULL: not measured yet.
+_STARTUP_COLUMNS = ("startup_s",)
 _SIDE_FILES = ("-wal", "-shm")
 
 # Primary result codes (sqlite3.h) for which a failed write is worth retrying later: the data is
@@ -260,6 +264,9 @@ def prepare(conn: sqlite3.Connection) -> None:
     for column in _GANG_COLUMNS:
         if column not in have:
             conn.execute(f"ALTER TABLE clients ADD COLUMN {column} TEXT")
+    for column in _STARTUP_COLUMNS:
+        if column not in have:
+            conn.execute(f"ALTER TABLE clients ADD COLUMN {column} REAL")
     conn.execute(
         "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
         (str(SCHEMA_VERSION),),
