@@ -11,6 +11,8 @@ client too, without a comment (:func:`job_class`): Slurm gives its Prolog the sh
 (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, N out of the GPU's ``mps`` count), which becomes an offline
 job's SM share; its class is online when its partition or QOS is one the site named
 (``gpushare slurm prolog --online-partitions serve --online-qos interactive``), else offline.
+Slurm 22.05 gives the Prolog the partition but not the QOS: when the class depends on it, the
+Prolog asks ``squeue`` for that one job's QOS (:func:`squeue_qos`), and says so when it cannot.
 The three scripts, run by Slurm (``deploy/slurm/``):
 
 - **Prolog** (slurmd, root, once per job and node, before its first task): validates the
@@ -34,6 +36,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -113,6 +116,8 @@ NO_ONLINE = OnlineRule()
 
 GRES_MPS_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 """What slurmd's gres/mps plugin gives the Prolog: the job's share of its GPU, in percent."""
+QOS_ENV = "SLURM_JOB_QOS"
+"""The job's QOS where Slurm gives it (22.05 gives its Prolog none: :func:`with_qos`)."""
 
 
 def job_class(env: Mapping[str, str], online: OnlineRule = NO_ONLINE) -> JobClass | None:
@@ -143,12 +148,88 @@ def job_class(env: Mapping[str, str], online: OnlineRule = NO_ONLINE) -> JobClas
         )
     if declared is None:
         partition = env.get("SLURM_JOB_PARTITION", "")
-        qos = env.get("SLURM_JOB_QOS", "")
+        qos = env.get(QOS_ENV, "")
         is_online = partition in online.partitions or (qos != "" and qos in online.qos)
         declared = JobClass(ClientClass.ONLINE if is_online else ClientClass.OFFLINE)
     if declared.cls is ClientClass.OFFLINE and declared.sm_pct is None:
         declared = replace(declared, sm_pct=share)
     return declared
+
+
+SLURM_BIN_PATH = "/usr/bin:/usr/local/bin:/opt/slurm/bin"
+"""Where ``squeue`` is looked for when the Prolog has no PATH (Slurm gives it none)."""
+
+QosOf = Callable[[str], str]
+"""A job's QOS by its id; raises :class:`LookupError` (one line) when it cannot be known."""
+
+
+def squeue_qos(squeue: str | None = None, timeout_s: float = REQUEST_TIMEOUT_S) -> QosOf:
+    """Ask ``squeue`` for a job's QOS: ``squeue --noheader --jobs=<id> --format=%q``.
+
+    The one field, not ``scontrol show job -o``: there the job's name comes before its QOS, and
+    a user who names a job ``x QOS=interactive`` would be read as that QOS. The Prolog runs as
+    root with Slurm's ``SLURM_CONF``; a QOS exists only where Slurm keeps accounting (slurmdbd),
+    else squeue prints ``(null)``.
+    """
+
+    def qos_of(job: str) -> str:
+        path = os.environ.get("PATH") or SLURM_BIN_PATH
+        prog = squeue or shutil.which("squeue", path=path)
+        if prog is None:
+            raise LookupError(f"squeue is not in {path}: pass --squeue")
+        argv = [prog, "--noheader", f"--jobs={job}", "--format=%q"]
+        # subprocess as gpushare.node.exec runs it (no shell, a timeout, LC_ALL=C), without its
+        # logging: the Slurm scripts import only what the daemon's client needs.
+        import subprocess
+
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
+                                  env={**os.environ, "LC_ALL": "C"}, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise LookupError(f"{' '.join(argv)}: timed out after {timeout_s:g} s") from None
+        except OSError as exc:
+            raise LookupError(f"{prog}: {exc}") from None
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            raise LookupError(f"{' '.join(argv)}: {last}")
+        words = done.stdout.split()
+        if len(words) != 1 or words[0] == "(null)":
+            raise LookupError(
+                f"{' '.join(argv)} gave no QOS ({done.stdout.strip()!r}): a QOS needs Slurm "
+                "accounting (AccountingStorageType=accounting_storage/slurmdbd)"
+            )
+        return words[0]
+
+    return qos_of
+
+
+def with_qos(
+    env: Mapping[str, str], online: OnlineRule, qos_of: QosOf, log: TextIO
+) -> dict[str, str]:
+    """``env`` with the job's QOS when its class depends on it and Slurm did not give it.
+
+    Asked only for a gres/mps job without a ``gpushare=`` comment, outside the online
+    partitions, when the site named online QOS: Slurm's docs ask Prologs not to call Slurm's
+    commands, so the common jobs cost nothing. When the QOS cannot be learned, one line says so
+    and the job is classed by its partition alone (offline unless its partition is online).
+    """
+    out = dict(env)
+    needed = (
+        online.qos
+        and not env.get(QOS_ENV)
+        and (env.get(GRES_MPS_ENV) or "").strip()
+        and not _declarations(env.get("SLURM_JOB_COMMENT"))
+        and env.get("SLURM_JOB_PARTITION", "") not in online.partitions
+    )
+    if not needed:
+        return out
+    job = env.get("SLURM_JOB_ID", "")
+    try:
+        out[QOS_ENV] = qos_of(job)
+    except LookupError as exc:
+        print(f"gpushare prolog: job {job}: its QOS is unknown ({exc}); classed by its "
+              "partition alone", file=log)  # fmt: skip
+    return out
 
 
 def _declarations(comment: str | None) -> list[str]:
@@ -207,14 +288,21 @@ def prolog(
     send: Send,
     log: TextIO,
     online: OnlineRule = NO_ONLINE,
+    qos_of: QosOf | None = None,
 ) -> int:
-    """Record and register a job's class (:func:`job_class`); always 0 (a failing Prolog drains the node)."""
+    """Record and register a job's class (:func:`job_class`); always 0 (a failing Prolog drains the node).
+
+    ``qos_of``: how to learn the job's QOS when Slurm does not give it (:func:`with_qos`);
+    ``None``: never asked.
+    """
     try:
         job = _job_id(env)
         uid = int(env.get("SLURM_JOB_UID", ""))
     except ValueError as exc:
         print(f"gpushare prolog: {exc}", file=log)
         return 0
+    if qos_of is not None:
+        env = with_qos(env, online, qos_of, log)
     try:
         declared = job_class(env, online)
     except ValueError as exc:
@@ -345,7 +433,12 @@ def main(argv: Sequence[str]) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--online-qos", default="", metavar="Q[,Q]",
-        help="prolog: gres/mps jobs of these QOS are online (where Slurm gives the Prolog the QOS)",
+        help="prolog: gres/mps jobs of these QOS are online (the QOS is asked of squeue when "
+        "Slurm does not give it; it needs accounting)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--squeue", default=None, metavar="PATH",
+        help=f"prolog: the squeue that tells a job's QOS (default: found in {SLURM_BIN_PATH})",
     )  # fmt: skip
     args = parser.parse_args(argv)
     online = OnlineRule(
@@ -365,7 +458,7 @@ def main(argv: Sequence[str]) -> int:
         return task_prolog(env, cfg, sys.stdout)
     try:
         if args.script == "prolog":
-            return prolog(env, cfg, daemon_sender(cfg), sys.stderr, online)
+            return prolog(env, cfg, daemon_sender(cfg), sys.stderr, online, squeue_qos(args.squeue))
         return epilog(env, cfg, daemon_sender(cfg), sys.stderr)
     except Exception as exc:  # noqa: BLE001 - a failing Prolog/Epilog drains the node: never fail
         print(f"gpushare {args.script}: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -10,6 +10,15 @@ systemd     ``/kubepods.slice[/kubepods-<qos>.slice]/kubepods[-<qos>]-pod<uid_>.
             with ``cri-containerd-``, ``crio-`` or ``docker-``; the UID's dashes become underscores
 ==========  =========================================================================================
 
+Under a ``--cgroup-root`` (``cgroupRoot``) the kubelet puts its components in front of
+``kubepods``: with cgroupfs as directories (``/kubelet/kubepods/...``), with systemd in every slice's
+name, because the kubelet joins the components with ``-`` (each one's own dashes escaped to ``_``)
+and systemd expands ``a-b-c.slice`` to ``/a.slice/a-b.slice/a-b-c.slice`` (the kubelet's
+``CgroupName.ToSystemd`` in ``pkg/kubelet/cm/cgroup_manager_linux.go``). kind sets
+``cgroupDriver: systemd`` and ``cgroupRoot: /kubelet`` (kubernetes-sigs/kind,
+``pkg/cluster/internal/kubeadm/config.go``), so a kind node's pods are
+``/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/kubelet-kubepods-besteffort-pod<uid_>.slice/cri-containerd-<id>.scope``.
+
 Outside Kubernetes the same functions name a container: ``/docker/<id>``,
 ``/system.slice/docker-<id>.scope``, and podman's ``libpod-<id>[.scope]``. A runtime's monitor
 processes (``crio-conmon-<id>``, ``libpod-conmon-<id>``) are not the container. The path may have
@@ -23,9 +32,14 @@ import re
 from dataclasses import dataclass
 
 _HEX_ID = r"([0-9a-f]{64})"
-_UID = r"([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
+_UID_BODY = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
+_UID = rf"({_UID_BODY})"
 _POD_CGROUPFS = re.compile(rf"^pod{_UID}$")
-_POD_SYSTEMD = re.compile(rf"^kubepods(?:-(besteffort|burstable))?-pod{_UID}\.slice$")
+# The cgroup root's components come first, each ending in "-" and free of "-" and "/" (the
+# kubelet escapes their dashes to "_"): "kubelet-kubepods-besteffort-pod<uid>.slice" on kind.
+_POD_SYSTEMD = re.compile(
+    rf"^(?:[^-/]+-)*kubepods(?:-(?P<qos>besteffort|burstable))?-pod(?P<uid>{_UID_BODY})\.slice$"
+)
 _CONTAINER = (
     (re.compile(rf"^cri-containerd-{_HEX_ID}\.scope$"), "containerd"),
     (re.compile(rf"^crio-{_HEX_ID}(?:\.scope)?$"), "cri-o"),
@@ -63,8 +77,8 @@ def container_of_cgroup(path: str) -> Container | None:
             pod_uid, pod_at = m.group(1).replace("_", "-"), i
             qos = _QOS.get(parts[i - 1], "guaranteed") if i > 0 else None
         elif m := _POD_SYSTEMD.match(part):
-            pod_uid, pod_at = m.group(2).replace("_", "-"), i
-            qos = m.group(1) or "guaranteed"
+            pod_uid, pod_at = m.group("uid").replace("_", "-"), i
+            qos = m.group("qos") or "guaranteed"
     cid = runtime = None
     for part in reversed(parts[pod_at + 1 :]):
         for pattern, name in _CONTAINER:

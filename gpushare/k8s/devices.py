@@ -5,9 +5,17 @@ Each shared GPU is advertised as replicas of two resources (``gpushare.io/online
 some of them; the container's class is its resource's, its GPU the one its ids name (all of them
 must name one GPU: a container is the MPS client of one GPU's control daemon), and for offline
 work its SM share is what it asked for, ``count * 100 / offline_replicas`` percent (with the
-default 10 replicas, each unit of ``gpushare.io/offline`` is 10 % of the GPU's SMs). Online work
-runs uncapped (:data:`gpushare.mpsenv.ONLINE_SM_PCT`): gpushare protects it by throttling offline
-work, so an online unit only counts how many online pods a GPU takes.
+default 10 replicas, each unit of ``gpushare.io/offline`` is 10 % of the GPU's SMs), never more
+than the node's policy for that GPU (``control.offline_sm_pct_max`` or its ``[gpus]`` entry's):
+a pod author chooses only how many units to ask for, the scheduler counts them, and the node
+caps what they are worth. Online work runs uncapped (:data:`gpushare.mpsenv.ONLINE_SM_PCT`):
+gpushare protects it by throttling offline work, so an online unit only counts how many online
+pods a GPU takes.
+
+Why the request and not an annotation (docs/kubernetes.md, "Why the share is the request"):
+the kubelet's Allocate names device ids only, no pod, and the pod's devices are known to the
+kubelet's PodResources API only after Allocate has answered; an annotation is not counted by the
+scheduler either, so pods could annotate more SMs than a GPU has.
 
 What a container gets (:func:`allocation`): the environment ``gpushare env`` prints for its class,
 GPU and share; its GPU's MPS pipe directory, the daemon's latency datagram socket and ``/dev/shm``
@@ -73,6 +81,8 @@ class Gpu:
     index: int
     uuid: str
     healthy: bool
+    offline_sm_pct_max: float = 100.0
+    """The node's policy: the most SMs an offline client of this GPU may start with (percent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +118,13 @@ class Allocation:
     gpu_uuid: str
     cls: ClientClass
     sm_pct: float
+    """The share given: what was asked for, capped by the GPU's policy."""
     envs: Mapping[str, str]
     mounts: tuple[MountSpec, ...]
     cdi_devices: tuple[str, ...]
     device_nodes: tuple[DeviceNode, ...] = field(default=())
+    asked_sm_pct: float | None = None
+    """What the request was worth when the policy capped it; ``None``: not capped."""
 
 
 def device_ids(gpus: Sequence[Gpu], replicas: int) -> list[tuple[str, bool]]:
@@ -157,12 +170,18 @@ def preferred(available: Sequence[str], must_include: Sequence[str], size: int) 
     return chosen + rest[:need]
 
 
-def sm_share(cls: ClientClass, count: int, settings: PluginSettings) -> float:
-    """The SM percentage a container of ``cls`` holding ``count`` devices gets."""
+def sm_share(
+    cls: ClientClass, count: int, settings: PluginSettings, top_pct: float = 100.0
+) -> float:
+    """The SM percentage a container of ``cls`` holding ``count`` devices gets.
+
+    ``top_pct``: the GPU's policy for offline work; an offline share never exceeds it.
+    """
     if cls is ClientClass.ONLINE:
         return mpsenv.ONLINE_SM_PCT
     pct = count * 100.0 / settings.offline_replicas
-    return float(min(100.0, max(mpsenv.SM_PCT_MIN, math.floor(pct * 100) / 100)))
+    top = min(100.0, max(mpsenv.SM_PCT_MIN, top_pct))
+    return float(min(top, max(mpsenv.SM_PCT_MIN, math.floor(pct * 100) / 100)))
 
 
 def check_mounts(mounts: Sequence[MountSpec], api_socket: str) -> None:
@@ -238,8 +257,10 @@ def allocation(
             DeviceNode(p) for p in (f"/dev/nvidia{gpu.index}", "/dev/nvidiactl", "/dev/nvidia-uvm")
         )
     cdi = (f"{settings.cdi_kind}={uuid}",) if settings.cdi_kind else ()
-    sm = sm_share(cls, len(ids), settings)
+    asked = sm_share(cls, len(ids), settings)
+    sm = sm_share(cls, len(ids), settings, gpu.offline_sm_pct_max)
     return Allocation(
         gpu_uuid=uuid, cls=cls, sm_pct=sm, envs=dict(env_for(cls, uuid, sm, paths)),
         mounts=tuple(mounts), cdi_devices=cdi, device_nodes=nodes,
+        asked_sm_pct=asked if asked != sm else None,
     )  # fmt: skip

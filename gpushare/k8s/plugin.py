@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,7 +48,11 @@ class GpuSource(Protocol):
 
 
 class DaemonGpus:
-    """The running daemon's ``status``: its shared GPUs, their MPS state and its paths."""
+    """The running daemon's ``status``: its shared GPUs, their MPS state and its paths.
+
+    Each GPU's offline cap is the config's (:meth:`gpushare.config.Config.for_gpu`): the plugin
+    reads the daemon's own file (the DaemonSet mounts one ConfigMap into both containers).
+    """
 
     def __init__(self, socket: str | Path, cfg: config.Config) -> None:
         self.socket = str(socket)
@@ -73,11 +77,13 @@ class DaemonGpus:
             ),
             api_socket=self.socket,
         )
-        gpus = [
-            Gpu(int(g["index"]), str(g["uuid"]), g.get("mps_state") == MpsState.UP.value)
-            for g in status.get("gpus", [])
-            if g.get("shared")
-        ]
+        gpus = []
+        for g in status.get("gpus", []):
+            if not g.get("shared"):
+                continue
+            index, uuid = int(g["index"]), str(g["uuid"])
+            top = self.cfg.for_gpu(index, uuid).offline_sm_pct_max
+            gpus.append(Gpu(index, uuid, g.get("mps_state") == MpsState.UP.value, top))
         return gpus, paths
 
 
@@ -182,6 +188,11 @@ class Servicer(pb_grpc.DevicePluginServicer):
                 a = devices.allocation(
                     self.cls, list(r.devices_ids), gpus, self.env_for, paths, self.settings
                 )
+                if a.asked_sm_pct is not None:
+                    log.warning(
+                        "share_capped", resource=self.settings.resource(self.cls),
+                        gpu=a.gpu_uuid, asked_sm_pct=a.asked_sm_pct, sm_pct=a.sm_pct,
+                    )  # fmt: skip
                 out.append(_response(a))
         except AllocationError as exc:
             log.warning(
@@ -275,7 +286,7 @@ class DevicePlugin:
         found = self.source.poll()
         if isinstance(found, str):
             gpus, _paths, _v = self.state.snapshot()
-            if self.state.set([Gpu(g.index, g.uuid, False) for g in gpus], None):
+            if self.state.set([replace(g, healthy=False) for g in gpus], None):
                 log.warning("daemon_unreachable", error=found)
             return
         if self.state.set(*found):

@@ -40,6 +40,10 @@ UID_ = UID.replace("-", "_")
 # "kubepods-<qos>-pod<uid_>.slice"), containerd ("cri-containerd-<id>.scope"), CRI-O
 # ("crio-<id>[.scope]", monitor "crio-conmon-<id>"), docker ("docker-<id>.scope", "/docker/<id>"),
 # podman ("libpod-<id>[.scope]"), as seen on nodes and in /proc/<pid>/cgroup of real containers.
+# Under a cgroup root the kubelet's CgroupName.ToSystemd (pkg/kubelet/cm/cgroup_manager_linux.go)
+# joins the root's components into every slice name; kind's KubeletConfiguration sets
+# cgroupDriver: systemd and cgroupRoot: /kubelet (kubernetes-sigs/kind,
+# pkg/cluster/internal/kubeadm/config.go), hence kind's "kubelet-kubepods-..." slices.
 
 
 @pytest.mark.parametrize(
@@ -56,9 +60,19 @@ UID_ = UID.replace("-", "_")
         (f"/kubepods/besteffort/pod{UID}/{CID}", (CID, "", UID, "besteffort", "cgroupfs")),
         (f"/kubepods/pod{UID}/{CID}", (CID, "", UID, "guaranteed", "cgroupfs")),
         (f"/kubepods/burstable/pod{UID}/crio-{CID}", (CID, "cri-o", UID, "burstable", "cgroupfs")),
-        # a kind node: the whole hierarchy sits under the node container's cgroup
+        # a kind node (cgroupDriver systemd, cgroupRoot /kubelet): the cgroup root's name is in
+        # every slice's name; seen from the host, under the node container's own scope
         (f"/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-burstable.slice/"
-         f"kubelet-kubepods-burstable-pod{UID_}.slice/cri-containerd-{CID}.scope", None),
+         f"kubelet-kubepods-burstable-pod{UID_}.slice/cri-containerd-{CID}.scope",
+         (CID, "containerd", UID, "burstable", "systemd")),
+        (f"/system.slice/docker-{'e' * 64}.scope/kubelet.slice/kubelet-kubepods.slice/"
+         f"kubelet-kubepods-pod{UID_}.slice/cri-containerd-{CID}.scope",
+         (CID, "containerd", UID, "guaranteed", "systemd")),
+        # --cgroup-root=/k8s-nodes/gpu (cgroupfs: plain directories; systemd: "-" escaped to "_")
+        (f"/k8s-nodes/gpu/kubepods/besteffort/pod{UID}/{CID}", (CID, "", UID, "besteffort", "cgroupfs")),
+        (f"/k8s_nodes.slice/k8s_nodes-gpu.slice/k8s_nodes-gpu-kubepods.slice/"
+         f"k8s_nodes-gpu-kubepods-besteffort.slice/k8s_nodes-gpu-kubepods-besteffort-pod{UID_}.slice/"
+         f"crio-{CID}.scope", (CID, "cri-o", UID, "besteffort", "systemd")),
         (f"/system.slice/containerd.service/kubepods-burstable-pod{UID_}.slice/cri-containerd-{CID}.scope",
          (CID, "containerd", UID, "burstable", "systemd")),
         # the pod's own cgroup (no container yet) and a container's sub-cgroup (systemd inside)
@@ -80,12 +94,7 @@ UID_ = UID.replace("-", "_")
 def test_container_and_pod_from_a_cgroup_path(path, want):
     got = pods.container_of_cgroup(path)
     if want is None:
-        # kind's node-level prefix names kubelet-kubepods-... slices: the pod slice is not the
-        # kubelet's own name, so it is not claimed as a pod; the container still is.
-        if "kubelet-kubepods" in path:
-            assert got == pods.Container(CID, "containerd", None, None, "systemd")
-        else:
-            assert got is None
+        assert got is None
         return
     assert (got.container_id, got.runtime, got.pod_uid, got.qos, got.driver) == want
 

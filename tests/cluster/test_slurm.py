@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from gpushare.model import ClientClass
 from gpushare.node.cgroups.discovery import cgroup2_mount
 from gpushare.node.procs.facts import process_cgroup
 from gpushare.paths import repo_root
+from tests.cluster import slurm_accounting
 from tests.support import slurm_cluster
 
 GPU = "GPU-8a2f1c3e-1111-2222-3333-444455556666"
@@ -313,6 +314,10 @@ control_binary = "/nonexistent/gpushare-test/nvidia-cuda-mps-control"
 def slurm_harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     if (reason := slurm_cluster.skip_reason()) is not None:
         pytest.skip(reason)
+    # A module that sets SLURM_QOS gets accounting with those QOS, allowed to root and the user.
+    qos = getattr(request.module, "SLURM_QOS", None)
+    if qos is not None and (reason := slurm_accounting.skip_reason()) is not None:
+        pytest.skip(reason)
     python = python_for_others()
     base = make_trusted_dir("gss-")  # the daemon refuses a config under /tmp
     (base / "out").mkdir(mode=0o777)
@@ -332,30 +337,71 @@ def slurm_harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     )
     launcher.chmod(0o755)
     scripts = {}
+    # A module's SLURM_PROLOG_ARGS are added to the Prolog's command (tests/cluster/test_slurm_qos.py).
+    prolog_args = getattr(request.module, "SLURM_PROLOG_ARGS", "")
     for name in ("prolog", "task-prolog", "epilog"):
         text = (repo_root() / "deploy" / "slurm" / name).read_text()
         assert "exec /usr/bin/gpushare slurm " in text
+        text = text.replace("/usr/bin/gpushare", str(launcher))
+        if name == "prolog" and prolog_args:
+            text = text.replace(" slurm prolog", f" slurm prolog {prolog_args}")
         scripts[name] = base / name
-        scripts[name].write_text(text.replace("/usr/bin/gpushare", str(launcher)))
+        scripts[name].write_text(text)
         scripts[name].chmod(0o755)
-    recorder = _serve(base / "api.sock")
-    cluster = slurm_cluster.start(
-        prolog=scripts["prolog"],
-        task_prolog=scripts["task-prolog"],
-        epilog=scripts["epilog"],
-        # A module that sets SLURM_GRES gets a node with those GRES (tests/cluster/test_slurm_gres.py).
-        gres=getattr(request.module, "SLURM_GRES", None),
-    )
     # Jobs run as nobody where nobody can run a Python with gpushare; else as root.
     user = "nobody" if python is not None and _has_nobody() else None
+    acct = None
+    recorder = _serve(base / "api.sock")
+    try:
+        acct = _accounting(qos, user)
+        cluster = slurm_cluster.start(
+            prolog=scripts["prolog"],
+            task_prolog=scripts["task-prolog"],
+            epilog=scripts["epilog"],
+            # A module that sets SLURM_GRES gets a node with those GRES (test_slurm_gres.py).
+            gres=getattr(request.module, "SLURM_GRES", None),
+            before_slurmctld=acct[1] if acct is not None else None,
+        )
+    except BaseException:
+        recorder.shutdown()
+        recorder.server_close()
+        if acct is not None:
+            acct[0].stop()
+        shutil.rmtree(base, ignore_errors=True)
+        raise
     h = Harness(cluster, recorder, base, user)
     try:
         yield h
     finally:
         cluster.stop()
+        if acct is not None:
+            acct[0].stop()
         h.stop_recorder()
         h.stop_daemon()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _accounting(
+    qos: tuple[str, ...] | None, user: str | None
+) -> tuple[slurm_accounting.Accounting, Callable[[slurm_cluster.SlurmCluster], None]] | None:
+    """A started database and the hook that starts slurmdbd before slurmctld, or ``None``."""
+    if qos is None:
+        return None
+    acct = slurm_accounting.Accounting()
+    try:
+        acct.start_database()
+    except BaseException:
+        acct.stop()
+        raise
+
+    def hook(cluster: slurm_cluster.SlurmCluster) -> None:
+        acct.start_dbd(cluster)
+        for name in qos:
+            acct.sacctmgr("add", "qos", name)
+        for who in {"root", user or "root"}:
+            acct.add_user(who, "normal", *qos)
+
+    return acct, hook
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ daemon process with two fake GPUs and a fake MPS node whose state a file sets).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ import pytest
 
 from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
 from bench.support.daemon_helpers import REPO, DaemonProc, wait_for
+from tests.fakes.fake_gpu import fake_uuid
 from tests.k8s.fake_kubelet import FakeKubelet
 
 ONLINE = "gpushare.io/online"
@@ -35,9 +37,19 @@ RULE = (
 FAST = 'adopt_scan_period = "100ms"\nadopt_min_age = "200ms"'
 
 
+Node = tuple[DaemonProc, FakeKubelet, subprocess.Popen[bytes], Path]
+
+
 @pytest.fixture(scope="module")
-def node() -> Iterator[tuple[DaemonProc, FakeKubelet, subprocess.Popen[bytes], Path]]:
-    daemon = DaemonProc(RULE, daemon_toml=FAST).start()
+def node() -> Iterator[Node]:
+    with _node(RULE) as n:
+        yield n
+
+
+@contextlib.contextmanager
+def _node(extra_toml: str) -> Iterator[Node]:
+    """A real daemon (two fake GPUs), a fake kubelet and the plugin as its own process."""
+    daemon = DaemonProc(extra_toml, daemon_toml=FAST).start()
     kdir = Path(tempfile.mkdtemp(prefix="kl-", dir="/tmp"))
     kubelet = FakeKubelet(kdir)
     err = open(kdir.parent / f"{kdir.name}.plugin.log", "wb")  # noqa: SIM115
@@ -196,6 +208,21 @@ def test_reregisters_after_a_kubelet_restart(node) -> None:
     kubelet.wait(lambda: ep.devices, what="devices after the restart")
     ids, resp = kubelet.admit(OFFLINE, 2)
     assert dict(resp.envs)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
+
+
+def test_the_nodes_policy_caps_what_a_pods_units_are_worth() -> None:
+    # A node-wide cap of 60 % and 40 % for the second GPU: a request below the cap gets what it
+    # asked; more units than the cap is worth get the cap, and the plugin logs it.
+    first, second = fake_uuid(0), fake_uuid(1)
+    policy = f'[control]\noffline_sm_pct_max = 60\n[gpus."{second}"]\noffline_sm_pct_max = 40\n'
+    with _node(RULE + policy) as (_daemon, kubelet, _plugin, log):
+        got = []
+        for count in (3, 10, 7):  # bin-packed: 3 on the first GPU, 10 on the second, 7 on the first
+            ids, resp = kubelet.admit(OFFLINE, count)
+            sm = dict(resp.envs)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
+            got.append((ids[0].partition("::")[0], sm))
+        assert got == [(first, "30"), (second, "40"), (first, "60")]
+        wait_for(lambda: log.read_text().count("share_capped") == 2, 5, "two share_capped lines")
 
 
 def test_every_gpu_unhealthy_while_the_daemon_is_down(node) -> None:

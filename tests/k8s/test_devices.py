@@ -115,3 +115,21 @@ def test_preferred_bin_packs_one_gpu() -> None:
     assert devices.preferred(avail, [f"{B}::2"], 2) == [f"{B}::2", f"{B}::0"]
     # No single GPU has 4: any 4, and Allocate says why it refuses them.
     assert len(devices.preferred(avail, [], 4)) == 4
+
+
+@pytest.mark.parametrize(
+    ("count", "top", "sm", "asked"),
+    [(3, 60.0, 30.0, None), (6, 60.0, 60.0, None), (10, 60.0, 60.0, 100.0), (10, 0.5, 1.0, 100.0)],
+)
+def test_the_gpus_policy_caps_an_offline_share(count, top, sm, asked) -> None:
+    # A pod author chooses how many units to ask for; the node's policy caps what they are worth.
+    gpus = [Gpu(0, A, True, offline_sm_pct_max=top)]
+    a = _alloc(ClientClass.OFFLINE, [f"{A}::{n}" for n in range(count)], gpus=gpus)
+    assert (a.sm_pct, a.asked_sm_pct) == (sm, asked)
+    assert a.envs["SM"] == f"{sm:g}"
+
+
+def test_online_is_not_capped_by_the_offline_policy() -> None:
+    gpus = [Gpu(0, A, True, offline_sm_pct_max=40.0)]
+    a = _alloc(ClientClass.ONLINE, [f"{A}::0"], gpus=gpus)
+    assert (a.sm_pct, a.asked_sm_pct) == (100.0, None)

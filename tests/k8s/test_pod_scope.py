@@ -25,12 +25,28 @@ from gpushare.node.cgroups.route import freeze_route
 UID_ = "7a5c3b2e_1f4d_4c8a_9b6e_2d3f4a5b6c7f"
 POD = f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_}.slice"
 C1, C2 = (f"{POD}/cri-containerd-{n:064x}.scope" for n in (1, 2))
+# A kind node's pod (kind: cgroupDriver systemd, cgroupRoot /kubelet; the kubelet joins the root's
+# name into every slice's, CgroupName.ToSystemd), as the kind node's own /proc/<pid>/cgroup shows it.
+KIND_POD = (
+    "/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/"
+    f"kubelet-kubepods-besteffort-pod{UID_}.slice"
+)
+K1, K2 = (f"{KIND_POD}/cri-containerd-{n:064x}.scope" for n in (1, 2))
 
 
 @pytest.mark.parametrize(
     ("path", "pod"),
     [
         (C1, POD),
+        (K1, KIND_POD),
+        # seen from the host: under the kind node container's scope
+        (f"/system.slice/docker-{'e' * 64}.scope{K2}", f"/system.slice/docker-{'e' * 64}.scope{KIND_POD}"),
+        (f"/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-pod{UID_}.slice/crio-{3:064x}.scope",
+         f"/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-pod{UID_}.slice"),
+        (KIND_POD, None),
+        # not the kubelet's names: "kubepods" must be a whole component, the UID a whole UID
+        (f"/kubelet.slice/kubeletkubepods-pod{UID_}.slice/cri-containerd-{1:064x}.scope", None),
+        (f"/kubelet.slice/kubelet-kubepods-pod{UID_}x.slice/cri-containerd-{1:064x}.scope", None),
         (f"/kubepods/burstable/pod{UID_.replace('_', '-')}/{1:064x}",
          f"/kubepods/burstable/pod{UID_.replace('_', '-')}"),
         (POD, None),  # the pod itself is no container
@@ -67,18 +83,28 @@ def test_without_pod_scope_each_container_is_its_own_client(scope: str | None) -
     assert [d.pid for d in out.decisions] == [10, 20]
 
 
+def test_scan_folds_a_kind_pods_containers_into_the_first() -> None:
+    out = scan(RULES, [_facts(10, 1, K1, "pod"), _facts(20, 1, K2, "pod")])
+    assert [d.pid for d in out.decisions] == [10]
+    assert dict(out.members) == {10: 10, 20: 10}
+
+
 def test_pod_scope_outside_a_pod_changes_nothing() -> None:
     a, b = "/system.slice/a.service", "/system.slice/b.service"
     out = scan(RULES, [_facts(10, 1, a, "pod"), _facts(20, 1, b, "pod")])
     assert [d.pid for d in out.decisions] == [10, 20]
 
 
-@pytest.fixture
-def pod_tree() -> Iterator[tuple[Path, Path]]:
+@pytest.fixture(params=["kubelet", "kind"])
+def pod_tree(request: pytest.FixtureRequest) -> Iterator[tuple[Path, Path]]:
+    """A pod cgroup holding a container cgroup, named as the kubelet names them, or on kind."""
     if (why := cgroup_skip_reason()) is not None:
         pytest.skip(why)
     base = unique_base("gs-podscope")
-    pod = base / f"kubepods-besteffort-pod{UID_}.slice"
+    if request.param == "kind":
+        pod = base.joinpath(*KIND_POD.strip("/").split("/"))
+    else:
+        pod = base / f"kubepods-besteffort-pod{UID_}.slice"
     ctr = pod / f"cri-containerd-{1:064x}.scope"
     ctr.mkdir(parents=True)
     try:

@@ -21,6 +21,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,6 +119,7 @@ def start(
     cpus: int = 8,
     gres: str | None = None,
     cgroups: str | None = None,
+    before_slurmctld: Callable[[SlurmCluster], None] | None = None,
 ) -> SlurmCluster:
     """Start munged, slurmctld and slurmd; return once the node is idle.
 
@@ -127,6 +129,8 @@ def start(
         cgroups: ``cgroup/v1`` or ``cgroup/v2``: track each step in a cgroup of its own
             (``proctrack/cgroup``, :func:`cgroup_conf`), each step's usage gathered for
             ``sstat``; ``None``: by its process tree (``proctrack/linuxproc``).
+        before_slurmctld: called once munged runs, before slurmctld starts (e.g. to start a
+            slurmdbd that authenticates through this cluster's munge, and add to slurm.conf).
 
     Raises:
         AssertionError: a daemon exited or the node did not come up; the logs are in the message.
@@ -200,6 +204,8 @@ PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
             cluster.daemons.append(proc)
             if argv[0] == "munged":
                 _wait(lambda: sock.exists(), cluster, logs, "munged's socket")
+                if before_slurmctld is not None:
+                    before_slurmctld(cluster)
         _wait(lambda: cluster.node_state() == "idle", cluster, logs, "the node to be idle")
     except BaseException:
         cluster.stop()
