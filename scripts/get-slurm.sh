@@ -11,11 +11,12 @@ set -euo pipefail
 say() { printf 'get-slurm: %s\n' "$*" >&2; }
 
 missing=()
-for tool in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge; do
+# slurmdbd and MariaDB: accounting, without which a job has no QOS (tests/cluster/test_slurm_qos.py).
+for tool in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge slurmdbd:slurmdbd mariadbd:mariadb-server; do
     command -v "${tool%%:*}" >/dev/null 2>&1 || [[ -x "/usr/sbin/${tool%%:*}" ]] || missing+=("${tool#*:}")
 done
 if [[ ${#missing[@]} -eq 0 ]]; then
-    say "slurmctld, slurmd, slurm-client and munge are installed; nothing to do"
+    say "slurmctld, slurmd, slurm-client, munge, slurmdbd and mariadb-server are installed; nothing to do"
     exit 0
 fi
 if [[ $(id -u) -ne 0 ]]; then
