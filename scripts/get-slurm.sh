@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install a single-node Slurm's parts from the distribution's packages: slurmctld, slurmd, the
-# client commands (sbatch, srun, scontrol) and munge. The test suite starts its own cluster from
+# client commands (sbatch, srun, scontrol), munge, and slurmdbd with MariaDB for accounting. The test suite starts its own cluster from
 # them under a temporary directory (tests/support/slurm_cluster.py); nothing here configures or starts a
 # service, and the packages' own units are not started (policy-rc.d or no systemd).
 #
