@@ -276,6 +276,47 @@ def _frontier(name: str, cell: Callable[[dict[str, float]], str]) -> Callable[[R
     return render
 
 
+def _range_cell(c: dict[str, Any]) -> str:
+    where = (
+        "inside"
+        if c["low_ratio"] <= c["median_ratio"] <= c["high_ratio"]
+        else f"x{c['off_by']:.2f}"
+    )
+    return f"{c['median_ratio']:.2f}x ({c['worst_ratio']:.1f}x) {where}"
+
+
+def baseline_ranges(res: Results) -> list[str]:
+    """bench/sim_pairs.py: each baseline's median (worst) p99 over alone per variant and pair set,
+    latency at each run length and service time at the longest, against the hardware range."""
+    runs = res("sim_pairs.json")["runs"]
+    by = {
+        (r["duration_s"], c["variant"], c["set"], c["baseline"], c["metric"]): c
+        for r in runs
+        for c in r["checks"]
+    }
+    lengths = [r["duration_s"] for r in runs]
+    rows = []
+    firsts = [k for k in by if k[0] == lengths[0] and k[4] == "latency"]
+    # The shipped (host-bound) variant first, then the GPU-bound one.
+    for _, variant, label, baseline, metric in sorted(
+        firsts, key=lambda k: (k[1] != "host-bound", k)
+    ):
+        first = by[(lengths[0], variant, label, baseline, metric)]
+        cells = [variant, label, baseline, f"{first['low_ratio']:g}-{first['high_ratio']:g}x"]
+        cells += [_range_cell(by[(d, variant, label, baseline, "latency")]) for d in lengths]
+        cells.append(_range_cell(by[(lengths[-1], variant, label, baseline, "service")]))
+        rows.append(cells)
+    head = ("variant", "pairs", "baseline", "hardware range")
+    return _table(
+        (
+            *head,
+            *(f"latency, {d:g} s" for d in lengths),
+            f"service, {lengths[-1]:g} s",
+        ),
+        rows,
+    )
+
+
 @dataclass(frozen=True)
 class Block:
     """One generated table: the JSON files (in the results folder) it is a function of."""
@@ -298,6 +339,15 @@ BLOCKS: dict[str, Block] = {
     "frontier-pairs-p99": Block(
         ("frontier_pairs.json",), _frontier("frontier_pairs.json", _frontier_p99_cell)
     ),
+    "frontier-pairs-gpubound": Block(
+        ("frontier_pairs_gpubound.json",),
+        _frontier("frontier_pairs_gpubound.json", _frontier_cell),
+    ),
+    "frontier-pairs-gpubound-p99": Block(
+        ("frontier_pairs_gpubound.json",),
+        _frontier("frontier_pairs_gpubound.json", _frontier_p99_cell),
+    ),
+    "baseline-ranges": Block(("sim_pairs.json",), baseline_ranges),
     "frontier-all": Block(("frontier.json",), _frontier("frontier.json", _frontier_cell)),
     "frontier-all-p99": Block(("frontier.json",), _frontier("frontier.json", _frontier_p99_cell)),
 }

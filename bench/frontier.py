@@ -5,10 +5,12 @@ request boundaries (gpushare then gates offline work on them, docs/simulator.md 
 gating"), and gpushare alone without them (``--no-gating``: its row "gpushare (no gating)").
 The baselines never gate, so boundaries change nothing for them. Prints one table, per policy
 mean SLO attainment and mean offline throughput (of running alone) at each factor, and writes
-bench/results/frontier.json (``--pairs``: the Tally-shaped pairs only, frontier_pairs.json).
+bench/results/frontier.json (``--pairs``: the Tally-shaped pairs only, frontier_pairs.json;
+``--pairs --gpu-bound``: their GPU-bound variants, scenarios/gpubound/, frontier_pairs_gpubound.json).
 
     .venv/bin/python bench/frontier.py                      # every shipped scenario
     .venv/bin/python bench/frontier.py --pairs              # the Tally-shaped pairs
+    .venv/bin/python bench/frontier.py --pairs --gpu-bound  # the same with 5 us host cost
     .venv/bin/python bench/frontier.py --from 1.1=a.json --from 1.1:nogating=b.json ...
 
 Numbers are the simulator's (docs/simulator.md): they rank policies on one model.
@@ -34,9 +36,9 @@ PAIR_PREFIXES = ("bert_2_fwd+", "transformer_xl_4_fwd+")
 NO_GATING = "gpushare (no gating)"
 
 
-def pair_files() -> list[str]:
-    """The Tally-shaped pair scenarios."""
-    pairs = sorted((ROOT / "gpushare" / "scenarios" / "pairs").glob("*.toml"))
+def pair_files(folder: str = "pairs") -> list[str]:
+    """The Tally-shaped pair scenarios (``gpubound``: their GPU-bound variants, issue 33)."""
+    pairs = sorted((ROOT / "gpushare" / "scenarios" / folder).glob("*.toml"))
     return [str(p) for p in pairs if p.name.startswith(PAIR_PREFIXES)]
 
 
@@ -74,13 +76,20 @@ def main() -> None:
     )
     parser.add_argument("--jobs", type=int, default=1, help="passed to bench/sharing.py")
     parser.add_argument("--pairs", action="store_true", help="the Tally-shaped pairs only")
+    parser.add_argument(
+        "--gpu-bound",
+        action="store_true",
+        help="with --pairs: their GPU-bound variants (5 us of CPU per kernel, scenarios/gpubound/)",
+    )
     args = parser.parse_args()
     files: dict[tuple[float, bool], Path] = {}
     for item in args.inputs:
         key, _, path = item.partition("=")
         factor, _, kind = key.partition(":")
         files[(float(factor), kind == "nogating")] = Path(path)
-    scenarios = pair_files() if args.pairs else []
+    if args.gpu_bound and not args.pairs:
+        parser.error("--gpu-bound goes with --pairs")
+    scenarios = pair_files("gpubound" if args.gpu_bound else "pairs") if args.pairs else []
     tmp = Path(tempfile.mkdtemp(prefix="gpushare-frontier-"))
     for factor in FACTORS:
         for nogating in (False, True):
@@ -125,7 +134,11 @@ def main() -> None:
             off = "-" if offline is None else f"{offline:.2f}"
             parts.append(f"{c['slo_attainment_mean'] * 100:.2f} %, {off}")
         print(f"| {policy} | " + " | ".join(parts) + " |")
-    out = RESULTS / ("frontier_pairs.json" if args.pairs else "frontier.json")
+    out = RESULTS / (
+        ("frontier_pairs_gpubound.json" if args.gpu_bound else "frontier_pairs.json")
+        if args.pairs
+        else "frontier.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python bench/frontier.py " + " ".join(sys.argv[1:])
     doc = {"command": command.strip(), "scenarios": counts, "policies": table}

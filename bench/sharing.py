@@ -149,6 +149,12 @@ def main() -> None:
         "the default set leaves them out",
     )
     ap.add_argument(
+        "--gpu-bound",
+        action="store_true",
+        help="the GPU-bound variants of the pairs (scenarios/gpubound/: 5 us of CPU per kernel, "
+        "issue 33); the default set leaves them out",
+    )
+    ap.add_argument(
         "--out",
         type=Path,
         default=RESULTS / "sharing.json",
@@ -161,7 +167,9 @@ def main() -> None:
     md_path = args.out.with_suffix(".md") if args.out.suffix == ".json" else Path(f"{args.out}.md")
     shipped = sorted(str(p) for p in (REPO / "gpushare" / "scenarios").rglob("*.toml"))
     # Issue 32: the 1-hour variants run only when asked (--long): hours of virtual time each.
-    files = args.scenarios or [f for f in shipped if ("/long/" in f) == args.long]
+    files = args.scenarios or [
+        f for f in shipped if ("/long/" in f) == args.long and ("/gpubound/" in f) == args.gpu_bound
+    ]
     if args.quick and not args.scenarios:
         files = [f for f in files if "/pairs/" not in f or f.endswith("+resnet50_32_fb1.toml")]
         args.duration = args.duration or 10.0

@@ -41,13 +41,28 @@ queue = "auto"
 """
 
 
+#: The GPU-bound variants (issue 33 item 4): the same pairs with a server whose CPU costs 5 us per
+#: kernel, as a CUDA-graph or TensorRT server's does, instead of eager PyTorch's 56.2 us (W3).
+GPU_BOUND = """\
+# GPU-bound variant of pairs/{fwd}+{fb}.toml (issue 33): the same pair with the server's CPU at
+# 5 us per kernel (a CUDA-graph or TensorRT server) instead of eager PyTorch's 56.2 us
+# (docs/simulator.md W3); only [gpu] host_per_kernel and the name differ (tests/sim/test_sim_scenario.py).
+# bench/sharing.py --gpu-bound and bench/frontier.py --pairs --gpu-bound run these; the default set leaves them out.
+[gpu]
+host_per_kernel = "5us"
+
+"""
+
+
 def pairs() -> None:
-    """One scenario per (inference profile, training profile) pair."""
+    """One scenario per (inference profile, training profile) pair, and its GPU-bound variant."""
     root = package_root() / ORION
     fwds = sorted(p.stem for p in root.glob("*_fwd.csv"))
     fbs = sorted(p.stem for p in root.glob("*_fb1.csv"))
     out = HERE / "pairs"
     out.mkdir(exist_ok=True)
+    gpu_bound = HERE / "gpubound"
+    gpu_bound.mkdir(exist_ok=True)
     for fwd in fwds:
         for fb in fbs:
             text = PAIR.format(
@@ -58,6 +73,8 @@ def pairs() -> None:
                 fb_name=fb.rsplit("_", 2)[0],
             )
             (out / f"{fwd}+{fb}.toml").write_text(text)
+            variant = text.replace('name = "pair-', 'name = "pair-gpubound-', 1)
+            (gpu_bound / f"{fwd}+{fb}.toml").write_text(GPU_BOUND.format(fwd=fwd, fb=fb) + variant)
 
 
 NODE_MIX_HEAD = """\

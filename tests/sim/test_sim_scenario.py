@@ -236,3 +236,27 @@ def test_a_long_variant_differs_from_its_source_only_where_it_says(path: Path) -
         for key in allowed:
             spec.pop(key, None)
     assert long == src
+
+
+GPU_BOUND = sorted((REPO / "gpushare" / "scenarios" / "gpubound").glob("*.toml"))
+
+
+def test_every_pair_has_a_gpu_bound_variant() -> None:
+    pairs = sorted((REPO / "gpushare" / "scenarios" / "pairs").glob("*.toml"))
+    assert [p.name for p in GPU_BOUND] == [p.name for p in pairs]
+
+
+@pytest.mark.parametrize("path", GPU_BOUND, ids=lambda p: p.name)
+def test_a_gpu_bound_variant_differs_from_its_pair_only_in_the_host_cost(path: Path) -> None:
+    # Issue 33 item 4: the same pair with the server's CPU at 5 us per kernel (a CUDA-graph or
+    # TensorRT server) instead of eager PyTorch's 56.2 us.
+    import tomllib
+
+    variant = tomllib.loads(path.read_text())
+    pair = tomllib.loads((REPO / "gpushare" / "scenarios" / "pairs" / path.name).read_text())
+    assert variant.pop("gpu") == {"host_per_kernel": "5us"}
+    assert variant["scenario"].pop("name") == pair["scenario"].pop("name").replace(
+        "pair-", "pair-gpubound-", 1
+    )
+    assert variant == pair
+    assert scenario.load(path).gpu.host_per_kernel_s == pytest.approx(5e-6)
