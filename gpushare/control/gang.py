@@ -21,7 +21,7 @@ online service. Pure: no I/O, no clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from typing import Generic
@@ -100,6 +100,21 @@ def place_gang(
         best = tuple(chosen)
     names = sorted({name for g in best for name in g.services})
     return GangPlacement(tuple(sorted(g.index for g in best)), run_fraction(best), tuple(names))
+
+
+def gpu_services(online_client_ids: Iterable[str], busy_fraction: float | None) -> dict[str, float]:
+    """One GPU's :attr:`GpuForGang.services` as the daemon knows them: its online clients as one key.
+
+    The daemon measures one gate share per GPU (``busy_fraction``: the share of the gate's window
+    with requests in flight), not one per service, so the online clients of a GPU count as one
+    service under one key, their ids joined: a tensor-parallel server alone on its GPUs has the
+    same key on each and costs a gang once. Unmeasured (``None``: no request boundaries yet) is
+    0, and the service still counts in :func:`place_gang`'s tie of fewer services touched.
+    """
+    ids = sorted(set(online_client_ids))
+    if not ids:
+        return {}
+    return {"+".join(ids): 0.0 if busy_fraction is None else busy_fraction}
 
 
 def _index(g: GpuForGang) -> int:

@@ -183,6 +183,8 @@ class Actuator:
         if rec.state is not ClientState.QUEUED:
             return
         s.ops.admitted(rec.id, tick.wall_s)
+        if action.gang:  # a gang's GPUs, recorded before its launch reads them (issue 35)
+            rec = s.registry.update(rec.id, gang=action.gang)
         if not rec.detach:
             # Its submitter execs it: STARTING on this GPU, adopted when it asks again.
             life.prepare_launch(rec, action.gpu_uuid, action.sm_pct, action.reason)

@@ -220,14 +220,15 @@ def test_a_gang_is_placed_on_all_its_gpus_or_refused_with_each_gpus_reason(
     assert filler.returncode == 0, filler.stdout + filler.stderr
     before = len(daemon.call("list", {"all": True})["clients"])
     named = cli(daemon, "submit", "--offline", "--detach", "--gpus", "2,3", "--mem", "8G",
-                "--", *sleep)  # fmt: skip
+                "--no-queue", "--", *sleep)  # fmt: skip
     assert named.returncode != 0
     lines = named.stderr.strip().splitlines()
     assert len(lines) == 1 and "GPU 3:" in lines[0] and "GPU 2:" not in lines[0], named.stderr
     everything = cli(daemon, "submit", "--offline", "--detach", "--gpus", str(RANKS), "--mem",
-                     "8G", "--", *sleep)  # fmt: skip
+                     "8G", "--no-queue", "--", *sleep)  # fmt: skip
     assert everything.returncode != 0 and "GPU 3:" in everything.stderr
-    # Nothing was registered or queued for either: all or nothing.
+    # Nothing was registered for either: all or nothing (without --no-queue it would wait:
+    # tests/daemon/test_gang_queue.py).
     assert len(daemon.call("list", {"all": True})["clients"]) == before
     # A count goes where a rank fits: every GPU but the full one.
     seven = cli(daemon, "submit", "--offline", "--detach", "--gpus", str(RANKS - 1), "--mem",
