@@ -208,8 +208,15 @@ def _admit_gang(job: QueuedJob, gpus: Sequence[_Gpu]) -> Admit | str:
     if len(fitting) < job.ranks:
         why = "; ".join(refusals) or "too few shared GPUs admit new clients"
         return f"cannot start: the gang of {job.ranks} GPUs fits on {len(fitting)}: {why}"
+    rule = "as named" if named else "D14"
     if named:
         chosen = sorted(fitting, key=lambda g: named.index(g.obs.gpu_uuid))
+    elif any(g.obs.gate is not None and g.obs.gate.delay_s > 0 for g in fitting):
+        # D14 is for gates that close on every request; beside a gate delay the most memory
+        # left (D12) stands, in index order for the ranks.
+        rule = "D12: a gate runs a delay"
+        chosen = sorted(sorted(fitting, key=lambda g: (-_mem_left(g), g.obs.gpu_index))[: job.ranks],
+                        key=lambda g: g.obs.gpu_index)  # fmt: skip
     else:
         views = [
             GpuForGang(
@@ -235,7 +242,7 @@ def _admit_gang(job: QueuedJob, gpus: Sequence[_Gpu]) -> Admit | str:
         chosen[0].obs.gpu_uuid,
         sm_pct,
         f"a gang of {job.ranks}: every GPU fits a rank now, {_mem(job.mem_bytes)} each beside "
-        f"the online reserve; GPUs {where} ({'as named' if named else 'D14'}), SM share {sm_pct:g}%",
+        f"the online reserve; GPUs {where} ({rule}), SM share {sm_pct:g}%",
         gang=tuple(g.obs.gpu_uuid for g in chosen),
     )
 

@@ -519,7 +519,7 @@ class Api:
         fitting = [g for g in candidates if not fits[g.uuid]]
         now = self.s.clock.monotonic()
         busy = gangplace.services(  # D14: the GPUs where the gang costs online services least
-            self.s.registry.clients(), fitting, lambda u: self.s.gate.view(u, now).busy_fraction
+            self.s.registry.clients(), fitting, lambda u: self.s.gate.view(u, now)
         )
         gpus = gangplace.choose(n, fitting, loads, problems, named is not None, busy)
         sm = req.sm_pct if req.sm_pct is not None else self.s.default_sm(cls, gpus[0].uuid)

@@ -19,7 +19,7 @@ from gpushare import protocol
 from gpushare.control import placement
 from gpushare.control.gang import GpuForGang, gpu_services, place_gang
 from gpushare.daemon.registry import ClientRecord
-from gpushare.model import ClientClass, GpuSample
+from gpushare.model import ClientClass, GateReading, GpuSample
 
 E = protocol.ErrorCode
 
@@ -99,9 +99,12 @@ def choose(
     loads: Mapping[str, placement.GpuLoad],
     problems: Sequence[str],
     named: bool,
-    services: Mapping[str, Mapping[str, float]],
+    services: Mapping[str, Mapping[str, float]] | None,
 ) -> list[GpuSample]:
     """The gang's GPUs in rank order, all-or-nothing; ``services`` per GPU UUID (module doc).
+
+    ``services`` None (a gate runs a delay: :func:`services`) takes the one-GPU rule (D12) rank
+    by rank instead, as D14 says.
 
     Raises:
         ProtocolError: NO_CAPACITY with each GPU's reason, when fewer than ``n`` fit (or a named
@@ -112,6 +115,13 @@ def choose(
         raise _fail(E.NO_CAPACITY, f"the gang of {n} GPUs does not fit ({len(fitting)} fit): {why}")
     if named:
         return list(fitting)
+    if services is None:
+        left, picked = list(fitting), []
+        for _ in range(n):
+            best = placement.choose([loads[g.uuid] for g in left])
+            picked += [g for g in left if g.uuid == best.uuid]
+            left = [g for g in left if g.uuid != best.uuid]
+        return sorted(picked, key=lambda g: g.index)
     # Every GPU here fits a rank already (the one fit rule): place_gang only chooses among them.
     views = [
         GpuForGang(g.index, loads[g.uuid].available_bytes or 0, services.get(g.uuid, {}))
@@ -123,13 +133,24 @@ def choose(
 
 
 def services(
-    records: Iterable[ClientRecord], gpus: Sequence[GpuSample], busy: Callable[[str], float | None]
-) -> dict[str, dict[str, float]]:
-    """Each GPU's online services for :func:`choose`: its live online clients and its gate share."""
+    records: Iterable[ClientRecord], gpus: Sequence[GpuSample], gate: Callable[[str], GateReading]
+) -> dict[str, dict[str, float]] | None:
+    """Each GPU's online services for :func:`choose`: its live online clients and its gate share.
+
+    None where a GPU with online clients runs a gate delay: D14 is the rule for gates that close
+    on every request; beside a delay offline work runs through short requests and the shares do
+    not say what a gang would get (docs/design.md D14), so the one-GPU rule (D12) stands.
+    """
     online: dict[str, list[str]] = {g.uuid: [] for g in gpus}
     for r in records:
         if r.cls is ClientClass.ONLINE and r.state.is_live:
             for uuid in r.gpus():
                 if uuid in online:
                     online[uuid].append(r.id)
-    return {uuid: gpu_services(ids, busy(uuid) if ids else None) for uuid, ids in online.items()}
+    readings = {uuid: gate(uuid) for uuid, ids in online.items() if ids}
+    if any(g.delay_s > 0 for g in readings.values()):
+        return None
+    return {
+        u: gpu_services(ids, readings[u].busy_fraction if ids else None)
+        for u, ids in online.items()
+    }

@@ -64,3 +64,14 @@ def test_a_gang_takes_the_smallest_share_of_its_gpus() -> None:
     shares = {gpu_uuid(0): 60.0, gpu_uuid(1): 40.0}
     (admit,) = plan([gang("g", 2, 0, 1)], node(), shares, 0.0).admits
     assert admit.sm_pct == 40.0
+
+
+def test_beside_a_gate_delay_the_memory_rule_d12_stands() -> None:
+    # D14 is for gates that close on every request: with a delay, offline work runs beside
+    # short requests and the shares do not tell what the gang would get.
+    gpus = node()
+    obs = gpus[gpu_uuid(2)]
+    assert obs.gate is not None
+    gpus[gpu_uuid(2)] = dataclasses.replace(obs, gate=dataclasses.replace(obs.gate, delay_s=0.002))
+    (admit,) = plan([gang("g", 2)], gpus, {}, 0.0).admits
+    assert admit.gang == (gpu_uuid(2), gpu_uuid(3)) and "D12" in admit.reason

@@ -28,7 +28,15 @@ from gpushare import config
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
-from gpushare.model import Action, ClientState, Freeze, GateReading, Observation, Thaw
+from gpushare.model import (
+    Action,
+    ClientState,
+    Freeze,
+    GateReading,
+    Observation,
+    SetGating,
+    Thaw,
+)
 from gpushare.node.procs.identity import is_same_process
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
@@ -171,3 +179,10 @@ def test_a_gang_of_n_goes_where_the_online_services_gates_cost_it_least_d14(
     busy.update({G0: 0.9, G1: 0.9})
     other = _submit(d, ["sleep", "60"], gpus="2", mem_bytes=1 << 30)
     assert d.registry.get(other["client_id"]).gpus() == (G2, G3)
+    # Where a gate runs a delay, D14 does not hold (docs/design.md D14): the memory rule (D12)
+    # takes the GPUs with the most memory left (2 and 3: 4 GiB more than 0 and 1), where D14
+    # would take the TP server's again.
+    busy.update({G0: 0.5, G1: 0.5})
+    d.loop.apply(SetGating(G2, True, "test", 0.002), 0.0)
+    third = _submit(d, ["sleep", "60"], gpus="2", mem_bytes=1 << 30)
+    assert d.registry.get(third["client_id"]).gpus() == (G2, G3)
