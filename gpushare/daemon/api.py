@@ -414,8 +414,8 @@ class Api:
             cls = ClientClass(req.cls)
         except ValueError:
             raise _fail(E.INVALID_PARAMS, "cls must be 'online' or 'offline'") from None
-        if req.gpus is not None and (req.gpu != "any" or cls is not ClientClass.OFFLINE):
-            raise _fail(E.INVALID_PARAMS, "--gpus takes an --offline job and names its GPUs itself "
+        if req.gpus is not None and req.gpu != "any":
+            raise _fail(E.INVALID_PARAMS, "--gpus names a gang's GPUs itself "
                         "(not with --gpu): --gpus 8 or --gpus 0,1")  # fmt: skip
         if not req.argv or not req.argv[0]:
             raise _fail(E.INVALID_PARAMS, "no command given: gpushare submit ... -- CMD ARGS")
@@ -517,10 +517,10 @@ class Api:
         fits = {g.uuid: self._misfit(g, loads[g.uuid], req, cls, uid) for g in candidates}
         problems += [f"GPU {g.index}: {fits[g.uuid]}" for g in candidates if fits[g.uuid]]
         fitting = [g for g in candidates if not fits[g.uuid]]
-        now = self.s.clock.monotonic()
-        busy = gangplace.services(  # D14: the GPUs where the gang costs online services least
-            self.s.registry.clients(), fitting, lambda u: self.s.gate.view(u, now)
-        )
+        now, busy = self.s.clock.monotonic(), None  # an online gang (a TP server): D12
+        if cls is ClientClass.OFFLINE:  # D14: the GPUs where the gang costs online services least
+            busy = gangplace.services(self.s.registry.clients(), fitting,
+                                      lambda u: self.s.gate.view(u, now))  # fmt: skip
         gpus = gangplace.choose(n, fitting, loads, problems, named is not None, busy)
         sm = req.sm_pct if req.sm_pct is not None else self.s.default_sm(cls, gpus[0].uuid)
         return gpus, sm

@@ -186,3 +186,22 @@ def test_a_gang_of_n_goes_where_the_online_services_gates_cost_it_least_d14(
     d.loop.apply(SetGating(G2, True, "test", 0.002), 0.0)
     third = _submit(d, ["sleep", "60"], gpus="2", mem_bytes=1 << 30)
     assert d.registry.get(third["client_id"]).gpus() == (G2, G3)
+
+
+def test_an_online_gangs_request_frees_every_gpu_it_uses_of_offline_work(
+    env: tuple[Daemon, PerGpuPolicy],
+) -> None:
+    d, _ = env
+    # A TP server on GPUs 0 and 1; an offline job on GPU 1 alone, one on GPU 2 alone.
+    tp = _submit(d, ["sleep", "60"], cls="online", gpus="0,1")
+    on1, on2 = _submit(d, BUSY, gpu="1"), _submit(d, BUSY, gpu="2")
+    assert d.registry.get(tp["client_id"]).gpus() == (G0, G1)
+    for uuid in (G0, G1, G2):
+        d.loop.apply(SetGating(uuid, True, "test", 0.0), time.monotonic())
+    d.run(max_ticks=1)
+    # A request of the server (its boundaries hold rank 0's GPU's gate) runs on both GPUs.
+    assert d.state.gate.on_inflight(tp["client_id"], tp["pid"], 1, time.monotonic()) is None
+    assert _runs(d, on1["pid"]) <= 1, "offline work ran on GPU 1 beside the TP server's request"
+    assert _runs(d, on2["pid"]) >= 5, "GPU 2 is not the server's: nothing to free there"
+    assert d.state.gate.on_inflight(tp["client_id"], tp["pid"], 0, time.monotonic()) is None
+    assert _runs(d, on1["pid"]) >= 5
