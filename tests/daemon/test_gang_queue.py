@@ -9,6 +9,7 @@ needs fits a rank: then every rank reaches its own GPU, as for a gang placed at 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,10 +21,12 @@ from typing import Any
 import pytest
 
 from bench.support.daemon_helpers import REPO, DaemonProc, wait_for
+from bench.support.observations import job
+from gpushare.daemon.cordon import held_by_drain
 from gpushare.daemon.registry import Registry
 from gpushare.model import ClientClass, ClientState
 from tests.daemon.test_gang_launch import TORCHRUN
-from tests.fakes.fake_gpu import fake_uuid
+from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 
 GPUS = 4
 
@@ -190,3 +193,10 @@ def test_a_gang_launch_the_daemon_died_in_goes_back_to_the_queue_as_a_gang(
         ranks_reach(d, rec.id, out, [0, 1])
     finally:
         d.cleanup()
+
+
+def test_a_queued_gang_that_named_a_draining_gpu_says_so() -> None:
+    samples = list(FakeGpuBackend(gpus=2).sample())
+    waiting = dataclasses.replace(job("c1"), ranks=2, gang_gpus=(fake_uuid(0), fake_uuid(1)))
+    why = held_by_drain([waiting], {"c1": "cannot start"}, samples, {fake_uuid(1)}, {})
+    assert why == {"c1": "GPU 1 is draining (gpushare undrain)"}
