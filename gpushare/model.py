@@ -282,6 +282,10 @@ class QueuedJob:
     expected_duration_s: float | None = None
     restartable: bool = False
     not_before_s: float = 0.0
+    ranks: int = 1
+    """A gang's GPUs (``submit --gpus``, issue 35): it starts on ``ranks`` GPUs at once or waits."""
+    gang_gpus: tuple[str, ...] = ()
+    """The GPUs a gang named (``--gpus 0,1``), by UUID in rank order; empty: any ``ranks``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,6 +447,8 @@ class Admit:
     gpu_uuid: str
     sm_pct: float
     reason: str
+    gang: tuple[str, ...] = ()
+    """A gang's GPUs by UUID in rank order (``gpu_uuid`` is rank 0's); empty for one GPU."""
 
 
 class Severity(str, Enum):

@@ -115,8 +115,9 @@ _GpusOpt = Annotated[
     str | None,
     typer.Option(
         "--gpus",
-        help="A gang over several GPUs (torchrun): a count (8) or GPUs (0,1,2,3); each "
-        "worker runs `gpushare rank-exec -- CMD` to reach its own GPU (LOCAL_RANK).",
+        help="A gang over several GPUs (torchrun; with --online a tensor-parallel server): a "
+        "count (8) or GPUs (0,1,2,3); each worker runs `gpushare rank-exec -- CMD` to reach its "
+        "own GPU (LOCAL_RANK). An --offline gang that does not fit waits in the queue.",
     ),
 ]
 _SmOpt = Annotated[

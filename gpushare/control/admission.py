@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpushare.control.fit import LOST, Room, misfit, mps_closed
+from gpushare.control.gang import GpuForGang, gpu_services, place_gang
 from gpushare.control.promise import promised_to_views
 from gpushare.control.signals import free_memory_bytes
 from gpushare.model import Admit, ClientClass, MpsState, Observation, QueuedJob
@@ -138,6 +139,13 @@ def plan(
                 f"backing off after failures: may start in {job.not_before_s - now:.0f}s"
             )
             continue
+        if job.ranks > 1:  # a gang: all its GPUs at once, or it waits (docs/design.md §7)
+            gang = _admit_gang(job, gpus)
+            if isinstance(gang, str):
+                waiting[job.client_id] = gang
+            else:
+                admits.append(gang)
+            continue
         best: tuple[tuple[float, int, int, int], _Gpu, float, float] | None = None
         refusals: list[str] = []
         for gpu in gpus:
@@ -179,6 +187,64 @@ def plan(
         )
         _place(job, gpu, sm_pct)
     return AdmissionPlan(tuple(admits), waiting)
+
+
+def _admit_gang(job: QueuedJob, gpus: Sequence[_Gpu]) -> Admit | str:
+    """A gang's start on ``job.ranks`` GPUs that each fit a rank, or why it waits.
+
+    The GPUs it named, in its rank order; otherwise D14 (:func:`gpushare.control.gang.place_gang`:
+    the GPUs where it may run the largest share of the time beside online services' gates).
+    """
+    named = job.gang_gpus
+    pool = [g for g in gpus if not named or g.obs.gpu_uuid in named]
+    fitting: list[_Gpu] = []
+    refusals: list[str] = []
+    for gpu in pool:
+        why_not = _refusal(job, gpu)
+        if why_not is None:
+            fitting.append(gpu)
+        else:
+            refusals.append(f"GPU {gpu.obs.gpu_index}: {why_not}")
+    if len(fitting) < job.ranks:
+        why = "; ".join(refusals) or "too few shared GPUs admit new clients"
+        return f"cannot start: the gang of {job.ranks} GPUs fits on {len(fitting)}: {why}"
+    rule = "as named" if named else "D14"
+    if named:
+        chosen = sorted(fitting, key=lambda g: named.index(g.obs.gpu_uuid))
+    elif any(g.obs.gate is not None and g.obs.gate.delay_s > 0 for g in fitting):
+        # D14 is for gates that close on every request; beside a gate delay the most memory
+        # left (D12) stands, in index order for the ranks.
+        rule = "D12: a gate runs a delay"
+        chosen = sorted(sorted(fitting, key=lambda g: (-_mem_left(g), g.obs.gpu_index))[: job.ranks],
+                        key=lambda g: g.obs.gpu_index)  # fmt: skip
+    else:
+        views = [
+            GpuForGang(
+                g.obs.gpu_index,
+                _mem_left(g),
+                gpu_services(
+                    (c.client_id for c in g.obs.online()),
+                    None if g.obs.gate is None else g.obs.gate.busy_fraction,
+                ),
+            )
+            for g in fitting
+        ]
+        placed = place_gang(views, job.ranks, 0)
+        assert placed is not None  # every GPU here fits a rank
+        chosen = [g for g in fitting if g.obs.gpu_index in placed.gpus]
+    sm_pct = min(g.share_pct for g in chosen)
+    sm_pct = sm_pct if job.sm_pct is None else min(sm_pct, job.sm_pct)
+    for gpu in chosen:
+        _place(job, gpu, sm_pct)
+    where = ",".join(str(g.obs.gpu_index) for g in chosen)
+    return Admit(
+        job.client_id,
+        chosen[0].obs.gpu_uuid,
+        sm_pct,
+        f"a gang of {job.ranks}: every GPU fits a rank now, {_mem(job.mem_bytes)} each beside "
+        f"the online reserve; GPUs {where} ({rule}), SM share {sm_pct:g}%",
+        gang=tuple(g.obs.gpu_uuid for g in chosen),
+    )
 
 
 def queue_order(queue: Sequence[QueuedJob]) -> list[QueuedJob]:

@@ -21,7 +21,7 @@ online service. Pure: no I/O, no clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from typing import Generic
@@ -102,6 +102,21 @@ def place_gang(
     return GangPlacement(tuple(sorted(g.index for g in best)), run_fraction(best), tuple(names))
 
 
+def gpu_services(online_client_ids: Iterable[str], busy_fraction: float | None) -> dict[str, float]:
+    """One GPU's :attr:`GpuForGang.services` as the daemon knows them: its online clients as one key.
+
+    The daemon measures one gate share per GPU (``busy_fraction``: the share of the gate's window
+    with requests in flight), not one per service, so the online clients of a GPU count as one
+    service under one key, their ids joined: a tensor-parallel server alone on its GPUs has the
+    same key on each and costs a gang once. Unmeasured (``None``: no request boundaries yet) is
+    0, and the service still counts in :func:`place_gang`'s tie of fewer services touched.
+    """
+    ids = sorted(set(online_client_ids))
+    if not ids:
+        return {}
+    return {"+".join(ids): 0.0 if busy_fraction is None else busy_fraction}
+
+
 def _index(g: GpuForGang) -> int:
     return g.index
 
@@ -171,3 +186,101 @@ class GangDuty(Generic[StateT]):
                 why = f"gang duty {duty:g}: the smallest of its GPUs' (own {own:g})"
             out.append(SetDuty(uuid, duty, why))
         return state, out
+
+
+# ------------------------------------------------------------------------------ adoption
+
+#: The variables that tie a torchrun job's workers together, read by the adoption scan: the
+#: elastic agent's run id (or a gang's environment, ``gpushare rank-exec``'s) and each worker's
+#: rank (``rank-exec`` keeps the launcher's in ``GPUSHARE_LOCAL_RANK``).
+ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_GANG = "GPUSHARE_GANG"
+ENV_GANG_LOCAL_RANK = "GPUSHARE_LOCAL_RANK"
+GANG_ENV: tuple[str, ...] = (ENV_RUN_ID, ENV_LOCAL_RANK, ENV_GANG, ENV_GANG_LOCAL_RANK)
+
+
+@dataclass(frozen=True, slots=True)
+class RankFacts:
+    """One process an adoption rule adopts, as the gang grouping sees it.
+
+    ``gpu_uuid`` is the GPU its decision gave it; ``cls`` its class; ``environ`` the variables
+    the scan read (attacker-controlled: the process's owner wrote them).
+    """
+
+    pid: int
+    ppid: int
+    uid: int
+    cls: str
+    gpu_uuid: str | None
+    environ: Mapping[str, str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class FoundGang:
+    """Ranks of one job to adopt as one client through their common parent."""
+
+    parent: int
+    pids: tuple[int, ...]
+    """The ranks' pids, in rank order."""
+    gpus: tuple[str, ...]
+    """Each rank's GPU, in rank order."""
+
+
+def _rank(environ: Mapping[str, str] | None) -> tuple[str, int] | None:
+    """A process's job key and local rank, or None where it does not say both."""
+    env = environ or {}
+    key = env.get(ENV_RUN_ID) or env.get(ENV_GANG)
+    raw = env.get(ENV_GANG_LOCAL_RANK) or env.get(ENV_LOCAL_RANK)
+    if not key or raw is None or not (raw.isascii() and raw.isdigit()):
+        return None
+    return key, int(raw)
+
+
+@dataclass(frozen=True, slots=True)
+class Grouping:
+    """What :func:`group_ranks` found: gangs, and ranks left for the next scan."""
+
+    gangs: tuple[FoundGang, ...]
+    deferred: frozenset[int]
+    """Ranks of a parent with a rank still too young to decide: none is adopted this scan."""
+
+
+def group_ranks(
+    ranks: Sequence[RankFacts],
+    parent_uids: Mapping[int, int],
+    unsettled: Collection[int] = (),
+) -> Grouping:
+    """The gangs among processes adoption takes: ranks of one job, each on a GPU of its own.
+
+    Ranks form a gang when they have the same parent, the same owner, the same class and the
+    same job key (``TORCHELASTIC_RUN_ID``, else ``GPUSHARE_GANG``), distinct local ranks and
+    distinct GPUs, and when the parent is a process of that same owner (``parent_uids``; not
+    init, not root's ``slurmstepd``). The environment decides nothing alone: a process is a
+    child of the parent it has, and a user cannot place a process under another user's parent,
+    so another user's process never joins. ``unsettled`` lists parents with a rank not decided
+    yet (too young for the scan): their ranks wait for the next scan, rather than starting a
+    gang without it. Anything else is left to be adopted one process at a time, as before.
+    """
+    groups: dict[tuple[int, int, str, str], list[tuple[int, RankFacts]]] = {}
+    for r in ranks:
+        found = _rank(r.environ)
+        if found is None or r.gpu_uuid is None or r.ppid <= 1:
+            continue
+        key, local = found
+        groups.setdefault((r.uid, r.ppid, r.cls, key), []).append((local, r))
+    out: list[FoundGang] = []
+    deferred: set[int] = set()
+    for (uid, parent, _cls, _key), members in sorted(groups.items()):
+        members.sort(key=lambda m: m[0])
+        locals_ = [m[0] for m in members]
+        gpus = [m[1].gpu_uuid or "" for m in members]
+        if parent_uids.get(parent) != uid:
+            continue
+        if parent in unsettled:
+            deferred.update(m[1].pid for m in members)
+            continue
+        if len(members) < 2 or len(set(locals_)) != len(locals_) or len(set(gpus)) != len(gpus):
+            continue
+        out.append(FoundGang(parent, tuple(m[1].pid for m in members), tuple(gpus)))
+    return Grouping(tuple(out), frozenset(deferred))

@@ -55,6 +55,8 @@ class Actuator:
         #: Actions applied so far, by kind.
         self.applied: dict[str, int] = {}
         self._duty_event_at: dict[str, float] = {}
+        #: Per gang, the GPUs whose controller holds it now (a Freeze not yet thawed).
+        self._gang_holds: dict[str, set[str]] = {}
         #: Per GPU, the gate delay last logged at info (``gating_set``).
         self._delay_logged: dict[str, float] = {}
         self._table: dict[type[Any], Callable[[Any, Tick], None]] = {
@@ -70,12 +72,18 @@ class Actuator:
             Alert: self._alert,
         }
 
-    def apply(self, action: Action, tick: Tick) -> None:
-        """Carry out one controller action (under the state's lock)."""
+    def apply(self, action: Action, tick: Tick, gpu_uuid: str | None = None) -> None:
+        """Carry out one controller action (under the state's lock).
+
+        ``gpu_uuid``: the GPU whose controller chose it (a gang's holds are per GPU, see _hold).
+        """
         kind = type(action).__name__
         self.applied[kind] = self.applied.get(kind, 0) + 1
         with self.s.lock:
-            self._table[type(action)](action, tick)
+            if isinstance(action, Freeze | Thaw):
+                self._hold(action, tick, gpu_uuid)
+            else:
+                self._table[type(action)](action, tick)
 
     # ----------------------------------------------------------------------------- GPU levers
 
@@ -162,9 +170,22 @@ class Actuator:
 
     # ----------------------------------------------------------------------------- clients
 
-    def _hold(self, action: Freeze | Thaw, tick: Tick) -> None:
+    def _hold(self, action: Freeze | Thaw, tick: Tick, gpu_uuid: str | None = None) -> None:
         held = isinstance(action, Freeze)
         rec = self.s.registry.find(action.client_id)
+        if rec is None or not rec.state.is_live:
+            self._gang_holds.pop(action.client_id, None)
+        elif gpu_uuid is not None and len(rec.gpus()) > 1:
+            # A gang has a controller on each of its GPUs: it is held while any of them holds it
+            # (its ranks wait for each other), so one GPU's Thaw never ends another's Freeze.
+            votes = self._gang_holds.setdefault(rec.id, set())
+            (votes.add if held else votes.discard)(gpu_uuid)
+            if not held and votes:
+                log.info("gang_hold_kept", client_id=rec.id, thawed_by=gpu_uuid,
+                         held_by=sorted(votes))  # fmt: skip
+                return
+            if not votes:
+                del self._gang_holds[rec.id]
         if rec is not None and rec.state.is_live and rec.held != held:
             self._acted_on(action.client_id, "freeze" if held else "thaw", action.reason, tick)
         self.life.hold(action.client_id, held, action.reason)
@@ -183,6 +204,8 @@ class Actuator:
         if rec.state is not ClientState.QUEUED:
             return
         s.ops.admitted(rec.id, tick.wall_s)
+        if action.gang:  # a gang's GPUs, recorded before its launch reads them (issue 35)
+            rec = s.registry.update(rec.id, gang=action.gang)
         if not rec.detach:
             # Its submitter execs it: STARTING on this GPU, adopted when it asks again.
             life.prepare_launch(rec, action.gpu_uuid, action.sm_pct, action.reason)
@@ -201,5 +224,5 @@ class Actuator:
 
     def _acted_on(self, client_id: str, kind: str, reason: str, tick: Tick) -> None:
         rec = self.s.registry.find(client_id)
-        if rec is not None and rec.gpu_uuid is not None:
-            self._acted(rec.gpu_uuid, kind, reason, tick, client_id)
+        for gpu in rec.gpus() if rec is not None else ():  # a gang's: on every GPU it uses
+            self._acted(gpu, kind, reason, tick, client_id)

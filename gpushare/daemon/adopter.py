@@ -34,7 +34,10 @@ from gpushare import protocol
 from gpushare.config import AdoptRule, Config
 from gpushare.control import adoption
 from gpushare.control.adoption import Decision, Rule
+from gpushare.control.gang import GANG_ENV
+from gpushare.daemon import gangadopt
 from gpushare.daemon.factcache import FactCache
+from gpushare.daemon.gangadopt import GangFound
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.registry import ClientRecord, Registration
 from gpushare.daemon.state import PAUSE_ERRORS, NodeState
@@ -76,6 +79,8 @@ class Outcome:
     """Config rules that match no process, not reported before."""
     young: int
     """Processes left for a later scan because they are younger than ``min_age_s``."""
+    gangs: tuple[GangFound, ...] = ()
+    """Ranks of one job to adopt as one gang client (:mod:`gpushare.daemon.gangadopt`)."""
 
 
 def config_rules(cfg: Config, config_path: Path | None) -> list[Rule]:
@@ -214,7 +219,7 @@ class Adopter:
             gpu_pids: :func:`gpu_processes`.
             only: decide these pids only (an ``adopt`` request's explicit pids, at once).
         """
-        names = set(adoption.FACT_ENV) | {k for r in rules for k in r.spec.env}
+        names = set(adoption.FACT_ENV) | set(GANG_ENV) | {k for r in rules for k in r.spec.env}
         now = self._clock()
         facts: list[ProcessFacts] = []
         if only is None:
@@ -243,7 +248,7 @@ class Adopter:
             if f.pid not in skip and f.pid not in young and not f.name.startswith(_OWN_PROCESSES)
         ]  # fmt: skip
         result, decisions = _decide(rules, candidates)
-        adopt = _found(rules, decisions, candidates)
+        gangs, adopt = gangadopt.split(_found(rules, decisions, candidates), facts, young)
         refused = [d.reason for d in decisions if not d.adopt]
         idle_rules = (
             adoption.idle_rule_messages(rules, result.unmatched, facts) if only is None else []
@@ -256,6 +261,7 @@ class Adopter:
             tuple(m for m in refused if m in new),
             tuple(m for m in idle_rules if m in new),
             len(young - skip),
+            gangs,
         )
         if only is None:
             # With young processes about, the next scan decides again (they come of age).
@@ -401,7 +407,22 @@ class Adoptions:
                     client_id = self._adopt(found)
                     if client_id is not None:
                         adopted.append(client_id)
+                adopted += self._adopt_gangs(out.gangs)
             return adopted
+
+    def _adopt_gangs(self, gangs: Sequence[GangFound]) -> list[str]:
+        """Each gang as one client: its parent adopted, the ranks' GPUs its gang (issue 35)."""
+        out = []
+        for g in gangs:
+            found = gangadopt.parent_found(g, {x.uuid for x in self.s.samples if self.s.shared(x)})
+            client_id = None if isinstance(found, str) else self._adopt(found)
+            if isinstance(found, str) and found not in self._problems:
+                self._problems.add(found)
+                self.s.registry.add_event("adoption_refused", found, severity="warning")
+            if client_id is not None:
+                self.s.registry.update(client_id, gang=g.gang.gpus)
+                out.append(client_id)
+        return out
 
     def _in_cgroups(self, live: Sequence[ClientRecord]) -> set[int]:
         """The processes in the cgroups of the clients that have one (under the state's lock).

@@ -230,20 +230,20 @@ class Api:
                 if (
                     cls is ClientClass.OFFLINE
                     and not req.no_queue
-                    and req.gpus is None
                     and submitq.waiting_ahead(self.s.registry.clients())
                 ):
                     # It fits, but jobs already wait: it takes its place by the admission rules.
                     raise _fail(E.NO_CAPACITY, "offline jobs are already waiting for a GPU")
             except protocol.ProtocolError as exc:
                 if (cls is not ClientClass.OFFLINE or exc.code is not E.NO_CAPACITY
-                        or req.no_queue or req.gpus is not None or self._never_fits(req)):  # fmt: skip
+                        or req.no_queue or self._never_fits(req)):  # fmt: skip
                     raise
                 return self._enqueue(req, cls, caller, detach, exc.message)
             rec = self._add_client(
                 cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid,
                 user=user_name(caller.uid), state=S.STARTING, priority=self.s.priority(cls),
-                name=req.name, gpu_request=req.gpu, gpu_uuid=sample.uuid, gpu_index=sample.index,
+                name=req.name, gpu_uuid=sample.uuid, gpu_index=sample.index,
+                gpu_request=gangplace.request_of(req, self.s.samples, self._resolve_gpu),
                 sm_ceiling=req.sm_pct, sm_pct=sm,
                 mem_bytes=req.mem_bytes, slo_p99_ms=req.slo_p99_ms, restartable=req.restartable,
                 checkpoint_signal=req.checkpoint_signal, detach=detach,
@@ -324,15 +324,18 @@ class Api:
     # ----------------------------------------------------------------------------- the queue
 
     def _never_fits(self, req: protocol.SubmitRequest) -> bool:
-        """Whether no GPU could ever hold this offline job (then it is refused, not queued)."""
-        if req.gpu == "any":
-            gpus = [g for g in self.s.samples if self.s.shared(g)]
-        else:
+        """Whether no GPU could ever hold this offline job (then it is refused, not queued).
+
+        A gang: fewer of its GPUs (those it names, or the shared ones) than its ranks.
+        """
+        n, gpus = 1, [g for g in self.s.samples if self.s.shared(g)]
+        if req.gpus is not None:
+            n, named = gangplace.parse(req.gpus, gpus, self._resolve_gpu)
+            gpus = named or gpus
+        elif req.gpu != "any":
             gpus = [self._resolve_gpu(req.gpu)]
         need = req.mem_bytes or 0
-        return not any(
-            g.mem_total_bytes is None or need + self.s.reserve(g) <= g.mem_total_bytes for g in gpus
-        )
+        return sum(gangplace.may_ever_fit(g, need, self.s.reserve(g)) for g in gpus) < n
 
     def _enqueue(
         self, req: protocol.SubmitRequest, cls: ClientClass, caller: Caller, detach: bool, why: str
@@ -350,9 +353,10 @@ class Api:
                     f"{why}; and {user_name(caller.uid)} already has {mine} jobs queued, the most "
                     f"one user may (daemon.max_queued_per_uid = {limit}): cancel one or wait",
                 )
+        where = gangplace.request_of(req, s.samples, self._resolve_gpu)  # --gpu, or a gang's
         rec = self._add_client(
             cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid, user=user_name(caller.uid),
-            state=S.QUEUED, priority=s.priority(cls), name=req.name, gpu_request=req.gpu,
+            state=S.QUEUED, priority=s.priority(cls), name=req.name, gpu_request=where,
             sm_ceiling=req.sm_pct, mem_bytes=req.mem_bytes, restartable=req.restartable,
             checkpoint_signal=req.checkpoint_signal, detach=detach,
             env=req.env if detach else {}, cwd=req.cwd,
@@ -393,7 +397,7 @@ class Api:
             sm = rec.sm_pct if rec.sm_pct is not None else s.default_sm(rec.cls, rec.gpu_uuid)
             env = self.life.mps_env(
                 rec.id, rec.gpu_uuid, sm, rec.mem_bytes, rec.cls, None, queue=rec.queue,
-                announce=True,
+                announce=True, gang=rec.gang,
             )  # fmt: skip
             rec = self._take_caller(rec.id, caller)
             self.loop.waiters.forget(rec.id)
@@ -410,8 +414,8 @@ class Api:
             cls = ClientClass(req.cls)
         except ValueError:
             raise _fail(E.INVALID_PARAMS, "cls must be 'online' or 'offline'") from None
-        if req.gpus is not None and (req.gpu != "any" or cls is not ClientClass.OFFLINE):
-            raise _fail(E.INVALID_PARAMS, "--gpus takes an --offline job and names its GPUs itself "
+        if req.gpus is not None and req.gpu != "any":
+            raise _fail(E.INVALID_PARAMS, "--gpus names a gang's GPUs itself "
                         "(not with --gpu): --gpus 8 or --gpus 0,1")  # fmt: skip
         if not req.argv or not req.argv[0]:
             raise _fail(E.INVALID_PARAMS, "no command given: gpushare submit ... -- CMD ARGS")
@@ -513,7 +517,11 @@ class Api:
         fits = {g.uuid: self._misfit(g, loads[g.uuid], req, cls, uid) for g in candidates}
         problems += [f"GPU {g.index}: {fits[g.uuid]}" for g in candidates if fits[g.uuid]]
         fitting = [g for g in candidates if not fits[g.uuid]]
-        gpus = gangplace.choose(n, fitting, loads, problems, named is not None)
+        now, busy = self.s.clock.monotonic(), None  # an online gang (a TP server): D12
+        if cls is ClientClass.OFFLINE:  # D14: the GPUs where the gang costs online services least
+            busy = gangplace.services(self.s.registry.clients(), fitting,
+                                      lambda u: self.s.gate.view(u, now))  # fmt: skip
+        gpus = gangplace.choose(n, fitting, loads, problems, named is not None, busy)
         sm = req.sm_pct if req.sm_pct is not None else self.s.default_sm(cls, gpus[0].uuid)
         return gpus, sm
 

@@ -162,6 +162,8 @@ def held_by_drain(
     out = {}
     for job in jobs:
         pinned = next((u for u, i in index.items() if job.gpu in (u, str(i))), None)
+        if pinned is None:  # a gang that named a draining GPU waits for it (issue 35)
+            pinned = next((u for u in job.gang_gpus if u in drained), None)
         if job.client_id not in waiting:
             continue
         if pinned in drained:

@@ -42,16 +42,20 @@ class GateFeed:
             _, online, gated = kept
         else:
             online, gated = {}, {}
+            spans = []
             for rec in records:
                 if rec.gpu_uuid is None or not rec.state.is_live:
                     continue
                 if rec.cls is ClientClass.ONLINE:
                     online[rec.id] = rec.gpu_uuid
+                    if len(rec.gang) > 1:
+                        spans.append(rec.gang)
                 elif (
                     rec.state in RUNNING_STATES and rec.pid is not None and not life.exiting(rec.id)
                 ):
                     for uuid in rec.gpus():  # a gang is gated by every GPU it uses
                         gated.setdefault(uuid, []).append(rec.id)
+            _union(gated, spans)
             self._kept = (going, online, gated)
         pids = life.main_pids(online) if online else {}
         for cid in online:
@@ -60,3 +64,17 @@ class GateFeed:
             except PAUSE_ERRORS:
                 continue  # the main pid is known; a pauser that cannot list keeps that
         self.s.gate.update_clients(online, gated, tick.monotonic_s, pids)
+
+
+def _union(gated: dict[str, list[str]], spans: Sequence[Sequence[str]]) -> None:
+    """Gate the offline clients of every GPU of an online gang by its rank 0's GPU's gate.
+
+    A tensor-parallel server runs each request on all its GPUs at once, and its request
+    boundaries hold the gate of the GPU it is known by (rank 0's): that gate freezes the offline
+    clients on every GPU it uses, so its request finds all of them free (issue 35).
+    """
+    own = {uuid: tuple(ids) for uuid, ids in gated.items()}  # each GPU's own, before any union
+    for span in spans:
+        into = gated.setdefault(span[0], [])
+        for uuid in span[1:]:
+            into.extend(cid for cid in own.get(uuid, ()) if cid not in into)

@@ -283,7 +283,8 @@ class Lifecycle:
             self.freeze_for(client_id, HOLD)
             self.s.transition(client_id, S.FROZEN, reason=reason)
         else:
-            duty = self.s.duty.get(rec.gpu_uuid or "", 1.0)
+            # A gang runs at the smallest duty of its GPUs (as the duty cycle's phase has it).
+            duty = min((self.s.duty.get(u, 1.0) for u in rec.gpus()), default=1.0)
             offline = rec.cls is ClientClass.OFFLINE
             # An offline client at duty 0 stays frozen, now for the duty cycle.
             self.freeze_for(client_id, *((DUTY,) if offline and duty <= 0.0 else ()))

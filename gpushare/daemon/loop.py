@@ -222,7 +222,7 @@ class ControlLoop:
         self.policy_state[uuid] = state
         for action in actions:
             try:
-                self.actuator.apply(action, tick)
+                self.actuator.apply(action, tick, uuid)
             except (RegistryError, *PAUSE_ERRORS) as exc:
                 log.warning("action_failed", action=type(action).__name__, error=str(exc))
         if s.probe is not None:

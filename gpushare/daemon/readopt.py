@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gpushare.daemon import launcher
+from gpushare.daemon import gangplace, launcher
 from gpushare.daemon.freeze import HOLD
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.state import PAUSE_ERRORS
@@ -102,11 +102,13 @@ def _gone(life: Lifecycle, rec: ClientRecord) -> None:
     killed = 0 if rec.adopted_by is not None else _kill_leftovers(life, rec)
     left = f"; {killed} leftover processes of its cgroup killed" if killed else ""
     interrupted = rec.state is S.RESTARTING or (rec.state is S.STARTING and rec.pid is None)
-    # A gang is not queued (admission places one GPU per job): it is recorded as gone instead.
-    if interrupted and rec.detach and rec.adopted_by is None and len(rec.gang) <= 1:
+    # A gang goes back to the queue as a gang only where its record keeps its request
+    # (gangplace.request_text); one from before would be queued on one GPU: it is gone instead.
+    as_gang = gangplace.parse_request(rec.gpu_request) is not None
+    if interrupted and rec.detach and rec.adopted_by is None and (len(rec.gang) <= 1 or as_gang):
         step = "restart" if rec.state is S.RESTARTING else "launch"
         registry.transition(
-            rec.id, S.QUEUED, pid=None, start_time=None,
+            rec.id, S.QUEUED, pid=None, start_time=None, gang=(),
             reason=f"the daemon stopped during its {step}; queued to be launched again{left}",
         )  # fmt: skip
         return

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from gpushare.control import pods
 from gpushare.control.admission import positions
+from gpushare.daemon import gangplace
 from gpushare.daemon.registry import ClientRecord
 from gpushare.model import ClientClass, ClientState, QueuedJob
 
@@ -58,22 +59,33 @@ def queued_jobs(
     now_wall_s: float,
     not_before: dict[str, float],
 ) -> list[QueuedJob]:
-    """The queued offline jobs as admission sees them (monotonic submission times)."""
-    return [
-        QueuedJob(
-            client_id=r.id,
-            uid=r.uid,
-            mem_bytes=r.mem_bytes,
-            sm_pct=r.sm_ceiling,
-            gpu=None if r.gpu_request in (None, "any") else r.gpu_request,
-            submitted_at_s=now_mono_s - max(0.0, now_wall_s - r.submitted_at),
-            expected_duration_s=r.expected_s,
-            restartable=r.restartable,
-            not_before_s=not_before.get(r.id, 0.0),
+    """The queued offline jobs as admission sees them (monotonic submission times).
+
+    A gang (its ``gpu_request`` is :func:`gangplace.request_text`'s) waits for all its GPUs.
+    """
+    jobs = []
+    for r in records:
+        if r.state is not S.QUEUED:
+            continue
+        gang = gangplace.parse_request(r.gpu_request)
+        ranks, named = gang if gang is not None else (1, ())
+        gpu = None if gang is not None or r.gpu_request in (None, "any") else r.gpu_request
+        jobs.append(
+            QueuedJob(
+                client_id=r.id,
+                uid=r.uid,
+                mem_bytes=r.mem_bytes,
+                sm_pct=r.sm_ceiling,
+                gpu=gpu,
+                submitted_at_s=now_mono_s - max(0.0, now_wall_s - r.submitted_at),
+                expected_duration_s=r.expected_s,
+                restartable=r.restartable,
+                not_before_s=not_before.get(r.id, 0.0),
+                ranks=ranks,
+                gang_gpus=named,
+            )
         )
-        for r in records
-        if r.state is S.QUEUED
-    ]
+    return jobs
 
 
 def queue_positions(

@@ -9,7 +9,16 @@ import pytest
 
 from bench.support.observations import observation
 from gpushare.control import gang
-from gpushare.control.gang import GangDuty, GpuForGang, gang_duty, place_gang, run_fraction
+from gpushare.control.gang import (
+    FoundGang,
+    GangDuty,
+    GpuForGang,
+    RankFacts,
+    gang_duty,
+    group_ranks,
+    place_gang,
+    run_fraction,
+)
 from gpushare.model import Action, Observation, SetDuty
 
 GIB = 1 << 30
@@ -114,3 +123,45 @@ def test_gang_duty_wrapper_sends_the_gangs_smallest_duty() -> None:
     # Nothing changed: nothing is sent again.
     _, again = policy.step(s0, obs("g0"), 1.0)
     assert again == []
+
+
+# ------------------------------------------------------------------------------ adoption
+
+
+def rank(pid: int, gpu: str | None, local: str | None, *, ppid: int = 10, uid: int = 1000,
+         run: str = "r1", cls: str = "offline", env: dict[str, str] | None = None) -> RankFacts:  # fmt: skip
+    environ = {"TORCHELASTIC_RUN_ID": run} if env is None else dict(env)
+    if local is not None:
+        environ["LOCAL_RANK"] = local
+    return RankFacts(pid, ppid, uid, cls, gpu, environ)
+
+
+def test_ranks_of_one_parent_are_one_gang_in_rank_order() -> None:
+    found = group_ranks([rank(21, "g1", "1"), rank(20, "g0", "0")], {10: 1000})
+    assert found.gangs == (FoundGang(10, (20, 21), ("g0", "g1")),) and not found.deferred
+    # rank-exec's workers: LOCAL_RANK is 0 in each, the launcher's rank in GPUSHARE_LOCAL_RANK.
+    ex = [rank(30 + k, f"g{k}", "0", env={"GPUSHARE_GANG": "[..]", "GPUSHARE_LOCAL_RANK": str(k)})
+          for k in (1, 0)]  # fmt: skip
+    assert group_ranks(ex, {10: 1000}).gangs[0].pids == (30, 31)
+
+
+def test_what_is_not_one_users_job_over_distinct_gpus_is_no_gang() -> None:
+    pair = [rank(20, "g0", "0"), rank(21, "g1", "1")]
+    assert group_ranks(pair, {10: 0}).gangs == ()  # a root-owned parent (slurmstepd)
+    assert group_ranks(pair, {}).gangs == ()  # a parent not seen (or setuid: left out)
+    assert group_ranks([pair[0], rank(21, "g1", "1", uid=1001)], {10: 1000}).gangs == ()
+    assert group_ranks([pair[0], rank(21, "g1", "1", run="r2")], {10: 1000}).gangs == ()
+    assert group_ranks([pair[0], rank(21, "g1", "1", cls="online")], {10: 1000}).gangs == ()
+    assert group_ranks([pair[0], rank(21, "g0", "1")], {10: 1000}).gangs == ()  # one GPU
+    assert group_ranks([pair[0], rank(21, "g1", "0")], {10: 1000}).gangs == ()  # one rank twice
+    assert group_ranks([pair[0], rank(21, "g1", None)], {10: 1000}).gangs == ()
+    assert group_ranks([pair[0], rank(21, None, "1")], {10: 1000}).gangs == ()
+    assert (
+        group_ranks([rank(20, "g0", "0", ppid=1), rank(21, "g1", "1", ppid=1)], {1: 1000}).gangs
+        == ()
+    )
+
+
+def test_ranks_of_a_parent_with_a_rank_too_young_to_decide_wait_for_the_next_scan() -> None:
+    found = group_ranks([rank(20, "g0", "0"), rank(21, "g1", "1")], {10: 1000}, unsettled={10})
+    assert found.gangs == () and found.deferred == {20, 21}

@@ -220,14 +220,15 @@ def test_a_gang_is_placed_on_all_its_gpus_or_refused_with_each_gpus_reason(
     assert filler.returncode == 0, filler.stdout + filler.stderr
     before = len(daemon.call("list", {"all": True})["clients"])
     named = cli(daemon, "submit", "--offline", "--detach", "--gpus", "2,3", "--mem", "8G",
-                "--", *sleep)  # fmt: skip
+                "--no-queue", "--", *sleep)  # fmt: skip
     assert named.returncode != 0
     lines = named.stderr.strip().splitlines()
     assert len(lines) == 1 and "GPU 3:" in lines[0] and "GPU 2:" not in lines[0], named.stderr
     everything = cli(daemon, "submit", "--offline", "--detach", "--gpus", str(RANKS), "--mem",
-                     "8G", "--", *sleep)  # fmt: skip
+                     "8G", "--no-queue", "--", *sleep)  # fmt: skip
     assert everything.returncode != 0 and "GPU 3:" in everything.stderr
-    # Nothing was registered or queued for either: all or nothing.
+    # Nothing was registered for either: all or nothing (without --no-queue it would wait:
+    # tests/daemon/test_gang_queue.py).
     assert len(daemon.call("list", {"all": True})["clients"]) == before
     # A count goes where a rank fits: every GPU but the full one.
     seven = cli(daemon, "submit", "--offline", "--detach", "--gpus", str(RANKS - 1), "--mem",
@@ -278,7 +279,7 @@ def test_bad_gang_submits_get_one_line_and_change_nothing_and_a_foreground_gang_
         (["--offline", "--gpus", "0,"], "give a count (8) or a list"),
         (["--offline", "--gpus", "0,42"], "no GPU '42'"),
         (["--offline", "--gpus", "2", "--gpu", "1"], "not with --gpu"),
-        (["--online", "--gpus", "2"], "--gpus takes an --offline job"),
+        (["--online", "--gpus", "2", "--gpu", "0"], "not with --gpu"),
         (["--offline", "--gpus", "2", "--restartable"], "--restartable do not go together"),
     ):
         run = cli(daemon, "submit", *args, *cmd)
@@ -289,6 +290,35 @@ def test_bad_gang_submits_get_one_line_and_change_nothing_and_a_foreground_gang_
     show = "import json, os; print(len(json.loads(os.environ['GPUSHARE_GANG'])))"
     fg = cli(daemon, "submit", "--offline", "--gpus", "3", "--", sys.executable, "-c", show)
     assert fg.returncode == 0 and fg.stdout.strip() == "3", fg.stdout + fg.stderr
+
+
+def test_an_online_tp_server_is_a_gang_whose_ranks_reach_their_gpus_at_online_priority(
+    daemon: DaemonProc, tmp_path: Path
+) -> None:
+    out = tmp_path / "ranks"
+    out.mkdir()
+    done = cli(
+        daemon, "submit", "--online", "--detach", "--gpus", "1,2", "--mem", "4G", "--name", "tp",
+        "--", sys.executable, "-c", TORCHRUN, "2", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    status = daemon.call("status")
+    (client,) = [c for c in status["clients"] if c["name"] == "tp"]
+    assert client["class"] == "online"
+    assert [(g["rank"], g["index"]) for g in client["gpus"]] == [(0, 1), (1, 2)]
+    uuids = {g["index"]: g["uuid"] for g in status["gpus"]}
+    wait_for(lambda: all((out / f"env{k}.json").exists() for k in range(2)), timeout_s=30.0,
+             what="every rank's environment")  # fmt: skip
+    for k, index in enumerate((1, 2)):
+        env = json.loads((out / f"env{k}.json").read_text())
+        assert env["GPUSHARE_GPU_UUID"] == uuids[index]
+        assert env["CUDA_MPS_CLIENT_PRIORITY"] == "0"
+        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{uuids[index]}=4G"
+    # An online gang is not queued: one that does not fit is refused.
+    full = cli(daemon, "submit", "--online", "--detach", "--gpus", "8", "--mem", "13G",
+               "--", "sleep", "60")  # fmt: skip
+    assert full.returncode == 5 and "the gang of 8 GPUs does not fit" in full.stderr, full.stderr
+    assert cli(daemon, "cancel", client["id"]).returncode == 0
 
 
 def test_a_gang_launch_the_daemon_died_in_is_recorded_lost_not_queued_on_one_gpu() -> None:
