@@ -129,7 +129,7 @@ def _still_pending(config: ControlConfig, state: GpuState, obs: Observation, now
         or not client.state.is_live
         # Relaunched since the request (the runner's start time, on this clock): whatever
         # the share or gating did meanwhile, the restart asked for has happened.
-        or (settled and client.started_at_s is not None and client.started_at_s > pending[1])
+        or (settled and client.started_at_s is not None and client.started_at_s >= pending[1])
         or (settled and now > pending[1] and not needs_restart(config, client, state.share_pct))
     )
     return not (done or now - pending[1] > patience)
