@@ -116,3 +116,28 @@ def test_the_demo_moment_restarts_no_job_when_gating_turns_off() -> None:
     _, ticks = demo.run(ctl, demo.BREACH + demo.HELD, demo.start())
     assert [s for _, s in demo.share_ticks(ticks)] == [10.0]
     assert not [a for t in ticks for a in t if isinstance(a, RestartClient)]
+
+
+def test_a_restart_relaunched_in_the_tick_it_was_asked_is_done() -> None:
+    """The simulator relaunches at once: the job's new start is the request's own time.
+
+    The hour-long Azure trace's cut restarted the job at 1066.3 s, relaunched at 1066.3 s; the
+    share went back to 100 % the next tick. The raise then waited out the 300 s restart patience
+    (the request was never seen done) instead of the break-even since the relaunch.
+    """
+    need = 60 * 100 / (100 - 33)  # 33 % -> 100 % at duty 1
+    relaunched = _client(33, started_at_s=1066.3, restarts=1)
+    obs = observation((relaunched,))
+    state = GpuState(
+        gpu_uuid=GPU, share_pct=100.0, share_changed_at_s=1066.4, restart_pending=("c1", 1066.3)
+    )
+    signals = online_signals(obs, CONFIG.probe_slo_ratio)
+    early: list[Action] = []
+    restarts(CONFIG, state, obs, signals, 1066.3 + need - 1, early)
+    assert not early  # no second restart within the break-even of the last
+    actions: list[Action] = []
+    after = restarts(CONFIG, state, obs, signals, 1066.3 + need + 1, actions)
+    assert [(a.client_id, a.sm_pct) for a in actions if isinstance(a, RestartClient)] == [
+        ("c1", 100.0)
+    ]
+    assert after.restart_pending == ("c1", 1066.3 + need + 1)
