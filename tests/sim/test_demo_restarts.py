@@ -60,9 +60,9 @@ def test_the_demo_restarts_no_job_when_gating_turns_off_and_on(demo_daemon: SimD
     d = demo_daemon
     _submit(d, "--online", "--detach", "--name", "web", "--slo-p99", "60ms",
             "--sim-profile", "resnet50-inference", "--rps", "20", "--sim-burst", BURST)  # fmt: skip
+    auto = ("--offline", "--restartable", "--queue", "auto")
     jobs = [
-        _submit(d, "--offline", "--restartable", "--queue", "auto", "--name", name,
-                "--sim-profile", profile)  # fmt: skip
+        _submit(d, *auto, "--name", name, "--sim-profile", profile)
         for name, profile in (("train-a", "resnet50-train"), ("train-b", "mobilenetv2-train"))
     ]
 
