@@ -5,9 +5,11 @@ gating turned off during the online burst (the share cut on two consecutive tick
 held offline work frozen). This runs what ``scripts/demo.sh`` runs: the real daemon on one
 simulated GPU in real time (``gpushare daemon --simulate 1``, simulated MPS, the demo's
 ``[latency] window``), the same three clients submitted through the real CLI (the ResNet-50
-service with a 3x burst, two restartable ``--queue auto`` training jobs), with the burst moved
-earlier and made larger so that gating turns off and back on within seconds. The daemon's own registry and event
-log then say whether a job was restarted.
+service, two restartable ``--queue auto`` training jobs), with the service's burst moved earlier
+and made larger so that gating turns off and back on within seconds. The daemon's own registry
+and event log then say whether a job was restarted. (The in-flight library is preloaded where it
+is built, as ``make demo`` builds it: the jobs' queues then switch live; without it they run the
+blocking fallback.)
 """
 
 from __future__ import annotations
