@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gpushare.config import ControlConfig
+from gpushare.control.restart_cost import DutyTally
 from gpushare.control.signals import Signals
 from gpushare.model import ClientState, ClientView, Observation
 
@@ -48,6 +49,8 @@ class GpuState:
         evicting: ``(client_id, since_s)`` of clients asked to go away that are still live.
         stopped: clients stopped for repeated failures (never evicted twice).
         restart_pending: ``(client_id, since_s)`` of the restart in flight, if any.
+        duty_tally: the offline duty since the share was last set (a restart's verdict reads
+            its mean, ``restart_cost.DutyTally``); ``None`` before the restarts' first tick.
         recovering_since_s: start of the MPS fault episode being recovered, if any.
         last_recover_s: when :class:`RecoverMps` was last sent.
         recover_attempts: recoveries sent in this episode (sets the backoff).
@@ -91,6 +94,7 @@ class GpuState:
     evicting: tuple[tuple[str, float], ...] = ()
     stopped: frozenset[str] = frozenset()
     restart_pending: tuple[str, float] | None = None
+    duty_tally: DutyTally | None = None
     recovering_since_s: float | None = None
     last_recover_s: float | None = None
     recover_attempts: int = 0

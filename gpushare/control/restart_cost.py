@@ -9,7 +9,8 @@ restarts in 300 s, 60 per job-hour).
 
 The rule here: a restart of a running job pays when, over the time the new share is expected to
 hold, the job gains more than the restart costs it. With ``r_now`` its progress rate now (its SM
-cap times the GPU's duty: a frozen job makes no progress whatever its cap) and ``r_new`` at the
+cap times the GPU's duty: a frozen job makes no progress whatever its cap; the duty is its mean
+since the share was set, :class:`DutyTally`, not the last tick's) and ``r_new`` at the
 target (the cap, at duty 1: the share is what the SLO leaves offline work), the job ahead after
 ``H`` seconds is ``r_new (H - C)`` against ``r_now H``, so the restart pays once
 
@@ -21,6 +22,13 @@ cycle keeps the SLO, and no restart is asked during an SLO violation anyway). A 
 evidence that offline work can have more for a while, so it is expected to hold at least
 :data:`RAISE_HOLD_S`. And no job is restarted again within the break-even of its last restart:
 churn is bounded per job whatever the share does.
+
+Why the mean duty: while the duty cycle is in charge it climbs in steps and falls to 0 at each
+breach, several times a minute (the hour-long Azure trace from 870 s: 0 -> 0.5 and back every
+15-20 s, 0.32 on average). Read on one tick, a cut looked free (``r_now`` 0) whenever its check
+fell on a tick at 0: the cut to 33 % was paid for at 1066 s, 76 s after it was set, while the job
+ran at 100 % x 0.32 = 32 % on average, for a gain of about 1 point (break-even: some 1,500 s, not
+60 s).
 
 Pure: no I/O, no clock.
 """
@@ -41,6 +49,43 @@ class RestartVerdict:
     worth: bool
     break_even_s: float
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DutyTally:
+    """The offline duty since the share was last set: the integral of a piecewise-constant duty.
+
+    Kept per GPU (``GpuState.duty_tally``) and replaced only when the share or the duty changes.
+    """
+
+    since_s: float  # when the share was set (or first seen)
+    at_s: float  # when ``duty`` took effect
+    duty: float  # the duty in force since ``at_s``
+    duty_s: float  # the integral of the duty over [since_s, at_s]
+
+    def mean(self, now: float) -> float:
+        """The mean duty over ``[since_s, now]`` (the duty in force when no time has passed)."""
+        span = now - self.since_s
+        if span <= 0:
+            return self.duty
+        return (self.duty_s + self.duty * max(0.0, now - self.at_s)) / span
+
+
+def tally_duty(
+    tally: DutyTally | None, share_since_s: float | None, duty: float, now: float
+) -> DutyTally:
+    """``tally`` with this tick's duty counted (the same object when nothing changed).
+
+    A share set anew (``share_since_s`` other than the tally's start) starts a new tally; what
+    the duty was before the first tick counted is not known: taken as ``duty``.
+    """
+    if tally is None or (share_since_s is not None and share_since_s != tally.since_s):
+        start = now if share_since_s is None else min(now, share_since_s)
+        return DutyTally(start, start, duty, 0.0)
+    if duty == tally.duty:
+        return tally
+    done = tally.duty_s + tally.duty * max(0.0, now - tally.at_s)
+    return DutyTally(tally.since_s, now, duty, done)
 
 
 def restart_cost_s(config: ControlConfig, client: ClientView) -> float:
@@ -79,8 +124,9 @@ def verdict(
 ) -> RestartVerdict:
     """Whether restarting ``client`` under ``target_pct`` pays at ``now``.
 
-    ``regime_since_s`` is when the share it would restart into was set (``None``: unknown, taken
-    as settled). The hold expected: the regime's age, at least :data:`RAISE_HOLD_S` for a raise.
+    ``duty`` is the offline duty the job has had under its current cap (its mean since the share
+    was set, :meth:`DutyTally.mean`). ``regime_since_s`` is when the share it would restart into
+    was set (``None``: unknown, taken as settled). The hold expected: the regime's age, at least :data:`RAISE_HOLD_S` for a raise.
     A job restarted before is not restarted again within the break-even of its last start.
     """
     cost = restart_cost_s(config, client)

@@ -55,7 +55,9 @@ def restarts(
 ) -> GpuState:
     """Ask for at most one restart this tick, or wait for the one in flight; the new state.
 
-    A pending restart holds every other until the client has relaunched, gone, or no longer needs
+    The duty the restart verdicts read is its mean since the share was set
+    (:class:`~gpushare.control.restart_cost.DutyTally`, counted here each tick). A pending
+    restart holds every other until the client has relaunched, gone, or no longer needs
     it, or until ``max(share_min_interval, 300 s)`` has passed. None is asked during an SLO
     violation (the app latency alone while gated with shallow queues), with MPS not up, or while
     an offline client is restarting. Then, in order: a deep ``--queue auto`` client relaunched
@@ -63,6 +65,9 @@ def restarts(
     furthest from its share (those above it first, :func:`needs_restart`); a shallow ``--queue
     auto`` client relaunched deep while gating is off (:func:`queue_restart`).
     """
+    tally = restart_cost.tally_duty(state.duty_tally, state.share_changed_at_s, state.duty, now)
+    if tally is not state.duty_tally:
+        state = replace(state, duty_tally=tally)
     if state.restart_pending is not None:
         if _still_pending(config, state, obs, now):
             return state
@@ -87,7 +92,7 @@ def restarts(
         and needs_restart(config, c, state.share_pct)
         # Issue 32: only when the gain over the expected hold pays the restart's cost.
         and restart_cost.verdict(
-            config, c, client_share_pct(state.share_pct, c), state.duty,
+            config, c, client_share_pct(state.share_pct, c), tally.mean(now),
             state.share_changed_at_s, now,
         ).worth
     ]  # fmt: skip
@@ -104,7 +109,7 @@ def restarts(
     )
     target = client_share_pct(state.share_pct, chosen)
     pays = restart_cost.verdict(
-        config, chosen, target, state.duty, state.share_changed_at_s, now
+        config, chosen, target, tally.mean(now), state.share_changed_at_s, now
     ).reason
     actions.append(
         RestartClient(
@@ -129,7 +134,7 @@ def _still_pending(config: ControlConfig, state: GpuState, obs: Observation, now
         or not client.state.is_live
         # Relaunched since the request (the runner's start time, on this clock): whatever
         # the share or gating did meanwhile, the restart asked for has happened.
-        or (settled and client.started_at_s is not None and client.started_at_s > pending[1])
+        or (settled and client.started_at_s is not None and client.started_at_s >= pending[1])
         or (settled and now > pending[1] and not needs_restart(config, client, state.share_pct))
     )
     return not (done or now - pending[1] > patience)

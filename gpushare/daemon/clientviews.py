@@ -3,7 +3,7 @@
 The registry hands out the same record object until a client changes, so a tick whose records
 are all the ones the last tick saw has nothing to remake: :class:`ClientViews` keeps, from the
 last tick that changed any record, each client's :class:`~gpushare.model.ClientView` (reused
-while its record is the same object), the views of each GPU's clients, and the clients' counts
+while its record is the same object and its queue has not switched live), the views of each GPU's clients, and the clients' counts
 for the STATUS= line. It is the one owner of these identity-keyed caches.
 """
 
@@ -27,6 +27,7 @@ class ClientViews:
         self._synced: Sequence[ClientRecord] = ()  # the records the last refresh saw
         # Each client's view and the record it was made from.
         self._views: dict[str, tuple[ClientRecord, ClientView]] = {}
+        self._shallow: frozenset[str] = frozenset()  # the clients the views show shallow
         self._by_gpu: dict[str | None, list[ClientRecord]] = {}
         self._view_map: dict[str, ClientView] = {}
         self._gpu_views: dict[str, tuple[ClientView, ...]] = {}
@@ -39,7 +40,11 @@ class ClientViews:
         changed = len(records) != len(synced) or any(
             a is not b for a, b in zip(records, synced, strict=True)
         )
-        if changed:
+        # A live --queue auto client turns shallow or deep when gating flips, and no record
+        # changes (issue 32): a view kept then hid gating back on from the controller.
+        shallow = frozenset(self.life.shallow)
+        if changed or shallow != self._shallow:
+            self._shallow = shallow
             self._synced = records
             by_gpu: dict[str | None, list[ClientRecord]] = {}
             for rec in records:
@@ -64,10 +69,11 @@ class ClientViews:
     def _views_of(self, records: Sequence[ClientRecord], tick: Tick) -> dict[str, ClientView]:
         """Every client's view, made anew only for the records that changed since the last tick."""
         old = self._views
+        shallow = self._shallow
         fresh: dict[str, tuple[ClientRecord, ClientView]] = {}
         for rec in records:
             known = old.get(rec.id)
-            if known is not None and known[0] is rec:
+            if known is not None and known[0] is rec and known[1].shallow == (rec.id in shallow):
                 fresh[rec.id] = known
             else:
                 fresh[rec.id] = (rec, self._view(rec, tick))

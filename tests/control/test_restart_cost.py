@@ -16,6 +16,7 @@ from gpushare.control.restart_cost import (
     RAISE_HOLD_S,
     break_even_hold_s,
     restart_cost_s,
+    tally_duty,
     verdict,
 )
 from gpushare.control.restarts import restarts
@@ -116,3 +117,69 @@ def test_the_demo_moment_restarts_no_job_when_gating_turns_off() -> None:
     _, ticks = demo.run(ctl, demo.BREACH + demo.HELD, demo.start())
     assert [s for _, s in demo.share_ticks(ticks)] == [10.0]
     assert not [a for t in ticks for a in t if isinstance(a, RestartClient)]
+
+
+def test_a_restart_relaunched_in_the_tick_it_was_asked_is_done() -> None:
+    """The simulator relaunches at once: the job's new start is the request's own time.
+
+    The hour-long Azure trace's cut restarted the job at 1066.3 s, relaunched at 1066.3 s; the
+    share went back to 100 % the next tick. The raise then waited out the 300 s restart patience
+    (the request was never seen done) instead of the break-even since the relaunch.
+    """
+    need = 60 * 100 / (100 - 33)  # 33 % -> 100 % at duty 1
+    relaunched = _client(33, started_at_s=1066.3, restarts=1)
+    obs = observation((relaunched,))
+    state = GpuState(
+        gpu_uuid=GPU, share_pct=100.0, share_changed_at_s=1066.4, restart_pending=("c1", 1066.3)
+    )
+    signals = online_signals(obs, CONFIG.probe_slo_ratio)
+    early: list[Action] = []
+    restarts(CONFIG, state, obs, signals, 1066.3 + need - 1, early)
+    assert not early  # no second restart within the break-even of the last
+    actions: list[Action] = []
+    after = restarts(CONFIG, state, obs, signals, 1066.3 + need + 1, actions)
+    assert [(a.client_id, a.sm_pct) for a in actions if isinstance(a, RestartClient)] == [
+        ("c1", 100.0)
+    ]
+    assert after.restart_pending == ("c1", 1066.3 + need + 1)
+
+
+def test_the_duty_tally_is_the_mean_duty_since_the_share_was_set() -> None:
+    t = tally_duty(None, 100.0, 0.0, 100.0)
+    assert t.mean(100.0) == 0.0
+    assert tally_duty(t, 100.0, 0.0, 101.0) is t  # nothing changed: the same object
+    t = tally_duty(t, 100.0, 0.5, 110.0)  # 0 for 10 s, then 0.5
+    assert math.isclose(t.mean(130.0), 0.5 * 20 / 30)
+    # A share set anew starts a new tally at its own time.
+    fresh = tally_duty(t, 130.0, 1.0, 130.0)
+    assert (fresh.since_s, fresh.mean(130.0), fresh.mean(140.0)) == (130.0, 1.0, 1.0)
+
+
+def test_a_cut_under_a_cycling_duty_is_judged_by_the_mean_duty_not_the_last_tick() -> None:
+    """The hour-long Azure trace from 990 s: the share cut to 33 % while the job runs at 100 %.
+
+    The duty cycle climbs 0 -> 0.5 in steps and falls back to 0 at each breach, every ~17 s
+    (0.32 on average there). Judged on the tick's duty, the cut looked free on any tick at 0 once
+    it had held the 60 s restart cost: the job was restarted at 1066 s to gain about 1 point.
+    """
+    obs = observation((_client(100, started_at_s=0.0),))
+    signals = online_signals(obs, CONFIG.probe_slo_ratio)
+    state = GpuState(gpu_uuid=GPU, share_pct=33.0, share_changed_at_s=990.0, duty=0.0)
+    actions: list[Action] = []
+    period = CONFIG.period_s
+    ticks = round(120 / period)
+    for i in range(ticks):
+        now = 990.0 + i * period
+        # A sawtooth: 0 at each breach, up 0.05 a step to 0.55 over 17 s.
+        phase = (now - 990.0) % 17.0
+        state = dataclasses.replace(state, duty=0.0 if phase < 1.0 else min(0.55, phase / 30))
+        state = restarts(CONFIG, state, obs, signals, now, actions)
+    assert state.duty_tally is not None
+    mean = state.duty_tally.mean(990.0 + ticks * period)
+    assert 0.2 < mean < 0.4
+    assert not [a for a in actions if isinstance(a, RestartClient)]
+    # Frozen throughout, the same cut pays after the restart cost, as before.
+    frozen = GpuState(gpu_uuid=GPU, share_pct=33.0, share_changed_at_s=990.0, duty=0.0)
+    for i in range(ticks):
+        frozen = restarts(CONFIG, frozen, obs, signals, 990.0 + i * period, actions)
+    assert [a.sm_pct for a in actions if isinstance(a, RestartClient)] == [33.0]
