@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 
 from gpushare.config import ControlConfig
+from gpushare.control import restart_cost
 from gpushare.control.duty import duty_signals, throttle
 from gpushare.control.gatedelay import gate_delay
 from gpushare.control.gpu_state import (
@@ -167,6 +168,10 @@ class GpushareController:
             or state.gated_shallow
             or state.gating_emitted is True
             or (obs.gate is not None and state.gating_emitted is not False)
+            # The restarts' section counts the duty since the share was set (issue 32).
+            or not restart_cost.tally_is_current(
+                state.duty_tally, state.share_changed_at_s, state.duty
+            )
         ):
             return None
         reserve = obs.mem_reserve_bytes

@@ -71,6 +71,15 @@ class DutyTally:
         return (self.duty_s + self.duty * max(0.0, now - self.at_s)) / span
 
 
+def tally_is_current(tally: DutyTally | None, share_since_s: float | None, duty: float) -> bool:
+    """Whether :func:`tally_duty` would return ``tally`` itself: it counts this share and duty."""
+    return (
+        tally is not None
+        and (share_since_s is None or share_since_s == tally.since_s)
+        and duty == tally.duty
+    )
+
+
 def tally_duty(
     tally: DutyTally | None, share_since_s: float | None, duty: float, now: float
 ) -> DutyTally:
@@ -79,11 +88,11 @@ def tally_duty(
     A share set anew (``share_since_s`` other than the tally's start) starts a new tally; what
     the duty was before the first tick counted is not known: taken as ``duty``.
     """
+    if tally is not None and tally_is_current(tally, share_since_s, duty):
+        return tally
     if tally is None or (share_since_s is not None and share_since_s != tally.since_s):
         start = now if share_since_s is None else min(now, share_since_s)
         return DutyTally(start, start, duty, 0.0)
-    if duty == tally.duty:
-        return tally
     done = tally.duty_s + tally.duty * max(0.0, now - tally.at_s)
     return DutyTally(tally.since_s, now, duty, done)
 

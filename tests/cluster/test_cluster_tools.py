@@ -22,4 +22,7 @@ def test_a_second_run_has_nothing_to_do():
         [BASH, str(SCRIPT)], capture_output=True, text=True, timeout=60, check=False
     )
     assert again.returncode == 0
-    assert "slurmctld, slurmd, slurm-client and munge are installed; nothing to do" in again.stderr
+    assert (
+        "slurmctld, slurmd, slurm-client, munge, slurmdbd and mariadb-server are installed; nothing to do"
+        in again.stderr
+    )

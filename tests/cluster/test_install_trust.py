@@ -27,7 +27,7 @@ def test_install_under_umask_0_leaves_nothing_writable_by_others(
 ) -> None:
     lib = trusted_tmp / "site" / native.LIBRARY_NAME
     lib.parent.mkdir(mode=0o755)
-    monkeypatch.setattr(native, "library_path", lambda: lib)
+    monkeypatch.setattr(native, "library_path", lambda configured=None: configured or lib)
     root = trusted_tmp / "root"
     root.mkdir(mode=0o755)
     old = os.umask(0)

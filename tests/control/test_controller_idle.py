@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from bench.support.observations import GIB, GPU, observation, offline, online
 from gpushare.config import ControlConfig
 from gpushare.control.controller import GpushareController, GpuState
+from gpushare.control.restart_cost import DutyTally
 from gpushare.model import GateReading, GpuEvent, MpsState, Observation
 
 
@@ -27,6 +28,7 @@ def idle_state(**kw: object) -> GpuState:
     base = GpuState(
         gpu_uuid=GPU, duty=1.0, duty_emitted=1.0, share_pct=100.0, share_emitted=True,
         share_changed_at_s=0.5, gating_emitted=False, gating_changed_at_s=0.2, quiet_ticks=7,
+        duty_tally=DutyTally(0.5, 0.5, 1.0, 0.0),  # the duty counted since the share was set
     )  # fmt: skip
     return replace(base, **kw)  # type: ignore[arg-type]
 
@@ -46,6 +48,7 @@ configs = st.builds(
 # some section of the step acts on (or that the fast path must not pass over).
 PERTURBED: dict[str, list[object]] = {
     "duty": [0.0, 0.5],
+    "duty_tally": [None, DutyTally(0.2, 0.2, 1.0, 0.0), DutyTally(0.5, 3.0, 0.5, 2.5)],
     "duty_emitted": [None, 0.0, 0.5],
     "comfortable_ticks": [2],
     "violation_ticks": [1],

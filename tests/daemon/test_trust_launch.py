@@ -68,7 +68,7 @@ def test_a_library_spoiled_after_start_is_refused_at_the_next_launch(
     d = DaemonProc(
         '[gate]\nshallow_queue = "bounded"\ninflight_kernels = 3\n',
         gpus=1,
-        env={"GPUSHARE_TEST_INFLIGHT_LIBRARY": str(lib)},
+        inflight_library=lib,  # [paths] inflight_library: a copy the test can spoil
     )
     try:
         d.start()
@@ -93,14 +93,13 @@ def test_a_library_spoiled_after_start_is_refused_at_the_next_launch(
 
 @pytest.mark.parametrize("spoil", [_give_to_a_user, _open_its_directory])
 def test_doctor_fails_on_a_library_another_user_could_change(
-    trusted_tmp: Path, monkeypatch: pytest.MonkeyPatch, spoil: Callable[[Path], None]
+    trusted_tmp: Path, spoil: Callable[[Path], None]
 ) -> None:
     lib = trusted_tmp / "pkg" / native.LIBRARY_NAME
     lib.parent.mkdir(mode=0o755)
     lib.write_bytes(b"\x7fELF")
     lib.chmod(0o755)
-    monkeypatch.setattr(native, "library_path", lambda: lib)
-    cfg = config.loads('[gate]\nshallow_queue = "bounded"\n')
+    cfg = config.loads(f'[paths]\ninflight_library = "{lib}"\n[gate]\nshallow_queue = "bounded"\n')
 
     def line() -> Any:
         (r,) = [

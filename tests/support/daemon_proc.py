@@ -69,11 +69,6 @@ def _registry(cfg: config.Config) -> Registry:
 
 def main() -> int:
     path = Path(sys.argv[1])
-    if lib := os.environ.get("GPUSHARE_TEST_INFLIGHT_LIBRARY"):
-        # Where the daemon finds the in-flight bound: a copy a test can swap (tests/test_trust.py).
-        from gpushare import native
-
-        native.library_path = lambda: Path(lib)
     cfg = config.load(path)
     configure_logging("debug" if os.environ.get("GPUSHARE_TEST_DEBUG") else "warning", json=True)
     gpu, probe = _gpu_and_probe(int(os.environ.get("GPUSHARE_TEST_GPUS", "2")))
