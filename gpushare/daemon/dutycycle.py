@@ -15,13 +15,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from gpushare.daemon.drain import DrainTracker
-from gpushare.daemon.freeze import DUTY, HOLD
+from gpushare.daemon.freeze import DAEMON_REASONS, DUTY, HOLD
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.state import PAUSE_ERRORS, RUNNING_STATES, NodeState
 from gpushare.daemon.tick import Tick
 from gpushare.model import ClientClass, ClientState, ClientView, GpuSample
 
 S = ClientState
+# The daemon's freeze reasons the duty cycle gives a client.
+_NONE: frozenset[str] = frozenset()
+_HOLD = frozenset({HOLD})
+_DUTY = frozenset({DUTY})
 
 
 class DutyCycle:
@@ -45,9 +49,15 @@ class DutyCycle:
 
     def phase(self, tick: Tick) -> None:
         """Start of a period: thaw or freeze offline clients as each GPU's duty says."""
-        life = self.life
+        life, duties = self.life, self.s.duty
         period = self.s.config.control.period_s
         self._edges.clear()
+        # The daemon's reasons of every client, in one look at the arbiter: a client that already
+        # has the reasons it should have is left alone (freeze_for would change and request
+        # nothing), instead of one locked call for each of hundreds of idle clients every tick.
+        # The arbiter's state, not a copy of the last decision, is compared: a request that
+        # failed is asked again at the next tick, as before.
+        have = self.s.freeze.reasons_among(DAEMON_REASONS)
         # Read once this tick already with the look for other connections' commits (tick()).
         for rec in self.s.registry.clients(check=False):
             if rec.state not in RUNNING_STATES or rec.pid is None:
@@ -55,27 +65,26 @@ class DutyCycle:
             if life.exiting(rec.id):
                 # Cancelled or evicted: it was thawed to act on its signal; freezing it again
                 # would turn a clean exit into the SIGKILL at the end of the grace.
-                life.freeze_for(rec.id)
-                continue
-            # A gang (one cgroup) runs at the smallest duty of its GPUs: a freeze on any GPU
-            # freezes every rank, and it waits at the next collective for the slowest anyway.
-            duty, edge_gpu = min(
-                ((self.s.duty.get(u, 1.0), u) for u in rec.gpus()),
-                default=(1.0, rec.gpu_uuid or ""),
-            )
-            if rec.held:
-                want = S.FROZEN
-                life.freeze_for(rec.id, HOLD)
-            elif rec.cls is ClientClass.ONLINE or duty >= 1.0:
-                want = S.RUNNING
-                life.freeze_for(rec.id)
-            else:
-                want = S.THROTTLED
-                if duty <= 0.0:
-                    life.freeze_for(rec.id, DUTY)
-                else:
+                if have.get(rec.id, _NONE) != _NONE:
                     life.freeze_for(rec.id)
+                continue
+            if rec.gang:
+                # A gang (one cgroup) runs at the smallest duty of its GPUs: a freeze on any GPU
+                # freezes every rank, and it waits at the next collective for the slowest anyway.
+                duty, edge_gpu = min((duties.get(u, 1.0), u) for u in rec.gang)
+            else:
+                edge_gpu = rec.gpu_uuid or ""
+                duty = 1.0 if rec.gpu_uuid is None else duties.get(rec.gpu_uuid, 1.0)
+            if rec.held:
+                want, reasons = S.FROZEN, _HOLD
+            elif rec.cls is ClientClass.ONLINE or duty >= 1.0:
+                want, reasons = S.RUNNING, _NONE
+            else:
+                want, reasons = S.THROTTLED, _DUTY if duty <= 0.0 else _NONE
+                if duty > 0.0:
                     self._edges[edge_gpu] = tick.monotonic_s + duty * period
+            if have.get(rec.id, _NONE) != reasons:
+                life.freeze_for(rec.id, *reasons)
             if rec.state is not want:
                 why = f"offline duty {duty:g} on its GPU" if want is S.THROTTLED else None
                 self.s.transition(rec.id, want, reason=rec.reason if want is S.FROZEN else why)
