@@ -120,7 +120,10 @@ class FreezeArbiter:
         """Whether any ``(client, reason)`` of ``pairs`` is held: one look under the lock."""
         with self._lock:
             reasons = self._reasons
-            return any(reason in reasons.get(client_id, ()) for client_id, reason in pairs)
+            # No client frozen for any reason (an idle node): nothing to look through.
+            return bool(reasons) and any(
+                reason in reasons.get(client_id, ()) for client_id, reason in pairs
+            )
 
     # ------------------------------------------------------------------------- changes
 

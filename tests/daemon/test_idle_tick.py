@@ -166,3 +166,35 @@ def test_a_settled_gate_asks_the_arbiter_once_for_all_its_gated_clients() -> Non
     keeper.update_clients({}, gated, 0.2)
     # Not settled (a gated client frozen by its gate): the gate is evaluated, which thaws it.
     assert lock.taken > 1 and not keeper.arbiter.frozen("c7")
+
+
+def test_clients_frozen_at_the_duty_edge_are_thawed_at_the_next_period(
+    node: tuple[NodeState, Lifecycle, FakePauser, list[str]],
+) -> None:
+    # A period that changed nothing is not repeated blindly: the edge's freezes between two
+    # periods change the arbiter's reasons, and the next period thaws every client again.
+    state, life, pauser, ids = node
+    duty = DutyCycle(state, life)
+    state.duty[GPU] = 0.5
+    period = state.config.control.period_s
+    for n in range(3):
+        start = 1.0 + n * period
+        duty.phase(Tick(start, start))
+        assert duty.next_edge(9.0) == pytest.approx(start + 0.5 * period)
+        assert not any(state.freeze.frozen(c) for c in ids)
+        pauser.calls.clear()
+        edge = start + 0.5 * period
+        duty.edges_due(Tick(edge, edge))
+        assert pauser.calls == [(tuple(ids), True)] and not duty.pending()
+        assert all(state.freeze.reasons(c) == {DUTY} for c in ids)
+        pauser.calls.clear()
+    duty.phase(Tick(9.0, 9.0))
+    assert pauser.calls == [((c,), False) for c in ids]
+    # A client held between two quiet periods: the next one moves it to FROZEN.
+    pauser.calls.clear()
+    duty.phase(Tick(9.1, 9.1))
+    assert pauser.calls == []
+    state.registry.update(ids[5], held=True)
+    duty.phase(Tick(9.2, 9.2))
+    assert state.registry.get(ids[5]).state is ClientState.FROZEN
+    assert state.freeze.reasons(ids[5]) == {HOLD} and pauser.calls == [((ids[5],), True)]
