@@ -94,6 +94,18 @@ def cpu_ticks(pid: int, tid: int | None = None) -> tuple[int, int]:
     return utime + stime, cutime + cstime
 
 
+def tree_commit(tree: Path) -> str | None:
+    """The checkout's commit (short), if git can tell."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def free_port() -> int:
     """A local TCP port free now (the exporter binds it a moment later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -284,7 +296,8 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace, tree: Path) -> d
     cpu_pct = 100.0 * (own1 - own0) / CLK_TCK / wall
     children_pct = 100.0 * (kids1 - kids0) / CLK_TCK / wall
     return {
-        "tree": str(tree),
+        "tree": tree.name,
+        "commit": tree_commit(tree),
         "gpus": gpus,
         "clients": clients,
         "cpu_pct_of_one_core": round(cpu_pct, 2),
@@ -436,7 +449,7 @@ def main() -> int:
             "load_avg_at_end": list(os.getloadavg()),
         },  # fmt: skip
         "cells": cells,
-        **({"against": str(args.against.resolve()), "compared": compared} if compared else {}),
+        **({"against": args.against.resolve().name, "compared": compared} if compared else {}),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
