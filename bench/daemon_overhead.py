@@ -11,8 +11,11 @@ separately.
 The loop ticks every ``control.period`` (100 ms) of wall time, so a daemon starved of CPU by other
 load ticks less often and seems cheaper. The bench therefore runs it at nice -10 and counts its
 ticks the way systemd would: it is the daemon's ``NOTIFY_SOCKET`` with a watchdog so short that
-the daemon pings ``WATCHDOG=1`` after every completed tick. The table gives the CPU share, the
-ticks per second reached (10 is on time) and the CPU per tick.
+the daemon pings ``WATCHDOG=1`` after every completed tick (under systemd, ``WatchdogSec=30s``, it
+pings every 15 s: the bench's pings cost the daemon about 0.05 to 0.08 ms a tick that a host does
+not pay). The table gives the CPU share, the ticks per second reached (10 is on time), the CPU per
+tick, and the CPU per tick of the loop's own thread (the main thread: without the adoption scan's
+and the other threads').
 
 MPS is simulated by default (``mps.control_binary`` names no binary), so the figure is the
 daemon's loop; ``--mps-control PATH`` runs NVIDIA's real control daemon per simulated GPU, as a
@@ -28,9 +31,19 @@ one per GPU in turn; ``--spread`` submits client i to GPU i mod N, the same spre
 explicitly. Results written before D12 (``"placement": "by the daemon (GPU 0)"``) had every
 placed client on GPU 0 and the other GPUs empty.
 
+Before and after in one run: ``--against TREE`` runs each cell also with the daemon of another
+checkout (its own ``TREE/.venv/bin/python``, its own sources), ``--repeat N`` times each, the two
+alternated (ABBA: this, that, that, this, ...) so load that drifts during the run falls on both;
+the table ends with each side's median and the median of the pairs' differences. The CPU per
+tick is the figure least moved by other load on the host (a starved daemon ticks less often, and
+its share of a core falls with its ticks).
+
+The metrics exporter is off by default (the figures above are the loop's); ``--metrics`` turns it
+on (the config's default) on a free local port, so its per-tick snapshot is counted too.
+
 Usage: ``.venv/bin/python bench/daemon_overhead.py [--gpus 1,8] [--clients 6,48,200]
-[--window 20] [--settle 5] [--mps-control PATH] [--adopt-scan-period S] [--spread]
-[--out bench/results/daemon_overhead.json]``.
+[--window 20] [--settle 5] [--mps-control PATH] [--adopt-scan-period S] [--spread] [--metrics]
+[--against TREE [--repeat N]] [--out bench/results/daemon_overhead.json]``.
 Needs root and a writable cgroup v2 (the pauser is the point); every process and cgroup it made
 is removed at the end, also on Ctrl-C.
 """
@@ -44,6 +57,7 @@ import platform
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -61,27 +75,58 @@ from gpushare import protocol  # noqa: E402
 from gpushare.client import ApiClient, ApiError  # noqa: E402
 from gpushare.node.cgroups.discovery import own_cgroup  # noqa: E402
 
-GPUSHARE = [sys.executable, "-c", "from gpushare.cli.app import main; main()"]
+GPUSHARE_MAIN = "from gpushare.cli.app import main; main()"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 RESULTS = REPO / "bench" / "results" / "daemon_overhead.json"
 MAX_CLIENTS = 128  # the most mps.max_clients allows
 
 
-def cpu_ticks(pid: int) -> tuple[int, int]:
-    """(utime + stime, cutime + cstime) of ``pid`` in clock ticks, from /proc/PID/stat."""
-    text = Path(f"/proc/{pid}/stat").read_text()
+def cpu_ticks(pid: int, tid: int | None = None) -> tuple[int, int]:
+    """(utime + stime, cutime + cstime) of ``pid`` in clock ticks, from /proc/PID/stat.
+
+    With ``tid``, of that one thread (/proc/PID/task/TID/stat; its children's are 0).
+    """
+    where = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    text = Path(where).read_text()
     # The command name may hold spaces and parentheses: the fields start after the last ')'.
     fields = text[text.rindex(")") + 2 :].split()
     utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
     return utime + stime, cutime + cstime
 
 
+def tree_commit(tree: Path) -> str | None:
+    """The checkout's commit (short), if git can tell."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def free_port() -> int:
+    """A local TCP port free now (the exporter binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 def write_config(
-    base: Path, cgroup_dir: Path, mps_control: str, scan_period_s: float | None = None
+    base: Path,
+    cgroup_dir: Path,
+    mps_control: str,
+    scan_period_s: float | None = None,
+    metrics: bool = False,
 ) -> Path:
     path = base / "gpushare.toml"
     # A scan period far beyond the window leaves the adoption scan out: what the rest costs.
     scan = "" if scan_period_s is None else f'adopt_scan_period = "{scan_period_s}s"\n'
+    exporter = (
+        f'enabled = true\nlisten = "127.0.0.1:{free_port()}"' if metrics else "enabled = false"
+    )
     path.write_text(
         f"""version = 1
 [paths]
@@ -91,7 +136,7 @@ cgroup_base = "{cgroup_dir}"
 [daemon]
 admin_group = ""
 {scan}[metrics]
-enabled = false
+{exporter}
 [mps]
 control_binary = "{mps_control}"
 max_clients = {MAX_CLIENTS}
@@ -133,12 +178,16 @@ class TickCounter:
         self.sock.close()
 
 
-def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_cell(gpus: int, clients: int, args: argparse.Namespace, tree: Path) -> dict[str, Any]:
+    """One daemon of ``tree`` (its ``.venv``'s Python; this one's for this checkout) measured."""
     base = make_trusted_dir("gsb-")  # not /tmp: the daemon refuses a config there
     own = own_cgroup()
     assert own is not None
     cgroup_dir = own / f"gs-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    config = write_config(base, cgroup_dir, args.mps_control, args.adopt_scan_period)
+    config = write_config(
+        base, cgroup_dir, args.mps_control, args.adopt_scan_period, metrics=args.metrics
+    )
+    python = sys.executable if tree == REPO else str(tree / ".venv" / "bin" / "python")
     sock = base / "run" / "gpushare.sock"
     ticks = TickCounter(base / "notify.sock")
     # WATCHDOG_USEC=1: the daemon pings after every tick (it pings at half the period, at most
@@ -155,7 +204,9 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
             "nice",
             "-n",
             "-10",
-            *GPUSHARE,
+            python,
+            "-c",
+            GPUSHARE_MAIN,  # run in tree: its own sources come first on sys.path
             "daemon",
             "--simulate",
             str(gpus),
@@ -163,7 +214,7 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
             str(config),
         ],
         env=env,
-        cwd=REPO,
+        cwd=tree,
         stdout=subprocess.DEVNULL,
         stderr=log,
     )
@@ -216,9 +267,13 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
             for c in api.call(protocol.LIST, {})["clients"]:
                 states[c["state"]] = states.get(c["state"], 0) + 1
         t0 = time.monotonic()
+        # The main thread is the loop's (its tid is the pid): the ticks' own cost, without the
+        # adoption scan's and the other threads'.
         own0, kids0 = cpu_ticks(proc.pid)
+        loop0, _ = cpu_ticks(proc.pid, proc.pid)
         time.sleep(args.window)
         own1, kids1 = cpu_ticks(proc.pid)
+        loop1, _ = cpu_ticks(proc.pid, proc.pid)
         t1 = time.monotonic()
         wall = t1 - t0
         loop_ticks = ticks.between(t0, t1)
@@ -241,11 +296,15 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
     cpu_pct = 100.0 * (own1 - own0) / CLK_TCK / wall
     children_pct = 100.0 * (kids1 - kids0) / CLK_TCK / wall
     return {
+        "tree": tree.name,
+        "commit": tree_commit(tree),
         "gpus": gpus,
         "clients": clients,
         "cpu_pct_of_one_core": round(cpu_pct, 2),
         "ticks_per_s": round(loop_ticks / wall, 2),
         "cpu_ms_per_tick": round(1e3 * (own1 - own0) / CLK_TCK / max(1, loop_ticks), 3),
+        "loop_thread_cpu_pct": round(100.0 * (loop1 - loop0) / CLK_TCK / wall, 2),
+        "loop_cpu_ms_per_tick": round(1e3 * (loop1 - loop0) / CLK_TCK / max(1, loop_ticks), 3),
         "children_cpu_pct": round(children_pct, 2),
         "window_s": round(wall, 2),
         "cpu_s": round((own1 - own0) / CLK_TCK, 2),
@@ -254,6 +313,57 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace) -> dict[str, Any
         "threads": threads,
         "submit_s": round(submit_s, 2),
     }
+
+
+def print_row(cell: dict[str, Any]) -> None:
+    states = ", ".join(f"{v} {k}" for k, v in sorted(cell["states"].items()))
+    if cell["refused"]:
+        states += f"; {cell['refused']} refused (GPU full)"
+    print(
+        f"{cell['side']:>7} {cell['gpus']:>4} {cell['clients']:>7} "
+        f"{cell['cpu_pct_of_one_core']:>15.2f} {cell['ticks_per_s']:>7.2f} "
+        f"{cell['cpu_ms_per_tick']:>11.3f} {cell['loop_cpu_ms_per_tick']:>12.3f} "
+        f"{cell['children_cpu_pct']:>10.2f}  {states}",
+        flush=True,
+    )
+
+
+def compare(
+    gpus: int, clients: int, this: list[dict[str, Any]], that: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Each side's medians and the median of the pairs' differences (this minus against)."""
+    out: dict[str, Any] = {"gpus": gpus, "clients": clients, "pairs": len(this)}
+    for key in ("cpu_pct_of_one_core", "cpu_ms_per_tick", "loop_cpu_ms_per_tick"):
+        out[key] = {
+            "this": [c[key] for c in this],
+            "against": [c[key] for c in that],
+            "median_this": round(statistics.median(c[key] for c in this), 3),
+            "median_against": round(statistics.median(c[key] for c in that), 3),
+            "median_pair_change": round(
+                statistics.median(a[key] - b[key] for a, b in zip(this, that, strict=True)), 3
+            ),
+        }
+    return out
+
+
+def print_comparison(row: dict[str, Any]) -> None:
+    parts = []
+    for key, label, digits in (
+        ("cpu_pct_of_one_core", "CPU %", 2),
+        ("cpu_ms_per_tick", "CPU ms/tick", 3),
+        ("loop_cpu_ms_per_tick", "loop ms/tick", 3),
+    ):
+        m = row[key]
+        parts.append(
+            f"{label}: this {m['median_this']:.{digits}f}, against {m['median_against']:.{digits}f}"
+            f" (pairs {m['median_pair_change']:+.{digits}f})"
+        )
+    print(
+        f"{'median':>7} {row['gpus']:>4} {row['clients']:>7}  "
+        + "; ".join(parts)
+        + f"; {row['pairs']} pair(s)",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -277,32 +387,54 @@ def main() -> int:
         action="store_true",
         help="submit client i to GPU i mod N (default: the daemon places them, D12)",
     )
+    ap.add_argument(
+        "--metrics", action="store_true", help="turn the metrics exporter on (a free local port)"
+    )
+    ap.add_argument(
+        "--against",
+        type=Path,
+        metavar="TREE",
+        help="also run each cell with the daemon of this checkout (TREE/.venv/bin/python)",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="runs of each cell on each side, alternated"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be 1 or more")
     reason = cgroup_skip_reason()
     if reason is not None:
         # Skipped, not failed: `make bench` runs every bench, also where it cannot run this one.
         print(f"daemon_overhead: skipped ({reason}; the real cgroup pauser is what it measures)")
         return 0
     mps = "real" if shutil.which(args.mps_control) else "simulated"
-    cells = []
+    sides = [("this", REPO)]
+    if args.against is not None:
+        against = args.against.resolve()
+        if not (against / ".venv" / "bin" / "python").exists():
+            print(f"daemon_overhead: {against} has no .venv/bin/python to run its daemon with")
+            return 2
+        sides.append(("against", against))
+    cells: list[dict[str, Any]] = []
+    compared: list[dict[str, Any]] = []
     print(
-        f"{'GPUs':>4} {'clients':>7} {'CPU % of a core':>15} {'ticks/s':>7} {'CPU ms/tick':>11} "
-        f"{'children %':>10}  states"
+        f"{'side':>7} {'GPUs':>4} {'clients':>7} {'CPU % of a core':>15} {'ticks/s':>7} "
+        f"{'CPU ms/tick':>11} {'loop ms/tick':>12} {'children %':>10}  states"
     )
     for gpus in (int(x) for x in args.gpus.split(",")):
         for clients in (int(x) for x in args.clients.split(",")):
-            cell = run_cell(gpus, clients, args)
-            cells.append(cell)
-            states = ", ".join(f"{v} {k}" for k, v in sorted(cell["states"].items()))
-            if cell["refused"]:
-                states += f"; {cell['refused']} refused (GPU full)"
-            print(
-                f"{gpus:>4} {clients:>7} {cell['cpu_pct_of_one_core']:>15.2f} "
-                f"{cell['ticks_per_s']:>7.2f} {cell['cpu_ms_per_tick']:>11.3f} "
-                f"{cell['children_cpu_pct']:>10.2f}  {states}",
-                flush=True,
-            )
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in sides}
+            for r in range(args.repeat):
+                # ABBA: each side goes first every other time, so a drift in load is shared.
+                for name, tree in sides if r % 2 == 0 else sides[::-1]:
+                    cell = {"side": name, **run_cell(gpus, clients, args, tree)}
+                    cells.append(cell)
+                    runs[name].append(cell)
+                    print_row(cell)
+            if len(sides) > 1:
+                compared.append(compare(gpus, clients, runs["this"], runs["against"]))
+                print_comparison(compared[-1])
     out = {
         "bench": "daemon_overhead",
         "what": "CPU share of one core of an idle `gpushare daemon --simulate N` with M idle "
@@ -317,6 +449,7 @@ def main() -> int:
             "load_avg_at_end": list(os.getloadavg()),
         },  # fmt: skip
         "cells": cells,
+        **({"against": args.against.resolve().name, "compared": compared} if compared else {}),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")

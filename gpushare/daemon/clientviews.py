@@ -16,7 +16,7 @@ from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.reporter import Counts, count
 from gpushare.daemon.tick import Tick
-from gpushare.model import ClientView, Limits
+from gpushare.model import ClientState, ClientView, Limits
 
 
 class ClientViews:
@@ -33,6 +33,11 @@ class ClientViews:
         self._gpu_views: dict[str, tuple[ClientView, ...]] = {}
         #: Online and offline live clients, and queued ones, as of the last change.
         self.counts: Counts = (0, 0, 0)
+        #: The live clients' ids, as of the last change.
+        self.live_ids: frozenset[str] = frozenset()
+        #: Whether any job waits for admission (queued, or admitted in the foreground and not
+        #: yet taken by its submitter), as of the last change.
+        self.admitting = False
 
     def refresh(self, records: Sequence[ClientRecord], tick: Tick) -> bool:
         """Take this tick's records; whether any changed since the last call (then remade)."""
@@ -55,6 +60,12 @@ class ClientViews:
             self._view_map = self._views_of(records, tick)
             self._gpu_views = {}
             self.counts = count(records)
+            # Both only change with a record: kept, not recounted over every client each tick.
+            self.live_ids = frozenset(r.id for r in records if r.state.is_live)
+            self.admitting = any(
+                r.state is ClientState.QUEUED or (r.state is ClientState.STARTING and r.pid is None)
+                for r in records
+            )
         return changed
 
     def of_gpu(self, gpu_uuid: str) -> tuple[ClientView, ...]:

@@ -103,6 +103,28 @@ class FreezeArbiter:
         with self._lock:
             return frozenset(c for c, r in self._reasons.items() if not r.isdisjoint(reasons))
 
+    def reasons_among(self, among: Collection[str]) -> dict[str, frozenset[str]]:
+        """Each client that has any of ``among``, and which of them: one look under the lock.
+
+        For a caller that settles many clients at once (the duty cycle, every tick) and asks
+        for a change only where it would change something, instead of one locked call each.
+        """
+        with self._lock:
+            return {
+                c: frozenset(r.intersection(among))
+                for c, r in self._reasons.items()
+                if not r.isdisjoint(among)
+            }
+
+    def holds_any(self, pairs: Iterable[tuple[str, str]]) -> bool:
+        """Whether any ``(client, reason)`` of ``pairs`` is held: one look under the lock."""
+        with self._lock:
+            reasons = self._reasons
+            # No client frozen for any reason (an idle node): nothing to look through.
+            return bool(reasons) and any(
+                reason in reasons.get(client_id, ()) for client_id, reason in pairs
+            )
+
     # ------------------------------------------------------------------------- changes
 
     def set(self, client_ids: Sequence[str], reason: str, on: bool, *, wait: bool = True) -> None:

@@ -207,10 +207,10 @@ class Gatekeeper:
             state = self._gates.get(g)
             if state is None or not gate.settled(state, now, self.config):
                 return False
-            for client_id in self._gated.get(g, ()):
-                if self.arbiter.has_any(client_id, (gate_reason(g),)):
-                    return False
-        return True
+        # One look at the arbiter for every gated client (not one locked call each, each tick).
+        reasons = {g: gate_reason(g) for g in self._gated}
+        gated_by = ((c, reasons[g]) for g, ids in self._gated.items() for c in ids)
+        return not self.arbiter.holds_any(gated_by)
 
     def set_enabled(
         self, gpu_uuid: str, enabled: bool, now: float, delay_s: float | None = None

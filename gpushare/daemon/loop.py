@@ -184,15 +184,14 @@ class ControlLoop:
                 views = self.views.of_gpu(sample.uuid)
                 observations[sample.uuid] = self._tick_gpu(sample, views, gpu_events, tick)
             # Queued jobs, or admitted foreground ones not yet taken by their submitter.
-            if any(r.state is S.QUEUED or (r.state is S.STARTING and r.pid is None)
-                   for r in records):  # fmt: skip
+            if self.views.admitting:
                 self._admit(observations, tick)
             elif s.waiting:
                 s.waiting = {}
             self.reporter.publish(observations, records, tick)
             self.duty.phase(tick)
             self.duty.note_paused(tick)
-            self.duty.forget(r.id for r in records if r.state.is_live)
+            self.duty.forget(self.views.live_ids)
             self.life.kill_overdue(tick.monotonic_s)
             self.ticks += 1
             # The STATUS= line counts this tick's clients (a change made by this tick's actions

@@ -117,7 +117,11 @@ def _build(
 
     memory: dict[int, int | None] = {p.pid: p.used_bytes for p in sample.processes}
     views = tuple(
-        _client_view(c, memory, client_pids.get(c.client_id), app_p99.get(c.client_id))
+        # An offline client on a GPU whose processes NVML lists none of keeps its view as it
+        # is (_client_view would give it back unchanged): idle clients cost no look-up each.
+        c
+        if not memory and c.cls is not ClientClass.ONLINE and c.mem_used_bytes is None
+        else _client_view(c, memory, client_pids.get(c.client_id), app_p99.get(c.client_id))
         for c in clients
     )
     events = tuple(e for e in gpu_events if e.gpu_uuid == sample.uuid)

@@ -100,6 +100,7 @@ class Reporter:
         if not self.ready and self._all_mps_up():
             self.ready = True
             self._notify("READY=1", sd.status_field(line))
+            self._status_line = line  # sent with READY=1: not again on its own below
             self.s.registry.add_event("daemon_ready", f"ready: {line}")
             log.info("daemon_ready")
         if line != self._status_line:
