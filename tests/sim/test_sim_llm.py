@@ -177,24 +177,40 @@ def test_bad_setups_and_loads_are_refused() -> None:
         llm_pairs.run_pair("mps", None, 1.5)
 
 
-def test_each_request_is_reported_as_its_slo_ratio_times_the_p99_slo() -> None:
+def test_the_server_reports_a_ttft_per_first_token_and_a_tpot_per_further_token() -> None:
     loop = EventLoop()
     gpu = Gpu(loop, uuid="g", index=0, sm_count=80, mem_total_bytes=32 << 30)
     reqs = [LlmRequest(0.0, 500, 4), LlmRequest(5.0, 500, 1)]
     srv = LlmServer("llm", gpu, iter(reqs), CFG)
-    srv.slo_p99_ms = 1000.0
-    srv.slo_ttft_s, srv.slo_tpot_s = 1.0, 0.01
+    srv.reports_tokens = True
     srv.start(loop)
     loop.run_until(100.0)
     a, b = srv.stats.finished
-    assert a.tpot_s is not None and b.tpot_s is None
-    (ta, la), (tb, lb) = srv.completed
-    assert ta == pytest.approx(a.arrival_s + a.e2e_s) and tb == pytest.approx(b.arrival_s + b.e2e_s)
-    # The first is over its TPOT SLO (a V100 step is ~19 ms): its TPOT ratio wins.
-    assert la == pytest.approx(max(a.ttft_s / 1.0, a.tpot_s / 0.01))
-    assert la > 1.0
-    # A one-token request is judged on its TTFT alone.
-    assert lb == pytest.approx(b.ttft_s / 1.0)
+    ttft, tpot = srv.take_token_reports()
+    # Stamped when the first token is emitted, as report_ttft would be called then.
+    assert ttft == [
+        (pytest.approx(a.arrival_s + a.ttft_s), pytest.approx(a.ttft_s)),
+        (pytest.approx(b.arrival_s + b.ttft_s), pytest.approx(b.ttft_s)),
+    ]
+    # Three further tokens of the first request, one gap each; they average to its TPOT.
+    assert len(tpot) == 3 and a.tpot_s is not None
+    assert math.fsum(g for _, g in tpot) / 3 == pytest.approx(a.tpot_s)
+    assert srv.take_token_reports() == ([], [])
+
+
+def test_a_server_reporting_per_request_sends_its_mean_tpot_and_one_not_reporting_keeps_none() -> (
+    None
+):
+    loop = EventLoop()
+    gpu = Gpu(loop, uuid="g", index=0, sm_count=80, mem_total_bytes=32 << 30)
+    srv = LlmServer("llm", gpu, iter([LlmRequest(0.0, 300, 5)]), CFG)
+    srv.reports_tokens, srv.tpot_per_token = True, False
+    srv.start(loop)
+    loop.run_until(100.0)
+    (a,) = srv.stats.finished
+    assert [g for _, g in srv.take_token_reports()[1]] == [pytest.approx(a.tpot_s)]
+    quiet = _serve([LlmRequest(0.0, 300, 5)])
+    assert quiet.take_token_reports() == ([], [])
 
 
 def test_gpushare_drives_the_llm_pair_through_the_daemons_loop() -> None:
