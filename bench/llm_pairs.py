@@ -52,7 +52,7 @@ CONTROLS = {
 #: How each setup's server reports TPOT to the daemon (default: per token).
 TPOT_REPORT = {LLM: "request"}
 #: Levers run directly on the model (``llm_pairs``): not policies of the registry.
-LEVERS = ("cap-50", "duty-50", "mpsduty-10", "srvcap-70")
+LEVERS = ("cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70")
 
 Work = tuple[str, str | None, float, float, float, float]
 

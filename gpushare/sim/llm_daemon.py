@@ -18,7 +18,9 @@ from gpushare.sim.node import PolicyTraits, SimNode
 from gpushare.sim.runner import SimDaemon
 
 
-def _scenario(trainer: str, duration_s: float, llm: str, control: str = "") -> scenario.Scenario:
+def _scenario(
+    trainer: str, duration_s: float, llm: str, control: str = "", queue: str = "auto"
+) -> scenario.Scenario:
     return scenario.loads(
         f"""
 [scenario]
@@ -33,6 +35,7 @@ name = "train"
 profile = "{trainer}"
 mem = "10GiB"
 submit = "0s"
+queue = "{queue}"
 [[llm]]
 name = "llm"
 {llm}
@@ -52,12 +55,13 @@ def run_policy(
     config: LlmServerConfig | None = None,
     control: str = "",
     tpot_report: str = "token",
+    queue: str = "auto",
 ) -> PairResult:
     """The pair under a registered policy (``gpushare``, ...) driven by the daemon's loop.
 
     ``control`` is TOML appended to the pair's scenario (a ``[control]`` table of overrides);
     ``tpot_report`` is how the server reports TPOT (``"token"``: each inter-token gap;
-    ``"request"``: each request's mean).
+    ``"request"``: each request's mean); ``queue`` is the training job's ``submit --queue``.
 
     Raises:
         ValueError: an unknown policy name or a load outside (0, 1].
@@ -71,7 +75,7 @@ def run_policy(
         f"max_batched_tokens = {cfg.max_batched_tokens}\nmax_seqs = {cfg.max_seqs}\n"
         f'tpot_report = "{tpot_report}"'
     )
-    scen = _scenario(trainer, duration_s, llm, control)
+    scen = _scenario(trainer, duration_s, llm, control, queue)
     policy = registry.make_policy(policy_name, scen.config.control)
     node = SimNode(scen, traits=PolicyTraits.of(policy))
     (srv,) = node.llm

@@ -12,7 +12,9 @@ the shipped training profiles) at a load that is a fraction of its capacity alon
   (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``);
 * ``duty-D``: MPS priority with the trainer frozen for ``1 - D`` of every 100 ms (the duty
   cycle gpushare's controller sets, with the freezer's latencies of ``workloads.FREEZE_S``);
-* ``mpsduty-D``: the same duty cycle under plain MPS (the trainer at the server's priority);
+* ``mpsduty-D``: the same duty cycle under plain MPS (the trainer at the server's priority),
+  the trainer's queue shallow (:data:`SHALLOW_BOUND` kernels in flight, ``GPUSHARE_MAX_INFLIGHT``)
+  so that a freeze stops it within a few kernels instead of after its queued iteration;
 * ``srvcap-N``: plain MPS with the *server* capped at N % of the SMs (decode is bound by memory
   bandwidth, so fewer SMs may cost it little) and the trainer uncapped.
 
@@ -44,6 +46,8 @@ DUTY_PERIOD_S = 0.1
 #: Where in the trace the pairs start (s): past its first minutes.
 TRACE_START_S = 600.0
 V100_SMS = 80
+#: The in-flight bound of ``mpsduty-D``'s trainer.
+SHALLOW_BOUND = 2
 DEFAULT_CONFIG = LlmServerConfig()
 V100_MEM = 32 << 30
 
@@ -155,6 +159,8 @@ def run_pair(
         tr = OfflineTrainer("train", gpu, prof, sm_pct=pct, mem_bytes=0)
         tr.stream.priority = 0 if setup == "mps" or setup.startswith(("mpsduty-", "srvcap-")) else 1
         tr.start(0.0)
+        if setup.startswith("mpsduty-"):
+            tr.set_inflight(SHALLOW_BOUND)
         if setup.startswith(("duty-", "mpsduty-")):
             _duty_cycle(loop, tr, float(setup.split("-", 1)[1]) / 100.0, duration_s)
     loop.run_until(duration_s)

@@ -228,3 +228,17 @@ def test_gpushare_drives_the_llm_pair_through_the_daemons_loop() -> None:
     assert ours.attainment >= 0.99 and ours.offline_norm > 0.0
     with pytest.raises(ValueError, match="unknown policy|bogus"):
         llm_daemon.run_policy("bogus", trainer, 0.5, slo_ttft_s=1.0, slo_tpot_s=1.0)
+
+
+def test_a_duty_cycle_under_plain_mps_bites_because_the_trainers_queue_is_shallow() -> None:
+    trainer = llm_pairs.TRAINERS[0]
+    alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=25.0)
+    low, half = (
+        llm_pairs.score(llm_pairs.run_pair(f"mpsduty-{d}", trainer, 0.5, duration_s=25.0), alone, 2)
+        for d in (10, 50)
+    )
+    # Frozen 90 % of the time, the trainer gets about a tenth of its speed alone (a deep queue
+    # would keep running its queued iteration through each freeze and get ~0.45).
+    assert low.offline_norm < 0.15
+    assert half.offline_norm > 2.5 * low.offline_norm
+    assert low.attainment >= half.attainment
