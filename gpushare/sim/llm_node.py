@@ -45,7 +45,9 @@ def llm_servers(
     scenario: Scenario, gpus: Sequence[Gpu], next_pid: Callable[[], int]
 ) -> list[LlmServer]:
     """The scenario's LLM servers, not started, their SLOs the scenario's own (or none yet)."""
-    out = []
+    out: list[LlmServer] = []
+    if not scenario.llm:
+        return out  # no trace to read
     trace = load_trace()
     span = trace[-1].arrival_s - trace[0].arrival_s
     for spec in scenario.llm:
