@@ -62,6 +62,8 @@ def run_policy(
     ``control`` is TOML appended to the pair's scenario (a ``[control]`` table of overrides);
     ``tpot_report`` is how the server reports TPOT (``"token"``: each inter-token gap;
     ``"request"``: each request's mean); ``queue`` is the training job's ``submit --queue``.
+    Of ``config`` the scheduler limits and the KV cache are used (the ``[[llm]]`` keys); the model
+    and the roof are the defaults.
 
     Raises:
         ValueError: an unknown policy name or a load outside (0, 1].
