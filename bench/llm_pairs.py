@@ -49,8 +49,12 @@ CONTROLS = {
     LLM: '[control]\noffline_sm_pct_default = 100.0\n[latency]\ntpot_window = "120s"\n'
     "tpot_max_samples = 200\n",
 }
-#: How each setup's server reports TPOT to the daemon (default: per token).
-TPOT_REPORT = {LLM: "request"}
+#: ... and with the server reporting, at each further token, its sequence's mean TPOT so far
+#: (the per-request TPOT the SLO is scored on, known at every token, without the completion lag).
+RUNNING = "gpushare-running"
+CONTROLS[RUNNING] = CONTROLS[SHARE100]
+#: How each setup's server reports TPOT to the daemon (default: per token, the gap).
+TPOT_REPORT = {LLM: "request", RUNNING: "running"}
 #: Levers run directly on the model (``llm_pairs``): not policies of the registry.
 LEVERS = ("cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70")
 
@@ -127,7 +131,7 @@ def main() -> None:
     args = ap.parse_args()
     loads = (0.5,) if args.quick else tuple(float(x) for x in args.loads.split(","))
     trainers = llm_pairs.TRAINERS[:1] if args.quick else llm_pairs.TRAINERS
-    setups = args.setups.split(",") if args.setups else [*POLICIES, SHARE100, LLM, *LEVERS]
+    setups = args.setups.split(",") if args.setups else [*POLICIES, SHARE100, LLM, RUNNING, *LEVERS]
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
     partial = args.out.with_suffix(".partial.jsonl")

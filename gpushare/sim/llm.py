@@ -229,6 +229,8 @@ class LlmServer(SimClient):
         #: or, with ``tpot_per_token`` off, one per request (its mean) when it completes.
         self.reports_tokens = False
         self.tpot_per_token = True
+        #: Report, at each further token, the sequence's mean TPOT so far instead of the gap.
+        self.tpot_running = False
         self.ttft_reports: list[tuple[float, float]] = []
         self.tpot_reports: list[tuple[float, float]] = []
 
@@ -393,6 +395,9 @@ class LlmServer(SimClient):
                 seq.first_s = now
                 if self.reports_tokens:
                     self.ttft_reports.append((now, now - seq.req.arrival_s))
+            elif self.reports_tokens and self.tpot_running:
+                # The sequence's mean TPOT so far: the per-request TPOT, known at every token.
+                self.tpot_reports.append((now, (now - seq.first_s) / (seq.generated - 1)))
             elif self.reports_tokens and self.tpot_per_token:
                 self.tpot_reports.append((now, now - seq.last_s))
             seq.last_s = now

@@ -58,7 +58,8 @@ def llm_servers(
         )
         srv = LlmServer(spec.name, gpus[spec.gpu], reqs, cfg)
         srv.pid = next_pid()
-        srv.tpot_per_token = spec.tpot_report == "token"
+        srv.tpot_per_token = spec.tpot_report != "request"
+        srv.tpot_running = spec.tpot_report == "running"
         srv.slo_ttft_p99_ms = _ms(spec.slo_ttft_p99_s)
         srv.slo_tpot_p99_ms = _ms(spec.slo_tpot_p99_s)
         out.append(srv)

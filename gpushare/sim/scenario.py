@@ -137,7 +137,8 @@ class LlmSpec:
     Requests replay the shipped Azure conversation trace from ``trace_start``, thinned to
     ``load`` x the server's capacity alone. Its TTFT and TPOT SLOs are given, or ``slo_factor``
     x its p99s alone; the daemon sees its token timings as ``client.report_ttft`` /
-    ``report_tpot`` send them (per token, or once per request with ``tpot_report = "request"``).
+    ``report_tpot`` send them: per token the gap (``tpot_report = "token"``) or the sequence's
+    mean so far (``"running"``), or once per request (``"request"``).
     """
 
     name: str
@@ -155,7 +156,7 @@ class LlmSpec:
     kv_cache_bytes: int = size(6 << 30, minimum=1 << 20)
     max_batched_tokens: int = num(2048, minimum=16, maximum=1 << 20)
     max_seqs: int = num(256, minimum=1, maximum=1 << 16)
-    tpot_report: Literal["token", "request"] = "token"
+    tpot_report: Literal["token", "running", "request"] = "token"
 
 
 @dataclass(frozen=True, slots=True)

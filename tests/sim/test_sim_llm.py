@@ -213,6 +213,23 @@ def test_a_server_reporting_per_request_sends_its_mean_tpot_and_one_not_reportin
     assert quiet.take_token_reports() == ([], [])
 
 
+def test_a_server_reporting_running_means_sends_each_sequences_mean_tpot_so_far() -> None:
+    loop = EventLoop()
+    gpu = Gpu(loop, uuid="g", index=0, sm_count=80, mem_total_bytes=32 << 30)
+    srv = LlmServer("llm", gpu, iter([LlmRequest(0.0, 300, 5)]), CFG)
+    srv.reports_tokens, srv.tpot_running = True, True
+    srv.start(loop)
+    loop.run_until(100.0)
+    (a,) = srv.stats.finished
+    (ttft,), tpot = srv.take_token_reports()
+    first = ttft[0]
+    # One report per further token: (now - first token) / further tokens so far; the last is the
+    # request's TPOT, the quantity the SLO is scored on, known before the request completes.
+    assert [v for _, v in tpot] == [pytest.approx((at - first) / k) for k, (at, _) in
+                                    enumerate(tpot, start=1)]  # fmt: skip
+    assert len(tpot) == 4 and tpot[-1][1] == pytest.approx(a.tpot_s)
+
+
 def test_gpushare_drives_the_llm_pair_through_the_daemons_loop() -> None:
     trainer = llm_pairs.TRAINERS[0]
     alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=25.0)
