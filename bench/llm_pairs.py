@@ -40,15 +40,23 @@ POLICIES = ("gpushare", "mps", "mps-priority", "time-slicing", "static-split", "
 #: gpushare with its starting offline SM share at 100 % instead of 50 % (``[control]
 #: offline_sm_pct_default``): the lever the pairs say to use for an always-busy server.
 SHARE100 = "gpushare-share100"
-#: ... and with a 60 s latency window (default 2 s with at least 20 samples: a server finishing
-#: 0.2-0.6 requests per second never fills the default window, so the controller gets no signal).
+#: ... and with the server reporting one TPOT per request (its mean, the TPOT the SLO is scored
+#: on) instead of one per token (the inter-token gap, whose p99 is higher than the p99 of the
+#: means), in a TPOT window sized like the TTFT's (the last 200 within 120 s).
 LLM = "gpushare-llm"
 CONTROLS = {
     SHARE100: "[control]\noffline_sm_pct_default = 100.0\n",
-    LLM: '[control]\noffline_sm_pct_default = 100.0\n[latency]\nwindow = "60s"\n',
+    LLM: '[control]\noffline_sm_pct_default = 100.0\n[latency]\ntpot_window = "120s"\n'
+    "tpot_max_samples = 200\n",
 }
+#: ... and with the server reporting, at each further token, its sequence's mean TPOT so far
+#: (the per-request TPOT the SLO is scored on, known at every token, without the completion lag).
+RUNNING = "gpushare-running"
+CONTROLS[RUNNING] = CONTROLS[SHARE100]
+#: How each setup's server reports TPOT to the daemon (default: per token, the gap).
+TPOT_REPORT = {LLM: "request", RUNNING: "running"}
 #: Levers run directly on the model (``llm_pairs``): not policies of the registry.
-LEVERS = ("cap-50", "duty-50")
+LEVERS = ("cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70")
 
 Work = tuple[str, str | None, float, float, float, float]
 
@@ -63,6 +71,7 @@ def one(args: Work) -> tuple[llm_pairs.PairResult, float]:
         res = llm_daemon.run_policy(
             "gpushare" if setup in CONTROLS else setup, trainer, load, slo_ttft_s=slo_ttft_s,
             slo_tpot_s=slo_tpot_s, duration_s=duration, control=CONTROLS.get(setup, ""),
+            tpot_report=TPOT_REPORT.get(setup, "token"),
         )  # fmt: skip
         res = dataclasses.replace(res, setup=setup)
     else:
@@ -122,7 +131,7 @@ def main() -> None:
     args = ap.parse_args()
     loads = (0.5,) if args.quick else tuple(float(x) for x in args.loads.split(","))
     trainers = llm_pairs.TRAINERS[:1] if args.quick else llm_pairs.TRAINERS
-    setups = args.setups.split(",") if args.setups else [*POLICIES, SHARE100, LLM, *LEVERS]
+    setups = args.setups.split(",") if args.setups else [*POLICIES, SHARE100, LLM, RUNNING, *LEVERS]
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
     partial = args.out.with_suffix(".partial.jsonl")

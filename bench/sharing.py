@@ -167,8 +167,13 @@ def main() -> None:
     md_path = args.out.with_suffix(".md") if args.out.suffix == ".json" else Path(f"{args.out}.md")
     shipped = sorted(str(p) for p in (REPO / "gpushare" / "scenarios").rglob("*.toml"))
     # Issue 32: the 1-hour variants run only when asked (--long): hours of virtual time each.
+    # LLM pairs (llm/) have their own bench, bench/llm_pairs.py.
     files = args.scenarios or [
-        f for f in shipped if ("/long/" in f) == args.long and ("/gpubound/" in f) == args.gpu_bound
+        f
+        for f in shipped
+        if ("/long/" in f) == args.long
+        and ("/gpubound/" in f) == args.gpu_bound
+        and "/llm/" not in f
     ]
     if args.quick and not args.scenarios:
         files = [f for f in files if "/pairs/" not in f or f.endswith("+resnet50_32_fb1.toml")]

@@ -140,3 +140,10 @@ def test_dashboard_covers_the_issue(dashboard):
     for where, expr in _queries(dashboard):
         if "admission" not in expr and not where.startswith("variable"):
             assert 'UUID=~"$UUID' in expr, where
+
+
+def test_dashboard_shows_llm_token_p99s_against_their_slos(dashboard):
+    exprs = " ".join(e for _, e in _queries(dashboard))
+    for name in ("gpushare_client_ttft_p99_seconds", "gpushare_client_slo_ttft_p99_seconds",
+                 "gpushare_client_tpot_p99_seconds", "gpushare_client_slo_tpot_p99_seconds"):  # fmt: skip
+        assert name in exprs

@@ -1,8 +1,9 @@
 """A real Prometheus evaluates the dashboard, docs/metrics.md's examples and the alerting rules.
 
 Prometheus (Debian's package, ``scripts/get-prometheus.sh``) scrapes a ``gpushare daemon
---simulate 1`` with clients of every kind (an online one with an SLO, an offline one, one queued,
-a warning in the event log) and a target shaped like dcgm-exporter for the same GPU (its labels
+--simulate 1`` with clients of every kind (an online one with an SLO, an LLM server reporting its
+TTFT and TPOT through the client library against its token SLOs, an offline one, one queued, a
+warning in the event log) and a target shaped like dcgm-exporter for the same GPU (its labels
 as dcgm-exporter writes them, values fixed). Then every query of deploy/grafana/gpushare.json,
 every ``promql`` block of docs/metrics.md and every rule expression of
 deploy/prometheus/gpushare-rules.yml goes through Prometheus' HTTP API and must return data.
@@ -48,6 +49,17 @@ GPUSHARE = [sys.executable, "-c", "from gpushare.cli.app import main; main()"]
 VARIABLES = {"$__rate_interval": "10s", "$UUID": ".*", "$instance": ".*"}
 # A comparison between spaces, not already a `bool` one; label matchers are written without
 # spaces (`{job="gpushare"}`), so they are never taken for one.
+# An LLM server as the client library sees it: a first token 300 ms after each request's arrival,
+# then 10 tokens 20 ms apart, reported as they come (report_ttft, report_tpot), 20 requests a second.
+LLM_SERVER = """
+import time
+from gpushare import client
+while True:
+    client.report_ttft(0.3)
+    for _ in range(10):
+        client.report_tpot(0.02)
+    time.sleep(0.05)
+"""
 COMPARISON = re.compile(r"(?<=\s)(==|!=|>=|<=|>|<)(?=\s)(?!\s+bool\b)")
 
 
@@ -309,6 +321,10 @@ def stack() -> Iterator[Stack]:
             assert done.returncode == 0, done.stderr + _logs(s)
             # The probe learns its baseline while no offline work runs: before the trainer.
             _wait("the probe's baseline", lambda: s.probe_baseline_ms(), timeout_s=30)
+        llm = ("--online", "--detach", "--name", "chat", "--slo-ttft-p99", "1s",
+               "--slo-tpot-p99", "50ms", "--", sys.executable, "-c", LLM_SERVER)  # fmt: skip
+        done = s.cli("submit", *llm)
+        assert done.returncode == 0, done.stderr + _logs(s)
         # A restartable job that fails goes back to the queue for its backoff (60 s here).
         flaky = ("--offline", "--restartable", "--detach", "--name", "flaky", "--", "false")
         done = s.cli("submit", *flaky)
@@ -326,6 +342,8 @@ def stack() -> Iterator[Stack]:
         # Data enough for every window: the online p99, a queued job, 10 s of scrapes.
         wanted = [
             "gpushare_client_latency_p99_seconds",
+            "gpushare_client_ttft_p99_seconds",
+            "gpushare_client_tpot_p99_seconds",
             "gpushare_admission_queue_oldest_wait_seconds",
             'gpushare_events_total{severity="warning"}',
             'count_over_time(up{job="gpushare"}[1m]) >= 12',
@@ -371,6 +389,22 @@ def test_the_series_join_dcgm_exporter_on_hostname_and_uuid(stack: Stack):
     assert stack.query('process_resident_memory_bytes{job="gpushare"} > 0')
     states = stack.query('sum by (class) (gpushare_clients{state=~"running|throttled|frozen"})')
     assert {r["metric"]["class"]: float(r["value"][1]) for r in states} == {
-        "online": 1.0,
+        "online": 2.0,  # the request-latency service and the LLM server
         "offline": 1.0,
     }
+
+
+def test_an_llm_servers_token_p99s_and_slos_reach_prometheus_and_the_alerts_evaluate(stack: Stack):
+    def one(expr: str) -> float:
+        (row,) = stack.query(expr)
+        assert row["metric"]["name"] == "chat" and row["metric"]["class"] == "online"
+        return float(row["value"][1])
+
+    assert one("gpushare_client_ttft_p99_seconds") == pytest.approx(0.3)
+    assert one("gpushare_client_tpot_p99_seconds") == pytest.approx(0.02)
+    assert one("gpushare_client_slo_ttft_p99_seconds") == pytest.approx(1.0)
+    assert one("gpushare_client_slo_tpot_p99_seconds") == pytest.approx(0.05)
+    # Each token alert's expression matches the server's two series and holds: inside the SLO.
+    for name in ("GpushareTtftSloBreach", "GpushareTpotSloBreach"):
+        (expr,) = [e for n, e in rule_exprs() if n == name]
+        assert one(with_bool(expr)) == 0.0

@@ -22,7 +22,7 @@ from gpushare import logs
 from gpushare.config import ControlConfig
 from gpushare.control import registry
 from gpushare.control.policy import Policy
-from gpushare.sim import ENGINE, data, engine, report, runner, scenario
+from gpushare.sim import ENGINE, data, engine, llm_node, report, runner, scenario
 
 
 class PolicyError(Exception):
@@ -113,6 +113,7 @@ def run_files(
             dataclasses.replace(
                 s,
                 online=tuple(dataclasses.replace(o, slo_factor=slo_factor) for o in s.online),
+                llm=tuple(dataclasses.replace(x, slo_factor=slo_factor) for x in s.llm),
             )
             for s in loaded
         ]
@@ -167,6 +168,19 @@ def write_outputs(result: runner.ScenarioResult, out: Path) -> list[str]:
     return lines
 
 
+def llm_line(x: llm_node.LlmResult) -> str:
+    """One LLM server's TTFT and TPOT p99s against their SLOs, and its attainment."""
+
+    def slo(v: float | None, fmt: str) -> str:
+        return f" (SLO {v:{fmt}})" if v is not None else ""
+
+    att = f", {x.slo_attainment:.2%} inside both" if x.slo_attainment is not None else ""
+    return (
+        f"{x.name} TTFT p99 {x.ttft_p99_ms:.0f} ms{slo(x.slo_ttft_p99_ms, '.0f')}, "
+        f"TPOT p99 {x.tpot_p99_ms:.1f} ms{slo(x.slo_tpot_p99_ms, '.1f')}{att}"
+    )
+
+
 def report_runs(
     scenarios: Sequence[Path],
     policy: Sequence[str] | None,
@@ -193,6 +207,9 @@ def report_runs(
                 for o in res.alone.online
             )
             typer.echo(f"alone: {alone}")
+        for run in [*([res.alone] if res.alone else []), *res.runs]:
+            for x in run.llm:
+                typer.echo(f"{run.policy}: {llm_line(x)}")
         typer.echo(report.text_table(report.summarise(res)))
         for line in write_outputs(res, out):
             typer.echo(line)

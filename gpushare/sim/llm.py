@@ -18,7 +18,8 @@ batching): iteration after iteration, each one forward pass over every running s
   kernels. Its tokens are emitted when the iteration's last kernel ends.
 * **Metrics.** Per request: time to first token (TTFT, arrival to the end of the iteration that
   finished its prompt) and time per output token (TPOT, ``(last token - first token) / (output -
-  1)``), as vLLM's benchmark reports them.
+  1)``), as vLLM's benchmark reports them. Under a daemon the server also reports its token
+  timings as the client library's ``report_ttft`` and ``report_tpot`` do (``reports_tokens``).
 
 Requests come from the Azure LLM conversation trace shipped in ``gpushare/data/azure-llm-2023``
 (arrival times, prompt and output tokens; :func:`load_trace`, :func:`trace_requests`).
@@ -218,14 +219,20 @@ class LlmServer(SimClient):
         self._batch: list[tuple[_Seq, int]] = []
         self._iter_t0 = 0.0
         self._in_iter = False
-        #: The service's TTFT and TPOT SLOs (s; None: not set). With ``slo_p99_ms`` set too,
-        #: every finished request is reported in ``completed`` as ``(done_s, latency_s)`` where
-        #: the latency is ``slo_p99_ms x max(TTFT / TTFT SLO, TPOT / TPOT SLO)``: inside its
-        #: p99 SLO exactly when inside both, so a controller that keeps the p99 of these
-        #: under ``slo_p99_ms`` keeps 99 % of requests inside both (``docs/simulator.md`` L9).
-        self.slo_ttft_s: float | None = None
-        self.slo_tpot_s: float | None = None
-        self.completed: list[tuple[float, float]] = []
+        #: The service's TTFT and TPOT p99 SLOs (ms; None: not set), as ``submit`` records them.
+        self.slo_ttft_p99_ms: float | None = None
+        self.slo_tpot_p99_ms: float | None = None
+        #: Token timings as ``client.report_ttft`` / ``report_tpot`` would send them, kept only
+        #: while ``reports_tokens`` is set (the daemon harness drains them every control period):
+        #: ``(at_s, seconds)``, a TTFT when a request's first token is emitted and a TPOT per
+        #: further token (the gap since the sequence's previous token, vLLM's inter-token latency)
+        #: or, with ``tpot_per_token`` off, one per request (its mean) when it completes.
+        self.reports_tokens = False
+        self.tpot_per_token = True
+        #: Report, at each further token, the sequence's mean TPOT so far instead of the gap.
+        self.tpot_running = False
+        self.ttft_reports: list[tuple[float, float]] = []
+        self.tpot_reports: list[tuple[float, float]] = []
 
     # --- arrivals --------------------------------------------------------------------------
 
@@ -386,6 +393,13 @@ class LlmServer(SimClient):
             stats.tokens += 1
             if seq.first_s is None:
                 seq.first_s = now
+                if self.reports_tokens:
+                    self.ttft_reports.append((now, now - seq.req.arrival_s))
+            elif self.reports_tokens and self.tpot_running:
+                # The sequence's mean TPOT so far: the per-request TPOT, known at every token.
+                self.tpot_reports.append((now, (now - seq.first_s) / (seq.generated - 1)))
+            elif self.reports_tokens and self.tpot_per_token:
+                self.tpot_reports.append((now, now - seq.last_s))
             seq.last_s = now
             if seq.generated >= seq.req.output:
                 done.append(seq)
@@ -400,19 +414,14 @@ class LlmServer(SimClient):
                 Finished(req.arrival_s, req.prompt, req.output, first - req.arrival_s, tpot,
                          now - req.arrival_s)
             )  # fmt: skip
-            if self.slo_p99_ms is not None:
-                self.completed.append(
-                    (now, self.slo_p99_ms * 1e-3 * self._slo_ratio(first - req.arrival_s, tpot))
-                )
+            if tpot is not None and self.reports_tokens and not self.tpot_per_token:
+                self.tpot_reports.append((now, tpot))
 
-    def _slo_ratio(self, ttft_s: float, tpot_s: float | None) -> float:
-        """How far a request is from its SLOs: the larger of TTFT / SLO and TPOT / SLO."""
-        ratio = 0.0
-        if self.slo_ttft_s is not None:
-            ratio = ttft_s / self.slo_ttft_s
-        if self.slo_tpot_s is not None and tpot_s is not None:
-            ratio = max(ratio, tpot_s / self.slo_tpot_s)
-        return ratio
+    def take_token_reports(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """The TTFT and TPOT reports since the last call (``(at_s, seconds)``), handed over."""
+        out = self.ttft_reports, self.tpot_reports
+        self.ttft_reports, self.tpot_reports = [], []
+        return out
 
     def stop(self) -> None:
         """Stop serving: drop the queue and the iteration in flight."""

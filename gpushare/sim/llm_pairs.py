@@ -11,7 +11,12 @@ the shipped training profiles) at a load that is a fraction of its capacity alon
 * ``cap-N``: MPS priority with the trainer capped at N % of the SMs
   (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``);
 * ``duty-D``: MPS priority with the trainer frozen for ``1 - D`` of every 100 ms (the duty
-  cycle gpushare's controller sets, with the freezer's latencies of ``workloads.FREEZE_S``).
+  cycle gpushare's controller sets, with the freezer's latencies of ``workloads.FREEZE_S``);
+* ``mpsduty-D``: the same duty cycle under plain MPS (the trainer at the server's priority),
+  the trainer's queue shallow (:data:`SHALLOW_BOUND` kernels in flight, ``GPUSHARE_MAX_INFLIGHT``)
+  so that a freeze stops it within a few kernels instead of after its queued iteration;
+* ``srvcap-N``: plain MPS with the *server* capped at N % of the SMs (decode is bound by memory
+  bandwidth, so fewer SMs may cost it little) and the trainer uncapped.
 
 The SLOs are the p99 TTFT and p99 TPOT of the server alone at the same load, times a factor; a
 request attains when both its TTFT and its TPOT are within them. Offline throughput is the
@@ -41,8 +46,14 @@ DUTY_PERIOD_S = 0.1
 #: Where in the trace the pairs start (s): past its first minutes.
 TRACE_START_S = 600.0
 V100_SMS = 80
+#: The in-flight bound of ``mpsduty-D``'s trainer.
+SHALLOW_BOUND = 2
 DEFAULT_CONFIG = LlmServerConfig()
 V100_MEM = 32 << 30
+
+
+#: Setups with a number after the prefix (module docstring).
+_PREFIXES = ("cap-", "duty-", "mpsduty-", "srvcap-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +139,7 @@ def run_pair(
     """
     if not 0.0 < load <= 1.0:
         raise ValueError(f"load {load!r}: expected a fraction of capacity in (0, 1]")
-    if setup not in SETUPS and not setup.startswith(("cap-", "duty-")):
+    if setup not in SETUPS and not setup.startswith(_PREFIXES):
         raise ValueError(f"unknown setup {setup!r}: expected one of {', '.join(SETUPS)}")
     cfg = config or LlmServerConfig()
     trace = load_trace()
@@ -138,17 +149,20 @@ def run_pair(
     mode: GpuMode = "time_slice" if setup == "time-slicing" else "mps"
     gpu = Gpu(loop, uuid="g", index=0, sm_count=V100_SMS, mem_total_bytes=V100_MEM, mode=mode)
     reqs = trace_requests(trace, rate_scale=scale, start_s=TRACE_START_S, end_s=duration_s)
-    srv = LlmServer("llm", gpu, reqs, cfg)
+    srv_pct = float(setup[7:]) if setup.startswith("srvcap-") else 100.0
+    srv = LlmServer("llm", gpu, reqs, cfg, sm_pct=srv_pct)
     srv.start(loop)
     tr: OfflineTrainer | None = None
     if trainer is not None and setup != "exclusive":
         prof = data.load_profile(trainer, data.DEFAULT_MERGE_OFFLINE_US, V100_SMS)
         pct = float(setup[4:]) if setup.startswith("cap-") else 100.0
         tr = OfflineTrainer("train", gpu, prof, sm_pct=pct, mem_bytes=0)
-        tr.stream.priority = 0 if setup == "mps" else 1
+        tr.stream.priority = 0 if setup == "mps" or setup.startswith(("mpsduty-", "srvcap-")) else 1
         tr.start(0.0)
-        if setup.startswith("duty-"):
-            _duty_cycle(loop, tr, float(setup[5:]) / 100.0, duration_s)
+        if setup.startswith("mpsduty-"):
+            tr.set_inflight(SHALLOW_BOUND)
+        if setup.startswith(("duty-", "mpsduty-")):
+            _duty_cycle(loop, tr, float(setup.split("-", 1)[1]) / 100.0, duration_s)
     loop.run_until(duration_s)
     fin = [f for f in srv.stats.finished if f.arrival_s >= 0.1 * duration_s]
     it_s = 0.0

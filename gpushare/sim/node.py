@@ -30,6 +30,8 @@ from gpushare.sim.arrivals import arrivals_for
 from gpushare.sim.checkpoint import Checkpoints
 from gpushare.sim.gpu import EventLoop, Gpu, GpuMode
 from gpushare.sim.inflight_switch import SimBoundWriter
+from gpushare.sim.llm import LlmServer
+from gpushare.sim.llm_node import llm_servers
 from gpushare.sim.probe import ProbeClient
 from gpushare.sim.scenario import GpuSpec, Scenario
 from gpushare.sim.tally import TallyScheduler, TallyServer, TallyTrainer
@@ -110,6 +112,8 @@ class SimNode:
         }
         self.online: list[OnlineServer] = []
         self.offline: list[OfflineTrainer] = []
+        #: LLM servers (``[[llm]]``, :mod:`gpushare.sim.llm_node`): online, reporting token timings.
+        self.llm: list[LlmServer] = []
         #: When each offline job of the scenario reaches the queue, and its ``--queue``.
         self.submit_at: dict[str, float] = {}
         self.queue_mode: dict[str, str | None] = {}
@@ -129,6 +133,7 @@ class SimNode:
         )
         if with_online:
             self._add_online(tally)
+            self.llm = llm_servers(scenario, self.gpus, self.next_pid)
         if with_offline:
             self._add_offline(tally)
 
@@ -215,8 +220,8 @@ class SimNode:
 
     @property
     def clients(self) -> list[SimClient]:
-        """Every online and offline client."""
-        return [*self.online, *self.offline]
+        """Every online, LLM and offline client."""
+        return [*self.online, *self.llm, *self.offline]
 
     def client(self, cid: str) -> SimClient | None:
         """The client with this id, if any."""
@@ -231,6 +236,10 @@ class SimNode:
                 self.processes[server.pid] = server
                 server.gpu.attach(server)
                 server.start(self.loop)
+        for srv in self.llm:
+            if self.allocate(srv):
+                self.processes[srv.pid] = srv
+                srv.start(self.loop)
 
     # --- memory --------------------------------------------------------------------------------
 

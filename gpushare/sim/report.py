@@ -19,6 +19,7 @@ Metric definitions (the Tally evaluation's, Tally's, ``docs/sources.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from collections.abc import Sequence
@@ -93,6 +94,8 @@ def _row(result: ScenarioResult, run: RunResult, alone: RunResult | None) -> Row
             online_norm += o.requests / ref.requests
         if o.slo_attainment is not None:
             attain.append(o.slo_attainment)
+    # LLM servers: inside both their TTFT and TPOT SLOs.
+    attain += [x.slo_attainment for x in run.llm if x.slo_attainment is not None]
     offline_norm = (
         sum(f.iter_per_s / f.standalone_iter_per_s for f in run.offline) if run.offline else None
     )
@@ -216,6 +219,7 @@ def to_json(result: ScenarioResult) -> dict[str, Any]:
                     for o in run.online
                 ],
                 "offline": [vars(f) for f in run.offline],
+                "llm": [dataclasses.asdict(x) for x in run.llm],
                 "busy_fraction": run.busy_fraction,
                 "sm_active_fraction": run.sm_active_fraction,
                 "mem_peak_bytes": run.mem_peak_bytes,
@@ -266,7 +270,8 @@ def plot(result: ScenarioResult, out_dir: Path) -> list[Path] | str:
     ax.set_xlabel("online request latency (ms)")
     ax.set_ylabel("CDF")
     ax.set_title(f"{name}: online latency")
-    ax.legend(fontsize="small")
+    if ax.get_legend_handles_labels()[0]:  # LLM servers alone draw no request-latency line
+        ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     written.append(_save(fig, out_dir / f"{name}-latency-cdf.png", plt))
 

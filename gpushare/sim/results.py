@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpushare.control.policy import Policy
+from gpushare.sim import llm_node
 from gpushare.sim.node import SimNode
 from gpushare.sim.scenario import Scenario
 from gpushare.stats import percentile
@@ -65,6 +66,8 @@ class RunResult:
     actions: dict[str, int]
     kernels: dict[str, int]
     series: dict[str, Any] = field(repr=False, default_factory=dict)
+    #: LLM servers (``[[llm]]``): TTFT and TPOT p99s and attainment of both SLOs.
+    llm: list[llm_node.LlmResult] = field(default_factory=list)
 
     @property
     def speed_factor(self) -> float:
@@ -127,6 +130,7 @@ def collect(
         actions=actions,
         kernels=kernels,
         series=series,
+        llm=llm_node.results(node.llm, warmup),
     )
 
 

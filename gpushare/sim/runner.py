@@ -26,7 +26,7 @@ from gpushare.daemon.loop import ControlLoop
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.state import NodeState
 from gpushare.model import ClientClass, ClientState
-from gpushare.sim import adapters
+from gpushare.sim import adapters, llm_node
 from gpushare.sim.gating import BoundarySender, GateDriver
 from gpushare.sim.inflight_switch import SimBoundWriter
 from gpushare.sim.node import PolicyTraits, SimNode
@@ -82,6 +82,9 @@ class SimDaemon:
             self.add_online(server)
             if server.cid in boundaries:
                 server.on_boundary = BoundarySender(self.gates.send, server).boundary
+        for srv in node.llm:
+            self.add_online(srv)
+            llm_node.register(self.state.registry, srv)
 
     def add_online(self, server: SimClient) -> None:
         """Register a running online service as a foreground client (it started at t = 0)."""
@@ -130,6 +133,7 @@ class SimDaemon:
                 reports = [(arrival + latency, latency) for arrival, latency in done[start:]]
                 tracker.add_many(server.cid, reports)
                 self._reported[server.cid] = len(done)
+        llm_node.report_tokens(self.state.latency.tokens, self.node.llm)
 
     def run(self, end_s: float, before_tick: ProgressFn | None = None) -> None:
         """Tick the daemon's loop every control period from now until ``end_s`` (virtual)."""
@@ -211,6 +215,7 @@ def _run_policy(
     for c in node.online:
         if slo_ms and c.cid in slo_ms:
             c.slo_p99_ms = slo_ms[c.cid]
+    llm_node.apply_slos(node.llm, slo_ms)
     node.start()
     busy_total = {g.uuid: 0.0 for g in node.gpus}
     sm_total = {g.uuid: 0.0 for g in node.gpus}
@@ -285,14 +290,19 @@ def slo_of(spec: OnlineSpec, p99_alone_ms: float) -> float:
 def standalone(
     scenario: Scenario, *, progress: ProgressFn | None = None
 ) -> tuple[RunResult | None, dict[str, float]]:
-    """Run the online services alone; return that run and each service's SLO (:func:`slo_of`)."""
-    if not scenario.online:
+    """Run the online services alone; return that run and each service's SLO (:func:`slo_of`).
+
+    An LLM server's TTFT and TPOT SLOs are keyed ``NAME/ttft`` and ``NAME/tpot``
+    (:func:`gpushare.sim.llm_node.slos_from_alone`).
+    """
+    if not scenario.online and not scenario.llm:
         return None, {}
     alone = run_policy(scenario, None, name="alone", with_offline=False, progress=progress)
     slo = {
         spec.name: slo_of(spec, res.p99_ms)
         for spec, res in zip(scenario.online, alone.online, strict=True)
     }
+    slo.update(llm_node.slos_from_alone(scenario, alone.llm))
     return alone, slo
 
 

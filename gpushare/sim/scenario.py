@@ -131,6 +131,35 @@ class OfflineSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class LlmSpec:
+    """An LLM inference server (:mod:`gpushare.sim.llm`): Llama-2-7B on a V100-32GB roof.
+
+    Requests replay the shipped Azure conversation trace from ``trace_start``, thinned to
+    ``load`` x the server's capacity alone. Its TTFT and TPOT SLOs are given, or ``slo_factor``
+    x its p99s alone; the daemon sees its token timings as ``client.report_ttft`` /
+    ``report_tpot`` send them: per token the gap (``tpot_report = "token"``) or the sequence's
+    mean so far (``"running"``), or once per request (``"request"``).
+    """
+
+    name: str
+    gpu: int = num(0, minimum=0, maximum=63)
+    #: A fraction of the server's capacity alone (``llm_pairs.capacity_rps``), in (0, 1).
+    load: float = field(default=0.5, metadata=_read(lambda r, v, k: _load(r, v, k)))
+    trace_start_s: float = duration(600.0)
+    slo_ttft_p99_s: float | None = field(
+        default=None, metadata={"kind": "duration", "min": 0.0, "above": True}
+    )
+    slo_tpot_p99_s: float | None = field(
+        default=None, metadata={"kind": "duration", "min": 0.0, "above": True}
+    )
+    slo_factor: float = num(1.5, minimum=1.0, maximum=1000.0)
+    kv_cache_bytes: int = size(6 << 30, minimum=1 << 20)
+    max_batched_tokens: int = num(2048, minimum=16, maximum=1 << 20)
+    max_seqs: int = num(256, minimum=1, maximum=1 << 16)
+    tpot_report: Literal["token", "running", "request"] = "token"
+
+
+@dataclass(frozen=True, slots=True)
 class Scenario:
     """A whole scenario."""
 
@@ -144,6 +173,8 @@ class Scenario:
     online: tuple[OnlineSpec, ...]
     offline: tuple[OfflineSpec, ...]
     config: gconfig.Config
+    #: LLM servers (``[[llm]]``).
+    llm: tuple[LlmSpec, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +205,9 @@ class _Document:
     )
     offline: tuple[OfflineSpec, ...] = field(
         default=(), metadata=_read(lambda r, v, k: r.tables(OfflineSpec, v, k))
+    )
+    llm: tuple[LlmSpec, ...] = field(
+        default=(), metadata=_read(lambda r, v, k: r.tables(LlmSpec, v, k))
     )
     control: Mapping[str, Any] = field(default_factory=dict, metadata=_read(_raw))
     probe: Mapping[str, Any] = field(default_factory=dict, metadata=_read(_raw))
@@ -249,9 +283,14 @@ def loads(text: str, file: Path | str | None = None) -> Scenario:
         _online(r, spec, f"online[{i}].", gpu, raw_online[i]) for i, spec in enumerate(top.online)
     )
     offline = tuple(_offline(r, spec, f"offline[{i}].", gpu) for i, spec in enumerate(top.offline))
-    if not online and not offline:
-        r.fail("", "a scenario needs at least one [[online]] or [[offline]]")
-    names = [s.name for s in online] + [s.name for s in offline]
+    for i, spec in enumerate(top.llm):
+        if not spec.name:
+            r.fail(f"llm[{i}].name", "expected a non-empty string")
+        if spec.gpu >= gpu.count:
+            r.fail(f"llm[{i}].gpu", f"expected an integer in [0, {gpu.count - 1}], got {spec.gpu}")
+    if not online and not offline and not top.llm:
+        r.fail("", "a scenario needs at least one [[online]], [[llm]] or [[offline]]")
+    names = [s.name for s in online] + [s.name for s in top.llm] + [s.name for s in offline]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         r.fail("name", f"client names must be unique; repeated: {dup}")
@@ -271,6 +310,7 @@ def loads(text: str, file: Path | str | None = None) -> Scenario:
         online=online,
         offline=offline,
         config=cfg,
+        llm=top.llm,
     )
 
 

@@ -1,0 +1,104 @@
+"""LLM servers in scenarios (``[[llm]]``): loading, the daemon's token windows, the shipped files."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpushare.control import registry
+from gpushare.sim import llm_node, runner, scenario
+from gpushare.sim.node import PolicyTraits, SimNode
+from gpushare.sim.runner import SimDaemon
+
+PAIR = """
+[scenario]
+duration = "40s"
+warmup = "4s"
+[gpu]
+mem_total = "32GiB"
+[[offline]]
+name = "train"
+profile = "orion-v100-kernels/resnet50_32_fb1.csv"
+mem = "10GiB"
+submit = "0s"
+[[llm]]
+name = "chat"
+load = 0.5
+slo_ttft_p99 = "1.4s"
+slo_tpot_p99 = "45ms"
+"""
+
+
+def test_an_llm_table_is_read_with_its_defaults_and_bad_values_get_one_line() -> None:
+    sc = scenario.loads(PAIR)
+    (spec,) = sc.llm
+    assert spec.name == "chat" and spec.load == 0.5 and spec.trace_start_s == 600.0
+    assert spec.slo_ttft_p99_s == pytest.approx(1.4) and spec.slo_tpot_p99_s == pytest.approx(0.045)
+    assert spec.tpot_report == "token" and spec.kv_cache_bytes == 6 << 30
+    for bad, key in (
+        ("load = 1.2", "llm[0].load"),
+        ('tpot_report = "bytes"', "llm[0].tpot_report"),
+        ("gpu = 3", "llm[0].gpu"),
+        ('kv_cache = "1k"', "llm[0].kv_cache"),
+        ("colour = 1", "llm[0].colour"),
+    ):
+        text = PAIR.replace("load = 0.5", bad) if "load" in bad else PAIR + bad + "\n"
+        with pytest.raises(scenario.ScenarioError) as err:
+            scenario.loads(text)
+        assert key in str(err.value) and "\n" not in str(err.value)
+    dup = PAIR.replace('name = "chat"', 'name = "train"')
+    with pytest.raises(scenario.ScenarioError, match="unique"):
+        scenario.loads(dup)
+
+
+def test_the_daemon_gets_the_servers_token_timings_and_protects_both_slos() -> None:
+    sc = scenario.loads(PAIR)
+    policy = registry.make_policy("gpushare", sc.config.control)
+    node = SimNode(sc, traits=PolicyTraits.of(policy))
+    (srv,) = node.llm
+    node.start()
+    sim = SimDaemon(node, policy)
+    sim.run(40.0)
+    rec = sim.state.registry.get("chat")
+    assert rec is not None and rec.slo_ttft_p99_ms == pytest.approx(1400.0)
+    assert rec.slo_tpot_p99_ms == pytest.approx(45.0) and rec.slo_p99_ms is None
+    ttft, tpot = sim.state.latency.tokens.p99s("chat", node.loop.now)
+    assert ttft is not None and tpot is not None
+    # 40 s at ~0.44 requests/s: fewer first tokens than min_samples, thousands of further ones.
+    assert ttft.samples >= 10 and tpot.p99_ms is not None and tpot.p99_ms < 45.0
+    # The last tick read them: the p99s the controller's view of the server is built from.
+    seen = sim.state.p99["chat"]
+    sim.close()
+    assert srv.stats.finished and seen.ttft is not None and seen.tpot is not None
+    assert seen.ttft.samples > 0 and seen.tpot.samples > seen.ttft.samples
+
+
+@pytest.mark.parametrize("name", [n for n in scenario.shipped() if n.startswith("llm/")])
+def test_every_shipped_llm_scenario_loads(name: str) -> None:
+    sc = scenario.load(name)
+    assert sc.llm and sc.offline and sc.gpu.mem_total_bytes >= 32 << 30
+
+
+def test_gpushare_sim_runs_an_llm_scenario_and_scores_both_slos() -> None:
+    sc = scenario.loads(PAIR.replace('duration = "40s"', 'duration = "30s"'))
+    res = runner.run_scenario(
+        sc, [("gpushare", registry.make_policy("gpushare", sc.config.control))]
+    )
+    assert res.alone is not None and res.slo_ms == {"chat/ttft": 1400.0, "chat/tpot": 45.0}
+    (alone,) = res.alone.llm
+    (run,) = res.runs
+    (llm,) = run.llm
+    assert alone.slo_attainment is not None and llm.slo_attainment is not None
+    assert math.isfinite(llm.ttft_p99_ms) and llm.requests > 0
+    assert run.offline[0].iterations > 0
+
+
+def test_slos_not_given_are_a_factor_times_the_p99s_alone() -> None:
+    text = PAIR.replace('slo_ttft_p99 = "1.4s"\nslo_tpot_p99 = "45ms"', "slo_factor = 2.0")
+    sc = scenario.loads(text.replace('duration = "40s"', 'duration = "30s"'))
+    alone, slo = runner.standalone(sc)
+    assert alone is not None
+    (a,) = alone.llm
+    assert slo[llm_node.slo_keys("chat")[0]] == pytest.approx(2.0 * a.ttft_p99_ms)
+    assert slo["chat/tpot"] == pytest.approx(2.0 * a.tpot_p99_ms)
