@@ -175,6 +175,13 @@ def run_gang_policy(
                 node.loop.run_until(t)
         else:
             sim = SimDaemon(node, policy)
+            # The daemon sees each rank and shard as a one-GPU client: tell its views what a
+            # gang record would (the GPUs it spans), before the first tick makes them.
+            spans = sim.loop.views.spans
+            for _, gang in gn.gangs:
+                spans.update(dict.fromkeys((r.cid for r in gang.ranks), len(gang.ranks)))
+            for _, server in gn.servers:
+                spans.update(dict.fromkeys((s.cid for s in server.shards), len(server.shards)))
             # TP shards tell the daemon of their requests as one-GPU services do.
             for _, server in gn.servers if boundaries else ():
                 for shard in server.shards:
