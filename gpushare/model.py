@@ -267,6 +267,9 @@ class ClientView:
     ttft_p99_ms: float | None = None
     slo_tpot_p99_ms: float | None = None
     tpot_p99_ms: float | None = None
+    #: The GPUs the client's gang spans (issue 35: a DDP job's ranks, a TP server's shards);
+    #: 1 for a one-GPU client.
+    gang_gpus: int = 1
 
 
 @dataclass(frozen=True, slots=True)

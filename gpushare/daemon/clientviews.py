@@ -28,6 +28,10 @@ class ClientViews:
         # Each client's view and the record it was made from.
         self._views: dict[str, tuple[ClientRecord, ClientView]] = {}
         self._shallow: frozenset[str] = frozenset()  # the clients the views show shallow
+        #: The GPUs a client's gang spans where its record names one GPU: the simulator's gangs,
+        #: whose ranks are one-GPU clients tied outside the daemon (:mod:`gpushare.sim.gangrun`).
+        #: Set before the clients' records exist (a view is remade only when its record changes).
+        self.spans: dict[str, int] = {}
         self._by_gpu: dict[str | None, list[ClientRecord]] = {}
         self._view_map: dict[str, ClientView] = {}
         self._gpu_views: dict[str, tuple[ClientView, ...]] = {}
@@ -124,4 +128,5 @@ class ClientViews:
             restart_cost_s=cost,
             restart_cost_measured=source == startcost.MEASURED,
             restarts=rec.restarts,
+            gang_gpus=max(len(rec.gpus()), self.spans.get(rec.id, 1), 1),
         )

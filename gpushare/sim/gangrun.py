@@ -175,6 +175,7 @@ def run_gang_policy(
                 node.loop.run_until(t)
         else:
             sim = SimDaemon(node, policy)
+            tell_spans(sim, gn)
             # TP shards tell the daemon of their requests as one-GPU services do.
             for _, server in gn.servers if boundaries else ():
                 for shard in server.shards:
@@ -190,6 +191,20 @@ def run_gang_policy(
             ds = [d for t, d in duty.get(gpu.uuid, []) if t >= warm]
             means.append(sum(ds) / len(ds) if ds else 1.0)
         return dataclasses.replace(run, duty_mean=tuple(means), thawed=thawed), gn
+
+
+def tell_spans(sim: SimDaemon, gn: GangNode) -> None:
+    """Tell the daemon's views how many GPUs each rank's and shard's gang spans.
+
+    The daemon sees each rank and shard as a one-GPU client; its views then carry what a gang
+    record would (``ClientView.gang_gpus``), so the controller's rules for gangs apply. Call it
+    before the first tick: a view is made anew only when its record changes.
+    """
+    spans = sim.loop.views.spans
+    for _, gang in gn.gangs:
+        spans.update(dict.fromkeys((r.cid for r in gang.ranks), len(gang.ranks)))
+    for _, server in gn.servers:
+        spans.update(dict.fromkeys((s.cid for s in server.shards), len(server.shards)))
 
 
 def _thawed(sim: SimDaemon, gang: DdpGang) -> tuple[float, ...]:

@@ -57,6 +57,7 @@ class PerGpuPolicy:
 
     def __init__(self) -> None:
         self.pending: dict[str, list[Action]] = {}
+        self.seen: dict[str, Observation] = {}
 
     def initial_state(self, gpu_uuid: str, now: float) -> int:
         return 0
@@ -64,6 +65,7 @@ class PerGpuPolicy:
     def step(
         self, state: int, observation: Observation, now: float
     ) -> tuple[int, Sequence[Action]]:
+        self.seen[observation.gpu_uuid] = observation
         return state + 1, self.pending.pop(observation.gpu_uuid, [])
 
 
@@ -205,3 +207,22 @@ def test_an_online_gangs_request_frees_every_gpu_it_uses_of_offline_work(
     assert _runs(d, on2["pid"]) >= 5, "GPU 2 is not the server's: nothing to free there"
     assert d.state.gate.on_inflight(tp["client_id"], tp["pid"], 0, time.monotonic()) is None
     assert _runs(d, on1["pid"]) >= 5
+
+
+def test_every_gpus_controller_sees_how_many_gpus_a_gang_spans(
+    env: tuple[Daemon, PerGpuPolicy],
+) -> None:
+    # The controller's rules for gangs (no loose-SLO gate delay beside one, docs/controller.md)
+    # read ClientView.gang_gpus: a gang's view on each of its GPUs says 2, a one-GPU client's 1.
+    d, policy = env
+    gang = _submit(d, BUSY, gpus="0,1")
+    solo = _submit(d, BUSY, gpu="1")
+    d.run(max_ticks=1)
+    spans = {
+        (uuid, c.client_id): c.gang_gpus for uuid, obs in policy.seen.items() for c in obs.clients
+    }
+    assert spans == {
+        (G0, gang["client_id"]): 2,
+        (G1, gang["client_id"]): 2,
+        (G1, solo["client_id"]): 1,
+    }

@@ -8,8 +8,16 @@ import pytest
 
 from gpushare.control.registry import make_policy
 from gpushare.sim.gang import DdpGang, DdpSpec, TpSpec, tp_alone_s
-from gpushare.sim.gangrun import GangNode, GangScenario, base_scenario, run_gang_policy, slos
+from gpushare.sim.gangrun import (
+    GangNode,
+    GangScenario,
+    base_scenario,
+    run_gang_policy,
+    slos,
+    tell_spans,
+)
 from gpushare.sim.node import PolicyTraits
+from gpushare.sim.runner import SimDaemon
 
 K = "orion-v100-kernels/"
 TRAIN = K + "resnet50_32_fb1.csv"
@@ -107,3 +115,26 @@ def test_every_shards_gate_protects_a_tp_server() -> None:
         att[name] = svc.slo_attainment
     assert att["gpushare"] >= 0.95
     assert att["mps-priority"] < att["gpushare"] - 0.05
+
+
+def test_the_daemon_sees_ranks_and_shards_as_gangs() -> None:
+    # The controller's rules for gangs (no loose-SLO gate delay beside one) read
+    # ClientView.gang_gpus: each rank and shard is a one-GPU client of the simulated daemon, so
+    # the run tells the views the GPUs its gang spans; a one-GPU service stays a one-GPU client.
+    base = base_scenario("t", 4, ((("rn50", K + "resnet50_4_fwd.csv", 3, 0.5)),), duration_s=3.0)
+    tp = TpSpec("tp", K + "bert_2_fwd.csv", (0, 1), load=0.5)
+    sc = GangScenario("t", base, ddp=(DdpSpec("ddp", TRAIN, (0, 1, 2, 3)),), tp=(tp,))
+    policy = make_policy("gpushare", base.config.control)
+    gn = GangNode(sc, traits=PolicyTraits.of(policy), with_offline=True)
+    gn.node.start()
+    sim = SimDaemon(gn.node, policy)
+    tell_spans(sim, gn)
+    sim.run(1.5)  # past the gang's submission (1 s) and a tick after
+    spans = {v.client_id: v.gang_gpus for g in gn.node.gpus for v in sim.loop.views.of_gpu(g.uuid)}
+    sim.close()
+    assert spans == {
+        "rn50": 1,
+        "tp.s0": 2,
+        "tp.s1": 2,
+        **{f"ddp.r{k}": 4 for k in range(4)},
+    }
