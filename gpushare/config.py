@@ -410,8 +410,7 @@ def from_dict(data: Mapping[str, Any], file: Path | str | None = None) -> Config
 
 def _check_cross_field(config: Config, file: Path | str | None) -> None:
     library = config.paths.inflight_library
-    if library is not None and not library.is_absolute():
-        # Clients preload it from their own working directories: a relative path means nothing.
+    if library is not None and not library.is_absolute():  # clients preload it from their cwd
         raise ConfigError(
             file, "paths.inflight_library", f"must be an absolute path, not {library}"
         )

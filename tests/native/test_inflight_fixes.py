@@ -170,10 +170,16 @@ def test_a_forked_child_of_a_process_without_cuda_keeps_the_bound(
 ) -> None:
     # Python multiprocessing's fork start, Lightning's ddp_fork: the parent never touched CUDA.
     env = {"LAUNCHER_FORK": "1"}
-    bare = run(built, "direct", "kernel", BURST, KERNEL_US, preload=False, extra_env=env)
-    r = run(built, "direct", "kernel", BURST, KERNEL_US, bound=bound, extra_env=env)
+    # Kernels 10x longer than elsewhere: a loaded host (or TSan) issuing the burst slowly must
+    # still find it all in flight without the bound (the run measured 34 of 40 at 200 us).
+    kernel_us = 10 * KERNEL_US
+    bare = run(built, "direct", "kernel", BURST, kernel_us, preload=False, extra_env=env)
+    r = run(built, "direct", "kernel", BURST, kernel_us, bound=bound, extra_env=env)
     assert bare.fake["max_inflight"] >= BURST - 5
-    assert r.fake["max_inflight"] == (2 if bound is not None else bare.fake["max_inflight"])
+    if bound is not None:
+        assert r.fake["max_inflight"] == 2
+    else:
+        assert r.fake["max_inflight"] >= BURST - 5
     assert_all_ran_in_order(r.fake)
 
 
