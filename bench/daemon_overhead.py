@@ -39,7 +39,8 @@ tick is the figure least moved by other load on the host (a starved daemon ticks
 its share of a core falls with its ticks).
 
 The metrics exporter is off by default (the figures above are the loop's); ``--metrics`` turns it
-on (the config's default) on a free local port, so its per-tick snapshot is counted too.
+on (the config's default) on a free local port, so what a tick does for it is counted too. The
+bench does not scrape: the snapshot is built and rendered at a scrape (docs/benchmarks.md).
 
 Usage: ``.venv/bin/python bench/daemon_overhead.py [--gpus 1,8] [--clients 6,48,200]
 [--window 20] [--settle 5] [--mps-control PATH] [--adopt-scan-period S] [--spread] [--metrics]

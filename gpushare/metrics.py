@@ -12,8 +12,14 @@ kept apart (dcgm-exporter#587: per-client series repeating device values mislead
 prometheus_client's process collector (``process_*``: CPU, memory, open files of the daemon).
 
 The HTTP server (:meth:`Exporter.serve`) answers ``/metrics`` with the exposition and ``/healthz``
-with 200 while the control loop ticks (each tick calls :meth:`Exporter.update`) or 503 once no tick
+with 200 while the control loop ticks (each tick calls :meth:`Exporter.ticked`) or 503 once no tick
 came for :meth:`Exporter.stall_after_s`; every other path is a 404.
+
+A tick only says it completed (:meth:`Exporter.ticked`); the snapshot, as of the last completed
+tick, is built by the daemon's reporter (:meth:`Exporter.attach`) when a scrape needs it, a few
+times a minute rather than ten times a second. Any local user can reach the listener, so a flood
+of scrapes builds at most once per completed tick and per tick period, one scrape building while
+the others wait and render the same snapshot.
 
 Cardinality is bounded: every scrape renders the latest :class:`NodeMetrics` snapshot, so a client
 that has gone away disappears from the output instead of lingering as a stale series, and the
@@ -145,6 +151,8 @@ STALL_MIN_S = 5.0
 # A connection that sends nothing is dropped after this long: any local user can connect, and
 # each open connection holds a thread.
 HTTP_TIMEOUT_S = 5.0
+#: The control loop's default period (the least time between two builds until serve is told).
+DEFAULT_TICK_S = 0.1
 
 
 def node_hostname() -> str:
@@ -167,9 +175,17 @@ class Exporter(Collector):
         self, hostname: str | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._lock = threading.Lock()
+        # Held by the one scrape building a snapshot: concurrent scrapes wait and reuse it.
+        self._build_lock = threading.Lock()
         self._snapshot = NodeMetrics()
+        self._source: Callable[[], NodeMetrics] | None = None
         self._clock = clock
         self._last_tick_s: float | None = None
+        # Completed ticks; the tick and clock time the cached snapshot was built at.
+        self._ticks, self._built_tick, self._built_at_s = 0, 0, float("-inf")
+        #: The shortest time between two builds (:meth:`serve` sets it to the tick period).
+        self.min_build_interval_s = DEFAULT_TICK_S
+        self.builds = 0  #: Snapshots built from the attached source so far.
         self.hostname = hostname if hostname is not None else node_hostname()
         self.stall_after_s = STALL_MIN_S
         self.registry = CollectorRegistry(auto_describe=False)
@@ -177,11 +193,46 @@ class Exporter(Collector):
         ProcessCollector(registry=self.registry)
         self._server: ThreadingHTTPServer | None = None
 
-    def update(self, snapshot: NodeMetrics) -> None:
-        """Replace the snapshot the next scrape renders (called once per tick)."""
+    def attach(self, source: Callable[[], NodeMetrics]) -> None:
+        """Have a scrape build its snapshot with ``source`` (from its thread; when due only)."""
         with self._lock:
-            self._snapshot = snapshot
+            self._source = source
+
+    def ticked(self) -> None:
+        """A control-loop tick completed: the next scrape builds afresh (constant time)."""
+        with self._lock:
+            self._ticks += 1
             self._last_tick_s = self._clock()
+
+    def update(self, snapshot: NodeMetrics) -> None:
+        """Replace the snapshot the next scrape renders, as a completed tick's (no source needed)."""
+        with self._lock:
+            self._ticks += 1
+            self._snapshot, self._built_tick = snapshot, self._ticks
+            self._last_tick_s = self._clock()
+
+    def snapshot(self) -> NodeMetrics:
+        """The snapshot a scrape renders: the cached one, or one built now when it is due."""
+        with self._lock:
+            if not self._due():
+                return self._snapshot
+        with self._build_lock:
+            with self._lock:
+                # Another scrape may have built it while this one waited for the build lock.
+                source, tick = self._source, self._ticks
+                if source is None or not self._due():
+                    return self._snapshot
+            built = source()
+            with self._lock:
+                self._snapshot, self._built_tick, self._built_at_s = built, tick, self._clock()
+                self.builds += 1
+            return built
+
+    def _due(self) -> bool:
+        """Whether a build is due: a tick completed since the last, which is old enough."""
+        if self._source is None or self._built_tick == self._ticks:
+            return False
+        return self._clock() - self._built_at_s >= self.min_build_interval_s
 
     def health(self) -> tuple[bool, str]:
         """Whether the control loop ticks: ``(healthy, one line saying so)``."""
@@ -194,16 +245,18 @@ class Exporter(Collector):
             return False, f"stalled: no control-loop tick for {age_s:.1f} s"
         return True, f"ok: last control-loop tick {age_s:.3f} s ago"
 
-    def serve(self, listen: str, tick_period_s: float = 0.1) -> tuple[str, int]:
+    def serve(self, listen: str, tick_period_s: float = DEFAULT_TICK_S) -> tuple[str, int]:
         """Serve ``/metrics`` and ``/healthz`` on ``HOST:PORT`` from a background thread.
 
         ``tick_period_s`` is the control loop's period: ``/healthz`` turns 503 after
-        :data:`STALL_TICKS` missed ticks (at least :data:`STALL_MIN_S`). Returns the bound address.
+        :data:`STALL_TICKS` missed ticks (at least :data:`STALL_MIN_S`), and scrapes build a
+        snapshot at most once per period. Returns the bound address.
 
         Raises:
             OSError: the address cannot be bound (in use, or not a local address).
         """
         self.stall_after_s = max(STALL_MIN_S, STALL_TICKS * tick_period_s)
+        self.min_build_interval_s = tick_period_s
         host, _, port = listen.rpartition(":")
         host = host.strip("[]")
         server = _server_class(host)((host, int(port)), _handler(self))
@@ -220,9 +273,8 @@ class Exporter(Collector):
             self._server = None
 
     def collect(self) -> Iterator[_Family]:
-        """Render the latest snapshot (prometheus_client calls this on every scrape)."""
-        with self._lock:
-            snap = self._snapshot
+        """Render the last tick's snapshot (prometheus_client calls this on every scrape)."""
+        snap = self.snapshot()
         yield _build_info()
         yield from _gpu_metrics(snap, self.hostname)
         yield from _client_metrics(snap, self.hostname)

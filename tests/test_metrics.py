@@ -1,6 +1,7 @@
 """The Prometheus exporter over a real HTTP server on loopback."""
 
 import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -431,5 +432,81 @@ def test_an_ipv6_listen_address(listen):
         assert host == "::1"
         with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=10) as r:
             assert r.status == 200
+    finally:
+        exp.close()
+
+
+class _CountingSource:
+    """The reporter's part for the exporter: counts the builds, each slow enough to overlap."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.calls = 0
+        self.delay_s = delay_s
+
+    def __call__(self) -> NodeMetrics:
+        self.calls += 1
+        threading.Event().wait(self.delay_s)  # widens the window concurrent scrapes arrive in
+        return NodeMetrics(observations=[_obs([_client(f"c{self.calls}", ClientClass.OFFLINE)])])
+
+
+def _flood(host: str, port: int, n: int) -> list[str]:
+    """``n`` scrapes at once, each on its own connection and thread; their bodies."""
+    bodies: list[str] = [""] * n
+
+    def one(i: int) -> None:
+        bodies[i] = _get(host, port, "/metrics")[1]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return bodies
+
+
+def test_concurrent_scrapes_within_one_tick_build_the_snapshot_once():
+    source = _CountingSource(delay_s=0.2)
+    exp = Exporter(hostname="node-a")
+    exp.attach(source)
+    try:
+        host, port = exp.serve("127.0.0.1:0")
+        exp.ticked()
+        bodies = _flood(host, port, 12)
+        assert source.calls == exp.builds == 1
+        # Every scrape rendered that one build (its only client is c1).
+        assert all('client="c1"' in b and 'client="c2"' not in b for b in bodies)
+    finally:
+        exp.close()
+
+
+def test_a_scrape_flood_builds_at_most_once_per_tick_and_per_tick_period():
+    """docs/security.md: any local user can scrape; a flood buys no more builds than the ticks."""
+    now = [100.0]
+    source = _CountingSource()
+    exp = Exporter(hostname="node-a", clock=lambda: now[0])
+    exp.attach(source)
+    try:
+        # Times exact in binary: the period's comparison is not at the mercy of rounding.
+        host, port = exp.serve("127.0.0.1:0", tick_period_s=0.25)
+        _flood(host, port, 8)
+        assert source.calls == 0  # no tick yet: nothing to build, the empty snapshot is served
+        exp.ticked()
+        _flood(host, port, 8)
+        assert source.calls == 1
+        now[0] += 1.0
+        _flood(host, port, 8)
+        assert source.calls == 1  # time passed but no tick completed: the same snapshot
+        exp.ticked()
+        exp.ticked()
+        now[0] += 0.5
+        _flood(host, port, 8)
+        assert source.calls == 2  # two ticks since: one build
+        exp.ticked()
+        now[0] += 0.125
+        _flood(host, port, 8)
+        assert source.calls == 2  # a tick, but less than a period since the last build
+        now[0] += 0.125
+        _flood(host, port, 8)
+        assert source.calls == 3
     finally:
         exp.close()

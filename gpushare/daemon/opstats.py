@@ -6,6 +6,11 @@ starts tracking new clients and drops ended ones, so memory is bounded by the li
 clients plus a fixed amount per GPU. Everything here is in memory and starts afresh with the daemon
 (counters since the daemon started, as Prometheus counters are). :func:`latency_status` and
 :func:`gate_status` build the ``status`` fields of docs/status-schema.md from it.
+
+The metrics exporter reads it on a scrape, not every tick: a tick keeps what it needs in O(GPUs)
+(the eviction counts are a mapping replaced, never changed, on each eviction, so keeping it is a
+reference; :meth:`OpStats.queue_figures`), and the per-client thaw figures are worked out when a
+scrape asks (:meth:`OpStats.thaw_figures`, under the thaw log's own lock).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from gpushare.metrics import (
 )
 from gpushare.model import ClientState
 
+ThawFigures = tuple[float | None, float | None]
+"""A client's thawed seconds since tracking began and thawed fraction of the last minute."""
+
 
 @dataclass(frozen=True, slots=True)
 class LastAction:
@@ -37,6 +45,30 @@ class LastAction:
     at_wall_s: float
     at_mono_s: float
     client_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueFigures:
+    """The admission queue's figures as of one tick, kept for a later scrape.
+
+    ``oldest_since_wall_s`` is when the longest-waiting queued job was queued (``None``: none
+    known); ``wait_s`` the waits of admitted jobs; ``at_wall_s`` the tick's wall-clock time.
+    """
+
+    oldest_since_wall_s: float | None
+    wait_s: HistogramSnapshot
+    at_wall_s: float
+
+    def admission(self, queued: int) -> AdmissionStats:
+        """The ``/metrics`` admission figures for ``queued`` jobs queued at that tick."""
+        oldest = self.oldest_since_wall_s
+        return AdmissionStats(
+            queued=queued,
+            oldest_wait_s=None
+            if oldest is None or not queued
+            else max(0.0, self.at_wall_s - oldest),
+            wait_s=self.wait_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +94,8 @@ class OpStats:
         self.thaw = ThawLog(window_s=thaw_window_s)
         self._thaw_lock = threading.Lock()
         self._thaw_now = float("-inf")
-        self._evictions: dict[str, int] = {}
+        # Replaced on each change, never changed in place: a tick keeps it for a later scrape.
+        self._evictions: Mapping[str, int] = {}
         self._gpu_evictions: dict[str, int] = {}
         self._steps: dict[str, DurationHistogram] = {}
         self._wait = DurationHistogram(WAIT_BUCKETS_S)
@@ -83,7 +116,7 @@ class OpStats:
 
     def evicted(self, client_id: str, gpu_uuid: str) -> None:
         """A client is being evicted from a GPU."""
-        self._evictions[client_id] = self._evictions.get(client_id, 0) + 1
+        self._evictions = {**self._evictions, client_id: self._evictions.get(client_id, 0) + 1}
         self._gpu_evictions[gpu_uuid] = self._gpu_evictions.get(gpu_uuid, 0) + 1
 
     def stepped(self, gpu_uuid: str, seconds: float) -> None:
@@ -121,9 +154,10 @@ class OpStats:
             for cid in self.thaw.clients():
                 if cid not in live:
                     self.thaw.forget(cid)
-        for table in (self._evictions, self._queued_since):
-            for cid in [k for k in table if k not in known]:
-                del table[cid]
+        for cid in [k for k in self._queued_since if k not in known]:
+            del self._queued_since[cid]
+        if any(k not in known for k in self._evictions):
+            self._evictions = {k: n for k, n in self._evictions.items() if k in known}
 
     # ----------------------------------------------------------------------------- reading
 
@@ -144,14 +178,18 @@ class OpStats:
         """The GPU's last effective controller action."""
         return self._last.get(gpu_uuid)
 
+    def eviction_counts(self) -> Mapping[str, int]:
+        """Every known client's evictions (absent: none): a mapping no later eviction changes."""
+        return self._evictions
+
+    def queue_figures(self, now_wall_s: float) -> QueueFigures:
+        """The admission queue as of now, for :meth:`QueueFigures.admission` at a later scrape."""
+        oldest = min(self._queued_since.values(), default=None)
+        return QueueFigures(oldest, self._wait.snapshot(), now_wall_s)
+
     def admission(self, queued: int, now_wall_s: float) -> AdmissionStats:
         """Queue length, the oldest queued job's wait, and the waits of admitted jobs."""
-        oldest = min(self._queued_since.values(), default=None)
-        return AdmissionStats(
-            queued=queued,
-            oldest_wait_s=None if oldest is None or not queued else max(0.0, now_wall_s - oldest),
-            wait_s=self._wait.snapshot(),
-        )
+        return self.queue_figures(now_wall_s).admission(queued)
 
     def offline_fields(self, client_id: str, state: ClientState, now: float) -> dict[str, Any]:
         """The ``offline`` object of a client in ``status``/``list``.
@@ -169,14 +207,25 @@ class OpStats:
             "evictions": None if state.is_final else self._evictions.get(client_id, 0),
         }
 
+    def thaw_figures(self, client_ids: Iterable[str], now: float) -> dict[str, ThawFigures]:
+        """Each client's thawed seconds and last minute's fraction as of ``now``; any thread.
+
+        The thaw lock is taken per client, as the freeze arbiter takes it per freeze: a scrape
+        that asks for every client never makes a freeze wait for more than one client's figures.
+        A time before the log's last change counts as that change's (the log never goes back).
+        """
+        out: dict[str, ThawFigures] = {}
+        for cid in client_ids:
+            with self._thaw_lock:
+                at = self._clamp(now)
+                out[cid] = (self.thaw.total_s(cid, at), self.thaw.fraction(cid, at))
+        return out
+
     def client_stats(
         self, client_id: str, name: str | None, restarts: int, now: float
     ) -> ClientStats:
         """What ``/metrics`` shows of a live client beyond its observation."""
-        with self._thaw_lock:
-            now = self._clamp(now)
-            thawed_s = self.thaw.total_s(client_id, now)
-            thawed_ratio = self.thaw.fraction(client_id, now)
+        thawed_s, thawed_ratio = self.thaw_figures((client_id,), now)[client_id]
         return ClientStats(
             name=name,
             thawed_s=thawed_s,

@@ -5,18 +5,25 @@ the clients' counts or MPS health change, and the watchdog ping after each compl
 loop stops the pings and systemd acts). It also makes the metrics exporter's snapshot, and keeps
 the two counters only the metrics show (throttle events and MPS restarts per GPU), which the
 actuator and the sensing step report to it.
+
+The snapshot is built when ``/metrics`` is scraped, not every tick: at 8 GPUs x 200 clients it took
+0.94 ms a tick, almost all of it each client's thaw figures. A tick keeps only its own objects and
+the per-GPU and node figures (:class:`Published`, nothing per client); a scrape works out the
+clients' figures from those, as of that tick, without the state lock (the thaw log has its own).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import structlog
 
+from gpushare.daemon.opstats import OpStats, QueueFigures
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.state import NodeState
 from gpushare.daemon.tick import Tick
-from gpushare.metrics import Exporter, GpuControl, NodeMetrics
+from gpushare.metrics import ClientStats, Exporter, GpuControl, NodeMetrics
 from gpushare.model import ClientClass, ClientState, MpsState, Observation
 from gpushare.node import notify as sd
 
@@ -24,6 +31,25 @@ log = structlog.get_logger(__name__)
 
 Counts = tuple[int, int, int]
 """Online and offline live clients, and queued ones (the STATUS= line)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What a tick leaves for the next scrape: its own objects and O(GPUs) figures, none per client.
+
+    ``records`` and ``observations`` are the tick's (neither is changed after it); ``evictions``
+    is the eviction counts' mapping as of the tick (:meth:`OpStats.eviction_counts`); ``ops``
+    answers the clients' thaw figures at the scrape, as of ``monotonic_s``.
+    """
+
+    observations: tuple[Observation, ...]
+    records: tuple[ClientRecord, ...]
+    control: Mapping[str, GpuControl]
+    evictions: Mapping[str, int]
+    queue: QueueFigures
+    events: Mapping[tuple[str, str, str], int]
+    monotonic_s: float
+    ops: OpStats
 
 
 class Reporter:
@@ -42,6 +68,10 @@ class Reporter:
         self._watchdog_s = sd.watchdog_period_s()
         self._throttle_events: dict[str, int] = {}
         self._mps_restarts: dict[str, int] = {}
+        #: The last completed tick's figures for the exporter (``None`` before the first).
+        self.published: Published | None = None
+        if metrics is not None:
+            metrics.attach(self.metrics_snapshot)
 
     # ----------------------------------------------------------------------------- counters
 
@@ -58,14 +88,13 @@ class Reporter:
     def publish(
         self, observations: Mapping[str, Observation], records: Sequence[ClientRecord], tick: Tick
     ) -> None:
-        """Hand the tick's snapshot to the metrics exporter, if there is one."""
-        if self.metrics is not None:
-            self.metrics.update(self._snapshot(observations, records, tick))
+        """Keep the tick's figures for the next scrape and tell the exporter the tick completed.
 
-    def _snapshot(
-        self, observations: Mapping[str, Observation], records: Sequence[ClientRecord], tick: Tick
-    ) -> NodeMetrics:
-        ops, now = self.s.ops, tick.monotonic_s
+        Called under the state lock; costs O(GPUs), nothing per client (:class:`Published`).
+        """
+        if self.metrics is None:
+            return
+        ops = self.s.ops
         control = {
             uuid: GpuControl(
                 duty=self.s.duty.get(uuid, 1.0),
@@ -77,20 +106,47 @@ class Reporter:
             )
             for uuid in observations
         }
-        names = {r.uid: r.user for r in records}
-        clients = {
-            r.id: ops.client_stats(r.id, r.name, r.restarts, now)
-            for r in records
-            if r.state.is_live
-        }
-        queued = sum(1 for r in records if r.state is ClientState.QUEUED)
-        return NodeMetrics(
+        self.published = Published(
             observations=tuple(observations.values()),
+            records=tuple(records),
             control=control,
-            user_names=names,
-            clients=clients,
-            admission=ops.admission(queued, tick.wall_s),
+            evictions=ops.eviction_counts(),
+            queue=ops.queue_figures(tick.wall_s),
             events=self.s.registry.event_counts(),
+            monotonic_s=tick.monotonic_s,
+            ops=ops,
+        )
+        self.metrics.ticked()
+
+    def metrics_snapshot(self) -> NodeMetrics:
+        """The exporter's snapshot as of the last published tick; a scrape's thread calls it.
+
+        Reads only :attr:`published`, which no one changes, and the thaw log under its own lock:
+        never the state lock, so a scrape never waits for a tick nor makes one wait.
+        """
+        p = self.published
+        if p is None:
+            return NodeMetrics()
+        live = [r for r in p.records if r.state.is_live]
+        thaw = p.ops.thaw_figures([r.id for r in live], p.monotonic_s)
+        clients = {
+            r.id: ClientStats(
+                name=r.name,
+                thawed_s=thaw[r.id][0],
+                thawed_ratio=thaw[r.id][1],
+                restarts=r.restarts,
+                evictions=p.evictions.get(r.id, 0),
+            )
+            for r in live
+        }
+        queued = sum(1 for r in p.records if r.state is ClientState.QUEUED)
+        return NodeMetrics(
+            observations=p.observations,
+            control=p.control,
+            user_names={r.uid: r.user for r in p.records},
+            clients=clients,
+            admission=p.queue.admission(queued),
+            events=p.events,
         )
 
     # ----------------------------------------------------------------------------- health

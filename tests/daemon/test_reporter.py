@@ -13,17 +13,30 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare import config
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.reporter import Reporter
 from gpushare.daemon.state import NodeState
+from gpushare.daemon.thawlog import ThawLog
 from gpushare.daemon.tick import Tick
-from gpushare.model import MpsState
+from gpushare.metrics import Exporter
+from gpushare.model import (
+    ClientClass,
+    ClientState,
+    ClientView,
+    Limits,
+    MpsState,
+    Observation,
+    ProbeReading,
+)
 from gpushare.node.clock import SystemClock
 from gpushare.node.notify import notify
 from gpushare.node.procs.host import HostProcesses
@@ -127,3 +140,86 @@ def test_a_watchdog_of_one_microsecond_pings_after_every_tick(
     reporter = Reporter(state, notify=notify, metrics=None)
     got = run_ticks(reporter, systemd, ["steady"] * 5)
     assert [t for t, d in got if d == ["WATCHDOG=1"]] == [100.0 + i * TICK_S for i in range(5)]
+
+
+# ----------------------------------------------------------------------------- the metrics snapshot
+
+
+class CountingThawLog(ThawLog):
+    """The thaw log, counting the per-client figures asked of it (the snapshot's cost, not timed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def total_s(self, client_id: str, now: float) -> float | None:
+        self.asked += 1
+        return super().total_s(client_id, now)
+
+    def fraction(self, client_id: str, now: float) -> float | None:
+        self.asked += 1
+        return super().fraction(client_id, now)
+
+
+def offline_clients(state: NodeState, n: int) -> dict[str, Observation]:
+    """``n`` running offline clients on the GPU, thawed since t=90; the GPU's observation."""
+    views = []
+    for i in range(n):
+        rec = state.registry.add_client(
+            cls=ClientClass.OFFLINE, argv=["sleep", "600"], uid=1000, gid=1000, user="u",
+            state=ClientState.STARTING, priority=1, gpu_uuid=GPU, gpu_index=0, now=0.0,
+        )  # fmt: skip
+        state.registry.transition(rec.id, ClientState.RUNNING, pid=100000 + i)
+        state.ops.paused(rec.id, False, 90.0)
+        limits = Limits(sm_pct=40.0, pinned_mem_bytes=None, priority=1)
+        views.append(ClientView(rec.id, ClientClass.OFFLINE, ClientState.RUNNING, limits, uid=1000))
+    sample = state.samples[0]
+    probe = ProbeReading(latency_ms=None, baseline_ms=None, ratio=None)
+    return {GPU: Observation(GPU, 0, sample, probe, tuple(views), MpsState.UP)}
+
+
+def thawed_seconds(exporter: Exporter) -> dict[str, float]:
+    text = generate_latest(exporter.registry).decode()
+    return {
+        s.labels["client"]: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "gpushare_client_thawed_seconds_total"
+    }
+
+
+def test_ticks_without_a_scrape_do_no_per_client_snapshot_work(state: NodeState) -> None:
+    thaw = state.ops.thaw = CountingThawLog()
+    observations = offline_clients(state, 20)
+    exporter = Exporter(hostname="n1")
+    reporter = Reporter(state, notify=lambda *f: True, metrics=exporter)
+    records = state.registry.clients()
+    thaw.asked = 0
+    for i in range(50):
+        reporter.publish(observations, records, Tick(100.0 + i * 0.1, 1e9 + i * 0.1))
+    # Before: every tick asked the thaw log for each live client's two figures (2 x 20 x 50).
+    assert thaw.asked == 0
+    assert exporter.health()[0]  # the ticks still count for /healthz
+    # A scrape asks once per client and figure, as of the last tick (thawed from 90 to 104.9).
+    seconds = thawed_seconds(exporter)
+    assert thaw.asked == 2 * 20
+    assert seconds == {r.id: pytest.approx(14.9) for r in records}
+    # A second scrape within the same tick renders the same snapshot: nothing asked again.
+    assert thawed_seconds(exporter) == seconds
+    assert thaw.asked == 2 * 20
+
+
+def test_a_scrape_never_waits_for_the_state_lock(state: NodeState) -> None:
+    # A tick holds the state lock; a scrape that needed it would stall behind every tick (and
+    # a flood of them would stall the loop): it reads only what the last tick published.
+    observations = offline_clients(state, 3)
+    exporter = Exporter(hostname="n1")
+    reporter = Reporter(state, notify=lambda *f: True, metrics=exporter)
+    reporter.publish(observations, state.registry.clients(), Tick(100.0, 1e9))
+    got: list[dict[str, float]] = []
+    with state.lock:
+        scrape = threading.Thread(target=lambda: got.append(thawed_seconds(exporter)))
+        scrape.start()
+        scrape.join(timeout=10)
+        assert not scrape.is_alive()
+    assert sorted(got[0].values()) == [10.0, 10.0, 10.0]
