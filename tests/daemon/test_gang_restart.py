@@ -1,0 +1,256 @@
+"""A restartable gang (``submit --gpus N --restartable``) restarted as one (issue 35).
+
+Real daemon (in-process: registry, socket, exit watcher, signal pauser) on fake GPUs, a policy
+scripted per GPU standing in for each GPU's controller, and a torchrun-style launcher that spawns
+one worker per GPU through ``gpushare rank-exec`` with ``LOCAL_RANK``. On SIGTERM the launcher
+passes it on and waits a while for its workers, as torchrun does, then exits; rank 1 ignores
+SIGTERM, a straggler its launcher leaves behind. A restart stops every rank (rank 0 saves in the
+grace) before the gang is launched once again with every rank's environment at the new share, and
+at no sampled point does a rank of the old launch run beside one of the new.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.support.daemon_helpers import REPO, DaemonProc
+from gpushare import config
+from gpushare.daemon.core import Daemon
+from gpushare.daemon.registry import Registry
+from gpushare.daemon.server import Caller
+from gpushare.model import Action, ClientState, Observation, RestartClient
+from gpushare.node.procs.identity import is_same_process
+from gpushare.node.signal_pauser import SignalPauser
+from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
+from tests.fakes.fake_mps import FakeMpsNode
+
+ROOT = Caller(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
+G0, G1 = fake_uuid(0), fake_uuid(1)
+
+#: Each worker logs ``start <launcher pid> <rank> <pid>``, writes the variables that reach its
+#: GPU to ``env<launcher pid>_<rank>.json``, and on SIGTERM saves (``saved ...``) and exits;
+#: rank 1 ignores SIGTERM.
+LAUNCHER = r"""
+import os, signal, subprocess, sys, time
+n, out = int(sys.argv[1]), sys.argv[2]
+worker = (
+    "import json, os, signal, sys, time\n"
+    "out, me, rank = sys.argv[1], os.environ['LAUNCHER'], os.environ['GPUSHARE_LOCAL_RANK']\n"
+    "def log(what):\n"
+    "    with open(os.path.join(out, 'log'), 'a') as f: f.write(f'{what} {me} {rank} {os.getpid()}\\n')\n"
+    "def save(*_):\n"
+    "    time.sleep(0.2)\n"
+    "    log('saved')\n"
+    "    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN if rank == '1' else save)\n"
+    "keys = ('GPUSHARE_GPU_UUID', 'CUDA_MPS_PIPE_DIRECTORY', 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE',\n"
+    "        'CUDA_MPS_PINNED_DEVICE_MEM_LIMIT', 'LOCAL_RANK')\n"
+    "path = os.path.join(out, f'env{me}_{rank}.json')\n"
+    "with open(path + '.tmp', 'w') as f: json.dump({k: os.environ.get(k) for k in keys}, f)\n"
+    "os.replace(path + '.tmp', path)\n"
+    "log('start')\n"
+    "while True: time.sleep(0.01)\n"
+)
+env = dict(os.environ, WORLD_SIZE=str(n), LAUNCHER=str(os.getpid()))
+argv = [sys.executable, "-m", "gpushare", "rank-exec", "--", sys.executable, "-c", worker, out]
+kids = [subprocess.Popen(argv, env=dict(env, LOCAL_RANK=str(k), RANK=str(k))) for k in range(n)]
+def stop(*_):
+    for p in kids:
+        p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + 0.6
+    while time.monotonic() < end and any(p.poll() is None for p in kids):
+        time.sleep(0.02)
+    os._exit(0)
+signal.signal(signal.SIGTERM, stop)
+for p in kids:
+    p.wait()
+"""
+
+
+class PerGpuPolicy:
+    """Each GPU's controller returns the actions queued for that GPU at its next step."""
+
+    name = "per-gpu"
+    offline_mps_priority = 1
+    gpu_mode = "mps"
+    preemption = None
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[Action]] = {}
+        self.seen: dict[str, Observation] = {}
+
+    def initial_state(self, gpu_uuid: str, now: float) -> int:
+        return 0
+
+    def step(
+        self, state: int, observation: Observation, now: float
+    ) -> tuple[int, Sequence[Action]]:
+        self.seen[observation.gpu_uuid] = observation
+        return state + 1, self.pending.pop(observation.gpu_uuid, [])
+
+
+@pytest.fixture
+def env() -> Iterator[tuple[Daemon, PerGpuPolicy, Path]]:
+    base = Path(tempfile.mkdtemp(prefix="gsr-", dir="/tmp"))
+    cfg = config.loads(f"""version = 1
+[paths]
+runtime_dir = "{base}/run"
+state_dir = "{base}/state"
+[daemon]
+cancel_grace = "2s"
+[control]
+period = "50ms"
+[probe]
+enabled = false
+""")
+    policy = PerGpuPolicy()
+    d = Daemon(
+        cfg, registry=Registry.open(cfg.paths.resolved("database")), gpu=FakeGpuBackend(gpus=2),
+        mps=FakeMpsNode(pipe_root=base / "mps"), pauser=SignalPauser(), policy=policy,
+        notify=lambda *f: True,
+    )  # fmt: skip
+    d.start()
+    out = base / "out"
+    out.mkdir()
+    out.chmod(0o777)
+    try:
+        yield d, policy, out
+    finally:
+        for rec in d.registry.clients(include_final=True):
+            if rec.pid and rec.start_time and is_same_process(rec.pid, rec.start_time):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(rec.pid, signal.SIGKILL)
+        for _, _, _, pid in _log(out):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        d.shutdown()
+        d.registry.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _log(out: Path) -> list[tuple[str, int, int, int]]:
+    path = out / "log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(w, int(a), int(b), int(c)) for w, a, b, c in (ln.split() for ln in lines)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _tick_until(d: Daemon, ready: Any, what: str, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        d.run(max_ticks=1)
+
+
+def test_a_restartable_gang_is_restarted_whole_and_launched_once_at_the_new_share(
+    env: tuple[Daemon, PerGpuPolicy, Path],
+) -> None:
+    d, policy, out = env
+    params = {
+        "cls": "offline", "argv": [sys.executable, "-c", LAUNCHER, "2", str(out)],
+        "detach": True, "restartable": True, "cwd": str(REPO), "gpus": "0,1", "mem_bytes": 1 << 30,
+        "checkpoint_signal": int(signal.SIGTERM),  # --checkpoint-signal TERM: torchrun passes it on
+        "env": {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)},
+    }  # fmt: skip
+    gang = d.api.submit(ROOT, params)
+    cid, first = gang["client_id"], gang["pid"]
+    _tick_until(d, lambda: len(_log(out)) == 2, "both ranks of the first launch")
+    old = {pid for _, _, _, pid in _log(out)}
+    # Both GPUs' controllers ask for the restart in the same tick: it is one restart.
+    policy.pending = {
+        G0: [RestartClient(cid, 40.0, "share")],
+        G1: [RestartClient(cid, 40.0, "share")],
+    }
+    samples = 0
+
+    def relaunched() -> bool:
+        nonlocal samples
+        started = [(launcher, pid) for w, launcher, _, pid in _log(out) if w == "start"]
+        new = [pid for launcher, pid in started if launcher != first]
+        running_old = [p for p in old if _alive(p)] + ([first] if _alive(first) else [])
+        running_new = [p for p in new if _alive(p)]
+        assert not (running_old and running_new), (running_old, running_new)
+        samples += 1
+        return len(new) == 2
+
+    _tick_until(d, relaunched, "the gang's relaunch")
+    assert samples > 5
+    assert not any(_alive(p) for p in old)
+    # Rank 0 saved in the grace; the straggler its launcher left was killed, not left running.
+    assert [
+        (w, rank) for w, launcher, rank, _ in _log(out) if launcher == first and w == "saved"
+    ] == [("saved", 0)]
+    rec = d.registry.get(cid)
+    assert (rec.state, rec.restarts, rec.sm_pct, rec.gpus()) == (
+        ClientState.RUNNING,
+        1,
+        40.0,
+        (G0, G1),
+    )
+    pipe_root = Path(d.config.paths.resolved("runtime_dir"))
+    for rank, uuid in enumerate((G0, G1)):
+        seen = json.loads((out / f"env{rec.pid}_{rank}.json").read_text())
+        assert seen["GPUSHARE_GPU_UUID"] == uuid and seen["LOCAL_RANK"] == "0"
+        assert seen["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+        assert seen["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{uuid}=1G"
+        assert seen["CUDA_MPS_PIPE_DIRECTORY"].endswith(uuid), (pipe_root, seen)
+
+
+def test_each_gpus_controller_sees_the_gangs_other_gpus_share_and_it_starts_at_the_smallest(
+    env: tuple[Daemon, PerGpuPolicy, Path],
+) -> None:
+    d, policy, _ = env
+    d.state.set_offline_share(G0, 80.0)
+    d.state.set_offline_share(G1, 35.0)
+    params = {"cls": "offline", "argv": ["sleep", "60"], "detach": True, "restartable": True,
+              "cwd": "/", "gpus": "0,1", "env": {"PATH": os.environ["PATH"]}}  # fmt: skip
+    cid = d.api.submit(ROOT, params)["client_id"]
+    # Started at the smallest share of its GPUs, as the queue's admission starts a gang.
+    assert d.registry.get(cid).sm_pct == 35.0
+    d.run(max_ticks=1)
+    shares = {
+        gpu: next(c.gang_share_pct for c in policy.seen[gpu].clients if c.client_id == cid)
+        for gpu in (G0, G1)
+    }
+    assert shares == {G0: 35.0, G1: 80.0}
+    # A share changes with no record changing: the next tick's views have it.
+    d.state.set_offline_share(G1, 60.0)
+    d.run(max_ticks=1)
+    seen = next(c for c in policy.seen[G0].clients if c.client_id == cid)
+    assert seen.gang_share_pct == 60.0
+
+
+def test_the_cli_submits_a_restartable_gang() -> None:
+    d = DaemonProc(gpus=2).start()
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "gpushare", "submit", "--offline", "--gpus", "2",
+             "--restartable", "--name", "rg", "--", "sleep", "60"], cwd=REPO,
+            env={**os.environ, "GPUSHARE_SOCKET": str(d.socket)},
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        (client,) = [c for c in d.call("list")["clients"] if c["name"] == "rg"]
+        assert client["restartable"] and [g["index"] for g in client["gpus"]] == [0, 1], client
+    finally:
+        d.cleanup()
