@@ -31,7 +31,7 @@ from gpushare import config
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
-from gpushare.model import Action, ClientState, Observation, RestartClient
+from gpushare.model import Action, ClientState, Observation, RecoverMps, RestartClient
 from gpushare.node.procs.identity import is_same_process
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
@@ -113,6 +113,7 @@ state_dir = "{base}/state"
 cancel_grace = "2s"
 [control]
 period = "50ms"
+evict_grace = "1s"
 [probe]
 enabled = false
 """)
@@ -150,7 +151,7 @@ def _log(out: Path) -> list[tuple[str, int, int, int]]:
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or going while read
         return False
     return state != "Z"
 
@@ -162,10 +163,8 @@ def _tick_until(d: Daemon, ready: Any, what: str, timeout_s: float = 30.0) -> No
         d.run(max_ticks=1)
 
 
-def test_a_restartable_gang_is_restarted_whole_and_launched_once_at_the_new_share(
-    env: tuple[Daemon, PerGpuPolicy, Path],
-) -> None:
-    d, policy, out = env
+def _submit_gang(d: Daemon, out: Path) -> tuple[str, int, set[int]]:
+    """The gang on GPUs 0 and 1, once both its ranks run: its id, launcher and workers' pids."""
     params = {
         "cls": "offline", "argv": [sys.executable, "-c", LAUNCHER, "2", str(out)],
         "detach": True, "restartable": True, "cwd": str(REPO), "gpus": "0,1", "mem_bytes": 1 << 30,
@@ -173,28 +172,49 @@ def test_a_restartable_gang_is_restarted_whole_and_launched_once_at_the_new_shar
         "env": {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)},
     }  # fmt: skip
     gang = d.api.submit(ROOT, params)
-    cid, first = gang["client_id"], gang["pid"]
     _tick_until(d, lambda: len(_log(out)) == 2, "both ranks of the first launch")
-    old = {pid for _, _, _, pid in _log(out)}
+    return gang["client_id"], gang["pid"], {pid for _, _, _, pid in _log(out)}
+
+
+class Relaunched:
+    """Sampled each tick: never a rank (or the launcher) of the old launch beside one of the new."""
+
+    def __init__(self, out: Path, first: int, old: set[int]) -> None:
+        self.out, self.first, self.old, self.samples = out, first, old, 0
+
+    def __call__(self) -> bool:
+        started = [(launcher, pid) for w, launcher, _, pid in _log(self.out) if w == "start"]
+        new = [pid for launcher, pid in started if launcher != self.first]
+        running_old = [p for p in (*self.old, self.first) if _alive(p)]
+        running_new = [p for p in new if _alive(p)]
+        assert not (running_old and running_new), (running_old, running_new)
+        self.samples += 1
+        return len(new) == 2
+
+
+def _check_ranks(out: Path, pid: int, sm: str) -> None:
+    """Every rank of the launch ``pid`` reached its own GPU at the share ``sm``."""
+    for rank, uuid in enumerate((G0, G1)):
+        seen = json.loads((out / f"env{pid}_{rank}.json").read_text())
+        assert seen["GPUSHARE_GPU_UUID"] == uuid and seen["LOCAL_RANK"] == "0"
+        assert seen["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == sm
+        assert seen["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{uuid}=1G"
+        assert seen["CUDA_MPS_PIPE_DIRECTORY"].endswith(uuid), seen
+
+
+def test_a_restartable_gang_is_restarted_whole_and_launched_once_at_the_new_share(
+    env: tuple[Daemon, PerGpuPolicy, Path],
+) -> None:
+    d, policy, out = env
+    cid, first, old = _submit_gang(d, out)
     # Both GPUs' controllers ask for the restart in the same tick: it is one restart.
     policy.pending = {
         G0: [RestartClient(cid, 40.0, "share")],
         G1: [RestartClient(cid, 40.0, "share")],
     }
-    samples = 0
-
-    def relaunched() -> bool:
-        nonlocal samples
-        started = [(launcher, pid) for w, launcher, _, pid in _log(out) if w == "start"]
-        new = [pid for launcher, pid in started if launcher != first]
-        running_old = [p for p in old if _alive(p)] + ([first] if _alive(first) else [])
-        running_new = [p for p in new if _alive(p)]
-        assert not (running_old and running_new), (running_old, running_new)
-        samples += 1
-        return len(new) == 2
-
+    relaunched = Relaunched(out, first, old)
     _tick_until(d, relaunched, "the gang's relaunch")
-    assert samples > 5
+    assert relaunched.samples > 5
     assert not any(_alive(p) for p in old)
     # Rank 0 saved in the grace; the straggler its launcher left was killed, not left running.
     assert [
@@ -207,13 +227,23 @@ def test_a_restartable_gang_is_restarted_whole_and_launched_once_at_the_new_shar
         40.0,
         (G0, G1),
     )
-    pipe_root = Path(d.config.paths.resolved("runtime_dir"))
-    for rank, uuid in enumerate((G0, G1)):
-        seen = json.loads((out / f"env{rec.pid}_{rank}.json").read_text())
-        assert seen["GPUSHARE_GPU_UUID"] == uuid and seen["LOCAL_RANK"] == "0"
-        assert seen["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
-        assert seen["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{uuid}=1G"
-        assert seen["CUDA_MPS_PIPE_DIRECTORY"].endswith(uuid), (pipe_root, seen)
+    _check_ranks(out, rec.pid, "40")
+
+
+def test_a_restartable_gang_an_mps_recovery_removes_goes_back_to_the_queue_as_a_gang(
+    env: tuple[Daemon, PerGpuPolicy, Path],
+) -> None:
+    d, policy, out = env
+    cid, first, old = _submit_gang(d, out)
+    sm = d.registry.get(cid).sm_pct
+    # A fault on rank 1's GPU alone: the whole gang goes, requeued, and starts again on both.
+    policy.pending = {G1: [RecoverMps(G1, "test fault")]}
+    relaunched = Relaunched(out, first, old)
+    _tick_until(d, relaunched, "the gang's relaunch from the queue")
+    rec = d.registry.get(cid)
+    assert (rec.state, rec.gpus(), rec.failures) == (ClientState.RUNNING, (G0, G1), 0)
+    assert rec.pid is not None
+    _check_ranks(out, rec.pid, f"{sm:g}")
 
 
 def test_each_gpus_controller_sees_the_gangs_other_gpus_share_and_it_starts_at_the_smallest(
