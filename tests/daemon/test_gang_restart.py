@@ -6,7 +6,9 @@ one worker per GPU through ``gpushare rank-exec`` with ``LOCAL_RANK``. On SIGTER
 passes it on and waits a while for its workers, as torchrun does, then exits; rank 1 ignores
 SIGTERM, a straggler its launcher leaves behind. A restart stops every rank (rank 0 saves in the
 grace) before the gang is launched once again with every rank's environment at the new share, and
-at no sampled point does a rank of the old launch run beside one of the new.
+at no sampled point does a rank of the old launch run beside one of the new. The same holds when
+an MPS recovery on one of its GPUs sends the gang back to the queue, and when its launcher dies
+with its ranks still running: the gang is relaunched whole, on all its GPUs.
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ def stop(*_):
         time.sleep(0.02)
     os._exit(0)
 signal.signal(signal.SIGTERM, stop)
+if os.path.exists(os.path.join(out, "crash")):  # dies once, its workers left running
+    while not all(os.path.exists(os.path.join(out, f"env{os.getpid()}_{k}.json")) for k in range(n)):
+        time.sleep(0.02)
+    os.remove(os.path.join(out, "crash"))
+    os._exit(3)
 for p in kids:
     p.wait()
 """
@@ -114,6 +121,7 @@ cancel_grace = "2s"
 [control]
 period = "50ms"
 evict_grace = "1s"
+failure_backoff_min = "200ms"
 [probe]
 enabled = false
 """)
@@ -244,6 +252,21 @@ def test_a_restartable_gang_an_mps_recovery_removes_goes_back_to_the_queue_as_a_
     assert (rec.state, rec.gpus(), rec.failures) == (ClientState.RUNNING, (G0, G1), 0)
     assert rec.pid is not None
     _check_ranks(out, rec.pid, f"{sm:g}")
+
+
+def test_a_restartable_gang_whose_launcher_dies_is_relaunched_whole_from_the_queue(
+    env: tuple[Daemon, PerGpuPolicy, Path],
+) -> None:
+    d, _, out = env
+    (out / "crash").touch()
+    cid, first, old = _submit_gang(d, out)
+    # The launcher exits 3 with both workers running: they are killed before the retry.
+    relaunched = Relaunched(out, first, old)
+    _tick_until(d, relaunched, "the gang's retry")
+    rec = d.registry.get(cid)
+    assert (rec.state, rec.gpus(), rec.failures) == (ClientState.RUNNING, (G0, G1), 1)
+    assert rec.pid is not None
+    _check_ranks(out, rec.pid, f"{rec.sm_pct:g}")
 
 
 def test_each_gpus_controller_sees_the_gangs_other_gpus_share_and_it_starts_at_the_smallest(
