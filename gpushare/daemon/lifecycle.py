@@ -401,7 +401,7 @@ class Lifecycle:
             self.startup.forget(client_id)
             then, rec = self._on_exit.pop(client_id, None), self.s.registry.get(client_id)
             try:
-                if rec.restartable:  # a rank its launcher left must not run beside a relaunch
+                if rec.gang and rec.restartable:  # a rank left must not run beside a relaunch
                     self.s.pauser.kill(client_id)
                 self.s.pauser.release(client_id)
             except PAUSE_ERRORS as exc:
