@@ -270,6 +270,10 @@ class ClientView:
     #: The GPUs the client's gang spans (issue 35: a DDP job's ranks, a TP server's shards);
     #: 1 for a one-GPU client.
     gang_gpus: int = 1
+    #: An offline gang's smallest offline share (percent) among its *other* GPUs; None for a
+    #: one-GPU client. The gang runs at the smallest share of its GPUs (as admission starts it),
+    #: so one GPU's controller restarts it only for what that smallest share allows.
+    gang_share_pct: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

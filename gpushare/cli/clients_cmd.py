@@ -117,7 +117,8 @@ _GpusOpt = Annotated[
         "--gpus",
         help="A gang over several GPUs (torchrun; with --online a tensor-parallel server): a "
         "count (8) or GPUs (0,1,2,3); each worker runs `gpushare rank-exec -- CMD` to reach its "
-        "own GPU (LOCAL_RANK). An --offline gang that does not fit waits in the queue.",
+        "own GPU (LOCAL_RANK). An --offline gang that does not fit waits in the queue; "
+        "--restartable restarts all its ranks at once.",
     ),
 ]
 _SmOpt = Annotated[

@@ -133,11 +133,11 @@ def failure_backoff_s(failures: int, config: ControlConfig) -> float:
 def client_share_pct(share_pct: float, client: ClientView) -> float:
     """The SM percentage one offline client should run under, given the GPU's offline share.
 
-    A declared ceiling caps it.
+    A declared ceiling caps it, and so does a gang's other GPUs' smallest share (issue 35: one
+    SM share for every rank).
     """
-    if client.ceiling_sm_pct is not None:
-        return min(share_pct, client.ceiling_sm_pct)
-    return share_pct
+    caps = (client.ceiling_sm_pct, client.gang_share_pct)
+    return min((share_pct, *(c for c in caps if c is not None)))
 
 
 def above_share(share_pct: float, client: ClientView) -> bool:

@@ -449,10 +449,6 @@ class Api:
             if req.queue not in protocol.QUEUE_MODES:
                 modes = ", ".join(protocol.QUEUE_MODES)
                 raise _fail(E.INVALID_PARAMS, f"--queue must be one of {modes}, got {req.queue!r}")
-        if req.gpus is not None and req.restartable:
-            # A restartable job is requeued after a failure or an eviction, and the queue places
-            # one GPU per job (docs/design.md §7).
-            raise _fail(E.INVALID_PARAMS, "--gpus and --restartable do not go together yet")
         if req.restartable and cls is not ClientClass.OFFLINE:
             raise _fail(E.INVALID_PARAMS, "--restartable applies to --offline clients only")
         if not 1 <= req.checkpoint_signal < signal.NSIG:
@@ -522,8 +518,9 @@ class Api:
             busy = gangplace.services(self.s.registry.clients(), fitting,
                                       lambda u: self.s.gate.view(u, now))  # fmt: skip
         gpus = gangplace.choose(n, fitting, loads, problems, named is not None, busy)
-        sm = req.sm_pct if req.sm_pct is not None else self.s.default_sm(cls, gpus[0].uuid)
-        return gpus, sm
+        # The smallest share of its GPUs, as the queue's admission gives a gang (admission.py).
+        sm = min(self.s.default_sm(cls, g.uuid) for g in gpus)
+        return gpus, sm if req.sm_pct is None else req.sm_pct
 
     def _loads(self, gpus: Sequence[GpuSample]) -> dict[str, placement.GpuLoad]:
         """Each GPU's free memory, the memory promised to its clients, and its live clients."""

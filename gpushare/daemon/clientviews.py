@@ -10,13 +10,14 @@ for the STATUS= line. It is the one owner of these identity-keyed caches.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from gpushare.daemon import startcost
 from gpushare.daemon.lifecycle import Lifecycle
 from gpushare.daemon.registry import ClientRecord
 from gpushare.daemon.reporter import Counts, count
 from gpushare.daemon.tick import Tick
-from gpushare.model import ClientState, ClientView, Limits
+from gpushare.model import ClientClass, ClientState, ClientView, Limits
 
 
 class ClientViews:
@@ -79,7 +80,25 @@ class ClientViews:
             views = self._view_map
             mine = tuple(views[r.id] for r in self._by_gpu.get(gpu_uuid, ()))
             self._gpu_views[gpu_uuid] = mine
+        if any(v.gang_gpus > 1 for v in mine):
+            mine = self._gang_shares(gpu_uuid, mine)
         return mine
+
+    def _gang_shares(self, gpu_uuid: str, views: tuple[ClientView, ...]) -> tuple[ClientView, ...]:
+        """An offline gang's view on one GPU with its other GPUs' smallest share (issue 35).
+
+        Read each tick, not kept: a share changes with no record changing.
+        """
+        s = self.life.s
+        gangs = {r.id: r.gang for r in self._by_gpu.get(gpu_uuid, ()) if len(r.gang) > 1}
+        out = []
+        for v in views:
+            others = [u for u in gangs.get(v.client_id, ()) if u != gpu_uuid]
+            if others and v.cls is ClientClass.OFFLINE:
+                low = min(s.default_sm(ClientClass.OFFLINE, u) for u in others)
+                v = replace(v, gang_share_pct=low)
+            out.append(v)
+        return tuple(out)
 
     def _views_of(self, records: Sequence[ClientRecord], tick: Tick) -> dict[str, ClientView]:
         """Every client's view, made anew only for the records that changed since the last tick."""

@@ -399,12 +399,13 @@ class Lifecycle:
             self._shallow.pop(client_id, None)  # a relaunch decides its queue anew
             self.live.forget(client_id)
             self.startup.forget(client_id)
+            then, rec = self._on_exit.pop(client_id, None), self.s.registry.get(client_id)
             try:
+                if rec.gang and rec.restartable:  # a rank left must not run beside a relaunch
+                    self.s.pauser.kill(client_id)
                 self.s.pauser.release(client_id)
             except PAUSE_ERRORS as exc:
                 log.warning("pauser_release_failed", client_id=client_id, error=str(exc))
-            then = self._on_exit.pop(client_id, None)
-            rec = self.s.registry.get(client_id)
             log.info("client_process_exited", client_id=client_id, pid=pid, exit_code=code)
             transition = self.s.transition
             if then is not None and then.kind == "restart" and rec.gpu_uuid is not None:

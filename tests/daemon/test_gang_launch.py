@@ -280,7 +280,6 @@ def test_bad_gang_submits_get_one_line_and_change_nothing_and_a_foreground_gang_
         (["--offline", "--gpus", "0,42"], "no GPU '42'"),
         (["--offline", "--gpus", "2", "--gpu", "1"], "not with --gpu"),
         (["--online", "--gpus", "2", "--gpu", "0"], "not with --gpu"),
-        (["--offline", "--gpus", "2", "--restartable"], "--restartable do not go together"),
     ):
         run = cli(daemon, "submit", *args, *cmd)
         assert run.returncode == 2 and run.stderr.count("\n") == 1, (args, run.stderr)
