@@ -21,9 +21,9 @@ from gpushare import native
 from tests.support import sim_daemon_helpers as helpers
 from tests.support.sim_daemon_helpers import SimDaemon
 
+# sim_daemon names a root-owned copy of the library ([paths] inflight_library).
 pytestmark = pytest.mark.skipif(
-    native.unusable_reason() is not None,
-    reason=f"the daemon would not preload the in-flight library: {native.unusable_reason()}",
+    not native.built(), reason="the in-flight library is not built (make native needs a C compiler)"
 )
 
 

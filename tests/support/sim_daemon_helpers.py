@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.daemon_helpers import library_for_others
 from bench.support.trusted import make_trusted_dir
 from gpushare.paths import repo_root
 
@@ -35,12 +36,17 @@ def sim_config(base: Path, mps_control: Path, *, daemon: str = "", rest: str = "
     """
     cgroup_dir = unique_base("gs-sim-test") if cgroup_skip_reason() is None else None
     cgroup_line = f'cgroup_base = "{cgroup_dir}"' if cgroup_dir is not None else ""
+    # A root-owned copy of the built in-flight library: the clone may be private (0700), whose
+    # own copy other users' jobs could not preload, so auto queues would take the blocking path.
+    lib = library_for_others()
+    library_line = f'inflight_library = "{lib}"' if lib is not None else ""
     (base / "gpushare.toml").write_text(
         f"""version = 1
 [paths]
 runtime_dir = "{base}/run"
 state_dir = "{base}/state"
 {cgroup_line}
+{library_line}
 [daemon]
 admin_group = ""
 cancel_grace = "{CANCEL_GRACE_S:g}s"
