@@ -164,7 +164,7 @@ def verdict(
         return RestartVerdict(
             True,
             need,
-            f"expected to hold {_fmt(held)}, past the {_fmt(need)} a restart costing "
+            f"expected to hold {_fmt(age)}, past the {_fmt(need)} a restart costing "
             f"{costing} needs to pay",
         )
     launched = "restarted" if client.restarts > 0 else "launched"
