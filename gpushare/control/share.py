@@ -64,7 +64,12 @@ def offline_share(
     since = state.quiet_sampled_since_s
     if not state.share_emitted:
         share = min(top, max(low, state.share_pct))
-        actions.append(SetOfflineShare(obs.gpu_uuid, share, f"initial offline share {share:g}%"))
+        why = f"initial offline share {share:g}%"
+        if signals.online == 0:
+            # The next tick raises it to the ceiling (no online client, no interval to wait):
+            # a job admitted meanwhile would be admitted at a share it is then restarted out of.
+            share, why = top, f"initial offline share {top:g}%: no online client"
+        actions.append(SetOfflineShare(obs.gpu_uuid, share, why))
         return replace(state, share_pct=share, share_emitted=True)
     if state.share_pct > top:
         # The GPU's ceiling came down: it is never exceeded, whatever the interval.

@@ -45,9 +45,9 @@ def test_an_auto_client_turns_shallow_when_gating_turns_on_in_the_same_process(
         cid = off["client_id"]
         assert d.client(cid)["offline"]["queue"]["asked"] == "auto"
 
-        # Admitted under the default share (50 %) of a GPU with no online work, whose share
-        # goes to 100 %: a job never restarted is raised at once (restart_cost.RAISE_HOLD_S).
-        # That restart is the share's, not gating's: the job is taken once it runs at 100 %.
+        # A GPU with no online work starts at its ceiling (100 %), so the job is admitted
+        # there (a job just admitted under the default 50 % would wait out the restart's
+        # break-even before its raise, restart_cost.verdict); it is taken once it runs at 100 %.
         def settled() -> dict[str, Any] | None:
             c = d.client(cid)
             ok = c["state"] in ("running", "throttled") and c["sm_pct"] == 100.0
