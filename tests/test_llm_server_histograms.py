@@ -158,6 +158,11 @@ def test_tgi_gives_tpot_from_its_histogram_and_leaves_ttft_to_datagrams() -> Non
         both = app.p99s()["llm"]
         assert both.ttft is not None and both.ttft.p99_ms == pytest.approx(250.0)
         assert both.tpot is not None and both.tpot.p99_ms == pytest.approx(got.tpot.p99_ms)
+        # One TPOT per request: its window is the TTFT's (120 s), not tpot_window (10 s).
+        now[0] += 60.0
+        app.scrape_all()
+        later = app.p99s()["llm"].tpot
+        assert later is not None and later.p99_ms == pytest.approx(got.tpot.p99_ms)
     finally:
         server.close()
 

@@ -72,6 +72,9 @@ class LlmServer:
     label: str
     ttft: tuple[str, ...]
     tpot: tuple[str, ...]
+    tpot_per_request: bool = False
+    """One TPOT value per request (TGI), not per token interval: its window is the TTFT's, since
+    ``tpot_window`` (10 s) would hold ``min_samples`` of them only above 2 requests a second."""
 
 
 #: vLLM's TTFT histogram (``vllm/v1/metrics/loggers.py`` at vllm-project/vllm commit
@@ -96,7 +99,7 @@ TGI_TPOT = "tgi_request_mean_time_per_token_duration"
 LLM_SERVERS: Mapping[str, LlmServer] = {
     "vllm": LlmServer("vLLM", (VLLM_TTFT,), VLLM_TPOT),
     "sglang": LlmServer("SGLang", (SGLANG_TTFT,), SGLANG_TPOT),
-    "tgi": LlmServer("TGI", (), (TGI_TPOT,)),
+    "tgi": LlmServer("TGI", (), (TGI_TPOT,), tpot_per_request=True),
 }
 
 
@@ -453,7 +456,8 @@ class PrometheusScraper:
         self.window = HistogramWindow(window_s, min_samples)
         #: An LLM server's TTFT and TPOT, over ``[latency] ttft_window`` and ``tpot_window``.
         self.ttft = HistogramWindow(token_windows_s[0], min_samples)
-        self.tpot = HistogramWindow(token_windows_s[1], min_samples)
+        per_request = source.server and LLM_SERVERS[source.server].tpot_per_request
+        self.tpot = HistogramWindow(token_windows_s[0 if per_request else 1], min_samples)
         self.timeout_s = timeout_s
         self._fetch = fetch
         self.last_error: str | None = None
