@@ -131,7 +131,8 @@ _LatencyFromOpt = Annotated[
     typer.Option(
         "--latency-from",
         help="Online: scrape latency from prometheus:http://127.0.0.1:PORT/metrics#HISTOGRAM"
-        " (or TTFT and TPOT from vllm:http://127.0.0.1:PORT/metrics, a vLLM server's own).",
+        " (or an LLM server's own TTFT and TPOT histograms from vllm:, sglang: or"
+        " tgi:http://127.0.0.1:PORT/metrics; TGI has no TTFT histogram).",
     ),
 ]
 _InflightFromOpt = Annotated[

@@ -116,6 +116,9 @@ def parse_inflight_from(spec: str) -> PrometheusSource:
         ValueError: the spec is malformed; the message shows a valid example.
     """
     example = "prometheus:http://127.0.0.1:8000/metrics#requests_in_flight"
+    if not spec.startswith("prometheus:"):
+        # vllm:/sglang:/tgi: name an LLM server's histograms, not a gauge (parse_latency_from).
+        raise ValueError(f"--inflight-from must start with 'prometheus:', e.g. {example}")
     if not spec.partition("#")[2]:
         raise ValueError(f"--inflight-from needs the gauge's name after '#', e.g. {example}")
     try:

@@ -7,7 +7,8 @@ bucket increases, as PromQL's ``histogram_quantile(0.99, increase(METRIC_bucket[
 per-bucket counter resets are detected, buckets missing from some scrapes are dropped, and the
 quantile is interpolated linearly inside its bucket (:func:`gpushare.stats.bucket_quantile`).
 :mod:`gpushare.latency.inflight` reuses the spec's parser and the fetch for its gauge of requests
-in flight.
+in flight. ``vllm:URL``, ``sglang:URL`` and ``tgi:URL`` read an LLM server's own TTFT and TPOT
+histograms by the names in :data:`LLM_SERVERS`, through the same parser and windows.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from gpushare.stats import bucket_quantile
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 METRIC_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 MAX_SCRAPE_BYTES = 8 << 20
+#: The largest bucket count taken: float's exact integers (a real server never gets near it).
+MAX_COUNT = float(2**53)
 _MAX_HEAD_BYTES = 64 << 10
 #: A localhost endpoint accepts at once or not at all.
 CONNECT_TIMEOUT_S = 0.25
@@ -52,8 +55,26 @@ class PrometheusSource:
     port: int
     path: str
     metric: str
-    vllm: bool = False
-    """``vllm:URL``: read vLLM's TTFT and TPOT histograms (:data:`VLLM_TTFT`, :data:`VLLM_TPOT`)."""
+    server: str = ""
+    """``vllm:``, ``sglang:`` or ``tgi:`` URL: the key of :data:`LLM_SERVERS` whose own TTFT and
+    TPOT histograms are read (empty for ``prometheus:URL#METRIC``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LlmServer:
+    """An LLM server's own TTFT and TPOT histograms, by the names one cited version exports.
+
+    Each tuple lists the names to try, newest first; the first present in a scrape is read. An
+    empty ``ttft`` means the server exports no TTFT histogram (TGI): the TTFT then comes from
+    datagrams (``report_ttft``) or is not known.
+    """
+
+    label: str
+    ttft: tuple[str, ...]
+    tpot: tuple[str, ...]
+    tpot_per_request: bool = False
+    """One TPOT value per request (TGI), not per token interval: its window is the TTFT's, since
+    ``tpot_window`` (10 s) would hold ``min_samples`` of them only above 2 requests a second."""
 
 
 #: vLLM's TTFT histogram (``vllm/v1/metrics/loggers.py`` at vllm-project/vllm commit
@@ -62,6 +83,24 @@ VLLM_TTFT = "vllm:time_to_first_token_seconds"
 #: vLLM's inter-token latency histogram: its newer name first, then the one it replaced (both are
 #: observed once per output-token interval); the first present in a scrape is read.
 VLLM_TPOT = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+#: SGLang's (``python/sglang/srt/metrics/collector.py`` at sgl-project/sglang commit
+#: 93d04878cfb9b08645fae7b11bd340ee33b34acf, ``TokenizerMetricsCollector``); the inter-token
+#: histogram had the name ``sglang:time_per_output_token_seconds`` before (its
+#: ``docs/references/production_metrics.md``).
+SGLANG_TTFT = "sglang:time_to_first_token_seconds"
+SGLANG_TPOT = ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds")
+#: TGI's (``router/src/server.rs`` at huggingface/text-generation-inference commit
+#: db931fcf42da018a3657580c64bf2720f167f9ab, version 3.3.6-dev0): no TTFT histogram at all, and
+#: one TPOT value per successful request, ``inference_time / generated_tokens`` (the prefill
+#: included), not per token interval.
+TGI_TPOT = "tgi_request_mean_time_per_token_duration"
+
+#: ``--latency-from PREFIX:URL``: the servers whose own histograms are read (docs/controller.md).
+LLM_SERVERS: Mapping[str, LlmServer] = {
+    "vllm": LlmServer("vLLM", (VLLM_TTFT,), VLLM_TPOT),
+    "sglang": LlmServer("SGLang", (SGLANG_TTFT,), SGLANG_TPOT),
+    "tgi": LlmServer("TGI", (), (TGI_TPOT,), tpot_per_request=True),
+}
 
 
 def parse_latency_from(spec: str) -> PrometheusSource:
@@ -72,16 +111,18 @@ def parse_latency_from(spec: str) -> PrometheusSource:
     """
     example = "prometheus:http://127.0.0.1:8000/metrics#request_latency_seconds"
     prefix = "prometheus:"
-    if spec.startswith("vllm:"):
-        # An LLM server's own TTFT and TPOT histograms, by vLLM's names (docs/controller.md).
-        url = spec.removeprefix("vllm:")
-        if "#" in url:
-            raise ValueError("vllm:URL reads vLLM's own histograms: give no '#METRIC'")
-        base = parse_latency_from(f"prometheus:{url}#{VLLM_TTFT}")
-        return dataclasses.replace(base, metric="", vllm=True)
+    server, colon, rest = spec.partition(":")
+    if colon and server in LLM_SERVERS:
+        # An LLM server's own TTFT and TPOT histograms, by its names (docs/controller.md).
+        if "#" in rest:
+            raise ValueError(f"{server}:URL reads the server's own histograms: give no '#METRIC'")
+        base = parse_latency_from(f"prometheus:{rest}#{server}")
+        return dataclasses.replace(base, metric="", server=server)
     if not spec.startswith(prefix):
+        servers = ", ".join(f"{k}:" for k in LLM_SERVERS)
         raise ValueError(
-            f"--latency-from must start with {prefix!r} (or vllm: for a vLLM server), e.g. {example}"
+            f"--latency-from must start with {prefix!r} (or {servers} for an LLM server's own"
+            f" histograms), e.g. {example}"
         )
     url, sep, metric = spec[len(prefix) :].partition("#")
     if not sep or not metric:
@@ -125,7 +166,27 @@ def parse_histogram(text: str, metric: str) -> tuple[dict[float, float], float |
                 buckets[le] = buckets.get(le, 0.0) + float(s.value)
             elif s.name == metric + "_count":
                 total = (total or 0.0) + float(s.value)
+    counts = [*buckets.values(), *([] if total is None else [total])]
+    if any(math.isnan(le) for le in buckets) or not all(0 <= c <= MAX_COUNT for c in counts):
+        # The endpoint is the submitting user's: such counts would make up a p99 (a NaN or
+        # negative count, or one past float's exact integers, read as an increase).
+        raise ValueError(f"histogram {metric!r} has a NaN bound or a count outside [0, 2**53]")
     return buckets, total
+
+
+def first_histogram(
+    text: str, names: tuple[str, ...]
+) -> tuple[dict[float, float], float | None] | None:
+    """The first of ``names`` present in the text, as :func:`parse_histogram` gives it.
+
+    Raises:
+        ValueError: the text is not the Prometheus text format.
+    """
+    for name in names:
+        buckets, total = parse_histogram(text, name)
+        if buckets or total is not None:
+            return buckets, total
+    return None
 
 
 class HistogramWindow:
@@ -393,9 +454,10 @@ class PrometheusScraper:
     ) -> None:
         self.source = source
         self.window = HistogramWindow(window_s, min_samples)
-        #: ``vllm:URL``: the TTFT and TPOT histograms, over ``[latency] ttft_window``/``tpot_window``.
+        #: An LLM server's TTFT and TPOT, over ``[latency] ttft_window`` and ``tpot_window``.
         self.ttft = HistogramWindow(token_windows_s[0], min_samples)
-        self.tpot = HistogramWindow(token_windows_s[1], min_samples)
+        per_request = source.server and LLM_SERVERS[source.server].tpot_per_request
+        self.tpot = HistogramWindow(token_windows_s[0 if per_request else 1], min_samples)
         self.timeout_s = timeout_s
         self._fetch = fetch
         self.last_error: str | None = None
@@ -411,8 +473,8 @@ class PrometheusScraper:
         except OSError as exc:
             public = exc.public if isinstance(exc, FetchError) else f"GET {self.source.url} failed"
             return self._failed(f"scrape failed: {public}", f"scrape failed: {exc}")
-        if self.source.vllm:
-            return self._record_vllm(text, now)
+        if self.source.server:
+            return self._record_llm(text, now)
         try:
             buckets, total = parse_histogram(text, self.source.metric)
         except ValueError as exc:
@@ -427,22 +489,22 @@ class PrometheusScraper:
         self.last_error = self.last_error_detail = None
         return True
 
-    def _record_vllm(self, text: str, now: float) -> bool:
+    def _record_llm(self, text: str, now: float) -> bool:
+        server = LLM_SERVERS[self.source.server]
         try:
-            ttft = parse_histogram(text, VLLM_TTFT)
-            tpots = [parse_histogram(text, name) for name in VLLM_TPOT]
+            ttft, tpot = (first_histogram(text, names) for names in (server.ttft, server.tpot))
         except ValueError as exc:
             return self._failed(
                 f"scrape failed: {self.source.url} did not answer in the Prometheus text format",
                 f"scrape failed: {exc}",
             )
-        tpot = next((h for h in tpots if h[0] or h[1] is not None), ({}, None))
-        if not any(buckets or total is not None for buckets, total in (ttft, tpot)):
-            why = f"no vLLM histograms ({VLLM_TTFT}, {VLLM_TPOT[0]}) at {self.source.url}"
+        if ttft is None and tpot is None:
+            names = ", ".join((*server.ttft[:1], server.tpot[0]))
+            why = f"no {server.label} histograms ({names}) at {self.source.url}"
             return self._failed(why, why)
-        for window, (buckets, total) in ((self.ttft, ttft), (self.tpot, tpot)):
-            if buckets or total is not None:
-                window.add(now, buckets, total)
+        for window, hist in ((self.ttft, ttft), (self.tpot, tpot)):
+            if hist is not None:
+                window.add(now, *hist)
         self.last_error = self.last_error_detail = None
         return True
 
@@ -452,9 +514,14 @@ class PrometheusScraper:
 
     def p99(self, now: float) -> LatencyP99:
         """The p99 over the window; a failing endpoint says why."""
-        if self.source.vllm:
-            ttft, tpot = self.ttft.p99(now), self.tpot.p99(now)
-            why = self.last_error or "vLLM's histograms give TTFT and TPOT, not request latency"
+        if self.source.server:
+            server = LLM_SERVERS[self.source.server]
+            # A server without a TTFT histogram (TGI) leaves the TTFT to datagrams, if any.
+            ttft = self.ttft.p99(now) if server.ttft else None
+            tpot = self.tpot.p99(now)
+            why = self.last_error or (
+                f"{server.label}'s histograms give TTFT and TPOT, not request latency"
+            )
             detail = self.last_error_detail
             return LatencyP99(None, 0, why, error_detail_owner_only=detail, ttft=ttft, tpot=tpot)
         result = self.window.p99(now)

@@ -346,6 +346,7 @@ def test_inflight_from_spec_and_gauge_parsing() -> None:
         ("prometheus:http://127.0.0.1:8000/metrics", "gauge's name"),
         ("prometheus:http://10.1.1.1:8000/metrics#g", "on this host"),
         ("http://127.0.0.1/metrics#g", "must start with"),
+        ("sglang:http://127.0.0.1/metrics#g", "must start with 'prometheus:'"),
         ("prometheus:http://127.0.0.1/metrics#9g", "not a Prometheus metric name"),
     ):
         with pytest.raises(ValueError, match=why):

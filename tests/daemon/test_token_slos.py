@@ -241,3 +241,22 @@ def test_a_vllm_servers_own_histograms_reach_status(daemon: DaemonProc) -> None:
         daemon.call("cancel", {"client_id": cid})
     finally:
         server.close()
+
+
+def test_submit_latency_from_sglang_or_tgi_checks_the_spec_in_one_line(daemon: DaemonProc) -> None:
+    before = daemon.call("list", {"all": True})["clients"]
+    for spec, says in (
+        ("sglang:http://10.0.0.1:30000/metrics", "must be on this host"),
+        ("tgi:http://127.0.0.1:3000/metrics#tgi_request_duration", "give no '#METRIC'"),
+        ("sglang:ftp://127.0.0.1/metrics", "only plain http"),
+        ("tgi:http://127.0.0.1:x/metrics", "bad port"),
+        ("triton:http://127.0.0.1/metrics", "sglang:, tgi:"),
+    ):
+        r = run_cli(
+            daemon, "submit", "--online", "--gpu", "0", "--slo-tpot-p99", "50ms",
+            "--latency-from", spec, "--detach", "--", "sleep", "60",
+        )  # fmt: skip
+        assert r.returncode != 0, spec
+        assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "Traceback" not in r.stderr + r.stdout
+    assert daemon.call("list", {"all": True})["clients"] == before
