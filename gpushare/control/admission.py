@@ -200,28 +200,30 @@ def plan(
             waiting[job.client_id] = "cannot start: " + "; ".join(refusals)
             continue
         _, gpu, sm_pct, slowdown = best
-        duration = (
-            f"expected {job.expected_duration_s:g}s"
-            if job.expected_duration_s is not None
-            else "no expected duration"
-        )
-        admits.append(
-            Admit(
-                job.client_id,
-                gpu.obs.gpu_uuid,
-                sm_pct,
-                f"SJF-BSBF: shortest fitting job ({duration}); GPU {gpu.obs.gpu_index} has the "
-                f"least predicted slowdown {slowdown:.2f}x with {gpu.offline_count} offline "
-                f"co-runner(s), {_mem(job.mem_bytes)} fits beside the online reserve, "
-                f"SM share {sm_pct:g}%",
-            )
-        )
+        admits.append(_admit_one(job, gpu, sm_pct, slowdown))
         _place(job, gpu, sm_pct)
     started = {a.client_id for a in admits}
     reserved = (
         {} if held is None or held.holder in started else dict.fromkeys(held.gpus, held.holder)
     )
     return AdmissionPlan(tuple(admits), waiting, reserved)
+
+
+def _admit_one(job: QueuedJob, gpu: _Gpu, sm_pct: float, slowdown: float) -> Admit:
+    duration = (
+        f"expected {job.expected_duration_s:g}s"
+        if job.expected_duration_s is not None
+        else "no expected duration"
+    )
+    return Admit(
+        job.client_id,
+        gpu.obs.gpu_uuid,
+        sm_pct,
+        f"SJF-BSBF: shortest fitting job ({duration}); GPU {gpu.obs.gpu_index} has the "
+        f"least predicted slowdown {slowdown:.2f}x with {gpu.offline_count} offline "
+        f"co-runner(s), {_mem(job.mem_bytes)} fits beside the online reserve, "
+        f"SM share {sm_pct:g}%",
+    )
 
 
 def _admit_gang(job: QueuedJob, gpus: Sequence[_Gpu]) -> Admit | str:
