@@ -322,10 +322,9 @@ class _Held:
                 f"reserving GPUs {self.indices} since {_ago(now - self.since_s)} (EASY backfill, "
                 f"until {_ago(self.until_s - now)} from now); {why}"
             )
-        named = [g for g in self.gpus if g in job.gang_gpus]
-        if not named:
+        if job.gang_gpus and not set(job.gang_gpus) & set(self.gpus):
             return why
-        return f"{why}; GPU(s) it named are reserved for the gang {self.holder}"
+        return f"{why}; GPUs {self.indices} are reserved for the gang {self.holder}"
 
 
 def _reservation(

@@ -86,6 +86,11 @@ def test_other_gpus_keep_admitting_and_the_reserved_ones_say_why() -> None:
     pinned = job("k", mem=2 * GIB, gpu="0")
     p = plan([*queue, pinned], node(running, gpus=3), {}, 400.0, reserve=RESERVE)
     assert "GPU 0: reserved for the gang g since 100s" in p.waiting["k"], p.waiting
+    # Another gang is kept off them too, and told so.
+    other = gang("h", 2, mem=2 * GIB, duration=None)
+    p = plan([*queue, other], node(running, gpus=3), {}, 400.0, reserve=RESERVE)
+    assert "h" not in {a.client_id for a in p.admits}
+    assert p.waiting["h"].endswith("GPUs 0,1 are reserved for the gang g"), p.waiting["h"]
 
 
 def test_no_reservation_for_an_owner_with_work_running_nor_past_the_hold_limit() -> None:
