@@ -120,6 +120,9 @@ class DaemonConfig:
     # Offline jobs one uid may have queued at once (root and the admin group: no limit): a queued
     # job is a record the daemon keeps, so without a limit one user grows it without bound.
     max_queued_per_uid: int = _num(100, minimum=1, maximum=1_000_000)
+    # A queued gang waiting this long reserves its GPUs, for at most gang_reserve_max (D15).
+    gang_reserve_after_s: float = _duration(300.0, above=True)
+    gang_reserve_max_s: float = _duration(3600.0, above=True)
     stop_mps_on_exit: bool = False
     # What offline work does while the daemon is down (docs/security.md, "on_stop"): "thaw" lets
     # it run unthrottled (nothing protects online work then), "freeze" keeps it frozen (no

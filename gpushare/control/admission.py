@@ -26,12 +26,19 @@ Adaptation to one node (``docs/controller.md`` has the argument):
   activity), and at worst an equal split of its cap with the ``n`` offline clients already there:
   ``ξ = 100 / min(s, max(idle, s/(n+1)))``. Ties go to the GPU with no offline client (SJF-BSBF's
   "idle GPUs always preferred"), then the most memory left, then the lowest index.
+* **Reservation** (EASY backfill, docs/design.md D15): skipping a job that cannot start lets a
+  stream of one-GPU jobs keep a wide gang waiting forever. The first gang in queue order that has
+  waited ``GangReserve.after_s`` reserves the GPUs it would take once their offline jobs end
+  (the same D14/D12 choice), and no other queued job is placed on them. Bounded so that a
+  reservation cannot be a weapon: only for a gang whose owner has nothing live on the node, one
+  reservation at a time, and for at most ``GangReserve.max_hold_s``.
 
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,10 +61,27 @@ class AdmissionPlan:
     Attributes:
         admits: jobs to start now, in the order they were chosen.
         waiting: for every queued job not admitted, why it waits (for ``gpushare status``).
+        reserved: the GPUs a waiting gang reserved (D15), by UUID, with that gang's id: a new
+            offline submit is not placed there either.
     """
 
     admits: tuple[Admit, ...]
     waiting: Mapping[str, str] = field(default_factory=dict)
+    reserved: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GangReserve:
+    """When a waiting gang reserves GPUs (docs/design.md D15).
+
+    Attributes:
+        after_s: a gang that has waited this long (seconds) reserves the GPUs it would take.
+        max_hold_s: the reservation lapses this long (seconds) after it began; the gang then
+            waits by the plain rule again, so that one gang cannot hold GPUs idle without bound.
+    """
+
+    after_s: float
+    max_hold_s: float
 
 
 @dataclass(slots=True)
@@ -124,8 +148,12 @@ def plan(
     max_clients: int | Mapping[str, int] = DEFAULT_MAX_CLIENTS,
     multiuser: bool | Mapping[str, bool] = False,
     probe_slots: int = DEFAULT_PROBE_SLOTS,
+    reserve: GangReserve | None = None,
 ) -> AdmissionPlan:
-    """Like :func:`admit`, with the reason each job not admitted waits."""
+    """Like :func:`admit`, with the reason each job not admitted waits.
+
+    ``reserve``: when a waiting gang reserves GPUs (``None``: never, the plain rule).
+    """
     gpus = [
         _gpu_view(obs, shares, max_clients, multiuser, probe_slots, now)
         for _, obs in sorted(observations.items(), key=lambda kv: (kv[1].gpu_index, kv[0]))
@@ -133,22 +161,25 @@ def plan(
     ordered = queue_order(queue)
     admits: list[Admit] = []
     waiting: dict[str, str] = {}
+    held = _reservation(ordered, gpus, observations, now, reserve)
     for job in ordered:
         if job.not_before_s > now:
             waiting[job.client_id] = (
                 f"backing off after failures: may start in {job.not_before_s - now:.0f}s"
             )
             continue
+        # Other jobs are not placed on a waiting gang's reserved GPUs (D15).
+        open_gpus = gpus if held is None or held.holder == job.client_id else held.others(gpus)
         if job.ranks > 1:  # a gang: all its GPUs at once, or it waits (docs/design.md §7)
-            gang = _admit_gang(job, gpus)
+            gang = _admit_gang(job, open_gpus)
             if isinstance(gang, str):
-                waiting[job.client_id] = gang
+                waiting[job.client_id] = gang if held is None else held.explain(job, gang, now)
             else:
                 admits.append(gang)
             continue
         best: tuple[tuple[float, int, int, int], _Gpu, float, float] | None = None
-        refusals: list[str] = []
-        for gpu in gpus:
+        refusals: list[str] = [] if held is None else held.refusals(job, gpus, now)
+        for gpu in open_gpus:
             if job.gpu is not None and job.gpu not in (gpu.obs.gpu_uuid, str(gpu.obs.gpu_index)):
                 continue
             why_not = _refusal(job, gpu)
@@ -169,24 +200,30 @@ def plan(
             waiting[job.client_id] = "cannot start: " + "; ".join(refusals)
             continue
         _, gpu, sm_pct, slowdown = best
-        duration = (
-            f"expected {job.expected_duration_s:g}s"
-            if job.expected_duration_s is not None
-            else "no expected duration"
-        )
-        admits.append(
-            Admit(
-                job.client_id,
-                gpu.obs.gpu_uuid,
-                sm_pct,
-                f"SJF-BSBF: shortest fitting job ({duration}); GPU {gpu.obs.gpu_index} has the "
-                f"least predicted slowdown {slowdown:.2f}x with {gpu.offline_count} offline "
-                f"co-runner(s), {_mem(job.mem_bytes)} fits beside the online reserve, "
-                f"SM share {sm_pct:g}%",
-            )
-        )
+        admits.append(_admit_one(job, gpu, sm_pct, slowdown))
         _place(job, gpu, sm_pct)
-    return AdmissionPlan(tuple(admits), waiting)
+    started = {a.client_id for a in admits}
+    reserved = (
+        {} if held is None or held.holder in started else dict.fromkeys(held.gpus, held.holder)
+    )
+    return AdmissionPlan(tuple(admits), waiting, reserved)
+
+
+def _admit_one(job: QueuedJob, gpu: _Gpu, sm_pct: float, slowdown: float) -> Admit:
+    duration = (
+        f"expected {job.expected_duration_s:g}s"
+        if job.expected_duration_s is not None
+        else "no expected duration"
+    )
+    return Admit(
+        job.client_id,
+        gpu.obs.gpu_uuid,
+        sm_pct,
+        f"SJF-BSBF: shortest fitting job ({duration}); GPU {gpu.obs.gpu_index} has the "
+        f"least predicted slowdown {slowdown:.2f}x with {gpu.offline_count} offline "
+        f"co-runner(s), {_mem(job.mem_bytes)} fits beside the online reserve, "
+        f"SM share {sm_pct:g}%",
+    )
 
 
 def _admit_gang(job: QueuedJob, gpus: Sequence[_Gpu]) -> Admit | str:
@@ -208,6 +245,25 @@ def _admit_gang(job: QueuedJob, gpus: Sequence[_Gpu]) -> Admit | str:
     if len(fitting) < job.ranks:
         why = "; ".join(refusals) or "too few shared GPUs admit new clients"
         return f"cannot start: the gang of {job.ranks} GPUs fits on {len(fitting)}: {why}"
+    chosen, rule = _choose(job, fitting)
+    sm_pct = min(g.share_pct for g in chosen)
+    sm_pct = sm_pct if job.sm_pct is None else min(sm_pct, job.sm_pct)
+    for gpu in chosen:
+        _place(job, gpu, sm_pct)
+    where = ",".join(str(g.obs.gpu_index) for g in chosen)
+    return Admit(
+        job.client_id,
+        chosen[0].obs.gpu_uuid,
+        sm_pct,
+        f"a gang of {job.ranks}: every GPU fits a rank now, {_mem(job.mem_bytes)} each beside "
+        f"the online reserve; GPUs {where} ({rule}), SM share {sm_pct:g}%",
+        gang=tuple(g.obs.gpu_uuid for g in chosen),
+    )
+
+
+def _choose(job: QueuedJob, fitting: Sequence[_Gpu]) -> tuple[list[_Gpu], str]:
+    """Of GPUs that each fit a rank, the gang's: as named in its rank order, else D14 (or D12)."""
+    named = job.gang_gpus
     rule = "as named" if named else "D14"
     if named:
         chosen = sorted(fitting, key=lambda g: named.index(g.obs.gpu_uuid))
@@ -232,19 +288,101 @@ def _admit_gang(job: QueuedJob, gpus: Sequence[_Gpu]) -> Admit | str:
         placed = place_gang(views, job.ranks, 0)
         assert placed is not None  # every GPU here fits a rank
         chosen = [g for g in fitting if g.obs.gpu_index in placed.gpus]
-    sm_pct = min(g.share_pct for g in chosen)
-    sm_pct = sm_pct if job.sm_pct is None else min(sm_pct, job.sm_pct)
-    for gpu in chosen:
-        _place(job, gpu, sm_pct)
-    where = ",".join(str(g.obs.gpu_index) for g in chosen)
-    return Admit(
-        job.client_id,
-        chosen[0].obs.gpu_uuid,
-        sm_pct,
-        f"a gang of {job.ranks}: every GPU fits a rank now, {_mem(job.mem_bytes)} each beside "
-        f"the online reserve; GPUs {where} ({rule}), SM share {sm_pct:g}%",
-        gang=tuple(g.obs.gpu_uuid for g in chosen),
+
+    return chosen, rule
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """The GPUs one waiting gang reserved this round (D15) and what is said about them."""
+
+    holder: str
+    #: Reserved GPUs' UUIDs, in the gang's rank order.
+    gpus: tuple[str, ...]
+    indices: str
+    since_s: float
+    until_s: float
+
+    def others(self, gpus: Sequence[_Gpu]) -> list[_Gpu]:
+        return [g for g in gpus if g.obs.gpu_uuid not in self.gpus]
+
+    def refusals(self, job: QueuedJob, gpus: Sequence[_Gpu], now: float) -> list[str]:
+        held = [g for g in gpus if g.obs.gpu_uuid in self.gpus]
+        if job.gpu is not None:
+            held = [g for g in held if job.gpu in (g.obs.gpu_uuid, str(g.obs.gpu_index))]
+        return [
+            f"GPU {g.obs.gpu_index}: reserved for the gang {self.holder} "
+            f"since {_ago(now - self.since_s)}"
+            for g in held
+        ]
+
+    def explain(self, job: QueuedJob, why: str, now: float) -> str:
+        if job.client_id == self.holder:
+            return (
+                f"reserving GPUs {self.indices} since {_ago(now - self.since_s)} (EASY backfill, "
+                f"until {_ago(self.until_s - now)} from now); {why}"
+            )
+        if job.gang_gpus and not set(job.gang_gpus) & set(self.gpus):
+            return why
+        return f"{why}; GPUs {self.indices} are reserved for the gang {self.holder}"
+
+
+def _reservation(
+    ordered: Sequence[QueuedJob],
+    gpus: Sequence[_Gpu],
+    observations: Mapping[str, Observation],
+    now: float,
+    reserve: GangReserve | None,
+) -> _Held | None:
+    """The one gang that reserves GPUs this round, if any (D15, EASY backfill).
+
+    The first gang in queue order that has waited ``reserve.after_s``, whose reservation has not
+    lapsed, whose owner has no live client on the node (a user running work cannot also hold
+    GPUs idle for more), and that would fit on enough GPUs once their offline clients are gone.
+    """
+    if reserve is None:
+        return None
+    running = {c.uid for o in observations.values() for c in o.clients if c.state.is_live}
+    for job in ordered:
+        since = job.submitted_at_s + reserve.after_s
+        until = since + reserve.max_hold_s
+        if job.ranks <= 1 or job.not_before_s > now or not since <= now < until:
+            continue
+        if job.uid in running:
+            continue
+        fitting = [g for g in (_drained(g, now) for g in gpus) if _refusal(job, g) is None]
+        fitting = [g for g in fitting if not job.gang_gpus or g.obs.gpu_uuid in job.gang_gpus]
+        if len(fitting) < job.ranks:
+            continue  # online work or closed GPUs stop it, not offline jobs: nothing to reserve
+        chosen, _ = _choose(job, fitting)
+        where = ",".join(str(g.obs.gpu_index) for g in chosen)
+        return _Held(job.client_id, tuple(g.obs.gpu_uuid for g in chosen), where, since, until)
+    return None
+
+
+def _drained(gpu: _Gpu, now: float) -> _Gpu:
+    """The GPU as it will be once its offline clients end: their memory, slots and uids free."""
+    live = [c for c in gpu.obs.clients if c.state.is_live]
+    offline = [c for c in live if c.cls is ClientClass.OFFLINE]
+    online = [c for c in live if c.cls is not ClientClass.OFFLINE]
+    promised = promised_to_views(online, now)
+    free = free_memory_bytes(gpu.obs)
+    return dataclasses.replace(
+        gpu,
+        promised_bytes=promised,
+        # What NVML shows the offline clients using comes back as free; their promises end.
+        available_bytes=None
+        if free is None
+        else free + sum(c.mem_used_bytes or 0 for c in offline) - promised,
+        live=len(online),
+        uids={c.uid for c in online},
+        offline_count=0,
     )
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
 
 
 def queue_order(queue: Sequence[QueuedJob]) -> list[QueuedJob]:

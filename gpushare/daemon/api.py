@@ -565,6 +565,8 @@ class Api:
     ) -> str:
         if g.lost:
             return fit.LOST
+        if cls is ClientClass.OFFLINE and g.uuid in self.s.reserved:  # EASY backfill (D15)
+            return f"reserved for the waiting gang {self.s.reserved[g.uuid]}"
         state = self.s.mps_states.get(g.uuid) or self.s.mps.state(g.uuid)
         if state in (MpsState.FAULT, MpsState.DOWN):
             return fit.mps_closed(state)

@@ -186,8 +186,8 @@ class ControlLoop:
             # Queued jobs, or admitted foreground ones not yet taken by their submitter.
             if self.views.admitting:
                 self._admit(observations, tick)
-            elif s.waiting:
-                s.waiting = {}
+            elif s.waiting or s.reserved:
+                s.waiting, s.reserved = {}, {}
             self.reporter.publish(observations, records, tick)
             self.duty.phase(tick)
             self.duty.note_paused(tick)
@@ -248,6 +248,7 @@ class ControlLoop:
         Why each other job waits is kept for ``status`` and ``list`` (``NodeState.waiting``).
         """
         s, now = self.s, tick.monotonic_s
+        d = s.config.daemon
         records = s.registry.clients()
         for client_id in self.waiters.gone(records, now):
             # A foreground job whose submitter stopped asking (Ctrl-C, killed): it holds no place.
@@ -266,6 +267,7 @@ class ControlLoop:
             max_clients=max_clients,
             multiuser={u: s.multiuser(u) for u in observations},
             probe_slots=1 if s.config.probe.enabled else 0,
+            reserve=admission.GangReserve(d.gang_reserve_after_s, d.gang_reserve_max_s),
         )
         waiting = dict(planned.waiting)
         waiting.update(held_by_drain(jobs, waiting, s.samples, drained, open_gpus))
@@ -277,3 +279,4 @@ class ControlLoop:
                 # Still queued: the next round tries again; until then, this is why.
                 waiting[action.client_id] = f"admitted, but the start failed: {exc}"
         s.waiting = waiting
+        s.reserved = dict(planned.reserved)

@@ -145,6 +145,8 @@ class NodeState:
         #: (``status``/``list`` show it as ``waiting``). Replaced every round, emptied when
         #: nothing is queued: it never holds more than the queue.
         self.waiting: dict[str, str] = {}
+        #: GPUs a waiting gang reserved at the last round (docs/design.md D15): UUID -> its id.
+        self.reserved: dict[str, str] = {}
         self._shared: dict[tuple[int, str], bool] = {}
         self._shared_for: Config | None = None
         #: Thawed time, evictions, step timings and each GPU's last action, for status and metrics.
