@@ -34,17 +34,16 @@ import platform
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from http.server import ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from gpushare import __version__, trust
+from gpushare import __version__, metrics_http, trust
 from gpushare.model import ClientClass, ClientState, MpsState, Observation
 
 # Controller steps take microseconds to milliseconds; admission waits seconds to hours.
@@ -190,7 +189,9 @@ class Exporter(Collector):
         self.stall_after_s = STALL_MIN_S
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        ProcessCollector(registry=self.registry)
+        self._process = ProcessCollector(registry=self.registry)
+        #: The rendered bytes of the latest snapshot the HTTP server serves every scraper.
+        self.render_cache: metrics_http.RenderCache[NodeMetrics] = metrics_http.RenderCache(self)
         self._server: ThreadingHTTPServer | None = None
 
     def attach(self, source: Callable[[], NodeMetrics]) -> None:
@@ -259,7 +260,8 @@ class Exporter(Collector):
         self.min_build_interval_s = tick_period_s
         host, _, port = listen.rpartition(":")
         host = host.strip("[]")
-        server = _server_class(host)((host, int(port)), _handler(self))
+        handler = metrics_http.handler(self.render_cache, self, HTTP_TIMEOUT_S)
+        server = metrics_http.server_class(host)((host, int(port)), handler)
         threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         self._server = server
         bound_host, bound_port = server.server_address[:2]
@@ -273,58 +275,36 @@ class Exporter(Collector):
             self._server = None
 
     def collect(self) -> Iterator[_Family]:
-        """Render the last tick's snapshot (prometheus_client calls this on every scrape)."""
-        snap = self.snapshot()
+        """Every family of the last tick's snapshot, for ``generate_latest(exporter.registry)``."""
         yield _build_info()
-        yield from _gpu_metrics(snap, self.hostname)
-        yield from _client_metrics(snap, self.hostname)
-        yield from _admission_metrics(snap.admission)
-        yield _event_metrics(snap)
+        yield from _snapshot_families(self.snapshot(), self.hostname)
         yield _trust_metrics()
 
+    def snapshot_families(self, snapshot: NodeMetrics) -> Collector:
+        """The families that are a function of ``snapshot`` alone (the server caches their bytes)."""
+        return _Families(lambda: _snapshot_families(snapshot, self.hostname))
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
-def _server_class(host: str) -> type[_Server]:
-    """IPv6 for an IPv6 address (``::1``, ``[::1]``), else IPv4, as prometheus_client chose."""
-    return _Server6 if ":" in host else _Server
+    def live_families(self) -> Collector:
+        """Build info, trust refusals and ``process_*``: rendered on every scrape (a few lines)."""
+        return _Families(lambda: (_build_info(), _trust_metrics(), *self._process.collect()))
 
 
-def _handler(exporter: Exporter) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        """``/metrics``, ``/healthz``, and 404 for anything else (no directory of pages)."""
+class _Families(Collector):
+    """Families from a function, as a collector an encoder renders."""
 
-        timeout = HTTP_TIMEOUT_S
+    def __init__(self, families: Callable[[], Iterable[Metric]]) -> None:
+        self._families = families
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-                self._reply(200, content_type, encoder(exporter.registry))
-            elif path == "/healthz":
-                ok, line = exporter.health()
-                self._reply(200 if ok else 503, "text/plain; charset=utf-8", (line + "\n").encode())
-            else:
-                body = b"not found: gpushare serves /metrics and /healthz\n"
-                self._reply(404, "text/plain; charset=utf-8", body)
+    def collect(self) -> Iterable[Metric]:
+        """The function's families."""
+        return self._families()
 
-        def _reply(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
 
-        def log_message(self, format: str, *args: Any) -> None:
-            """Scrapes are not log events (every few seconds, forever)."""
-
-    return Handler
+def _snapshot_families(snap: NodeMetrics, hostname: str) -> Iterator[_Family]:
+    yield from _gpu_metrics(snap, hostname)
+    yield from _client_metrics(snap, hostname)
+    yield from _admission_metrics(snap.admission)
+    yield _event_metrics(snap)
 
 
 def _build_info() -> GaugeMetricFamily:
