@@ -19,9 +19,10 @@ A tick only says it completed (:meth:`Exporter.ticked`); the snapshot, as of the
 tick, is built by the daemon's reporter (:meth:`Exporter.attach`) when a scrape needs it, a few
 times a minute rather than ten times a second. Any local user can reach the listener, so a flood
 of scrapes builds at most once per completed tick and per tick period, one scrape building while
-the others wait and render the same snapshot.
+the others wait, and renders each snapshot once per exposition format: every scraper of it gets
+the same bytes (:mod:`gpushare.metrics_http`, which also bounds the connections served at once).
 
-Cardinality is bounded: every scrape renders the latest :class:`NodeMetrics` snapshot, so a client
+Cardinality is bounded: every scrape serves the latest :class:`NodeMetrics` snapshot, so a client
 that has gone away disappears from the output instead of lingering as a stale series, and the
 per-GPU and node series are a fixed set. Label values are written by prometheus_client, which
 escapes quotes, backslashes and newlines; a user-chosen ``--name`` cannot break the exposition.

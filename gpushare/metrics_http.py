@@ -103,17 +103,24 @@ def _format_key(encoder: _Encoder) -> tuple[object, ...]:
 
 
 class Server(ThreadingHTTPServer):
-    """A thread per connection, at most ``max_connections`` at once; beyond, 503 at once."""
+    """A thread per connection, at most ``max_connections`` at once; beyond, 503 at once.
+
+    ``max_connections`` is :data:`MAX_CONNECTIONS` when ``None``.
+    """
 
     daemon_threads = True
+    # The listen backlog (socketserver's default is 5): a burst of connections waits in it to be
+    # served or refused, instead of its SYNs being dropped and retried a second later.
+    request_queue_size = 64
 
     def __init__(
         self,
         address: tuple[str, int],
         handler: type[BaseHTTPRequestHandler],
-        max_connections: int = MAX_CONNECTIONS,
+        max_connections: int | None = None,
     ) -> None:
-        self._slots = threading.BoundedSemaphore(max_connections)
+        bound = MAX_CONNECTIONS if max_connections is None else max_connections
+        self._slots = threading.BoundedSemaphore(bound)
         self.refused = 0  #: Connections answered 503 for want of a slot.
         super().__init__(address, handler)
 
