@@ -153,6 +153,10 @@ STALL_MIN_S = 5.0
 HTTP_TIMEOUT_S = 5.0
 #: The control loop's default period (the least time between two builds until serve is told).
 DEFAULT_TICK_S = 0.1
+#: A snapshot is served for at least this many times what rendering it took (at 8 GPUs x 200
+#: clients, ~0.1 s: a 2 s old snapshot), so a flood of scrapes spends at most 1/20 of a core
+#: rendering, holding the GIL the control loop needs, whatever the control period.
+RENDER_SPACING = 20.0
 
 
 def node_hostname() -> str:
@@ -180,11 +184,15 @@ class Exporter(Collector):
         self._snapshot = NodeMetrics()
         self._source: Callable[[], NodeMetrics] | None = None
         self._clock = clock
+        self.clock = clock  #: Monotonic seconds (what render times are measured with).
         self._last_tick_s: float | None = None
         # Completed ticks; the tick and clock time the cached snapshot was built at.
         self._ticks, self._built_tick, self._built_at_s = 0, 0, float("-inf")
         #: The shortest time between two builds (:meth:`serve` sets it to the tick period).
         self.min_build_interval_s = DEFAULT_TICK_S
+        # Seconds spent rendering the cached snapshot (every format): the next build waits
+        # RENDER_SPACING times that, so a scrape flood keeps rendering to a small share of a core.
+        self._rendered_s = 0.0
         self.builds = 0  #: Snapshots built from the attached source so far.
         self.hostname = hostname if hostname is not None else node_hostname()
         self.stall_after_s = STALL_MIN_S
@@ -227,6 +235,7 @@ class Exporter(Collector):
             built = source()
             with self._lock:
                 self._snapshot, self._built_tick, self._built_at_s = built, tick, self._clock()
+                self._rendered_s = 0.0
                 self.builds += 1
             return built
 
@@ -234,7 +243,14 @@ class Exporter(Collector):
         """Whether a build is due: a tick completed since the last, which is old enough."""
         if self._source is None or self._built_tick == self._ticks:
             return False
-        return self._clock() - self._built_at_s >= self.min_build_interval_s
+        spacing_s = max(self.min_build_interval_s, RENDER_SPACING * self._rendered_s)
+        return self._clock() - self._built_at_s >= spacing_s
+
+    def rendered(self, snapshot: NodeMetrics, seconds: float) -> None:
+        """The HTTP server rendered ``snapshot`` in ``seconds`` (of :attr:`clock`)."""
+        with self._lock:
+            if snapshot is self._snapshot:
+                self._rendered_s += seconds
 
     def health(self) -> tuple[bool, str]:
         """Whether the control loop ticks: ``(healthy, one line saying so)``."""

@@ -44,8 +44,14 @@ _BUSY = (
 class Exposition(Protocol[S]):
     """What the server renders: the exporter (:class:`gpushare.metrics.Exporter`)."""
 
+    #: Monotonic seconds, to time renders with.
+    clock: Callable[[], float]
+
     def snapshot(self) -> S:
         """The snapshot a scrape renders (built now when due)."""
+
+    def rendered(self, snapshot: S, seconds: float) -> None:
+        """``snapshot`` was rendered in ``seconds`` (the source spaces its builds by that)."""
 
     def snapshot_families(self, snapshot: S) -> Collector:
         """The families that are a function of ``snapshot`` alone."""
@@ -84,7 +90,9 @@ class RenderCache(Generic[S]):
                 self._snapshot, self._bodies = snap, {}
             cached = self._bodies.get(key)
             if cached is None:
+                start_s = self._source.clock()
                 cached = encoder(self._source.snapshot_families(snap))
+                self._source.rendered(snap, self._source.clock() - start_s)
                 # OpenMetrics ends with "# EOF"; the live part that follows brings its own.
                 cached = cached.removesuffix(_EOF)
                 self._bodies[key] = cached

@@ -186,3 +186,37 @@ def test_a_server_bound_to_two_serves_two(monkeypatch):
                 s.close()
     finally:
         exp.close()
+
+
+def test_a_costly_render_spaces_the_next_build_by_twenty_times_its_cost(monkeypatch):
+    """A tick every period and a scrape flood must not buy a render every period."""
+    now = [100.0]
+    real = metrics._client_metrics
+
+    def slow(snap: NodeMetrics, hostname: str) -> Iterator[object]:
+        now[0] += 0.5  # this render takes half a second of the exporter's clock
+        return real(snap, hostname)
+
+    monkeypatch.setattr(metrics, "_client_metrics", slow)
+    builds = [0]
+
+    def source() -> NodeMetrics:
+        builds[0] += 1
+        return _snapshot(f"c{builds[0]}")
+
+    exp = Exporter(hostname="node-a", clock=lambda: now[0])
+    exp.attach(source)
+    try:
+        host, port = exp.serve("127.0.0.1:0", tick_period_s=0.25)
+        exp.ticked()
+        assert 'client="c1"' in _get(host, port)[2] and builds == [1]
+        # Built at 100.0, rendered by 100.5: the next build is due at 100 + 20 x 0.5 = 110.
+        for _ in range(5):
+            exp.ticked()
+            now[0] += 1.0
+            assert 'client="c1"' in _get(host, port)[2]
+        assert builds == [1] and exp.render_cache.renders == 1
+        now[0] = 110.0
+        assert 'client="c2"' in _get(host, port)[2] and builds == [2]
+    finally:
+        exp.close()
