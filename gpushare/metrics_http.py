@@ -188,7 +188,12 @@ def handler(
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+                try:
+                    encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+                except (TypeError, ValueError):  # a version prometheus_client cannot compare
+                    body = b"bad Accept header: its version is not a dotted number\n"
+                    self._reply(400, "text/plain; charset=utf-8", body)
+                    return
                 self._reply(200, content_type, cache.body(encoder))
             elif path == "/healthz":
                 ok, line = source.health()

@@ -220,3 +220,13 @@ def test_a_costly_render_spaces_the_next_build_by_twenty_times_its_cost(monkeypa
         assert 'client="c2"' in _get(host, port)[2] and builds == [2]
     finally:
         exp.close()
+
+
+def test_an_accept_header_with_a_bad_version_gets_one_line_400(exporter, capfd):
+    """prometheus_client cannot compare ``version=abc``: one line, not a traceback on stderr."""
+    exporter.update(_snapshot("c1"))
+    host, port = exporter.serve("127.0.0.1:0")
+    code, _, body = _get(host, port, "application/openmetrics-text; version=abc")
+    assert code == 400 and body == "bad Accept header: its version is not a dotted number\n"
+    assert "Traceback" not in capfd.readouterr().err
+    assert _get(host, port, OPENMETRICS)[0] == 200
