@@ -45,6 +45,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "gpushare.shipped",
             "gpushare.client",
             "gpushare.metrics",
+            "gpushare.metrics_http",
         ),
     ),
     # Pure rules: no I/O, no clock (tests/control/test_control_purity.py).
