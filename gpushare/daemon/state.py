@@ -96,8 +96,7 @@ class NodeState:
         #: The time the loop runs on and the clients' processes: the host's, or simulated ones.
         self.clock = clock
         self.procs = procs
-        #: The in-flight bound a bounded shallow queue preloads (``None``: clients could not preload it, so shallow
-        #: queues block; ``gpushare.daemon.launcher.queue_env``).
+        #: The in-flight library shallow queues preload; None: they block (``launcher.queue_env``).
         self.shallow_library = shallow_library
         #: Asked at each launch whether the library may be preloaded now (``gpushare.trust``); a
         #: simulated node preloads nothing, so it has none.
