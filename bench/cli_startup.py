@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.support.daemon_helpers import REPO, DaemonProc
+from bench.support.trees import tree_commit
 
 OUT = REPO / "bench" / "results" / "cli_startup.json"
 TARGET_MS = 150.0
@@ -47,13 +48,6 @@ COMMANDS: tuple[tuple[str, ...], ...] = (
     ("daemon", "--help"),
     ("completion", "bash"),
 )
-
-
-def tree_commit(tree: Path) -> str:
-    """The tree's commit (``git describe``), recorded instead of its path on this machine."""
-    r = subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty"],
-                       capture_output=True, text=True, check=False)  # fmt: skip
-    return r.stdout.strip() or "unknown"
 
 
 def _run(tree: Path, args: tuple[str, ...], env: dict[str, str]) -> tuple[float, int]:

@@ -71,6 +71,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree  # noqa: E402
+from bench.support.trees import tree_commit  # noqa: E402
 from bench.support.trusted import make_trusted_dir  # noqa: E402
 from gpushare import protocol  # noqa: E402
 from gpushare.client import ApiClient, ApiError  # noqa: E402
@@ -93,18 +94,6 @@ def cpu_ticks(pid: int, tid: int | None = None) -> tuple[int, int]:
     fields = text[text.rindex(")") + 2 :].split()
     utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
     return utime + stime, cutime + cstime
-
-
-def tree_commit(tree: Path) -> str | None:
-    """The checkout's commit (short), if git can tell."""
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def free_port() -> int:

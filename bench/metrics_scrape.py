@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # bench.support; the worker puts its tree first for gpushare
+
+from bench.support.trees import tree_commit  # noqa: E402
+
 OUT = REPO / "bench" / "results" / "metrics_scrape.json"
 WORK_S = 0.001  # what the stand-in tick computes
 
@@ -185,7 +189,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         exporter.close()
     extra_cpu = flooded["cpu_s"] - quiet["cpu_s"] * flooded["wall_s"] / quiet["wall_s"]
     return {
-        "tree": str(args.tree),
+        # The tree's name and commit, not its path: results are committed (no machine paths).
+        "tree": Path(args.tree).resolve().name,
+        "commit": tree_commit(Path(args.tree)),
         "builds": exporter.builds,
         "quiet": quiet,
         "flood": flooded,
@@ -265,7 +271,10 @@ def main() -> None:
         print(
             f"{Path(r['tree']).name} cpu_ms_per_scrape {r['cpu_ms_per_scrape']} builds {r['builds']}"
         )
-    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2) + "\n")
+    shown = {**vars(args), "out": Path(args.out).name, "tree": Path(args.tree).resolve().name}
+    if args.against:
+        shown["against"] = Path(args.against).resolve().name
+    Path(args.out).write_text(json.dumps({"args": shown, "runs": runs}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

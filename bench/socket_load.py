@@ -33,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.support.daemon_helpers import REPO, DaemonProc, wait_for
+from bench.support.trees import tree_commit
 from gpushare.client import ApiClient, ApiError
 
 OUT = REPO / "bench" / "results" / "socket_load.json"
@@ -154,13 +155,6 @@ def submit_wall(tree: Path, sock: Path, runs: int) -> float:
         )  # fmt: skip
         times.append(time.perf_counter() - t0)
     return round(statistics.median(times) * 1e3, 1)
-
-
-def tree_commit(tree: Path) -> str:
-    """The tree's commit (``git describe``), recorded instead of its path on this machine."""
-    r = subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty"],
-                       capture_output=True, text=True, check=False)  # fmt: skip
-    return r.stdout.strip() or "unknown"
 
 
 def run_tree(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
