@@ -53,6 +53,11 @@ ORION = "orion-v100-kernels"
 #: keeps up with the wall clock never reaches it.
 ADVANCE_STEP_S = 0.005
 ADVANCE_BUDGET_S = 1.0
+# The daemon's tick advances the node a dozen times (each reading, each freeze): the control
+# files are read at most once per advance step (the library reads its file at each launch, every
+# few ms), and history is trimmed once a second (each trim walks every simulated job: 8 x 200 idle).
+FOLLOW_PERIOD_S = ADVANCE_STEP_S
+FORGET_PERIOD_S = 1.0
 
 #: Simulated workload profiles by the name ``--sim-profile`` takes: class and kernel profile.
 SIM_PROFILES: dict[str, tuple[ClientClass, str]] = {
@@ -174,6 +179,8 @@ class RealTimeSimNode:
         self.on_latency: Callable[[str, float, float], None] | None = None
         #: How far the simulation was behind the wall clock when the last advance stopped.
         self.behind_s = 0.0
+        self._followed_at = -math.inf  # virtual time of the last control-file read
+        self._forgot_at = -math.inf  # and of the last history trim
         #: Request boundaries of the simulated online clients on their way to the daemon
         #: (:meth:`start_boundaries`): ``(client_id, pid, requests in flight, at_s on clock)``.
         self._boundaries: queue.SimpleQueue[tuple[str, int, int, float] | None] | None = None
@@ -223,7 +230,8 @@ class RealTimeSimNode:
         with self.lock:
             loop = self.node.loop
             target = max(loop.now, self._clock() - self._t0)
-            if self.controls.following:
+            if self.controls.following and target - self._followed_at >= FOLLOW_PERIOD_S:
+                self._followed_at = target
                 self._follow_controls()
             began = time.perf_counter()
             while loop.now < target:
@@ -241,7 +249,9 @@ class RealTimeSimNode:
                 # that runs for days keeps none (the virtual-time runner reads them at the end).
                 server.completed.clear()
                 server.served.clear()
-            self.node.forget_history()
+            if loop.now - self._forgot_at >= FORGET_PERIOD_S:
+                self._forgot_at = loop.now
+                self.node.forget_history()
 
     def _follow_controls(self) -> None:
         """Give each following twin the bound its control file holds now (issue 32)."""

@@ -8,7 +8,7 @@ import pytest
 
 from gpushare.config import Config
 from gpushare.model import ClientClass, ClientState
-from gpushare.sim.realtime import RealTimeSimNode, SimProfileError, SimWorkload
+from gpushare.sim.realtime import FORGET_PERIOD_S, RealTimeSimNode, SimProfileError, SimWorkload
 from tests.fakes.fake_clock import ManualClock
 
 
@@ -157,9 +157,11 @@ def test_a_long_running_node_keeps_only_what_its_windows_read(tmp_path: Path) ->
     assert len(reported) > 3 * span_s * 20
     assert server.completed == [] and server.served == []
     # the probe keeps one baseline window of samples, the trainer one window of iterations
+    # (trimmed once per FORGET_PERIOD_S: at most that much more than the windows)
+    kept_s = span_s + FORGET_PERIOD_S
     samples = rt.node.probes[uuid].samples
-    assert samples[0][0] >= rt.node.loop.now - span_s - cfg.control.period_s
-    assert len(samples) <= span_s / rt.node.probes[uuid].period_s + 2
-    assert train.iterations[0] >= rt.node.loop.now - span_s
+    assert samples[0][0] >= rt.node.loop.now - kept_s - cfg.control.period_s
+    assert len(samples) <= kept_s / rt.node.probes[uuid].period_s + 2
+    assert train.iterations[0] >= rt.node.loop.now - kept_s
     # and the readings still work: the window is full and a baseline was learned
     assert reading.samples > 10
