@@ -14,10 +14,6 @@ The shapes are each project's own, at the versions gpushare/latency/prometheus.p
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
@@ -30,37 +26,13 @@ from gpushare.latency.prometheus import (
     parse_latency_from,
 )
 from gpushare.stats import bucket_quantile
+from tests.support.exposition import ExpositionServer
 
 INF = float("inf")
 SGLANG_TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
 SGLANG_ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040,
                       0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0)  # fmt: skip
 TGI_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))
-
-
-class ExpositionServer:
-    """Serves whatever ``body()`` returns at /metrics over real HTTP on 127.0.0.1."""
-
-    def __init__(self, body: Callable[[], bytes]) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                data = body()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class TgiHistogram:

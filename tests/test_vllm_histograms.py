@@ -3,9 +3,7 @@ a real HTTP endpoint serving vLLM's metric names and buckets, windowed p99s from
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -14,6 +12,7 @@ from gpushare.latency.app import AppLatency
 from gpushare.latency.p99 import TokenTrackers
 from gpushare.latency.prometheus import VLLM_TTFT, parse_latency_from
 from gpushare.stats import bucket_quantile
+from tests.support.exposition import ExpositionServer
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py at commit 005a810b..., as bench/llm_histograms.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -31,27 +30,11 @@ class VllmServer:
                               buckets=TTFT_BUCKETS).labels("llama")  # fmt: skip
         self.tpot = Histogram(tpot_name, "TPOT", ["model_name"], registry=self.registry,
                               buckets=TPOT_BUCKETS).labels("llama")  # fmt: skip
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = generate_latest(outer.registry)
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self._server = ExpositionServer(lambda: generate_latest(self.registry))
+        self.url = self._server.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._server.close()
 
 
 @pytest.fixture(params=["vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"])
