@@ -6,7 +6,9 @@ Renders are counted where the snapshot's families are made (``metrics._client_me
 these tests count the same thing on code that renders on every scrape.
 """
 
+import os
 import socket
+import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -18,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import gpushare.metrics as metrics
 import gpushare.metrics_http as metrics_http
+from bench.support.daemon_helpers import python_for_others
 from gpushare.metrics import Exporter, NodeMetrics
 from gpushare.model import (
     ClientClass,
@@ -230,3 +233,36 @@ def test_an_accept_header_with_a_bad_version_gets_one_line_400(exporter, capfd):
     assert code == 400 and body == "bad Accept header: its version is not a dotted number\n"
     assert "Traceback" not in capfd.readouterr().err
     assert _get(host, port, OPENMETRICS)[0] == 200
+
+
+FLOOD = """
+import sys, urllib.request
+url = sys.argv[1]
+codes = []
+for _ in range(int(sys.argv[2])):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        codes.append(r.status)
+print(sum(c == 200 for c in codes))
+"""
+
+
+def test_a_flood_from_another_unprivileged_user_renders_once(renders):
+    # The listener is on loopback: any local account can scrape. Here a real second uid (nobody)
+    # floods it within one tick, and the daemon's process renders the snapshot once for all.
+    python = python_for_others()
+    if python is None or os.geteuid() != 0:
+        pytest.skip("needs root and an interpreter another uid may execute")
+    exp = Exporter(hostname="node-a", clock=lambda: 100.0)
+    exp.attach(lambda: _snapshot("c1"))
+    try:
+        host, port = exp.serve("127.0.0.1:0", tick_period_s=0.25)
+        exp.ticked()
+        out = subprocess.run(
+            [python, "-c", FLOOD, f"http://{host}:{port}/metrics", "30"],
+            cwd="/", user=65534, group=65534, extra_groups=[],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        assert out.stdout.strip() == "30"
+        assert renders[0] == 1
+    finally:
+        exp.close()
