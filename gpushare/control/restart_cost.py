@@ -16,7 +16,14 @@ target (the cap, at duty 1: the share is what the SLO leaves offline work), the 
 
     H > C r_new / (r_new - r_now)                        (the break-even hold)
 
-and never when ``r_new <= r_now``. ``H`` is not known. A cut must hold by itself: its age is the
+and never when ``r_new <= r_now``. The duty at the target is 1 where the share is what the SLO
+leaves offline work (online work measured alone under its SLO: at that cap the SLO holds with
+offline work running). Where online work alone breaks its SLO (the share fell back on the SMs
+it leaves idle), the duty, not the cap, is what holds the job back, and a cut frees nothing:
+``r_new`` is the target at the duty the job has now, under ``r_now``, so a cut never pays there
+(an LLM server busy 98 % of the time at half load: the job frozen at 50 % before the cut to the
+10 % floor stayed frozen after it, and the restart halved its offline throughput). ``H`` is
+not known. A cut must hold by itself: its age is the
 estimate (a share that flips back within the break-even restarts nothing; while it waits the duty
 cycle keeps the SLO, and no restart is asked during an SLO violation anyway). A raise follows
 evidence that offline work can have more for a while, so it is expected to hold at least
@@ -107,12 +114,17 @@ def restart_cost_s(config: ControlConfig, client: ClientView) -> float:
     return config.restart_cost_s
 
 
-def break_even_hold_s(current_pct: float, target_pct: float, duty: float, cost_s: float) -> float:
-    """How long a new cap must hold for a restart to pay (``inf``: it never does)."""
+def break_even_hold_s(
+    current_pct: float, target_pct: float, duty: float, cost_s: float, new_duty: float = 1.0
+) -> float:
+    """How long a new cap must hold for a restart to pay (``inf``: it never does).
+
+    ``duty`` is the job's duty under its current cap, ``new_duty`` the one expected at the target.
+    """
     if cost_s <= 0:
         return 0.0
     r_now = max(0.0, current_pct) * min(1.0, max(0.0, duty))
-    r_new = max(0.0, target_pct)
+    r_new = max(0.0, target_pct) * min(1.0, max(0.0, new_duty))
     if r_new <= r_now:
         return math.inf
     return cost_s * r_new / (r_new - r_now)
@@ -133,12 +145,17 @@ def verdict(
     duty: float,
     regime_since_s: float | None,
     now: float,
+    *,
+    alone_over_slo: bool = False,
 ) -> RestartVerdict:
     """Whether restarting ``client`` under ``target_pct`` pays at ``now``.
 
     ``duty`` is the offline duty the job has had under its current cap (its mean since the share
-    was set, :meth:`DutyTally.mean`). ``regime_since_s`` is when the share it would restart into
-    was set (``None``: unknown, taken as settled). The hold expected: the regime's age, at
+    was set, :meth:`DutyTally.mean`). ``alone_over_slo``: online work measured alone (offline
+    quiet) breaks its SLO, so a cut is credited ``duty`` at the target, not 1: the duty cycle
+    holds the job back whatever its cap, and the cut never pays (``restart_cost = 0s`` aside).
+    ``regime_since_s`` is when the share it would restart into was set (``None``: unknown, taken
+    as settled). The hold expected: the regime's age, at
     least :data:`RAISE_HOLD_S` for a raise, and at most the job's age since its (re)launch
     (``started_at_s``): no job is restarted within the break-even of its launch, whether it was
     restarted or admitted then.
@@ -146,7 +163,20 @@ def verdict(
     cost = restart_cost_s(config, client)
     # Issue 32: a cost the daemon measured says so (gpushare.daemon.startcost).
     costing = _fmt(cost) + (" (measured)" if client.restart_cost_measured else "")
-    need = break_even_hold_s(client.limits.sm_pct, target_pct, duty, cost)
+    cut = target_pct < client.limits.sm_pct
+    # Issue 32: beside online work that breaks its SLO alone (an LLM server busy 98 % of the
+    # time), the duty keeps the job frozen after a cut as before it; only where the SLO leaves
+    # offline work the target does the job run unfrozen at it.
+    frozen_by_online = cut and alone_over_slo
+    new_duty = duty if frozen_by_online else 1.0
+    need = break_even_hold_s(client.limits.sm_pct, target_pct, duty, cost, new_duty)
+    if frozen_by_online and math.isinf(need):
+        return RestartVerdict(
+            False,
+            need,
+            f"waits: online work alone breaks its SLO, so the duty ({duty:.2f} since the share "
+            f"was set), not the cap, holds the job back: a cut to {target_pct:g}% frees nothing",
+        )
     held = now - regime_since_s if regime_since_s is not None else math.inf
     if target_pct > client.limits.sm_pct:
         held = max(held, RAISE_HOLD_S)

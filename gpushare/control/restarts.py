@@ -24,6 +24,7 @@ from gpushare.control.gpu_state import (
     gated_shallow,
     leaving,
 )
+from gpushare.control.share import quiet_level
 from gpushare.control.signals import Signals
 from gpushare.model import (
     Action,
@@ -83,6 +84,9 @@ def restarts(
         state, asked = shallow_restart(config, state, obs, going, now, actions)
         if asked:
             return state
+    # Issue 32: the evidence the share reads (share.quiet_level): online work alone over its SLO.
+    quiet = quiet_level(state)
+    alone_over = quiet is not None and quiet >= config.violation_ratio
     candidates = [
         c
         for c in obs.offline()
@@ -93,7 +97,7 @@ def restarts(
         # Issue 32: only when the gain over the expected hold pays the restart's cost.
         and restart_cost.verdict(
             config, c, client_share_pct(state.share_pct, c), tally.mean(now),
-            state.share_changed_at_s, now,
+            state.share_changed_at_s, now, alone_over_slo=alone_over,
         ).worth
     ]  # fmt: skip
     if not candidates:
@@ -109,8 +113,9 @@ def restarts(
     )
     target = client_share_pct(state.share_pct, chosen)
     pays = restart_cost.verdict(
-        config, chosen, target, tally.mean(now), state.share_changed_at_s, now
-    ).reason
+        config, chosen, target, tally.mean(now), state.share_changed_at_s, now,
+        alone_over_slo=alone_over,
+    ).reason  # fmt: skip
     actions.append(
         RestartClient(
             chosen.client_id,

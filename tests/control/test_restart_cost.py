@@ -207,3 +207,60 @@ def test_a_cut_under_a_cycling_duty_is_judged_by_the_mean_duty_not_the_last_tick
     for i in range(ticks):
         frozen = restarts(CONFIG, frozen, obs, signals, 990.0 + i * period, actions)
     assert [a.sm_pct for a in actions if isinstance(a, RestartClient)] == [33.0]
+
+
+def _llm_state(quiet: float) -> GpuState:
+    """The shipped LLM pairs at 70 % load: the share cut 50 -> 10 % at 15 s, the job frozen since.
+
+    ``quiet`` is the worst online signal measured with offline work quiet (``share.quiet_level``).
+    """
+    return GpuState(
+        gpu_uuid=GPU,
+        share_pct=10.0,
+        share_changed_at_s=15.0,
+        duty=0.0,
+        quiet_signals=((14.0, quiet),),
+    )
+
+
+def test_a_cut_beside_online_work_that_breaks_its_slo_alone_never_restarts() -> None:
+    """An LLM server busy 98-99.5 % of the time alone: the duty keeps the trainer frozen at any cap.
+
+    `llm/llama2-7b-load70+*`: the share fell to the 10 % floor on SM demand (online alone at 1.3-6x
+    its SLO with offline quiet), the duty held the job at 50 % frozen, and at 78 s, the cut 63 s
+    old, the job was restarted at a break-even of C (r_now 0, r_new 10 % at duty 1). After it the
+    duty stayed under 0.05: offline 0.011 -> 0.005 for the 60 s restart. The cut frees nothing the
+    duty holds back, so it never pays, however long it holds.
+    """
+    obs = observation((_client(50, started_at_s=0.0),))
+    signals = online_signals(obs, CONFIG.probe_slo_ratio)
+    actions: list[Action] = []
+    state = _llm_state(quiet=5.0)
+    for now in (15.0 + 61.0, 300.0, 3600.0):
+        state = restarts(CONFIG, state, obs, signals, now, actions)
+    assert not [a for a in actions if isinstance(a, RestartClient)]
+    frozen = verdict(CONFIG, _client(50), 10, 0.0, 15.0, 3600.0, alone_over_slo=True)
+    assert not frozen.worth and "frees nothing" in frozen.reason
+    # Where the SLO leaves offline work the cut (online alone at 0.7x with offline quiet), the job
+    # runs unfrozen under it: the cut pays once it has held C, as before.
+    paid: list[Action] = []
+    restarts(CONFIG, _llm_state(quiet=0.7), obs, signals, 15.0 + 61.0, paid)
+    assert [(a.client_id, a.sm_pct) for a in paid if isinstance(a, RestartClient)] == [("c1", 10.0)]
+
+
+@given(
+    cur=st.floats(1, 100),
+    new=st.floats(1, 100),
+    duty=st.floats(0, 1),
+    held=st.floats(0, 36000),
+)
+def test_beside_online_work_over_its_slo_alone_only_a_raise_can_pay(
+    cur: float, new: float, duty: float, held: float
+) -> None:
+    # The flag changes cuts only: a raise is judged as before (duty 1 at the target).
+    client = _client(cur)
+    over = verdict(CONFIG, client, new, duty, 0.0, held, alone_over_slo=True)
+    if new < cur:
+        assert not over.worth
+    else:
+        assert over == verdict(CONFIG, client, new, duty, 0.0, held)
