@@ -17,13 +17,13 @@ target (the cap, at duty 1: the share is what the SLO leaves offline work), the 
     H > C r_new / (r_new - r_now)                        (the break-even hold)
 
 and never when ``r_new <= r_now``. The duty at the target is 1 where the share is what the SLO
-leaves offline work (online work measured alone under its SLO: at that cap the SLO holds with
-offline work running). Where online work alone breaks its SLO (the share fell back on the SMs
-it leaves idle), the duty, not the cap, is what holds the job back, and a cut frees nothing:
-``r_new`` is the target at the duty the job has now, under ``r_now``, so a cut never pays there
-(an LLM server busy 98 % of the time at half load: the job frozen at 50 % before the cut to the
-10 % floor stayed frozen after it, and the restart halved its offline throughput). ``H`` is
-not known. A cut must hold by itself: its age is the
+leaves offline work (at that cap the SLO holds with offline work running), but not where online
+work measured alone (offline quiet) sits at or over ``comfort_ratio``: the duty cycle raises the
+duty only on ticks under it, so there the duty, not the cap, holds the job back, and a cut frees
+nothing. Such a cut is credited the duty the job has now, ``r_new`` is under ``r_now``, and it
+never pays (an LLM server busy 98 % of the time at half load: the job frozen at 50 % before the
+cut to the 10 % floor stayed frozen after it, and the restart halved its offline throughput).
+``H`` is not known. A cut must hold by itself: its age is the
 estimate (a share that flips back within the break-even restarts nothing; while it waits the duty
 cycle keeps the SLO, and no restart is asked during an SLO violation anyway). A raise follows
 evidence that offline work can have more for a while, so it is expected to hold at least
@@ -146,14 +146,15 @@ def verdict(
     regime_since_s: float | None,
     now: float,
     *,
-    alone_over_slo: bool = False,
+    duty_held_by_online: bool = False,
 ) -> RestartVerdict:
     """Whether restarting ``client`` under ``target_pct`` pays at ``now``.
 
     ``duty`` is the offline duty the job has had under its current cap (its mean since the share
-    was set, :meth:`DutyTally.mean`). ``alone_over_slo``: online work measured alone (offline
-    quiet) breaks its SLO, so a cut is credited ``duty`` at the target, not 1: the duty cycle
-    holds the job back whatever its cap, and the cut never pays (``restart_cost = 0s`` aside).
+    was set, :meth:`DutyTally.mean`). ``duty_held_by_online``: online work measured alone
+    (offline quiet) is at or over ``comfort_ratio``, where the duty cycle does not raise the duty,
+    so a cut is credited ``duty`` at the target, not 1, and never pays (``restart_cost = 0s``
+    aside).
     ``regime_since_s`` is when the share it would restart into was set (``None``: unknown, taken
     as settled). The hold expected: the regime's age, at
     least :data:`RAISE_HOLD_S` for a raise, and at most the job's age since its (re)launch
@@ -164,18 +165,19 @@ def verdict(
     # Issue 32: a cost the daemon measured says so (gpushare.daemon.startcost).
     costing = _fmt(cost) + (" (measured)" if client.restart_cost_measured else "")
     cut = target_pct < client.limits.sm_pct
-    # Issue 32: beside online work that breaks its SLO alone (an LLM server busy 98 % of the
+    # Issue 32: beside online work that needs the GPU alone (an LLM server busy 98 % of the
     # time), the duty keeps the job frozen after a cut as before it; only where the SLO leaves
-    # offline work the target does the job run unfrozen at it.
-    frozen_by_online = cut and alone_over_slo
+    # offline work room does the job run unfrozen at the new cap.
+    frozen_by_online = cut and duty_held_by_online
     new_duty = duty if frozen_by_online else 1.0
     need = break_even_hold_s(client.limits.sm_pct, target_pct, duty, cost, new_duty)
     if frozen_by_online and math.isinf(need):
         return RestartVerdict(
             False,
             need,
-            f"waits: online work alone breaks its SLO, so the duty ({duty:.2f} since the share "
-            f"was set), not the cap, holds the job back: a cut to {target_pct:g}% frees nothing",
+            f"waits: online work alone is at or over the comfort ratio, so the duty ({duty:.2f} "
+            f"since the share was set), not the cap, holds the job back: a cut to "
+            f"{target_pct:g}% frees nothing",
         )
     held = now - regime_since_s if regime_since_s is not None else math.inf
     if target_pct > client.limits.sm_pct:

@@ -84,9 +84,10 @@ def restarts(
         state, asked = shallow_restart(config, state, obs, going, now, actions)
         if asked:
             return state
-    # Issue 32: the evidence the share reads (share.quiet_level): online work alone over its SLO.
+    # Issue 32: online work measured alone (the share's evidence, share.quiet_level) at or over
+    # the comfort ratio: the duty cycle does not climb there, so a cut frees nothing.
     quiet = quiet_level(state)
-    alone_over = quiet is not None and quiet >= config.violation_ratio
+    held = quiet is not None and quiet >= config.comfort_ratio
     candidates = [
         c
         for c in obs.offline()
@@ -97,7 +98,7 @@ def restarts(
         # Issue 32: only when the gain over the expected hold pays the restart's cost.
         and restart_cost.verdict(
             config, c, client_share_pct(state.share_pct, c), tally.mean(now),
-            state.share_changed_at_s, now, alone_over_slo=alone_over,
+            state.share_changed_at_s, now, duty_held_by_online=held,
         ).worth
     ]  # fmt: skip
     if not candidates:
@@ -114,7 +115,7 @@ def restarts(
     target = client_share_pct(state.share_pct, chosen)
     pays = restart_cost.verdict(
         config, chosen, target, tally.mean(now), state.share_changed_at_s, now,
-        alone_over_slo=alone_over,
+        duty_held_by_online=held,
     ).reason  # fmt: skip
     actions.append(
         RestartClient(

@@ -223,26 +223,28 @@ def _llm_state(quiet: float) -> GpuState:
     )
 
 
-def test_a_cut_beside_online_work_that_breaks_its_slo_alone_never_restarts() -> None:
+def test_a_cut_beside_online_work_that_needs_the_gpu_alone_never_restarts() -> None:
     """An LLM server busy 98-99.5 % of the time alone: the duty keeps the trainer frozen at any cap.
 
     `llm/llama2-7b-load70+*`: the share fell to the 10 % floor on SM demand (online alone at 1.3-6x
     its SLO with offline quiet), the duty held the job at 50 % frozen, and at 78 s, the cut 63 s
     old, the job was restarted at a break-even of C (r_now 0, r_new 10 % at duty 1). After it the
-    duty stayed under 0.05: offline 0.011 -> 0.005 for the 60 s restart. The cut frees nothing the
-    duty holds back, so it never pays, however long it holds.
+    duty stayed under 0.05: offline 0.011 -> 0.005 for the 60 s restart. At a 1.1x SLO the 30 %
+    load did the same with online alone at 0.91x (over the comfort ratio, where the duty does
+    not climb). The cut frees nothing the duty holds back, so it never pays, however long it holds.
     """
     obs = observation((_client(50, started_at_s=0.0),))
     signals = online_signals(obs, CONFIG.probe_slo_ratio)
-    actions: list[Action] = []
-    state = _llm_state(quiet=5.0)
-    for now in (15.0 + 61.0, 300.0, 3600.0):
-        state = restarts(CONFIG, state, obs, signals, now, actions)
-    assert not [a for a in actions if isinstance(a, RestartClient)]
-    frozen = verdict(CONFIG, _client(50), 10, 0.0, 15.0, 3600.0, alone_over_slo=True)
+    for quiet in (5.0, 0.91, CONFIG.comfort_ratio):
+        actions: list[Action] = []
+        state = _llm_state(quiet)
+        for now in (15.0 + 61.0, 300.0, 3600.0):
+            state = restarts(CONFIG, state, obs, signals, now, actions)
+        assert not [a for a in actions if isinstance(a, RestartClient)], quiet
+    frozen = verdict(CONFIG, _client(50), 10, 0.0, 15.0, 3600.0, duty_held_by_online=True)
     assert not frozen.worth and "frees nothing" in frozen.reason
-    # Where the SLO leaves offline work the cut (online alone at 0.7x with offline quiet), the job
-    # runs unfrozen under it: the cut pays once it has held C, as before.
+    # Where online work alone leaves the duty room to climb (0.7x with offline quiet, under the
+    # comfort ratio), the job runs unfrozen under the cut: it pays once it has held C, as before.
     paid: list[Action] = []
     restarts(CONFIG, _llm_state(quiet=0.7), obs, signals, 15.0 + 61.0, paid)
     assert [(a.client_id, a.sm_pct) for a in paid if isinstance(a, RestartClient)] == [("c1", 10.0)]
@@ -254,12 +256,12 @@ def test_a_cut_beside_online_work_that_breaks_its_slo_alone_never_restarts() -> 
     duty=st.floats(0, 1),
     held=st.floats(0, 36000),
 )
-def test_beside_online_work_over_its_slo_alone_only_a_raise_can_pay(
+def test_beside_online_work_that_holds_the_duty_only_a_raise_can_pay(
     cur: float, new: float, duty: float, held: float
 ) -> None:
     # The flag changes cuts only: a raise is judged as before (duty 1 at the target).
     client = _client(cur)
-    over = verdict(CONFIG, client, new, duty, 0.0, held, alone_over_slo=True)
+    over = verdict(CONFIG, client, new, duty, 0.0, held, duty_held_by_online=True)
     if new < cur:
         assert not over.worth
     else:
