@@ -23,8 +23,7 @@ duty only on ticks under it, so there the duty, not the cap, holds the job back,
 nothing. Such a cut is credited the duty the job has now, ``r_new`` is under ``r_now``, and it
 never pays (an LLM server busy 98 % of the time at half load: the job frozen at 50 % before the
 cut to the 10 % floor stayed frozen after it, and the restart halved its offline throughput).
-``H`` is not known. A cut must hold by itself: its age is the
-estimate (a share that flips back within the break-even restarts nothing; while it waits the duty
+``H`` is not known. A cut must hold by itself: its age is the estimate (a share that flips back within the break-even restarts nothing; while it waits the duty
 cycle keeps the SLO, and no restart is asked during an SLO violation anyway). A raise follows
 evidence that offline work can have more for a while, so it is expected to hold at least
 :data:`RAISE_HOLD_S`. And the hold is at most the job's age since its (re)launch: all the
@@ -154,10 +153,9 @@ def verdict(
     was set, :meth:`DutyTally.mean`). ``duty_held_by_online``: online work measured alone
     (offline quiet) is at or over ``comfort_ratio``, where the duty cycle does not raise the duty,
     so a cut is credited ``duty`` at the target, not 1, and never pays (``restart_cost = 0s``
-    aside).
-    ``regime_since_s`` is when the share it would restart into was set (``None``: unknown, taken
-    as settled). The hold expected: the regime's age, at
-    least :data:`RAISE_HOLD_S` for a raise, and at most the job's age since its (re)launch
+    aside). ``regime_since_s`` is when the share it would restart into was set (``None``:
+    unknown, taken as settled). The hold expected: the regime's age, at least
+    :data:`RAISE_HOLD_S` for a raise, and at most the job's age since its (re)launch
     (``started_at_s``): no job is restarted within the break-even of its launch, whether it was
     restarted or admitted then.
     """

@@ -63,8 +63,9 @@ def restarts(
     violation (the app latency alone while gated with shallow queues), with MPS not up, or while
     an offline client is restarting. Then, in order: a deep ``--queue auto`` client relaunched
     shallow while gating is on (:func:`shallow_restart`); the restartable client whose SM cap is
-    furthest from its share (those above it first, :func:`needs_restart`); a shallow ``--queue
-    auto`` client relaunched deep while gating is off (:func:`queue_restart`).
+    furthest from its share (those above it first, :func:`needs_restart`; a cut is never paid
+    for while online work measured alone holds the duty down, ``restart_cost.verdict``); a
+    shallow ``--queue auto`` client relaunched deep while gating is off (:func:`queue_restart`).
     """
     tally = restart_cost.tally_duty(state.duty_tally, state.share_changed_at_s, state.duty, now)
     if tally is not state.duty_tally:
@@ -87,7 +88,7 @@ def restarts(
     # Issue 32: online work measured alone (the share's evidence, share.quiet_level) at or over
     # the comfort ratio: the duty cycle does not climb there, so a cut frees nothing.
     quiet = quiet_level(state)
-    held = quiet is not None and quiet >= config.comfort_ratio
+    duty_held = quiet is not None and quiet >= config.comfort_ratio
     candidates = [
         c
         for c in obs.offline()
@@ -98,7 +99,7 @@ def restarts(
         # Issue 32: only when the gain over the expected hold pays the restart's cost.
         and restart_cost.verdict(
             config, c, client_share_pct(state.share_pct, c), tally.mean(now),
-            state.share_changed_at_s, now, duty_held_by_online=held,
+            state.share_changed_at_s, now, duty_held_by_online=duty_held,
         ).worth
     ]  # fmt: skip
     if not candidates:
@@ -115,7 +116,7 @@ def restarts(
     target = client_share_pct(state.share_pct, chosen)
     pays = restart_cost.verdict(
         config, chosen, target, tally.mean(now), state.share_changed_at_s, now,
-        duty_held_by_online=held,
+        duty_held_by_online=duty_held,
     ).reason  # fmt: skip
     actions.append(
         RestartClient(
