@@ -21,16 +21,17 @@ leaves offline work (at that cap the SLO holds with offline work running), but n
 work measured alone (offline quiet) sits at or over ``comfort_ratio``: the duty cycle raises the
 duty only on ticks under it, so there the duty, not the cap, holds the job back, and a cut frees
 nothing. Such a cut is credited the duty the job has now, ``r_new`` is under ``r_now``, and it
-never pays (an LLM server busy 98 % of the time at half load: the job frozen at 50 % before the
-cut to the 10 % floor stayed frozen after it, and the restart halved its offline throughput).
-``H`` is not known. A cut must hold by itself: its age is the estimate (a share that flips back
-within the break-even restarts nothing; while it waits the duty cycle keeps the SLO, and no
-restart is asked during an SLO violation anyway). A raise follows evidence that offline work can have more for a while, so it is expected to hold at least
-:data:`RAISE_HOLD_S`. And the hold is at most the job's age since its (re)launch: all the
-controller knows of the life left to a job is how long it has run, so no job is restarted within
-the break-even of its launch. Churn is bounded per job whatever the share does, and a job just
-admitted under the share then in force is not restarted out of it before the restart can pay
-(a raise when gating turns on a second after admission waits until the job has run ``H*``).
+never pays (an LLM server busy 98 % of the time at half load: the job frozen at 50 % before the cut
+to the 10 % floor stayed frozen after it, and the restart halved its offline throughput). ``H`` is
+not known. A cut must hold by itself: its age is the estimate (a share that flips back within the
+break-even restarts nothing; while it waits the duty cycle keeps the SLO, and no restart is asked
+during an SLO violation anyway). A raise follows evidence that offline work can have more for a
+while, so it is expected to hold at least :data:`RAISE_HOLD_S`. And the hold is at most the job's
+age since its (re)launch: all the controller knows of the life left to a job is how long it has
+run, so no job is restarted within the break-even of its launch. Churn is bounded per job whatever
+the share does, and a job just admitted under the share then in force is not restarted out of it
+before the restart can pay (a raise when gating turns on a second after admission waits until the
+job has run ``H*``).
 
 Why the mean duty: while the duty cycle is in charge it climbs in steps and falls to 0 at each
 breach, several times a minute (the hour-long Azure trace from 870 s: 0 -> 0.5 and back every
