@@ -53,10 +53,19 @@ CONTROLS = {
 #: (the per-request TPOT the SLO is scored on, known at every token, without the completion lag).
 RUNNING = "gpushare-running"
 CONTROLS[RUNNING] = CONTROLS[SHARE100]
+#: ... and ``gpushare-llm`` with the server submitted at 85 % of the SMs (``submit --online --sm
+#: 85``): the trainer always has the other 15 % (the ``psrvcap-85`` lever under the daemon).
+LLM_SM85 = "gpushare-llm-sm85"
+CONTROLS[LLM_SM85] = CONTROLS[LLM]
+#: The server's SM percentage per setup (default 100).
+SERVER_SM = {LLM_SM85: 85.0}
 #: How each setup's server reports TPOT to the daemon (default: per token, the gap).
-TPOT_REPORT = {LLM: "request", RUNNING: "running"}
+TPOT_REPORT = {LLM: "request", RUNNING: "running", LLM_SM85: "request"}
 #: Levers run directly on the model (``llm_pairs``): not policies of the registry.
-LEVERS = ("cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70")
+LEVERS = (
+    "cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70", "psrvcap-80", "psrvcap-85",
+    "psrvcap-90",
+)  # fmt: skip
 
 Work = tuple[str, str | None, float, float, float, float]
 
@@ -71,7 +80,7 @@ def one(args: Work) -> tuple[llm_pairs.PairResult, float]:
         res = llm_daemon.run_policy(
             "gpushare" if setup in CONTROLS else setup, trainer, load, slo_ttft_s=slo_ttft_s,
             slo_tpot_s=slo_tpot_s, duration_s=duration, control=CONTROLS.get(setup, ""),
-            tpot_report=TPOT_REPORT.get(setup, "token"),
+            tpot_report=TPOT_REPORT.get(setup, "token"), server_sm_pct=SERVER_SM.get(setup, 100.0),
         )  # fmt: skip
         res = dataclasses.replace(res, setup=setup)
     else:
@@ -131,7 +140,11 @@ def main() -> None:
     args = ap.parse_args()
     loads = (0.5,) if args.quick else tuple(float(x) for x in args.loads.split(","))
     trainers = llm_pairs.TRAINERS[:1] if args.quick else llm_pairs.TRAINERS
-    setups = args.setups.split(",") if args.setups else [*POLICIES, SHARE100, LLM, RUNNING, *LEVERS]
+    setups = (
+        args.setups.split(",")
+        if args.setups
+        else [*POLICIES, SHARE100, LLM, RUNNING, LLM_SM85, *LEVERS]
+    )
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
     partial = args.out.with_suffix(".partial.jsonl")

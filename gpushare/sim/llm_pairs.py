@@ -16,7 +16,10 @@ the shipped training profiles) at a load that is a fraction of its capacity alon
   the trainer's queue shallow (:data:`SHALLOW_BOUND` kernels in flight, ``GPUSHARE_MAX_INFLIGHT``)
   so that a freeze stops it within a few kernels instead of after its queued iteration;
 * ``srvcap-N``: plain MPS with the *server* capped at N % of the SMs (decode is bound by memory
-  bandwidth, so fewer SMs may cost it little) and the trainer uncapped.
+  bandwidth, so fewer SMs may cost it little) and the trainer uncapped;
+* ``psrvcap-N``: MPS priority (the server at 0, the trainer at 1) with the *server* capped at
+  N % of the SMs and the trainer uncapped: the trainer always has the other ``100 - N`` % and
+  takes the server's gaps as under ``mps-priority`` (``submit --online --sm N``).
 
 The SLOs are the p99 TTFT and p99 TPOT of the server alone at the same load, times a factor; a
 request attains when both its TTFT and its TPOT are within them. Offline throughput is the
@@ -52,8 +55,10 @@ DEFAULT_CONFIG = LlmServerConfig()
 V100_MEM = 32 << 30
 
 
+#: Setups that cap the server, not the trainer.
+_SERVER_CAPPED = ("srvcap-", "psrvcap-")
 #: Setups with a number after the prefix (module docstring).
-_PREFIXES = ("cap-", "duty-", "mpsduty-", "srvcap-")
+_PREFIXES = ("cap-", "duty-", "mpsduty-", "srvcap-", "psrvcap-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +154,7 @@ def run_pair(
     mode: GpuMode = "time_slice" if setup == "time-slicing" else "mps"
     gpu = Gpu(loop, uuid="g", index=0, sm_count=V100_SMS, mem_total_bytes=V100_MEM, mode=mode)
     reqs = trace_requests(trace, rate_scale=scale, start_s=TRACE_START_S, end_s=duration_s)
-    srv_pct = float(setup[7:]) if setup.startswith("srvcap-") else 100.0
+    srv_pct = float(setup.split("-", 1)[1]) if setup.startswith(_SERVER_CAPPED) else 100.0
     srv = LlmServer("llm", gpu, reqs, cfg, sm_pct=srv_pct)
     srv.start(loop)
     tr: OfflineTrainer | None = None

@@ -259,3 +259,22 @@ def test_a_duty_cycle_under_plain_mps_bites_because_the_trainers_queue_is_shallo
     assert low.offline_norm < 0.15
     assert half.offline_norm > 2.5 * low.offline_norm
     assert low.attainment >= half.attainment
+
+
+def test_capping_the_server_under_priority_leaves_the_trainer_the_rest_of_the_sms() -> None:
+    trainer = llm_pairs.TRAINERS[0]
+    alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=25.0)
+    prio, capped = (
+        llm_pairs.score(llm_pairs.run_pair(s, trainer, 0.5, duration_s=25.0), alone, 1.5)
+        for s in ("mps-priority", "psrvcap-80")
+    )
+    # The trainer keeps 20 % of the SMs the server can never take, on top of the server's gaps;
+    # the server pays with slower iterations (G7), but keeps MPS priority over the rest.
+    assert capped.offline_norm > 1.3 * prio.offline_norm
+    assert capped.tpot_p99_ms > prio.tpot_p99_ms
+    plain = llm_pairs.score(
+        llm_pairs.run_pair("srvcap-80", trainer, 0.5, duration_s=25.0), alone, 1.5
+    )
+    assert capped.attainment > plain.attainment
+    with pytest.raises(ValueError):
+        llm_pairs.run_pair("psrvcap-many", trainer, 0.5, duration_s=1.0)
