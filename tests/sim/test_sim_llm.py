@@ -276,5 +276,6 @@ def test_capping_the_server_under_priority_leaves_the_trainer_the_rest_of_the_sm
         llm_pairs.run_pair("srvcap-80", trainer, 0.5, duration_s=25.0), alone, 1.5
     )
     assert capped.attainment > plain.attainment
-    with pytest.raises(ValueError):
-        llm_pairs.run_pair("psrvcap-many", trainer, 0.5, duration_s=1.0)
+    for bad in ("psrvcap-many", "psrvcap-0", "psrvcap-120", "srvcap-nan"):
+        with pytest.raises(ValueError, match="percentage"):
+            llm_pairs.run_pair(bad, trainer, 0.5, duration_s=1.0)
