@@ -5,11 +5,12 @@ from __future__ import annotations
 import gzip
 import itertools
 import math
+import statistics
 from pathlib import Path
 
 import pytest
 
-from gpushare.sim import data, llm_daemon, llm_pairs, llm_validation
+from gpushare.sim import data, llm_daemon, llm_pairs, llm_smshare, llm_validation
 from gpushare.sim.gpu import EventLoop, Gpu
 from gpushare.sim.llm import (
     CONV_TRACE,
@@ -279,3 +280,20 @@ def test_capping_the_server_under_priority_leaves_the_trainer_the_rest_of_the_sm
     for bad in ("psrvcap-many", "psrvcap-0", "psrvcap-120", "srvcap-nan"):
         with pytest.raises(ValueError, match="percentage"):
             llm_pairs.run_pair(bad, trainer, 0.5, duration_s=1.0)
+
+
+def test_the_saturating_law_fits_muxserve_and_beats_g7_on_points_not_fitted() -> None:
+    assert llm_smshare.fit() == llm_smshare.FITTED_S_SAT
+    rows = llm_smshare.evaluate(llm_smshare.FITTED_S_SAT)
+    assert len(rows) == len(llm_smshare.POINTS) == 77
+    val = [r for r in rows if r.point.role == "validation" and r.point.phase == "decode"]
+    assert len(val) == 28 and all(math.isfinite(r.error) for r in rows)
+    # G7 says a decode step on half the SMs takes ~1.9x; MuxServe measured ~1.1x.
+    half = next(r for r in val if (r.point.batch, r.point.seq, r.point.sm_pct) == (8, 128, 50))
+    assert half.point.measured < 1.15 and half.g7 > 1.8 and abs(half.error) < 0.1
+    med = statistics.median
+    assert med(abs(r.error) for r in val) < 0.5 * med(abs(r.g7_error) for r in val)
+    # The law changes nothing at full width, and G7 is the law with no saturation.
+    assert llm_smshare.slowdown(80, 80, True, 0.45) == 1.0
+    assert llm_smshare.slowdown(80, 40, False, 0.45) == llm_smshare.slowdown(80, 40, True, 0.0)
+    assert llm_smshare.slowdown(80, 40, True, 0.45) == 1.0
