@@ -64,8 +64,8 @@ def run_policy(
     ``tpot_report`` is how the server reports TPOT (``"token"``: each inter-token gap;
     ``"request"``: each request's mean); ``queue`` is the training job's ``submit --queue``;
     ``server_sm_pct`` is the server's ``submit --online --sm`` (its MPS active-thread percentage).
-    Of ``config`` the scheduler limits and the KV cache are used (the ``[[llm]]`` keys); the model
-    and the roof are the defaults.
+    Of ``config`` the scheduler limits, the KV cache and ``s_sat`` are used (the ``[[llm]]``
+    keys); the model and the roof are the defaults.
 
     Raises:
         ValueError: an unknown policy name or a load outside (0, 1].
@@ -77,7 +77,7 @@ def run_policy(
         f'load = {load!r}\ntrace_start = "{TRACE_START_S}s"\nslo_ttft_p99 = "{slo_ttft_s * 1e3:.6f}ms"\n'
         f'slo_tpot_p99 = "{slo_tpot_s * 1e3:.6f}ms"\nkv_cache = {cfg.kv_cache_bytes}\n'
         f"max_batched_tokens = {cfg.max_batched_tokens}\nmax_seqs = {cfg.max_seqs}\n"
-        f'tpot_report = "{tpot_report}"\nsm_pct = {server_sm_pct!r}'
+        f'tpot_report = "{tpot_report}"\nsm_pct = {server_sm_pct!r}\ns_sat = {cfg.s_sat!r}'
     )
     scen = _scenario(trainer, duration_s, llm, control, queue)
     policy = registry.make_policy(policy_name, scen.config.control)

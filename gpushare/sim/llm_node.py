@@ -38,6 +38,7 @@ def server_config(spec: LlmSpec) -> LlmServerConfig:
         kv_cache_bytes=spec.kv_cache_bytes,
         max_batched_tokens=int(spec.max_batched_tokens),
         max_seqs=int(spec.max_seqs),
+        s_sat=spec.s_sat,
     )
 
 

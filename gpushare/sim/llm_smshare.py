@@ -19,7 +19,8 @@ model side is the LLM server's own roofline (:mod:`gpushare.sim.llm_cost`, A100 
 shipped constants): each kernel of the step slowed by the law on ``round(pct x 108)`` of the 108
 SMs, alone (no other client).
 
-The engine does not use the saturating law yet (``docs/simulator.md`` section 7, L3b).
+The engine applies the law (:func:`gpushare.sim.dispatch.saturating_slow`) to the kernels of an
+LLM server whose ``LlmServerConfig.s_sat`` (``[[llm]] s_sat``) is above 0; the default is 0, G7.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from gpushare.sim.dispatch import saturating_slow
 from gpushare.sim.gpu import DEFAULT_PARALLEL_FRACTION
 from gpushare.sim.llm_cost import (
     A100_80G,
@@ -94,8 +96,9 @@ def slowdown(width: int, slots: int, memory_bound: bool, s_sat: float) -> float:
     if slots >= width:
         return 1.0
     f = DEFAULT_PARALLEL_FRACTION
-    if memory_bound and s_sat > 0.0:
-        return max(1.0, (1.0 - f) + f * s_sat * width / slots)
+    if s_sat > 0.0:
+        # The engine's own law (a merged chunk's memory-bound share is 0 or 1 here).
+        return saturating_slow(1.0 - f, f, width, slots, 1.0 if memory_bound else 0.0, s_sat)
     return (1.0 - f) + f * width / slots
 
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import gzip
 import itertools
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from gpushare.sim import data, llm_daemon, llm_pairs, llm_smshare, llm_validation
+from gpushare.sim import data, engine, llm_daemon, llm_pairs, llm_smshare, llm_validation
 from gpushare.sim.gpu import EventLoop, Gpu
 from gpushare.sim.llm import (
     CONV_TRACE,
@@ -297,3 +301,39 @@ def test_the_saturating_law_fits_muxserve_and_beats_g7_on_points_not_fitted() ->
     assert llm_smshare.slowdown(80, 80, True, 0.45) == 1.0
     assert llm_smshare.slowdown(80, 40, False, 0.45) == llm_smshare.slowdown(80, 40, True, 0.0)
     assert llm_smshare.slowdown(80, 40, True, 0.45) == 1.0
+
+
+_LAW_RUN = """
+import json, sys
+from gpushare.sim import engine, llm_pairs
+from gpushare.sim.llm import LlmServerConfig
+cfg = LlmServerConfig(s_sat=float(sys.argv[1]))
+r = llm_pairs.run_pair("psrvcap-70", llm_pairs.TRAINERS[0], 0.5, duration_s=12.0, config=cfg)
+print(json.dumps({"engine": engine.loaded(), "timings": r.timings, "it": r.offline_it_per_s}))
+"""
+
+
+def _law_run(s_sat: float, force_python: bool) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if k != engine.ENV_ENGINE}
+    if force_python:
+        env[engine.ENV_ENGINE] = "python"
+    proc = subprocess.run(
+        [sys.executable, "-c", _LAW_RUN, str(s_sat)], capture_output=True, text=True, env=env,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc: dict[str, object] = json.loads(proc.stdout)
+    return doc
+
+
+def test_the_server_under_the_saturating_law_keeps_speed_on_a_cap_in_both_engines() -> None:
+    law = _law_run(llm_smshare.FITTED_S_SAT, force_python=True)
+    g7 = _law_run(0.0, force_python=True)
+    assert law["engine"] == "python"
+    tpot = [[p for _, p in doc["timings"] if p is not None] for doc in (law, g7)]  # type: ignore[attr-defined]
+    # On 56 of 80 slots decode keeps its speed (56 > 0.45 x 80): TPOTs shorter than under G7.
+    assert statistics.mean(tpot[0]) < 0.9 * statistics.mean(tpot[1])
+    if engine.choose().kind == "compiled":
+        compiled = _law_run(llm_smshare.FITTED_S_SAT, force_python=False)
+        assert compiled["engine"] == "compiled"
+        assert (compiled["timings"], compiled["it"]) == (law["timings"], law["it"])
