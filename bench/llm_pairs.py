@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from gpushare.logs import configure_logging  # noqa: E402
 from gpushare.sim import engine, llm_daemon, llm_pairs  # noqa: E402
+from gpushare.sim.llm import LlmServerConfig  # noqa: E402
 
 LOADS = (0.3, 0.5, 0.7)
 FACTORS = (1.1, 1.5, 2.0)
@@ -53,29 +54,41 @@ CONTROLS = {
 #: (the per-request TPOT the SLO is scored on, known at every token, without the completion lag).
 RUNNING = "gpushare-running"
 CONTROLS[RUNNING] = CONTROLS[SHARE100]
+#: ... and ``gpushare-llm`` with the server submitted at 85 % of the SMs (``submit --online --sm
+#: 85``): the trainer always has the other 15 % (the ``psrvcap-85`` lever under the daemon).
+LLM_SM85 = "gpushare-llm-sm85"
+#: The server's SM percentage per setup (default 100): ``gpushare-llm-smN`` for N in 75, 80, 85.
+SERVER_SM = {f"{LLM}-sm{n}": float(n) for n in (75, 80, 85)}
 #: How each setup's server reports TPOT to the daemon (default: per token, the gap).
 TPOT_REPORT = {LLM: "request", RUNNING: "running"}
+for _name in SERVER_SM:
+    CONTROLS[_name] = CONTROLS[LLM]
+    TPOT_REPORT[_name] = "request"
 #: Levers run directly on the model (``llm_pairs``): not policies of the registry.
-LEVERS = ("cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70")
+LEVERS = (
+    "cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70", "psrvcap-80", "psrvcap-85",
+    "psrvcap-90",
+)  # fmt: skip
 
-Work = tuple[str, str | None, float, float, float, float]
+Work = tuple[str, str | None, float, float, float, float, float]
 
 
 def one(args: Work) -> tuple[llm_pairs.PairResult, float]:
     """One run and its speed (virtual s per CPU s)."""
-    setup, trainer, load, duration, slo_ttft_s, slo_tpot_s = args
+    setup, trainer, load, duration, slo_ttft_s, slo_tpot_s, s_sat = args
+    cfg = LlmServerConfig(s_sat=s_sat)
     configure_logging("error", json=False)
     t0 = time.process_time()
     if setup in POLICIES or setup in CONTROLS:
         assert trainer is not None
         res = llm_daemon.run_policy(
             "gpushare" if setup in CONTROLS else setup, trainer, load, slo_ttft_s=slo_ttft_s,
-            slo_tpot_s=slo_tpot_s, duration_s=duration, control=CONTROLS.get(setup, ""),
-            tpot_report=TPOT_REPORT.get(setup, "token"),
+            slo_tpot_s=slo_tpot_s, duration_s=duration, control=CONTROLS.get(setup, ""), config=cfg,
+            tpot_report=TPOT_REPORT.get(setup, "token"), server_sm_pct=SERVER_SM.get(setup, 100.0),
         )  # fmt: skip
         res = dataclasses.replace(res, setup=setup)
     else:
-        res = llm_pairs.run_pair(setup, trainer, load, duration_s=duration)
+        res = llm_pairs.run_pair(setup, trainer, load, duration_s=duration, config=cfg)
     return res, duration / max(1e-9, time.process_time() - t0)
 
 
@@ -121,6 +134,13 @@ def main() -> None:
         help="SLO factor the daemon is given (x the p99 TTFT and TPOT alone); results are scored "
         "at every factor",
     )
+    ap.add_argument(
+        "--s-sat",
+        type=float,
+        default=0.0,
+        help="the server's kernels on fewer SMs follow the saturating law with this fraction "
+        "(docs/simulator.md L3b; 0.45 measured); default 0: G7",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/llm_pairs.json")
     ap.add_argument("--setups", help="comma-separated setups (default: every one)")
     ap.add_argument(
@@ -131,7 +151,11 @@ def main() -> None:
     args = ap.parse_args()
     loads = (0.5,) if args.quick else tuple(float(x) for x in args.loads.split(","))
     trainers = llm_pairs.TRAINERS[:1] if args.quick else llm_pairs.TRAINERS
-    setups = args.setups.split(",") if args.setups else [*POLICIES, SHARE100, LLM, RUNNING, *LEVERS]
+    setups = (
+        args.setups.split(",")
+        if args.setups
+        else [*POLICIES, SHARE100, LLM, RUNNING, LLM_SM85, *LEVERS]
+    )
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
     partial = args.out.with_suffix(".partial.jsonl")
@@ -144,7 +168,10 @@ def main() -> None:
         partial.write_text("")
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             first = list(
-                pool.map(one, [("exclusive", None, x, args.duration, 0.0, 0.0) for x in loads])
+                pool.map(
+                    one,
+                    [("exclusive", None, x, args.duration, 0.0, 0.0, args.s_sat) for x in loads],
+                )
             )
             alone = {r.load: r for r, _ in first}
             k = args.control_factor
@@ -156,6 +183,7 @@ def main() -> None:
                     args.duration,
                     k * llm_pairs.p99(alone[x].ttft_s),
                     k * llm_pairs.p99(alone[x].tpot_s),
+                    args.s_sat,
                 )
                 for x in loads
                 for t in trainers
@@ -201,6 +229,7 @@ def main() -> None:
     out = {
         "duration_s": args.duration,
         "control_factor": args.control_factor,
+        "s_sat": args.s_sat,
         "capacity_rps": llm_pairs.capacity_rps(),
         "rows": rows,
         "speed_min": min(speeds),

@@ -233,6 +233,8 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
         run.bw = g * mem_e
         run.last_s = now
         slow = 1.0 if g >= width else gpu.serial + gpu.f * width / g
+        if g < width and s.sat > 0.0:
+            slow = saturating_slow(gpu.serial, gpu.f, width, g, mem, s.sat)
         if runs and beta_per_sm:
             other = 0.0
             for r in runs:
@@ -246,6 +248,20 @@ def dispatch(gpu: Gpu, completing: Stream | None = None) -> None:
         loop.arm(run.done, now + 1.0 / rate)
     if short and not full:
         arm_waves(gpu, short)
+
+
+def saturating_slow(serial: float, f: float, width: int, g: int, mem: float, sat: float) -> float:
+    """G7 with the saturating law of LLM kernels (docs/simulator.md L3b), for ``g < width`` slots.
+
+    The memory-bound share ``mem`` of the kernel's time (a merged chunk's duration-weighted
+    memory-boundness) keeps its speed down to ``sat x width`` slots and follows G7 with that width
+    below it; the rest follows G7. Only streams with ``sat > 0`` (the LLM server's) use it.
+    """
+    g7 = serial + f * width / g
+    low = serial + f * sat * width / g
+    if low < 1.0:
+        low = 1.0
+    return mem * low + (1.0 - mem) * g7
 
 
 def _share(cands: list[Stream], k: int, e: int, free: int) -> None:
@@ -331,6 +347,8 @@ def _run_on(gpu: Gpu, stream: Stream) -> None:
             # Short of slots, it would wait on other kernels' waves: the event path's case.
             break
         slow = 1.0 if g >= width else serial + f * width / g
+        if g < width and stream.sat > 0.0:
+            slow = saturating_slow(serial, f, width, g, mem, stream.sat)
         if other_bw:
             slow *= 1.0 + beta_per_sm * (0.25 + 0.75 * mem) * other_bw
         # The arithmetic of a kernel started through the event queue, to the last bit.

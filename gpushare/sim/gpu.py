@@ -50,6 +50,7 @@ from typing import Literal, Protocol
 # Runtime imports go one way, from this module to the others (which import it only under
 # TYPE_CHECKING, for its types): there is no import cycle among the engine's modules.
 from gpushare.sim.dispatch import dispatch as dispatch_free_slots
+from gpushare.sim.dispatch import saturating_slow
 from gpushare.sim.events import TIMER_DONE, TIMER_WAVE_END, Timer
 from gpushare.sim.events import EventLoop as EventLoop  # re-exported: Gpu(loop, ...) takes one
 from gpushare.sim.timeslice import SliceState
@@ -130,6 +131,9 @@ class Stream:
         self.c_final = 0
         self.w_prio = 0
         self.w_has = 0
+        #: The saturating fraction of its memory-bound kernels (docs/simulator.md L3b; the LLM
+        #: server's); 0: G7 for every kernel.
+        self.sat = 0.0
 
 
 @dataclass(slots=True)
@@ -308,6 +312,9 @@ class Gpu:
         # The rate law (G7, G8 in docs/simulator.md), inlined: this is the hot path.
         w = run.width
         slow = 1.0 if g >= w else self.serial + self.f * w / g
+        sat = run.stream.sat
+        if g < w and sat > 0.0:
+            slow = saturating_slow(self.serial, self.f, w, g, (run.mem_e - 0.25) / 0.75, sat)
         runs = self.runs
         if len(runs) > 1 and self.beta > 0.0:
             other = 0.0

@@ -139,6 +139,9 @@ class LlmServerConfig:
     block_tokens: int = 16
     #: CPU time between two iterations (0: a GPU-bound server overlaps its scheduling).
     iter_host_s: float = 0.0
+    #: The saturating fraction of its memory-bound kernels on fewer SMs (docs/simulator.md L3b;
+    #: ``llm_smshare.FITTED_S_SAT`` is the measured one); 0: G7, the shipped tables' law.
+    s_sat: float = 0.0
 
     @property
     def kv_blocks(self) -> int:
@@ -209,6 +212,7 @@ class LlmServer(SimClient):
             pinned_mem_bytes=None,
         )  # fmt: skip
         self.cfg = cfg
+        self.stream.sat = cfg.s_sat
         self._requests = requests
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []

@@ -56,14 +56,16 @@ def run_policy(
     control: str = "",
     tpot_report: str = "token",
     queue: str = "auto",
+    server_sm_pct: float = 100.0,
 ) -> PairResult:
     """The pair under a registered policy (``gpushare``, ...) driven by the daemon's loop.
 
     ``control`` is TOML appended to the pair's scenario (a ``[control]`` table of overrides);
     ``tpot_report`` is how the server reports TPOT (``"token"``: each inter-token gap;
-    ``"request"``: each request's mean); ``queue`` is the training job's ``submit --queue``.
-    Of ``config`` the scheduler limits and the KV cache are used (the ``[[llm]]`` keys); the model
-    and the roof are the defaults.
+    ``"request"``: each request's mean); ``queue`` is the training job's ``submit --queue``;
+    ``server_sm_pct`` is the server's ``submit --online --sm`` (its MPS active-thread percentage).
+    Of ``config`` the scheduler limits, the KV cache and ``s_sat`` are used (the ``[[llm]]``
+    keys); the model and the roof are the defaults.
 
     Raises:
         ValueError: an unknown policy name or a load outside (0, 1].
@@ -75,7 +77,7 @@ def run_policy(
         f'load = {load!r}\ntrace_start = "{TRACE_START_S}s"\nslo_ttft_p99 = "{slo_ttft_s * 1e3:.6f}ms"\n'
         f'slo_tpot_p99 = "{slo_tpot_s * 1e3:.6f}ms"\nkv_cache = {cfg.kv_cache_bytes}\n'
         f"max_batched_tokens = {cfg.max_batched_tokens}\nmax_seqs = {cfg.max_seqs}\n"
-        f'tpot_report = "{tpot_report}"'
+        f'tpot_report = "{tpot_report}"\nsm_pct = {server_sm_pct!r}\ns_sat = {cfg.s_sat!r}'
     )
     scen = _scenario(trainer, duration_s, llm, control, queue)
     policy = registry.make_policy(policy_name, scen.config.control)

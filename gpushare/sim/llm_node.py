@@ -38,6 +38,7 @@ def server_config(spec: LlmSpec) -> LlmServerConfig:
         kv_cache_bytes=spec.kv_cache_bytes,
         max_batched_tokens=int(spec.max_batched_tokens),
         max_seqs=int(spec.max_seqs),
+        s_sat=spec.s_sat,
     )
 
 
@@ -56,7 +57,7 @@ def llm_servers(
         reqs = trace_requests(
             trace, rate_scale=scale, start_s=spec.trace_start_s, end_s=scenario.duration_s
         )
-        srv = LlmServer(spec.name, gpus[spec.gpu], reqs, cfg)
+        srv = LlmServer(spec.name, gpus[spec.gpu], reqs, cfg, sm_pct=spec.sm_pct)
         srv.pid = next_pid()
         srv.tpot_per_token = spec.tpot_report != "request"
         srv.tpot_running = spec.tpot_report == "running"

@@ -16,7 +16,10 @@ the shipped training profiles) at a load that is a fraction of its capacity alon
   the trainer's queue shallow (:data:`SHALLOW_BOUND` kernels in flight, ``GPUSHARE_MAX_INFLIGHT``)
   so that a freeze stops it within a few kernels instead of after its queued iteration;
 * ``srvcap-N``: plain MPS with the *server* capped at N % of the SMs (decode is bound by memory
-  bandwidth, so fewer SMs may cost it little) and the trainer uncapped.
+  bandwidth, so fewer SMs may cost it little) and the trainer uncapped;
+* ``psrvcap-N``: MPS priority (the server at 0, the trainer at 1) with the *server* capped at
+  N % of the SMs and the trainer uncapped: the trainer always has the other ``100 - N`` % and
+  takes the server's gaps as under ``mps-priority`` (``submit --online --sm N``).
 
 The SLOs are the p99 TTFT and p99 TPOT of the server alone at the same load, times a factor; a
 request attains when both its TTFT and its TPOT are within them. Offline throughput is the
@@ -52,8 +55,10 @@ DEFAULT_CONFIG = LlmServerConfig()
 V100_MEM = 32 << 30
 
 
+#: Setups that cap the server, not the trainer.
+_SERVER_CAPPED = ("srvcap-", "psrvcap-")
 #: Setups with a number after the prefix (module docstring).
-_PREFIXES = ("cap-", "duty-", "mpsduty-", "srvcap-")
+_PREFIXES = ("cap-", "duty-", "mpsduty-", "srvcap-", "psrvcap-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +140,15 @@ def run_pair(
     """One server (at ``load`` of its capacity) with ``trainer`` (None: alone) under ``setup``.
 
     Raises:
-        ValueError: an unknown setup, or a load outside (0, 1].
+        ValueError: an unknown setup, a setup's number not a percentage in (0, 100], or a load
+            outside (0, 1].
     """
     if not 0.0 < load <= 1.0:
         raise ValueError(f"load {load!r}: expected a fraction of capacity in (0, 1]")
     if setup not in SETUPS and not setup.startswith(_PREFIXES):
         raise ValueError(f"unknown setup {setup!r}: expected one of {', '.join(SETUPS)}")
+    if setup not in SETUPS:
+        _percentage(setup)
     cfg = config or LlmServerConfig()
     trace = load_trace()
     span = trace[-1].arrival_s - trace[0].arrival_s
@@ -149,7 +157,7 @@ def run_pair(
     mode: GpuMode = "time_slice" if setup == "time-slicing" else "mps"
     gpu = Gpu(loop, uuid="g", index=0, sm_count=V100_SMS, mem_total_bytes=V100_MEM, mode=mode)
     reqs = trace_requests(trace, rate_scale=scale, start_s=TRACE_START_S, end_s=duration_s)
-    srv_pct = float(setup[7:]) if setup.startswith("srvcap-") else 100.0
+    srv_pct = _percentage(setup) if setup.startswith(_SERVER_CAPPED) else 100.0
     srv = LlmServer("llm", gpu, reqs, cfg, sm_pct=srv_pct)
     srv.start(loop)
     tr: OfflineTrainer | None = None
@@ -178,6 +186,18 @@ def run_pair(
         srv.stats.preemptions,
         srv.stats.busy_s / duration_s,
     )
+
+
+def _percentage(setup: str) -> float:
+    """The number after a setup's prefix (``psrvcap-85``: 85), a percentage in (0, 100]."""
+    text = setup.split("-", 1)[1]
+    try:
+        pct = float(text)
+    except ValueError:
+        pct = math.nan
+    if not 0.0 < pct <= 100.0:
+        raise ValueError(f"setup {setup!r}: expected a percentage in (0, 100] after the prefix")
+    return pct
 
 
 def _duty_cycle(loop: EventLoop, tr: OfflineTrainer, duty: float, end_s: float) -> None:

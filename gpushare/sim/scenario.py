@@ -157,6 +157,10 @@ class LlmSpec:
     max_batched_tokens: int = num(2048, minimum=16, maximum=1 << 20)
     max_seqs: int = num(256, minimum=1, maximum=1 << 16)
     tpot_report: Literal["token", "running", "request"] = "token"
+    #: Its MPS active-thread percentage, as ``submit --online --sm`` gives it.
+    sm_pct: float = num(100.0, minimum=1.0, maximum=100.0)
+    #: The saturating law's fraction for its kernels on fewer SMs (docs/simulator.md L3b); 0: G7.
+    s_sat: float = num(0.0, minimum=0.0, maximum=1.0)
 
 
 @dataclass(frozen=True, slots=True)

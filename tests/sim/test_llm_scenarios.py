@@ -35,13 +35,18 @@ def test_an_llm_table_is_read_with_its_defaults_and_bad_values_get_one_line() ->
     (spec,) = sc.llm
     assert spec.name == "chat" and spec.load == 0.5 and spec.trace_start_s == 600.0
     assert spec.slo_ttft_p99_s == pytest.approx(1.4) and spec.slo_tpot_p99_s == pytest.approx(0.045)
-    assert spec.tpot_report == "token" and spec.kv_cache_bytes == 6 << 30
+    assert spec.tpot_report == "token" and spec.kv_cache_bytes == 6 << 30 and spec.sm_pct == 100.0
+    assert spec.s_sat == 0.0
     for bad, key in (
         ("load = 1.2", "llm[0].load"),
         ('tpot_report = "bytes"', "llm[0].tpot_report"),
         ("gpu = 3", "llm[0].gpu"),
         ('kv_cache = "1k"', "llm[0].kv_cache"),
         ("colour = 1", "llm[0].colour"),
+        ("sm_pct = 0", "llm[0].sm_pct"),
+        ("sm_pct = 101", "llm[0].sm_pct"),
+        ("s_sat = 1.5", "llm[0].s_sat"),
+        ("s_sat = -0.1", "llm[0].s_sat"),
     ):
         text = PAIR.replace("load = 0.5", bad) if "load" in bad else PAIR + bad + "\n"
         with pytest.raises(scenario.ScenarioError) as err:
@@ -102,3 +107,22 @@ def test_slos_not_given_are_a_factor_times_the_p99s_alone() -> None:
     (a,) = alone.llm
     assert slo[llm_node.slo_keys("chat")[0]] == pytest.approx(2.0 * a.ttft_p99_ms)
     assert slo["chat/tpot"] == pytest.approx(2.0 * a.tpot_p99_ms)
+
+
+def test_an_llm_server_submitted_with_an_sm_share_runs_and_is_registered_at_it() -> None:
+    sc = scenario.loads(PAIR.replace("load = 0.5", "load = 0.5\nsm_pct = 85\ns_sat = 0.45"))
+    policy = registry.make_policy("gpushare", sc.config.control)
+    node = SimNode(sc, traits=PolicyTraits.of(policy))
+    (srv,) = node.llm
+    # MPS's active-thread percentage: round(0.85 x 80) slots, as `submit --online --sm 85`.
+    assert srv.sm_pct == 85.0 and srv.stream.cap_sms == 68
+    # Its kernels follow the saturating law on fewer SMs (L3b); the trainer's keep G7.
+    assert srv.cfg.s_sat == srv.stream.sat == 0.45
+    assert all(job.stream.sat == 0.0 for job in node.offline)
+    node.start()
+    sim = SimDaemon(node, policy)
+    sim.run(5.0)
+    rec = sim.state.registry.get("chat")
+    sim.close()
+    assert rec is not None and rec.sm_pct == 85.0
+    assert srv.stream.held_max == 68
