@@ -91,7 +91,7 @@ def test_a_pytorch_job_restarted_by_gpushare_resumes_losing_at_most_one_iteratio
             c = e2e.dp.client(job)
             return c if c["restarts"] >= 1 and c["state"] in ("running", "throttled") else None
 
-        now = wait_for(relaunched, 30.0, "the restart under the new share")
+        now = wait_for(relaunched, 90.0, "the restart under the new share")
         e2e.burst(False)
         assert now["pid"] != first["pid"]
         wait_for(lambda: _logged(log, 1) >= 3, 60.0, "resumed")
