@@ -54,10 +54,9 @@ CONTROLS = {
 #: (the per-request TPOT the SLO is scored on, known at every token, without the completion lag).
 RUNNING = "gpushare-running"
 CONTROLS[RUNNING] = CONTROLS[SHARE100]
-#: ... and ``gpushare-llm`` with the server submitted at 85 % of the SMs (``submit --online --sm
-#: 85``): the trainer always has the other 15 % (the ``psrvcap-85`` lever under the daemon).
-LLM_SM85 = "gpushare-llm-sm85"
-#: The server's SM percentage per setup (default 100): ``gpushare-llm-smN`` for N in 75, 80, 85.
+#: ... and ``gpushare-llm`` with the server submitted at N % of the SMs (``submit --online --sm
+#: N``, N in 75, 80, 85): the trainer always has the other 100 - N % (``psrvcap-N`` under the
+#: daemon). The server's SM percentage per setup (default 100):
 SERVER_SM = {f"{LLM}-sm{n}": float(n) for n in (75, 80, 85)}
 #: How each setup's server reports TPOT to the daemon (default: per token, the gap).
 TPOT_REPORT = {LLM: "request", RUNNING: "running"}
@@ -66,8 +65,8 @@ for _name in SERVER_SM:
     TPOT_REPORT[_name] = "request"
 #: Levers run directly on the model (``llm_pairs``): not policies of the registry.
 LEVERS = (
-    "cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70", "psrvcap-80", "psrvcap-85",
-    "psrvcap-90",
+    "cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70", "psrvcap-70", "psrvcap-75",
+    "psrvcap-80", "psrvcap-85", "psrvcap-90",
 )  # fmt: skip
 
 Work = tuple[str, str | None, float, float, float, float, float]
@@ -137,9 +136,9 @@ def main() -> None:
     ap.add_argument(
         "--s-sat",
         type=float,
-        default=0.0,
+        default=LlmServerConfig().s_sat,
         help="the server's kernels on fewer SMs follow the saturating law with this fraction "
-        "(docs/simulator.md L3b; 0.45 measured); default 0: G7",
+        "(docs/simulator.md L3b; default: the measured one); 0: G7, the sensitivity",
     )
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/llm_pairs.json")
     ap.add_argument("--setups", help="comma-separated setups (default: every one)")
@@ -154,7 +153,7 @@ def main() -> None:
     setups = (
         args.setups.split(",")
         if args.setups
-        else [*POLICIES, SHARE100, LLM, RUNNING, LLM_SM85, *LEVERS]
+        else [*POLICIES, SHARE100, LLM, RUNNING, *SERVER_SM, *LEVERS]
     )
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")

@@ -20,6 +20,7 @@ from gpushare import config as gconfig
 from gpushare.sim import data
 from gpushare.sim.gpu import DEFAULT_SLICE_S, DEFAULT_SWITCH_S
 from gpushare.sim.inflight import DEFAULT_INFLIGHT_WAKE_S
+from gpushare.sim.llm_smshare import FITTED_S_SAT
 from gpushare.sim.workloads import DEFAULT_HOST_PER_KERNEL_S, request_alone_s
 from gpushare.tomlschema import Reader, TomlError, duration, num, show, size, type_name
 from gpushare.units import parse_duration
@@ -159,8 +160,9 @@ class LlmSpec:
     tpot_report: Literal["token", "running", "request"] = "token"
     #: Its MPS active-thread percentage, as ``submit --online --sm`` gives it.
     sm_pct: float = num(100.0, minimum=1.0, maximum=100.0)
-    #: The saturating law's fraction for its kernels on fewer SMs (docs/simulator.md L3b); 0: G7.
-    s_sat: float = num(0.0, minimum=0.0, maximum=1.0)
+    #: The saturating law's fraction for its kernels on fewer SMs (docs/simulator.md L3b; default
+    #: the measured one); 0: G7.
+    s_sat: float = num(FITTED_S_SAT, minimum=0.0, maximum=1.0)
 
 
 @dataclass(frozen=True, slots=True)

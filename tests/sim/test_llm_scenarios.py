@@ -7,7 +7,7 @@ import math
 import pytest
 
 from gpushare.control import registry
-from gpushare.sim import llm_node, runner, scenario
+from gpushare.sim import llm_node, llm_smshare, runner, scenario
 from gpushare.sim.node import PolicyTraits, SimNode
 from gpushare.sim.runner import SimDaemon
 
@@ -36,7 +36,9 @@ def test_an_llm_table_is_read_with_its_defaults_and_bad_values_get_one_line() ->
     assert spec.name == "chat" and spec.load == 0.5 and spec.trace_start_s == 600.0
     assert spec.slo_ttft_p99_s == pytest.approx(1.4) and spec.slo_tpot_p99_s == pytest.approx(0.045)
     assert spec.tpot_report == "token" and spec.kv_cache_bytes == 6 << 30 and spec.sm_pct == 100.0
-    assert spec.s_sat == 0.0
+    # The server's kernels follow the measured SM law by default (docs/simulator.md L3b).
+    assert spec.s_sat == llm_smshare.FITTED_S_SAT
+    assert scenario.loads(PAIR + "s_sat = 0\n").llm[0].s_sat == 0.0
     for bad, key in (
         ("load = 1.2", "llm[0].load"),
         ('tpot_report = "bytes"', "llm[0].tpot_report"),
@@ -110,14 +112,14 @@ def test_slos_not_given_are_a_factor_times_the_p99s_alone() -> None:
 
 
 def test_an_llm_server_submitted_with_an_sm_share_runs_and_is_registered_at_it() -> None:
-    sc = scenario.loads(PAIR.replace("load = 0.5", "load = 0.5\nsm_pct = 85\ns_sat = 0.45"))
+    sc = scenario.loads(PAIR.replace("load = 0.5", "load = 0.5\nsm_pct = 85"))
     policy = registry.make_policy("gpushare", sc.config.control)
     node = SimNode(sc, traits=PolicyTraits.of(policy))
     (srv,) = node.llm
     # MPS's active-thread percentage: round(0.85 x 80) slots, as `submit --online --sm 85`.
     assert srv.sm_pct == 85.0 and srv.stream.cap_sms == 68
-    # Its kernels follow the saturating law on fewer SMs (L3b); the trainer's keep G7.
-    assert srv.cfg.s_sat == srv.stream.sat == 0.45
+    # Its kernels follow the saturating law on fewer SMs (L3b, the default); the trainer's G7.
+    assert srv.cfg.s_sat == srv.stream.sat == llm_smshare.FITTED_S_SAT
     assert all(job.stream.sat == 0.0 for job in node.offline)
     node.start()
     sim = SimDaemon(node, policy)

@@ -37,10 +37,10 @@ from gpushare.sim.llm_cost import (
 CFG = LlmServerConfig()
 
 
-def _serve(reqs: list[LlmRequest], cfg: LlmServerConfig = CFG) -> LlmServer:
+def _serve(reqs: list[LlmRequest], cfg: LlmServerConfig = CFG, sm_pct: float = 100.0) -> LlmServer:
     loop = EventLoop()
     gpu = Gpu(loop, uuid="g", index=0, sm_count=80, mem_total_bytes=32 << 30)
-    srv = LlmServer("llm", gpu, iter(reqs), cfg)
+    srv = LlmServer("llm", gpu, iter(reqs), cfg, sm_pct=sm_pct)
     srv.start(loop)
     loop.run_until(1e4)
     return srv
@@ -274,7 +274,8 @@ def test_capping_the_server_under_priority_leaves_the_trainer_the_rest_of_the_sm
         for s in ("mps-priority", "psrvcap-80")
     )
     # The trainer keeps 20 % of the SMs the server can never take, on top of the server's gaps;
-    # the server pays with slower iterations (G7), but keeps MPS priority over the rest.
+    # the server pays with slower prefills (compute-bound: G7 on 64 slots), but keeps MPS
+    # priority over the rest.
     assert capped.offline_norm > 1.3 * prio.offline_norm
     assert capped.tpot_p99_ms > prio.tpot_p99_ms
     plain = llm_pairs.score(
@@ -301,6 +302,20 @@ def test_the_saturating_law_fits_muxserve_and_beats_g7_on_points_not_fitted() ->
     assert llm_smshare.slowdown(80, 80, True, 0.45) == 1.0
     assert llm_smshare.slowdown(80, 40, False, 0.45) == llm_smshare.slowdown(80, 40, True, 0.0)
     assert llm_smshare.slowdown(80, 40, True, 0.45) == 1.0
+
+
+def test_by_default_a_capped_decode_step_follows_the_measured_law_not_g7() -> None:
+    # The default is the law fitted on MuxServe's A100 decode steps (L3b), not G7.
+    assert CFG.s_sat == llm_smshare.FITTED_S_SAT == 0.45
+    req = [LlmRequest(0.0, 200, 40)]
+    alone = _serve(req).stats.finished[0].tpot_s
+    half, third = (_serve(req, sm_pct=pct).stats.finished[0].tpot_s for pct in (50.0, 30.0))
+    # 40 of 80 slots is above the saturating width 0.45 x 80 = 36: decode keeps its speed
+    # (G7 would make it ~1.9x); 24 slots is below it: slower, by G7 with the width 36.
+    assert half <= alone * (1.0 + 1e-9)
+    assert third > 1.2 * alone
+    g7 = _serve(req, LlmServerConfig(s_sat=0.0), sm_pct=50.0).stats.finished[0].tpot_s
+    assert g7 > 1.5 * alone
 
 
 _LAW_RUN = """
