@@ -63,6 +63,10 @@ TPOT_REPORT = {LLM: "request", RUNNING: "running"}
 for _name in SERVER_SM:
     CONTROLS[_name] = CONTROLS[LLM]
     TPOT_REPORT[_name] = "request"
+#: ... gpushare's defaults, with the TPOT SLO the daemon is given set on the inter-token gaps'
+#: p99 alone instead of the per-request means' (``llm_daemon.tpot_slo_s``).
+ITL = llm_daemon.ITL_SETUP
+CONTROLS[ITL] = ""
 #: Levers run directly on the model (``llm_pairs``): not policies of the registry.
 LEVERS = (
     "cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70", "psrvcap-70", "psrvcap-75",
@@ -110,6 +114,8 @@ def _rows(
                 "tpot_p99_ms": o.tpot_p99_ms,
                 "slo_ttft_ms": factor * llm_pairs.p99(base.ttft_s) * 1e3,
                 "slo_tpot_ms": factor * llm_pairs.p99(base.tpot_s) * 1e3,
+                # The inter-token gaps' p99 (exclusive runs only): gpushare-itl's TPOT SLO basis.
+                "itl_p99_ms": llm_pairs.p99(res.itl_s) * 1e3 if res.itl_s else None,
                 "offline_norm": o.offline_norm,
                 "preemptions": res.preemptions,
                 "speed_factor": speed,
@@ -153,7 +159,7 @@ def main() -> None:
     setups = (
         args.setups.split(",")
         if args.setups
-        else [*POLICIES, SHARE100, LLM, RUNNING, *SERVER_SM, *LEVERS]
+        else [*POLICIES, SHARE100, LLM, RUNNING, *SERVER_SM, ITL, *LEVERS]
     )
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
@@ -181,7 +187,7 @@ def main() -> None:
                     x,
                     args.duration,
                     k * llm_pairs.p99(alone[x].ttft_s),
-                    k * llm_pairs.p99(alone[x].tpot_s),
+                    llm_daemon.tpot_slo_s(s, alone[x], k),
                     args.s_sat,
                 )
                 for x in loads

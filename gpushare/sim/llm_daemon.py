@@ -6,6 +6,10 @@ with TTFT and TPOT SLOs, and each control period the server's token timings go i
 token windows, as ``client.report_ttft`` and ``report_tpot`` datagrams do on a host (a TTFT at
 each first token, a TPOT per further token). The controller protects both SLOs with the worst of
 their observed/SLO ratios.
+
+:func:`tpot_slo_s` is the TPOT SLO a setup gives the daemon: ``factor`` x the p99 alone of the
+per-request mean TPOT (what the pairs are scored on), or, for :data:`ITL_SETUP`, of the
+inter-token gaps (what a per-token report, and vLLM's inter-token histogram, measure).
 """
 
 from __future__ import annotations
@@ -13,9 +17,24 @@ from __future__ import annotations
 from gpushare.control import registry
 from gpushare.sim import scenario
 from gpushare.sim.llm import LlmServerConfig
-from gpushare.sim.llm_pairs import TRACE_START_S, PairResult
+from gpushare.sim.llm_pairs import TRACE_START_S, PairResult, p99
 from gpushare.sim.node import PolicyTraits, SimNode
 from gpushare.sim.runner import SimDaemon
+
+#: gpushare's defaults (per-token reports) with the TPOT SLO set on the quantity those reports
+#: measure: ``factor`` x the p99 of the inter-token gaps alone, as an operator reading vLLM's
+#: inter-token histogram would set it.
+ITL_SETUP = "gpushare-itl"
+
+
+def tpot_slo_s(setup: str, alone: PairResult, factor: float) -> float:
+    """The TPOT SLO (s) the daemon is given under ``setup``, from the server's run ``alone``.
+
+    ``factor`` x the p99 of the inter-token gaps alone for :data:`ITL_SETUP`; ``factor`` x the
+    p99 of the per-request mean TPOTs alone for every other setup. NaN if ``alone`` has none.
+    """
+    values = alone.itl_s if setup == ITL_SETUP else alone.tpot_s
+    return factor * p99(values)
 
 
 def _scenario(

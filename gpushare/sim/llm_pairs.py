@@ -74,6 +74,9 @@ class PairResult:
     preemptions: int
     #: Fraction of the measured window the server had an iteration on the GPU.
     server_busy_frac: float = 0.0
+    #: The inter-token gaps (s) emitted after the warm-up, what vLLM's inter-token histogram
+    #: observes: kept for ``exclusive`` runs only (the reference of a gap-based TPOT SLO).
+    itl_s: tuple[float, ...] = ()
 
     @property
     def ttft_s(self) -> tuple[float, ...]:
@@ -159,6 +162,7 @@ def run_pair(
     reqs = trace_requests(trace, rate_scale=scale, start_s=TRACE_START_S, end_s=duration_s)
     srv_pct = _percentage(setup) if setup.startswith(_SERVER_CAPPED) else 100.0
     srv = LlmServer("llm", gpu, reqs, cfg, sm_pct=srv_pct)
+    srv.reports_tokens = setup == "exclusive"
     srv.start(loop)
     tr: OfflineTrainer | None = None
     if trainer is not None and setup != "exclusive":
@@ -185,6 +189,7 @@ def run_pair(
         it_s,
         srv.stats.preemptions,
         srv.stats.busy_s / duration_s,
+        tuple(g for at, g in srv.tpot_reports if at >= 0.1 * duration_s),
     )
 
 

@@ -252,6 +252,21 @@ def test_gpushare_drives_the_llm_pair_through_the_daemons_loop() -> None:
         llm_daemon.run_policy("bogus", trainer, 0.5, slo_ttft_s=1.0, slo_tpot_s=1.0)
 
 
+def test_gpushare_itl_sets_its_tpot_slo_on_the_inter_token_gaps_alone_not_the_request_means() -> (
+    None
+):
+    alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=25.0)
+    # The gaps emitted after the warm-up, many per request (what a per-token report measures).
+    assert len(alone.itl_s) > 10 * len(alone.tpot_s) > 0
+    assert min(alone.itl_s) > 0.0
+    gaps, means = llm_pairs.p99(alone.itl_s), llm_pairs.p99(alone.tpot_s)
+    assert gaps != pytest.approx(means, rel=1e-3)
+    assert llm_daemon.tpot_slo_s(llm_daemon.ITL_SETUP, alone, 1.5) == pytest.approx(1.5 * gaps)
+    assert llm_daemon.tpot_slo_s("gpushare", alone, 1.5) == pytest.approx(1.5 * means)
+    # Only the reference run keeps its gaps.
+    assert llm_pairs.run_pair("cap-50", llm_pairs.TRAINERS[0], 0.5, duration_s=3.0).itl_s == ()
+
+
 def test_a_duty_cycle_under_plain_mps_bites_because_the_trainers_queue_is_shallow() -> None:
     trainer = llm_pairs.TRAINERS[0]
     alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=25.0)
