@@ -161,6 +161,9 @@ class _Recorder(socketserver.ThreadingUnixStreamServer):
     def __init__(self, path: Path) -> None:
         self.requests: list[tuple[str, dict[str, Any], int]] = []
         self.lock = threading.Lock()
+        #: What the Prolog, TaskProlog and Epilog printed (slurmd discards their output), for the
+        #: message of a request that never came.
+        self.scripts_log: Path | None = None
         super().__init__(str(path), _Handler)
         path.chmod(0o666)
 
@@ -173,7 +176,11 @@ class _Recorder(socketserver.ThreadingUnixStreamServer):
                 ]
             if found:
                 return found[0]
-            assert time.monotonic() < deadline, f"no {method} for job {job}: {self.requests}"
+            if time.monotonic() >= deadline:
+                printed = self.scripts_log.read_text() if self.scripts_log is not None else ""
+                raise AssertionError(
+                    f"no {method} for job {job}: {self.requests}; the scripts printed: {printed!r}"
+                )
             time.sleep(0.05)
 
     def for_job(self, job: str) -> list[str]:
@@ -228,6 +235,7 @@ class Harness:
         self.stop_daemon()
         if self.recorder is None:
             self.recorder = _serve(self.socket)
+        self.recorder.scripts_log = self.base / "scripts.log"
         return self.recorder
 
     def stop_recorder(self) -> None:
@@ -331,9 +339,14 @@ def slurm_harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     # root-owned 0755 directory, not read from the clone.
     lib = install_package_for_others(base / "lib")
     launcher = base / "gpushare"
+    # slurmd discards what its scripts print: keep it for the tests' failure messages.
+    scripts_log = base / "scripts.log"
+    scripts_log.touch(mode=0o666)
+    scripts_log.chmod(0o666)  # the TaskProlog runs as the job's user
     launcher.write_text(
         f"#!/bin/sh\nexport GPUSHARE_CONFIG={base}/gpushare.toml PYTHONPATH={lib}\n"
-        f"exec {python or sys.executable} -c 'from gpushare.cli.fast import main; main()' \"$@\"\n"
+        f"exec {python or sys.executable} -c 'from gpushare.cli.fast import main; main()' \"$@\""
+        f" 2>>{scripts_log}\n"
     )
     launcher.chmod(0o755)
     scripts = {}
