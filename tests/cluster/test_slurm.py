@@ -161,7 +161,7 @@ class _Recorder(socketserver.ThreadingUnixStreamServer):
     def __init__(self, path: Path) -> None:
         self.requests: list[tuple[str, dict[str, Any], int]] = []
         self.lock = threading.Lock()
-        #: What the Prolog, TaskProlog and Epilog printed (slurmd discards their output), for the
+        #: What the Prolog, TaskProlog and Epilog printed (not in the logs the test reads), for the
         #: message of a request that never came.
         self.scripts_log: Path | None = None
         super().__init__(str(path), _Handler)
@@ -339,7 +339,7 @@ def slurm_harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     # root-owned 0755 directory, not read from the clone.
     lib = install_package_for_others(base / "lib")
     launcher = base / "gpushare"
-    # slurmd discards what its scripts print: keep it for the tests' failure messages.
+    # What the scripts print is in no log the test reads: keep it for its failure messages.
     scripts_log = base / "scripts.log"
     scripts_log.touch(mode=0o666)
     scripts_log.chmod(0o666)  # the TaskProlog runs as the job's user
