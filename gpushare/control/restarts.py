@@ -85,23 +85,19 @@ def restarts(
         state, asked = shallow_restart(config, state, obs, going, now, actions)
         if asked:
             return state
-    # Issue 32: online work measured alone (the share's evidence, share.quiet_level) at or over
-    # the comfort ratio: the duty cycle does not climb there, so a cut frees nothing.
-    quiet = quiet_level(state)
-    duty_held = quiet is not None and quiet >= config.comfort_ratio
-    candidates = [
+    off_share = [
         c
         for c in obs.offline()
         if c.restartable
         and c.state in RESTARTABLE_STATES
         and c.client_id not in going
         and needs_restart(config, c, state.share_pct)
-        # Issue 32: only when the gain over the expected hold pays the restart's cost.
-        and restart_cost.verdict(
-            config, c, client_share_pct(state.share_pct, c), tally.mean(now),
-            state.share_changed_at_s, now, duty_held_by_online=duty_held,
-        ).worth
-    ]  # fmt: skip
+    ]
+    if not off_share:
+        return queue_restart(config, state, obs, going, now, actions)
+    # Issue 32: only when the gain over the expected hold pays the restart's cost.
+    verdicts = _verdicts(config, state, off_share, tally.mean(now), now)
+    candidates = [c for c in off_share if verdicts[c.client_id].worth]
     if not candidates:
         return queue_restart(config, state, obs, going, now, actions)
     # Clients above the share first (they crowd online work), then the largest gap.
@@ -114,10 +110,7 @@ def restarts(
         ),
     )
     target = client_share_pct(state.share_pct, chosen)
-    pays = restart_cost.verdict(
-        config, chosen, target, tally.mean(now), state.share_changed_at_s, now,
-        duty_held_by_online=duty_held,
-    ).reason  # fmt: skip
+    pays = verdicts[chosen.client_id].reason
     actions.append(
         RestartClient(
             chosen.client_id,
@@ -127,6 +120,30 @@ def restarts(
         )
     )
     return replace(state, restart_pending=(chosen.client_id, now))
+
+
+def _verdicts(
+    config: ControlConfig,
+    state: GpuState,
+    clients: list[ClientView],
+    mean_duty: float,
+    now: float,
+) -> dict[str, restart_cost.RestartVerdict]:
+    """Whether restarting each of ``clients`` under its share pays now, by client id.
+
+    Online work measured alone (the share's evidence, :func:`quiet_level`) at or over the comfort
+    ratio means the duty cycle does not climb, so a cut frees nothing (issue 32). Read only when
+    some client is off its share: the window's maximum is not idle-tick work.
+    """
+    quiet = quiet_level(state)
+    duty_held = quiet is not None and quiet >= config.comfort_ratio
+    return {
+        c.client_id: restart_cost.verdict(
+            config, c, client_share_pct(state.share_pct, c), mean_duty,
+            state.share_changed_at_s, now, duty_held_by_online=duty_held,
+        )
+        for c in clients
+    }  # fmt: skip
 
 
 def _still_pending(config: ControlConfig, state: GpuState, obs: Observation, now: float) -> bool:
