@@ -164,6 +164,8 @@ class _Recorder(socketserver.ThreadingUnixStreamServer):
         #: What the Prolog, TaskProlog and Epilog printed (not in the logs the test reads), for the
         #: message of a request that never came.
         self.scripts_log: Path | None = None
+        #: slurmd's log: how long each Prolog ran, and whether slurmd saw it fail.
+        self.slurmd_log: Path | None = None
         super().__init__(str(path), _Handler)
         path.chmod(0o666)
 
@@ -178,8 +180,11 @@ class _Recorder(socketserver.ThreadingUnixStreamServer):
                 return found[0]
             if time.monotonic() >= deadline:
                 printed = self.scripts_log.read_text() if self.scripts_log is not None else ""
+                slurmd = self.slurmd_log.read_text() if self.slurmd_log is not None else ""
+                about_job = [line for line in slurmd.splitlines() if job in line]
                 raise AssertionError(
-                    f"no {method} for job {job}: {self.requests}; the scripts printed: {printed!r}"
+                    f"no {method} for job {job}: {self.requests}; the scripts printed: {printed!r}; "
+                    f"slurmd logged of it: {about_job}"
                 )
             time.sleep(0.05)
 
@@ -236,6 +241,7 @@ class Harness:
         if self.recorder is None:
             self.recorder = _serve(self.socket)
         self.recorder.scripts_log = self.base / "scripts.log"
+        self.recorder.slurmd_log = self.cluster.base / "log" / "slurmd.log"
         return self.recorder
 
     def stop_recorder(self) -> None:
