@@ -349,10 +349,14 @@ def slurm_harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     scripts_log = base / "scripts.log"
     scripts_log.touch(mode=0o666)
     scripts_log.chmod(0o666)  # the TaskProlog runs as the job's user
+    # Each run's start and exit status are logged too (a Prolog killed by a signal prints nothing).
     launcher.write_text(
         f"#!/bin/sh\nexport GPUSHARE_CONFIG={base}/gpushare.toml PYTHONPATH={lib}\n"
-        f"exec {python or sys.executable} -c 'from gpushare.cli.fast import main; main()' \"$@\""
-        f" 2>>{scripts_log}\n"
+        f'echo "$(date +%T.%N) gpushare $* (job $SLURM_JOB_ID): start" >>{scripts_log}\n'
+        f"{python or sys.executable} -c 'from gpushare.cli.fast import main; main()' \"$@\""
+        f" 2>>{scripts_log}\nstatus=$?\n"
+        f'echo "$(date +%T.%N) gpushare $* (job $SLURM_JOB_ID): exit $status" >>{scripts_log}\n'
+        "exit $status\n"
     )
     launcher.chmod(0o755)
     scripts = {}
