@@ -280,14 +280,16 @@ def report_ttft(seconds: float) -> None:
 def report_tpot(seconds: float) -> None:
     """Report a time per output token (an LLM server). Never blocks, never raises.
 
-    Call it once per further token with the gap since the previous one (the inter-token latency,
-    what vLLM's ``time_per_output_token_seconds`` histogram observes), or once per request with
-    its mean, ``(latency - ttft) / (tokens - 1)``; the daemon keeps the p99 of what is reported
-    over ``[latency] tpot_window`` against ``submit --slo-tpot-p99``. Per token is the better
-    signal: many samples a request, so the window fills at a few requests a second.
+    Call it once per request with its mean, ``(latency - ttft) / (tokens - 1)``: the TPOT a TPOT
+    SLO is scored on (vLLM's benchmark, TGI's per-request histogram). The daemon keeps the p99 of
+    what is reported over ``[latency] tpot_window`` against ``submit --slo-tpot-p99``. Once per
+    further token with the gap since the previous one (the inter-token latency) also works, with
+    the SLO declared on that quantity, but its p99 jumps with any stall of the batch, so the
+    controller holds offline work back far more for the same requests (docs/controller.md, "LLM
+    servers").
 
     Args:
-        seconds: the time one output token took after the one before it.
+        seconds: a request's mean time per output token after its first.
     """
     _report("p", seconds)
 

@@ -224,10 +224,13 @@ class LatencyConfig:
     scrape_period_s: float = _duration(1.0, above=True)
     # An LLM server's token timings (docs/controller.md, "LLM servers"): a TTFT comes once per
     # request, at 0.2-0.6 requests/s, so its window keeps the last ttft_max_samples first tokens
-    # up to ttft_window old (24 at 0.2/s fill min_samples); a TPOT comes once per further token.
+    # up to ttft_window old (24 at 0.2/s fill min_samples); a TPOT comes once per request (its
+    # mean, what a TPOT SLO is scored on) or once per further token, as the server reports it:
+    # the same 120 s holds enough of the first, the 5000 bound the last tens of seconds of the
+    # second.
     ttft_window_s: float = _duration(120.0, above=True)
     ttft_max_samples: int = _num(200, minimum=1, maximum=1_000_000)
-    tpot_window_s: float = _duration(10.0, above=True)
+    tpot_window_s: float = _duration(120.0, above=True)
     tpot_max_samples: int = _num(5000, minimum=1, maximum=1_000_000)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushare import client, paths
+from gpushare import client, config, paths
 from gpushare.control.signals import client_signal, online_signals
 from gpushare.latency.app import AppLatency
 from gpushare.latency.datagrams import MAX_VALUES, DatagramError, decode_message
@@ -137,6 +137,26 @@ def test_the_ttft_window_fills_at_llm_request_rates_where_the_request_window_nev
     for i in range(1000):
         tokens.ttft.add("fast", 0.1, t + i / 100)
     assert tokens.ttft.p99("fast", t + 10).samples == 200
+
+
+def test_the_default_tpot_window_holds_one_report_per_request_at_llm_rates() -> None:
+    """report_tpot's advice is one TPOT per request (its mean): at 0.2 requests/s the default
+    window (``[latency] tpot_window``, from the config's defaults) must hold ``min_samples`` of
+    them, and a per-token reporter's window stays bounded by count."""
+    lat = config.loads("").latency
+    tokens = TokenTrackers(
+        lat.min_samples, ttft_window_s=lat.ttft_window_s, ttft_max_samples=lat.ttft_max_samples,
+        tpot_window_s=lat.tpot_window_s, tpot_max_samples=lat.tpot_max_samples,
+    )  # fmt: skip
+    t = 1000.0
+    for i in range(30):  # one request every 5 s for 150 s
+        t += 5.0
+        tokens.tpot.add("llm", 0.030 + i / 1000, t)
+    _, tpot = tokens.p99s("llm", t)
+    assert tpot is not None and tpot.p99_ms is not None and tpot.samples == 25
+    for i in range(20_000):  # 200 gaps a second for 100 s
+        tokens.tpot.add("per-token", 0.02, t + i / 200)
+    assert tokens.tpot.p99("per-token", t + 100).samples == lat.tpot_max_samples
 
 
 def test_app_latency_reports_a_token_only_client() -> None:

@@ -126,7 +126,7 @@ class TokenTrackers:
         *,
         ttft_window_s: float = 120.0,
         ttft_max_samples: int = 200,
-        tpot_window_s: float = 10.0,
+        tpot_window_s: float = 120.0,
         tpot_max_samples: int = 5000,
     ) -> None:
         self.ttft = P99Tracker(ttft_window_s, min_samples, ttft_max_samples)

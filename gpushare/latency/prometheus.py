@@ -73,8 +73,8 @@ class LlmServer:
     ttft: tuple[str, ...]
     tpot: tuple[str, ...]
     tpot_per_request: bool = False
-    """One TPOT value per request (TGI), not per token interval: its window is the TTFT's, since
-    ``tpot_window`` (10 s) would hold ``min_samples`` of them only above 2 requests a second."""
+    """One TPOT value per request (TGI), not per token interval: its window is the TTFT's
+    (``ttft_window``, at most ``ttft_max_samples``), sized for one value per request."""
 
 
 #: vLLM's TTFT histogram (``vllm/v1/metrics/loggers.py`` at vllm-project/vllm commit

@@ -2,10 +2,10 @@
 
 The pair is a scenario of one ``[[llm]]`` server and one ``[[offline]]`` training job on a
 V100-32GB (:mod:`gpushare.sim.llm_node`): the daemon registers the server as an online service
-with TTFT and TPOT SLOs, and each control period the server's token timings go into the daemon's
-token windows, as ``client.report_ttft`` and ``report_tpot`` datagrams do on a host (a TTFT at
-each first token, a TPOT per further token). The controller protects both SLOs with the worst of
-their observed/SLO ratios.
+with TTFT and TPOT SLOs, and each control period the server's token timings go into the
+daemon's token windows, as ``client.report_ttft`` and ``report_tpot`` datagrams do on a host (a
+TTFT at each first token, a TPOT per completed request: its mean, by default). The controller
+protects both SLOs with the worst of their observed/SLO ratios.
 
 :func:`tpot_slo_s` is the TPOT SLO a setup gives the daemon: ``factor`` x the p99 alone of the
 per-request mean TPOT (what the pairs are scored on), or, for :data:`ITL_SETUP`, of the
@@ -21,9 +21,9 @@ from gpushare.sim.llm_pairs import TRACE_START_S, PairResult, p99
 from gpushare.sim.node import PolicyTraits, SimNode
 from gpushare.sim.runner import SimDaemon
 
-#: gpushare's defaults (per-token reports) with the TPOT SLO set on the quantity those reports
-#: measure: ``factor`` x the p99 of the inter-token gaps alone, as an operator reading vLLM's
-#: inter-token histogram would set it.
+#: gpushare with per-token reports (each inter-token gap) and the TPOT SLO set on the quantity
+#: those reports measure: ``factor`` x the p99 of the inter-token gaps alone, as an operator
+#: reading vLLM's inter-token histogram would set it.
 ITL_SETUP = "gpushare-itl"
 
 
@@ -73,15 +73,16 @@ def run_policy(
     duration_s: float = 120.0,
     config: LlmServerConfig | None = None,
     control: str = "",
-    tpot_report: str = "token",
+    tpot_report: str = "request",
     queue: str = "auto",
     server_sm_pct: float = 100.0,
 ) -> PairResult:
     """The pair under a registered policy (``gpushare``, ...) driven by the daemon's loop.
 
     ``control`` is TOML appended to the pair's scenario (a ``[control]`` table of overrides);
-    ``tpot_report`` is how the server reports TPOT (``"token"``: each inter-token gap;
-    ``"request"``: each request's mean); ``queue`` is the training job's ``submit --queue``;
+    ``tpot_report`` is how the server reports TPOT (``"request"``: each request's mean, the
+    default; ``"token"``: each inter-token gap; ``"running"``: the sequence's mean so far);
+    ``queue`` is the training job's ``submit --queue``;
     ``server_sm_pct`` is the server's ``submit --online --sm`` (its MPS active-thread percentage).
     Of ``config`` the scheduler limits, the KV cache and ``s_sat`` are used (the ``[[llm]]``
     keys); the model and the roof are the defaults.

@@ -138,8 +138,9 @@ class LlmSpec:
     Requests replay the shipped Azure conversation trace from ``trace_start``, thinned to
     ``load`` x the server's capacity alone. Its TTFT and TPOT SLOs are given, or ``slo_factor``
     x its p99s alone; the daemon sees its token timings as ``client.report_ttft`` /
-    ``report_tpot`` send them: per token the gap (``tpot_report = "token"``) or the sequence's
-    mean so far (``"running"``), or once per request (``"request"``).
+    ``report_tpot`` send them: once per request, its mean TPOT (``tpot_report = "request"``, the
+    default: the TPOT an SLO is scored on), or per token the gap (``"token"``) or the sequence's
+    mean so far (``"running"``).
     """
 
     name: str
@@ -157,7 +158,7 @@ class LlmSpec:
     kv_cache_bytes: int = size(6 << 30, minimum=1 << 20)
     max_batched_tokens: int = num(2048, minimum=16, maximum=1 << 20)
     max_seqs: int = num(256, minimum=1, maximum=1 << 16)
-    tpot_report: Literal["token", "running", "request"] = "token"
+    tpot_report: Literal["token", "running", "request"] = "request"
     #: Its MPS active-thread percentage, as ``submit --online --sm`` gives it.
     sm_pct: float = num(100.0, minimum=1.0, maximum=100.0)
     #: The saturating law's fraction for its kernels on fewer SMs (docs/simulator.md L3b; default

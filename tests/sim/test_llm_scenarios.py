@@ -35,7 +35,7 @@ def test_an_llm_table_is_read_with_its_defaults_and_bad_values_get_one_line() ->
     (spec,) = sc.llm
     assert spec.name == "chat" and spec.load == 0.5 and spec.trace_start_s == 600.0
     assert spec.slo_ttft_p99_s == pytest.approx(1.4) and spec.slo_tpot_p99_s == pytest.approx(0.045)
-    assert spec.tpot_report == "token" and spec.kv_cache_bytes == 6 << 30 and spec.sm_pct == 100.0
+    assert spec.tpot_report == "request" and spec.kv_cache_bytes == 6 << 30 and spec.sm_pct == 100.0
     # The server's kernels follow the measured SM law by default (docs/simulator.md L3b).
     assert spec.s_sat == llm_smshare.FITTED_S_SAT
     assert scenario.loads(PAIR + "s_sat = 0\n").llm[0].s_sat == 0.0
@@ -59,8 +59,9 @@ def test_an_llm_table_is_read_with_its_defaults_and_bad_values_get_one_line() ->
         scenario.loads(dup)
 
 
-def test_the_daemon_gets_the_servers_token_timings_and_protects_both_slos() -> None:
-    sc = scenario.loads(PAIR)
+@pytest.mark.parametrize("report", ["request", "token"])
+def test_the_daemon_gets_the_servers_token_timings_and_protects_both_slos(report: str) -> None:
+    sc = scenario.loads(PAIR + f'tpot_report = "{report}"\n')
     policy = registry.make_policy("gpushare", sc.config.control)
     node = SimNode(sc, traits=PolicyTraits.of(policy))
     (srv,) = node.llm
@@ -72,13 +73,18 @@ def test_the_daemon_gets_the_servers_token_timings_and_protects_both_slos() -> N
     assert rec.slo_tpot_p99_ms == pytest.approx(45.0) and rec.slo_p99_ms is None
     ttft, tpot = sim.state.latency.tokens.p99s("chat", node.loop.now)
     assert ttft is not None and tpot is not None
-    # 40 s at ~0.44 requests/s: fewer first tokens than min_samples, thousands of further ones.
-    assert ttft.samples >= 10 and tpot.p99_ms is not None and tpot.p99_ms < 45.0
+    # 40 s at ~0.44 requests/s: fewer first tokens than min_samples, and one TPOT per finished
+    # request (its mean, the default) or thousands (one per further token).
+    assert ttft.samples >= 10
+    if report == "request":
+        assert 0 < tpot.samples <= len(srv.stats.finished) and tpot.p99_ms is None
+    else:
+        assert tpot.samples > 1000 and tpot.p99_ms is not None and tpot.p99_ms < 45.0
     # The last tick read them: the p99s the controller's view of the server is built from.
     seen = sim.state.p99["chat"]
     sim.close()
     assert srv.stats.finished and seen.ttft is not None and seen.tpot is not None
-    assert seen.ttft.samples > 0 and seen.tpot.samples > seen.ttft.samples
+    assert seen.ttft.samples > 0 and seen.tpot.samples > 0
 
 
 @pytest.mark.parametrize("name", [n for n in scenario.shipped() if n.startswith("llm/")])
