@@ -70,6 +70,10 @@ for _name in SERVER_SM:
 ITL = llm_daemon.ITL_SETUP
 CONTROLS[ITL] = CONTROLS[TOKEN]
 TPOT_REPORT[ITL] = "token"
+#: ... gpushare's defaults with offline clients launched at the online clients' MPS priority
+#: (``[control] offline_mps_priority = 0``) instead of below it.
+PRIO0 = "gpushare-prio0"
+CONTROLS[PRIO0] = "[control]\noffline_mps_priority = 0\n"
 #: Levers run directly on the model (``llm_pairs``): not policies of the registry.
 LEVERS = (
     "cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70", "psrvcap-70", "psrvcap-75",
@@ -162,7 +166,7 @@ def main() -> None:
     setups = (
         args.setups.split(",")
         if args.setups
-        else [*POLICIES, SHARE100, LLM, RUNNING, TOKEN, *SERVER_SM, ITL, *LEVERS]
+        else [*POLICIES, SHARE100, LLM, RUNNING, TOKEN, PRIO0, *SERVER_SM, ITL, *LEVERS]
     )
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")

@@ -179,6 +179,10 @@ class ControlConfig:
     offline_sm_pct_default: float = _num(50.0, minimum=1.0, maximum=100.0)
     offline_sm_pct_min: float = _num(10.0, minimum=1.0, maximum=100.0)
     offline_sm_pct_max: float = _num(100.0, minimum=1.0, maximum=100.0)
+    # CUDA_MPS_CLIENT_PRIORITY of offline clients at launch: 1 (below normal, the default) or 0
+    # (the online clients' own). 0 lets offline kernels compete with an always-busy online
+    # server that the duty cycle then protects (docs/controller.md, "LLM servers").
+    offline_mps_priority: int = _num(1, minimum=0, maximum=1)
     share_hysteresis_pct: float = _num(10.0, minimum=0.0, maximum=100.0)
     share_min_interval_s: float = _duration(60.0)
     # Issue 32: what restarting an offline job costs it unless it declares its own

@@ -78,12 +78,13 @@ class GpushareController:
     """gpushare's policy: see the module docstring. One instance serves every GPU."""
 
     name = "gpushare"
-    offline_mps_priority = 1
     gpu_mode = "mps"
     preemption = None
 
     def __init__(self, config: ControlConfig) -> None:
         self.config = config
+        #: ``[control] offline_mps_priority``: what offline clients are launched with.
+        self.offline_mps_priority = config.offline_mps_priority
 
     def initial_state(self, gpu_uuid: str, now: float) -> GpuState:
         """A GPU the controller has not seen: offline runs free, share at its default."""

@@ -147,11 +147,10 @@ class GangDuty(Generic[StateT]):
     memory is the only state it adds, and it never does I/O or reads a clock.
     """
 
-    offline_mps_priority = 1
-
     def __init__(self, inner: Policy[StateT], gangs: Sequence[Sequence[str]]) -> None:
         self.inner = inner
         self.name = f"{inner.name}+gang-duty"
+        self.offline_mps_priority = inner.offline_mps_priority
         self.gangs = tuple(tuple(g) for g in gangs)
         #: Each GPU's own duty (the inner policy's) and the duty last sent for it.
         self._own: dict[str, float] = {}

@@ -88,6 +88,7 @@ class FixedDuty:
     """A one-GPU policy that emits a given duty once per GPU (as the controller: on change)."""
 
     name = "fixed"
+    offline_mps_priority = 1
 
     def __init__(self, duties: dict[str, float]) -> None:
         self.duties = duties

@@ -104,6 +104,17 @@ def test_online_priority_and_defaults(daemon: DaemonProc) -> None:
     assert daemon.client(env["GPUSHARE_CLIENT_ID"])["slo_p99_ms"] == pytest.approx(40.0)
 
 
+def test_offline_clients_launch_at_the_configured_priority() -> None:
+    """``[control] offline_mps_priority = 0``: offline clients get the online clients' priority."""
+    d = DaemonProc("[control]\noffline_mps_priority = 0\n").start()
+    try:
+        r = run_cli(d, "submit", "--offline", "--", sys.executable, "-c", ENV_DUMP, "0")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["CUDA_MPS_CLIENT_PRIORITY"] == "0"
+    finally:
+        d.cleanup()
+
+
 def test_detached_submit_runs_with_env_and_records_exit_code(
     daemon: DaemonProc, tmp_path: Path
 ) -> None:
