@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from gpushare.latency.app import AppLatency
 from gpushare.latency.p99 import TokenTrackers
-from gpushare.latency.prometheus import VLLM_TTFT, parse_latency_from
+from gpushare.latency.prometheus import VLLM_TPOT_REQUEST, VLLM_TTFT, parse_latency_from
 from gpushare.stats import bucket_quantile
 from tests.support.exposition import ExpositionServer
 
@@ -24,12 +24,15 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 class VllmServer:
     """Serves a registry holding vLLM's two histograms, by the name the given version uses."""
 
-    def __init__(self, tpot_name: str) -> None:
+    def __init__(self, tpot_name: str, *also: str) -> None:
         self.registry = CollectorRegistry()
         self.ttft = Histogram(VLLM_TTFT, "TTFT", ["model_name"], registry=self.registry,
                               buckets=TTFT_BUCKETS).labels("llama")  # fmt: skip
         self.tpot = Histogram(tpot_name, "TPOT", ["model_name"], registry=self.registry,
                               buckets=TPOT_BUCKETS).labels("llama")  # fmt: skip
+        #: Further TPOT histograms the server exports beside it (newer vLLM exports two).
+        self.also = [Histogram(n, "TPOT", ["model_name"], registry=self.registry,
+                               buckets=TPOT_BUCKETS).labels("llama") for n in also]  # fmt: skip
         self._server = ExpositionServer(lambda: generate_latest(self.registry))
         self.url = self._server.url
 
@@ -77,6 +80,34 @@ def test_ttft_and_tpot_p99_from_bucket_deltas_of_a_live_vllm_endpoint(vllm: Vllm
     later = app.p99s()["llm"]
     assert later.tpot is not None and later.tpot.p99_ms is None
     assert later.ttft is not None and later.ttft.p99_ms == pytest.approx(got.ttft.p99_ms)
+
+
+def test_the_per_request_tpot_is_read_first_over_the_ttft_window() -> None:
+    """vLLM with the per-request TPOT histogram (one mean per finished request, the TPOT a TPOT
+    SLO is scored on) exports the inter-token one beside it: the per-request one is read, and over
+    ``ttft_window``, since a ``tpot_window`` sized for per-token values holds too few of them."""
+    server = VllmServer(VLLM_TPOT_REQUEST, "vllm:inter_token_latency_seconds")
+    try:
+        now = [1000.0]
+        tokens = TokenTrackers(20, ttft_window_s=120.0, tpot_window_s=10.0)
+        app = AppLatency(2.0, 20, 1.0, clock=lambda: now[0], tokens=tokens)
+        app.add_prometheus("llm", f"vllm:{server.url}")
+        app.scrape_all()
+        for _ in range(30):
+            server.tpot.observe(0.03)
+        for _ in range(3000):  # the gaps: what a per-token reader would have seen instead
+            server.also[0].observe(0.2)
+        now[0] += 5.0
+        app.scrape_all()
+        got = app.p99s()["llm"].tpot
+        assert got is not None and got.samples == 30
+        assert got.p99_ms is not None and 25.0 < got.p99_ms <= 50.0
+        now[0] += 60.0  # past tpot_window, within ttft_window: the 30 requests still count
+        app.scrape_all()
+        later = app.p99s()["llm"].tpot
+        assert later is not None and later.p99_ms == pytest.approx(got.p99_ms)
+    finally:
+        server.close()
 
 
 def test_a_vllm_spec_is_checked_and_an_endpoint_without_the_histograms_says_so() -> None:

@@ -72,17 +72,23 @@ class LlmServer:
     label: str
     ttft: tuple[str, ...]
     tpot: tuple[str, ...]
-    tpot_per_request: bool = False
-    """One TPOT value per request (TGI), not per token interval: its window is the TTFT's
-    (``ttft_window``, at most ``ttft_max_samples``), sized for one value per request."""
+    tpot_per_request: frozenset[str] = frozenset()
+    """The ``tpot`` names observed once per request (its mean TPOT), not per token interval: read
+    over the TTFT's window (``ttft_window``), sized for one value per request."""
 
 
 #: vLLM's TTFT histogram (``vllm/v1/metrics/loggers.py`` at vllm-project/vllm commit
 #: 005a810bc40faa25b8870fbc8559c3462581eee3, as ``bench/llm_histograms.py`` cites).
 VLLM_TTFT = "vllm:time_to_first_token_seconds"
-#: vLLM's inter-token latency histogram: its newer name first, then the one it replaced (both are
-#: observed once per output-token interval); the first present in a scrape is read.
-VLLM_TPOT = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+#: vLLM's per-request TPOT histogram (vllm-project/vllm pull request 24015, "[V1][Metrics] Add
+#: per-request TPOT histogram", merged 2025-09): observed once per finished request with its mean
+#: time per output token, the TPOT a TPOT SLO is scored on; the ITL's buckets.
+VLLM_TPOT_REQUEST = "vllm:request_time_per_output_token_seconds"
+#: vLLM's TPOT histograms, the first present in a scrape read: the per-request one, else the
+#: inter-token latency by its newer name, then by the one it replaced (both observed once per
+#: output-token interval: a TPOT SLO on them must be declared on the gaps).
+VLLM_TPOT = (VLLM_TPOT_REQUEST, "vllm:inter_token_latency_seconds",
+             "vllm:time_per_output_token_seconds")  # fmt: skip
 #: SGLang's (``python/sglang/srt/metrics/collector.py`` at sgl-project/sglang commit
 #: 93d04878cfb9b08645fae7b11bd340ee33b34acf, ``TokenizerMetricsCollector``); the inter-token
 #: histogram had the name ``sglang:time_per_output_token_seconds`` before (its
@@ -97,9 +103,9 @@ TGI_TPOT = "tgi_request_mean_time_per_token_duration"
 
 #: ``--latency-from PREFIX:URL``: the servers whose own histograms are read (docs/controller.md).
 LLM_SERVERS: Mapping[str, LlmServer] = {
-    "vllm": LlmServer("vLLM", (VLLM_TTFT,), VLLM_TPOT),
+    "vllm": LlmServer("vLLM", (VLLM_TTFT,), VLLM_TPOT, frozenset({VLLM_TPOT_REQUEST})),
     "sglang": LlmServer("SGLang", (SGLANG_TTFT,), SGLANG_TPOT),
-    "tgi": LlmServer("TGI", (), (TGI_TPOT,), tpot_per_request=True),
+    "tgi": LlmServer("TGI", (), (TGI_TPOT,), frozenset({TGI_TPOT})),
 }
 
 
@@ -176,8 +182,8 @@ def parse_histogram(text: str, metric: str) -> tuple[dict[float, float], float |
 
 def first_histogram(
     text: str, names: tuple[str, ...]
-) -> tuple[dict[float, float], float | None] | None:
-    """The first of ``names`` present in the text, as :func:`parse_histogram` gives it.
+) -> tuple[str, dict[float, float], float | None] | None:
+    """The first of ``names`` present in the text: its name and :func:`parse_histogram`'s result.
 
     Raises:
         ValueError: the text is not the Prometheus text format.
@@ -185,7 +191,7 @@ def first_histogram(
     for name in names:
         buckets, total = parse_histogram(text, name)
         if buckets or total is not None:
-            return buckets, total
+            return name, buckets, total
     return None
 
 
@@ -454,10 +460,14 @@ class PrometheusScraper:
     ) -> None:
         self.source = source
         self.window = HistogramWindow(window_s, min_samples)
-        #: An LLM server's TTFT and TPOT, over ``[latency] ttft_window`` and ``tpot_window``.
+        #: An LLM server's TTFT and TPOT, over ``[latency] ttft_window`` and ``tpot_window`` (the
+        #: TTFT's for a TPOT histogram observed once per request); :meth:`_tpot_window` sizes the
+        #: TPOT's by the name the server exports.
         self.ttft = HistogramWindow(token_windows_s[0], min_samples)
-        per_request = source.server and LLM_SERVERS[source.server].tpot_per_request
-        self.tpot = HistogramWindow(token_windows_s[0 if per_request else 1], min_samples)
+        self.tpot = HistogramWindow(token_windows_s[1], min_samples)
+        self._token_windows_s = token_windows_s
+        self._min_samples = min_samples
+        self._tpot_name: str | None = None
         self.timeout_s = timeout_s
         self._fetch = fetch
         self.last_error: str | None = None
@@ -502,11 +512,26 @@ class PrometheusScraper:
             names = ", ".join((*server.ttft[:1], server.tpot[0]))
             why = f"no {server.label} histograms ({names}) at {self.source.url}"
             return self._failed(why, why)
+        if tpot is not None:
+            self._tpot_window(server, tpot[0])
         for window, hist in ((self.ttft, ttft), (self.tpot, tpot)):
             if hist is not None:
-                window.add(now, *hist)
+                window.add(now, *hist[1:])
         self.last_error = self.last_error_detail = None
         return True
+
+    def _tpot_window(self, server: LlmServer, name: str) -> None:
+        """Size the TPOT window for the histogram the server exports, anew when its name changes.
+
+        Counts of another histogram are no deltas of this one: a server upgraded to a newer name
+        starts a new window.
+        """
+        if name == self._tpot_name:
+            return
+        per_request = name in server.tpot_per_request
+        window_s = self._token_windows_s[0 if per_request else 1]
+        self.tpot = HistogramWindow(window_s, self._min_samples)
+        self._tpot_name = name
 
     def _failed(self, public: str, detail: str) -> bool:
         self.last_error, self.last_error_detail = public, detail[:_MAX_DETAIL_CHARS]
