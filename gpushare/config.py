@@ -179,10 +179,7 @@ class ControlConfig:
     offline_sm_pct_default: float = _num(50.0, minimum=1.0, maximum=100.0)
     offline_sm_pct_min: float = _num(10.0, minimum=1.0, maximum=100.0)
     offline_sm_pct_max: float = _num(100.0, minimum=1.0, maximum=100.0)
-    # CUDA_MPS_CLIENT_PRIORITY of offline clients at launch: 1 (below normal, the default) or 0
-    # (the online clients' own). 0 lets offline kernels compete with an always-busy online
-    # server that the duty cycle then protects (docs/controller.md, "LLM servers").
-    offline_mps_priority: int = _num(1, minimum=0, maximum=1)
+    offline_mps_priority: int = _num(1, minimum=0, maximum=1)  # CUDA_MPS_CLIENT_PRIORITY (0, 1)
     share_hysteresis_pct: float = _num(10.0, minimum=0.0, maximum=100.0)
     share_min_interval_s: float = _duration(60.0)
     # Issue 32: what restarting an offline job costs it unless it declares its own
@@ -226,12 +223,8 @@ class LatencyConfig:
     window_s: float = _duration(2.0, above=True)
     min_samples: int = _num(20, minimum=1, maximum=1_000_000)
     scrape_period_s: float = _duration(1.0, above=True)
-    # An LLM server's token timings (docs/controller.md, "LLM servers"): a TTFT comes once per
-    # request, at 0.2-0.6 requests/s, so its window keeps the last ttft_max_samples first tokens
-    # up to ttft_window old (24 at 0.2/s fill min_samples); a TPOT comes once per request (its
-    # mean, what a TPOT SLO is scored on) or once per further token, as the server reports it:
-    # the same 120 s holds enough of the first, the 5000 bound the last tens of seconds of the
-    # second.
+    # An LLM server's TTFT, and by default TPOT, come once per request (0.2-0.6/s): 120 s holds
+    # min_samples (docs/controller.md, "LLM servers"); per-token TPOTs keep the last 5000.
     ttft_window_s: float = _duration(120.0, above=True)
     ttft_max_samples: int = _num(200, minimum=1, maximum=1_000_000)
     tpot_window_s: float = _duration(120.0, above=True)
