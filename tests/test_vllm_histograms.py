@@ -127,6 +127,28 @@ def test_a_vllm_spec_is_checked_and_an_endpoint_without_the_histograms_says_so()
     assert got.reason is not None and "no vLLM histograms" in got.reason
 
 
+def test_an_endpoint_that_keeps_changing_its_tpot_name_gives_no_tpot_p99() -> None:
+    """Counts of one histogram are no deltas of another: a server answering under the per-request
+    name and the inter-token one by turns restarts its TPOT window each time, so it makes up no
+    p99 from the mix (and, its own client's signal being all it reaches, harms no one else)."""
+    names = iter([VLLM_TPOT_REQUEST, "vllm:inter_token_latency_seconds"] * 10)
+    counts = iter(range(0, 2000, 100))
+
+    def answer(source: object, timeout_s: float) -> str:
+        name, n = next(names), next(counts)
+        return f'{name}_bucket{{le="0.05"}} {n}\n{name}_bucket{{le="+Inf"}} {n}\n'
+
+    now = [1000.0]
+    tokens = TokenTrackers(20, ttft_window_s=120.0, tpot_window_s=120.0)
+    app = AppLatency(2.0, 20, 1.0, clock=lambda: now[0], fetch=answer, tokens=tokens)
+    app.add_prometheus("llm", "vllm:http://127.0.0.1:8000/metrics")
+    for _ in range(20):
+        app.scrape_all()
+        got = app.p99s()["llm"]
+        assert got.tpot is None or got.tpot.p99_ms is None
+        now[0] += 1.0
+
+
 def test_a_hostile_vllm_endpoint_gives_no_p99_and_keeps_its_text_from_others() -> None:
     # The URL is the submitting user's: its answers may be anything. None may raise in the
     # poller, make up a p99, or put the endpoint's text into the public reason (docs/security.md).
