@@ -18,10 +18,10 @@ import math
 from dataclasses import replace
 
 from gpushare.config import ControlConfig
+from gpushare.control.duty import duty_signals
 from gpushare.control.gpu_state import (
     GpuState,
     above_share,
-    app_only,
     gated_shallow,
     leaving,
 )
@@ -83,7 +83,9 @@ def offline_share(
     target = float(math.floor(min(top, max(low, target))))
     target = max(low, target)
     gated = gated_shallow(state, obs)
-    worst = app_only(signals).worst if gated else signals.worst
+    # The violation the duty cycle sees (the probe yields to app latency with room, and is not
+    # followed at all while gated with shallow queues), not a probe the duty cycle ignores.
+    worst = duty_signals(cfg, state, obs, signals).worst
     violating = worst is not None and worst > cfg.violation_ratio
     if target < state.share_pct and cut_waits(config, state, obs, target, now):
         return state
@@ -133,7 +135,8 @@ def _sample(
             samples = (*samples, (now, demand))[-_MAX_DEMAND_SAMPLES:]
         if signals.worst is not None:
             quiet_signals = (*quiet_signals, (now, signals.worst))[-_MAX_DEMAND_SAMPLES:]
-        if signals.app_worst is not None:
+        if signals.app_complete and signals.app_worst is not None:
+            # Only complete app latency is evidence of the room the app SLOs leave.
             app_quiet = (*app_quiet, (now, signals.app_worst))[-_MAX_DEMAND_SAMPLES:]
     if (
         samples != state.demand_samples
@@ -166,7 +169,7 @@ def _target(
         return None
     # Both the SM demand and the latency online work has alone are needed as evidence
     # (a share set from SM activity alone overshot before any latency was known).
-    quiet = quiet_level(state)
+    quiet = _share_quiet_level(cfg, state, signals)
     if quiet is not None and quiet < cfg.violation_ratio:
         # Online work held to (100 - s) % of the SMs runs at most 100 / (100 - s) times
         # slower (iGniter: 1.28-1.56x at half the SMs, under the 2x this bound gives), so
@@ -248,6 +251,29 @@ def quiet_demand(config: ControlConfig, obs: Observation, signals: Signals) -> f
         # Utilisation counts any running kernel, so it overstates demand: errs safe.
         return min(100.0, max(0.0, sample.gpu_util_pct))
     return None
+
+
+def _share_quiet_level(cfg: ControlConfig, state: GpuState, signals: Signals) -> float | None:
+    """The online signal alone the share follows: the app's where every online client reports.
+
+    The probe is gpushare's evidence for online work that reports no latency of its own; where
+    every online client reports its p99 against an SLO (every quiet app sample was complete, and
+    no online client is without a report now: the windows of a server at low load are empty at
+    times, which is no new client), and those SLOs leave room alone (under ``comfort_ratio``, as
+    in the duty cycle's rule, ``duty.duty_signals``), the app latency is what the SLOs are. The
+    probe's SLO is the same whatever the app SLOs are, and an LLM server alone (always a batch in
+    flight) keeps the probe over it, with spikes of 10-80x behind a long prefill: read as the
+    share's evidence, it sent the share to its floor whenever it read, and back up when it did
+    not (a server serving alone before a job came: 33 % and 10 % in turn, each cut a restart).
+    """
+    app = max((v for _, v in state.app_quiet_signals), default=None)
+    if (
+        app is not None
+        and app < cfg.comfort_ratio
+        and (signals.app_complete or signals.app_worst is None)
+    ):
+        return app
+    return quiet_level(state)
 
 
 def quiet_level(state: GpuState) -> float | None:

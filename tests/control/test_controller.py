@@ -539,6 +539,24 @@ def test_share_follows_the_slo_not_a_busy_tick_of_sm_activity() -> None:
     assert "0.90x its SLO" in shares[1].reason
 
 
+def test_share_follows_app_latency_where_the_probe_yields_to_it() -> None:
+    ctl = GpushareController(SHARE_CFG)
+    # An LLM server alone: a batch always in flight, so the SMs read busy and the probe, queued
+    # behind the server's kernels, is over its SLO (1.8 / 1.5); its own TPOT is at 0.65x its SLO.
+    # As in the duty cycle, the probe yields to app latency with room: the SLO leaves 35 %, not
+    # the 10 % floor the SM demand (100 %) would give.
+    server = observation((online(p99_ms=26.0),), sm_active=100.0, probe_ratio=1.8)
+    _, ticks = run(ctl, [server] * 6)
+    shares = [a for t in ticks for a in t if isinstance(a, SetOfflineShare)]
+    assert [s.sm_pct for s in shares] == [50.0, 35.0], shares
+    assert "0.65x its SLO" in shares[1].reason
+    # Where the app SLO leaves little room alone (0.9x, over comfort_ratio) the probe keeps its
+    # say, as in the duty cycle: a violation, during which the share does not move.
+    tight = observation((online(p99_ms=36.0),), sm_active=100.0, probe_ratio=1.8)
+    _, ticks = run(ctl, [tight] * 6)
+    assert [a.sm_pct for t in ticks for a in t if isinstance(a, SetOfflineShare)] == [50.0]
+
+
 def test_share_falls_back_on_sm_demand_when_online_alone_breaks_its_slo() -> None:
     ctl = GpushareController(SHARE_CFG)
     # Online over its SLO even with offline quiet (the quiet level stays in the window after the
@@ -562,14 +580,16 @@ def test_share_with_a_quiet_latency_is_the_latency_bound(
     p99_ratio: float, probe_ratio: float, sm_active: float
 ) -> None:
     # With online work alone under its SLO, the share is what the SLO leaves (the worst signal
-    # q: 100 x (1 - q), floored and clamped), whatever SM activity reads; it changes from the
-    # initial share only beyond the hysteresis.
+    # q, the app's where the probe yields to it: 100 x (1 - q), floored and clamped), whatever
+    # SM activity reads; it changes from the initial share only beyond the hysteresis.
     ctl = GpushareController(SHARE_CFG)
     obs = observation(
         (online(p99_ms=p99_ratio * 40.0),), sm_active=sm_active, probe_ratio=probe_ratio
     )
     state, _ = run(ctl, [obs] * 4)
     q = max(p99_ratio, probe_ratio / SHARE_CFG.probe_slo_ratio)
+    if p99_ratio < SHARE_CFG.comfort_ratio and p99_ratio < probe_ratio / SHARE_CFG.probe_slo_ratio:
+        q = p99_ratio  # the probe yields to app latency with room (as in the duty cycle)
     target = float(math.floor(min(100.0, max(SHARE_CFG.offline_sm_pct_min, 100.0 * (1.0 - q)))))
     target = max(SHARE_CFG.offline_sm_pct_min, target)
     if abs(target - SHARE_CFG.offline_sm_pct_default) > SHARE_CFG.share_hysteresis_pct:
