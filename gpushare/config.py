@@ -180,10 +180,11 @@ class ControlConfig:
     offline_sm_pct_min: float = _num(10.0, minimum=1.0, maximum=100.0)
     offline_sm_pct_max: float = _num(100.0, minimum=1.0, maximum=100.0)
     offline_mps_priority: int = _num(1, minimum=0, maximum=1)  # CUDA_MPS_CLIENT_PRIORITY (0, 1)
+    # Online latency under this x its SLOs for share_min_interval: offline launches at 0 (0: off).
+    equal_priority_below: float = _num(0.75, minimum=0.0, maximum=1.0)
     share_hysteresis_pct: float = _num(10.0, minimum=0.0, maximum=100.0)
     share_min_interval_s: float = _duration(60.0)
-    # Issue 32: what restarting an offline job costs it unless it declares its own
-    # (gpushare.control.restart_cost): a share restart must pay for it.
+    # Issue 32: a job's restart cost unless it declares one (a share restart must pay for it).
     restart_cost_s: float = _duration(60.0)
     share_headroom_pct: float = _num(10.0, minimum=0.0, maximum=100.0)
     quiet_settle_s: float = _duration(1.0)
@@ -196,8 +197,7 @@ class ControlConfig:
     gate_delay_raise_after_ticks: int = _num(5, minimum=1, maximum=100_000)
     gate_delay_trust_s: float = _duration(60.0)
     gate_delay_loose_below: float = _num(0.75, minimum=0.0, maximum=1.0)
-    # Issue 32: the most a measured start-up counts as a job's restart cost
-    # (gpushare.daemon.startcost): a job decides when it first touches the GPU.
+    # Issue 32: the most a start-up measured at the job's first GPU work counts as its cost.
     restart_cost_measured_max_s: float = _duration(300.0)
     # The sharing policy the daemon runs (gpushare.control.registry.POLICY_NAMES).
     policy: str = "gpushare"

@@ -98,6 +98,7 @@ class GpuControl:
 
     duty: float
     offline_sm_pct: float
+    offline_mps_priority: int = 1
     throttle_events: int = 0
     mps_restarts: int = 0
     evictions: int = 0
@@ -333,7 +334,7 @@ def _build_info() -> GaugeMetricFamily:
     return info
 
 
-def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+def _gauge(name: str, doc: str, labels: list[str] = _GPU_LABELS) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
 
@@ -352,15 +353,12 @@ def _gpu_metrics(snap: NodeMetrics, hostname: str) -> Iterator[_Family]:
         "gpushare_mps_daemon_up", "1 when the GPU's MPS control daemon answers", _GPU_LABELS
     )
     fault = _gauge("gpushare_mps_fault", "1 while the GPU's MPS server is in FAULT", _GPU_LABELS)
-    duty = _gauge(
-        "gpushare_offline_duty_ratio",
-        "Fraction of each period offline clients may run",
-        _GPU_LABELS,
-    )
+    duty = _gauge("gpushare_offline_duty_ratio", "Fraction of each period offline clients may run")
     share = _gauge(
-        "gpushare_offline_sm_limit_ratio",
-        "SM share new and restarted offline clients get",
-        _GPU_LABELS,
+        "gpushare_offline_sm_limit_ratio", "SM share new and restarted offline clients get"
+    )
+    prio = _gauge(
+        "gpushare_offline_mps_priority", "MPS priority new offline clients get (0: online's)"
     )
     probe = _gauge(
         "gpushare_probe_latency_p99_seconds", "p99 wait+run time of the probe kernel", _GPU_LABELS
@@ -401,12 +399,14 @@ def _gpu_metrics(snap: NodeMetrics, hostname: str) -> Iterator[_Family]:
         if ctl is not None:
             duty.add_metric(labels, ctl.duty)
             share.add_metric(labels, ctl.offline_sm_pct / 100.0)
+            prio.add_metric(labels, float(ctl.offline_mps_priority))
             throttles.add_metric(labels, float(ctl.throttle_events))
             restarts.add_metric(labels, float(ctl.mps_restarts))
             evictions.add_metric(labels, float(ctl.evictions))
             if ctl.step_s is not None:
                 _histogram(step, labels, ctl.step_s)
-    yield from (up, fault, lost, duty, share, probe, probe_ratio, throttles, restarts, evictions)
+    yield from (up, fault, lost, duty, share, prio, probe, probe_ratio, throttles, restarts)
+    yield evictions
     yield step
 
 

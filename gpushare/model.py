@@ -421,6 +421,19 @@ class SetOfflineShare:
 
 
 @dataclass(frozen=True, slots=True)
+class SetOfflinePriority:
+    """Set the MPS priority new and restarted offline clients of a GPU start with.
+
+    ``CUDA_MPS_CLIENT_PRIORITY``: 1, below online clients, or 0, theirs (docs/controller.md,
+    "Offline priority per GPU"). A running client keeps the priority it started with.
+    """
+
+    gpu_uuid: str
+    priority: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class RestartClient:
     """Checkpoint-signal a restartable offline client and relaunch it under ``sm_pct``."""
 
@@ -481,6 +494,7 @@ Action = (
     | SetDuty
     | SetGating
     | SetOfflineShare
+    | SetOfflinePriority
     | RestartClient
     | Evict
     | RecoverMps

@@ -94,7 +94,11 @@ def test_gpu_and_client_series(exporter):
                     ]
                 )
             ],
-            control={"GPU-aaaa": GpuControl(duty=0.35, offline_sm_pct=50.0, throttle_events=4)},
+            control={
+                "GPU-aaaa": GpuControl(
+                    duty=0.35, offline_sm_pct=50.0, offline_mps_priority=0, throttle_events=4
+                )
+            },
             user_names={1000: "alice"},
         )
     )
@@ -103,6 +107,7 @@ def test_gpu_and_client_series(exporter):
     assert m[("gpushare_evictions_total", gpu)] == 0
     assert m[("gpushare_offline_duty_ratio", gpu)] == 0.35
     assert m[("gpushare_offline_sm_limit_ratio", gpu)] == 0.5
+    assert m[("gpushare_offline_mps_priority", gpu)] == 0
     assert m[("gpushare_probe_latency_p99_seconds", gpu)] == 0.0025
     assert m[("gpushare_throttle_events_total", gpu)] == 4
     assert m[("gpushare_mps_daemon_up", gpu)] == 1

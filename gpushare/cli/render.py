@@ -428,6 +428,11 @@ def _model(gpu: dict[str, Any]) -> str:
     return name.removeprefix("NVIDIA ")
 
 
+def _equal_priority(g: dict[str, Any]) -> str:
+    """`` p0`` where offline clients launch at the online clients' MPS priority (else nothing)."""
+    return " p0" if g.get("offline_mps_priority") == 0 else ""  # absent from an older daemon
+
+
 def _gpu_rows(status: dict[str, Any], wide: bool) -> tuple[list[list[str]], list[list[str]]]:
     simulated = bool(status["daemon"].get("simulated"))
     if wide:
@@ -454,7 +459,7 @@ def _gpu_rows(status: dict[str, Any], wide: bool) -> tuple[list[list[str]], list
                _pct(g["gpu_util_pct"]), _mps(g, simulated),
                slo if wide or slo != "no_online_clients" else "-",
                f"{g['client_slots_used']}/{g['client_slots_max']}", _gate(g),
-               _pct(g["offline_sm_pct"]), gate]  # fmt: skip
+               _pct(g["offline_sm_pct"]) + _equal_priority(g), gate]  # fmt: skip
         if wide:
             row[2:2] = [g["uuid"]]
             row[7:7] = [probe_text]

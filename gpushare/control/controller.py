@@ -5,7 +5,8 @@ One :class:`GpushareController` serves every GPU; each GPU has its own frozen :c
 re-exported here). A step runs, in this order (``docs/controller.md`` gives the law and justifies
 every constant); sections 1-4 and 6 are methods here, the others plain functions in their own
 modules: the duty cycle (5) in :mod:`gpushare.control.duty`, the offline share (7) in
-:mod:`gpushare.control.share` and the restarts that follow it in :mod:`gpushare.control.restarts`:
+:mod:`gpushare.control.share`, the restarts that follow it in :mod:`gpushare.control.restarts`, and
+the offline priority (8) in :mod:`gpushare.control.priority`:
 
 1. **GPU lost** (``sample.lost``): alert once and do nothing else on that GPU (admission skips it).
 2. **MPS fault** (``MpsState.FAULT`` or a fatal XID): :class:`RecoverMps` (the daemon removes offline
@@ -37,6 +38,10 @@ modules: the duty cycle (5) in :mod:`gpushare.control.duty`, the offline share (
    under a different share are restarted one at a time, never during an SLO violation, and with
    gating on a deep ``--queue auto`` client is relaunched shallow first
    (:mod:`gpushare.control.restarts`).
+8. **Offline priority** (:class:`SetOfflinePriority`, :mod:`gpushare.control.priority`): offline
+   clients launched from now on get the online clients' MPS priority (0) once every online client
+   has stayed well under its SLOs for ``share_min_interval``, and the configured one (1) again at
+   the first violation; running clients keep theirs.
 
 Pure: no I/O, no clock; ``now`` is an argument.
 """
@@ -56,6 +61,7 @@ from gpushare.control.gpu_state import (
     client_share_pct,
     failure_backoff_s,
 )
+from gpushare.control.priority import offline_priority
 from gpushare.control.restarts import restarts
 from gpushare.control.share import offline_share
 from gpushare.control.signals import Signals, free_memory_bytes, online_signals
@@ -132,6 +138,7 @@ class GpushareController:
         state = self._gating(state, observation, signals, now, actions)
         state = offline_share(self.config, state, observation, signals, now, actions)
         state = restarts(self.config, state, observation, signals, now, actions)
+        state = offline_priority(self.config, state, signals, now, actions)
         return state, actions
 
     def _idle(self, state: GpuState, obs: Observation) -> GpuState | None:
@@ -168,6 +175,8 @@ class GpushareController:
             or state.breach_duty is not None
             or state.gated_shallow
             or state.gating_emitted is True
+            or state.offline_priority is not None
+            or state.priority_room_since_s is not None
             or (obs.gate is not None and state.gating_emitted is not False)
             # The restarts' section counts the duty since the share was set (issue 32).
             or not restart_cost.tally_is_current(

@@ -75,6 +75,10 @@ class GpuState:
         gate_delay_history: ``(first_at_s, worst app signal)`` per ``_DELAY_BUCKET_S`` over
             the last ``_DELAY_MEMORY_S`` (gatedelay.py), kept while gating goes off and on: a
             burst seen once keeps capping the room, and its span says how long the tail is known.
+        offline_priority: the MPS priority offline launches get, as last sent
+            (``SetOfflinePriority``); ``None``: the policy's own (``offline_mps_priority``).
+        priority_room_since_s: since when every online client has stayed under
+            ``equal_priority_below`` of its SLOs (priority.py); ``None``: not now.
     """
 
     gpu_uuid: str
@@ -112,6 +116,8 @@ class GpuState:
     gate_delay_cut_at_s: float | None = None
     gate_delay_recent: tuple[tuple[float, float], ...] = ()
     gate_delay_history: tuple[tuple[float, float], ...] = ()
+    offline_priority: int | None = None
+    priority_room_since_s: float | None = None
 
 
 def failure_backoff_s(failures: int, config: ControlConfig) -> float:

@@ -25,6 +25,7 @@ from gpushare.model import (
     Action,
     Admit,
     Alert,
+    ClientClass,
     ClientState,
     Evict,
     Freeze,
@@ -32,6 +33,7 @@ from gpushare.model import (
     RestartClient,
     SetDuty,
     SetGating,
+    SetOfflinePriority,
     SetOfflineShare,
     Thaw,
 )
@@ -65,6 +67,7 @@ class Actuator:
             Freeze: self._hold,
             Thaw: self._hold,
             SetOfflineShare: self._set_offline_share,
+            SetOfflinePriority: self._set_offline_priority,
             RestartClient: self._restart,
             Evict: self._evict,
             Admit: self._admit,
@@ -158,6 +161,18 @@ class Actuator:
                 f"offline SM share {mpsenv.format_pct(action.sm_pct)}%: {action.reason}",
                 gpu_uuid=action.gpu_uuid,
             )
+
+    def _set_offline_priority(self, action: SetOfflinePriority, tick: Tick) -> None:
+        s, gpu = self.s, action.gpu_uuid
+        if s.priority(ClientClass.OFFLINE, (gpu,)) == action.priority:
+            return
+        self._acted(gpu, "set_offline_priority", action.reason, tick)
+        s.offline_priority[gpu] = action.priority
+        s.registry.add_event(
+            "offline_priority_changed",
+            f"offline MPS priority {action.priority} for new launches: {action.reason}",
+            gpu_uuid=gpu,
+        )
 
     def _recover(self, action: RecoverMps, tick: Tick) -> None:
         self._acted(action.gpu_uuid, "recover_mps", action.reason, tick)

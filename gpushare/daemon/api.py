@@ -241,7 +241,8 @@ class Api:
                 return self._enqueue(req, cls, caller, detach, exc.message)
             rec = self._add_client(
                 cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid,
-                user=user_name(caller.uid), state=S.STARTING, priority=self.s.priority(cls),
+                user=user_name(caller.uid), state=S.STARTING,
+                priority=self.s.priority(cls, tuple(g.uuid for g in gang) or (sample.uuid,)),
                 name=req.name, gpu_uuid=sample.uuid, gpu_index=sample.index,
                 gpu_request=gangplace.request_of(req, self.s.samples, self._resolve_gpu),
                 sm_ceiling=req.sm_pct, sm_pct=sm,

@@ -50,13 +50,13 @@ def client_env(
     A gang of several GPUs (``gang``, rank order; ``gpu_uuid`` is rank 0's) also carries every
     rank's GPU variables, for ``gpushare rank-exec`` (:func:`gpushare.mpsenv.rank_env`).
     """
+    # One priority for every rank: the one its record keeps (lifecycle.prepare_launch).
+    prio = s.priority(cls, gang or (gpu_uuid,))
 
     def one(uuid: str) -> dict[str, str]:
         return mpsenv.mps_env(
             client_id=client_id,
-            limits=mpsenv.MpsLimits(
-                gpu_uuid=uuid, sm_pct=sm, mem_bytes=mem, priority=s.priority(cls)
-            ),
+            limits=mpsenv.MpsLimits(gpu_uuid=uuid, sm_pct=sm, mem_bytes=mem, priority=prio),
             pipe_dir=s.mps.pipe_dir(uuid),
             latency_socket=s.config.paths.resolved("latency_socket"),
         )

@@ -461,14 +461,14 @@ class Lifecycle:
     def prepare_launch(
         self, rec: ClientRecord, gpu_uuid: str, sm_pct: float | None, reason: str
     ) -> ClientRecord:
-        """Move a queued or restarting client to STARTING on its GPU with its SM share."""
+        """Move a queued or restarting client to STARTING on its GPU with its share and priority."""
         sample = self.s.sample(gpu_uuid)
         sm = sm_pct if sm_pct is not None else self.s.default_sm(rec.cls, gpu_uuid)
-        # No pid until the spawn is recorded: a daemon that dies before knows it never started
-        # (the old process of a restart is gone), so the launch is queued again (readopt.py).
+        # No pid until the spawn is recorded: a daemon dying before then requeues it (readopt.py).
         moved = self.s.transition(
-            rec.id, S.STARTING, reason=reason, gpu_uuid=gpu_uuid, sm_pct=sm,
-            gpu_index=sample.index if sample else rec.gpu_index, pid=None, start_time=None,
+            rec.id, S.STARTING, reason=reason, gpu_uuid=gpu_uuid, sm_pct=sm, pid=None,
+            gpu_index=sample.index if sample else rec.gpu_index, start_time=None,
+            priority=self.s.priority(rec.cls, rec.gang or (gpu_uuid,)),
         )  # fmt: skip
         return moved or self.s.registry.get(rec.id)
 

@@ -99,6 +99,7 @@ class Reporter:
             uuid: GpuControl(
                 duty=self.s.duty.get(uuid, 1.0),
                 offline_sm_pct=self.s.default_sm(ClientClass.OFFLINE, uuid),
+                offline_mps_priority=self.s.priority(ClientClass.OFFLINE, (uuid,)),
                 throttle_events=self._throttle_events.get(uuid, 0),
                 mps_restarts=self._mps_restarts.get(uuid, 0),
                 evictions=ops.gpu_evictions(uuid),

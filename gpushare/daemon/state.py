@@ -140,6 +140,9 @@ class NodeState:
         # Kept in the registry: the clients running after a daemon restart started with it, and
         # a default in its place would have them restarted to apply it (issue 27).
         self.offline_share: dict[str, float] = _kept_shares(registry.setting(_SHARE_SETTING))
+        #: The MPS priority offline launches get per GPU (``SetOfflinePriority``; absent: the
+        #: policy's). Not kept: after a restart the controller has seen nothing to choose 0 on.
+        self.offline_priority: dict[str, int] = {}
         #: Why each queued job was not started at the last admission round, by client id
         #: (``status``/``list`` show it as ``waiting``). Replaced every round, emptied when
         #: nothing is queued: it never holds more than the queue.
@@ -192,12 +195,18 @@ class NodeState:
         supervisor = self.mps.supervisors.get(gpu_uuid)
         return supervisor is not None and supervisor.multiuser
 
-    def priority(self, cls: ClientClass) -> int:
-        """The MPS priority a client of this class starts with."""
-        # The policy decides offline clients' MPS priority (baselines compare without it).
+    def priority(self, cls: ClientClass, gpu_uuids: Sequence[str] = ()) -> int:
+        """The MPS priority a client of this class starts with on these GPUs (none: not known).
+
+        Offline: what the controller chose for the GPUs (``SetOfflinePriority``), below online
+        (1) where any of a gang's GPUs says so; else the policy's (baselines compare without it).
+        """
         if cls is ClientClass.ONLINE:
             return 0
-        return int(self.policy.offline_mps_priority)
+        configured = int(self.policy.offline_mps_priority)
+        return max(
+            (self.offline_priority.get(u, configured) for u in gpu_uuids), default=configured
+        )
 
     def default_sm(self, cls: ClientClass, gpu_uuid: str) -> float:
         """The SM share a client of this class gets on this GPU unless it asked for one."""

@@ -230,6 +230,7 @@ class Views:
             if shared
             else None,
             "offline_sm_pct": s.default_sm(ClientClass.OFFLINE, x.uuid),
+            "offline_mps_priority": s.priority(ClientClass.OFFLINE, (x.uuid,)),
             "request_gate": self._gate_dict(x.uuid) if shared else None,
             "online_slo": slo,
             "probe": {

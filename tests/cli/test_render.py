@@ -60,6 +60,16 @@ def test_gpu_row_rounds_readings():
     assert "15.9368" not in text
 
 
+def test_the_sm_column_says_when_offline_launches_at_the_online_priority():
+    # 0: launched at the online clients' MPS priority; 1 (and an older daemon's status, without
+    # the key) says nothing more.
+    for wide, header in ((True, "OFFLINE SM"), (False, "SM")):
+        text = render_status(_status([_gpu(offline_mps_priority=0)], []), wide=wide)
+        assert cell(text, "0", header) == "33.3% p0"
+        for g in (_gpu(offline_mps_priority=1), _gpu()):
+            assert cell(render_status(_status([g], []), wide=wide), "0", header) == "33.3%"
+
+
 def test_request_gate_columns_show_the_gate_and_requests_in_flight():
     gate = {"enabled": True, "closed": True, "inflight": 3, "signalled_clients": 1,
             "busy_fraction": 0.4, "closes": 12}  # fmt: skip
