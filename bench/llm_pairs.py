@@ -8,8 +8,11 @@ daemon's own loop (``gpushare.sim.llm_daemon``), and under the levers of
 and p99 TPOT of the server alone at that load): the fraction of requests inside both SLOs, the
 p99s, the trainer's throughput over its throughput alone, and the run's speed (virtual seconds
 per CPU second). Prints a table per factor; writes JSON (``bench/results/llm_pairs.json``).
+``--trainer-after S`` submits the training job after the server has served alone for S seconds
+(the daemon-driven setups, and ``exclusive-policy`` to score exclusive use over the same window):
+a server already running when the job comes, as on a host whose servers run for days.
 
-    python bench/llm_pairs.py [--jobs 2] [--duration 600] [--quick]
+    python bench/llm_pairs.py [--jobs 2] [--duration 600] [--quick] [--trainer-after S]
 """
 
 from __future__ import annotations
@@ -74,27 +77,38 @@ TPOT_REPORT[ITL] = "token"
 #: (``[control] offline_mps_priority = 0``) instead of below it.
 PRIO0 = "gpushare-prio0"
 CONTROLS[PRIO0] = "[control]\noffline_mps_priority = 0\n"
+#: ... gpushare's defaults without the offline priority chosen per GPU (``[control]
+#: equal_priority_below = 0``): offline launches always below online clients, the default before.
+PRIO1 = "gpushare-prio1"
+CONTROLS[PRIO1] = "[control]\nequal_priority_below = 0.0\n"
 #: Levers run directly on the model (``llm_pairs``): not policies of the registry.
 LEVERS = (
     "cap-50", "duty-50", "mpsduty-30", "mpsduty-50", "srvcap-70", "psrvcap-70", "psrvcap-75",
     "psrvcap-80", "psrvcap-85", "psrvcap-90",
 )  # fmt: skip
 
-Work = tuple[str, str | None, float, float, float, float, float]
+Work = tuple[str, str | None, float, float, float, float, float, float]
+#: The registry's ``exclusive`` policy through the daemon's loop (the trainer waits, frozen, while
+#: the server is live): exclusive use scored over the same window as the daemon-driven setups
+#: when the trainer joins late (``--trainer-after``); the base row ``exclusive`` is the server
+#: run alone from 0, which the SLOs are set on.
+EXCLUSIVE_POLICY = "exclusive-policy"
 
 
 def one(args: Work) -> tuple[llm_pairs.PairResult, float]:
     """One run and its speed (virtual s per CPU s)."""
-    setup, trainer, load, duration, slo_ttft_s, slo_tpot_s, s_sat = args
+    setup, trainer, load, duration, slo_ttft_s, slo_tpot_s, s_sat, after = args
     cfg = LlmServerConfig(s_sat=s_sat)
     configure_logging("error", json=False)
     t0 = time.process_time()
-    if setup in POLICIES or setup in CONTROLS:
+    if setup in POLICIES or setup in CONTROLS or setup == EXCLUSIVE_POLICY:
         assert trainer is not None
+        policy = "exclusive" if setup == EXCLUSIVE_POLICY else setup
         res = llm_daemon.run_policy(
-            "gpushare" if setup in CONTROLS else setup, trainer, load, slo_ttft_s=slo_ttft_s,
+            "gpushare" if setup in CONTROLS else policy, trainer, load, slo_ttft_s=slo_ttft_s,
             slo_tpot_s=slo_tpot_s, duration_s=duration, control=CONTROLS.get(setup, ""), config=cfg,
             tpot_report=TPOT_REPORT.get(setup, "request"), server_sm_pct=SERVER_SM.get(setup, 100.0),
+            trainer_after_s=after,
         )  # fmt: skip
         res = dataclasses.replace(res, setup=setup)
     else:
@@ -125,6 +139,7 @@ def _rows(
                 "itl_p99_ms": llm_pairs.p99(res.itl_s) * 1e3 if res.itl_s else None,
                 "offline_norm": o.offline_norm,
                 "preemptions": res.preemptions,
+                "trainer_priority": res.trainer_priority,
                 "speed_factor": speed,
             }
         )
@@ -156,6 +171,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/llm_pairs.json")
     ap.add_argument("--setups", help="comma-separated setups (default: every one)")
     ap.add_argument(
+        "--trainer-after",
+        type=float,
+        default=0.0,
+        help="submit the training job after the server has served alone this many seconds (the "
+        "daemon-driven setups and exclusive-policy only); the run is scored from then",
+    )
+    ap.add_argument(
         "--summarise",
         type=Path,
         help="print and write the tables from the rows of an earlier run (its .partial.jsonl)",
@@ -166,8 +188,11 @@ def main() -> None:
     setups = (
         args.setups.split(",")
         if args.setups
-        else [*POLICIES, SHARE100, LLM, RUNNING, TOKEN, PRIO0, *SERVER_SM, ITL, *LEVERS]
+        else [*POLICIES, SHARE100, LLM, RUNNING, TOKEN, PRIO0, PRIO1, *SERVER_SM, ITL, *LEVERS]
     )
+    late = [s for s in setups if s not in (*POLICIES, *CONTROLS, EXCLUSIVE_POLICY)]
+    if args.trainer_after and late:
+        ap.error(f"--trainer-after: {', '.join(late)} run on the model directly, from 0")
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
     partial = args.out.with_suffix(".partial.jsonl")
@@ -182,7 +207,10 @@ def main() -> None:
             first = list(
                 pool.map(
                     one,
-                    [("exclusive", None, x, args.duration, 0.0, 0.0, args.s_sat) for x in loads],
+                    [
+                        ("exclusive", None, x, args.duration, 0.0, 0.0, args.s_sat, 0.0)
+                        for x in loads
+                    ],
                 )
             )
             alone = {r.load: r for r, _ in first}
@@ -196,6 +224,7 @@ def main() -> None:
                     k * llm_pairs.p99(alone[x].ttft_s),
                     llm_daemon.tpot_slo_s(s, alone[x], k),
                     args.s_sat,
+                    args.trainer_after,
                 )
                 for x in loads
                 for t in trainers
@@ -241,6 +270,7 @@ def main() -> None:
     out = {
         "duration_s": args.duration,
         "control_factor": args.control_factor,
+        "trainer_after_s": args.trainer_after,
         "s_sat": args.s_sat,
         "capacity_rps": llm_pairs.capacity_rps(),
         "rows": rows,

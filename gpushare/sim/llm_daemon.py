@@ -38,14 +38,19 @@ def tpot_slo_s(setup: str, alone: PairResult, factor: float) -> float:
 
 
 def _scenario(
-    trainer: str, duration_s: float, llm: str, control: str = "", queue: str = "auto"
+    trainer: str,
+    duration_s: float,
+    llm: str,
+    control: str = "",
+    queue: str = "auto",
+    after_s: float = 0.0,
 ) -> scenario.Scenario:
     return scenario.loads(
         f"""
 [scenario]
 name = "llm-pair"
-duration = "{duration_s}s"
-warmup = "{0.1 * duration_s}s"
+duration = "{after_s + duration_s}s"
+warmup = "{after_s + 0.1 * duration_s}s"
 [gpu]
 sm_count = 80
 mem_total = "32GiB"
@@ -53,7 +58,7 @@ mem_total = "32GiB"
 name = "train"
 profile = "{trainer}"
 mem = "10GiB"
-submit = "0s"
+submit = "{after_s}s"
 queue = "{queue}"
 [[llm]]
 name = "llm"
@@ -76,6 +81,7 @@ def run_policy(
     tpot_report: str = "request",
     queue: str = "auto",
     server_sm_pct: float = 100.0,
+    trainer_after_s: float = 0.0,
 ) -> PairResult:
     """The pair under a registered policy (``gpushare``, ...) driven by the daemon's loop.
 
@@ -83,7 +89,11 @@ def run_policy(
     ``tpot_report`` is how the server reports TPOT (``"request"``: each request's mean, the
     default; ``"token"``: each inter-token gap; ``"running"``: the sequence's mean so far);
     ``queue`` is the training job's ``submit --queue``;
-    ``server_sm_pct`` is the server's ``submit --online --sm`` (its MPS active-thread percentage).
+    ``server_sm_pct`` is the server's ``submit --online --sm`` (its MPS active-thread percentage);
+    ``trainer_after_s``: the training job is submitted after the server has served alone that
+    long (a server running before the job arrives, as on a host where servers run for days); the
+    run goes on ``duration_s`` from then and is scored as if that were 0 (warm-up, requests,
+    iterations).
     Of ``config`` the scheduler limits, the KV cache and ``s_sat`` are used (the ``[[llm]]``
     keys); the model and the roof are the defaults.
 
@@ -99,15 +109,16 @@ def run_policy(
         f"max_batched_tokens = {cfg.max_batched_tokens}\nmax_seqs = {cfg.max_seqs}\n"
         f'tpot_report = "{tpot_report}"\nsm_pct = {server_sm_pct!r}\ns_sat = {cfg.s_sat!r}'
     )
-    scen = _scenario(trainer, duration_s, llm, control, queue)
+    after = trainer_after_s
+    scen = _scenario(trainer, duration_s, llm, control, queue, after)
     policy = registry.make_policy(policy_name, scen.config.control)
     node = SimNode(scen, traits=PolicyTraits.of(policy))
     (srv,) = node.llm
     node.start()
     sim = SimDaemon(node, policy)
-    sim.run(duration_s)
+    sim.run(after + duration_s)
     sim.close()
-    warm = 0.1 * duration_s
+    warm = after + 0.1 * duration_s
     fin = [f for f in srv.stats.finished if f.arrival_s >= warm]
     (job,) = node.offline
     its = [t for t in job.iterations if t >= warm]
@@ -116,7 +127,8 @@ def run_policy(
         trainer,
         load,
         tuple((f.ttft_s, f.tpot_s) for f in fin),
-        len(its) / (duration_s - warm),
+        len(its) / (after + duration_s - warm),
         srv.stats.preemptions,
-        srv.stats.busy_s / duration_s,
+        srv.stats.busy_s / (after + duration_s),
+        trainer_priority=job.priority,
     )

@@ -77,6 +77,9 @@ class PairResult:
     #: The inter-token gaps (s) emitted after the warm-up, what vLLM's inter-token histogram
     #: observes: kept for ``exclusive`` runs only (the reference of a gap-based TPOT SLO).
     itl_s: tuple[float, ...] = ()
+    #: The MPS priority the trainer ran at, as last launched (daemon-driven runs; ``None``: not
+    #: recorded).
+    trainer_priority: int | None = None
 
     @property
     def ttft_s(self) -> tuple[float, ...]:

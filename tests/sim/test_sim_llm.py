@@ -367,3 +367,30 @@ def test_the_server_under_the_saturating_law_keeps_speed_on_a_cap_in_both_engine
         compiled = _law_run(llm_smshare.FITTED_S_SAT, force_python=False)
         assert compiled["engine"] == "compiled"
         assert (compiled["timings"], compiled["it"]) == (law["timings"], law["it"])
+
+
+def test_a_trainer_joining_a_server_with_room_launches_at_its_priority_and_not_without() -> None:
+    # The offline priority per GPU (gpushare.control.priority) end to end on the daemon's loop:
+    # the server serves alone 120 s (its TTFT window holds min_samples from ~54 s, then
+    # share_min_interval), then the trainer is submitted. At a 1.5x SLO the server alone reads ~0.67 of it, under equal_priority_below: it is
+    # launched at the online clients' priority (0); at 1.1x (~0.91) below it (1).
+    trainer = llm_pairs.TRAINERS[0]
+    alone = llm_pairs.run_pair("exclusive", None, 0.5, duration_s=25.0)
+
+    def joined(factor: float, control: str = "") -> llm_pairs.PairResult:
+        return llm_daemon.run_policy(
+            "gpushare", trainer, 0.5, slo_ttft_s=factor * llm_pairs.p99(alone.ttft_s),
+            slo_tpot_s=factor * llm_pairs.p99(alone.tpot_s), duration_s=10.0,
+            trainer_after_s=120.0, control=control,
+        )  # fmt: skip
+
+    loose = joined(1.5)
+    assert loose.trainer_priority == 0
+    assert loose.offline_it_per_s > 0.0
+    assert joined(1.1).trainer_priority == 1
+    # Together from 0 (the shipped pairs) there is no evidence at launch: below online.
+    together = llm_daemon.run_policy(
+        "gpushare", trainer, 0.5, slo_ttft_s=1.5 * llm_pairs.p99(alone.ttft_s),
+        slo_tpot_s=1.5 * llm_pairs.p99(alone.tpot_s), duration_s=10.0,
+    )  # fmt: skip
+    assert together.trainer_priority == 1
