@@ -146,7 +146,31 @@ def _rows(
     return rows
 
 
-def main() -> None:
+def _print_tables(rows: list[dict[str, Any]], loads: tuple[float, ...], setups: list[str]) -> None:
+    """One table per factor: attainment (min), p99s and offline throughput, mean over trainers."""
+    for factor in FACTORS:
+        print(f"\nSLO {factor}x (p99 TTFT and TPOT alone); mean over trainers")
+        print("| load | setup | attainment (min) | TTFT p99 ms | TPOT p99 ms | offline |")
+        print("|---|---|---|---|---|---|")
+        for load in sorted(loads):
+            for setup in ["exclusive", *setups]:
+                sel = [
+                    r
+                    for r in rows
+                    if r["slo_factor"] == factor and r["load"] == load and r["setup"] == setup
+                ]
+                if not sel:
+                    continue
+                att = [r["attainment"] for r in sel]
+                print(
+                    f"| {load:.0%} | {setup} | {statistics.mean(att):.4f} ({min(att):.4f}) "
+                    f"| {statistics.mean(r['ttft_p99_ms'] for r in sel):.0f} "
+                    f"| {statistics.mean(r['tpot_p99_ms'] for r in sel):.1f} "
+                    f"| {statistics.mean(r['offline_norm'] for r in sel):.3f} |"
+                )
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--duration", type=float, default=600.0, help="virtual seconds per run")
@@ -182,6 +206,62 @@ def main() -> None:
         type=Path,
         help="print and write the tables from the rows of an earlier run (its .partial.jsonl)",
     )
+    return ap
+
+
+def _run_all(
+    args: argparse.Namespace,
+    loads: tuple[float, ...],
+    trainers: tuple[str, ...],
+    setups: list[str],
+    partial: Path,
+) -> list[dict[str, Any]]:
+    """Every run (the server alone at each load first: the SLOs), each row kept in ``partial``."""
+    rows: list[dict[str, Any]] = []
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text("")
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        first = list(
+            pool.map(
+                one,
+                [("exclusive", None, x, args.duration, 0.0, 0.0, args.s_sat, 0.0) for x in loads],
+            )
+        )
+        alone = {r.load: r for r, _ in first}
+        k = args.control_factor
+        work: list[Work] = [
+            (
+                s,
+                t,
+                x,
+                args.duration,
+                k * llm_pairs.p99(alone[x].ttft_s),
+                llm_daemon.tpot_slo_s(s, alone[x], k),
+                args.s_sat,
+                args.trainer_after,
+            )
+            for x in loads
+            for t in trainers
+            for s in setups
+        ]
+        futures = [pool.submit(one, w) for w in work]
+        for res, speed in first:
+            rows += _rows(res, speed, alone[res.load])
+        with partial.open("a") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+            for fut in as_completed(futures):
+                res, speed = fut.result()
+                new = _rows(res, speed, alone[res.load])
+                rows += new
+                for r in new:
+                    fh.write(json.dumps(r) + "\n")
+                fh.flush()
+    return rows
+
+
+def main() -> None:
+    ap = _parser()
     args = ap.parse_args()
     loads = (0.5,) if args.quick else tuple(float(x) for x in args.loads.split(","))
     trainers = llm_pairs.TRAINERS[:1] if args.quick else llm_pairs.TRAINERS
@@ -196,73 +276,12 @@ def main() -> None:
     print(f"engine: {engine.loaded()}")
     print(f"capacity alone: {llm_pairs.capacity_rps():.3f} req/s")
     partial = args.out.with_suffix(".partial.jsonl")
-    rows: list[dict[str, Any]] = []
     if args.summarise is not None:
         rows = [json.loads(line) for line in args.summarise.read_text().splitlines() if line]
         loads = tuple(x for x in loads if any(r["load"] == x for r in rows))
     else:
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text("")
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            first = list(
-                pool.map(
-                    one,
-                    [
-                        ("exclusive", None, x, args.duration, 0.0, 0.0, args.s_sat, 0.0)
-                        for x in loads
-                    ],
-                )
-            )
-            alone = {r.load: r for r, _ in first}
-            k = args.control_factor
-            work: list[Work] = [
-                (
-                    s,
-                    t,
-                    x,
-                    args.duration,
-                    k * llm_pairs.p99(alone[x].ttft_s),
-                    llm_daemon.tpot_slo_s(s, alone[x], k),
-                    args.s_sat,
-                    args.trainer_after,
-                )
-                for x in loads
-                for t in trainers
-                for s in setups
-            ]
-            futures = [pool.submit(one, w) for w in work]
-            for res, speed in first:
-                rows += _rows(res, speed, alone[res.load])
-            with partial.open("a") as fh:
-                for r in rows:
-                    fh.write(json.dumps(r) + "\n")
-                for fut in as_completed(futures):
-                    res, speed = fut.result()
-                    new = _rows(res, speed, alone[res.load])
-                    rows += new
-                    for r in new:
-                        fh.write(json.dumps(r) + "\n")
-                    fh.flush()
-    for factor in FACTORS:
-        print(f"\nSLO {factor}x (p99 TTFT and TPOT alone); mean over trainers")
-        print("| load | setup | attainment (min) | TTFT p99 ms | TPOT p99 ms | offline |")
-        print("|---|---|---|---|---|---|")
-        for load in sorted(loads):
-            for setup in ["exclusive", *setups]:
-                sel = [
-                    r
-                    for r in rows
-                    if r["slo_factor"] == factor and r["load"] == load and r["setup"] == setup
-                ]
-                if not sel:
-                    continue
-                att = [r["attainment"] for r in sel]
-                print(
-                    f"| {load:.0%} | {setup} | {statistics.mean(att):.4f} ({min(att):.4f}) "
-                    f"| {statistics.mean(r['ttft_p99_ms'] for r in sel):.0f} "
-                    f"| {statistics.mean(r['tpot_p99_ms'] for r in sel):.1f} "
-                    f"| {statistics.mean(r['offline_norm'] for r in sel):.3f} |"
-                )
+        rows = _run_all(args, loads, trainers, setups, partial)
+    _print_tables(rows, loads, setups)
     speeds = [r["speed_factor"] for r in rows if r["slo_factor"] == FACTORS[0]]
     print(
         f"\nspeed: slowest run {min(speeds):.1f}x real time, median {statistics.median(speeds):.1f}x"

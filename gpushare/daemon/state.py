@@ -135,17 +135,14 @@ class NodeState:
         self.samples: list[GpuSample] = []
         self.p99: dict[str, LatencyP99] = {}
         self.mps_states: dict[str, MpsState] = {}
-        #: The levers the controller sets per GPU (absent: 1.0 and the configured default).
+        #: The levers the controller sets per GPU (absent: 1.0 and the configured defaults).
         self.duty: dict[str, float] = {}
-        # Kept in the registry: the clients running after a daemon restart started with it, and
-        # a default in its place would have them restarted to apply it (issue 27).
-        self.offline_share: dict[str, float] = _kept_shares(registry.setting(_SHARE_SETTING))
-        #: The MPS priority offline launches get per GPU (``SetOfflinePriority``; absent: the
-        #: policy's). Not kept: after a restart the controller has seen nothing to choose 0 on.
+        #: ``SetOfflinePriority``'s; not kept: a restarted daemon has seen nothing to choose 0 on.
         self.offline_priority: dict[str, int] = {}
+        # Kept (issue 27): clients running after a daemon restart started with it, not a default.
+        self.offline_share: dict[str, float] = _kept_shares(registry.setting(_SHARE_SETTING))
         #: Why each queued job was not started at the last admission round, by client id
-        #: (``status``/``list`` show it as ``waiting``). Replaced every round, emptied when
-        #: nothing is queued: it never holds more than the queue.
+        #: (``status``/``list``'s ``waiting``), replaced every round: never more than the queue.
         self.waiting: dict[str, str] = {}
         #: GPUs a waiting gang reserved at the last round (docs/design.md D15): UUID -> its id.
         self.reserved: dict[str, str] = {}
