@@ -112,8 +112,13 @@ class ControlLoop:
         return self.reporter.summary(records)
 
     def restart_policy(self) -> None:
-        """Start every GPU's policy from its initial state at the next tick (a new policy)."""
+        """Start every GPU's policy from its initial state at the next tick (a new policy).
+
+        The offline priority each GPU's old policy chose goes with it: the new one starts from
+        the configured priority and chooses again (its initial state knows of no other).
+        """
         self.policy_state.clear()
+        self.s.offline_priority.clear()
 
     def apply(self, action: Action, now: float) -> None:
         """Carry out one controller action at monotonic ``now`` (outside a tick: tests, tools)."""

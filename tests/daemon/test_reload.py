@@ -21,9 +21,10 @@ from gpushare.cli.app import app
 from gpushare.control import registry as policies
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
+from gpushare.model import ClientClass, SetOfflinePriority
 from gpushare.node.signal_pauser import SignalPauser
 from gpushare.roots import daemon as daemon_main
-from tests.fakes.fake_gpu import FakeGpuBackend
+from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mps import FakeMpsNode
 
 runner = CliRunner()
@@ -161,6 +162,20 @@ def test_reload_applies_the_keys_it_can(daemon: Daemon, tmp_path: Path) -> None:
     assert daemon.config.mps.max_clients == 8
     assert daemon.config.gpu_override(0, "GPU-x").offline_sm_pct_max == 50.0
     assert _last_event(daemon)[0] == "config_reloaded"
+
+
+def test_a_reload_that_changes_the_policy_takes_back_the_priority_the_old_one_chose(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    # The new policy starts from its initial state (the configured priority): a priority of 0 the
+    # old one chose must not outlive it, or no one would ever set it back (here: the rule off).
+    gpu = fake_uuid(0)
+    daemon.loop.apply(SetOfflinePriority(gpu, 0, "room"), 0.0)
+    assert daemon.state.priority(ClientClass.OFFLINE, (gpu,)) == 0
+    assert daemon.config_path is not None
+    daemon.config_path.write_text(_text(tmp_path, "[control]\nequal_priority_below = 0.0\n"))
+    assert daemon.reload() is True
+    assert daemon.state.priority(ClientClass.OFFLINE, (gpu,)) == 1
 
 
 @pytest.mark.parametrize(
