@@ -39,11 +39,9 @@ def offline_priority(
     configured = config.offline_mps_priority
     gpu = state.gpu_uuid
     if configured == 0 or config.equal_priority_below <= 0:
-        if state.offline_priority is None:
-            return state
-        # The rule was turned off (a reload): back to the configured priority.
-        actions.append(SetOfflinePriority(gpu, configured, "[control] equal_priority_below off"))
-        return replace(state, offline_priority=None, priority_room_since_s=None)
+        # Nothing to choose. (A reload that turns the rule off starts a new policy, and the
+        # daemon drops what the old one chose: daemon.loop.ControlLoop.restart_policy.)
+        return state
     # Where every online client reports, app latency is what the SLOs are (the duty cycle's
     # rule too): the probe, which waits behind a saturating server's own kernels, is not.
     worst = signals.app_worst if signals.app_complete else signals.worst

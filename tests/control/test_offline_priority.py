@@ -153,10 +153,6 @@ def test_back_to_the_configured_priority_at_the_first_violation_or_with_no_onlin
 def test_nothing_to_choose_when_configured_0_or_turned_off(cfg: config.ControlConfig) -> None:
     _, sent = _run([_signals(0.3)] * _ticks(2 * CFG.share_min_interval_s), cfg=cfg)
     assert sent == []
-    # Turned off by a reload while 0 was in force: back to the configured priority, once.
-    zero = GpuState(gpu_uuid=GPU, offline_priority=0)
-    _, sent = _run([_signals(0.3)] * 3, cfg=cfg, state=zero)
-    assert [a.priority for _, a in sent] == [cfg.offline_mps_priority]
 
 
 def test_the_controller_chooses_it_in_its_step() -> None:
