@@ -239,10 +239,10 @@ class Api:
                         or req.no_queue or self._never_fits(req)):  # fmt: skip
                     raise
                 return self._enqueue(req, cls, caller, detach, exc.message)
+            uuids = tuple(g.uuid for g in gang)  # [sample] for one GPU
             rec = self._add_client(
                 cls=cls, argv=req.argv, uid=caller.uid, gid=caller.gid,
-                user=user_name(caller.uid), state=S.STARTING,
-                priority=self.s.priority(cls, tuple(g.uuid for g in gang) or (sample.uuid,)),
+                user=user_name(caller.uid), state=S.STARTING, priority=self.s.priority(cls, uuids),
                 name=req.name, gpu_uuid=sample.uuid, gpu_index=sample.index,
                 gpu_request=gangplace.request_of(req, self.s.samples, self._resolve_gpu),
                 sm_ceiling=req.sm_pct, sm_pct=sm,
@@ -251,7 +251,7 @@ class Api:
                 env=req.env if detach else {}, cwd=req.cwd,
                 pause_mechanism=self.s.pauser.mechanism.value,
             )  # fmt: skip
-            rec = self._record_extras(rec, req, tuple(g.uuid for g in gang))
+            rec = self._record_extras(rec, req, uuids)
             # Detached, spawn() computes the environment again for the launch and logs the queue.
             env = self.life.mps_env(
                 rec.id, sample.uuid, sm, req.mem_bytes, cls, req.slo_p99_ms,
