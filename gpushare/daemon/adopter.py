@@ -479,7 +479,7 @@ class Adoptions:
             adopted_by=found.source,
         )  # fmt: skip
         s.registry.update(
-            rec.id, pid=f.pid, start_time=f.start_time, started_at=time.time(),
+            rec.id, pid=f.pid, start_time=f.start_time, started_at=s.clock.time(),
             slo_ttft_p99_ms=_ms(d.slo_ttft_p99_s), slo_tpot_p99_ms=_ms(d.slo_tpot_p99_s),
         )  # fmt: skip
         try:

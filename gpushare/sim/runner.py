@@ -50,15 +50,16 @@ class SimDaemon:
 
     def __init__(self, node: SimNode, policy: Policy[Any] | None) -> None:
         self.node = node
+        clock = adapters.VirtualClock(node.loop)
         self.state = NodeState(
             node.cfg,
-            registry=Registry.in_memory(),
+            registry=Registry.in_memory(clock=clock.time),
             gpu=adapters.SimGpuBackend(node),
             mps=adapters.SimMpsNode(node, SIM_RUNTIME_DIR),
             pauser=adapters.SimPauser(node),
             probe=adapters.SimLatencyProbe(node),
             policy=policy,
-            clock=adapters.VirtualClock(node.loop),
+            clock=clock,
             procs=adapters.SimProcesses(node),
             # The simulated clients take the bound from its variables; no file is opened.
             shallow_library=str(native.library_path()),

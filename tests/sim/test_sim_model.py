@@ -129,6 +129,34 @@ def test_runner_freeze_hold_stops_issuing_until_thaw() -> None:
     assert ips[3] > 0
 
 
+def test_a_simulated_runs_events_and_records_are_on_its_virtual_time_line() -> None:
+    """The daemon's event log of a simulated run reads in the run's seconds, not the wall's.
+
+    The bench and a reader of the log line events up with the run's own series (the duty, the
+    requests): the registry stamped each event and state change it was given no time for with
+    the wall clock (about 1.8e9), while submits carried the virtual time.
+    """
+    policy = FixedPolicy(
+        duty=1.0,
+        script=[
+            (2.0, lambda obs: [Freeze("train", "test")]),
+            (3.5, lambda obs: [Thaw("train", "test")]),
+        ],
+    )
+    node = SimNode(pair(duration="5s"))
+    node.start()
+    sim = runner.SimDaemon(node, policy)
+    sim.run(5.0)
+    events = sim.state.registry.events(0, 10_000)
+    (train,) = (r for r in sim.state.registry.clients(include_final=True) if r.id == "train")
+    sim.close()
+    assert {e.kind for e in events} >= {"client_submitted", "client_running", "client_frozen"}
+    assert all(0.0 <= e.at <= 5.0 for e in events), [(e.kind, e.at) for e in events]
+    frozen = [e.at for e in events if e.kind == "client_frozen" and e.client_id == "train"]
+    assert frozen == [pytest.approx(2.0, abs=0.15)]
+    assert train.started_at is not None and 0.0 < train.started_at < 2.0
+
+
 @pytest.mark.parametrize("pct", [10.0, 25.0, 50.0, 90.0])
 def test_capped_client_never_holds_more_sms_than_its_cap(pct: float) -> None:
     loop = EventLoop()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,11 +143,15 @@ class Registry(Writer):
         return registry
 
     @classmethod
-    def in_memory(cls) -> Registry:
-        """A registry that lives only as long as this object (the simulator's, and tests')."""
+    def in_memory(cls, clock: Callable[[], float] = time.time) -> Registry:
+        """A registry that lives only as long as this object (the simulator's, and tests').
+
+        ``clock`` stamps what is recorded without an explicit time (the simulator's virtual
+        seconds, so that its events line up with the run).
+        """
         conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         store.prepare(conn)
-        return cls(conn, Path(":memory:"))
+        return cls(conn, Path(":memory:"), clock=clock)
 
     def close(self) -> None:
         """Write what waits in the backlog if possible, then close the database."""
@@ -203,7 +207,7 @@ class Registry(Writer):
         Raises:
             RegistryUnavailableError: the database cannot be written now; nothing was recorded.
         """
-        at = time.time() if now is None else now
+        at = self._clock() if now is None else now
         values = (
             name, cls.value, json.dumps(list(argv)), uid, gid, user, gpu_request, gpu_uuid,
             gpu_index, sm_ceiling, sm_pct, mem_bytes, priority, slo_p99_ms, int(restartable),
@@ -263,7 +267,7 @@ class Registry(Writer):
             RegistryError: no such client, or an unknown field.
             TransitionError: the move is not in :data:`ALLOWED`, or ``expect`` does not match.
         """
-        at = time.time() if now is None else now
+        at = self._clock() if now is None else now
         check_fields(updates)
         with self._lock:
             current = self._current(client_id)
@@ -352,7 +356,7 @@ class Registry(Writer):
         Raises:
             RegistryUnavailableError: the database cannot be written now.
         """
-        at = time.time() if now is None else now
+        at = self._clock() if now is None else now
         with self._lock:
             self._refuse_new_work("adoption registrations")
             try:
@@ -431,7 +435,7 @@ class Registry(Writer):
         now: float | None = None,
     ) -> int:
         """Append an event; returns its id (0 while it waits in the backlog)."""
-        at = time.time() if now is None else now
+        at = self._clock() if now is None else now
         row = EventRow(at, kind, severity, client_id, gpu_uuid, message, data)
         with self._lock:
             if not self._backlog:

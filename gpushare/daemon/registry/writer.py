@@ -14,7 +14,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +64,12 @@ class Writer:
         *,
         id_mark: ids.IdMark | None = None,
         retention: EventRetention | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._conn = conn
+        # What stamps a record or an event the caller gives no time for: the wall clock, or
+        # the simulator's virtual seconds (its events read on the run's own time line).
+        self._clock = clock
         self._lock = threading.RLock()
         self.path = path
         self._ids = id_mark
@@ -112,7 +116,7 @@ class Writer:
         Returns:
             How many were deleted (0 when the database cannot be written now: tried again later).
         """
-        at = time.time() if now is None else now
+        at = self._clock() if now is None else now
         keep = self.retention
         with self._lock:
             self._since_prune = 0
