@@ -65,7 +65,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -168,6 +168,89 @@ class TickCounter:
         self.sock.close()
 
 
+def _start_daemon(
+    python: str, tree: Path, gpus: int, config: Path, env: dict[str, str], log: IO[bytes]
+) -> subprocess.Popen[bytes]:
+    """``gpushare daemon --simulate`` of ``tree``, niced so that the bench's own load waits."""
+    return subprocess.Popen(
+        [
+            "nice",
+            "-n",
+            "-10",
+            python,
+            "-c",
+            GPUSHARE_MAIN,  # run in tree: its own sources come first on sys.path
+            "daemon",
+            "--simulate",
+            str(gpus),
+            "--config",
+            str(config),
+        ],
+        env=env,
+        cwd=tree,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+
+
+def _wait_for_socket(proc: subprocess.Popen[bytes], sock: Path, log_path: Path) -> None:
+    """Return once the daemon's socket exists; raise if it exits or takes over 60 s."""
+    deadline = time.monotonic() + 60
+    while not sock.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited: {log_path.read_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the daemon did not open its socket within 60 s")
+        time.sleep(0.1)
+
+
+def _submit_idle(api: ApiClient, clients: int, gpus: int, spread: bool) -> int:
+    """Submit ``clients`` idle offline clients; how many were refused (the node full)."""
+    refused = 0
+    queue_flag = True
+    for i in range(clients):
+        if refused:
+            refused += 1  # the node is full: the rest would be refused too
+            continue
+        # Without --spread the daemon places every client: idle sleeps use no GPU memory,
+        # so free memory ties and the fewest-clients rule spreads them (docs/design.md D12).
+        where = str(i % gpus) if spread else "any"
+        request = {
+            "cls": "offline",
+            "argv": ["sleep", "600"],
+            "name": f"idle-{i}",
+            "gpu": where,
+            "detach": True,
+            "env": {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            "cwd": "/",
+            # Refused, not queued, when the node is full: the figure is of idle clients.
+            **({"no_queue": True} if queue_flag else {}),
+        }
+        try:
+            api.call(protocol.SUBMIT, request)
+        except ApiError as exc:
+            if "unknown parameter" in exc.message and queue_flag:
+                queue_flag = False  # a daemon from before the queue: it refuses anyway
+                request.pop("no_queue")
+                api.call(protocol.SUBMIT, request)
+                continue
+            if exc.code is not protocol.ErrorCode.NO_CAPACITY:
+                raise
+            refused = 1
+    return refused
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the daemon, then kill it after 20 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def run_cell(gpus: int, clients: int, args: argparse.Namespace, tree: Path) -> dict[str, Any]:
     """One daemon of ``tree`` (its ``.venv``'s Python; this one's for this checkout) measured."""
     base = make_trusted_dir("gsb-")  # not /tmp: the daemon refuses a config there
@@ -189,68 +272,12 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace, tree: Path) -> d
         "WATCHDOG_USEC": "1",
     }
     log = (base / "daemon.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            "nice",
-            "-n",
-            "-10",
-            python,
-            "-c",
-            GPUSHARE_MAIN,  # run in tree: its own sources come first on sys.path
-            "daemon",
-            "--simulate",
-            str(gpus),
-            "--config",
-            str(config),
-        ],
-        env=env,
-        cwd=tree,
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )
+    proc = _start_daemon(python, tree, gpus, config, env, log)
     try:
-        deadline = time.monotonic() + 60
-        while not sock.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"the daemon exited: {(base / 'daemon.log').read_text()[-2000:]}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError("the daemon did not open its socket within 60 s")
-            time.sleep(0.1)
+        _wait_for_socket(proc, sock, base / "daemon.log")
         t_submit = time.monotonic()
-        refused = 0
-        queue_flag = True
         with ApiClient.connect(sock, name="bench") as api:
-            for i in range(clients):
-                if refused:
-                    refused += 1  # the node is full: the rest would be refused too
-                    continue
-                # Without --spread the daemon places every client: idle sleeps use no GPU memory,
-                # so free memory ties and the fewest-clients rule spreads them (docs/design.md D12).
-                where = str(i % gpus) if args.spread else "any"
-                request = {
-                    "cls": "offline",
-                    "argv": ["sleep", "600"],
-                    "name": f"idle-{i}",
-                    "gpu": where,
-                    "detach": True,
-                    "env": {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-                    "cwd": "/",
-                    # Refused, not queued, when the node is full: the figure is of idle clients.
-                    **({"no_queue": True} if queue_flag else {}),
-                }
-                try:
-                    api.call(protocol.SUBMIT, request)
-                except ApiError as exc:
-                    if "unknown parameter" in exc.message and queue_flag:
-                        queue_flag = False  # a daemon from before the queue: it refuses anyway
-                        request.pop("no_queue")
-                        api.call(protocol.SUBMIT, request)
-                        continue
-                    if exc.code is not protocol.ErrorCode.NO_CAPACITY:
-                        raise
-                    refused = 1
+            refused = _submit_idle(api, clients, gpus, args.spread)
             submit_s = time.monotonic() - t_submit
             time.sleep(args.settle)
             states: dict[str, int] = {}
@@ -271,13 +298,7 @@ def run_cell(gpus: int, clients: int, args: argparse.Namespace, tree: Path) -> d
             raise RuntimeError("the daemon exited during the window")
         threads = len(os.listdir(f"/proc/{proc.pid}/task"))
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(proc)
         log.close()
         ticks.close()
         # The daemon leaves its workloads running when it stops (they are not its to kill).
@@ -356,7 +377,8 @@ def print_comparison(row: dict[str, Any]) -> None:
     )
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", default="1,8", help="simulated GPU counts, comma-separated")
     ap.add_argument("--clients", default="6,48,200", help="idle client counts, comma-separated")
@@ -390,22 +412,13 @@ def main() -> int:
         "--repeat", type=int, default=1, help="runs of each cell on each side, alternated"
     )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
-    args = ap.parse_args()
-    if args.repeat < 1:
-        ap.error("--repeat must be 1 or more")
-    reason = cgroup_skip_reason()
-    if reason is not None:
-        # Skipped, not failed: `make bench` runs every bench, also where it cannot run this one.
-        print(f"daemon_overhead: skipped ({reason}; the real cgroup pauser is what it measures)")
-        return 0
-    mps = "real" if shutil.which(args.mps_control) else "simulated"
-    sides = [("this", REPO)]
-    if args.against is not None:
-        against = args.against.resolve()
-        if not (against / ".venv" / "bin" / "python").exists():
-            print(f"daemon_overhead: {against} has no .venv/bin/python to run its daemon with")
-            return 2
-        sides.append(("against", against))
+    return ap
+
+
+def _run_cells(
+    args: argparse.Namespace, sides: list[tuple[str, Path]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every cell on every side (alternated, ABBA), printed as it ends; and their comparisons."""
     cells: list[dict[str, Any]] = []
     compared: list[dict[str, Any]] = []
     print(
@@ -425,6 +438,28 @@ def main() -> int:
             if len(sides) > 1:
                 compared.append(compare(gpus, clients, runs["this"], runs["against"]))
                 print_comparison(compared[-1])
+    return cells, compared
+
+
+def main() -> int:
+    ap = _parser()
+    args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be 1 or more")
+    reason = cgroup_skip_reason()
+    if reason is not None:
+        # Skipped, not failed: `make bench` runs every bench, also where it cannot run this one.
+        print(f"daemon_overhead: skipped ({reason}; the real cgroup pauser is what it measures)")
+        return 0
+    mps = "real" if shutil.which(args.mps_control) else "simulated"
+    sides = [("this", REPO)]
+    if args.against is not None:
+        against = args.against.resolve()
+        if not (against / ".venv" / "bin" / "python").exists():
+            print(f"daemon_overhead: {against} has no .venv/bin/python to run its daemon with")
+            return 2
+        sides.append(("against", against))
+    cells, compared = _run_cells(args, sides)
     out = {
         "bench": "daemon_overhead",
         "what": "CPU share of one core of an idle `gpushare daemon --simulate N` with M idle "

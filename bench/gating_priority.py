@@ -157,7 +157,8 @@ def _delay(text: str) -> str:
     return f"{ms:g}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--slo-factor", type=float, nargs="+", default=list(FACTORS),
@@ -179,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--out", type=Path, default=RESULTS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _refuse_bad(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad arguments, one line each (``ap.error`` exits)."""
     for f in args.slo_factor:
         if not f >= 1.0 or f == float("inf"):
             ap.error(f"--slo-factor {f:g}: must be finite and >= 1 (an SLO under the p99 alone)")
@@ -189,6 +194,38 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--duration {args.duration:g}: must be a finite number of seconds > 0")
     if args.launch_gap_us is not None and not 0 <= args.launch_gap_us < float("inf"):
         ap.error(f"--launch-gap-us {args.launch_gap_us:g}: must be finite and >= 0")
+
+
+def _cells(
+    rows: list[dict[str, Any]], factor: float, prios: list[int], delays: list[str]
+) -> list[dict[str, Any]]:
+    """One factor's cells (priority x delay), each printed as a table row as it is made."""
+    cells = []
+    for prio in prios:
+        for delay in delays:
+            sel = [r for r in rows if r["offline_priority"] == prio and r["delay"] == delay]
+            cell = pair_cell(
+                sel,
+                slo_factor=factor,
+                offline_priority=prio,
+                delay=delay,
+                launch_gap_us=sel[0]["launch_gap_us"],
+            )
+            cells.append(cell)
+            dtext = "rule" if delay == "rule" else f"{delay} ms"
+            print(
+                f"| {factor:g}x | {prio} | {dtext} | {cell['slo_attainment_mean'] * 100:.2f} %"
+                f" (min {cell['slo_attainment_min'] * 100:.2f} %) | "
+                f"{cell['p99_overhead_mean'] * 100:+.1f} % | {cell['offline_norm_mean']:.3f} |",
+                flush=True,
+            )
+    return cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    _refuse_bad(ap, args)
     gap_s = None if args.launch_gap_us is None else args.launch_gap_us * 1e-6
     files = pair_files()
     if not files:
@@ -210,24 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 per_pair = pool.map(_pair, work)
         rows = [r for pair in per_pair for r in pair]
         runs += rows
-        for prio in prios:
-            for delay in delays:
-                sel = [r for r in rows if r["offline_priority"] == prio and r["delay"] == delay]
-                cell = pair_cell(
-                    sel,
-                    slo_factor=factor,
-                    offline_priority=prio,
-                    delay=delay,
-                    launch_gap_us=sel[0]["launch_gap_us"],
-                )
-                cells.append(cell)
-                dtext = "rule" if delay == "rule" else f"{delay} ms"
-                print(
-                    f"| {factor:g}x | {prio} | {dtext} | {cell['slo_attainment_mean'] * 100:.2f} %"
-                    f" (min {cell['slo_attainment_min'] * 100:.2f} %) | "
-                    f"{cell['p99_overhead_mean'] * 100:+.1f} % | {cell['offline_norm_mean']:.3f} |",
-                    flush=True,
-                )
+        cells += _cells(rows, factor, prios, delays)
     command = ".venv/bin/python bench/gating_priority.py " + " ".join(sys.argv[1:])
     doc = {
         "command": command.strip(),

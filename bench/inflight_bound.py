@@ -127,7 +127,8 @@ def label(mode: Mode) -> str:
     return f"bounded k={k}, wake {t_s * 1e6:g} us"
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, action="append", help="in-flight bounds (repeat)")
     ap.add_argument(
@@ -145,7 +146,11 @@ def main() -> None:
     )
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "inflight_bound.json")
-    args = ap.parse_args()
+    return ap
+
+
+def _modes(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[Mode]:
+    """The shallow queues to compare, from the checked arguments (``ap.error`` exits)."""
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: must be >= 1")
     for k in args.k or []:
@@ -154,27 +159,19 @@ def main() -> None:
     for v in [*(args.wake_us or []), *(args.gap_us or []), args.train_host_us]:
         if not 0 <= v < float("inf"):
             ap.error(f"{v:g} us: wakes and gaps must be finite and >= 0")
-    factors = args.slo_factor or list(FACTORS)
     wakes = [w * 1e-6 for w in args.wake_us] if args.wake_us else [DEFAULT_INFLIGHT_WAKE_S]
     modes: list[Mode] = [("blocking", g * 1e-6, 0) for g in args.gap_us or []]
     modes += [("bounded", w, k) for k in args.k or [] for w in wakes]
-    if not modes:
-        modes = [("blocking", DEFAULT_LAUNCH_GAP_S, 0)]
-    files = pair_files()
-    t0 = time.perf_counter()
-    host_s = args.train_host_us * 1e-6
-    tasks = [(f, factor, m, host_s) for m in modes for factor in factors for f in files]
-    if args.jobs == 1:
-        results = [one(t) for t in tasks]
-    else:
-        with Pool(args.jobs) as pool:
-            results = pool.map(one, tasks, chunksize=1)
-    by_cell: dict[tuple[Mode, float], list[dict[str, Any]]] = {}
-    for (_, factor, mode, _), res in zip(tasks, results, strict=True):
-        want = "blocking" if mode[0] == "blocking" else f"bounded{mode[2]}"
-        if want not in res["modes"] or any(m not in (want, "deep") for m in res["modes"]):
-            sys.exit(f"{res['scenario']}: offline clients ran {res['modes']}, not {want}")
-        by_cell.setdefault((mode, factor), []).append(res)
+    return modes or [("blocking", DEFAULT_LAUNCH_GAP_S, 0)]
+
+
+def _table(
+    modes: list[Mode],
+    factors: list[float],
+    by_cell: dict[tuple[Mode, float], list[dict[str, Any]]],
+    train_host_us: float,
+) -> list[dict[str, Any]]:
+    """Each mode x factor cell, printed as a Markdown table as it is made."""
     rows = []
     print(
         "| shallow queue | "
@@ -192,7 +189,7 @@ def main() -> None:
                 mode=kind,
                 k=k,
                 time_us=t_s * 1e6,
-                train_host_us=args.train_host_us,
+                train_host_us=train_host_us,
                 slo_factor=factor,
             )
             cell["label"] = label(mode)
@@ -202,6 +199,30 @@ def main() -> None:
                 f" {cell['p99_overhead_mean'] * 100:+.1f} %, {cell['offline_norm_mean']:.3f}"
             )
         print(f"| {label(mode)} | " + " | ".join(cells) + " |", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = _parser()
+    args = ap.parse_args()
+    modes = _modes(ap, args)
+    factors = args.slo_factor or list(FACTORS)
+    files = pair_files()
+    t0 = time.perf_counter()
+    host_s = args.train_host_us * 1e-6
+    tasks = [(f, factor, m, host_s) for m in modes for factor in factors for f in files]
+    if args.jobs == 1:
+        results = [one(t) for t in tasks]
+    else:
+        with Pool(args.jobs) as pool:
+            results = pool.map(one, tasks, chunksize=1)
+    by_cell: dict[tuple[Mode, float], list[dict[str, Any]]] = {}
+    for (_, factor, mode, _), res in zip(tasks, results, strict=True):
+        want = "blocking" if mode[0] == "blocking" else f"bounded{mode[2]}"
+        if want not in res["modes"] or any(m not in (want, "deep") for m in res["modes"]):
+            sys.exit(f"{res['scenario']}: offline clients ran {res['modes']}, not {want}")
+        by_cell.setdefault((mode, factor), []).append(res)
+    rows = _table(modes, factors, by_cell, args.train_host_us)
     costs = alone_costs(modes, host_s)
     print("\nalone, run time over asynchronous:")
     for name, row in costs.items():

@@ -28,6 +28,7 @@ from gpushare.model import (  # noqa: E402
     ClientClass,
     ClientState,
     ClientView,
+    GpuSample,
     Limits,
     MpsState,
     ProbeReading,
@@ -52,11 +53,10 @@ def stats_us(samples_s: list[float]) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("iterations", nargs="?", type=int, default=ITERATIONS, help="builds timed")
-    iterations = ap.parse_args().iterations
-    samples = tuple(fake_nvml.uniform_samples(GPUS, CLIENTS))
+def _clients(
+    samples: tuple[GpuSample, ...],
+) -> tuple[dict[str, list[ClientView]], dict[str, LatencyP99]]:
+    """Each GPU's client views (the first ``ONLINE_PER_GPU`` online) and the online p99s."""
     clients_by_gpu = {}
     app_p99 = {}
     for g, s in enumerate(samples):
@@ -78,6 +78,12 @@ def main() -> None:
             if cls is ClientClass.ONLINE:
                 app_p99[cid] = LatencyP99(12.0, 500)
         clients_by_gpu[s.uuid] = views
+    return clients_by_gpu, app_p99
+
+
+def _time_builds(samples: tuple[GpuSample, ...], iterations: int) -> dict[str, float]:
+    """What building every GPU's observation takes, per tick."""
+    clients_by_gpu, app_p99 = _clients(samples)
     # The probe's readings by GPU: what its adapter returns (a probe at its baseline).
     reading = ProbeReading(
         latency_ms=0.05, run_ms=0.05, baseline_ms=0.05, ratio=1.0, samples=200, reason=None
@@ -103,8 +109,11 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     assert len(obs) == GPUS
     assert all(len(o.clients) == CLIENTS for o in obs)
-    build = stats_us(times)
+    return stats_us(times)
 
+
+def _time_nvml_samples() -> dict[str, float]:
+    """What ``NvmlBackend.sample()`` takes on the fake driver, per tick."""
     lib = fake_nvml.FakeNvmlLib(
         [
             fake_nvml.FakeGpu(
@@ -123,7 +132,16 @@ def main() -> None:
     nvml.close()
     assert len(got) == GPUS
     assert len(got[0].processes) == CLIENTS + 1
-    sample_cost = stats_us(nvml_times)
+    return stats_us(nvml_times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("iterations", nargs="?", type=int, default=ITERATIONS, help="builds timed")
+    iterations = ap.parse_args().iterations
+    samples = tuple(fake_nvml.uniform_samples(GPUS, CLIENTS))
+    build = _time_builds(samples, iterations)
+    sample_cost = _time_nvml_samples()
 
     result = {
         "bench": "observe",

@@ -119,8 +119,8 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
-    """Run the benchmark and write its results."""
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scenarios", nargs="*", help="scenario files (default: every shipped one)")
     ap.add_argument("--policy", action="append", help="policy to run (repeat; default: all)")
@@ -160,15 +160,15 @@ def main() -> None:
         default=RESULTS / "sharing.json",
         help="JSON file to write; the Markdown table goes beside it as NAME.md",
     )
-    args = ap.parse_args()
-    if args.out.is_dir():
-        args.out = args.out / "sharing.json"
-    # with_suffix would cut "run_1.5" to "run_1.md"; only a .json suffix is replaced.
-    md_path = args.out.with_suffix(".md") if args.out.suffix == ".json" else Path(f"{args.out}.md")
+    return ap
+
+
+def _files(args: argparse.Namespace) -> list[str]:
+    """The scenario files to run (``--quick`` also sets its duration on ``args``)."""
     shipped = sorted(str(p) for p in (REPO / "gpushare" / "scenarios").rglob("*.toml"))
     # Issue 32: the 1-hour variants run only when asked (--long): hours of virtual time each.
     # LLM pairs (llm/) have their own bench, bench/llm_pairs.py.
-    files = args.scenarios or [
+    files: list[str] = args.scenarios or [
         f
         for f in shipped
         if ("/long/" in f) == args.long
@@ -178,23 +178,28 @@ def main() -> None:
     if args.quick and not args.scenarios:
         files = [f for f in files if "/pairs/" not in f or f.endswith("+resnet50_32_fb1.toml")]
         args.duration = args.duration or 10.0
-    t0 = time.perf_counter()
-    if args.slo_factor is not None and args.slo_factor < 1.0:
-        ap.error(f"--slo-factor {args.slo_factor:g}: must be >= 1 (an SLO under the p99 alone)")
-    boundaries = False if args.no_gating else None
-    work = [(f, args.policy, args.duration, args.slo_factor, boundaries) for f in files]
-    if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs) as pool:
-            scenarios = list(pool.map(_run, work))
-    else:
-        scenarios = []
-        for i, w in enumerate(work, 1):
-            scenarios.append(_run(w))
-            print(
-                f"[{i}/{len(work)}] {scenarios[-1]['scenario']} ({scenarios[-1]['wall_s']:.1f}s)",
-                file=sys.stderr,
-            )
-    wall = time.perf_counter() - t0
+    return files
+
+
+def _run_all(work: list[Any], jobs: int) -> list[dict[str, Any]]:
+    """Every scenario's results, ``jobs`` at a time (one at a time: with progress)."""
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            return list(pool.map(_run, work))
+    scenarios = []
+    for i, w in enumerate(work, 1):
+        scenarios.append(_run(w))
+        print(
+            f"[{i}/{len(work)}] {scenarios[-1]['scenario']} ({scenarios[-1]['wall_s']:.1f}s)",
+            file=sys.stderr,
+        )
+    return scenarios
+
+
+def _write(args: argparse.Namespace, scenarios: list[dict[str, Any]], wall: float) -> None:
+    """Write the JSON and the Markdown beside it, and print the summary."""
+    # with_suffix would cut "run_1.5" to "run_1.md"; only a .json suffix is replaced.
+    md_path = args.out.with_suffix(".md") if args.out.suffix == ".json" else Path(f"{args.out}.md")
     summ = summary(scenarios)
     policies = [s["policy"] for s in summ]
     virtual = sum(sc["virtual_s"] * (len(policies) + 1) for sc in scenarios)
@@ -232,6 +237,22 @@ def main() -> None:
         f"\n{len(scenarios)} scenarios, {virtual:.0f} s virtual in {wall:.0f} s "
         f"({virtual / wall:.0f}x real time); wrote {args.out} and {md_path}"
     )
+
+
+def main() -> None:
+    """Run the benchmark and write its results."""
+    ap = _parser()
+    args = ap.parse_args()
+    if args.out.is_dir():
+        args.out = args.out / "sharing.json"
+    files = _files(args)
+    t0 = time.perf_counter()
+    if args.slo_factor is not None and args.slo_factor < 1.0:
+        ap.error(f"--slo-factor {args.slo_factor:g}: must be >= 1 (an SLO under the p99 alone)")
+    boundaries = False if args.no_gating else None
+    work = [(f, args.policy, args.duration, args.slo_factor, boundaries) for f in files]
+    scenarios = _run_all(work, args.jobs)
+    _write(args, scenarios, time.perf_counter() - t0)
 
 
 if __name__ == "__main__":
