@@ -1,7 +1,8 @@
 """Fixtures the node tests of several modules share.
 
-Real cgroups (``cg_base``, ``pauser``) and child processes (``children``) for the
-``test_cgroups_*`` and ``test_signal_pauser`` modules.
+Real cgroups (``cg_base``, ``pauser``) and child processes (``children``, ``started``) for the
+``test_cgroups_*``, ``test_signal_pauser`` and ``test_procs_*`` modules. A module's own fixture of
+the same name wins over these (``test_process_facts.py`` has its own ``started``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 from bench.support.cgroup_helpers import remove_tree, unique_base
 from gpushare.node.cgroups.pauser import CgroupPauser
 from tests.support.cgroup_marks import CGROUP_SKIP
-from tests.support.processes import Children
+from tests.support.processes import Children, Procs
 
 # Real cgroups and processes ------------------------------------------------------------------
 
@@ -40,5 +41,12 @@ def pauser(cg_base: Path) -> CgroupPauser:
 @pytest.fixture
 def children() -> Iterator[Children]:
     kids = Children()
+    yield kids
+    kids.cleanup()
+
+
+@pytest.fixture
+def started() -> Iterator[Procs]:
+    kids = Procs()
     yield kids
     kids.cleanup()
