@@ -17,9 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpushare.node.cgroups.discovery import (
-    cgroup2_mount,
-)
+from gpushare.node.cgroups.discovery import cgroup2_mount
 from gpushare.node.cgroups.pauser import CgroupPauser
 from gpushare.node.pauser_base import PauserError
 from gpushare.node.procs.spawning import SpawnError, spawn

@@ -13,9 +13,7 @@ import pytest
 
 from gpushare.model import PauseMechanism
 from gpushare.node.cgroups.choice import freezer_check, make_pauser
-from gpushare.node.cgroups.discovery import (
-    cgroup2_mount,
-)
+from gpushare.node.cgroups.discovery import cgroup2_mount
 from gpushare.node.cgroups.pauser import CgroupPauser
 from gpushare.node.pauser_base import PauserError
 from gpushare.node.signal_pauser import SignalPauser

@@ -20,9 +20,7 @@ import psutil
 import pytest
 
 from gpushare.node.procs.exits import ExitWatcher
-from gpushare.node.procs.identity import (
-    process_start_time,
-)
+from gpushare.node.procs.identity import process_start_time
 from tests.support.processes import Procs
 from tests.support.processes import wait_for as _wait
 

@@ -18,9 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.node.procs.identity import (
-    process_uid,
-)
+from gpushare.node.procs.identity import process_uid
 from gpushare.node.procs.spawning import SpawnError, launch_failure, spawn
 from tests.support.processes import Procs
 from tests.support.processes import wait_for as _wait
