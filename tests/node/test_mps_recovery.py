@@ -2,7 +2,7 @@
 
 No GPU means no real FAULT, so recovery runs here against a scripted control front end that
 answers like the daemon does (R555 with get_server_status, R535 without); the real-binary path of
-recover() is in test_mps_real.py.
+recover() is in test_mps_supervisor.py.
 """
 
 from __future__ import annotations

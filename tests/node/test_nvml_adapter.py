@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,14 +39,32 @@ def err(code: int) -> Exception:
     return pynvml.NVMLError(code)  # type: ignore[no-any-return]
 
 
+# What fake_driver hands each _patch_* helper: sets one pynvml function, which must exist.
+Patch = Callable[[str, Any], None]
+
+
 @pytest.fixture
 def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """pynvml's functions answering like a driver with two GPUs; the dict it yields steers them.
+
+    ``state["lost"]``: indexes whose memory read fails with GPU_IS_LOST; ``state["events"]``:
+    ``(index, xid)`` pairs the event wait hands out, in order.
+    """
     state: dict[str, Any] = {"lost": set(), "events": []}
 
     def patch(name: str, fn: Any) -> None:
         assert hasattr(pynvml, name), name  # only patch functions pynvml really has
         monkeypatch.setattr(pynvml, name, fn)
 
+    _patch_devices(patch, state)
+    _patch_processes(patch)
+    _patch_gpm(patch)
+    _patch_events(patch, state)
+    return state
+
+
+def _patch_devices(patch: Patch, state: dict[str, Any]) -> None:
+    """Init, the two devices and their readings; a lost index fails its memory read."""
     patch("nvmlInit", lambda: None)
     patch("nvmlShutdown", lambda: None)
     patch("nvmlDeviceGetCount", lambda: 2)
@@ -74,6 +92,11 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     patch("nvmlDeviceGetPowerUsage", lambda h: (_ for _ in ()).throw(err(3)))
     patch("nvmlDeviceGetClockInfo", lambda h, t: 1755)
     patch("nvmlDeviceGetCurrentClocksEventReasons", lambda h: 0x4)
+    patch("nvmlDeviceGetComputeMode", lambda h: pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+
+
+def _patch_processes(patch: Patch) -> None:
+    """The running processes (only the _v2 call exists) and per-process utilization samples."""
 
     def v3(h: Any) -> Any:
         raise err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
@@ -86,8 +109,6 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     patch("nvmlDeviceGetMPSComputeRunningProcesses_v3", lambda h: [])
     patch("nvmlDeviceGetMPSComputeRunningProcesses_v2", lambda h: [])
 
-    patch("nvmlDeviceGetComputeMode", lambda h: pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
-
     def process_util(h: Any, since_us: int) -> Any:
         # pynvml's own return: a slice of a ctypes array, one record per busy process and period
         stamp = int(time.time() * 1e6) + 1_000
@@ -97,6 +118,10 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         return samples[0:2]
 
     patch("nvmlDeviceGetProcessUtilization", process_util)
+
+
+def _patch_gpm(patch: Patch) -> None:
+    """GPM supported on every device; the SM-utilization metric reads 61.5."""
 
     def gpm_support(h: Any) -> Any:
         s = pynvml.c_nvmlGpmSupport_t()
@@ -116,6 +141,10 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         return req
 
     patch("nvmlGpmMetricsGet", metrics_get)
+
+
+def _patch_events(patch: Patch, state: dict[str, Any]) -> None:
+    """The event set: each wait hands out the next queued Xid, else times out after its wait."""
     patch("nvmlEventSetCreate", lambda: object())
     patch("nvmlDeviceRegisterEvents", lambda h, t, s: None)
 
@@ -132,7 +161,6 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
 
     patch("nvmlEventSetWait_v2", wait)
     patch("nvmlEventSetFree", lambda s: None)
-    return state
 
 
 def test_constants_match_pynvml() -> None:
