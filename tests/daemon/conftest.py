@@ -1,5 +1,9 @@
 """Fixtures of the daemon tests that several modules share.
 
+``daemon``: one real daemon process per test module (tests/support/daemon_proc.py: a fake GPU and
+fake MPS, the rest real), for the end-to-end tests (tests/daemon/test_daemon_submit.py,
+test_daemon_cli.py, ...). A module that defines its own ``daemon`` uses that one.
+
 ``env``: the run loop and the appliers of every controller action, driven tick by tick in-process
 (tests/daemon/test_daemon_duty.py, test_daemon_evict_restart.py, ...). Real registry, socket and
 child processes, under both pausers (signals and cgroups); a scripted policy stands in for the
@@ -19,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from bench.support.cgroup_helpers import cgroup_skip_reason, remove_tree, unique_base
+from bench.support.daemon_helpers import DaemonProc
 from gpushare import config
 from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
@@ -34,6 +39,7 @@ from tests.support.actions_daemon import GPU0
 
 @pytest.fixture(params=["signal", "cgroup"])
 def env(request: pytest.FixtureRequest) -> Iterator[tuple[Daemon, ScriptedPolicy, FakeMpsNode]]:
+    """An in-process daemon, its scripted policy and fake MPS node, under each pauser in turn."""
     cg_base = None
     if request.param == "cgroup":
         if (reason := cgroup_skip_reason()) is not None:
@@ -76,3 +82,11 @@ enabled = false
         if cg_base is not None:
             remove_tree(cg_base)
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProc]:
+    """A real daemon process shared by the tests of one module."""
+    d = DaemonProc().start()
+    yield d
+    d.cleanup()
