@@ -24,7 +24,7 @@ mps:
 packages:
 	scripts/get-test-packages.sh
 
-# A real single-node Slurm (slurmctld, slurmd, munge) for tests/cluster/test_slurm.py, from the
+# A real single-node Slurm (slurmctld, slurmd, munge) for tests/cluster/test_slurm_*.py, from the
 # distribution's packages (root, apt-get). Without it those tests skip and say why.
 slurm:
 	@scripts/get-slurm.sh || echo "make: no Slurm: the Slurm tests will skip (see above)"

@@ -112,44 +112,8 @@ def test_a_copy_of_the_repository_alone_runs_scenarios(alone: Path, tmp_path: Pa
 def test_the_wheel_installed_in_a_fresh_venv_runs_a_shipped_scenario(
     alone: Path, tmp_path: Path
 ) -> None:
-    wheels = tmp_path / "wheels"
-    built = _run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-cache-dir",
-            "-q",
-            "-w",
-            wheels,
-            alone,
-        ],
-        tmp_path,
-        _clean_env(),
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
-    (wheel,) = wheels.glob("gpushare-*.whl")
-    # A py3-none-any wheel carries the in-flight bound's source, never a compiled library.
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "gpushare/native/inflight.c" in names
-    assert not [n for n in names if n.endswith(".so")]
-    # The host files at the repository's top travel in the wheel (gpushare/shipped.py).
-    assert "gpushare/_shipped/systemd/gpushare.service" in names
-    assert "gpushare/_shipped/etc/gpushare/gpushare.toml" in names
-    target = tmp_path / "venv"
-    try:
-        venv.create(target, with_pip=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"this Python cannot create a virtual environment with pip: {exc}")
-    installed = _run(
-        [target / "bin" / "python", "-m", "pip", "install", "-q", wheel], tmp_path, _clean_env()
-    )
-    if installed.returncode != 0 and any(e in installed.stderr for e in NETWORK_ERRORS):
-        pytest.skip("PyPI is not reachable: the wheel's dependencies cannot be installed")
-    assert installed.returncode == 0, installed.stdout + installed.stderr
+    wheel = _build_wheel(alone, tmp_path)
+    target = _install_in_a_fresh_venv(wheel, tmp_path)
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     ran = _run(
@@ -189,6 +153,59 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_a_shipped_scenario(
         )
         assert made.returncode == 0, made.stdout + made.stderr
         assert lib.is_file()
+    _install_dry_run_needs_no_systemd(target, tmp_path, outside)
+
+
+def _build_wheel(alone: Path, tmp_path: Path) -> Path:
+    """Builds the clone's wheel under ``tmp_path``; checks it is pure Python with the host files."""
+    wheels = tmp_path / "wheels"
+    built = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-cache-dir",
+            "-q",
+            "-w",
+            wheels,
+            alone,
+        ],
+        tmp_path,
+        _clean_env(),
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = wheels.glob("gpushare-*.whl")
+    # A py3-none-any wheel carries the in-flight bound's source, never a compiled library.
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "gpushare/native/inflight.c" in names
+    assert not [n for n in names if n.endswith(".so")]
+    # The host files at the repository's top travel in the wheel (gpushare/shipped.py).
+    assert "gpushare/_shipped/systemd/gpushare.service" in names
+    assert "gpushare/_shipped/etc/gpushare/gpushare.toml" in names
+    return wheel
+
+
+def _install_in_a_fresh_venv(wheel: Path, tmp_path: Path) -> Path:
+    """Installs ``wheel`` in a new venv under ``tmp_path`` (skips where no venv or PyPI); its path."""
+    target = tmp_path / "venv"
+    try:
+        venv.create(target, with_pip=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"this Python cannot create a virtual environment with pip: {exc}")
+    installed = _run(
+        [target / "bin" / "python", "-m", "pip", "install", "-q", wheel], tmp_path, _clean_env()
+    )
+    if installed.returncode != 0 and any(e in installed.stderr for e in NETWORK_ERRORS):
+        pytest.skip("PyPI is not reachable: the wheel's dependencies cannot be installed")
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    return target
+
+
+def _install_dry_run_needs_no_systemd(target: Path, tmp_path: Path, outside: Path) -> None:
+    """``gpushare install --dry-run`` from the venv ``target`` would write the host files."""
     # The files `gpushare install` writes travel in the wheel too, and a dry run needs no
     # systemd on the host (issue 28.6: no --no-systemd here).
     root = tmp_path / "root"

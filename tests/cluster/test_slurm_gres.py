@@ -1,6 +1,6 @@
 """Slurm's own MPS sharing: ``--gres=mps:N`` jobs become gpushare clients with that SM share.
 
-On the real single-node Slurm of tests/cluster/test_slurm.py, started here with ``gpu:1,mps:100``
+On the real single-node Slurm of tests/cluster/conftest.py, started here with ``gpu:1,mps:100``
 GRES whose GPU is a fake device file (tests/support/slurm_cluster.py ``fake_gpu_gres``: a
 character device with no driver behind it; Slurm only names it). What slurmd gives the Prolog
 (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, ``SLURM_JOB_PARTITION``) is Slurm's own.
@@ -16,14 +16,7 @@ import pytest
 from bench.support.daemon_helpers import wait_for
 from gpushare import slurm
 from gpushare.model import ClientClass
-from tests.cluster.test_slurm import (  # noqa: F401 - the fixtures are used by name
-    GPU,
-    _env_of,
-    _job_clients,
-    recorded,
-    slurm_harness,
-    with_daemon,
-)
+from tests.support.slurm_harness import GPU, _env_of, _job_clients
 
 SLURM_GRES = "gpu:1,mps:100"
 
@@ -73,7 +66,7 @@ def test_a_share_gpushare_cannot_give_is_refused_with_the_fix(share, message):
 # ------------------------------------------------------------------------------ a real Slurm
 
 
-def test_a_gres_mps_job_gets_its_share_as_an_offline_client(recorded):  # noqa: F811
+def test_a_gres_mps_job_gets_its_share_as_an_offline_client(recorded):
     h = recorded
     job = h.sbatch("--gres=mps:30", wrap="env")
     h.cluster.wait_job(job, ("COMPLETED",))
@@ -92,7 +85,7 @@ def test_a_gres_mps_job_gets_its_share_as_an_offline_client(recorded):  # noqa: 
     h.use_recorder().wait("release", job)
 
 
-def test_a_gres_mps_job_becomes_a_client_of_a_real_daemon_with_that_share(with_daemon):  # noqa: F811
+def test_a_gres_mps_job_becomes_a_client_of_a_real_daemon_with_that_share(with_daemon):
     h = with_daemon
     job = h.sbatch("--gres=mps:40", wrap="sleep 300")
     try:

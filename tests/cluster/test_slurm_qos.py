@@ -1,7 +1,7 @@
 """The online rule by QOS: the Prolog learns a gres/mps job's QOS from squeue (Slurm 22.05 gives
 the Prolog its partition, not its QOS).
 
-The real cluster here is tests/cluster/test_slurm.py's with accounting (tests/cluster/slurm_accounting.py:
+The real cluster here is tests/cluster/conftest.py's with accounting (tests/cluster/slurm_accounting.py:
 a private MariaDB and slurmdbd), since Slurm keeps no QOS without it, the QOS ``interactive``
 allowed to the job's user, and the Prolog run with ``--online-qos interactive``. What slurmd gives
 the Prolog and what squeue answers are Slurm's own; the GPU is a device file only.
@@ -16,12 +16,7 @@ import pytest
 
 from gpushare import slurm
 from gpushare.model import ClientClass
-from tests.cluster.test_slurm import (  # noqa: F401 - the fixtures are used by name
-    GPU,
-    _env_of,
-    recorded,
-    slurm_harness,
-)
+from tests.support.slurm_harness import GPU, _env_of
 
 SLURM_GRES = "gpu:1,mps:100"
 SLURM_QOS = ("interactive",)
@@ -125,7 +120,7 @@ def test_a_missing_squeue_names_the_option(monkeypatch, tmp_path: Path) -> None:
         (["--job-name", "x QOS=interactive"], "offline", "30"),
     ],
 )
-def test_a_gres_mps_jobs_class_follows_its_qos(recorded, args, cls, sm) -> None:  # noqa: F811
+def test_a_gres_mps_jobs_class_follows_its_qos(recorded, args, cls, sm) -> None:
     h = recorded
     job = h.sbatch("--gres=mps:30", *args, wrap="env")
     info = h.cluster.wait_job(job, ("COMPLETED",))
@@ -139,7 +134,7 @@ def test_a_gres_mps_jobs_class_follows_its_qos(recorded, args, cls, sm) -> None:
     h.use_recorder().wait("release", job)
 
 
-def test_slurm_gives_the_prolog_no_path_and_no_qos(slurm_harness) -> None:  # noqa: F811
+def test_slurm_gives_the_prolog_no_path_and_no_qos(slurm_harness) -> None:
     # Why the Prolog asks squeue, found in fixed directories: slurmd builds the Prolog's
     # environment with neither PATH nor SLURM_JOB_QOS (Slurm 22.05), even for a job with a QOS.
     h = slurm_harness

@@ -1,7 +1,7 @@
 """``[control] offline_mps_priority``: the MPS priority gpushare launches offline clients with.
 
 Every path that launches or describes an offline client reads it from the policy: the daemon
-(tests/daemon/test_daemon.py), the Slurm and Kubernetes environments (``envresolve``), the
+(tests/daemon/test_daemon_submit.py), the Slurm and Kubernetes environments (``envresolve``), the
 simulator's node (``PolicyTraits``), and a gang-duty wrapper of the controller. Below, the
 priority chosen per GPU from the online clients' room (``gpushare.control.priority``,
 ``[control] equal_priority_below``); the daemon's side in

@@ -1,4 +1,4 @@
-"""Protocol framing and parameter checking (the daemon-level behaviour is in test_daemon.py)."""
+"""Protocol framing and parameter checking (the daemon-level behaviour is in test_daemon_*.py)."""
 
 from __future__ import annotations
 

@@ -135,6 +135,21 @@ def start(
     Raises:
         AssertionError: a daemon exited or the node did not come up; the logs are in the message.
     """
+    base = _make_base()
+    sock = base / "sock" / "munge"
+    conf = base / "slurm.conf"
+    if gres is not None:
+        (base / "gres.conf").write_text(fake_gpu_gres(base))
+    conf.write_text(_slurm_conf(base, sock, prolog, task_prolog, epilog, cpus, gres))
+    if cgroups is not None:
+        _use_cgroups(conf, cgroups)
+    cluster = SlurmCluster(base, conf)
+    _start_daemons(cluster, sock, before_slurmctld)
+    return cluster
+
+
+def _make_base() -> Path:
+    """The cluster's directory: its munge key, socket, state, spool and log subdirectories."""
     base = Path(tempfile.mkdtemp(prefix="gsl-", dir="/tmp"))  # short: Unix socket path limit
     base.chmod(0o755)
     for sub in ("munge", "sock", "state", "spool", "log"):
@@ -144,12 +159,20 @@ def start(
     key = base / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
-    sock = base / "sock" / "munge"
-    conf = base / "slurm.conf"
-    if gres is not None:
-        (base / "gres.conf").write_text(fake_gpu_gres(base))
-    conf.write_text(
-        f"""ClusterName=gpushare-test
+    return base
+
+
+def _slurm_conf(
+    base: Path,
+    sock: Path,
+    prolog: Path,
+    task_prolog: Path,
+    epilog: Path,
+    cpus: int,
+    gres: str | None,
+) -> str:
+    """slurm.conf of a one-node cluster under ``base`` running the given scripts (:func:`start`)."""
+    return f"""ClusterName=gpushare-test
 FirstJobId={random.randrange(10_000, 60_000_000)}
 SlurmctldHost=localhost
 SlurmctldPort={_free_port()}
@@ -185,10 +208,19 @@ NodeName={NODE} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={cpu
 {f" Gres={gres}" if gres is not None else ""}
 PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
 """
-    )
-    if cgroups is not None:
-        _use_cgroups(conf, cgroups)
-    cluster = SlurmCluster(base, conf)
+
+
+def _start_daemons(
+    cluster: SlurmCluster,
+    sock: Path,
+    before_slurmctld: Callable[[SlurmCluster], None] | None,
+) -> None:
+    """Start munged, slurmctld and slurmd in turn; return once the node is idle, else stop all.
+
+    ``before_slurmctld`` runs once munged's socket is up (:func:`start`).
+    """
+    base = cluster.base
+    key = base / "munge" / "munge.key"
     env = cluster.env
     logs = [base / "log" / n for n in ("munged.log", "slurmctld.log", "slurmd.log")]
     argvs = [
@@ -210,7 +242,6 @@ PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
     except BaseException:
         cluster.stop()
         raise
-    return cluster
 
 
 def fake_gpu_gres(base: Path) -> str:
