@@ -182,6 +182,8 @@ class ControlConfig:
     offline_mps_priority: int = _num(1, minimum=0, maximum=1)  # CUDA_MPS_CLIENT_PRIORITY (0, 1)
     # Online latency under this x its SLOs for share_min_interval: offline launches at 0 (0: off).
     equal_priority_below: float = _num(0.75, minimum=0.0, maximum=1.0)
+    # The share's law for an LLM server: its steps slow by this of the proportional slowdown.
+    token_sm_sensitivity: float = _num(0.91, minimum=0.0, maximum=1.0, above=True)
     share_hysteresis_pct: float = _num(10.0, minimum=0.0, maximum=100.0)
     share_min_interval_s: float = _duration(60.0)
     # Issue 32: a job's restart cost unless it declares one (a share restart must pay for it).
@@ -421,15 +423,12 @@ def _check_cross_field(config: Config, file: Path | str | None) -> None:
     if daemon.admin_reserve_workers >= daemon.api_workers:
         raise ConfigError(file, "daemon.admin_reserve_workers", "must be below daemon.api_workers")
     control = config.control
-    if control.offline_sm_pct_min > control.offline_sm_pct_max:
+    low, top = control.offline_sm_pct_min, control.offline_sm_pct_max
+    if low > top:
         raise ConfigError(
             file, "control.offline_sm_pct_min", "must not exceed control.offline_sm_pct_max"
         )
-    if (
-        not control.offline_sm_pct_min
-        <= control.offline_sm_pct_default
-        <= (control.offline_sm_pct_max)
-    ):
+    if not low <= control.offline_sm_pct_default <= top:
         raise ConfigError(
             file,
             "control.offline_sm_pct_default",

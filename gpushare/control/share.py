@@ -29,6 +29,7 @@ from gpushare.control.signals import Signals
 from gpushare.model import (
     Action,
     ClientClass,
+    ClientView,
     MpsState,
     Observation,
     SetOfflineShare,
@@ -169,7 +170,7 @@ def _target(
         return None
     # Both the SM demand and the latency online work has alone are needed as evidence
     # (a share set from SM activity alone overshot before any latency was known).
-    quiet = _share_quiet_level(cfg, state, signals)
+    quiet, from_app = _share_quiet_level(cfg, state, signals)
     if quiet is not None and quiet < cfg.violation_ratio:
         # Online work held to (100 - s) % of the SMs runs at most 100 / (100 - s) times
         # slower (iGniter: 1.28-1.56x at half the SMs, under the 2x this bound gives), so
@@ -178,12 +179,20 @@ def _target(
         # is a maximum of per-tick averages, which a service at half load reads as ~100 %
         # whenever one tick is busy throughout, whatever its SLO leaves (it held BERT
         # inference at a 2x SLO to the 10 % floor on the simulator).
-        target = 100.0 * (1.0 - quiet / cfg.violation_ratio)
+        slowdown = _slowdown(cfg, obs, from_app)
+        target = 100.0 * (1.0 - quiet / cfg.violation_ratio) / slowdown
         basis = (
             f"online alone at {quiet:.2f}x its SLO with offline quiet: to stay "
             f"under the SLO online work needs {quiet / cfg.violation_ratio:.0%} "
             "of the SMs"
         )
+        if slowdown < 1.0:
+            basis = (
+                f"online alone at {quiet:.2f}x its token SLOs with offline quiet: to stay "
+                f"under them online work needs {1.0 - target / 100.0:.0%} of the SMs (its "
+                f"steps taken to slow by {slowdown:g} of the proportional slowdown on fewer "
+                "SMs: token_sm_sensitivity)"
+            )
     else:
         # The SLO leaves nothing measurable: fall back on the SMs online work leaves idle.
         demand = max(s for _, s in samples)
@@ -253,8 +262,31 @@ def quiet_demand(config: ControlConfig, obs: Observation, signals: Signals) -> f
     return None
 
 
-def _share_quiet_level(cfg: ControlConfig, state: GpuState, signals: Signals) -> float | None:
-    """The online signal alone the share follows: the app's where every online client reports.
+def _slowdown(cfg: ControlConfig, obs: Observation, from_app: bool) -> float:
+    """The fraction of the proportional slowdown the share's law assumes for online work.
+
+    ``token_sm_sensitivity`` where the law follows app latency and every live online client
+    declares token SLOs only (TTFT, TPOT; no request p99): an LLM server's steps slow by less
+    than their share of the SMs (MuxServe's LLaMA-7B steps under MPS thread caps; docs/
+    controller.md, "The offline share"). Else 1: a request p99 (iGniter's CNNs and BERT lose
+    up to about all of it) and the probe keep the proportional bound.
+    """
+    online = obs.online()
+    if from_app and online and all(_token_slos_only(c) for c in online):
+        return cfg.token_sm_sensitivity
+    return 1.0
+
+
+def _token_slos_only(client: ClientView) -> bool:
+    """Whether ``client`` declares a TTFT or TPOT SLO and no request p99 SLO."""
+    token = client.slo_ttft_p99_ms is not None or client.slo_tpot_p99_ms is not None
+    return token and client.slo_p99_ms is None
+
+
+def _share_quiet_level(
+    cfg: ControlConfig, state: GpuState, signals: Signals
+) -> tuple[float | None, bool]:
+    """The online signal alone the share follows, and whether it is the app's latency.
 
     The probe is gpushare's evidence for online work that reports no latency of its own; where
     every online client reports its p99 against an SLO (every quiet app sample was complete, and
@@ -272,8 +304,8 @@ def _share_quiet_level(cfg: ControlConfig, state: GpuState, signals: Signals) ->
         and app < cfg.comfort_ratio
         and (signals.app_complete or signals.app_worst is None)
     ):
-        return app
-    return quiet_level(state)
+        return app, True
+    return quiet_level(state), False
 
 
 def quiet_level(state: GpuState) -> float | None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from bench.support.observations import GPU, observation, offline, online, with_p99
 from gpushare.config import ControlConfig
 from gpushare.control.controller import GpushareController
-from gpushare.model import ClientState, RestartClient, SetOfflineShare
+from gpushare.model import ClientState, ClientView, RestartClient, SetOfflineShare
 from tests.support.controller_steps import CFG, run
 
 # The share tests below are about what the share is computed from, not when a quiet period starts
@@ -134,6 +134,40 @@ def test_share_follows_app_latency_where_the_probe_yields_to_it() -> None:
     tight = observation((online(p99_ms=36.0),), sm_active=100.0, probe_ratio=1.8)
     _, ticks = run(ctl, [tight] * 6)
     assert [a.sm_pct for t in ticks for a in t if isinstance(a, SetOfflineShare)] == [50.0]
+
+
+def _llm_server(client_id: str = "llm") -> ClientView:
+    """An LLM server with TTFT and TPOT SLOs only, alone at 0.65x them (the worst of the two)."""
+    return replace(
+        online(client_id, slo_ms=None, p99_ms=None),
+        slo_ttft_p99_ms=1000.0, ttft_p99_ms=600.0, slo_tpot_p99_ms=40.0, tpot_p99_ms=26.0,
+    )  # fmt: skip
+
+
+def test_share_beside_token_slos_only_assumes_llm_steps_slow_less_than_their_sms() -> None:
+    # The law leaves online work (1 - (1 - q) / s) of the SMs, s = token_sm_sensitivity (0.91):
+    # an LLM server's steps lose at most 0.91 of the proportional slowdown on fewer SMs.
+    server = observation((_llm_server(),), sm_active=100.0, probe_ratio=1.8)
+    _, ticks = run(GpushareController(SHARE_CFG), [server] * 6)
+    shares = [a for t in ticks for a in t if isinstance(a, SetOfflineShare)]
+    assert [s.sm_pct for s in shares] == [50.0, 38.0], shares  # floor(35 / 0.91)
+    assert "token_sm_sensitivity" in shares[1].reason and "0.65x its token SLOs" in shares[1].reason
+    # 1: the proportional law, as for a request p99.
+    proportional = GpushareController(replace(SHARE_CFG, token_sm_sensitivity=1.0))
+    _, ticks = run(proportional, [server] * 6)
+    assert [a.sm_pct for t in ticks for a in t if isinstance(a, SetOfflineShare)] == [50.0, 35.0]
+
+
+def test_a_request_p99_service_beside_an_llm_server_keeps_the_proportional_law() -> None:
+    # The GPU's worst signal is still the LLM server's 0.65x, but a service on a request p99
+    # (a CNN or BERT: iGniter's lose up to all of the proportional slowdown) shares the GPU: the
+    # share cannot assume less for it.
+    cnn = online("cnn", slo_ms=40.0, p99_ms=10.0)
+    both = observation((_llm_server(), cnn), sm_active=100.0, probe_ratio=1.8)
+    _, ticks = run(GpushareController(SHARE_CFG), [both] * 6)
+    shares = [a for t in ticks for a in t if isinstance(a, SetOfflineShare)]
+    assert [s.sm_pct for s in shares] == [50.0, 35.0], shares
+    assert "token_sm_sensitivity" not in shares[1].reason
 
 
 def test_share_falls_back_on_sm_demand_when_online_alone_breaks_its_slo() -> None:
