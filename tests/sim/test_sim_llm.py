@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gpushare.config import ControlConfig
 from gpushare.sim import data, engine, llm_daemon, llm_pairs, llm_smshare, llm_validation
 from gpushare.sim.gpu import EventLoop, Gpu
 from gpushare.sim.llm import (
@@ -317,6 +318,21 @@ def test_the_saturating_law_fits_muxserve_and_beats_g7_on_points_not_fitted() ->
     assert llm_smshare.slowdown(80, 80, True, 0.45) == 1.0
     assert llm_smshare.slowdown(80, 40, False, 0.45) == llm_smshare.slowdown(80, 40, True, 0.0)
     assert llm_smshare.slowdown(80, 40, True, 0.45) == 1.0
+
+
+def test_the_share_laws_token_sensitivity_is_the_most_any_muxserve_step_loses() -> None:
+    # [control] token_sm_sensitivity (docs/controller.md, "The offline share"): the fraction s of
+    # the proportional slowdown an LLM server's step shows with a fraction f of the SMs taken,
+    # k = 1 / (1 - s f); the largest over every published step (prefill and decode, 30-90 %),
+    # rounded up: measured, not fitted to a result. Prefill is the most sensitive, decode far less.
+    def s_of(p: llm_smshare.SmPoint) -> float:
+        taken = 1.0 - p.sm_pct / 100.0
+        return (1.0 - 1.0 / p.measured) / taken
+
+    worst = max(s_of(p) for p in llm_smshare.POINTS)
+    assert ControlConfig().token_sm_sensitivity == math.ceil(worst * 100.0) / 100.0 == 0.91
+    decode = max(s_of(p) for p in llm_smshare.POINTS if p.phase == "decode")
+    assert decode < 0.7 < worst
 
 
 def test_by_default_a_capped_decode_step_follows_the_measured_law_not_g7() -> None:
