@@ -5,11 +5,11 @@ gating and before the restarts (``docs/controller.md``, "The offline share (slow
 fixes a client's SM cap at start, so the share applies to new and restarted offline clients
 (:mod:`gpushare.control.restarts` relaunches the running ones). :func:`offline_share` recomputes it
 from online latency measured while offline work has been quiet for ``quiet_settle`` (the SMs its
-SLO leaves, :func:`quiet_level`; the SMs online work leaves idle, :func:`quiet_demand`, when
-online work alone breaks its SLO), split over the GPU's offline clients, with hysteresis, a
-minimum interval before a raise, and a cut held while the duty keeps offline work frozen and the
-evidence is young (:func:`cut_waits`). Plain functions of the control config and the GPU's
-state; pure: no I/O, no clock.
+SLO leaves, :func:`quiet_level`, with less taken for an LLM server's steps, :func:`_slowdown`; the
+SMs online work leaves idle, :func:`quiet_demand`, when online work alone breaks its SLO), split
+over the GPU's offline clients, with hysteresis, a minimum interval before a raise, and a cut held
+while the duty keeps offline work frozen and the evidence is young (:func:`cut_waits`). Plain
+functions of the control config and the GPU's state; pure: no I/O, no clock.
 """
 
 from __future__ import annotations
