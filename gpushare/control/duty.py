@@ -11,6 +11,7 @@ I/O, no clock.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from gpushare.config import ControlConfig
@@ -31,8 +32,10 @@ def duty_signals(
     are, so under a loose app SLO it trips long before the app latency moves. When every
     online client reports its p99 against an SLO, the app SLOs leave room with online work
     alone (worst quiet app signal under ``comfort_ratio``) and the app latency is under
-    ``comfort_ratio`` now, the probe counts only at ``hard_ratio``; otherwise (an online
-    client without a report, a tight SLO, app latency near its SLO) it counts as before.
+    ``comfort_ratio`` now, the probe counts only at ``hard_ratio``, and not at all where it
+    broke its SLO with offline work quiet (the share's quiet samples: a server that always has
+    a batch in flight keeps it there); otherwise (an online client without a report, a tight
+    SLO, app latency near its SLO) it counts as before.
     """
     cfg = config
     if gated_shallow(state, obs):
@@ -41,6 +44,10 @@ def duty_signals(
         # would breach whenever offline work runs). Only app latency counts, when there is any.
         return app_only(signals)
     quiet_app = max((v for _, v in state.app_quiet_signals), default=None)
+    # The probe over its SLO with offline work quiet (a server with a batch always in flight:
+    # it waits behind the server's own kernels) says nothing of offline work, even at hard_ratio.
+    quiet_worst = max((v for _, v in state.quiet_signals), default=0.0)
+    ceiling = math.inf if quiet_worst > cfg.violation_ratio else cfg.hard_ratio
     if (
         signals.app_complete
         and signals.app_worst is not None
@@ -48,7 +55,7 @@ def duty_signals(
         and quiet_app is not None
         and quiet_app < cfg.comfort_ratio
         and signals.app_worst < cfg.comfort_ratio
-        and signals.app_worst < signals.probe < cfg.hard_ratio
+        and signals.app_worst < signals.probe < ceiling
     ):
         return replace(
             signals,

@@ -59,6 +59,32 @@ def test_probe_yields_to_app_latency_when_the_app_slo_has_room() -> None:
     assert "hard ratio" in next(a.reason for a in actions if isinstance(a, SetDuty))
 
 
+def test_a_probe_over_its_slo_alone_yields_to_app_latency_past_the_hard_ratio() -> None:
+    # An LLM server with a batch always in flight: the probe waits behind the server's own
+    # kernels and reads over its SLO with offline work quiet (1.8x here), with spikes of 10-80x
+    # behind a long prefill. Such a reading says nothing of offline work, even at hard_ratio:
+    # where the app SLOs have room, app latency decides (a 2x SLO at 30 % load: the freezes it
+    # forced halved the trainer's duty, 0.405 -> 0.476 of its speed alone without them).
+    ctl = GpushareController(CFG)
+    spike = CFG.probe_slo_ratio * CFG.hard_ratio * 4.0
+    calm = observation((online(p99_ms=20.0), offline()), probe_ratio=spike)  # app at 0.5x
+    saturated = replace(_after_quiet(0.5), quiet_signals=((0.0, 1.8),))
+    state, actions = ctl.step(saturated, calm, 0.1)
+    assert state.duty == 1.0 and not [a for a in actions if isinstance(a, SetDuty)]
+    # A probe under its SLO alone keeps its hard-ratio freeze: the spike is offline work's.
+    quiet_probe = replace(_after_quiet(0.5), quiet_signals=((0.0, 0.7),))
+    state, _ = ctl.step(quiet_probe, calm, 0.1)
+    assert state.duty == 0.0
+    # App latency near its SLO, or an online client without reports: the probe counts.
+    state, _ = ctl.step(saturated, with_p99(calm, 34.0), 0.1)
+    assert state.duty == 0.0
+    silent = observation(
+        (online(p99_ms=20.0), online("on2", p99_ms=None), offline()), probe_ratio=spike
+    )
+    state, _ = ctl.step(saturated, silent, 0.1)
+    assert state.duty == 0.0
+
+
 def test_yielding_probe_is_named_in_the_duty_reason() -> None:
     ctl = GpushareController(CFG)
     calm = observation((online(p99_ms=20.0), offline()), probe_ratio=CFG.probe_slo_ratio * 1.2)
