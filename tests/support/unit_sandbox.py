@@ -154,9 +154,12 @@ def apply_mounts(s: dict[str, list[str]]) -> None:
                 _mount("-t", "tmpfs", "-o", "ro,mode=000", "tmpfs", str(modules))
     if s.get("ProtectKernelLogs", ["no"])[-1] == "yes":
         blank = _inaccessible_file()
-        for node in ("/proc/kmsg", "/dev/kmsg"):
-            if Path(node).exists():
-                _mount("--bind", blank, node)
+        try:
+            for node in ("/proc/kmsg", "/dev/kmsg"):
+                if Path(node).exists():
+                    _mount("--bind", blank, node)
+        finally:
+            os.unlink(blank)  # the bind mounts keep its inode: nothing is left in the host's /tmp
 
 
 @cache
