@@ -12,10 +12,7 @@ controller and the MPS side is a fake.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
-import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,12 +26,11 @@ from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
 from gpushare.node.base import Pauser
 from gpushare.node.cgroups.pauser import CgroupPauser
-from gpushare.node.procs.identity import is_same_process
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend
 from tests.fakes.fake_mps import FakeMpsNode
 from tests.fakes.fake_policy import ScriptedPolicy
-from tests.support.actions_daemon import GPU0
+from tests.support.actions_daemon import GPU0, stop_daemon
 
 
 @pytest.fixture(params=["signal", "cgroup"])
@@ -71,14 +67,7 @@ enabled = false
     try:
         yield d, policy, mps
     finally:
-        # A client that dies between the check and the signal must not leak the cgroup and dir.
-        for rec in d.registry.clients(include_final=True):
-            if rec.pid and rec.start_time and is_same_process(rec.pid, rec.start_time):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(rec.pid, signal.SIGKILL)
-                    os.killpg(rec.pid, signal.SIGCONT)
-        d.shutdown()
-        d.registry.close()
+        stop_daemon(d)
         if cg_base is not None:
             remove_tree(cg_base)
         shutil.rmtree(base, ignore_errors=True)

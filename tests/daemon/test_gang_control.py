@@ -9,11 +9,9 @@ of the time beside the online services' request gates.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -37,10 +35,10 @@ from gpushare.model import (
     SetGating,
     Thaw,
 )
-from gpushare.node.procs.identity import is_same_process
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mps import FakeMpsNode
+from tests.support.actions_daemon import stop_daemon
 
 ROOT = Caller(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -93,13 +91,7 @@ enabled = false
     try:
         yield d, policy
     finally:
-        for rec in d.registry.clients(include_final=True):
-            if rec.pid and rec.start_time and is_same_process(rec.pid, rec.start_time):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(rec.pid, signal.SIGKILL)
-                    os.killpg(rec.pid, signal.SIGCONT)
-        d.shutdown()
-        d.registry.close()
+        stop_daemon(d)
         shutil.rmtree(base, ignore_errors=True)
 
 

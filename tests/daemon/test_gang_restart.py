@@ -34,10 +34,10 @@ from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
 from gpushare.model import Action, ClientState, Observation, RecoverMps, RestartClient
-from gpushare.node.procs.identity import is_same_process
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mps import FakeMpsNode
+from tests.support.actions_daemon import stop_daemon
 
 ROOT = Caller(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
 G0, G1 = fake_uuid(0), fake_uuid(1)
@@ -138,15 +138,10 @@ enabled = false
     try:
         yield d, policy, out
     finally:
-        for rec in d.registry.clients(include_final=True):
-            if rec.pid and rec.start_time and is_same_process(rec.pid, rec.start_time):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(rec.pid, signal.SIGKILL)
         for _, _, _, pid in _log(out):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        d.shutdown()
-        d.registry.close()
+        stop_daemon(d)
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -10,11 +10,9 @@ clients (1); once B's service has room too, they get priority 0 (the rule works 
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -33,10 +31,10 @@ from gpushare.daemon.core import Daemon
 from gpushare.daemon.registry import Registry
 from gpushare.daemon.server import Caller
 from gpushare.model import ClientClass
-from gpushare.node.procs.identity import is_same_process
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mps import FakeMpsNode
+from tests.support.actions_daemon import stop_daemon
 
 G0 = fake_uuid(0)
 
@@ -115,12 +113,7 @@ enabled = false
     try:
         yield d
     finally:
-        for rec in d.registry.clients(include_final=True):
-            if rec.pid and rec.start_time and is_same_process(rec.pid, rec.start_time):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(rec.pid, signal.SIGKILL)
-        d.shutdown()
-        d.registry.close()
+        stop_daemon(d)
         shutil.rmtree(base, ignore_errors=True)
 
 

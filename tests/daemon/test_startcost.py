@@ -37,11 +37,11 @@ from gpushare.model import (
     ProcessMemory,
     RestartClient,
 )
-from gpushare.node.procs.identity import is_same_process
 from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend
 from tests.fakes.fake_mps import FakeMpsNode
 from tests.fakes.fake_policy import ScriptedPolicy
+from tests.support.actions_daemon import stop_daemon
 
 ROOT = Caller(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
 # Exits at once on SIGUSR2, its checkpoint signal: a restart takes no grace.
@@ -88,12 +88,7 @@ def _running(d: Daemon) -> Iterator[Daemon]:
     try:
         yield d
     finally:
-        for rec in d.registry.clients(include_final=True):
-            if rec.pid and rec.start_time and is_same_process(rec.pid, rec.start_time):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(rec.pid, signal.SIGKILL)
-        d.shutdown()
-        d.registry.close()
+        stop_daemon(d)
 
 
 def _submit(d: Daemon, **kw: Any) -> dict[str, Any]:
