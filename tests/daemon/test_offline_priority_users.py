@@ -10,16 +10,13 @@ clients (1); once B's service has room too, they get priority 0 (the rule works 
 
 from __future__ import annotations
 
-import http.server
 import os
 import shutil
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
 
 import pytest
 
@@ -35,6 +32,7 @@ from gpushare.node.signal_pauser import SignalPauser
 from tests.fakes.fake_gpu import FakeGpuBackend, fake_uuid
 from tests.fakes.fake_mps import FakeMpsNode
 from tests.support.actions_daemon import stop_daemon
+from tests.support.exposition import ExpositionServer
 
 G0 = fake_uuid(0)
 
@@ -46,41 +44,41 @@ class _Multiuser:
     multiuser: bool = True
 
 
-class _Latency(http.server.BaseHTTPRequestHandler):
-    """A histogram per path (``/a``, ``/b``): 20 more requests of ``seconds[path]`` per scrape."""
+class _Histogram:
+    """A request-latency histogram that grows by 20 requests of ``seconds`` per scrape."""
 
-    seconds: ClassVar[dict[str, float]] = {}
-    counts: ClassVar[dict[str, dict[float, int]]] = {}
-    BOUNDS: ClassVar[tuple[float, ...]] = (0.002, 0.05, 0.1, 0.2)
+    BOUNDS = (0.002, 0.05, 0.1, 0.2)
 
-    def do_GET(self) -> None:
-        counts = self.counts.setdefault(self.path, dict.fromkeys(self.BOUNDS, 0))
-        value = self.seconds[self.path]
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.counts = dict.fromkeys(self.BOUNDS, 0)
+
+    def body(self) -> bytes:
+        """The exposition text of the next scrape."""
         for bound in self.BOUNDS:
-            counts[bound] += 20 if value <= bound else 0
-        total = counts[self.BOUNDS[-1]]
+            self.counts[bound] += 20 if self.seconds <= bound else 0
+        total = self.counts[self.BOUNDS[-1]]
         lines = ["# TYPE req_latency_seconds histogram"]
-        lines += [f'req_latency_seconds_bucket{{le="{b}"}} {n}' for b, n in counts.items()]
+        lines += [f'req_latency_seconds_bucket{{le="{b}"}} {n}' for b, n in self.counts.items()]
         lines += [f'req_latency_seconds_bucket{{le="+Inf"}} {total}',
-                  f"req_latency_seconds_sum {total * value}", f"req_latency_seconds_count {total}"]  # fmt: skip
-        body = ("\n".join(lines) + "\n").encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+                  f"req_latency_seconds_sum {total * self.seconds}",
+                  f"req_latency_seconds_count {total}"]  # fmt: skip
+        return ("\n".join(lines) + "\n").encode()
 
 
 @pytest.fixture
-def endpoint() -> Iterator[int]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Latency)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
-    _Latency.counts.clear()
+def endpoints() -> Iterator[Callable[[float], tuple[_Histogram, str]]]:
+    """Starts a service's latency endpoint (its histogram and URL); all closed at the end."""
+    servers: list[ExpositionServer] = []
+
+    def start(seconds: float) -> tuple[_Histogram, str]:
+        hist = _Histogram(seconds)
+        servers.append(ExpositionServer(hist.body))
+        return hist, servers[-1].url
+
+    yield start
+    for server in servers:
+        server.close()
 
 
 @pytest.fixture
@@ -117,12 +115,12 @@ enabled = false
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _online_as(d: Daemon, user: Account, port: int, path: str) -> str:
+def _online_as(d: Daemon, user: Account, url: str) -> str:
     caller = Caller(pid=os.getpid(), uid=user.uid, gid=user.gid)
     out = d.api.submit(caller, {
         "cls": "online", "argv": ["sleep", "60"], "detach": True, "cwd": "/", "gpu": "0",
         "env": {"PATH": os.environ["PATH"]}, "slo_p99_ms": 100.0,
-        "latency_from": f"prometheus:http://127.0.0.1:{port}{path}#req_latency_seconds",
+        "latency_from": f"prometheus:{url}#req_latency_seconds",
     })  # fmt: skip
     client_id: str = out["client_id"]
     assert d.registry.get(client_id).uid == user.uid
@@ -134,12 +132,15 @@ def _offline_priority(d: Daemon) -> int:
 
 
 def test_one_users_low_latency_reports_do_not_give_offline_work_priority_0_beside_anothers(
-    accounts: tuple[Account, Account, Account], endpoint: int, daemon: Daemon
+    accounts: tuple[Account, Account, Account],
+    endpoints: Callable[[float], tuple[_Histogram, str]],
+    daemon: Daemon,
 ) -> None:
     a, b, _ = accounts
-    _Latency.seconds.update({"/a": 0.001, "/b": 0.099})
-    _online_as(daemon, a, endpoint, "/a")
-    web = _online_as(daemon, b, endpoint, "/b")
+    _, url_a = endpoints(0.001)
+    b_latency, url_b = endpoints(0.099)
+    _online_as(daemon, a, url_a)
+    web = _online_as(daemon, b, url_b)
     # Both services' p99s known, then three times share_min_interval with A's at 0.02x its SLO
     # and B's at 0.995x.
     wait_for(lambda: daemon.run(max_ticks=1) == 0 and _p99_known(daemon, web), 15.0, "p99")
@@ -152,7 +153,7 @@ def test_one_users_low_latency_reports_do_not_give_offline_work_priority_0_besid
         e for e in daemon.registry.events(limit=1000) if e.kind == "offline_priority_changed"
     ]
     # B's service gets room too: now every online client of the GPU shows it.
-    _Latency.seconds["/b"] = 0.001
+    b_latency.seconds = 0.001
     wait_for(lambda: daemon.run(max_ticks=1) == 0 and _offline_priority(daemon) == 0,
              15.0, "priority 0 once both services have room")  # fmt: skip
 
