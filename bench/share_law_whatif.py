@@ -47,8 +47,9 @@ RESULTS = REPO / "bench" / "results" / "share_law_whatif.json"
 SENSITIVITIES = (1.0, 0.91, 0.8, 0.7)
 LLM_FACTORS = (1.5, 1.1, 2.0)
 SHARING_FACTORS = (1.1, 1.5)
-#: What the law did in this worker: the sensitivities it used (LLM runs), how often it applied.
-SEEN: dict[str, Any] = {"law": 0, "slowdowns": set(), "token_law": False}
+#: What the law did in this worker's LLM run: the sensitivities it used, whether it followed
+#: the token SLOs.
+SEEN: dict[str, Any] = {"slowdowns": set(), "token_law": False}
 
 _law = share._target
 _slowdown = share._slowdown
@@ -69,7 +70,6 @@ def _patch(alpha: float) -> None:
         got = _law(*args)
         if got is None or not got[1].startswith("online alone at"):
             return got  # the ceiling, the SM-demand fallback, nothing measured: unchanged
-        SEEN["law"] += 1
         if "token_sm_sensitivity" in got[1]:
             return got  # token SLOs: the config key carries alpha
         value, basis = got
